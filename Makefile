@@ -1,0 +1,38 @@
+# Two entry points on a fresh machine: `make demo` (set up, convert the embedded default model, generate) and
+# `make test` (set up, run the test suite). Everything else is a building block of those.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup kernels test bench lint demo clean
+
+setup: $(VENV)/.setup-done
+
+# The pinned CPU torch wheel goes in first: an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.setup-done: pyproject.toml setup.py kernels/CMakeLists.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+# Rebuild the C++ kernel library in place after editing kernels/ (pip install does this too).
+kernels: setup
+	$(PY) setup.py -q build_ext --inplace
+
+test: setup kernels
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests
+
+bench: setup kernels
+	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lint: setup
+	$(VENV)/bin/ruff check ktconvert layouts runtime tests bench
+
+demo: setup kernels
+	$(PY) -m ktconvert.demo
+
+clean:
+	rm -rf build converted runtime/*.so

@@ -1,0 +1,41 @@
+"""Format constants. Changing any value here is a format change: bump the matching version."""
+
+# manifest.json "format_version"; ktrun refuses manifests from a newer major version.
+FORMAT_VERSION = 1
+
+# safetensors metadata keys written into every file we produce.
+META_LAYOUT = "kt.layout"            # e.g. "cpu-expert-int4"
+META_LAYOUT_VERSION = "kt.layout_version"
+META_FORMAT_VERSION = "kt.format_version"
+
+# Every tensor starts at a multiple of this many bytes from the start of its file, so kernels can
+# read tiles straight from the mapped file with aligned 64-byte (one zmm / one AMX tile row) loads.
+FILE_ALIGN = 64
+
+# --- CPU expert layouts (routed experts, read in place by kernels/) -------------------------------
+# An Intel AMX B tile for TDPB[SU,SS,US,UU]D is 16 rows x 64 bytes; each 32-bit word of a row holds 4
+# consecutive K values of one output column (VNNI order). So one tile covers K = 64, N = 16 for int8.
+TILE_N = 16            # output columns per tile
+TILE_K = 64            # input channels per int8 tile (16 rows x 4)
+TILE_ROWS = 16         # rows of a B tile
+TILE_ROW_BYTES = 64    # bytes per B tile row = one zmm register
+VNNI_INT8 = 4          # K values per 32-bit word for int8
+VNNI_BF16 = 2          # K values per 32-bit word for bf16 (TDPBF16PS / vdpbf16ps)
+
+CPU_EXPERT_LAYOUTS = {
+    # name: (bits, layout version)
+    "cpu-expert-int8": (8, 1),
+    "cpu-expert-int4": (4, 1),
+    "cpu-expert-bf16": (16, 1),
+}
+METHOD_TO_LAYOUT = {"int8-amx": "cpu-expert-int8", "int4-amx": "cpu-expert-int4", "bf16": "cpu-expert-bf16"}
+
+# Weight codes are unsigned with a fixed zero point (uint8b128 / uint4b8): value = (code - ZERO) * scale.
+# Unsigned weights let vpdpbusd / TDPBSUD take them directly against signed int8 activations.
+ZERO_POINT = {8: 128, 4: 8}
+DEFAULT_GROUP_SIZE = 128
+GROUP_PER_ROW = -1     # --group-size -1 (or K): one scale per output row, kt-kernel's scheme
+
+# Activation quantization used by the int kernels (documented in README.md): int8, symmetric,
+# one scale per token per weight group, scale = max|x_g| / 127, round half to even.
+ACT_QMAX = 127

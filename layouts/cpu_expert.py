@@ -1,0 +1,288 @@
+"""CPU routed-expert layouts: cpu-expert-int8, cpu-expert-int4, cpu-expert-bf16 (spec: README.md).
+
+A weight W of one expert projection is (N, K) in Linear orientation (N outputs, K inputs):
+gate/up: N = I (intermediate), K = H (hidden); down: N = H, K = I.
+
+int8 / int4: symmetric per-group quantization along K, unsigned codes with zero point (128 / 8):
+    W[n, k] ~= (code[n, k] - ZERO) * scale[n, k // G]
+Codes are tiled as AMX B tiles of 16 output columns x 64 K (VNNI: 4 consecutive K per 32-bit word):
+    qweight: (N_pad/16, K_pad/64, TILE_BYTES) uint8, TILE_BYTES = 1024 (int8) or 512 (int4)
+    scales:  (N_pad/16, n_groups, 16) float32
+int4 packs tile rows in pairs: byte j of chunk c (64 bytes) = row 2c at bits 0-3, row 2c+1 at bits 4-7.
+bf16: (N_pad/16, K_pad/32, 1024) bytes, each tile 16 rows (K pairs) x 16 columns x 2 bf16 (TDPBF16PS B tile).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import lcm
+
+import numpy as np
+
+from .constants import ACT_QMAX, GROUP_PER_ROW, TILE_K, TILE_N, TILE_ROW_BYTES, TILE_ROWS, VNNI_BF16, VNNI_INT8, ZERO_POINT
+
+
+class LayoutError(ValueError):
+    """A shape or parameter that the layout cannot represent."""
+
+
+def round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def group_unit(group_size: int) -> int:
+    """K granularity that keeps both tile and group boundaries: lcm(64, G), or 64 for per-row."""
+    return TILE_K if group_size == GROUP_PER_ROW else lcm(TILE_K, group_size)
+
+
+def check_group_size(group_size: int) -> None:
+    if group_size == GROUP_PER_ROW or group_size == 32 or (group_size > 0 and group_size % TILE_K == 0):
+        return
+    raise LayoutError(f"group size {group_size} is not supported: use 32, a multiple of 64, or -1 (per row)")
+
+
+@dataclass(frozen=True)
+class MatrixGeometry:
+    """Padded sizes and byte counts of one packed (N, K) expert matrix."""
+    n: int
+    k: int
+    bits: int          # 4, 8 or 16 (bf16)
+    group_size: int    # as requested: 32, 64m, or -1 for per row
+
+    def __post_init__(self):
+        if self.n <= 0 or self.k <= 0:
+            raise LayoutError(f"cannot tile an empty matrix of shape ({self.n}, {self.k})")
+        if self.bits not in (4, 8, 16):
+            raise LayoutError(f"bits must be 4, 8 or 16, got {self.bits}")
+        if self.bits != 16:
+            check_group_size(self.group_size)
+
+    @property
+    def n_pad(self) -> int:
+        return round_up(self.n, TILE_N)
+
+    @property
+    def k_pad(self) -> int:
+        return round_up(self.k, TILE_K if self.bits == 16 else group_unit(self.group_size))
+
+    @property
+    def group(self) -> int:
+        """Effective group length along K (k_pad for per-row)."""
+        return self.k_pad if self.group_size == GROUP_PER_ROW or self.bits == 16 else self.group_size
+
+    @property
+    def n_groups(self) -> int:
+        return self.k_pad // self.group
+
+    @property
+    def n_blocks(self) -> int:
+        return self.n_pad // TILE_N
+
+    @property
+    def k_tiles(self) -> int:
+        """Tiles along K: K/64 for int tiles, K/32 for bf16 tiles."""
+        return self.k_pad // (TILE_K if self.bits != 16 else TILE_ROWS * VNNI_BF16)
+
+    @property
+    def tile_bytes(self) -> int:
+        return {8: TILE_ROWS * TILE_ROW_BYTES, 4: TILE_ROWS * TILE_ROW_BYTES // 2, 16: TILE_ROWS * TILE_ROW_BYTES}[self.bits]
+
+    @property
+    def qweight_shape(self) -> tuple[int, int, int]:
+        return (self.n_blocks, self.k_tiles, self.tile_bytes)
+
+    @property
+    def scales_shape(self) -> tuple[int, int, int]:
+        return (self.n_blocks, self.n_groups, TILE_N)
+
+    @property
+    def qweight_nbytes(self) -> int:
+        return self.n_blocks * self.k_tiles * self.tile_bytes
+
+    @property
+    def scales_nbytes(self) -> int:
+        return 0 if self.bits == 16 else self.n_blocks * self.n_groups * TILE_N * 4
+
+
+# --- quantization -------------------------------------------------------------------------------
+
+def pad_weight(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    """w: (N, K) float -> (N_pad, K_pad) float32, zero padded."""
+    if w.shape != (geom.n, geom.k):
+        raise LayoutError(f"weight shape {tuple(w.shape)} does not match geometry ({geom.n}, {geom.k})")
+    out = np.zeros((geom.n_pad, geom.k_pad), dtype=np.float32)
+    out[: geom.n, : geom.k] = w
+    return out
+
+
+def quantize(w: np.ndarray, geom: MatrixGeometry) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-group quantization. w: (N, K) -> codes (N_pad, K_pad) uint8, scales (N_pad, n_groups) f32.
+
+    The scale maps the group's largest-magnitude value onto the most negative code (-2^(b-1)), so all 2^b levels
+    are used (as llama.cpp's Q4_0/Q8_0 do); a scale may therefore be negative. An all-zero group gets scale 0.
+    """
+    if geom.bits == 16:
+        raise LayoutError("bf16 is not quantized; use pack_bf16")
+    wp = pad_weight(w, geom).reshape(geom.n_pad, geom.n_groups, geom.group)
+    qmin = -(1 << (geom.bits - 1))
+    idx = np.abs(wp).argmax(axis=2)[..., None]
+    peak = np.take_along_axis(wp, idx, axis=2)                        # (N_pad, n_groups, 1) signed
+    scale = (peak / qmin).astype(np.float32)
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
+    q = np.clip(np.rint(wp * inv), qmin, -qmin - 1)
+    codes = (q - qmin).astype(np.uint8).reshape(geom.n_pad, geom.k_pad)
+    return codes, scale[..., 0]
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    """codes (N_pad, K_pad) uint8, scales (N_pad, n_groups) -> (N_pad, K_pad) float32."""
+    z = ZERO_POINT[geom.bits]
+    q = codes.astype(np.float32).reshape(geom.n_pad, geom.n_groups, geom.group) - z
+    return (q * scales[..., None].astype(np.float32)).reshape(geom.n_pad, geom.k_pad)
+
+
+# --- tile packing -------------------------------------------------------------------------------
+
+def _to_tiles(a: np.ndarray, geom: MatrixGeometry, per_word: int) -> np.ndarray:
+    """a: (N_pad, K_pad) -> (NB, KT, 16 rows, 16 cols, per_word): element [nb, kt, r, n, j] = a[nb*16+n, kt*16*pw + r*pw + j]."""
+    nb, kt = geom.n_blocks, geom.k_pad // (TILE_ROWS * per_word)
+    t = a.reshape(nb, TILE_N, kt, TILE_ROWS, per_word)
+    return t.transpose(0, 2, 3, 1, 4)
+
+
+def _from_tiles(t: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    return np.ascontiguousarray(t.transpose(0, 3, 1, 2, 4)).reshape(geom.n_pad, geom.k_pad)
+
+
+def pack_codes(codes: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    """codes (N_pad, K_pad) uint8 -> qweight (NB, K_pad/64, tile_bytes) uint8."""
+    t = np.ascontiguousarray(_to_tiles(codes, geom, VNNI_INT8))              # (NB, KT, 16, 16, 4)
+    if geom.bits == 8:
+        return t.reshape(geom.qweight_shape)
+    if codes.max(initial=0) > 15:
+        raise LayoutError("int4 codes must be in 0..15")
+    rows = t.reshape(geom.n_blocks, geom.k_tiles, TILE_ROWS // 2, 2, TILE_ROW_BYTES)
+    packed = rows[:, :, :, 0, :] | (rows[:, :, :, 1, :] << 4)
+    return np.ascontiguousarray(packed).reshape(geom.qweight_shape)
+
+
+def unpack_codes(qweight: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    """Inverse of pack_codes: qweight (NB, KT, tile_bytes) -> codes (N_pad, K_pad) uint8."""
+    q = np.asarray(qweight, dtype=np.uint8).reshape(geom.qweight_shape)
+    if geom.bits == 4:
+        chunks = q.reshape(geom.n_blocks, geom.k_tiles, TILE_ROWS // 2, TILE_ROW_BYTES)
+        q = np.stack([chunks & 0x0F, chunks >> 4], axis=3)                # (NB, KT, 8, 2, 64)
+    t = q.reshape(geom.n_blocks, geom.k_tiles, TILE_ROWS, TILE_N, VNNI_INT8)
+    return _from_tiles(t, geom)
+
+
+def pack_scales(scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    """scales (N_pad, n_groups) -> (NB, n_groups, 16) float32: the 16 scales of a column block are one zmm."""
+    s = np.asarray(scales, dtype=np.float32).reshape(geom.n_blocks, TILE_N, geom.n_groups)
+    return np.ascontiguousarray(s.transpose(0, 2, 1))
+
+
+def unpack_scales(packed: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(packed).reshape(geom.scales_shape).transpose(0, 2, 1)).reshape(
+        geom.n_pad, geom.n_groups)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bf16 bit patterns (uint16). Inputs must be finite."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def pack_bf16(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    """w (N, K) float -> (NB, K_pad/32, 1024) uint8: bf16 tiles, 2 consecutive K per 32-bit word."""
+    bits = f32_to_bf16_bits(pad_weight(w, geom))
+    t = np.ascontiguousarray(_to_tiles(bits, geom, VNNI_BF16))
+    return t.view(np.uint8).reshape(geom.qweight_shape)
+
+
+def unpack_bf16(qweight: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    """Inverse of pack_bf16 -> (N_pad, K_pad) float32."""
+    t = np.ascontiguousarray(qweight, dtype=np.uint8).view(np.uint16)
+    t = t.reshape(geom.n_blocks, geom.k_tiles, TILE_ROWS, TILE_N, VNNI_BF16)
+    return bf16_bits_to_f32(_from_tiles(t, geom))
+
+
+def pack_expert_matrix(w: np.ndarray, geom: MatrixGeometry) -> tuple[np.ndarray, np.ndarray | None]:
+    """w (N, K) float -> (qweight, packed scales or None for bf16). The converter's single entry point."""
+    if geom.bits == 16:
+        return pack_bf16(w, geom), None
+    codes, scales = quantize(w, geom)
+    return pack_codes(codes, geom), pack_scales(scales, geom)
+
+
+def unpack_expert_matrix(qweight: np.ndarray, scales: np.ndarray | None, geom: MatrixGeometry) -> np.ndarray:
+    """Packed tensors -> dequantized (N, K) float32 (padding removed)."""
+    if geom.bits == 16:
+        full = unpack_bf16(qweight, geom)
+    else:
+        full = dequantize(unpack_codes(qweight, geom), unpack_scales(scales, geom), geom)
+    return full[: geom.n, : geom.k]
+
+
+# --- activations and the AMX-semantics reference -----------------------------------------------
+
+def quantize_activations(x: np.ndarray, geom: MatrixGeometry) -> tuple[np.ndarray, np.ndarray]:
+    """x: (T, K) float -> (a_q (T, K_pad) int8, a_s (T, n_groups) f32); one scale per token per weight group."""
+    xp = np.zeros((x.shape[0], geom.k_pad), dtype=np.float32)
+    xp[:, : geom.k] = x
+    g = xp.reshape(x.shape[0], geom.n_groups, geom.group)
+    s = (np.abs(g).max(axis=2) / ACT_QMAX).astype(np.float32)
+    inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
+    q = np.clip(np.rint(g * inv[..., None]), -ACT_QMAX, ACT_QMAX).astype(np.int8)
+    return q.reshape(x.shape[0], geom.k_pad), s
+
+
+def _tdpbsud(a_tile: np.ndarray, b_tile: np.ndarray) -> np.ndarray:
+    """AMX TDPBSUD semantics. a_tile: (M, 4*R) int8 (signed); b_tile: (R, 64) uint8 bytes (unsigned).
+
+    C[m][n] = sum_{r<R} sum_{j<4} A[m][4r+j] * B[r][4n+j]   (int32 accumulate)
+    """
+    m, r = a_tile.shape[0], b_tile.shape[0]
+    a = a_tile.astype(np.int64).reshape(m, r, 4)
+    b = b_tile.astype(np.int64).reshape(r, TILE_N, 4)
+    return np.einsum("mrj,rnj->mn", a, b)
+
+
+def _b_tile_rows(qweight: np.ndarray, geom: MatrixGeometry, nb: int, kt: int) -> np.ndarray:
+    """The 16 x 64 byte B tile as a tile load would see it (int4 expanded nibble-pair-wise to bytes)."""
+    raw = qweight[nb, kt]
+    if geom.bits == 8:
+        return raw.reshape(TILE_ROWS, TILE_ROW_BYTES)
+    chunks = raw.reshape(TILE_ROWS // 2, TILE_ROW_BYTES)
+    return np.stack([chunks & 0x0F, chunks >> 4], axis=1).reshape(TILE_ROWS, TILE_ROW_BYTES)
+
+
+def amx_reference_matmul(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    """y = x @ W^T computed the way the AMX kernel does, straight from the packed bytes.
+
+    x: (T, K) float; qweight/scales as written to disk. Returns (T, N) float32.
+    Per group g and column block: C = TDPBSUD(A_g, B_g) on the raw tile rows, then
+    y += a_s[:, g] * s_w[g, n] * (C - ZERO * sum_k A_g[:, k]).
+    """
+    a_q, a_s = quantize_activations(x, geom)
+    z = ZERO_POINT[geom.bits]
+    qw = np.asarray(qweight).reshape(geom.qweight_shape)
+    sw = np.asarray(scales, dtype=np.float32).reshape(geom.scales_shape)
+    rows_per_group = geom.group // VNNI_INT8                  # 8 for G=32, 16 per 64 otherwise
+    y = np.zeros((x.shape[0], geom.n_pad), dtype=np.float64)
+    for nb in range(geom.n_blocks):
+        acc = np.zeros((x.shape[0], TILE_N), dtype=np.float64)
+        for g in range(geom.n_groups):
+            k0, k1 = g * geom.group, (g + 1) * geom.group
+            c = np.zeros((x.shape[0], TILE_N), dtype=np.int64)
+            for kk in range(k0, k1, min(TILE_K, geom.group)):   # one (half) tile per step
+                kt, r0 = kk // TILE_K, (kk % TILE_K) // VNNI_INT8
+                b = _b_tile_rows(qw, geom, nb, kt)[r0: r0 + min(TILE_ROWS, rows_per_group)]
+                c += _tdpbsud(a_q[:, kk: kk + 4 * b.shape[0]], b)
+            comp = z * a_q[:, k0:k1].astype(np.int64).sum(axis=1, keepdims=True)
+            acc += a_s[:, g: g + 1].astype(np.float64) * sw[nb, g][None, :] * (c - comp)
+        y[:, nb * TILE_N: (nb + 1) * TILE_N] = acc
+    return y[:, : geom.n].astype(np.float32)

@@ -1,0 +1,25 @@
+"""`ktrun` command line. Each subcommand lives in its own module and is imported only when used."""
+from __future__ import annotations
+
+import click
+
+from ktconvert.cli import LazyGroup
+
+COMMANDS = {
+    "generate": "ktrun.cmd_generate:generate",
+    "bench": "ktrun.cmd_bench:bench",
+    "serve": "ktrun.cmd_serve:serve",
+}
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ktconvert")
+def main():
+    """Run converted MoE checkpoints: routed experts on the CPU kernels, the rest on the GPU (or CPU).
+
+    \b
+    Examples:
+      ktrun generate converted/ --prompt "def fibonacci(n):" --max-tokens 64
+      ktrun bench converted/
+      ktrun serve converted/ --port 8000
+    """

@@ -1,0 +1,35 @@
+"""Builds the C++ kernel library in kernels/ with CMake as part of `pip install` (no manual step).
+
+The shared library is placed in the `ktrun` package (runtime/) and loaded with ctypes by ktrun.cpu_moe.
+"""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeLibrary(Extension):
+    def __init__(self, name: str, source_dir: Path):
+        super().__init__(name, sources=[])
+        self.source_dir = source_dir
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: CMakeLibrary) -> None:
+        build_dir = Path(self.build_temp).resolve() / "kernels"
+        jobs = str(os.cpu_count() or 2)
+        cfg = os.environ.get("KT_BUILD_TYPE", "Release")
+        subprocess.check_call(["cmake", "-S", str(ext.source_dir), "-B", str(build_dir),
+                               f"-DCMAKE_BUILD_TYPE={cfg}", "-DKT_BUILD_TESTS=OFF"])
+        subprocess.check_call(["cmake", "--build", str(build_dir), "-j", jobs, "--target", "ktkernels"])
+        dest = Path(self.get_ext_fullpath(ext.name))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(build_dir / "libktkernels.so", dest)
+
+
+setup(ext_modules=[CMakeLibrary("ktrun.libktkernels", ROOT / "kernels")], cmdclass={"build_ext": CMakeBuild})
