@@ -1,0 +1,1 @@
+"""Model forwards (torch) for the architectures ktrun serves."""
