@@ -1,0 +1,138 @@
+"""GPTQ (Frantar et al., 2022) for one Linear: second-order error compensation while rounding column by column.
+
+Given calibration inputs X (T, K) of a Linear with weight W (N, K), GPTQ minimises ||X W^T - X Q^T||^2 using the
+Hessian H = 2 X^T X / T (K, K). Columns are quantized in order (or in order of decreasing diag(H), act-order);
+the rounding error of each column is spread over the columns not yet quantized through the upper Cholesky factor
+U of H^-1. Updates inside a block of 128 columns are applied at once ("lazy batch"), the rest once per block.
+Group scales are computed when the first column of a group is reached, from the weights as updated so far.
+Quantization is symmetric with the rounding of ktconvert.rtn, so RTN and GPTQ results share one layout.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ktlayouts.gptq import GptqGeometry
+
+from .rtn import QuantizedLinear, dequantize_columns, quantize_columns, scales_for
+
+log = logging.getLogger(__name__)
+
+BLOCK = 128
+DAMP_RETRIES = 4      # percdamp, x10, x100, x1000 (capped at 1.0 of the mean diagonal)
+
+
+class GptqError(RuntimeError):
+    """GPTQ cannot quantize a layer (its Hessian stays non positive definite, or holds NaN/inf)."""
+
+
+@dataclass(frozen=True)
+class GptqConfig:
+    bits: int = 4
+    group_size: int = 128
+    percdamp: float = 0.01     # damping added to diag(H), as a fraction of its mean
+    block: int = BLOCK
+    act_order: bool = False
+
+    def __post_init__(self):
+        if not 0 < self.percdamp <= 1:
+            raise ValueError(f"percdamp must be in (0, 1], got {self.percdamp}")
+        if self.block <= 0 or (self.group_size > 0 and self.block % self.group_size):
+            raise ValueError(f"block {self.block} must be a multiple of the group size {self.group_size}")
+
+
+class HessianAccumulator:
+    """Running H = 2/T * sum_t x_t x_t^T over all calibration tokens seen by one Linear. Memory: K*K float32."""
+
+    def __init__(self, k: int):
+        self.h = torch.zeros(k, k, dtype=torch.float32)
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """x: (..., K) inputs of the Linear."""
+        x = x.detach().reshape(-1, self.h.shape[0]).to(torch.float32)
+        t = x.shape[0]
+        if t == 0:
+            return
+        self.h *= self.tokens / (self.tokens + t)
+        self.tokens += t
+        x = x * (2.0 / self.tokens) ** 0.5
+        self.h.addmm_(x.T, x)
+
+
+def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> tuple[torch.Tensor, float]:
+    """-> (U upper Cholesky factor of (H + damp I)^-1, damping used). Retries with 10x damping, then raises."""
+    if not torch.isfinite(h).all():
+        raise GptqError(f"{name}: Hessian holds NaN or inf (calibration activations overflowed?)")
+    mean_diag = float(torch.diag(h).mean())
+    if mean_diag <= 0:
+        raise GptqError(f"{name}: Hessian has non-positive mean diagonal {mean_diag:g}: not positive definite")
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    pd = percdamp
+    for attempt in range(DAMP_RETRIES):
+        pd = min(percdamp * 10 ** attempt, 1.0)
+        chol, info = torch.linalg.cholesky_ex(h + pd * mean_diag * eye)
+        if info == 0:
+            hinv = torch.cholesky_inverse(chol)
+            u, info = torch.linalg.cholesky_ex(hinv, upper=True)
+            if info == 0 and torch.isfinite(u).all():
+                if attempt:
+                    log.warning("%s: Hessian not positive definite with damping %g, used %g", name, percdamp, pd)
+                return u, pd
+        if pd >= 1.0:
+            break
+    raise GptqError(f"{name}: Hessian is not positive definite even with damping {pd:g} x mean(diag(H)) "
+                    f"(tried from {percdamp:g}); calibration inputs may be degenerate")
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: str = "weight"
+                  ) -> tuple[QuantizedLinear, float]:
+    """weight (N, K), hessian (K, K) -> (QuantizedLinear, proxy loss sum (w - q)^2 / d^2 over the matrix)."""
+    w = weight.detach().to(torch.float32).clone()
+    n, k = w.shape
+    geom = GptqGeometry(n, k, cfg.bits, cfg.group_size)
+    if hessian.shape != (k, k):
+        raise GptqError(f"{name}: Hessian shape {tuple(hessian.shape)} != ({k}, {k})")
+    h = hessian.detach().to(torch.float32).clone()
+    dead = torch.diag(h) == 0                    # inputs that were always zero: weight irrelevant
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if cfg.act_order else torch.arange(k)
+    w, h = w[:, perm], h[perm][:, perm]
+    u, _ = _inverse_cholesky(h, cfg.percdamp, name)
+
+    group = geom.group
+    codes = torch.zeros(n, k, dtype=torch.float32)           # in processing order
+    scales = torch.zeros(geom.n_groups, n, dtype=torch.float32)
+    loss = 0.0
+    if cfg.group_size == -1:
+        scales[0] = scales_for(w, cfg.bits)
+    for i1 in range(0, k, cfg.block):
+        i2 = min(i1 + cfg.block, k)
+        w1 = w[:, i1:i2].clone()                             # (N, B), updated in place
+        err1 = torch.zeros_like(w1)
+        u1 = u[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if cfg.group_size != -1 and col % group == 0:
+                # group scale from the weights as updated so far: the group lies inside this block
+                scales[col // group] = scales_for(w1[:, i:i + group], cfg.bits)
+            s = scales[col // group]
+            c = quantize_columns(w1[:, i], s, cfg.bits)
+            codes[:, col] = c
+            q = dequantize_columns(c, s, cfg.bits)
+            d = u1[i, i]
+            e = (w1[:, i] - q) / d
+            loss += float((e * e).sum())
+            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+
+    inv = torch.argsort(perm)
+    codes_kn = codes[:, inv].T.contiguous().to(torch.uint8).numpy()      # back to input-channel order
+    g_idx = (inv // group).to(torch.int32).numpy() if cfg.act_order else geom.default_g_idx()
+    q = QuantizedLinear(codes_kn, scales.to(torch.float16).numpy(), np.ascontiguousarray(g_idx), geom)
+    return q, loss

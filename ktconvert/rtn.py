@@ -1,0 +1,63 @@
+"""Round-to-nearest symmetric quantization of a Linear weight for the GPU layouts (ktlayouts.gptq convention).
+
+Per group of G input channels: scale = max|w| / ((2^b - 1) / 2) (so +-max|w| sits half a step outside the
+code range, the GPTQ symmetric convention), stored as float16; code = clamp(rint(w / scale) + Z, 0, 2^b - 1) (round half to even),
+Z = 2^(b-1), computed with the float16-rounded scale so that dequantization uses exactly what is stored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ktlayouts.gptq import GptqGeometry, zero_point
+
+FP16_MAX = 65504.0
+
+
+@dataclass
+class QuantizedLinear:
+    """One quantized (N, K) Linear in the common GPU form, before layout packing."""
+    codes_kn: np.ndarray     # (K, N) uint8, unsigned codes with zero point 2^(bits-1)
+    scales_gn: np.ndarray    # (n_groups, N) float16
+    g_idx: np.ndarray        # (K,) int32, group of each input channel
+    geom: GptqGeometry
+
+    def dequantize(self) -> torch.Tensor:
+        """-> (N, K) float32 weight."""
+        q = torch.from_numpy(self.codes_kn.astype(np.float32)) - zero_point(self.geom.bits)
+        s = torch.from_numpy(self.scales_gn.astype(np.float32))[torch.from_numpy(self.g_idx.astype(np.int64))]
+        return (q * s).T.contiguous()
+
+
+def scales_for(w_group: torch.Tensor, bits: int) -> torch.Tensor:
+    """w_group: (N, L) float32 columns of one group -> (N,) float32 scales, already rounded to float16."""
+    peak = w_group.abs().amax(dim=1)
+    scale = (peak / ((2 ** bits - 1) / 2)).clamp(max=FP16_MAX)
+    return scale.to(torch.float16).to(torch.float32)
+
+
+def quantize_columns(w: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """w: (N, L) or (N,), scale: (N,) -> codes of the same shape as float32 in [0, 2^b - 1]."""
+    s = scale if w.dim() == 1 else scale[:, None]
+    # true division by the stored scale (not a multiply by its reciprocal): matches the reference rounding
+    q = torch.where(s != 0, w / torch.where(s != 0, s, torch.ones_like(s)), torch.zeros_like(w))
+    return torch.clamp(torch.round(q) + zero_point(bits), 0, 2 ** bits - 1)
+
+
+def dequantize_columns(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    s = scale if codes.dim() == 1 else scale[:, None]
+    return (codes - zero_point(bits)) * s
+
+
+def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedLinear:
+    """weight (N, K) float -> QuantizedLinear (plain round to nearest)."""
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    geom = GptqGeometry(n, k, bits, group_size)
+    groups = w.reshape(n, geom.n_groups, geom.group)                       # (N, G, L)
+    scale = scales_for(groups.permute(1, 0, 2).reshape(geom.n_groups * n, geom.group), bits).reshape(geom.n_groups, n)
+    codes = quantize_columns(groups.permute(1, 0, 2).reshape(geom.n_groups * n, geom.group), scale.reshape(-1), bits)
+    codes_kn = codes.reshape(geom.n_groups, n, geom.group).permute(0, 2, 1).reshape(k, n)
+    return QuantizedLinear(codes_kn.to(torch.uint8).numpy(), scale.to(torch.float16).numpy(), geom.default_g_idx(), geom)
