@@ -101,7 +101,10 @@ class AlignedWriter:
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
         while view:
-            n = os.pwrite(self.fd, view, offset)
+            try:
+                n = os.pwrite(self.fd, view, offset)
+            except OSError as e:       # name the file (ENOSPC / EFBIG carry none)
+                raise OSError(e.errno, e.strerror, str(self.partial)) from None
             view, offset = view[n:], offset + n
 
     def write(self, name: str, array: np.ndarray, index: int | None = None) -> None:

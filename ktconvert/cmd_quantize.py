@@ -1,0 +1,64 @@
+"""`ktconvert quantize`: convert a checkpoint into a ktrun directory (CPU expert tiles + non-expert tensors)."""
+from __future__ import annotations
+
+import click
+
+from ktlayouts.constants import DEFAULT_GROUP_SIZE, METHOD_TO_LAYOUT
+from ktlayouts.converted_dir import ManifestError
+from ktlayouts.cpu_expert import LayoutError
+
+from .arch import SourceError
+from .convert_plan import ConvertError
+from .progress import OutputDirError
+
+CONVERT_ERRORS = (ConvertError, SourceError, OutputDirError, LayoutError, ManifestError)
+
+
+def resolve_source_arg(src: str):
+    """SRC as a local directory, or a hub repo id once ktconvert.hub.resolve_source exists."""
+    try:
+        from .hub import resolve_source
+    except ImportError:
+        return src
+    return resolve_source(src)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("src")
+@click.option("-o", "--output", "out_dir", default="converted", show_default=True, type=click.Path(file_okay=False),
+              help="Output directory.")
+@click.option("--method", type=click.Choice(list(METHOD_TO_LAYOUT)), default="int4-amx", show_default=True,
+              help="Routed-expert format for the CPU kernels.")
+@click.option("--group-size", type=int, default=DEFAULT_GROUP_SIZE, show_default=True,
+              help="Input channels per scale: 32, a multiple of 64, or -1 for one scale per row.")
+@click.option("--numa-nodes", type=int, default=1, show_default=True,
+              help="Split every expert into this many shards (one file per node); servable on any node count.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted conversion in the output directory.")
+@click.option("--force", is_flag=True, help="Discard a previous conversion in the output directory and start over.")
+@click.option("--workers", type=int, default=2, show_default=True, help="Threads quantizing experts.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, workers, quiet):
+    """Convert the checkpoint SRC (a local directory) into OUTPUT.
+
+    Routed experts become INT4/INT8 (or BF16) AMX/VNNI tiles in experts/layer-*.shard-*.safetensors; all other
+    tensors are written as BF16 under their hub names in dense/; config and tokenizer files are copied;
+    manifest.json (written last) lists every file with size and sha256. Memory stays at about one expert;
+    a killed run continues with --resume and yields byte-identical output.
+
+    \b
+    Examples:
+      ktconvert quantize ./DeepSeek-V3 -o converted/
+      ktconvert quantize ./Qwen3-30B-A3B --method int8-amx --group-size 64 --numa-nodes 2 -o q3/
+      ktconvert quantize ./DeepSeek-V3 -o converted/ --resume     # after an interruption
+      ktconvert quantize ./Mixtral-8x7B --method bf16 -o mixtral-ref/ --force
+    """
+    from .pipeline import ConvertOptions, convert
+
+    try:
+        opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers)
+        manifest = convert(resolve_source_arg(src), out_dir, opts, resume=resume, force=force,
+                           show_progress=not quiet)
+    except CONVERT_ERRORS as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {manifest.parent} ({manifest.name} lists every file); check it with: "
+               f"ktconvert verify {manifest.parent} --against {src}")

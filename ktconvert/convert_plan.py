@@ -1,0 +1,134 @@
+"""The conversion plan: which output file holds which tensors, with every shape known before any data is read.
+
+Built from tensor names, dtypes and shapes only (no tensor data), so headers can be written first and a resumed run
+plans exactly the same files as the run it continues.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ktlayouts.constants import CPU_EXPERT_LAYOUTS, FORMAT_VERSION, META_FORMAT_VERSION, META_LAYOUT, META_LAYOUT_VERSION
+from ktlayouts.converted_dir import (GLOBALS_FILE, META_GEOMETRY, PROJECTIONS, ExpertGeometry, dense_file,
+                                     expert_file)
+from ktlayouts.cpu_expert import LayoutError, check_group_size
+
+from .writer import TensorSpec
+
+
+class ConvertError(Exception):
+    """A conversion that cannot proceed; the message names the tensor, file or flag at fault."""
+
+
+@dataclass
+class FileJob:
+    rel: str                                   # path relative to the output directory
+    kind: str                                  # expert | dense | globals
+    layer: int | None
+    specs: list[TensorSpec]
+    layouts: dict[str, str]                    # output tensor name -> layout name
+    metadata: dict[str, str]
+    sources: list[tuple[str, object]] = field(default_factory=list)   # dense: (hub name, role) in write order
+    shard: int | None = None
+    source_nbytes: int = 0                     # bytes of source tensors this job reads (progress)
+
+
+@dataclass
+class ConvertPlan:
+    geometry: ExpertGeometry
+    jobs: list[list[FileJob]]                  # groups written together (a layer's expert shards), in order
+    skipped: list[str]
+    source_nbytes: int
+
+
+def _expert_jobs(geo: ExpertGeometry, layer: int, src, adapter) -> list[FileJob]:
+    plan = geo.shard_plan
+    layout = geo.layout
+    nbytes = sum(src.info(adapter.expert_tensor_name(layer, e, p)).nbytes
+                 for e in range(geo.n_experts) for p in PROJECTIONS)
+    jobs = []
+    for s in range(geo.numa_nodes):
+        i0, i1 = plan.shard_range(s)
+        shapes = geo.expert_tensor_shapes(s)
+        specs = [TensorSpec(n, dt, tuple(shape)) for n, (shape, dt) in shapes.items()]
+        meta = {META_LAYOUT: layout, META_LAYOUT_VERSION: str(CPU_EXPERT_LAYOUTS[layout][1]),
+                META_FORMAT_VERSION: str(FORMAT_VERSION),
+                META_GEOMETRY: json.dumps({"layer": layer, "shard": s, "n_shards": geo.numa_nodes, "i0": i0, "i1": i1,
+                                           "n_experts": geo.n_experts, "hidden": geo.hidden,
+                                           "intermediate": geo.intermediate, "bits": geo.bits,
+                                           "group_size": geo.group_size}, sort_keys=True)}
+        jobs.append(FileJob(expert_file(layer, s, geo.numa_nodes), "expert", layer, specs,
+                            {n: layout for n in shapes}, meta, shard=s, source_nbytes=nbytes if s == 0 else 0))
+    return jobs
+
+
+def _check_expert_shapes(src, adapter, geo: ExpertGeometry, present: set[str]) -> None:
+    want = {"gate": (geo.intermediate, geo.hidden), "up": (geo.intermediate, geo.hidden),
+            "down": (geo.hidden, geo.intermediate)}
+    for layer in geo.moe_layers:
+        for e in range(geo.n_experts):
+            for p in PROJECTIONS:
+                name = adapter.expert_tensor_name(layer, e, p)
+                if name not in present:
+                    raise ConvertError(f"routed expert tensor {name} is missing from the checkpoint "
+                                       f"(config promises {geo.n_experts} experts in layer {layer})")
+                shape = tuple(src.info(name).shape)
+                if shape != want[p]:
+                    raise ConvertError(f"tensor {name} has shape {shape}, but config.json (hidden_size="
+                                       f"{geo.hidden}, expert intermediate={geo.intermediate}) implies {want[p]}; "
+                                       f"cannot tile it")
+
+
+def make_plan(src, adapter, method: str, group_size: int, numa_nodes: int, encoder) -> ConvertPlan:
+    if method != "bf16":
+        try:
+            check_group_size(group_size)
+        except LayoutError as e:
+            raise ConvertError(f"--group-size: {e}") from None
+    try:
+        geo = ExpertGeometry(method, group_size, adapter.n_experts, adapter.hidden_size, adapter.moe_intermediate_size,
+                             numa_nodes, tuple(adapter.moe_layers()))
+        geo.to_json()   # validates the shard plan (too many --numa-nodes, empty dims)
+    except LayoutError as e:
+        raise ConvertError(str(e)) from None
+    names = sorted(src.tensor_names())
+    present = set(names)
+    _check_expert_shapes(src, adapter, geo, present)
+
+    per_layer: dict[int | None, list] = {}
+    skipped = []
+    for name in names:
+        role = adapter.classify(name)
+        if role.kind == "skip":
+            skipped.append(name)
+        elif role.kind != "expert":
+            per_layer.setdefault(role.layer, []).append((name, role))
+    source_nbytes = 0
+    jobs: list[list[FileJob]] = []
+
+    def dense_job(rel, kind, layer, items):
+        nonlocal source_nbytes
+        specs, layouts, nbytes = [], {}, 0
+        for name, role in items:
+            info = src.info(name)
+            nbytes += info.nbytes
+            for out in encoder.plan(name, str(info.dtype), tuple(info.shape), role):
+                specs.append(TensorSpec(out.name, out.dtype, out.shape))
+                layouts[out.name] = out.layout
+        source_nbytes += nbytes
+        meta = {META_LAYOUT: f"dense-{encoder.name}", META_FORMAT_VERSION: str(FORMAT_VERSION)}
+        return FileJob(rel, kind, layer, specs, layouts, meta, sources=list(items), source_nbytes=nbytes)
+
+    for layer in range(adapter.num_layers):
+        group = []
+        if per_layer.get(layer):
+            group.append(dense_job(dense_file(layer), "dense", layer, per_layer[layer]))
+        if layer in geo.moe_layers:
+            ejobs = _expert_jobs(geo, layer, src, adapter)
+            source_nbytes += ejobs[0].source_nbytes
+            group.extend(ejobs)
+        if group:
+            jobs.append(group)
+    if per_layer.get(None):
+        jobs.append([dense_job(GLOBALS_FILE, "globals", None, per_layer[None])])
+    return ConvertPlan(geo, jobs, skipped, source_nbytes)

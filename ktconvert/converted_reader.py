@@ -1,0 +1,88 @@
+"""Reference reader of a converted directory: dequantized experts and dense tensors as float32 numpy arrays.
+
+Used by `ktconvert verify --against` and by tests; it reads through plain `safetensors.safe_open`, so it also
+proves the files are standard safetensors.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from ktlayouts.converted_dir import (PROJECTIONS, ExpertGeometry, expert_file, expert_tensor, load_manifest,
+                                     safe_relpath)
+from ktlayouts.cpu_expert import bf16_bits_to_f32, unpack_expert_matrix
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """(data start offset, header dict) of a safetensors file, without loading any data."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: too short for a safetensors header")
+        n = struct.unpack("<Q", head)[0]
+        return 8 + n, json.loads(f.read(n))
+
+
+class ConvertedDir:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.manifest, self.geometry = load_manifest(self.root)
+        self._handles: dict[str, object] = {}
+        self._dense_index = {name: rel for rel, f in self.manifest["files"].items()
+                             if f["kind"] in ("dense", "globals") for name in f.get("tensors", {})}
+
+    def open(self, rel: str):
+        if rel not in self._handles:
+            self._handles[rel] = safe_open(str(safe_relpath(self.root, rel)), framework="np")
+        return self._handles[rel]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def dense_names(self) -> list[str]:
+        return sorted(self._dense_index)
+
+    def read_dense(self, name: str) -> np.ndarray:
+        """A non-expert tensor as float32 (BF16 stored as uint16 bit patterns by the numpy reader)."""
+        rel = self._dense_index[name]
+        t = self.manifest["files"][rel]["tensors"][name]
+        a = self.open(rel).get_tensor(name)
+        if t["dtype"] == "BF16":
+            return bf16_bits_to_f32(a.view(np.uint16)).reshape(t["shape"])
+        return np.asarray(a, dtype=np.float32)
+
+    def read_expert_shard(self, layer: int, expert: int, shard: int) -> dict[str, np.ndarray]:
+        """Dequantized matrices of one shard: gate/up (i1 - i0, H), down (H, i1 - i0) in padded coordinates."""
+        geo = self.geometry
+        f = self.open(expert_file(layer, shard, geo.numa_nodes))
+        out = {}
+        for p in PROJECTIONS:
+            geom = geo.matrix_geometry(p, shard)
+            q = f.get_slice(expert_tensor(p, "qweight"))[expert: expert + 1][0]
+            s = None if geo.bits == 16 else f.get_slice(expert_tensor(p, "scales"))[expert: expert + 1][0]
+            out[p] = unpack_expert_matrix(q, s, geom)
+        return out
+
+    def read_expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        """Dequantized expert reassembled from all shards: gate/up (I, H), down (H, I)."""
+        return assemble_shards([self.read_expert_shard(layer, expert, s) for s in range(self.geometry.numa_nodes)],
+                               self.geometry)
+
+
+def assemble_shards(shards: list[dict[str, np.ndarray]], geo: ExpertGeometry) -> dict[str, np.ndarray]:
+    i = geo.intermediate
+    return {"gate": np.concatenate([s["gate"] for s in shards], axis=0)[:i],
+            "up": np.concatenate([s["up"] for s in shards], axis=0)[:i],
+            "down": np.concatenate([s["down"] for s in shards], axis=1)[:, :i]}
+
+
+def relative_error(approx: np.ndarray, ref: np.ndarray) -> float:
+    """||approx - ref||_F / ||ref||_F (0 when both are zero)."""
+    ref = np.asarray(ref, dtype=np.float64)
+    num = float(np.linalg.norm(np.asarray(approx, dtype=np.float64) - ref))
+    den = float(np.linalg.norm(ref))
+    return num / den if den else (0.0 if num == 0 else float("inf"))

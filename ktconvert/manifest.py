@@ -1,0 +1,104 @@
+"""manifest.json of a converted directory (schema: ktlayouts.converted_dir), and the copied config/tokenizer files.
+
+The manifest is deterministic (no timestamps, sorted keys) so an interrupted-and-resumed conversion is byte-identical
+to an uninterrupted one, and it is written last: a directory without it is not a complete conversion.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ktlayouts.constants import FORMAT_VERSION
+from ktlayouts.converted_dir import MANIFEST_NAME, SOURCE_RECORD_NAME, is_pad_tensor, validate_manifest
+
+from . import __version__
+from .writer import atomic_write_bytes, build_header, file_sha256
+
+# Top-level source files copied verbatim (config.json is rewritten: see _converted_config).
+SIDE_FILE_RE = re.compile(r"^(config\.json|generation_config\.json|tokenizer[\w.-]*|special_tokens_map\.json|"
+                          r"added_tokens\.json|vocab[\w.-]*|merges\.txt|chat_template[\w.-]*|[\w.-]+\.tiktoken|"
+                          r"preprocessor_config\.json)$")
+
+
+def _converted_config(raw: bytes) -> bytes:
+    """config.json without quantization_config: the converted weights are no longer FP8 blocks."""
+    cfg = json.loads(raw)
+    if "quantization_config" in cfg:
+        cfg.pop("quantization_config")
+        return (json.dumps(cfg, indent=2) + "\n").encode()
+    return raw
+
+
+def copy_side_files(src_dir: Path, out_dir: Path, journal) -> list[str]:
+    """Copy config and tokenizer files (atomically, journaled); returns their names."""
+    names = sorted(p.name for p in Path(src_dir).iterdir() if p.is_file() and SIDE_FILE_RE.match(p.name))
+    for name in names:
+        if journal.is_done(name):
+            continue
+        raw = (Path(src_dir) / name).read_bytes()
+        if name == "config.json":
+            raw = _converted_config(raw)
+        atomic_write_bytes(out_dir / name, raw)
+        journal.record(name, len(raw), file_sha256(out_dir / name))
+    return names
+
+
+def source_record(src_dir: Path) -> dict:
+    """repo_id / revision / commit of a pulled source, when its .ktconvert-source.json says so."""
+    p = Path(src_dir) / SOURCE_RECORD_NAME
+    try:
+        rec = json.loads(p.read_text()) if p.is_file() else {}
+    except (ValueError, UnicodeDecodeError):
+        rec = {}
+    return {k: rec[k] for k in ("repo_id", "revision", "commit") if isinstance(rec, dict) and rec.get(k)}
+
+
+def _file_entry(job, journal) -> dict:
+    _, offsets, size = build_header(job.specs, job.metadata)
+    rec = journal.files[job.rel]
+    if rec["size"] != size:
+        raise RuntimeError(f"{job.rel}: written size {rec['size']} differs from the planned {size}")
+    entry = {"kind": job.kind, "size": rec["size"], "sha256": rec["sha256"]}
+    if job.layer is not None:
+        entry["layer"] = job.layer
+    if job.shard is not None:
+        entry["shard"] = job.shard
+    entry["tensors"] = {s.name: {"layout": job.layouts[s.name], "dtype": s.dtype, "shape": list(s.shape),
+                                 "offset": offsets[s.name], "nbytes": s.nbytes}
+                        for s in job.specs if not is_pad_tensor(s.name)}
+    return entry
+
+
+def build_manifest(src, opts, plan, journal, side_files: list[str]) -> dict:
+    cfg = src.config
+    adapter = src.arch
+    files = {}
+    for group in plan.jobs:
+        for job in group:
+            files[job.rel] = _file_entry(job, journal)
+    for name in side_files:
+        files[name] = {"kind": "config", **journal.files[name]}
+    return {
+        "format_version": FORMAT_VERSION,
+        "producer": f"ktconvert {__version__}",
+        "source": {"path": str(Path(src.path).resolve()), **source_record(src.path), "nbytes": src.source_nbytes(),
+                   "skipped_tensors": len(plan.skipped)},
+        "architecture": (cfg.get("architectures") or [adapter.model_type])[0],
+        "model_type": adapter.model_type,
+        "num_layers": adapter.num_layers,
+        "method": opts.method,
+        "group_size": opts.group_size,
+        "numa_nodes": opts.numa_nodes,
+        "gpu_method": opts.gpu_method,
+        "experts": plan.geometry.to_json(),
+        "files": dict(sorted(files.items())),
+    }
+
+
+def write_manifest(src, out_dir: Path, opts, plan, journal, side_files: list[str]) -> Path:
+    m = build_manifest(src, opts, plan, journal, side_files)
+    validate_manifest(m)
+    path = Path(out_dir) / MANIFEST_NAME
+    atomic_write_bytes(path, (json.dumps(m, indent=1, sort_keys=True) + "\n").encode())
+    return path
