@@ -1,0 +1,250 @@
+"""Tiny checkpoint factory: random-init Hugging Face models written exactly as the hub ships them.
+
+Weights come from the `transformers` model class (fixed seed), rounded to bf16 so the saved files hold the
+model's exact values; `from_pretrained(dir)` reproduces the in-memory model's logits bit for bit. In-memory
+transformers (v5) MoE experts are fused (`experts.gate_up_proj (E, 2I, H)`, `experts.down_proj (E, H, I)`); the
+files carry the hub's per-expert names. DeepSeek-V3 can also be written in DeepSeek's FP8 release format, with
+the multi-token-prediction (MTP) layer at index num_hidden_layers.
+
+transformers is imported lazily: it is a test/benchmark dependency, not a converter one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from ktconvert.fixtures_tokenizer import write_tokenizer
+
+ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral", "deepseek_v2")
+DEFAULT_MAX_SHARD_BYTES = 512 * 1024
+VOCAB_SIZE = 320  # tokenizer has 300 entries; the model's vocab is padded past it, as on the hub
+
+# Tiny dimensions that still exercise padding: expert sizes not multiples of 64, FP8 dims > 128 and not
+# multiples of 128 (partial blocks), dense layers before MoE layers, shared experts.
+TINY_CONFIGS = {
+    "deepseek_v3": {
+        "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 160, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32, "v_head_dim": 32, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "num_nextn_predict_layers": 1, "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 1},
+    "qwen3_moe": {
+        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 80, "num_experts": 8, "num_experts_per_tok": 2,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "norm_topk_prob": True,
+        "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2},
+    "mixtral": {
+        "hidden_size": 96, "intermediate_size": 160, "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024, "bos_token_id": 1, "eos_token_id": 2},
+    "deepseek_v2": {
+        "hidden_size": 128, "intermediate_size": 224, "moe_intermediate_size": 80, "n_routed_experts": 8, "num_experts_per_tok": 3,
+        "n_group": 1, "topk_group": 1, "topk_method": "greedy", "n_shared_experts": 2, "first_k_dense_replace": 1,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None,
+        "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+        "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 1},
+}
+# config.json keys the hub files carry that the transformers classes do not write (kept for fidelity).
+HUB_EXTRA_KEYS = {
+    "deepseek_v3": {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1},
+    "deepseek_v2": {"moe_layer_freq": 1, "scoring_func": "softmax", "ep_size": 1, "aux_loss_alpha": 0.001},
+    "qwen3_moe": {}, "mixtral": {},
+}
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}
+# Linear weights DeepSeek ships as FP8 (everything else stays BF16; e_score_correction_bias stays F32).
+_FP8_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj"
+                         r"|o_proj)|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$")
+_F32_TENSORS = re.compile(r".*\.e_score_correction_bias$")
+
+
+def _check_arch(arch: str) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown fixture arch {arch!r}; choose from {', '.join(ARCHS)}")
+
+
+def make_config(arch: str, num_layers: int | None = None, **config_overrides):
+    """The transformers config object of a tiny `arch` model."""
+    from transformers import AutoConfig
+
+    _check_arch(arch)
+    kw = dict(TINY_CONFIGS[arch], vocab_size=VOCAB_SIZE, tie_word_embeddings=False)
+    if num_layers is not None:
+        kw["num_hidden_layers"] = num_layers
+    kw.update(config_overrides)
+    return AutoConfig.for_model(arch, **kw)
+
+
+def _seeded_model(config, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init; the hub's are not
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+def make_model(arch: str, *, num_layers: int | None = None, seed: int = 0, init_scale: float = 1.0,
+               **config_overrides):
+    """The in-memory reference model whose weights make_checkpoint writes (same arguments -> same weights).
+
+    Weights are rounded to bf16 (kept as f32) so the bf16 files hold them exactly; the f32 router bias is not.
+    init_scale multiplies lm_head, making logits more peaked (confident) for runtime tests.
+    """
+    model = _seeded_model(make_config(arch, num_layers, **config_overrides), seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(init_scale)
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_floating_point() and not _F32_TENSORS.match(name) and "rotary_emb" not in name:
+                t.copy_(t.to(torch.bfloat16).float())
+    return model
+
+
+def _expert_name(arch: str, prefix: str, expert: int, proj: str) -> str:
+    if arch == "mixtral":
+        return f"{prefix}.block_sparse_moe.experts.{expert}.{ {'gate': 'w1', 'up': 'w3', 'down': 'w2'}[proj] }.weight"
+    return f"{prefix}.mlp.experts.{expert}.{proj}_proj.weight"
+
+
+def hub_state_dict(model, arch: str) -> dict[str, torch.Tensor]:
+    """The model's tensors under hub names, in module order: fused experts split per expert, Mixtral renamed."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        m = re.match(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+        if m:
+            prefix = m.group(1)
+            if m.group(2) == "gate_up_proj":  # (E, 2I, H): rows [0, I) gate, [I, 2I) up
+                inter = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[_expert_name(arch, prefix, e, "gate")] = t[e, :inter]
+                    out[_expert_name(arch, prefix, e, "up")] = t[e, inter:]
+            else:  # (E, H, I)
+                for e in range(t.shape[0]):
+                    out[_expert_name(arch, prefix, e, "down")] = t[e]
+            continue
+        if arch == "mixtral":
+            name = re.sub(r"^(model\.layers\.\d+)\.mlp\.gate\.weight$", r"\1.block_sparse_moe.gate.weight", name)
+        out[name] = t
+    return out
+
+
+def _mtp_state_dict(arch: str, num_layers: int | None, seed: int, overrides: dict) -> dict[str, torch.Tensor]:
+    """DeepSeek's MTP layer at index L = num_hidden_layers: a normal MoE layer's tensors plus its own extras."""
+    n = make_config(arch, num_layers, **overrides).num_hidden_layers
+    deeper = make_model(arch, num_layers=n + 1, seed=seed + 7919, **overrides)
+    prefix = f"model.layers.{n}."
+    out = {k: v for k, v in hub_state_dict(deeper, arch).items() if k.startswith(prefix)}
+    h, v = deeper.config.hidden_size, deeper.config.vocab_size
+    gen = torch.Generator().manual_seed(seed + 104729)
+    std = deeper.config.initializer_range
+    extras = {"embed_tokens.weight": torch.randn(v, h, generator=gen) * std, "enorm.weight": torch.ones(h),
+              "hnorm.weight": torch.ones(h), "eh_proj.weight": torch.randn(h, 2 * h, generator=gen) * std,
+              "shared_head.norm.weight": torch.ones(h),
+              "shared_head.head.weight": torch.randn(v, h, generator=gen) * std}
+    out.update({prefix + k: t.to(torch.bfloat16).float() for k, t in extras.items()})
+    return out
+
+
+def _hub_config(config, arch: str, fp8: bool) -> dict:
+    d = config.to_dict()
+    for k in ("output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label",
+              "label2id", "problem_type", "_name_or_path", "output_attentions", "dtype", "qk_head_dim"):
+        d.pop(k, None)
+    if arch in ("deepseek_v3", "deepseek_v2"):
+        d.pop("head_dim", None)  # derived; the hub's DeepSeek configs do not carry it
+    rope = d.pop("rope_parameters", None) or {}
+    d["rope_theta"] = rope.get("rope_theta", 10000.0)
+    if rope.get("rope_type", "default") != "default":
+        d["rope_scaling"] = {("type" if k == "rope_type" else k): v for k, v in rope.items() if k != "rope_theta"}
+    if arch == "qwen3_moe":
+        d["num_experts"] = d.pop("num_local_experts")
+    d.update(HUB_EXTRA_KEYS[arch])
+    d["architectures"] = [type(config).__name__.replace("Config", "ForCausalLM")]
+    d["torch_dtype"] = "bfloat16"
+    if fp8:
+        d["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    return dict(sorted(d.items()))
+
+
+def _to_hub_dtype(name: str, t: torch.Tensor, fp8: bool, block) -> dict[str, torch.Tensor]:
+    """One tensor as stored on the hub: bf16, f32 router bias, or FP8 + weight_scale_inv."""
+    if _F32_TENSORS.match(name):
+        return {name: t.float().contiguous()}
+    if fp8 and _FP8_WEIGHT.match(name):
+        from ktconvert.fp8 import quantize_fp8_block
+
+        bits, scale_inv = quantize_fp8_block(t.float().numpy(), tuple(block))
+        return {name: torch.from_numpy(bits).view(torch.float8_e4m3fn),
+                name + "_scale_inv": torch.from_numpy(scale_inv)}
+    return {name: t.to(torch.bfloat16).contiguous()}
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
+    """Greedy sharding in module order (a tensor never splits), hub file names, sorted index weight_map."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | None = None, seed: int = 0,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, init_scale: float = 1.0,
+                    **config_overrides) -> Path:
+    """Write a tiny random `arch` checkpoint to out_dir, laid out as the hub ships it; returns out_dir.
+
+    fp8=True (deepseek_v3 only) writes DeepSeek's FP8 release format. deepseek_v3 always gets its MTP layer.
+    The weights equal make_model(arch, num_layers=..., seed=..., init_scale=..., **config_overrides)
+    (FP8: their block-quantized version).
+    """
+    _check_arch(arch)
+    if fp8 and arch != "deepseek_v3":
+        raise ValueError("fp8=True is DeepSeek-V3's release format; only arch='deepseek_v3' ships it")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = make_model(arch, num_layers=num_layers, seed=seed, init_scale=init_scale, **config_overrides)
+    config = model.config
+    named = hub_state_dict(model, arch)
+    if arch == "deepseek_v3":
+        named.update(_mtp_state_dict(arch, num_layers, seed, config_overrides))
+    block = FP8_QUANTIZATION_CONFIG["weight_block_size"]
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        tensors.update(_to_hub_dtype(name, t, fp8, block))
+    _write_shards(tensors, out_dir, max_shard_bytes)
+    hub_cfg = _hub_config(config, arch, fp8)
+    (out_dir / "config.json").write_text(json.dumps(hub_cfg, indent=2) + "\n")
+    gen_cfg = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": True,
+               "temperature": 0.6, "top_p": 0.95, "transformers_version": hub_cfg.get("transformers_version")}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    write_tokenizer(arch, out_dir, model_max_length=config.max_position_embeddings)
+    return out_dir
+
+
+def checkpoint_nbytes(out_dir) -> int:
+    """Bytes of tensor data of a written checkpoint (the index's total_size)."""
+    return int(json.loads((Path(out_dir) / "model.safetensors.index.json").read_text())["metadata"]["total_size"])
+
+
+def param_count(model) -> int:
+    return sum(math.prod(p.shape) for p in model.parameters())

@@ -1,0 +1,85 @@
+"""Tiny deterministic tokenizers for the fixture checkpoints (byte-level BPE trained on a fixed text, no download).
+
+Each architecture gets the special tokens and a chat template shaped like its hub tokenizer's, with the special
+tokens at the ids its config names (bos/eos).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TOKENIZER_VOCAB = 300  # the model vocab (fixtures.VOCAB_SIZE) is larger: padded, as on the hub
+
+_DEEPSEEK = {
+    "special": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
+    "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>", "pad": "<｜end▁of▁sentence｜>", "unk": None,
+    "chat_template": (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{{ m['content'] }}"
+        "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+        "{% else %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"),
+}
+SPECIALS = {
+    "deepseek_v3": _DEEPSEEK,
+    "deepseek_v2": _DEEPSEEK,
+    "qwen3_moe": {
+        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
+        "unk": None,
+        "chat_template": (
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")},
+    "mixtral": {
+        "special": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "bos": "<s>", "eos": "</s>", "pad": None, "unk": "<unk>",
+        "chat_template": (
+            "{{ bos_token }}{% for m in messages %}"
+            "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+            "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")},
+}
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A mixture of experts routes every token to a few experts and adds their outputs.",
+    "Hello, world! What is the capital of France? The capital of France is Paris.",
+    "one two three four five six seven eight nine ten 0 1 2 3 4 5 6 7 8 9",
+    "def main():\n    print('hello')\n",
+    "Large language models predict the next token from the tokens before it.",
+]
+
+
+def build_tokenizer(arch: str):
+    """A `tokenizers.Tokenizer` for `arch` (deterministic: same arch -> same bytes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    spec = SPECIALS[arch]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=spec["special"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 8, trainer)
+    if spec["bos"]:  # the hub tokenizers of these models prepend BOS
+        bos_id = tok.token_to_id(spec["bos"])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{spec['bos']} $A", pair=f"{spec['bos']} $A {spec['bos']} $B", special_tokens=[(spec["bos"], bos_id)])
+    return tok
+
+
+def write_tokenizer(arch: str, out_dir, model_max_length: int = 1024) -> None:
+    """tokenizer.json + tokenizer_config.json (with chat template) into out_dir."""
+    spec = SPECIALS[arch]
+    out_dir = Path(out_dir)
+    build_tokenizer(arch).save(str(out_dir / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(spec["bos"]),
+        "add_eos_token": False,
+        "bos_token": spec["bos"],
+        "eos_token": spec["eos"],
+        "pad_token": spec["pad"],
+        "unk_token": spec["unk"],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": spec["chat_template"],
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")

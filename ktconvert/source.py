@@ -1,0 +1,255 @@
+"""Lazy reader for a local Hugging Face checkpoint directory (safetensors shards + index).
+
+Every shard header is parsed and validated at open (the JSON after an 8-byte little-endian length; never
+unpickled); tensor data is read one tensor at a time through a numpy memmap, so memory stays bounded by the
+largest tensor. FP8 weights (DeepSeek release format) are dequantized on the CPU with their weight_scale_inv.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ktconvert.arch import ArchAdapter, SourceError, adapter_for
+from ktconvert.fp8 import bf16_bits_to_f32, dequant_fp8_block, fp8_e4m3_to_f32
+
+__all__ = ["DTYPE_SIZES", "Source", "SourceError", "TensorInfo", "open_source"]
+
+DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str            # safetensors dtype string: BF16, F16, F32, F8_E4M3
+    shape: tuple
+    file: Path
+    offset: int           # absolute byte offset of the data in `file`
+    nbytes: int
+
+
+def _parse_shard(path: Path) -> tuple[dict[str, TensorInfo], int]:
+    """Validate one shard's header and layout; returns its tensors and the data start offset."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SourceError(f"{path}: file is {size} bytes, too short for a safetensors header (8 bytes)")
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise SourceError(f"{path}: header length {n} at byte offset 0 does not fit in the {size}-byte file "
+                                  f"(truncated or not a safetensors file)")
+            raw = f.read(n)
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read shard: {e}") from e
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"{path}: corrupt safetensors header (bytes 8..{8 + n}): {e}") from e
+    if not isinstance(header, dict):
+        raise SourceError(f"{path}: corrupt safetensors header (bytes 8..{8 + n}): not a JSON object")
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    tensors: dict[str, TensorInfo] = {}
+    spans = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise SourceError(f"{path}: tensor {name}: header entry lacks dtype/shape/data_offsets")
+        dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in DTYPE_SIZES:
+            raise SourceError(f"{path}: tensor {name}: unsupported dtype {dtype} "
+                              f"(supported: {', '.join(DTYPE_SIZES)})")
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+                or not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) for o in offs)):
+            raise SourceError(f"{path}: tensor {name}: malformed shape {shape} or data_offsets {offs}")
+        begin, end = offs
+        want = math.prod(shape) * DTYPE_SIZES[dtype]
+        if end - begin != want:
+            raise SourceError(f"{path}: tensor {name}: data_offsets {offs} hold {end - begin} bytes, "
+                              f"but {dtype}{shape} needs {want}")
+        spans.append((begin, end, name))
+        tensors[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, want)
+    spans.sort()
+    pos = 0
+    for begin, end, name in spans:
+        if begin != pos:
+            raise SourceError(f"{path}: tensor {name}: data starts at byte offset {data_start + begin}, expected "
+                              f"{data_start + pos} (offsets not contiguous: gap or overlap)")
+        pos = end
+    expected_size = data_start + pos
+    if size != expected_size:
+        last = spans[-1][2] if spans else "(none)"
+        what = "truncated" if size < expected_size else "has trailing bytes"
+        raise SourceError(f"{path}: shard {what}: expected {expected_size} bytes, file has {size} "
+                          f"(last tensor {last} ends at byte offset {expected_size})")
+    return tensors, data_start
+
+
+def _safe_shard_path(root: Path, shard: str, where: str) -> Path:
+    if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
+        raise SourceError(f"{where}: shard name {shard!r} is not a plain file name inside {root}")
+    return root / shard
+
+
+class Source:
+    """One local checkpoint directory, validated at open, read lazily one tensor at a time."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise SourceError(f"{self.path}: no config.json (not a checkpoint directory)")
+        try:
+            self.config: dict = json.loads(cfg_path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SourceError(f"{cfg_path}: invalid JSON: {e}") from e
+        self.arch: ArchAdapter = adapter_for(self.config)
+        qc = self.config.get("quantization_config") or {}
+        self.fp8_block: tuple[int, int] = tuple(qc.get("weight_block_size") or (128, 128))
+        self._infos: dict[str, TensorInfo] = {}
+        self._names: list[str] = []
+        self._maps: dict[Path, np.memmap] = {}
+        self._load_index()
+        self._validate_tensors()
+
+    # --- open-time validation ---------------------------------------------------------------------------
+    def _load_index(self) -> None:
+        index_path = self.path / INDEX_NAME
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+                raise SourceError(f"{index_path}: invalid index (needs a JSON weight_map): {e}") from e
+            if not isinstance(weight_map, dict):
+                raise SourceError(f"{index_path}: weight_map is not an object")
+            shard_names = list(dict.fromkeys(weight_map.values()))
+        elif (self.path / SINGLE_NAME).is_file():
+            weight_map, shard_names = None, [SINGLE_NAME]
+        else:
+            raise SourceError(f"{self.path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+        per_shard: dict[str, dict[str, TensorInfo]] = {}
+        for shard in shard_names:
+            p = _safe_shard_path(self.path, shard, str(index_path))
+            if not p.is_file():
+                raise SourceError(f"{index_path}: shard {shard} named in the index is missing on disk ({p})")
+            per_shard[shard], _ = _parse_shard(p)
+        if weight_map is None:
+            self._infos = dict(per_shard[SINGLE_NAME])
+            self._names = list(self._infos)
+            return
+        for name, shard in weight_map.items():
+            info = per_shard[shard].get(name)
+            if info is None:
+                raise SourceError(f"{index_path}: tensor {name} is mapped to shard {shard}, which does not contain it")
+            self._infos[name] = info
+        for shard, tensors in per_shard.items():
+            extra = sorted(set(tensors) - set(weight_map))
+            if extra:
+                raise SourceError(f"{self.path / shard}: tensor {extra[0]} is in the shard but missing from "
+                                  f"{INDEX_NAME} ({len(extra)} such tensors)")
+        self._names = list(weight_map)
+        if not self._names:
+            raise SourceError(f"{index_path}: the index lists no tensors")
+
+    def _validate_tensors(self) -> None:
+        for name in self._names:
+            self.arch.classify(name)  # unknown names fail here, naming the tensor
+            info = self._infos[name]
+            if info.dtype == "F8_E4M3":
+                self._check_fp8_scale(info)
+        for name in self.arch.expert_tensor_names():
+            if name not in self._infos:
+                raise SourceError(f"{self.path}: tensor {name} is missing (config promises {self.arch.n_experts} "
+                                  f"experts in layers {self.arch.moe_layers()})")
+
+    def _check_fp8_scale(self, info: TensorInfo) -> None:
+        sname = info.name + "_scale_inv"
+        s = self._infos.get(sname)
+        if len(info.shape) != 2:
+            raise SourceError(f"{info.file}: tensor {info.name}: FP8 weight must be 2-D, got shape {info.shape}")
+        if s is None:
+            raise SourceError(f"{info.file}: tensor {info.name}: FP8 weight without {sname}")
+        (bn, bk), (n, k) = self.fp8_block, info.shape
+        want = (-(-n // bn), -(-k // bk))
+        if s.shape != want or s.dtype != "F32":
+            raise SourceError(f"{s.file}: tensor {sname}: shape {s.shape} {s.dtype}, expected F32 {want} for "
+                              f"{info.name} {info.shape} with blocks {(bn, bk)}")
+
+    # --- public API ---------------------------------------------------------------------------------------
+    def tensor_names(self) -> list[str]:
+        return list(self._names)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise SourceError(f"{self.path}: no tensor named {name}") from None
+
+    def source_nbytes(self) -> int:
+        """Bytes of tensor data in the checkpoint (all shards, headers excluded)."""
+        return sum(i.nbytes for i in self._infos.values())
+
+    def _raw(self, info: TensorInfo) -> np.ndarray:
+        mm = self._maps.get(info.file)
+        if mm is None:
+            mm = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
+        return mm[info.offset: info.offset + info.nbytes]
+
+    def read_raw(self, name: str) -> np.ndarray:
+        """The tensor's stored bytes decoded to f32 numpy WITHOUT FP8 scaling (copy, shape as stored)."""
+        info = self.info(name)
+        raw = self._raw(info)
+        if info.dtype == "BF16":
+            out = bf16_bits_to_f32(raw.view(np.uint16))
+        elif info.dtype == "F16":
+            out = raw.view(np.float16).astype(np.float32)
+        elif info.dtype == "F32":
+            out = raw.view(np.float32).copy()
+        else:
+            out = fp8_e4m3_to_f32(raw)
+        return out.reshape(info.shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor as float32 (FP8 weights dequantized with their block scales); NaN/Inf -> SourceError."""
+        info = self.info(name)
+        if info.dtype == "F8_E4M3":
+            scale = self.read_raw(name + "_scale_inv")
+            out = dequant_fp8_block(np.asarray(self._raw(info)).reshape(info.shape), scale, self.fp8_block)
+        else:
+            out = self.read_raw(name)
+        bad = ~np.isfinite(out)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            what = "NaN" if np.isnan(out.flat[i]) else "Inf"
+            itemsize = DTYPE_SIZES[info.dtype]
+            raise SourceError(f"{info.file}: tensor {name}: {what} at element {np.unravel_index(i, info.shape)} "
+                              f"(byte offset {info.offset + i * itemsize}); {int(bad.sum())} non-finite values")
+        return torch.from_numpy(out)
+
+    def close(self) -> None:
+        self._maps.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Source({self.path}, {self.arch!r}, {len(self._names)} tensors)"
+
+
+def open_source(path) -> Source:
+    """Open a local checkpoint directory (config.json + safetensors shards); validates everything up front."""
+    p = Path(path)
+    if not p.is_dir():
+        raise SourceError(f"{p}: not a directory")
+    return Source(p)

@@ -1,0 +1,53 @@
+"""Shared pytest fixtures: tiny hub-layout checkpoints built once per test session.
+
+    def test_something(ckpt_dir, fp8_ckpt, ckpt_copy):
+        src = ckpt_dir("mixtral")          # shared, read-only: never modify it
+        fp8 = fp8_ckpt                     # deepseek_v3 in DeepSeek's FP8 release format
+        mine = ckpt_copy("qwen3_moe")      # a private copy in tmp_path: corrupt it freely
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ktconvert.fixtures import ARCHS, make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory):
+    """Callable arch -> Path of a session-wide BF16 checkpoint (default tiny dims, seed 0). Do not modify it."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in ARCHS:
+            raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+        if arch not in built:
+            built[arch] = make_checkpoint(arch, tmp_path_factory.mktemp(f"ckpt_{arch}"))
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def fp8_ckpt(tmp_path_factory) -> Path:
+    """Session-wide deepseek_v3 checkpoint in FP8 release format (same seed/weights as ckpt_dir('deepseek_v3'))."""
+    return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ckpt_deepseek_v3_fp8"), fp8=True)
+
+
+@pytest.fixture
+def ckpt_copy(ckpt_dir, fp8_ckpt, tmp_path):
+    """Callable arch -> a private copy (in tmp_path) of the session checkpoint, safe to corrupt. 'deepseek_v3_fp8'
+    copies the FP8 one."""
+    def copy(arch: str) -> Path:
+        src = fp8_ckpt if arch == "deepseek_v3_fp8" else ckpt_dir(arch)
+        return Path(shutil.copytree(src, tmp_path / f"copy_{arch}"))
+
+    return copy
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    """Parametrizes a test over every fixture architecture."""
+    return request.param
