@@ -1,0 +1,55 @@
+"""`ktrun serve`: an OpenAI-compatible HTTP server for a converted directory."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ktrun.server import DEFAULT_MAX_BODY_BYTES, run_server
+
+
+@click.command("serve")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. Loopback by default; use 0.0.0.0 only behind a firewall and with --api-key.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port (0: pick a free one; the chosen address is printed on stderr).")
+@click.option("--api-key", default=None, envvar="KTRUN_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (env: KTRUN_API_KEY).")
+@click.option("--ctx", default=4096, show_default=True, type=click.IntRange(1),
+              help="Context length per request in tokens (prompt + generated).")
+@click.option("--max-batch", default=16, show_default=True, type=click.IntRange(1, 4096),
+              help="Requests decoded together; more wait in line for a free slot.")
+@click.option("--device", default=None, help="torch device for the GPU layers (default: cuda if present, else cpu).")
+@click.option("--verify", is_flag=True, help="Check every file's sha256 against the manifest before serving.")
+@click.option("--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
+              help="Largest request body accepted (larger: 413).")
+@click.option("--log-requests", is_flag=True, help="Print an access log line per HTTP request on stderr.")
+def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests):
+    """Serve MODEL_DIR (a `ktconvert quantize` output) over the OpenAI API.
+
+    Endpoints: GET /health (503 while loading, 200 when ready), GET /v1/models, POST /v1/completions,
+    POST /v1/chat/completions (both with "stream": true for server-sent events), POST /tokenize,
+    POST /detokenize, GET /metrics (Prometheus text).
+
+    \b
+    Examples:
+      ktrun serve converted/ --port 8000
+      ktrun serve converted/ --ctx 8192 --max-batch 32 --api-key "$(cat key.txt)"
+      curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "converted", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+    """
+
+    def load_engine():  # runs after the socket is bound, so /health answers 503 during the (torch) import too
+        from ktrun.engine import Engine
+
+        return Engine(str(model_dir), ctx=ctx, max_batch=max_batch, device=device, verify=verify)
+
+    def sampling_params(**kw):
+        from ktrun.engine import SamplingParams
+
+        return SamplingParams(**kw)
+
+    sys.exit(run_server(load_engine, sampling_params, host=host, port=port, api_key=api_key, max_batch=max_batch,
+                        max_body_bytes=max_body_bytes, log_requests=log_requests))

@@ -1,0 +1,153 @@
+"""Prometheus text exposition (format 0.0.4) for `ktrun serve`: counters, gauges and histograms, thread-safe.
+
+No client library: the format is a few lines per metric, and the server's needs are small.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from typing import Callable
+
+# Latency buckets in seconds: TTFT on a big MoE model spans ms (short prompt, warm) to tens of seconds (long prefill).
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+def _fmt(v: float) -> str:
+    v = float(v)
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return str(int(v)) if v.is_integer() and abs(v) < 1e15 else repr(v)
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
+    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _escape(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class _Metric:
+    kind = ""
+
+    def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...] = ()):
+        self.name, self.help, self.labelnames = name, help_text, tuple(labelnames)
+        self._lock = threading.Lock()
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def __init__(self, name, help_text, labelnames=()):
+        super().__init__(name, help_text, labelnames)
+        self._values: dict[tuple[str, ...], float] = {} if labelnames else {(): 0.0}
+
+    def inc(self, amount: float = 1.0, *labels: str) -> None:
+        with self._lock:
+            self._values[labels] = self._values.get(labels, 0.0) + amount
+
+    def value(self, *labels: str) -> float:
+        return self._values.get(labels, 0.0)
+
+    def render(self) -> list[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_fmt(v)}" for k, v in items]
+
+
+class Gauge(_Metric):
+    """A gauge whose value is read from a callback at scrape time (so it is never stale)."""
+
+    kind = "gauge"
+
+    def __init__(self, name, help_text, read: Callable[[], float]):
+        super().__init__(name, help_text)
+        self.read = read
+
+    def render(self) -> list[str]:
+        return self.header() + [f"{self.name} {_fmt(float(self.read()))}"]
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(self, name, help_text, buckets=LATENCY_BUCKETS_S):
+        super().__init__(name, help_text)
+        self.buckets = tuple(buckets)
+        self._counts = [0] * (len(self.buckets) + 1)  # last = +Inf
+        self._sum = 0.0
+        self._n = 0
+
+    def observe(self, v: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.buckets, v)] += 1
+            self._sum += v
+            self._n += 1
+
+    @property
+    def count(self) -> int:
+        return self._n
+
+    def render(self) -> list[str]:
+        with self._lock:
+            counts, total, n = list(self._counts), self._sum, self._n
+        lines, cum = self.header(), 0
+        for le, c in zip(self.buckets + (math.inf,), counts):
+            cum += c
+            lines.append(f'{self.name}_bucket{{le="{_fmt(le)}"}} {cum}')
+        return lines + [f"{self.name}_sum {_fmt(total)}", f"{self.name}_count {n}"]
+
+
+class ServeMetrics:
+    """Everything `GET /metrics` reports. Gauges that depend on the scheduler/engine read them through callbacks."""
+
+    def __init__(self):
+        self.requests = Counter("ktrun_requests_total", "HTTP requests answered, by endpoint and status code.",
+                                ("endpoint", "status"))
+        self.prompt_tokens = Counter("ktrun_prompt_tokens_total", "Prompt tokens of generation requests.")
+        self.generated_tokens = Counter("ktrun_generation_tokens_total", "Tokens generated and sent to clients.")
+        self.finished = Counter("ktrun_request_finished_total", "Generation requests finished, by reason "
+                                "(stop, length, abort = client went away, error).", ("reason",))
+        self.ttft = Histogram("ktrun_time_to_first_token_seconds", "Request arrival to first generated token.")
+        self.tpot = Histogram("ktrun_time_per_output_token_seconds",
+                              "Mean time between output tokens of a request (after the first).")
+        self.e2e = Histogram("ktrun_e2e_request_latency_seconds", "Request arrival to last token.")
+        self.gen_len = Histogram("ktrun_request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
+        self._gauges: list[Gauge] = []
+
+    def add_gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
+        self._gauges.append(Gauge(name, help_text, read))
+
+    def render(self, engine_stats: dict | None = None) -> str:
+        lines: list[str] = []
+        for m in (self.requests, self.prompt_tokens, self.generated_tokens, self.finished,
+                  self.ttft, self.tpot, self.e2e, self.gen_len, *self._gauges):
+            lines += m.render()
+        lines += render_engine_stats(engine_stats or {})
+        return "\n".join(lines) + "\n"
+
+
+def render_engine_stats(stats: dict) -> list[str]:
+    """Numeric entries of `Engine.stats` as `ktrun_engine_<key>` (seconds/counters as the engine names them).
+
+    Keys ending in `_s`/`_seconds`/`_total`/`_tokens`/`_steps` are cumulative -> counter; others -> gauge.
+    """
+    lines = []
+    for key in sorted(stats):
+        v = stats[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        safe = "".join(c if c.isalnum() or c == "_" else "_" for c in str(key)).strip("_").lower()
+        cumulative = safe.endswith(("_s", "_seconds", "_total", "_tokens", "_steps", "_count"))
+        name = f"ktrun_engine_{safe}" + ("_total" if cumulative and not safe.endswith("_total") else "")
+        lines += [f"# HELP {name} Engine.stats[{key!r}].",
+                  f"# TYPE {name} {'counter' if cumulative else 'gauge'}", f"{name} {_fmt(float(v))}"]
+    return lines
