@@ -1,0 +1,106 @@
+"""Routed-expert executors. One interface, asynchronous so the shared experts run while the routed ones compute:
+
+    ex.submit(layer, x, ids, weights, out)   # x: (T, H); ids, weights: (T, k); out: (T, H) written by sync()
+    ... other work (shared experts) ...
+    ex.sync()                                # waits; out now holds sum_k weights[t, k] * expert_{ids[t, k]}(x[t])
+
+- TorchExperts: the reference. Expert matrices come from an ExpertSource (packed tiles dequantized with ktlayouts,
+  or plain float tensors), are cached per expert as float32 and applied with torch. Always correct, not fast.
+- KernelExperts (kernel_experts.py): the C++ kernels through runtime/cpu_moe.py, reading the mapped tiles in place.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ktlayouts.cpu_expert import unpack_expert_matrix
+
+
+class PackedExpertSource:
+    """Experts of every MoE layer as packed tiles: layers[L] = list over shards of {proj: (qweight, scales, geom)}
+    with qweight (E, NB, KT, TB) and scales (E, NB, G, 16) or None (bf16) — numpy memmaps of the expert files."""
+
+    def __init__(self, layers: dict[int, list[dict]], intermediate: int):
+        self.layers, self.intermediate = layers, intermediate
+
+    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """-> gate (I, H), up (I, H), down (H, I) float32 for expert e, shards concatenated along I."""
+        parts = {p: [] for p in ("gate", "up", "down")}
+        for shard in self.layers[layer]:
+            for p, (qw, sc, geom) in shard.items():
+                parts[p].append(unpack_expert_matrix(qw[e], None if sc is None else sc[e], geom))
+        i = self.intermediate
+        return (np.concatenate(parts["gate"], 0)[:i], np.concatenate(parts["up"], 0)[:i],
+                np.concatenate(parts["down"], 1)[:, :i])
+
+
+class DenseExpertSource:
+    """Experts as float tensors: layers[L] = (gate (E, I, H), up (E, I, H), down (E, H, I))."""
+
+    def __init__(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+        self.layers = layers
+
+    def expert(self, layer: int, e: int):
+        g, u, d = self.layers[layer]
+        return g[e], u[e], d[e]
+
+
+class TorchExperts:
+    """Reference executor: dequantized float32 experts (cached on first use), torch matmuls, one worker thread."""
+
+    def __init__(self, source, device="cpu", asynchronous: bool = True):
+        self.source, self.device = source, torch.device(device)
+        self._cache: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ktrun-experts") if asynchronous else None
+        self._pending: Future | None = None
+        self.stats = {"expert_compute_s": 0.0, "expert_calls": 0, "expert_token_slots": 0}
+
+    def _weights(self, layer: int, e: int):
+        key = (layer, e)
+        with self._lock:
+            w = self._cache.get(key)
+        if w is None:
+            w = tuple(torch.as_tensor(np.asarray(m, dtype=np.float32) if not torch.is_tensor(m) else m)
+                      .to(self.device, torch.float32) for m in self.source.expert(layer, e))
+            with self._lock:
+                self._cache[key] = w
+        return w
+
+    @torch.inference_mode()
+    def _run(self, layer, x, ids, weights, out):
+        t0 = time.perf_counter()
+        acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+        xf = x.float()
+        for e in torch.unique(ids).tolist():
+            tok, kpos = torch.where(ids == e)
+            g, u, d = self._weights(layer, e)
+            xe = xf[tok]
+            y = F.linear(F.silu(F.linear(xe, g)) * F.linear(xe, u), d)
+            acc.index_add_(0, tok, y * weights[tok, kpos, None].float())
+        out.copy_(acc.to(out.dtype))
+        self.stats["expert_compute_s"] += time.perf_counter() - t0
+        self.stats["expert_calls"] += 1
+        self.stats["expert_token_slots"] += ids.numel()
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
+        if self._pending is not None:
+            raise RuntimeError("submit() called twice without sync()")
+        if self._pool is None:
+            self._run(layer, x, ids, weights, out)
+        else:
+            self._pending = self._pool.submit(self._run, layer, x, ids, weights, out)
+
+    def sync(self) -> None:
+        if self._pending is not None:
+            fut, self._pending = self._pending, None
+            fut.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,88 @@
+"""Attention over per-request caches: GQA (Qwen3-MoE, Mixtral) and MLA with a compressed-latent cache (DeepSeek).
+
+Inputs are a flattened varlen batch: x (T, H) holds the new tokens of several requests; each request's queries see
+only its own cache (plus its own new tokens, causally). Projections run once over all T rows; the score/softmax
+part loops over requests (cheap next to the experts; no request can read another's cache).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kv_cache import Batch, causal_scores_mask
+from .layers import Rope, rms_norm
+
+LORA_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm use the default eps in the reference, not rms_norm_eps
+
+
+def _softmax_attend(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """scores: (heads, n, S) already scaled; mask (n, S) bool -> probabilities in the scores' dtype."""
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+def gqa_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    return [(cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)]
+
+
+def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
+                  cos: torch.Tensor, sin: torch.Tensor, qk_norm: bool) -> torch.Tensor:
+    """x: (T, H) -> (T, H). p: weight-name prefix of this layer's self_attn, e.g. 'model.layers.3.self_attn.'."""
+    T, nh, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = F.linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(T, nh, hd)
+    k = F.linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(T, nkv, hd)
+    v = F.linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(T, nkv, hd)
+    if qk_norm:   # Qwen3: RMSNorm over each head's dims before RoPE
+        q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    out = torch.empty((T, nh, hd), dtype=x.dtype, device=x.device)
+    rep, scale = nh // nkv, cfg.softmax_scale
+    for s in batch.seqs:
+        rows = slice(s.offset, s.offset + s.n)
+        k_all, v_all = s.cache.write(layer, s.start, [k[rows], v[rows]])      # (S, nkv, hd) each
+        k_all = k_all.repeat_interleave(rep, dim=1)
+        v_all = v_all.repeat_interleave(rep, dim=1)
+        scores = torch.einsum("thd,shd->hts", q[rows], k_all) * scale            # (nh, n, S)
+        mask = causal_scores_mask(s.n, s.start, s.start + s.n, x.device, cfg.sliding_window)
+        out[rows] = torch.einsum("hts,shd->thd", _softmax_attend(scores, mask), v_all)
+    return F.linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+
+
+def mla_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    return [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,)]
+
+
+def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Multi-head latent attention. The cache holds c_kv = norm(W_dkv x) (R) and the roped shared key (r) per
+    position; kv_b_proj is absorbed: q_nope is mapped into latent space and the latent output is mapped to values,
+    so keys/values are never expanded per head.  x: (T, H) -> (T, H)."""
+    T, nh = x.shape[0], cfg.num_heads
+    dn, dr, dv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q = F.linear(x, w[p + "q_proj.weight"])
+    else:
+        qa = F.linear(x, w[p + "q_a_proj.weight"], w.get(p + "q_a_proj.bias"))
+        q = F.linear(rms_norm(qa, w[p + "q_a_layernorm.weight"], LORA_NORM_EPS), w[p + "q_b_proj.weight"])
+    q = q.view(T, nh, dn + dr)
+    q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
+    ckv = F.linear(x, w[p + "kv_a_proj_with_mqa.weight"], w.get(p + "kv_a_proj_with_mqa.bias"))   # (T, R + dr)
+    c = rms_norm(ckv[:, :R], w[p + "kv_a_layernorm.weight"], LORA_NORM_EPS)
+    k_rot = rope.apply(ckv[:, None, R:], cos, sin)[:, 0]                                       # (T, dr)
+    wkv_b = w[p + "kv_b_proj.weight"].view(nh, dn + dv, R)
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, wkv_b[:, :dn])                               # (T, nh, R)
+    out_lat = torch.empty((T, nh, R), dtype=x.dtype, device=x.device)
+    scale = cfg.softmax_scale
+    latent = torch.cat([c, k_rot], dim=-1)                                                    # (T, R + dr)
+    for s in batch.seqs:
+        rows = slice(s.offset, s.offset + s.n)
+        (lat_all,) = s.cache.write(layer, s.start, [latent[rows]])                           # (S, R + dr)
+        c_all, kr_all = lat_all[:, :R], lat_all[:, R:]
+        scores = (torch.einsum("thr,sr->hts", q_lat[rows], c_all)
+                  + torch.einsum("thd,sd->hts", q_rot[rows], kr_all)) * scale                  # (nh, n, S)
+        mask = causal_scores_mask(s.n, s.start, s.start + s.n, x.device)
+        out_lat[rows] = torch.einsum("hts,sr->thr", _softmax_attend(scores, mask), c_all)
+    o = torch.einsum("thr,hvr->thv", out_lat, wkv_b[:, dn:])                                  # (T, nh, dv)
+    return F.linear(o.reshape(T, nh * dv), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))

@@ -1,0 +1,86 @@
+"""Building blocks shared by the model forwards: RMSNorm, RoPE (default and YaRN), dense SwiGLU MLP.
+
+Numerics follow the transformers reference: norms in float32, RoPE tables in float32 then cast to the compute
+dtype, router math in float32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .config import RopeConfig, yarn_mscale
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: (..., D). Normalize in float32, cast back, then scale (transformers order)."""
+    dt = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dt)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """x: (T, H); gate/up: (I, H); down: (H, I)."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+# --- RoPE -----------------------------------------------------------------------------------------
+
+def rope_inv_freq(r: RopeConfig) -> tuple[torch.Tensor, float]:
+    """-> (inv_freq (dim/2,) float32, attention factor applied to cos/sin)."""
+    dim = r.dim
+    pos_freqs = r.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    if r.kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    # YaRN: blend interpolated and extrapolated frequencies with a linear ramp over the correction range.
+    if r.attention_factor is not None:
+        attn = float(r.attention_factor)
+    elif r.mscale and r.mscale_all_dim:
+        attn = yarn_mscale(r.factor, r.mscale) / yarn_mscale(r.factor, r.mscale_all_dim)
+    else:
+        attn = yarn_mscale(r.factor)
+
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(r.original_max_position / (rot * 2 * math.pi)) / (2 * math.log(r.theta))
+
+    low, high = corr_dim(r.beta_fast), corr_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extra = 1 - ramp
+    inv = (1.0 / (r.factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, attn
+
+
+class Rope:
+    """cos/sin for given positions. Interleaved (DeepSeek) rotates pairs (x[2i], x[2i+1]); else halves."""
+
+    def __init__(self, r: RopeConfig, device=None):
+        inv, self.attn_factor = rope_inv_freq(r)
+        self.inv_freq = inv.to(device)
+        self.interleaved = r.interleaved
+
+    def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) -> cos, sin: (T, dim/2)."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        return (freqs.cos() * self.attn_factor).to(dtype), (freqs.sin() * self.attn_factor).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, dim); cos/sin: (T, dim/2). Interleaved output keeps pair order as [evens', odds'] —
+        a fixed permutation applied to both q and k, so q.k is the same as with interleaved output."""
+        c, s = cos[:, None, :], sin[:, None, :]
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            h = x.shape[-1] // 2
+            x1, x2 = x[..., :h], x[..., h:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

@@ -1,0 +1,84 @@
+"""MoEModel: the decoder forward shared by every architecture, over a flattened varlen batch of requests.
+
+Per layer: x += attention(norm(x)); then x += mlp(norm(x)) where the MoE mlp submits the routed experts to the
+expert executor (CPU kernels or the torch reference, asynchronously), computes the shared experts meanwhile, then
+waits and adds the two. Dense weights are hub-named tensors in `weights` (already on the compute device/dtype).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import arch_module
+from .config import ModelConfig
+from .kv_cache import Batch, SeqCache
+from .layers import Rope, rms_norm, swiglu_mlp
+
+
+class MoEModel:
+    def __init__(self, cfg: ModelConfig, weights: dict, experts, device="cpu", dtype=torch.float32):
+        self.cfg, self.w, self.experts = cfg, weights, experts
+        self.device, self.dtype = torch.device(device), dtype
+        self.arch = arch_module(cfg.model_type)
+        self.rope = Rope(cfg.rope, self.device)
+        self.moe_layers = set(cfg.moe_layers)
+        self.moe_prefix = [self._moe_prefix(i) for i in range(cfg.num_layers)]
+        self.lm_head = weights.get("lm_head.weight")
+        if self.lm_head is None:
+            if not cfg.tie_word_embeddings:
+                raise KeyError("lm_head.weight is missing and tie_word_embeddings is false")
+            self.lm_head = weights["model.embed_tokens.weight"]
+        self.timing = {"expert_wait_s": 0.0, "forward_s": 0.0, "forwards": 0}
+
+    def _moe_prefix(self, i: int) -> str:
+        p = f"model.layers.{i}."
+        for cand in (self.arch.MOE_PREFIX, "mlp.", "block_sparse_moe."):
+            if p + cand + "gate.weight" in self.w:
+                return p + cand
+        return p + self.arch.MOE_PREFIX
+
+    def new_cache(self, ctx: int) -> SeqCache:
+        return SeqCache(self.cfg.num_layers, self.arch.cache_widths(self.cfg), ctx, self.dtype, self.device)
+
+    def _moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        p = self.moe_prefix[i]
+        ids, wts = self.arch.route(self.cfg, self.w, p, h)                   # (T, k), (T, k)
+        out = torch.empty_like(h)
+        self.experts.submit(i, h, ids, wts, out)                             # CPU works on routed experts...
+        shared = None
+        if self.arch.SHARED_PREFIX and self.cfg.n_shared_experts:            # ...while we do the shared ones
+            sp = f"model.layers.{i}." + self.arch.SHARED_PREFIX
+            shared = swiglu_mlp(h, self.w[sp + "gate_proj.weight"], self.w[sp + "up_proj.weight"],
+                                self.w[sp + "down_proj.weight"])
+        t0 = time.perf_counter()
+        self.experts.sync()
+        self.timing["expert_wait_s"] += time.perf_counter() - t0
+        return out if shared is None else out + shared
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        """-> float32 logits: (T, V) for every token if all_logits, else (B, V) for each request's last token."""
+        t0 = time.perf_counter()
+        cfg, w = self.cfg, self.w
+        x = F.embedding(batch.tokens.to(self.device), w["model.embed_tokens.weight"])   # (T, H)
+        cos, sin = self.rope.cos_sin(batch.positions.to(self.device), self.dtype)
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            h = rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            x = x + self.arch.attention(cfg, w, p + "self_attn.", h, batch, i, self.rope, cos, sin)
+            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            if i in self.moe_layers:
+                x = x + self._moe(i, h)
+            else:
+                x = x + swiglu_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                                   w[p + "mlp.down_proj.weight"])
+        batch.commit()
+        if not all_logits:
+            x = x[batch.last_token_rows().to(self.device)]
+        x = rms_norm(x, w["model.norm.weight"], cfg.rms_norm_eps)
+        logits = F.linear(x, self.lm_head).float()
+        self.timing["forward_s"] += time.perf_counter() - t0
+        self.timing["forwards"] += 1
+        return logits

@@ -1,0 +1,47 @@
+"""Routers: token -> (expert ids (T, k) int64, weights (T, k) float32), in float32 as the reference computes them.
+
+- sigmoid_grouped (DeepSeek-V3 "noaux_tc"): sigmoid scores; choice adds e_score_correction_bias; keep the
+  topk_group groups with the best sum of their top-2 choice scores; top-k inside them; weights are the *unbiased*
+  scores, normalized when norm_topk_prob, times routed_scaling_factor.
+- softmax_topk (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+def _group_mask(choice: torch.Tensor, group_scores: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """choice: (T, E), group_scores: (T, n_group) -> bool (T, E): experts inside the topk_group best groups."""
+    T, E = choice.shape
+    gidx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+    gmask = torch.zeros_like(group_scores).scatter_(1, gidx, 1.0)
+    return gmask[:, :, None].expand(T, cfg.n_group, E // cfg.n_group).reshape(T, E).bool()
+
+
+def sigmoid_grouped(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor):
+    T, E = x.shape[0], cfg.num_experts
+    scores = F.linear(x.float(), gate_w.float()).sigmoid()                    # (T, E)
+    choice = scores + bias.float()
+    gs = choice.view(T, cfg.n_group, E // cfg.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    choice = choice.masked_fill(~_group_mask(choice, gs, cfg), float("-inf"))
+    ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
+    wts = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, wts * cfg.routed_scaling_factor
+
+
+def softmax_topk(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor):
+    T, E = x.shape[0], cfg.num_experts
+    logits = F.linear(x.float() if cfg.is_mla else x, gate_w.float() if cfg.is_mla else gate_w)
+    scores = F.softmax(logits, dim=-1, dtype=torch.float32)                   # (T, E)
+    if cfg.topk_method == "group_limited_greedy":
+        gs = scores.view(T, cfg.n_group, E // cfg.n_group).max(dim=-1).values
+        scores = scores.masked_fill(~_group_mask(scores, gs, cfg), 0.0)
+    wts, ids = torch.topk(scores, k=cfg.top_k, dim=-1, sorted=not cfg.is_mla)
+    if cfg.norm_topk_prob and not cfg.is_mla:                                 # V2's router never normalizes
+        wts = wts / wts.sum(dim=-1, keepdim=True)
+    return ids, wts * cfg.routed_scaling_factor
