@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import torch
 from safetensors import safe_open
 
 from ktlayouts.converted_dir import (PROJECTIONS, ExpertGeometry, expert_file, expert_tensor, load_manifest,
@@ -37,7 +38,7 @@ class ConvertedDir:
 
     def open(self, rel: str):
         if rel not in self._handles:
-            self._handles[rel] = safe_open(str(safe_relpath(self.root, rel)), framework="np")
+            self._handles[rel] = safe_open(str(safe_relpath(self.root, rel)), framework="pt")
         return self._handles[rel]
 
     def close(self) -> None:
@@ -51,9 +52,9 @@ class ConvertedDir:
         rel = self._dense_index[name]
         t = self.manifest["files"][rel]["tensors"][name]
         a = self.open(rel).get_tensor(name)
-        if t["dtype"] == "BF16":
-            return bf16_bits_to_f32(a.view(np.uint16)).reshape(t["shape"])
-        return np.asarray(a, dtype=np.float32)
+        if t["dtype"] == "BF16":          # exact: bf16 -> f32 is a bit shift
+            return bf16_bits_to_f32(a.view(torch.int16).numpy().view(np.uint16)).reshape(t["shape"])
+        return a.numpy().astype(np.float32)
 
     def read_expert_shard(self, layer: int, expert: int, shard: int) -> dict[str, np.ndarray]:
         """Dequantized matrices of one shard: gate/up (i1 - i0, H), down (H, i1 - i0) in padded coordinates."""
@@ -62,8 +63,8 @@ class ConvertedDir:
         out = {}
         for p in PROJECTIONS:
             geom = geo.matrix_geometry(p, shard)
-            q = f.get_slice(expert_tensor(p, "qweight"))[expert: expert + 1][0]
-            s = None if geo.bits == 16 else f.get_slice(expert_tensor(p, "scales"))[expert: expert + 1][0]
+            q = f.get_slice(expert_tensor(p, "qweight"))[expert: expert + 1][0].numpy()
+            s = None if geo.bits == 16 else f.get_slice(expert_tensor(p, "scales"))[expert: expert + 1][0].numpy()
             out[p] = unpack_expert_matrix(q, s, geom)
         return out
 

@@ -1,0 +1,133 @@
+"""`ktconvert verify`: check a converted directory's structure, sizes and sha256, optionally its error vs the source."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+from ktlayouts.constants import FILE_ALIGN
+from ktlayouts.converted_dir import PARTIAL_SUFFIX, PROGRESS_NAME, ManifestError, is_pad_tensor, safe_relpath
+
+# Default limit on ||W_hat - W|| / ||W|| per tensor: a wrong layout or scale gives errors near 1 or above.
+DEFAULT_MAX_REL_ERROR = {"int4-amx": 0.15, "int8-amx": 0.01, "bf16": 0.005}
+DENSE_MAX_REL_ERROR = 0.01     # BF16 rounding of non-expert tensors
+
+
+def check_structure(root: Path, manifest: dict) -> list[str]:
+    """Problems with files, sizes, sha256, headers and alignment (empty list = all good)."""
+    from .converted_reader import read_header
+    from .writer import file_sha256
+
+    problems = []
+    leftovers = [p.name for p in root.rglob(f"*{PARTIAL_SUFFIX}")] + \
+        ([PROGRESS_NAME] if (root / PROGRESS_NAME).exists() else [])
+    if leftovers:
+        problems.append(f"unfinished conversion leftovers present: {', '.join(sorted(leftovers))}")
+    for rel, f in manifest["files"].items():
+        path = safe_relpath(root, rel)
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+            continue
+        if path.stat().st_size != f["size"]:
+            problems.append(f"{rel}: size {path.stat().st_size}, manifest says {f['size']}")
+            continue
+        if file_sha256(path) != f["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the manifest (corrupted or modified)")
+            continue
+        if "tensors" not in f:
+            continue
+        try:
+            base, header = read_header(path)
+        except (ValueError, UnicodeDecodeError) as e:
+            problems.append(f"{rel}: unreadable safetensors header: {e}")
+            continue
+        entries = {k: v for k, v in header.items() if k != "__metadata__" and not is_pad_tensor(k)}
+        if set(entries) != set(f["tensors"]):
+            problems.append(f"{rel}: tensors {sorted(entries)} differ from the manifest's {sorted(f['tensors'])}")
+            continue
+        for name, t in f["tensors"].items():
+            e = entries[name]
+            off = base + e["data_offsets"][0]
+            if e["dtype"] != t["dtype"] or e["shape"] != t["shape"] or off != t["offset"]:
+                problems.append(f"{rel}: tensor {name}: header {e['dtype']}{e['shape']}@{off} != manifest "
+                                f"{t['dtype']}{t['shape']}@{t['offset']}")
+            elif off % FILE_ALIGN:
+                problems.append(f"{rel}: tensor {name} at byte offset {off} is not {FILE_ALIGN}-byte aligned")
+    return problems
+
+
+def compare_to_source(conv, src_path: str, echo) -> list[tuple[str, float, float]]:
+    """Per-tensor relative errors: [(what, error, limit)] for dense tensors and per (layer, proj) for experts."""
+    from .converted_reader import relative_error
+    from .source import open_source
+
+    geo = conv.geometry
+    limit = DEFAULT_MAX_REL_ERROR[geo.method]
+    rows = []
+    with open_source(src_path) as src:
+        adapter = src.arch
+        for name in conv.dense_names():
+            rows.append((name, relative_error(conv.read_dense(name), src.read(name).numpy()), DENSE_MAX_REL_ERROR))
+        for layer in geo.moe_layers:
+            worst = {p: 0.0 for p in ("gate", "up", "down")}
+            for e in range(geo.n_experts):
+                got = conv.read_expert(layer, e)
+                for p, w in got.items():
+                    ref = src.read(adapter.expert_tensor_name(layer, e, p)).numpy()
+                    worst[p] = max(worst[p], relative_error(w, ref))
+            for p, err in worst.items():
+                rows.append((f"layer {layer} experts[0..{geo.n_experts - 1}].{p} (max)", err, limit))
+    return rows
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--against", "src", default=None, help="Source checkpoint directory to compare dequantized weights to.")
+@click.option("--max-rel-error", type=float, default=None,
+              help="Fail above this relative error for experts (default: int4 0.15, int8 0.01, bf16 0.005).")
+@click.option("--quiet", is_flag=True, help="Print only failures and the summary.")
+def verify(directory, src, max_rel_error, quiet):
+    """Verify the converted DIRECTORY: manifest schema, every file's size and sha256, safetensors headers and
+    64-byte alignment; with --against SRC also the relative error ||W_hat - W|| / ||W|| of every dequantized
+    tensor against the source. Exits non-zero on any problem.
+
+    \b
+    Examples:
+      ktconvert verify converted/
+      ktconvert verify converted/ --against ./DeepSeek-V3
+      ktconvert verify converted/ --against ./DeepSeek-V3 --max-rel-error 0.15
+    """
+    from .arch import SourceError
+    from .converted_reader import ConvertedDir
+
+    root = Path(directory)
+    try:
+        conv = ConvertedDir(root)
+    except ManifestError as e:
+        raise click.ClickException(str(e)) from None
+    problems = check_structure(root, conv.manifest)
+    for p in problems:
+        click.echo(f"FAIL {p}")
+    n_files = len(conv.manifest["files"])
+    click.echo(f"structure: {n_files} files, {'OK' if not problems else f'{len(problems)} problem(s)'}")
+    if problems:
+        sys.exit(1)
+    if src is not None:
+        try:
+            rows = compare_to_source(conv, src, click.echo)
+        except (SourceError, KeyError) as e:
+            raise click.ClickException(f"cannot compare against {src}: {e}") from None
+        bad = 0
+        for what, err, limit in rows:
+            if max_rel_error is not None and "experts" in what:
+                limit = max_rel_error
+            ok = np.isfinite(err) and err <= limit
+            bad += not ok
+            if not quiet or not ok:
+                click.echo(f"{'ok  ' if ok else 'FAIL'} {what}: relative error {err:.3e} (limit {limit:g})")
+        click.echo(f"against {src}: {len(rows)} tensors compared, {bad} above the limit")
+        if bad:
+            sys.exit(1)
+    click.echo("verify: OK")
