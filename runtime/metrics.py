@@ -136,18 +136,12 @@ class ServeMetrics:
 
 
 def render_engine_stats(stats: dict) -> list[str]:
-    """Numeric entries of `Engine.stats` as `ktrun_engine_<key>` (seconds/counters as the engine names them).
-
-    Keys ending in `_s`/`_seconds`/`_total`/`_tokens`/`_steps` are cumulative -> counter; others -> gauge.
-    """
+    """Numeric entries of `Engine.stats` as gauges `ktrun_engine_<key>` (units as the engine names them)."""
     lines = []
     for key in sorted(stats):
         v = stats[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
-        safe = "".join(c if c.isalnum() or c == "_" else "_" for c in str(key)).strip("_").lower()
-        cumulative = safe.endswith(("_s", "_seconds", "_total", "_tokens", "_steps", "_count"))
-        name = f"ktrun_engine_{safe}" + ("_total" if cumulative and not safe.endswith("_total") else "")
-        lines += [f"# HELP {name} Engine.stats[{key!r}].",
-                  f"# TYPE {name} {'counter' if cumulative else 'gauge'}", f"{name} {_fmt(float(v))}"]
+        name = "ktrun_engine_" + "".join(c if c.isalnum() else "_" for c in str(key)).strip("_").lower()
+        lines += [f"# HELP {name} Engine.stats[{key!r}].", f"# TYPE {name} gauge", f"{name} {_fmt(v)}"]
     return lines

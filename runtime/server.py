@@ -196,6 +196,13 @@ class KtrunHTTPServer(ThreadingHTTPServer):
         super().__init__(addr, Handler)
         self.state, self.log_requests = state, log_requests
 
+    def handle_error(self, request, client_address):
+        """A client that resets or stalls its connection is routine, not a server error worth a traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
 
 def run_server(engine_factory, sampling_params_cls, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, max_batch: int = 16, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
