@@ -1,0 +1,111 @@
+"""Every fixture architecture (and DeepSeek's FP8 release format) converts; `verify --against` passes; the files
+are standard safetensors with every tensor 64-byte aligned; skipped tensors (MTP, FP8 scales) are gone."""
+import json
+import re
+import struct
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from ktconvert.cli import main
+from ktconvert.converted_reader import ConvertedDir
+from ktconvert.source import open_source
+from ktlayouts.converted_dir import is_pad_tensor, load_manifest
+
+
+def run_cli(*args):
+    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return res.exit_code, res.output
+
+
+def quantize(src, out, *extra):
+    code, out_text = run_cli("quantize", src, "-o", out, "--quiet", *extra)
+    assert code == 0, out_text
+    return out
+
+
+def check_files_aligned_and_readable(out):
+    manifest, _ = load_manifest(out)
+    n_tensors = 0
+    for rel, f in manifest["files"].items():
+        if not rel.endswith(".safetensors"):
+            continue
+        raw = (out / rel).read_bytes()
+        hlen = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8: 8 + hlen])
+        assert (8 + hlen) % 64 == 0
+        with safe_open(str(out / rel), framework="pt") as h:   # any safetensors reader opens it
+            names = {k for k in h.keys() if not is_pad_tensor(k)}
+            assert names == set(f["tensors"])
+            for name in names:
+                t = h.get_tensor(name)
+                assert list(t.shape) == f["tensors"][name]["shape"]
+                start = 8 + hlen + header[name]["data_offsets"][0]
+                assert start % 64 == 0 and start == f["tensors"][name]["offset"], (rel, name)
+                n_tensors += 1
+    return n_tensors
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v3_fp8", "qwen3_moe", "mixtral", "deepseek_v2"])
+def test_convert_and_verify_against_source(arch, ckpt_dir, fp8_ckpt, tmp_path):
+    src = fp8_ckpt if arch == "deepseek_v3_fp8" else ckpt_dir(arch)
+    out = quantize(src, tmp_path / "out")
+    assert check_files_aligned_and_readable(out) > 0
+    code, text = run_cli("verify", out, "--against", src)
+    assert code == 0, text
+    assert "0 above the limit" in text and "verify: OK" in text
+
+    manifest, geo = load_manifest(out)
+    cfg = json.loads((src / "config.json").read_text())
+    assert manifest["model_type"] == cfg["model_type"] and manifest["format_version"] == 1
+    assert geo.layout == "cpu-expert-int4" and geo.group_size == 128
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    dense = ConvertedDir(out).dense_names()
+    n_layers = cfg["num_hidden_layers"]
+    assert not any(n.endswith("weight_scale_inv") for n in dense)
+    assert all(int(m.group(1)) < n_layers for n in dense if (m := re.match(r"model\.layers\.(\d+)\.", n)))
+    with open_source(src) as s:
+        kept = {n for n in s.tensor_names() if s.arch.classify(n).kind not in ("skip", "expert")}
+    assert set(dense) == kept
+    # every expert file of every MoE layer is listed with the layout in its safetensors metadata
+    for layer in geo.moe_layers:
+        with safe_open(str(out / f"experts/layer-{layer:04d}.shard-0-of-1.safetensors"), framework="pt") as h:
+            assert h.metadata()["kt.layout"] == "cpu-expert-int4" and h.metadata()["kt.layout_version"] == "1"
+
+
+def test_dense_tensors_are_exact_bf16_and_router_bias_f32(fp8_ckpt, tmp_path):
+    out = quantize(fp8_ckpt, tmp_path / "out")
+    conv = ConvertedDir(out)
+    with open_source(fp8_ckpt) as s:
+        for name in conv.dense_names():
+            t = conv.manifest["files"][conv._dense_index[name]]["tensors"][name]
+            ref = s.read(name).numpy()
+            if name.endswith("e_score_correction_bias"):
+                assert t["dtype"] == "F32"
+                np.testing.assert_array_equal(conv.read_dense(name), ref)
+            else:
+                assert t["dtype"] == "BF16"
+                # independent rounding: torch's float32 -> bfloat16 conversion
+                import torch
+                np.testing.assert_array_equal(conv.read_dense(name),
+                                              torch.from_numpy(ref).to(torch.bfloat16).float().numpy())
+
+
+@pytest.mark.parametrize("method,group", [("int8-amx", 64), ("int4-amx", 32), ("int4-amx", -1), ("bf16", 128)])
+def test_methods_and_group_sizes(method, group, ckpt_dir, tmp_path):
+    src = ckpt_dir("qwen3_moe")
+    out = quantize(src, tmp_path / "out", "--method", method, "--group-size", group)
+    code, text = run_cli("verify", out, "--against", src)
+    assert code == 0, text
+    _, geo = load_manifest(out)
+    assert (geo.method, geo.group_size) == (method, group)
+    # quantization error is what the method promises, measured independently of verify's limits
+    conv = ConvertedDir(out)
+    with open_source(src) as s:
+        w = s.read(s.arch.expert_tensor_name(0, 3, "down")).numpy()
+    got = conv.read_expert(0, 3)["down"]
+    err = np.linalg.norm(got - w) / np.linalg.norm(w)
+    assert err < {"int8-amx": 0.01, "int4-amx": 0.15, "bf16": 0.004}[method]
