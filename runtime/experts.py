@@ -104,3 +104,22 @@ class TorchExperts:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def kernels_available() -> bool:
+    """True when runtime/cpu_moe.py and its library load on this machine."""
+    try:
+        from . import cpu_moe  # noqa: F401
+    except Exception:   # missing module, library or CPU feature: the reference path serves
+        return False
+    return hasattr(cpu_moe, "MoEKernels")
+
+
+def make_executor(converted, use_kernels: bool | None = None):
+    """The kernel executor when available (use_kernels None = auto, True = required), else the torch reference."""
+    if use_kernels is None:
+        use_kernels = kernels_available()
+    if use_kernels:
+        from .kernel_experts import KernelExperts
+        return KernelExperts(converted)
+    return TorchExperts(PackedExpertSource(converted.experts, converted.geometry.intermediate), device="cpu")

@@ -36,7 +36,7 @@ def sigmoid_grouped(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bia
 
 def softmax_topk(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor):
     T, E = x.shape[0], cfg.num_experts
-    logits = F.linear(x.float() if cfg.is_mla else x, gate_w.float() if cfg.is_mla else gate_w)
+    logits = F.linear(x.float(), gate_w.float()) if cfg.is_mla else F.linear(x, gate_w.to(x.dtype))
     scores = F.softmax(logits, dim=-1, dtype=torch.float32)                   # (T, E)
     if cfg.topk_method == "group_limited_greedy":
         gs = scores.view(T, cfg.n_group, E // cfg.n_group).max(dim=-1).values

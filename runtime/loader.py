@@ -1,0 +1,240 @@
+"""Open a converted directory for ktrun: validate, map experts, place dense (GPU) layers.
+
+- manifest.json is validated by ktlayouts.converted_dir (structure, format version, expert geometry).
+- Every listed file must exist with the listed size (a missing or truncated shard fails here, before generation);
+  `verify=True` also checks sha256 (reads everything, with a progress bar).
+- Expert files are mapped (numpy memmap of the whole file, tensors as views at their header offsets): nothing is
+  read at start-up, so start-up time does not grow with expert bytes. Each tensor's offset in the file header must
+  equal the manifest's.
+- Dense tensors (hub names) are read and placed on CUDA when available, else the CPU; GPU-quantized layouts are
+  dequantized per layer through ktconvert.dequant_gpu.
+- NUMA: files written for S shards are assigned to this machine's M nodes (ktlayouts nodes_for_shards); with
+  `numa_prefault=True` a thread bound to each node's CPUs faults that node's pieces in (page cache lands on the node).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ktlayouts.converted_dir import (DENSE_LAYOUT_BF16, DENSE_LAYOUT_F32, PROJECTIONS, ExpertGeometry, ManifestError,
+                                     expert_file, expert_tensor, is_pad_tensor, load_manifest, node_unit_ranges,
+                                     safe_relpath)
+
+from .models.config import ModelConfig, load_config
+
+_NP_DTYPES = {"U8": np.uint8, "F32": np.float32, "BF16": np.uint16, "F16": np.float16, "I32": np.int32,
+              "I64": np.int64, "I16": np.int16, "F8_E4M3": np.uint8}
+
+
+class LoadError(ValueError):
+    """A converted directory ktrun cannot serve; the message names the file (and tensor/offset) at fault."""
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """(byte offset of the data section, header dict) — reads only the header."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise LoadError(f"{path}: truncated (no safetensors header)")
+        n = struct.unpack("<Q", head)[0]
+        raw = f.read(n)
+    if len(raw) < n:
+        raise LoadError(f"{path}: truncated safetensors header")
+    try:
+        return 8 + n, json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{path}: corrupt safetensors header ({e})") from None
+
+
+def sha256_file(path: Path, progress=None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            if progress is not None:
+                progress.update(len(chunk))
+    return h.hexdigest()
+
+
+def numa_nodes() -> list[list[int]]:
+    """CPU lists of this machine's NUMA nodes (one node with all CPUs when unknown)."""
+    base = Path("/sys/devices/system/node")
+    nodes = []
+    for d in sorted(base.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        cpus = []
+        for part in (d / "cpulist").read_text().strip().split(","):
+            if part:
+                a, _, b = part.partition("-")
+                cpus.extend(range(int(a), int(b or a) + 1))
+        if cpus:
+            nodes.append(cpus)
+    return nodes or [sorted(os.sched_getaffinity(0))]
+
+
+@dataclass
+class ConvertedModel:
+    root: Path
+    manifest: dict
+    geometry: ExpertGeometry
+    config: ModelConfig
+    dense: dict[str, torch.Tensor]
+    # layer -> list over shards of {proj: (qweight (E, NB, KT, TB) u8, scales (E, NB, G, 16) f32 | None, geom)}
+    experts: dict[int, list[dict]]
+    device: torch.device
+    dtype: torch.dtype
+    numa_plan: list[list[tuple[int, int, int]]] = field(default_factory=list)   # per node: (shard, u0, u1)
+    mapped_bytes: int = 0
+
+
+def _check_files(root: Path, manifest: dict, verify: bool, quiet: bool) -> None:
+    files = manifest["files"]
+    for rel, f in files.items():
+        p = safe_relpath(root, rel)
+        if not p.is_file():
+            raise LoadError(f"{p}: listed in manifest.json but missing")
+        size = p.stat().st_size
+        if size != f["size"]:
+            raise LoadError(f"{p}: {size} bytes on disk, manifest.json says {f['size']} "
+                            f"({'truncated' if size < f['size'] else 'grown'}); re-run ktconvert")
+    if verify:
+        from tqdm import tqdm
+        total = sum(f["size"] for f in files.values())
+        with tqdm(total=total, unit="B", unit_scale=True, desc="sha256", disable=quiet) as bar:
+            for rel, f in files.items():
+                if sha256_file(safe_relpath(root, rel), bar) != f["sha256"]:
+                    raise LoadError(f"{safe_relpath(root, rel)}: sha256 mismatch (file corrupted); re-run ktconvert")
+
+
+def _map_tensors(path: Path, listed: dict) -> dict[str, np.ndarray]:
+    """Map a file once; return its listed tensors as array views. Offsets must agree with the file header."""
+    data_start, header = read_safetensors_header(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, t in listed.items():
+        if is_pad_tensor(name):
+            continue
+        h = header.get(name)
+        if h is None:
+            raise LoadError(f"{path}: tensor {name!r} listed in manifest.json is not in the file header")
+        begin, end = data_start + h["data_offsets"][0], data_start + h["data_offsets"][1]
+        if begin != t["offset"] or end - begin != t["nbytes"] or list(h["shape"]) != list(t["shape"]):
+            raise LoadError(f"{path}: tensor {name!r} at offset {begin} ({end - begin} bytes, shape {h['shape']}) "
+                            f"disagrees with manifest.json (offset {t['offset']}, {t['nbytes']} bytes)")
+        if end > mm.shape[0]:
+            raise LoadError(f"{path}: tensor {name!r} ends at byte {end}, past the end of the file ({mm.shape[0]})")
+        out[name] = mm[begin:end].view(_NP_DTYPES[t["dtype"]]).reshape(t["shape"])
+    return out
+
+
+def _map_experts(root: Path, manifest: dict, geo: ExpertGeometry) -> tuple[dict[int, list[dict]], int]:
+    layers, nbytes = {}, 0
+    for layer in geo.moe_layers:
+        shards = []
+        for s in range(geo.numa_nodes):
+            rel = expert_file(layer, s, geo.numa_nodes)
+            arrays = _map_tensors(safe_relpath(root, rel), manifest["files"][rel]["tensors"])
+            shard = {}
+            for p in PROJECTIONS:
+                qw = arrays[expert_tensor(p, "qweight")]
+                sc = arrays.get(expert_tensor(p, "scales"))
+                shard[p] = (qw, sc, geo.matrix_geometry(p, s))
+                nbytes += qw.nbytes + (0 if sc is None else sc.nbytes)
+            shards.append(shard)
+        layers[layer] = shards
+    return layers, nbytes
+
+
+def _to_torch(name: str, a: np.ndarray, dtype_name: str) -> torch.Tensor:
+    if dtype_name == "BF16":
+        return torch.from_numpy(np.array(a).view(np.int16)).view(torch.bfloat16)     # copy: dense is read now
+    if dtype_name in ("F32", "F16"):
+        return torch.from_numpy(np.array(a))
+    raise LoadError(f"dense tensor {name!r}: dtype {dtype_name} is not a float layout")
+
+
+def _load_dense(root: Path, manifest: dict, device, dtype) -> dict[str, torch.Tensor]:
+    dense, quantized = {}, {}
+    for rel, f in manifest["files"].items():
+        if f["kind"] not in ("dense", "globals"):
+            continue
+        arrays = _map_tensors(safe_relpath(root, rel), f.get("tensors", {}))
+        for name, a in arrays.items():
+            lay = f["tensors"][name]["layout"]
+            if lay in (DENSE_LAYOUT_BF16, DENSE_LAYOUT_F32):
+                t = _to_torch(name, a, f["tensors"][name]["dtype"])
+                # router weights and score biases stay float32, as the reference keeps them
+                keep32 = name.endswith(("e_score_correction_bias", ".gate.weight"))
+                dense[name] = t.to(device=device, dtype=torch.float32 if keep32 else dtype)
+            else:
+                quantized.setdefault(rel, {})[name] = (a, f["tensors"][name])
+    for rel, group in quantized.items():
+        for name, t in _dequantize_gpu_layers(group, str(safe_relpath(root, rel))).items():
+            dense[name] = t.to(device=device, dtype=dtype)
+    return dense
+
+
+def _dequantize_gpu_layers(group: dict, where: str) -> dict[str, torch.Tensor]:
+    """GPU-quantized dense tensors of one file {name: (array, manifest entry)} -> {hub weight name: float tensor}."""
+    try:
+        from ktconvert import dequant_gpu
+    except ImportError:
+        lays = sorted({t["layout"] for _a, t in group.values()})
+        raise LoadError(f"{where}: GPU layer layouts {lays} need ktconvert.dequant_gpu, which is not installed") from None
+    return dequant_gpu.dequantize_group({n: a for n, (a, _t) in group.items()},
+                                        {n: t for n, (_a, t) in group.items()}, where=where)
+
+
+def prefault_numa(model: ConvertedModel, nodes: list[list[int]]) -> list[threading.Thread]:
+    """Fault each node's expert pieces in from a thread bound to that node's CPUs (first touch places the pages)."""
+    plan = model.numa_plan
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def touch(node: int):
+        os.sched_setaffinity(0, nodes[node])            # this thread only
+        for s, _u0, _u1 in plan[node]:
+            for layer, shards in model.experts.items():
+                for qw, sc, _g in shards[s].values():
+                    for a in (qw, sc):
+                        if a is not None:
+                            flat = a.reshape(-1).view(np.uint8)
+                            int(flat[::page].sum())     # one byte per page
+
+    threads = [threading.Thread(target=touch, args=(m,), daemon=True) for m in range(len(plan))]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool = False, quiet: bool = True,
+                   numa_prefault: bool = False) -> ConvertedModel:
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise LoadError(f"{root}: not a directory")
+    try:
+        manifest, geo = load_manifest(root)
+    except ManifestError as e:
+        raise LoadError(f"{root}: {e}") from None
+    cfg = load_config(root / "config.json")
+    if cfg.model_type != manifest.get("model_type", cfg.model_type):
+        raise LoadError(f"{root}: config.json model_type {cfg.model_type} != manifest {manifest['model_type']}")
+    if tuple(cfg.moe_layers) != tuple(geo.moe_layers):
+        raise LoadError(f"{root}: config.json MoE layers {cfg.moe_layers} != manifest experts.moe_layers {geo.moe_layers}")
+    _check_files(root, manifest, verify, quiet)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    experts, nbytes = _map_experts(root, manifest, geo)
+    dense = _load_dense(root, manifest, device, dtype)
+    nodes = numa_nodes()
+    model = ConvertedModel(root, manifest, geo, cfg, dense, experts, device, dtype,
+                           numa_plan=node_unit_ranges(geo.shard_plan, len(nodes)), mapped_bytes=nbytes)
+    if numa_prefault:
+        prefault_numa(model, nodes)
+    return model

@@ -1,0 +1,116 @@
+"""Tokenizer of a converted (or hub) directory: `tokenizer.json` through `tokenizers`, special tokens and the chat
+template from `tokenizer_config.json` (or `chat_template.jinja`), rendered with jinja2 the way transformers does.
+
+BOS/EOS follow transformers' tokenizers backend: when tokenizer_config.json states add_bos_token / add_eos_token,
+or tokenizer.json has no post-processor, the post-processor becomes "[BOS] $A [EOS]" with the stated flags
+(missing flags = False); otherwise tokenizer.json's own post-processor decides. Chat prompts are rendered to text
+and encoded without special tokens (the template writes BOS itself), as apply_chat_template does.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
+
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+def _token_str(v) -> str | None:
+    if v is None:
+        return None
+    return v.get("content") if isinstance(v, dict) else str(v)
+
+
+def _compile_template(source: str):
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        d = Path(model_dir)
+        tj = d / "tokenizer.json"
+        if not tj.is_file():
+            raise TokenizerError(f"{d}: tokenizer.json is missing (ktrun reads fast tokenizers only)")
+        self._tok = HFTokenizer.from_file(str(tj))
+        cfg_path = d / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        stm_path = d / "special_tokens_map.json"
+        stm = json.loads(stm_path.read_text()) if stm_path.is_file() else {}
+        self.special_tokens = {k: _token_str(cfg.get(k, stm.get(k))) for k in SPECIAL_KEYS}
+        self.special_tokens = {k: v for k, v in self.special_tokens.items() if v is not None}
+        self.bos_token_id = self._id(self.special_tokens.get("bos_token"))
+        self.eos_token_id = self._id(self.special_tokens.get("eos_token"))
+        explicit = "add_bos_token" in cfg or "add_eos_token" in cfg
+        if explicit or self._tok.post_processor is None:
+            self._set_post_processor(bool(cfg.get("add_bos_token", False)), bool(cfg.get("add_eos_token", False)))
+        self.chat_template = self._find_template(d, cfg)
+        self._compiled = None
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
+        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
+        add_bos = add_bos and bos is not None and self.bos_token_id is not None
+        add_eos = add_eos and eos is not None and self.eos_token_id is not None
+        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+        special = ([(bos, self.bos_token_id)] if add_bos else []) + ([(eos, self.eos_token_id)] if add_eos else [])
+        self._tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+    @staticmethod
+    def _find_template(d: Path, cfg: dict) -> str | None:
+        t = cfg.get("chat_template")
+        if isinstance(t, list):   # [{"name": "default", "template": ...}, ...]
+            named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+            t = named.get("default")
+        if t is None and (d / "chat_template.jinja").is_file():
+            t = (d / "chat_template.jinja").read_text()
+        return t
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template (tokenizer_config.json 'chat_template'); "
+                                 "use a plain prompt instead of --chat")
+        if self._compiled is None:
+            self._compiled = _compile_template(self.chat_template)
+        ctx = {**self.special_tokens, **kwargs}
+        return self._compiled.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **ctx)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = True, **kwargs):
+        """Like transformers: render, then encode without adding special tokens."""
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
