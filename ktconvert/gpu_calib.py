@@ -1,0 +1,242 @@
+"""Calibration for GPTQ: run the model one decoder layer at a time over calibration tokens, collecting Hessians.
+
+Memory stays at about one layer: each decoder layer is built from the checkpoint's config with the transformers
+model class (on the meta device, then its non-expert weights are loaded from the source), routed experts are read
+from the source one expert at a time while they run, and only the hidden states of the calibration tokens
+(S, L, H) are carried from layer to layer. Per layer:
+  pass 1: forward with the layer's float weights, routed experts skipped (no quantized Linear consumes their
+          output inside the layer); a pre-hook on every quantized Linear accumulates H = 2 X^T X / T;
+  GPTQ:   each Linear is quantized with its Hessian and its weight replaced by the dequantized one;
+  pass 2: full forward (routed experts included) with the quantized weights -> the next layer's inputs.
+The lm_head (opt-in) is quantized last, from the final norm of the last hidden states.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from .rtn import QuantizedLinear
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CALIB = Path(__file__).resolve().parent / "data" / "calib.txt"
+EMBED_NAME = "model.embed_tokens.weight"
+NORM_NAME = "model.norm.weight"
+HEAD_NAME = "lm_head.weight"
+_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+_DROP_CONFIG_KEYS = ("quantization_config", "auto_map", "architectures", "model_type", "transformers_version")
+
+# (name, W (N, K), H (K, K)) -> the quantized weight, or None to keep the float weight (reference runs)
+QuantizeFn = Callable[[str, torch.Tensor, torch.Tensor], "QuantizedLinear | None"]
+
+
+class CalibrationError(ValueError):
+    """Calibration cannot run: a missing/empty calibration file, tokenizer, or tensor; the message names it."""
+
+
+def read_calibration_text(path: str | Path | None) -> tuple[str, Path]:
+    """The calibration text (path None -> the packaged ktconvert/data/calib.txt)."""
+    p = Path(path) if path is not None else DEFAULT_CALIB
+    flag = "--calib" if path is not None else "packaged calibration text"
+    if not p.is_file():
+        raise CalibrationError(f"{flag}: calibration file {p} does not exist")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CalibrationError(f"{flag}: cannot read calibration file {p} as UTF-8 text: {e}") from None
+    if not text.strip():
+        raise CalibrationError(f"{flag}: calibration file {p} is empty")
+    return text, p
+
+
+def calibration_tokens(src_dir: Path, text: str, vocab_size: int, n_tokens: int, seq_len: int, seed: int
+                       ) -> torch.Tensor:
+    """Tokenize with the checkpoint's tokenizer.json -> (S, L) int64 windows, chosen deterministically by seed."""
+    from tokenizers import Tokenizer
+
+    tok_path = Path(src_dir) / "tokenizer.json"
+    if not tok_path.is_file():
+        raise CalibrationError(f"GPTQ calibration needs the checkpoint's tokenizer: {tok_path} does not exist "
+                               f"(use --gpu-method rtn-int4 to quantize without calibration)")
+    ids = Tokenizer.from_file(str(tok_path)).encode(text, add_special_tokens=False).ids
+    if not ids:
+        raise CalibrationError("calibration text tokenizes to zero tokens")
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.max() >= vocab_size:
+        raise CalibrationError(f"{tok_path}: token id {int(ids.max())} >= vocab_size {vocab_size} of config.json")
+    seq_len = min(seq_len, len(ids))
+    windows = len(ids) // seq_len
+    rng = np.random.default_rng(seed)
+    pick = np.sort(rng.permutation(windows)[: max(1, min(windows, n_tokens // seq_len))])
+    return torch.from_numpy(np.stack([ids[w * seq_len:(w + 1) * seq_len] for w in pick]))
+
+
+def embedding_rows(src, ids: torch.Tensor) -> torch.Tensor:
+    """Embeddings of `ids` (S, L) -> (S, L, H) float32, reading only those rows of the table from the file."""
+    info = src.info(EMBED_NAME)
+    np_dtype = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}.get(info.dtype)
+    if np_dtype is None:
+        return src.read(EMBED_NAME)[ids]
+    table = np.memmap(info.file, dtype=np_dtype, mode="r", offset=info.offset, shape=tuple(info.shape))
+    uniq, inv = np.unique(ids.numpy(), return_inverse=True)
+    rows = np.asarray(table[uniq])
+    if info.dtype == "BF16":
+        rows = (rows.astype(np.uint32) << 16).view(np.float32)
+    rows = torch.from_numpy(rows.astype(np.float32))
+    return rows[torch.from_numpy(inv.reshape(ids.shape))]
+
+
+def hf_config(config: dict, model_type: str):
+    from transformers import CONFIG_MAPPING
+
+    mt = _MODEL_TYPE_ALIASES.get(model_type, model_type)
+    cfg = CONFIG_MAPPING[mt](**{k: v for k, v in config.items() if k not in _DROP_CONFIG_KEYS})
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _model_classes(cfg):
+    mt = cfg.model_type
+    mod = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+    prefix = type(cfg).__name__[: -len("Config")]
+    return (getattr(mod, prefix + "DecoderLayer"), getattr(mod, prefix + "RotaryEmbedding"),
+            getattr(mod, prefix + "RMSNorm"))
+
+
+class StreamingExperts(nn.Module):
+    """Drop-in for a transformers fused-experts module: reads each routed expert from the source when hit."""
+
+    def __init__(self, src, layer: int, act_fn):
+        super().__init__()
+        self.src, self.layer, self.act_fn = src, layer, act_fn
+        self.enabled = True
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        # hidden_states: (T, H); top_k_index / top_k_weights: (T, top_k)
+        out = torch.zeros_like(hidden_states)
+        if not self.enabled:
+            return out
+        arch = self.src.arch
+        for e in torch.unique(top_k_index).tolist():
+            tok, pos = torch.where(top_k_index == e)
+            gate, up, down = (self.src.read(arch.expert_tensor_name(self.layer, e, p)) for p in ("gate", "up", "down"))
+            x = hidden_states[tok]
+            y = (self.act_fn(x @ gate.T) * (x @ up.T)) @ down.T
+            out.index_add_(0, tok, y * top_k_weights[tok, pos, None].to(y.dtype))
+        return out
+
+
+def _checkpoint_name(prefix: str, key: str, names: set[str]) -> str:
+    for cand in (prefix + key, prefix + "block_sparse_moe." + key[4:] if key.startswith("mlp.") else None):
+        if cand in names:
+            return cand
+    raise CalibrationError(f"calibration: the layer needs tensor {prefix + key}, which the checkpoint lacks")
+
+
+class LayerwiseGptq:
+    """Quantizes the checkpoint's Linear weights chosen by `is_target(hub name)` layer by layer, on demand."""
+
+    def __init__(self, src, tokens: torch.Tensor, quantize_fn: QuantizeFn, is_target: Callable[[str], bool],
+                 quantize_head: bool = False):
+        self.src, self.tokens, self.quantize_fn, self.is_target = src, tokens, quantize_fn, is_target
+        self.quantize_head = quantize_head
+        self.cfg = hf_config(src.config, src.arch.model_type)
+        self.layer_cls, rotary_cls, self.norm_cls = _model_classes(self.cfg)
+        self.names = set(src.tensor_names())
+        self.next_layer = 0
+        self.hidden: torch.Tensor | None = None                      # (S, L, H) inputs of next_layer
+        self.results: dict[str, tuple[int, QuantizedLinear]] = {}    # hub name -> (layer, result)
+        s, seq = tokens.shape
+        self.position_ids = torch.arange(seq)[None].expand(s, seq)
+        self.rotary = rotary_cls(config=self.cfg)
+        self.stats = {"layers": 0, "linears": 0, "seconds": 0.0}
+
+    def result(self, name: str, layer: int | None) -> QuantizedLinear:
+        """The quantized weight `name` of decoder layer `layer` (None: lm_head); runs layers as needed."""
+        target = self.cfg.num_hidden_layers if layer is None else layer
+        for k in [k for k, (li, _) in self.results.items() if li < target]:
+            del self.results[k]          # earlier layers not asked for (already written by a resumed run)
+        if name not in self.results:
+            if target < self.next_layer:
+                raise CalibrationError(f"{name}: layer {target} was calibrated already; encode layers in order")
+            while self.next_layer <= target:
+                self._run_layer(self.next_layer) if self.next_layer < self.cfg.num_hidden_layers else self._run_head()
+        if name not in self.results:
+            raise CalibrationError(f"{name}: not a Linear that calibration quantizes")
+        return self.results.pop(name)[1]
+
+    @torch.no_grad()
+    def _run_layer(self, li: int) -> None:
+        t0 = time.perf_counter()
+        if self.hidden is None:
+            self.hidden = embedding_rows(self.src, self.tokens)
+        layer = self._build_layer(li)
+        pos_emb = self.rotary(self.hidden, self.position_ids)
+        linears = {}
+        for mod_name, mod in layer.named_modules():
+            if isinstance(mod, nn.Linear):
+                hub = _checkpoint_name(f"model.layers.{li}.", mod_name + ".weight", self.names)
+                if self.is_target(hub):
+                    linears[hub] = mod
+        from .gptq import HessianAccumulator
+        accs = {hub: HessianAccumulator(m.in_features) for hub, m in linears.items()}
+        hooks = [m.register_forward_pre_hook(lambda _m, args, a=accs[h]: a.add(args[0])) for h, m in linears.items()]
+        experts = [m for m in layer.modules() if isinstance(m, StreamingExperts)]
+        for e in experts:
+            e.enabled = False
+        self._forward(layer, pos_emb)                                 # pass 1: Hessians
+        for h in hooks:
+            h.remove()
+        for hub, mod in linears.items():
+            q = self.quantize_fn(hub, mod.weight.detach(), accs.pop(hub).h)
+            if q is not None:
+                mod.weight.copy_(q.dequantize()[: mod.out_features, : mod.in_features])
+                self.results[hub] = (li, q)
+        for e in experts:
+            e.enabled = True
+        self.hidden = self._forward(layer, pos_emb)                   # pass 2: quantized layer -> next inputs
+        del layer
+        dt = time.perf_counter() - t0
+        self.stats["layers"] += 1
+        self.stats["linears"] += len(linears)
+        self.stats["seconds"] += dt
+        log.info("GPTQ layer %d: %d Linear weights quantized over %d calibration tokens in %.1f s",
+                 li, len(linears), self.tokens.numel(), dt)
+        self.next_layer += 1
+
+    def _forward(self, layer, pos_emb) -> torch.Tensor:
+        out = layer(self.hidden, attention_mask=None, position_ids=self.position_ids, position_embeddings=pos_emb)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _build_layer(self, li: int) -> nn.Module:
+        with torch.device("meta"):
+            layer = self.layer_cls(self.cfg, layer_idx=li)
+        moe = getattr(layer, "mlp", None)
+        if moe is not None and hasattr(moe, "experts"):
+            moe.experts = StreamingExperts(self.src, li, moe.experts.act_fn)
+        prefix = f"model.layers.{li}."
+        state = {k: self.src.read(_checkpoint_name(prefix, k, self.names)).reshape(v.shape)
+                 for k, v in layer.state_dict().items()}
+        layer.load_state_dict(state, assign=True, strict=True)
+        meta = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
+        if meta:
+            raise CalibrationError(f"calibration: layer {li} has tensors the checkpoint does not define: {meta}")
+        return layer.eval()
+
+    @torch.no_grad()
+    def _run_head(self) -> None:
+        if self.quantize_head and HEAD_NAME in self.names and self.is_target(HEAD_NAME):
+            norm = self.norm_cls(self.cfg.hidden_size, eps=self.cfg.rms_norm_eps)
+            norm.weight.copy_(self.src.read(NORM_NAME))
+            from .gptq import HessianAccumulator
+            acc = HessianAccumulator(self.cfg.hidden_size)
+            acc.add(norm(self.hidden))
+            self.results[HEAD_NAME] = (self.next_layer, self.quantize_fn(HEAD_NAME, self.src.read(HEAD_NAME), acc.h))
+        self.next_layer += 1

@@ -1,0 +1,228 @@
+"""GPU-layer encoders: every non-expert Linear as GPTQ or RTN INT4/INT8 in the Marlin, GPTQ or compressed-tensors
+layout (ktlayouts.marlin / .gptq / .compressed_tensors); everything else as the bf16 encoder writes it.
+
+Quantized: attention projections (DeepSeek MLA: q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; or
+q_proj), shared experts, dense MLPs, and lm_head with --quantize-head. Embeddings, norms, router gates,
+e_score_correction_bias and biases stay in full precision. Routed experts are not handled here (CPU files).
+
+Output tensors of a Linear `X.weight` (N, K):
+  marlin:              X.qweight (K_pad/16, N_pad*16*b/32) I32, X.scales (n_groups, N_pad) F16, X.weight_shape (2,) I64
+                       zero padding: N_pad = round_up(N, 64), K_pad = round_up(K, 128) (codes Z, i.e. weight 0)
+  gptq:                X.qweight (K*b/32, N) I32, X.qzeros (n_groups, N*b/32) I32, X.scales (n_groups, N) F16,
+                       X.g_idx (K,) I32
+  compressed-tensors:  X.weight_packed (N, K*b/32) I32, X.weight_scale (N, n_groups) F16, X.weight_shape (2,) I64
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ktlayouts.compressed_tensors import ct_pack
+from ktlayouts.cpu_expert import LayoutError
+from ktlayouts.gptq import GPU_GROUP_SIZES, GptqGeometry, gptq_pack
+from ktlayouts.marlin import marlin_pack, marlin_padded_shape
+
+from .dense_encoding import Bf16Encoder, DenseOutput
+from .gptq import GptqConfig, gptq_quantize
+from .rtn import QuantizedLinear, quantize_rtn
+
+log = logging.getLogger(__name__)
+
+GPU_METHODS = {"gptq-int4": ("gptq", 4), "rtn-int4": ("rtn", 4), "rtn-int8": ("rtn", 8), "bf16": None}
+GPU_FORMATS = ("marlin", "gptq", "compressed-tensors")
+QUANTIZED_KINDS = ("attention", "shared_expert", "dense_mlp")
+
+
+class GpuLayerError(ValueError):
+    """A GPU-layer option or tensor that cannot be encoded; the message names the flag or tensor."""
+
+
+def layout_name(fmt: str, bits: int) -> str:
+    return f"gpu-{fmt}-int{bits}"
+
+
+@dataclass(frozen=True)
+class GpuLayerOptions:
+    method: str = "auto"            # auto: gptq-int4 when calibration text is available, else rtn-int4
+    group_size: int = 128
+    fmt: str = "marlin"
+    calib: str | None = None        # --calib FILE; None: the packaged ktconvert/data/calib.txt
+    quantize_head: bool = False
+    calib_tokens: int = 2048
+    seq_len: int = 256
+    seed: int = 0
+    percdamp: float = 0.01
+    act_order: bool = False
+
+    def __post_init__(self):
+        if self.method != "auto" and self.method not in GPU_METHODS:
+            raise GpuLayerError(f"--gpu-method {self.method!r}: choose one of auto, {', '.join(GPU_METHODS)}")
+        if self.group_size not in GPU_GROUP_SIZES:
+            raise GpuLayerError(f"--gpu-group-size {self.group_size}: choose one of {GPU_GROUP_SIZES}")
+        if self.fmt not in GPU_FORMATS:
+            raise GpuLayerError(f"--gpu-format {self.fmt!r}: choose one of {', '.join(GPU_FORMATS)}")
+        if self.act_order and self.group_size != -1 and self.fmt != "gptq":
+            raise GpuLayerError("--gpu-act-order with grouped scales needs --gpu-format gptq (g_idx); "
+                                "use --gpu-group-size -1 for marlin/compressed-tensors")
+        if self.calib_tokens < 1 or self.seq_len < 1:
+            raise GpuLayerError("calibration token counts must be positive")
+
+
+def resolve_method(opts: GpuLayerOptions) -> str:
+    """The method to run; 'auto' picks gptq-int4 if calibration text is readable, else rtn-int4 (logged)."""
+    from .gpu_calib import CalibrationError, read_calibration_text
+
+    if opts.method != "auto":
+        if GPU_METHODS[opts.method] and GPU_METHODS[opts.method][0] == "gptq":
+            read_calibration_text(opts.calib)        # missing / empty: CalibrationError naming the file
+        return opts.method
+    try:
+        _, path = read_calibration_text(opts.calib)
+    except CalibrationError as e:
+        if opts.calib is not None:
+            raise
+        log.warning("GPU layers: rtn-int4 (no calibration text: %s)", e)
+        return "rtn-int4"
+    log.info("GPU layers: gptq-int4 calibrated on %s", path)
+    return "gptq-int4"
+
+
+class GpuLayerEncoder:
+    """DenseEncoder (ktconvert.dense_encoding) writing quantized GPU layers; `src` is needed for GPTQ only."""
+
+    def __init__(self, opts: GpuLayerOptions, src=None):
+        self.opts = opts
+        self.method = resolve_method(opts)
+        self.name = self.method
+        self.bf16 = Bf16Encoder()
+        self.src = src
+        self._calibrator = None
+        algo = GPU_METHODS[self.method]
+        self.algo, self.bits = algo if algo else (None, 16)
+        if self.algo == "gptq" and src is None:
+            raise GpuLayerError("--gpu-method gptq-int4 needs the source checkpoint for calibration")
+        self.quantized_names: list[str] = []
+
+    # --- which tensors, which shapes -------------------------------------------------------------------------
+    def quantizes(self, name: str, shape: tuple[int, ...], role) -> bool:
+        if self.algo is None or not name.endswith(".weight") or len(shape) != 2:
+            return False
+        return role.kind in QUANTIZED_KINDS or (role.kind == "head" and self.opts.quantize_head)
+
+    def geometry(self, name: str, shape: tuple[int, ...]) -> GptqGeometry:
+        n, k = shape
+        try:
+            if self.opts.fmt == "marlin":
+                n, k = marlin_padded_shape(n, k, self.opts.group_size)
+            return GptqGeometry(n, k, self.bits, self.opts.group_size)
+        except LayoutError as e:
+            raise GpuLayerError(f"tensor {name} of shape (N={shape[0]}, K={shape[1]}) cannot be stored as "
+                                f"--gpu-format {self.opts.fmt} with --gpu-group-size {self.opts.group_size}: {e} "
+                                f"(--gpu-format marlin zero-pads such shapes)") from None
+
+    def plan(self, name, src_dtype, shape, role) -> list[DenseOutput]:
+        if not self.quantizes(name, tuple(shape), role):
+            return self.bf16.plan(name, src_dtype, shape, role)
+        g = self.geometry(name, tuple(shape))
+        base, lay = name[: -len(".weight")], layout_name(self.opts.fmt, self.bits)
+        if self.opts.fmt == "marlin":
+            outs = [("qweight", "I32", (g.k // 16, g.n * 16 * g.bits // 32)), ("scales", "F16", g.scales_shape),
+                    ("weight_shape", "I64", (2,))]
+        elif self.opts.fmt == "gptq":
+            outs = [("qweight", "I32", g.qweight_shape), ("qzeros", "I32", g.qzeros_shape),
+                    ("scales", "F16", g.scales_shape), ("g_idx", "I32", (g.k,))]
+        else:
+            outs = [("weight_packed", "I32", (g.n, g.k * g.bits // 32)), ("weight_scale", "F16", g.scales_shape[::-1]),
+                    ("weight_shape", "I64", (2,))]
+        return [DenseOutput(f"{base}.{part}", dt, tuple(s), lay) for part, dt, s in outs]
+
+    # --- encoding --------------------------------------------------------------------------------------------
+    def _pad(self, name: str, w: torch.Tensor) -> tuple[torch.Tensor, GptqGeometry]:
+        g = self.geometry(name, tuple(w.shape))
+        if (g.n, g.k) != tuple(w.shape):
+            w = torch.nn.functional.pad(w, (0, g.k - w.shape[1], 0, g.n - w.shape[0]))
+        return w, g
+
+    def quantize_with_hessian(self, name: str, w: torch.Tensor, h: torch.Tensor) -> QuantizedLinear:
+        """GPTQ of one weight (N, K) with its Hessian (K, K), zero-padded to the layout's geometry."""
+        wp, g = self._pad(name, w.to(torch.float32))
+        if g.k != h.shape[0]:
+            hp = torch.zeros(g.k, g.k, dtype=torch.float32)
+            hp[: h.shape[0], : h.shape[0]] = h
+            h = hp
+        cfg = GptqConfig(bits=self.bits, group_size=self.opts.group_size, percdamp=self.opts.percdamp,
+                         act_order=self.opts.act_order)
+        q, _ = gptq_quantize(wp, h, cfg, name=name)
+        return q
+
+    def _calibrated(self, name: str, role) -> QuantizedLinear:
+        if self._calibrator is None:
+            from .gpu_calib import LayerwiseGptq, calibration_tokens, read_calibration_text
+            text, path = read_calibration_text(self.opts.calib)
+            tokens = calibration_tokens(Path(self.src.path), text, int(self.src.config["vocab_size"]),
+                                        self.opts.calib_tokens, self.opts.seq_len, self.opts.seed)
+            log.info("GPTQ calibration: %d sequences x %d tokens from %s", tokens.shape[0], tokens.shape[1], path)
+
+            def is_target(hub: str) -> bool:
+                info = self.src.info(hub)
+                return self.quantizes(hub, tuple(info.shape), self.src.arch.classify(hub))
+            self._calibrator = LayerwiseGptq(self.src, tokens, self.quantize_with_hessian, is_target,
+                                             self.opts.quantize_head)
+        return self._calibrator.result(name, role.layer if role.kind != "head" else None)
+
+    def encode(self, name, tensor, role) -> dict[str, np.ndarray]:
+        t = torch.as_tensor(np.ascontiguousarray(tensor, dtype=np.float32))
+        if not self.quantizes(name, tuple(t.shape), role):
+            return self.bf16.encode(name, tensor, role)
+        if self.algo == "gptq":
+            q = self._calibrated(name, role)
+        else:
+            wp, g = self._pad(name, t)
+            q = quantize_rtn(wp, self.bits, self.opts.group_size)
+        self.quantized_names.append(name)
+        return pack_quantized(name, q, self.opts.fmt, tuple(t.shape))
+
+    def quantization_config(self) -> dict | None:
+        """config.json `quantization_config` for the gptq / compressed-tensors formats (None otherwise)."""
+        return quantization_config(self.opts.fmt, self.bits, self.opts.group_size, self.opts.act_order,
+                                   self.opts.quantize_head, self.opts.percdamp) if self.algo else None
+
+
+def pack_quantized(name: str, q: QuantizedLinear, fmt: str, logical_shape: tuple[int, int]) -> dict[str, np.ndarray]:
+    base = name[: -len(".weight")]
+    shape = np.array(logical_shape, dtype=np.int64)
+    if fmt == "marlin":
+        t = marlin_pack(q.codes_kn, q.scales_gn, q.geom, name=name)
+        return {f"{base}.qweight": t["qweight"], f"{base}.scales": t["scales"], f"{base}.weight_shape": shape}
+    if fmt == "gptq":
+        return {f"{base}.{k}": v for k, v in gptq_pack(q.codes_kn, q.scales_gn, q.geom, q.g_idx).items()}
+    return {f"{base}.{k}": v for k, v in ct_pack(q.codes_kn, q.scales_gn, q.geom).items()}
+
+
+def quantization_config(fmt: str, bits: int, group_size: int, act_order: bool, quantize_head: bool,
+                        percdamp: float) -> dict | None:
+    """The quantization_config vLLM and transformers recognise for a checkpoint in `fmt` (marlin: ours, None)."""
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": True,
+                "damp_percent": percdamp, "true_sequential": False, "static_groups": False,
+                "checkpoint_format": "gptq", "lm_head": quantize_head}
+    if fmt == "compressed-tensors":
+        weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False, "observer": "minmax",
+                   "strategy": "channel" if group_size == -1 else "group",
+                   "group_size": None if group_size == -1 else group_size, "actorder": None, "block_structure": None}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                              "output_activations": None, "format": "pack-quantized"}},
+                "ignore": [] if quantize_head else ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}}
+    return None
+
+
+def make_gpu_encoder(method: str = "auto", src=None, **options) -> GpuLayerEncoder | Bf16Encoder:
+    """Entry point for the pipeline: bf16 -> the plain Bf16Encoder, else a GpuLayerEncoder."""
+    if method == "bf16":
+        return Bf16Encoder()
+    return GpuLayerEncoder(GpuLayerOptions(method=method, **options), src=src)
