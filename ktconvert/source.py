@@ -1,13 +1,15 @@
 """Lazy reader for a local Hugging Face checkpoint directory (safetensors shards + index).
 
 Every shard header is parsed and validated at open (the JSON after an 8-byte little-endian length; never
-unpickled); tensor data is read one tensor at a time through a numpy memmap, so memory stays bounded by the
-largest tensor. FP8 weights (DeepSeek release format) are dequantized on the CPU with their weight_scale_inv.
+unpickled); tensor data is read one tensor at a time with pread into a fresh buffer, so memory stays bounded by
+the largest tensor (no mapping keeps pages of the whole checkpoint resident). FP8 weights (DeepSeek release format) are dequantized on the CPU with their weight_scale_inv.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,7 +118,8 @@ class Source:
         self.fp8_block: tuple[int, int] = tuple(qc.get("weight_block_size") or (128, 128))
         self._infos: dict[str, TensorInfo] = {}
         self._names: list[str] = []
-        self._maps: dict[Path, np.memmap] = {}
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
         self._load_index()
         self._validate_tensors()
 
@@ -198,10 +201,21 @@ class Source:
         return sum(i.nbytes for i in self._infos.values())
 
     def _raw(self, info: TensorInfo) -> np.ndarray:
-        mm = self._maps.get(info.file)
-        if mm is None:
-            mm = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
-        return mm[info.offset: info.offset + info.nbytes]
+        """The tensor's bytes, read with pread into a fresh buffer: no mapping stays resident after the read, so
+        memory is bounded by the tensor being read, whatever the checkpoint's size."""
+        with self._lock:  # readers may run in threads; pread itself is positional and thread-safe
+            fd = self._fds.get(info.file)
+            if fd is None:
+                fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+        buf = np.empty(info.nbytes, dtype=np.uint8)
+        view, done = memoryview(buf), 0
+        while done < info.nbytes:
+            got = os.preadv(fd, [view[done:]], info.offset + done)
+            if got <= 0:
+                raise SourceError(f"{info.file}: tensor {info.name}: file ended at byte offset {info.offset + done}, "
+                                  f"expected {info.nbytes - done} more bytes (shard changed after open?)")
+            done += got
+        return buf
 
     def read_raw(self, name: str) -> np.ndarray:
         """The tensor's stored bytes decoded to f32 numpy WITHOUT FP8 scaling (copy, shape as stored)."""
@@ -221,21 +235,35 @@ class Source:
         """One tensor as float32 (FP8 weights dequantized with their block scales); NaN/Inf -> SourceError."""
         info = self.info(name)
         if info.dtype == "F8_E4M3":
-            scale = self.read_raw(name + "_scale_inv")
+            scale_name = name + "_scale_inv"
+            scale = self._check_finite(self.info(scale_name), self.read_raw(scale_name))
             out = dequant_fp8_block(np.asarray(self._raw(info)).reshape(info.shape), scale, self.fp8_block)
         else:
             out = self.read_raw(name)
-        bad = ~np.isfinite(out)
+        return torch.from_numpy(self._check_finite(info, out))
+
+    @staticmethod
+    def _check_finite(info: TensorInfo, values: np.ndarray) -> np.ndarray:
+        bad = ~np.isfinite(values)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            what = "NaN" if np.isnan(out.flat[i]) else "Inf"
-            itemsize = DTYPE_SIZES[info.dtype]
-            raise SourceError(f"{info.file}: tensor {name}: {what} at element {np.unravel_index(i, info.shape)} "
-                              f"(byte offset {info.offset + i * itemsize}); {int(bad.sum())} non-finite values")
-        return torch.from_numpy(out)
+            what = "NaN" if np.isnan(values.flat[i]) else "Inf"
+            where = tuple(int(x) for x in np.unravel_index(i, info.shape))
+            raise SourceError(f"{info.file}: tensor {info.name}: {what} at element {where} "
+                              f"(byte offset {info.offset + i * DTYPE_SIZES[info.dtype]}); "
+                              f"{int(bad.sum())} non-finite values")
+        return values
 
     def close(self) -> None:
-        self._maps.clear()
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
 
     def __enter__(self):
         return self
