@@ -81,8 +81,11 @@ def _run(plan: PullPlan, workers: int) -> None:
     total = sum(pf.remote.size for pf in todo)
     with tqdm(total=total, initial=sum(pf.have for pf in todo), unit="B", unit_scale=True, unit_divisor=1024,
               desc=f"pull {plan.repo_id}", file=sys.stderr, mininterval=0.5, dynamic_ncols=True) as bar:
+        def warn(msg: str) -> None:
+            bar.write(msg, file=sys.stderr)
+
         def one(pf) -> None:
-            done(pf.remote, fetch_file(plan.repo_id, plan.commit, pf.remote, plan.local_dir, bar, bar.write, stop))
+            done(pf.remote, fetch_file(plan.repo_id, plan.commit, pf.remote, plan.local_dir, bar, warn, stop))
 
         with hub_errors(plan.repo_id, plan.revision), ThreadPoolExecutor(max(1, min(workers, len(todo) or 1))) as pool:
             futures = [pool.submit(one, pf) for pf in todo]

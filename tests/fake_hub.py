@@ -81,7 +81,10 @@ def fixture_repos() -> dict[str, FakeRepo]:
     gated = FakeRepo("tiny-org/gated-moe", {g: checkpoint_files(3)}, {"main": g}, gated=True)
     e = sha("evil v1")
     evil = FakeRepo("evil-org/traversal", {e: {"config.json": b"{}", "../escape.safetensors": b"x" * 64}}, {"main": e})
-    return {r.repo_id: r for r in (tiny, gated, evil)}
+    b = sha("big v1")  # one shard larger than huggingface_hub's 10 MiB download chunk
+    big_shard = save_safetensors({"w": np.random.default_rng(4).standard_normal(3 << 20, dtype=np.float32)})
+    big = FakeRepo("tiny-org/big-moe", {b: {"config.json": b"{}", "model.safetensors": big_shard}}, {"main": b})
+    return {r.repo_id: r for r in (tiny, gated, evil, big)}
 
 
 @dataclass
@@ -89,7 +92,7 @@ class FakeHub:
     repos: dict[str, FakeRepo] = field(default_factory=fixture_repos)
     token: str = "hf_fake_valid_token"
     page_size: int = 1000  # tree entries per page
-    cut_once: set = field(default_factory=set)  # paths: first GET sends half the body, then drops the connection
+    cut_once: dict = field(default_factory=dict)  # path -> bytes the next GET sends before dropping the connection
     stall: dict = field(default_factory=dict)  # path -> bytes sent before the GET hangs until `release` is set
     corrupt_once: set = field(default_factory=set)  # paths: next GET serves one flipped byte
     corrupt_always: set = field(default_factory=set)
@@ -99,6 +102,8 @@ class FakeHub:
 
     def start(self) -> "FakeHub":
         hub = self
+        self.blobs = {hashlib.sha256(data).hexdigest(): data for repo in self.repos.values()
+                      for files in repo.commits.values() for data in files.values()}
 
         class Handler(_Handler):
             fake = hub
@@ -236,12 +241,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, json.dumps(page).encode(), headers, head)
 
     def _blob(self, sha256: str) -> bytes:
-        for repo in self.fake.repos.values():
-            for files in repo.commits.values():
-                for data in files.values():
-                    if hashlib.sha256(data).hexdigest() == sha256:
-                        return data
-        raise KeyError(sha256)
+        return self.fake.blobs[sha256]
 
     def _resolve(self, repo_id: str, rev: str, path: str, entry: dict, head: bool) -> None:
         repo = self._repo(repo_id, entry, head)
@@ -287,8 +287,7 @@ class _Handler(BaseHTTPRequestHandler):
             body[len(body) // 2] ^= 0xFF
         send_limit, hang = len(body), False
         if not head and path in fake.cut_once:
-            fake.cut_once.discard(path)
-            send_limit = len(body) // 2
+            send_limit = min(fake.cut_once.pop(path), len(body))
         elif not head and path in fake.stall:
             send_limit, hang = fake.stall.pop(path), True
         self.send_response(status)
