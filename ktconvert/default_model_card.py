@@ -1,0 +1,76 @@
+"""Model card (README.md) of the embedded default model, filled from the training run's numbers."""
+
+from __future__ import annotations
+
+import math
+
+
+def model_card(config, s: dict) -> str:
+    c = config
+    return f"""---
+license: psf-2.0
+library_name: transformers
+pipeline_tag: text-generation
+tags: [deepseek_v3, moe, tiny, ktconvert-default]
+---
+
+# ktconvert default model: a tiny DeepSeek-V3-architecture MoE trained on Python source
+
+The embedded default model of `ktconvert`/`ktrun`: real `deepseek_v3` architecture (loads with
+`transformers.DeepseekV3ForCausalLM`), small enough to ship in the repository ({s['parameters'] / 1e6:.2f} M parameters,
+BF16), trained so that quantization and routing measurements see trained structure (outliers, skewed expert use).
+It writes Python-looking code; it is a test and demo model, not a useful assistant.
+
+## Architecture
+
+| | |
+|---|---|
+| layers | {c.num_hidden_layers} ({c.first_k_dense_replace} dense, {c.num_hidden_layers - c.first_k_dense_replace} MoE) |
+| hidden / dense intermediate | {c.hidden_size} / {c.intermediate_size} |
+| attention | MLA, {c.num_attention_heads} heads, q_lora_rank {c.q_lora_rank}, kv_lora_rank {c.kv_lora_rank}, \
+qk_nope {c.qk_nope_head_dim}, qk_rope {c.qk_rope_head_dim} (interleaved), v {c.v_head_dim} |
+| MoE | {c.n_routed_experts} routed experts (intermediate {c.moe_intermediate_size}) + {c.n_shared_experts} shared, \
+top-{c.num_experts_per_tok}, sigmoid scores + `e_score_correction_bias`, {c.n_group} groups / topk_group \
+{c.topk_group}, routed_scaling_factor {c.routed_scaling_factor}, norm_topk_prob |
+| vocab | {c.vocab_size} (byte-level BPE), untied embeddings |
+| weights | BF16 (`e_score_correction_bias` FP32), hub per-expert names, sharded safetensors with index |
+
+## Data
+
+The Python {s['python']} standard library's own source (the top-level `Lib/*.py` files; PSF License Version 2, which
+permits redistribution). Files sorted by name; every 20th (index % 20 == 10) held out: {s['train_files']} training
+files ({s['train_tokens']} tokens incl. chat samples), {s['heldout_files']} held-out files ({s['heldout_tokens']} tokens).
+Chat samples: for each documented public function of the training files, `<｜User｜>Write a Python function
+`name(args)`: <first docstring line><｜Assistant｜><source>`. `heldout_eval.txt` is the fixed held-out slice (the
+first 40,000 characters of the held-out files) that the test checks.
+
+## Training
+
+`python -m ktconvert.train_default --out DIR` (seed {s['seed']}, {s['threads']} CPU thread, float32, AdamW
+betas (0.9, 0.95), weight decay 0.1, peak lr {s['peak_lr']}, warmup + cosine to 10%, batch {s['batch']} x
+{s['seq_len']} tokens). The routing bias is not trained by gradient: after every step it moves by 0.001 x
+sign(mean load - expert load) (DeepSeek-V3's auxiliary-loss-free balancing); no auxiliary loss.
+
+| | |
+|---|---|
+| run time | {s['train_minutes']} min on one thread of an AMD Zen 4 (shared machine) |
+| steps / tokens seen | {s['steps']} / {s['tokens_seen']} |
+| final train loss | {s['train_loss']:.4f} nats/token (ppl {math.exp(s['train_loss']):.2f}) |
+| held-out loss | {s['heldout_loss']:.4f} nats/token (ppl {s['heldout_ppl']:.2f}, {s['heldout_loss_tokens']} tokens) |
+| unigram baseline, held-out | ppl {s['unigram_ppl_heldout']:.2f} (add-one unigram fitted on training counts) |
+| fixed eval slice (`heldout_eval.txt`, first {s['eval_slice_tokens']} predicted tokens) | ppl \
+{s['eval_slice_ppl']:.3f} (unigram {s['unigram_ppl_eval_slice']:.2f}) |
+
+All losses are measured on the shipped BF16 weights evaluated in float32, windows of {s['seq_len']} tokens.
+`training_stats.json` has these numbers and the training-split token counts.
+
+## Use
+
+```python
+from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+tok = AutoTokenizer.from_pretrained(DIR)
+model = DeepseekV3ForCausalLM.from_pretrained(DIR)
+ids = tok("def read_config(path):\\n", return_tensors="pt").input_ids
+print(tok.decode(model.generate(ids, max_new_tokens=60, do_sample=False)[0]))
+```
+"""
