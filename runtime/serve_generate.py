@@ -33,7 +33,13 @@ def decode(tok, ids: list[int]) -> str:
 
 
 def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
-    out = tok.apply_chat_template(messages, add_generation_prompt=True)
+    try:
+        out = tok.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # no template, or the template refused these messages (raise_exception / bad roles)
+        if not isinstance(e, ValueError) and "jinja2" not in type(e).__module__:
+            raise
+        raise ApiError(400, f"the chat template cannot render these messages: {e}", code="chat_template_error",
+                       param="messages") from None
     if isinstance(out, str):  # rendered text: the template already holds the BOS text, so add no special tokens
         return encode(tok, out, special=False)
     return list(getattr(out, "ids", out))
@@ -63,7 +69,7 @@ class GenerationMixin:
         ids = body.get("tokens")
         if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
             raise bad_param("tokens", "'tokens' must be a list of integer token ids")
-        self._check_ids(engine, ids, "tokens")
+        self._check_ids(engine, ids, "tokens", model_vocab=False)
         self.send_json(200, {"prompt": decode(engine.tokenizer, ids)})
 
     def _check_model(self, engine, model, optional=False) -> None:
@@ -73,8 +79,11 @@ class GenerationMixin:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {engine.model_name!r}",
                            "not_found_error", "model_not_found", "model")
 
-    def _check_ids(self, engine, ids, param: str) -> None:
-        vocab = getattr(engine, "vocab_size", None) or getattr(engine.tokenizer, "vocab_size", None)
+    def _check_ids(self, engine, ids, param: str, model_vocab: bool = True) -> None:
+        """Token ids in range: the model's vocabulary for prompts, the tokenizer's for /detokenize."""
+        model_cfg = getattr(getattr(engine, "model", None), "cfg", None)
+        vocab = getattr(model_cfg, "vocab_size", None) if model_vocab else None
+        vocab = vocab or getattr(engine.tokenizer, "vocab_size", None)
         if isinstance(vocab, int) and any(not 0 <= t < vocab for t in ids):
             raise bad_param(param, f"token ids must be in [0, {vocab})")
 
@@ -100,9 +109,12 @@ class GenerationMixin:
             self._check_ids(engine, req.prompt, "prompt")
             prompt_ids = list(req.prompt)
         max_tokens = self._check_lengths(req, len(prompt_ids), engine.ctx)
-        params = self.state.sampling_params_cls(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-            stop=[], ignore_eos=req.ignore_eos)  # stop strings are matched here, on the decoded text
+        try:  # stop strings are matched here, on the decoded text, so the engine gets none
+            params = self.state.sampling_params_cls(
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                seed=req.seed, stop=[], ignore_eos=req.ignore_eos)
+        except ValueError as e:
+            raise ApiError(400, f"invalid sampling parameters: {e}", code="invalid_parameter") from None
         rid = proto.new_id(kind)
         metrics = self.state.metrics
         metrics.prompt_tokens.inc(len(prompt_ids))

@@ -52,7 +52,7 @@ class ServerState:
 
     def _cpu_expert_seconds(self) -> float:
         stats = getattr(self.engine, "stats", None) or {}
-        for key in ("cpu_expert_s", "cpu_expert_seconds", "cpu_experts_s", "cpu_moe_s", "expert_s"):
+        for key in ("expert_compute_s", "cpu_expert_s"):
             if isinstance(stats.get(key), (int, float)):
                 return float(stats[key])
         return 0.0

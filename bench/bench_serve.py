@@ -1,0 +1,167 @@
+"""Load test of `ktrun serve` over loopback: requests/s, output tokens/s, TTFT and TPOT (mean, median, p99) at
+concurrency 1, 4 and 16, and the aggregate output rate at 16 streams against one stream's (measured in the same run).
+
+Bounded in count and time: each level runs `--requests-per-stream x concurrency` streaming requests (at least
+`--min-requests`) of exactly `--max-tokens` tokens (ignore_eos), or stops starting new ones after `--level-seconds`.
+Clients are closed-loop: each of the `c` streams sends its next request when the previous one finishes.
+
+    .venv/bin/python bench/bench_serve.py                       # tiny DeepSeek-V3 fixture, converted int4
+    .venv/bin/python bench/bench_serve.py --model-dir converted/ --max-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LEVELS = (1, 4, 16)
+BIN = Path(sys.executable).parent  # the venv's console scripts: ktconvert, ktrun
+
+
+def build_fixture(work: Path, arch: str) -> Path:
+    from ktconvert.fixtures import make_checkpoint
+
+    src = make_checkpoint(arch, work / "src")
+    out = work / "converted"
+    subprocess.run([str(BIN / "ktconvert"), "quantize", str(src), "-o", str(out), "--quiet"],
+                   check=True, cwd=REPO)
+    return out
+
+
+def start_server(model_dir: Path, ctx: int, max_batch: int):
+    proc = subprocess.Popen([str(BIN / "ktrun"), "serve", str(model_dir), "--port", "0", "--ctx",
+                             str(ctx), "--max-batch", str(max_batch)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    port = None
+    for line in proc.stderr:
+        m = re.search(r"listening on http://[\d.]+:(\d+)", line)
+        if m:
+            port = int(m.group(1))
+            break
+    if port is None:
+        raise SystemExit(f"server exited with {proc.wait()} before listening")
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc, port
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} while loading")
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server did not become ready in 300 s")
+
+
+def one_request(port: int, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streaming completion; times at the client: TTFT = first text event, TPOT over the rest."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+    t_first = t_last = None
+    n_tokens = 0
+    for line in resp:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        event = json.loads(line[6:])
+        now = time.perf_counter()
+        if event["choices"] and event["choices"][0]["text"]:
+            t_first = t_first or now
+            t_last = now
+        if event.get("usage"):
+            n_tokens = event["usage"]["completion_tokens"]
+    conn.close()
+    end = time.perf_counter()
+    t_first, t_last = t_first or end, t_last or end
+    return {"ttft": t_first - t0, "tpot": (t_last - t_first) / max(n_tokens - 1, 1), "tokens": n_tokens}
+
+
+def run_level(port, model, c, n_requests, max_tokens, seconds) -> tuple[list[dict], float]:
+    results, lock, counter = [], threading.Lock(), iter(range(n_requests))
+    t_stop = time.perf_counter() + seconds
+
+    def stream():
+        while time.perf_counter() < t_stop:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            r = one_request(port, model, f"Request {i}: the story of number {i * 7919 % 1000} goes", max_tokens)
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=stream) for _ in range(c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - t0
+
+
+def summary(name: str, values_s: list[float]) -> list[str]:
+    v = sorted(values_s)
+    p99 = v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]
+    return [f"{name}_mean: {statistics.fmean(v) * 1e3:.2f} ms", f"{name}_median: {statistics.median(v) * 1e3:.2f} ms",
+            f"{name}_p99: {p99 * 1e3:.2f} ms"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, help="a converted directory (default: build the tiny fixture)")
+    ap.add_argument("--arch", default="deepseek_v3", help="fixture architecture when no --model-dir")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--level-seconds", type=float, default=60.0, help="stop starting requests after this long")
+    ap.add_argument("--ctx", type=int, default=512)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
+        model_dir = a.model_dir or build_fixture(Path(tmp), a.arch)
+        proc, port = start_server(model_dir, a.ctx, max(LEVELS))
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", "/v1/models")
+            model = json.loads(conn.getresponse().read())["data"][0]["id"]
+            one_request(port, model, "warm up", 4)
+            print(f"model: {model}")
+            print(f"max_tokens_per_request: {a.max_tokens} tokens")
+            rates = {}
+            for c in LEVELS:
+                n = max(a.min_requests, a.requests_per_stream * c)
+                results, wall = run_level(port, model, c, n, a.max_tokens, a.level_seconds)
+                tokens = sum(r["tokens"] for r in results)
+                rates[c] = tokens / wall
+                print(f"c{c}_requests: {len(results)} requests")
+                print(f"c{c}_requests_per_s: {len(results) / wall:.3f} req/s")
+                print(f"c{c}_output_tokens_per_s: {rates[c]:.1f} tok/s")
+                for line in summary(f"c{c}_ttft", [r["ttft"] for r in results]) + \
+                        summary(f"c{c}_tpot", [r["tpot"] for r in results]):
+                    print(line)
+            ratio = rates[16] / rates[1]
+            print(f"c16_vs_c1_output_tokens_per_s_ratio: {ratio:.2f} x")
+            return 0 if ratio > 1.0 else 1
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
