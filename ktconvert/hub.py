@@ -129,11 +129,11 @@ class PullPlan:
             f"repo       {self.repo_id}",
             f"revision   {self.revision} -> commit {self.commit}",
             f"local dir  {self.local_dir}",
-            f"files      {len(self.files)} selected, {self.total_bytes:,} bytes ({human(self.total_bytes)}): "
-            f"{count['present']} present, {count['check']} to check, {count['partial']} partial, "
-            f"{count['missing']} missing",
-            f"download   {self.bytes_to_fetch:,} bytes ({human(self.bytes_to_fetch)}); "
-            f"free space {free:,} bytes ({human(free)})",
+            (f"files      {len(self.files)} selected, {self.total_bytes:,} bytes ({human(self.total_bytes)}): "
+             f"{count['present']} present, {count['check']} to check, {count['partial']} partial, "
+             f"{count['missing']} missing"),
+            (f"download   {self.bytes_to_fetch:,} bytes ({human(self.bytes_to_fetch)}); "
+             f"free space {free:,} bytes ({human(free)})"),
         ]
         lines += [f"skipped    {p} (pickle format; pull it with --include '*{PurePosixPath(p).suffix}')"
                   for p in self.skipped]

@@ -14,8 +14,8 @@ import click
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 from tqdm.auto import tqdm
 
-from ktconvert.hub import PullError, PullPlan, default_local_dir, free_bytes, human, hub_errors, is_repo_id, plan_pull
 from ktconvert import hub_record as rec_io
+from ktconvert.hub import PullError, PullPlan, default_local_dir, free_bytes, hub_errors, human, is_repo_id, plan_pull
 from ktconvert.hub_fetch import PARTIAL_DIR, Cancelled, VerifyError, check_content, fetch_file, sha256_file
 
 
@@ -80,7 +80,8 @@ def _run(plan: PullPlan, workers: int) -> None:
     stop = threading.Event()
     total = sum(pf.remote.size for pf in todo)
     with tqdm(total=total, initial=sum(pf.have for pf in todo), unit="B", unit_scale=True, unit_divisor=1024,
-              desc=f"pull {plan.repo_id}", file=sys.stderr, mininterval=0.5, dynamic_ncols=True) as bar:
+              desc=f"pull {plan.repo_id}", file=sys.stderr, mininterval=0.5, dynamic_ncols=True,
+              disable=bool(constants.HF_HUB_DISABLE_PROGRESS_BARS)) as bar:
         def warn(msg: str) -> None:
             bar.write(msg, file=sys.stderr)
 

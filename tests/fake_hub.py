@@ -100,7 +100,7 @@ class FakeHub:
     stalled: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
 
-    def start(self) -> "FakeHub":
+    def start(self) -> FakeHub:
         hub = self
         self.blobs = {hashlib.sha256(data).hexdigest(): data for repo in self.repos.values()
                       for files in repo.commits.values() for data in files.values()}

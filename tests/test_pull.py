@@ -16,9 +16,9 @@ from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_hub import FakeHub  # noqa: E402
+from fake_hub import FakeHub
 
-from ktconvert.hub import resolve_source  # noqa: E402
+from ktconvert.hub import resolve_source
 
 KTCONVERT = str(Path(sys.executable).with_name("ktconvert"))
 REPO = "tiny-org/tiny-moe"
@@ -51,7 +51,7 @@ def env(fake, tmp_path):
 
 def run(env, *args, extra=None, timeout=60):
     return subprocess.run([KTCONVERT, "pull", *args], env={**env, **(extra or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 def content(fake, path, rev="main", repo=REPO):
