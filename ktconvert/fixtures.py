@@ -27,24 +27,27 @@ VOCAB_SIZE = 320  # tokenizer has 300 entries; the model's vocab is padded past 
 # multiples of 128 (partial blocks), dense layers before MoE layers, shared experts.
 TINY_CONFIGS = {
     "deepseek_v3": {
-        "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 160, "n_routed_experts": 16, "num_experts_per_tok": 4,
-        "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16,
-        "qk_nope_head_dim": 32, "v_head_dim": 32, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-        "num_nextn_predict_layers": 1, "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 1},
-    "qwen3_moe": {
-        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 80, "num_experts": 8, "num_experts_per_tok": 2,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "norm_topk_prob": True,
-        "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2},
-    "mixtral": {
-        "hidden_size": 96, "intermediate_size": 160, "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024, "bos_token_id": 1, "eos_token_id": 2},
-    "deepseek_v2": {
-        "hidden_size": 128, "intermediate_size": 224, "moe_intermediate_size": 80, "n_routed_experts": 8, "num_experts_per_tok": 3,
-        "n_group": 1, "topk_group": 1, "topk_method": "greedy", "n_shared_experts": 2, "first_k_dense_replace": 1,
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None,
-        "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+        "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 160, "n_routed_experts": 16,
+        "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
+        "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 1,
         "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 1},
+    "qwen3_moe": {
+        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 80, "num_experts": 8,
+        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "norm_topk_prob": True, "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2},
+    "mixtral": {
+        "hidden_size": 96, "intermediate_size": 160, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+        "bos_token_id": 1, "eos_token_id": 2},
+    "deepseek_v2": {
+        "hidden_size": 128, "intermediate_size": 224, "moe_intermediate_size": 80, "n_routed_experts": 8,
+        "num_experts_per_tok": 3, "n_group": 1, "topk_group": 1, "topk_method": "greedy", "n_shared_experts": 2,
+        "first_k_dense_replace": 1, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": False, "max_position_embeddings": 1024, "bos_token_id": 0,
+        "eos_token_id": 1},
 }
 # config.json keys the hub files carry that the transformers classes do not write (kept for fidelity).
 HUB_EXTRA_KEYS = {

@@ -10,9 +10,10 @@ from pathlib import Path
 
 TOKENIZER_VOCAB = 300  # the model vocab (fixtures.VOCAB_SIZE) is larger: padded, as on the hub
 
+_DS_BOS, _DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 _DEEPSEEK = {
-    "special": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
-    "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>", "pad": "<｜end▁of▁sentence｜>", "unk": None,
+    "special": [_DS_BOS, _DS_EOS, "<｜User｜>", "<｜Assistant｜>"],
+    "bos": _DS_BOS, "eos": _DS_EOS, "pad": _DS_EOS, "unk": None,
     "chat_template": (
         "{{ bos_token }}{% for m in messages %}"
         "{% if m['role'] == 'system' %}{{ m['content'] }}"
@@ -24,13 +25,14 @@ SPECIALS = {
     "deepseek_v3": _DEEPSEEK,
     "deepseek_v2": _DEEPSEEK,
     "qwen3_moe": {
-        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
-        "unk": None,
+        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "unk": None,
         "chat_template": (
             "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")},
     "mixtral": {
-        "special": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "bos": "<s>", "eos": "</s>", "pad": None, "unk": "<unk>",
+        "special": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+        "bos": "<s>", "eos": "</s>", "pad": None, "unk": "<unk>",
         "chat_template": (
             "{{ bos_token }}{% for m in messages %}"
             "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
@@ -59,9 +61,9 @@ def build_tokenizer(arch: str):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS * 8, trainer)
     if spec["bos"]:  # the hub tokenizers of these models prepend BOS
-        bos_id = tok.token_to_id(spec["bos"])
+        bos = spec["bos"]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{spec['bos']} $A", pair=f"{spec['bos']} $A {spec['bos']} $B", special_tokens=[(spec["bos"], bos_id)])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
     return tok
 
 

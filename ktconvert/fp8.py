@@ -48,7 +48,7 @@ def expand_block_scales(scale_inv: np.ndarray, shape: tuple[int, int], block=(12
 
 
 def dequant_fp8_block(w_fp8_bits: np.ndarray, scale_inv: np.ndarray, block=(128, 128)) -> np.ndarray:
-    """FP8 weight bits (N, K) uint8 and scales (ceil(N/bn), ceil(K/bk)) f32 -> (N, K) f32 = fp8 * scale (f32 product)."""
+    """FP8 weight bits (N, K) uint8, scales (ceil(N/bn), ceil(K/bk)) f32 -> (N, K) f32 = fp8 * scale (f32 product)."""
     w = np.asarray(w_fp8_bits)
     if w.dtype != np.uint8 or w.ndim != 2:
         raise ValueError(f"expected (N, K) uint8 float8_e4m3fn bits, got {w.dtype} {w.shape}")

@@ -2,7 +2,8 @@
 
 Every shard header is parsed and validated at open (the JSON after an 8-byte little-endian length; never
 unpickled); tensor data is read one tensor at a time with pread into a fresh buffer, so memory stays bounded by
-the largest tensor (no mapping keeps pages of the whole checkpoint resident). FP8 weights (DeepSeek release format) are dequantized on the CPU with their weight_scale_inv.
+the largest tensor (no mapping keeps pages of the whole checkpoint resident). FP8 weights (DeepSeek release
+format) are dequantized on the CPU with their weight_scale_inv.
 """
 from __future__ import annotations
 
@@ -260,10 +261,8 @@ class Source:
             os.close(fd)
 
     def __del__(self):
-        try:
+        if getattr(self, "_fds", None) and os is not None:  # os may be gone at interpreter shutdown
             self.close()
-        except Exception:  # interpreter shutdown
-            pass
 
     def __enter__(self):
         return self

@@ -25,7 +25,7 @@ def _dtypes(d) -> dict[str, tuple[str, tuple]]:
     out = {}
     for shard in sorted(set(_index(d)["weight_map"].values())):
         with safe_open(d / shard, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 sl = f.get_slice(name)
                 out[name] = (sl.get_dtype(), tuple(sl.get_shape()))
     return out
@@ -87,7 +87,8 @@ def test_config_generation_and_tokenizer_files(ckpt_dir, arch):
 
     d = ckpt_dir(arch)
     cfg = json.loads((d / "config.json").read_text())
-    assert cfg["model_type"] == arch and cfg["torch_dtype"] == "bfloat16" and cfg["architectures"][0].endswith("ForCausalLM")
+    assert cfg["model_type"] == arch and cfg["torch_dtype"] == "bfloat16"
+    assert cfg["architectures"][0].endswith("ForCausalLM")
     assert "quantization_config" not in cfg and cfg["tie_word_embeddings"] is False
     if arch == "qwen3_moe":
         assert cfg["num_experts"] == 8 and cfg["moe_intermediate_size"] % 64 != 0
@@ -143,7 +144,7 @@ def test_same_seed_same_bytes_and_knobs(tmp_path):
     assert files == sorted(p.name for p in b.iterdir())
     for f in files:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
-    shard = sorted(a.glob("*.safetensors"))[-1].name
+    shard = max(a.glob("*.safetensors")).name
     assert (a / shard).read_bytes() != (c / shard).read_bytes()
     assert json.loads((a / "config.json").read_text())["num_hidden_layers"] == 1
 
