@@ -30,7 +30,8 @@ class MoEModel:
             if not cfg.tie_word_embeddings:
                 raise KeyError("lm_head.weight is missing and tie_word_embeddings is false")
             self.lm_head = weights["model.embed_tokens.weight"]
-        self.timing = {"expert_wait_s": 0.0, "forward_s": 0.0, "forwards": 0}
+        # wall seconds by part (CPU clock; on CUDA these are launch times unless synchronized)
+        self.timing = {"expert_wait_s": 0.0, "attention_s": 0.0, "mlp_s": 0.0, "forward_s": 0.0, "forwards": 0}
 
     def _moe_prefix(self, i: int) -> str:
         p = f"model.layers.{i}."
@@ -64,16 +65,22 @@ class MoEModel:
         cfg, w = self.cfg, self.w
         x = F.embedding(batch.tokens.to(self.device), w["model.embed_tokens.weight"])   # (T, H)
         cos, sin = self.rope.cos_sin(batch.positions.to(self.device), self.dtype)
+        tm, clock = self.timing, time.perf_counter
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
+            t1 = clock()
             h = rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             x = x + self.arch.attention(cfg, w, p + "self_attn.", h, batch, i, self.rope, cos, sin)
+            t2 = clock()
             h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             if i in self.moe_layers:
                 x = x + self._moe(i, h)
             else:
                 x = x + swiglu_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
                                    w[p + "mlp.down_proj.weight"])
+            t3 = clock()
+            tm["attention_s"] += t2 - t1
+            tm["mlp_s"] += t3 - t2                      # router + shared/dense MLP + waiting for routed experts
         batch.commit()
         if not all_logits:
             x = x[batch.last_token_rows().to(self.device)]
