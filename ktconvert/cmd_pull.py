@@ -44,5 +44,7 @@ def pull(repo_id, revision, local_dir, include, exclude, dry_run, workers):
     """
     from ktconvert.hub import pull as run_pull
 
-    run_pull(repo_id, revision=revision, local_dir=local_dir, include=list(include) or None,
-             exclude=list(exclude) or None, dry_run=dry_run, workers=workers)
+    path = run_pull(repo_id, revision=revision, local_dir=local_dir, include=list(include) or None,
+                    exclude=list(exclude) or None, dry_run=dry_run, workers=workers)
+    if not dry_run:
+        click.echo(str(path))  # stdout: the local directory, for scripts

@@ -233,8 +233,8 @@ def resolve_source(src: str | None) -> Path:
             raise PullError(f"SRC {src} is not a directory")
     rec = read_source_record(path)
     if rec is not None and not rec.get("complete"):
-        raise PullError(f"{path} holds an unfinished pull of {rec.get('repo_id')}: "
-                        f"re-run `ktconvert pull {rec.get('repo_id')}` to complete it")
+        raise PullError(f"{path} holds an unfinished pull of {rec.get('repo_id')}: re-run `ktconvert pull "
+                        f"{rec.get('repo_id')} --revision {rec.get('revision')} --local-dir {path}` to complete it")
     return path
 
 

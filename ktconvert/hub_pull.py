@@ -112,7 +112,6 @@ def _run(plan: PullPlan, workers: int) -> None:
     rec_io.write_last_pull(record, plan.local_dir)
     say(f"pulled {plan.repo_id}@{plan.revision} (commit {plan.commit}): {len(plan.files)} files verified, "
         f"{plan.total_bytes:,} bytes in {plan.local_dir}")
-    click.echo(str(plan.local_dir))
 
 
 def pull_offline(repo_id: str, revision: str | None, local_dir: Path) -> Path:
@@ -144,5 +143,4 @@ def pull_offline(repo_id: str, revision: str | None, local_dir: Path) -> Path:
                         + (f"; ... {len(bad) - 5} more" if len(bad) > 5 else "") + ". Re-run the pull online.")
     rec_io.write_last_pull(rec, local_dir)
     say(f"offline: {local_dir} holds a complete pull of {repo_id}@{rec['revision']} (commit {rec['commit']})")
-    click.echo(str(local_dir.resolve()))
     return local_dir.resolve()
