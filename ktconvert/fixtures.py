@@ -218,7 +218,10 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
 
     fp8=True (deepseek_v3 only) writes DeepSeek's FP8 release format. deepseek_v3 always gets its MTP layer.
     The weights equal make_model(arch, num_layers=..., seed=..., init_scale=..., **config_overrides)
-    (FP8: their block-quantized version).
+    (FP8: their block-quantized version). num_layers counts main layers (without MTP); config_overrides go to
+    the transformers config class (e.g. hidden_size=256, moe_intermediate_size=320, initializer_range=0.1);
+    init_scale > 1 multiplies lm_head for peaked logits; max_shard_bytes bounds each shard (a tensor never splits).
+    config.json is written last, so its presence means the checkpoint is complete.
     """
     _check_arch(arch)
     if fp8 and arch != "deepseek_v3":
@@ -234,13 +237,16 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
     tensors: dict[str, torch.Tensor] = {}
     for name, t in named.items():
         tensors.update(_to_hub_dtype(name, t, fp8, block))
+    (out_dir / "config.json").unlink(missing_ok=True)  # written last: its presence marks a complete checkpoint
     _write_shards(tensors, out_dir, max_shard_bytes)
     hub_cfg = _hub_config(config, arch, fp8)
-    (out_dir / "config.json").write_text(json.dumps(hub_cfg, indent=2) + "\n")
     gen_cfg = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": True,
                "temperature": 0.6, "top_p": 0.95, "transformers_version": hub_cfg.get("transformers_version")}
     (out_dir / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     write_tokenizer(arch, out_dir, model_max_length=config.max_position_embeddings)
+    tmp = out_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(hub_cfg, indent=2) + "\n")
+    tmp.replace(out_dir / "config.json")
     return out_dir
 
 
@@ -251,3 +257,28 @@ def checkpoint_nbytes(out_dir) -> int:
 
 def param_count(model) -> int:
     return sum(math.prod(p.shape) for p in model.parameters())
+
+
+def main(argv=None) -> None:
+    """python -m ktconvert.fixtures ARCH OUT_DIR [--fp8] [--layers N] [--seed S] [--set key=json ...]"""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m ktconvert.fixtures", description=main.__doc__)
+    ap.add_argument("arch", choices=ARCHS)
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--fp8", action="store_true", help="DeepSeek FP8 release format (deepseek_v3)")
+    ap.add_argument("--layers", type=int, default=None, help="main layers (without the MTP layer)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init-scale", type=float, default=1.0, help="lm_head multiplier (peaked logits)")
+    ap.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="config override, e.g. hidden_size=256")
+    a = ap.parse_args(argv)
+    overrides = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.set)}
+    out = make_checkpoint(a.arch, a.out_dir, fp8=a.fp8, num_layers=a.layers, seed=a.seed, init_scale=a.init_scale,
+                          max_shard_bytes=a.max_shard_bytes, **overrides)
+    print(f"{out}: {checkpoint_nbytes(out)} bytes of tensors")
+
+
+if __name__ == "__main__":
+    main()

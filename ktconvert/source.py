@@ -116,6 +116,10 @@ class Source:
             raise SourceError(f"{cfg_path}: invalid JSON: {e}") from e
         self.arch: ArchAdapter = adapter_for(self.config)
         qc = self.config.get("quantization_config") or {}
+        if qc and (qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3"):
+            raise SourceError(f"{cfg_path}: unsupported quantization_config (quant_method={qc.get('quant_method')!r}, "
+                              f"fmt={qc.get('fmt')!r}); supported: unquantized BF16/F16/F32 and fp8 e4m3 block "
+                              f"scales (DeepSeek-V3 / Kimi-K2 release format)")
         self.fp8_block: tuple[int, int] = tuple(qc.get("weight_block_size") or (128, 128))
         self._infos: dict[str, TensorInfo] = {}
         self._names: list[str] = []

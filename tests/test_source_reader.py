@@ -340,3 +340,24 @@ def test_fp8_nan_bits_and_bad_scale(ckpt_copy):
     save_file(tensors, shard2, metadata={"format": "pt"})
     with pytest.raises(SourceError, match=rf"tensor {name2}_scale_inv: Inf at element \(0, 1\)"):
         open_source(d).read(name2)
+
+
+def test_f16_and_f32_shards_read_exactly(ckpt_copy):
+    d = ckpt_copy("qwen3_moe")
+    shard = _shard_of(d, "model.norm.weight")
+    orig = load_file(shard)
+    half = {k: v.float().half() if i % 2 else v.float() for i, (k, v) in enumerate(sorted(orig.items()))}
+    save_file(half, shard, metadata={"format": "pt"})
+    src = open_source(d)
+    for name, t in half.items():
+        assert src.info(name).dtype == ("F16" if t.dtype == torch.float16 else "F32")
+        assert torch.equal(src.read(name), t.float()), name
+
+
+def test_unsupported_quantization_config(ckpt_copy):
+    d = ckpt_copy("deepseek_v3")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SourceError, match="config.json: unsupported quantization_config .*compressed-tensors"):
+        open_source(d)
