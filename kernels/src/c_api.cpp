@@ -1,0 +1,126 @@
+// C ABI of libktkernels (include/ktkernels.h): error strings instead of exceptions, plus the machine-limit probes.
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "../include/ktkernels.h"
+#include "cpu_features.h"
+#include "moe_engine.h"
+
+struct kt_ctx {
+    kt::MoEEngine engine;
+    kt_ctx(int n_threads, int n_pools, const std::string& backend) : engine(n_threads, n_pools, backend) {}
+};
+
+namespace {
+thread_local std::string t_error;
+
+template <class F>
+int guarded(F&& f) {
+    try {
+        f();
+        return 0;
+    } catch (const std::exception& e) {
+        t_error = e.what();
+    } catch (...) {
+        t_error = "unknown error";
+    }
+    return -1;
+}
+
+double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+extern "C" {
+
+int kt_abi_version(void) { return KT_ABI_VERSION; }
+const char* kt_last_error(void) { return t_error.c_str(); }
+int kt_backend_supported(const char* name) { return name && kt::backend_supported(name) ? 1 : 0; }
+
+kt_ctx* kt_create(int n_threads, int n_pools, const char* backend) {
+    kt_ctx* ctx = nullptr;
+    guarded([&] { ctx = new kt_ctx(n_threads, n_pools, backend ? backend : ""); });
+    return ctx;
+}
+
+void kt_destroy(kt_ctx* ctx) { delete ctx; }
+const char* kt_backend_name(const kt_ctx* ctx) { return ctx->engine.table().name; }
+const char* kt_backend_detail(const kt_ctx* ctx) { return ctx->engine.table().detail; }
+int kt_n_threads(const kt_ctx* ctx) { return const_cast<kt_ctx*>(ctx)->engine.pool().n_threads(); }
+int kt_n_pools(const kt_ctx* ctx) { return const_cast<kt_ctx*>(ctx)->engine.pool().n_pools(); }
+
+int kt_thread_cpu(const kt_ctx* ctx, int thread) {
+    kt::ThreadPool& p = const_cast<kt_ctx*>(ctx)->engine.pool();
+    p.wait();   // the worker writes -1 there if pinning failed
+    return thread >= 0 && thread < p.n_threads() ? p.cpu_of(thread) : -2;
+}
+
+int kt_thread_pool(const kt_ctx* ctx, int thread) {
+    kt::ThreadPool& p = const_cast<kt_ctx*>(ctx)->engine.pool();
+    return thread >= 0 && thread < p.n_threads() ? p.info(thread).pool : -1;
+}
+
+int kt_add_layer(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int intermediate_pad, int bits, int group_size,
+                 int n_pieces, const kt_shard_piece* pieces) {
+    return guarded([&] {
+        ctx->engine.add_layer(layer_id, n_experts, hidden, intermediate_pad, bits, group_size, n_pieces, pieces);
+    });
+}
+
+int kt_submit(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
+              const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate) {
+    return guarded([&] {
+        ctx->engine.submit(layer_id, n_tokens, x, x_dtype, x_stride, k, ids, weights, out, out_stride, accumulate != 0);
+    });
+}
+
+int kt_sync(kt_ctx* ctx) {
+    return guarded([&] { ctx->engine.sync(); });
+}
+
+double kt_measure_read_bandwidth(kt_ctx* ctx, size_t bytes, int reps) {
+    kt::ThreadPool& pool = ctx->engine.pool();
+    const kt::ReadFn read = ctx->engine.table().read_sum;
+    bytes = bytes / 4096 * 4096;
+    char* buf = bytes ? (char*)aligned_alloc(4096, bytes) : nullptr;
+    if (!buf) { t_error = "cannot allocate the bandwidth probe buffer"; return -1.0; }
+    memset(buf, 1, bytes);   // fault every page in before timing
+    std::vector<uint64_t> sink(pool.n_threads());
+    const int n = pool.n_threads();
+    double best = 0.0;
+    for (int r = 0; r < (reps > 0 ? reps : 1); ++r) {
+        const double t0 = now_s();
+        pool.launch([&](const kt::WorkerInfo& w) {
+            const size_t a = bytes / n * w.index / 256 * 256, b = w.index + 1 == n ? bytes : bytes / n * (w.index + 1) / 256 * 256;
+            sink[w.index] += read(buf + a, b - a);
+        });
+        pool.wait();
+        const double dt = now_s() - t0;
+        if (bytes / dt > best) best = bytes / dt;
+    }
+    free(buf);
+    return best;
+}
+
+double kt_measure_int8_peak(kt_ctx* ctx, double seconds) {
+    kt::ThreadPool& pool = ctx->engine.pool();
+    const kt::PeakFn peak = ctx->engine.table().peak;
+    std::vector<double> ops(pool.n_threads());
+    double best = 0.0, spent = 0.0;
+    for (int64_t iters = 1 << 16; spent < seconds; iters *= 2) {
+        const double t0 = now_s();
+        pool.launch([&](const kt::WorkerInfo& w) { ops[w.index] = peak(iters); });
+        pool.wait();
+        const double dt = now_s() - t0;
+        spent += dt;
+        double total = 0.0;
+        for (double o : ops) total += o;
+        if (dt > 0.01 && total / dt > best) best = total / dt;
+    }
+    return best;
+}
+
+}  // extern "C"

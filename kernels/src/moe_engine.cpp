@@ -1,0 +1,368 @@
+#include "moe_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+#include "cpu_features.h"
+
+namespace kt {
+
+namespace {
+
+constexpr int kChunkBlocks = 8;   // column blocks (of 16) per work item, gate/up and down
+
+int env_int(const char* name, int fallback) {
+    const char* v = std::getenv(name);
+    return (v && *v) ? std::atoi(v) : fallback;
+}
+
+int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+float bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t f32_to_bf16(float f) {   // round to nearest even, as ktlayouts.f32_to_bf16_bits
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// layouts/README.md "Activations": per group a_s = max|v| / 127, a_q = rint(v / a_s) in [-127, 127].
+// v has `len` values (zero padded past n_valid), glen per group.
+void quantize_row(const float* v, int n_valid, int len, int glen, int8_t* q, float* s, int32_t* sum) {
+    for (int g = 0; g < len / glen; ++g) {
+        const int k0 = g * glen, k1 = k0 + glen;
+        float amax = 0.0f;
+        for (int k = k0; k < k1 && k < n_valid; ++k) amax = std::max(amax, std::fabs(v[k]));
+        const float scale = amax / 127.0f;
+        const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        int32_t total = 0;
+        for (int k = k0; k < k1; ++k) {
+            float r = k < n_valid ? std::nearbyint(v[k] * inv) : 0.0f;
+            r = std::min(127.0f, std::max(-127.0f, r));
+            q[k] = (int8_t)r;
+            total += (int32_t)r;
+        }
+        s[g] = scale;
+        sum[g] = total;
+    }
+}
+
+}  // namespace
+
+MoEEngine::MoEEngine(int n_threads, int n_pools, const std::string& backend) {
+    table_ = select_backend(backend);
+    const std::vector<std::vector<int>> nodes = numa_node_cpus();
+    int n_cpus = 0;
+    for (auto& n : nodes) n_cpus += (int)n.size();
+    if (n_pools <= 0) n_pools = env_int("KT_NUMA_POOLS", (int)nodes.size());
+    if (n_threads <= 0) n_threads = std::max(n_cpus, n_pools);
+    pool_.reset(new ThreadPool(n_threads, n_pools));
+    next1_.reset(new std::atomic<int>[n_pools]);
+    next1b_.reset(new std::atomic<int>[n_pools]);
+    next2_.reset(new std::atomic<int>[n_pools]);
+    scratch_.resize(n_threads);
+}
+
+MoEEngine::~MoEEngine() { pool_->wait(); }
+
+void MoEEngine::add_layer(int id, int E, int H, int I_pad, int bits, int G, int n_pieces, const kt_shard_piece* pcs) {
+    auto bad = [&](const std::string& m) { throw std::invalid_argument("layer " + std::to_string(id) + ": " + m); };
+    if (pool_->busy()) pool_->wait();
+    if (E < 1 || H < 1 || I_pad < 1) bad("n_experts, hidden and intermediate_pad must be >= 1");
+    if (bits != 4 && bits != 8 && bits != 16) bad("bits must be 4, 8 or 16 (bf16), got " + std::to_string(bits));
+    const bool per_row = bits == 16 || G == -1;
+    if (bits != 16 && !(G == -1 || G == 32 || (G > 0 && G % 64 == 0)))
+        bad("group size " + std::to_string(G) + " is not supported: use 32, a multiple of 64, or -1 (per row)");
+    const int unit = per_row ? 64 : std::lcm(64, G);
+    if (I_pad % unit) bad("intermediate_pad " + std::to_string(I_pad) + " is not a multiple of the unit " + std::to_string(unit));
+    if (n_pieces < 1 || !pcs) bad("needs at least one shard piece");
+    Layer L;
+    L.n_experts = E; L.hidden = H; L.inter_pad = I_pad; L.bits = bits; L.group = G;
+    L.kx = round_up(H, per_row ? 64 : unit);
+    L.kx_glen = per_row ? L.kx : G;
+    L.down_blocks = round_up(H, 16) / 16;
+    const size_t TB = bits == 4 ? 512 : 1024;
+    const int ktile = bits == 16 ? 32 : 64;   // K per tile
+    std::vector<std::pair<int, int>> covered;
+    for (int i = 0; i < n_pieces; ++i) {
+        const kt_shard_piece& s = pcs[i];
+        const std::string where = "shard piece " + std::to_string(i) + " [" + std::to_string(s.i0) + ", " +
+                                  std::to_string(s.i1) + ") rows [" + std::to_string(s.r0) + ", " + std::to_string(s.r1) + ")";
+        if (s.i0 < 0 || s.i1 > I_pad || s.i0 >= s.i1 || s.i0 % unit || s.i1 % unit)
+            bad(where + ": shard range must lie in [0, intermediate_pad) on multiples of " + std::to_string(unit));
+        const int width = s.i1 - s.i0;
+        if (s.r0 < 0 || s.r1 > width || s.r0 >= s.r1 || s.r0 % unit || s.r1 % unit)
+            bad(where + ": piece rows must lie in [0, i1 - i0) on multiples of " + std::to_string(unit));
+        if (s.pool < 0 || s.pool >= pool_->n_pools())
+            bad(where + ": pool " + std::to_string(s.pool) + " out of range (" + std::to_string(pool_->n_pools()) + " sub-pools)");
+        if (!s.gate_q || !s.up_q || !s.down_q || (bits != 16 && (!s.gate_s || !s.up_s || !s.down_s)))
+            bad(where + ": missing weight or scale pointer");
+        Piece p;
+        p.gq = (const uint8_t*)s.gate_q; p.uq = (const uint8_t*)s.up_q; p.dq = (const uint8_t*)s.down_q;
+        p.gs = s.gate_s; p.us = s.up_s; p.ds = s.down_s;
+        p.width = width; p.r0 = s.r0; p.r1 = s.r1; p.pool = s.pool;
+        const int ngx = L.kx / L.kx_glen;
+        p.g_block_q = (size_t)(L.kx / ktile) * TB;
+        p.g_expert_q = (size_t)(width / 16) * p.g_block_q;
+        p.g_block_s = (size_t)ngx * 16;
+        p.g_expert_s = (size_t)(width / 16) * p.g_block_s;
+        const int ngd = per_row ? 1 : width / G;
+        p.d_block_q = (size_t)(width / ktile) * TB;
+        p.d_expert_q = (size_t)L.down_blocks * p.d_block_q;
+        p.d_block_s = (size_t)ngd * 16;
+        p.d_expert_s = (size_t)L.down_blocks * p.d_block_s;
+        p.d_glen = per_row ? p.cols() : G;
+        p.d_g0 = per_row ? 0 : s.r0 / G;
+        L.pieces.push_back(p);
+        covered.emplace_back(s.i0 + s.r0, s.i0 + s.r1);
+    }
+    std::sort(covered.begin(), covered.end());
+    int at = 0;
+    for (auto& c : covered) {
+        if (c.first != at) bad("shard pieces must cover [0, intermediate_pad) exactly once; gap or overlap at row " + std::to_string(std::min(at, c.first)));
+        at = c.second;
+    }
+    if (at != I_pad) bad("shard pieces end at row " + std::to_string(at) + ", intermediate_pad is " + std::to_string(I_pad));
+    layers_[id] = std::move(L);
+}
+
+QView MoEEngine::gate_view(const Piece& p, const uint8_t* q, const float* s, int e, int nb) const {
+    QView v;
+    v.q = q + e * p.g_expert_q + nb * p.g_block_q;
+    v.s = s + e * p.g_expert_s + nb * p.g_block_s;
+    v.q_block_stride = p.g_block_q;
+    v.s_block_stride = p.g_block_s;
+    v.n_rows4 = L_->kx / 4;
+    v.group_rows = L_->kx_glen / 4;
+    return v;
+}
+
+void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stride, int k, const int32_t* ids,
+                       const float* weights, float* out, int64_t out_stride, bool accumulate) {
+    auto it = layers_.find(id);
+    if (it == layers_.end()) throw std::invalid_argument("layer " + std::to_string(id) + " was not added");
+    const Layer& L = it->second;
+    if (T < 0 || k < 0) throw std::invalid_argument("n_tokens and k must be >= 0");
+    if (x_dtype != KT_F32 && x_dtype != KT_BF16) throw std::invalid_argument("x dtype must be f32 or bf16");
+    if (T > 0 && (!x || !out || (k > 0 && (!ids || !weights)))) throw std::invalid_argument("null x, ids, weights or out");
+    if (T > 0 && (x_stride < L.hidden || out_stride < L.hidden))
+        throw std::invalid_argument("row strides of x and out must be >= hidden (" + std::to_string(L.hidden) + ")");
+    for (int64_t i = 0; i < (int64_t)T * k; ++i)
+        if (ids[i] >= L.n_experts)
+            throw std::invalid_argument("expert id " + std::to_string(ids[i]) + " at token " + std::to_string(i / k) +
+                                        ", slot " + std::to_string(i % k) + " is out of range (layer " +
+                                        std::to_string(id) + " has " + std::to_string(L.n_experts) + " experts)");
+    pool_->wait();   // the previous job's buffers are reused below
+    L_ = &L; T_ = T; x_ = x; x_dtype_ = x_dtype; x_stride_ = x_stride; out_ = out; out_stride_ = out_stride;
+    accumulate_ = accumulate;
+    if (T == 0) return;
+
+    // Routing: rows grouped by expert (counting sort), in (expert, token, slot) order.
+    std::vector<int> count(L.n_experts + 1, 0);
+    for (int64_t i = 0; i < (int64_t)T * k; ++i) if (ids[i] >= 0) ++count[ids[i] + 1];
+    std::partial_sum(count.begin(), count.end(), count.begin());
+    const int R = count[L.n_experts];
+    tok_.assign(R, 0);
+    wt_.assign(R, 0.0f);
+    slots_.clear();
+    int max_m = 1;
+    for (int e = 0; e < L.n_experts; ++e)
+        if (count[e + 1] > count[e]) {
+            slots_.push_back(Slot{e, count[e], count[e + 1] - count[e]});
+            max_m = std::max(max_m, count[e + 1] - count[e]);
+        }
+    {
+        std::vector<int> fill(count.begin(), count.end() - 1);
+        for (int64_t i = 0; i < (int64_t)T * k; ++i)
+            if (ids[i] >= 0) { const int r = fill[ids[i]]++; tok_[r] = (int)(i / k); wt_[r] = weights[i]; }
+    }
+
+    const bool bf16 = L.bits == 16;
+    const int ngx = L.kx / L.kx_glen;
+    if (bf16) xb_.resize((size_t)T * L.kx);
+    else { xq_.resize((size_t)T * L.kx); xs_.resize((size_t)T * ngx); xsum_.resize((size_t)T * ngx); }
+    xq_rows_.resize(R); xs_rows_.resize(R); xsum_rows_.resize(R); xb_rows_.resize(R);
+    for (int r = 0; r < R; ++r) {
+        const size_t t = tok_[r];
+        if (bf16) xb_rows_[r] = xb_.data() + t * L.kx;
+        else { xq_rows_[r] = xq_.data() + t * L.kx; xs_rows_[r] = xs_.data() + t * ngx; xsum_rows_[r] = xsum_.data() + t * ngx; }
+    }
+
+    const int n_pools = pool_->n_pools();
+    pbuf_.resize(L.pieces.size());
+    for (int pi = 0; pi < (int)L.pieces.size(); ++pi) {
+        const Piece& P = L.pieces[pi];
+        PieceBuf& B = pbuf_[pi];
+        const int cols = P.cols(), ng = bf16 ? 1 : cols / P.d_glen;
+        B.h.resize((size_t)R * cols);
+        if (bf16) { B.hb.resize((size_t)R * cols); B.b_rows.resize(R); }
+        else {
+            B.hq.resize((size_t)R * cols); B.hs.resize((size_t)R * ng); B.hsum.resize((size_t)R * ng);
+            B.q_rows.resize(R); B.s_rows.resize(R); B.sum_rows.resize(R);
+        }
+        for (int r = 0; r < R; ++r) {
+            if (bf16) B.b_rows[r] = B.hb.data() + (size_t)r * cols;
+            else { B.q_rows[r] = B.hq.data() + (size_t)r * cols; B.s_rows[r] = B.hs.data() + (size_t)r * ng; B.sum_rows[r] = B.hsum.data() + (size_t)r * ng; }
+        }
+    }
+    items1_.assign(n_pools, {}); items1b_.assign(n_pools, {}); items2_.assign(n_pools, {});
+    for (int pi = 0; pi < (int)L.pieces.size(); ++pi) {
+        const Piece& P = L.pieces[pi];
+        for (int s = 0; s < (int)slots_.size(); ++s) {
+            for (int nb = P.r0 / 16; nb < P.r1 / 16; nb += kChunkBlocks)
+                items1_[P.pool].push_back(Item{pi, s, nb, std::min(kChunkBlocks, P.r1 / 16 - nb)});
+            items1b_[P.pool].push_back(Item{pi, s, 0, 0});
+        }
+    }
+    for (int p = 0; p < n_pools; ++p) {
+        for (int nb = 0; nb < L.down_blocks; nb += kChunkBlocks)
+            items2_[p].push_back(Item{-1, -1, nb, std::min(kChunkBlocks, L.down_blocks - nb)});
+        next1_[p] = 0; next1b_[p] = 0; next2_[p] = 0;
+    }
+    if (n_pools > 1) {
+        partial_.resize(n_pools);
+        for (auto& v : partial_) v.resize((size_t)T * L.hidden);
+    }
+    const size_t need = std::max((size_t)2 * max_m * kChunkBlocks * 16, (size_t)L.kx);
+    for (auto& s : scratch_) if (s.size() < need) s.resize(need);
+    pool_->launch([this](const WorkerInfo& w) { run(w); });
+}
+
+void MoEEngine::run(const WorkerInfo& w) {
+    const int n = w.n_threads, p = w.pool;
+    for (int t = (int)((int64_t)T_ * w.index / n); t < (int)((int64_t)T_ * (w.index + 1) / n); ++t) quantize_x(t, w.index);
+    pool_->global_barrier();
+    for (int i; (i = next1_[p].fetch_add(1)) < (int)items1_[p].size();) gate_up(items1_[p][i], w.index);
+    pool_->pool_barrier(p);
+    for (int i; (i = next1b_[p].fetch_add(1)) < (int)items1b_[p].size();) quantize_h(items1b_[p][i]);
+    pool_->pool_barrier(p);
+    for (int i; (i = next2_[p].fetch_add(1)) < (int)items2_[p].size();) down(items2_[p][i], p, w.index);
+    if (pool_->n_pools() == 1) return;
+    pool_->global_barrier();
+    const int H = L_->hidden;
+    const int c0 = (int)((int64_t)H * w.index / n), c1 = (int)((int64_t)H * (w.index + 1) / n);
+    for (int t = 0; t < T_; ++t) {
+        float* o = out_ + t * out_stride_;
+        for (int c = c0; c < c1; ++c) {
+            float v = accumulate_ ? o[c] : 0.0f;
+            for (auto& part : partial_) v += part[(size_t)t * H + c];
+            o[c] = v;
+        }
+    }
+}
+
+void MoEEngine::quantize_x(int t, int worker) {
+    const Layer& L = *L_;
+    const int H = L.hidden;
+    const char* row = (const char*)x_ + (size_t)t * x_stride_ * (x_dtype_ == KT_F32 ? 4 : 2);
+    if (L.bits == 16) {
+        uint16_t* xb = xb_.data() + (size_t)t * L.kx;
+        for (int k = 0; k < L.kx; ++k)
+            xb[k] = k >= H ? 0 : x_dtype_ == KT_BF16 ? ((const uint16_t*)row)[k] : f32_to_bf16(((const float*)row)[k]);
+        return;
+    }
+    const float* v = (const float*)row;
+    if (x_dtype_ == KT_BF16) {
+        float* tmp = scratch_[worker].data();
+        for (int k = 0; k < H; ++k) tmp[k] = bf16_to_f32(((const uint16_t*)row)[k]);
+        v = tmp;
+    }
+    const int ngx = L.kx / L.kx_glen;
+    quantize_row(v, H, L.kx, L.kx_glen, xq_.data() + (size_t)t * L.kx, xs_.data() + (size_t)t * ngx,
+                 xsum_.data() + (size_t)t * ngx);
+}
+
+void MoEEngine::gate_up(const Item& it, int worker) {
+    const Piece& P = L_->pieces[it.piece];
+    const Slot& S = slots_[it.slot];
+    const int ldy = it.nbn * 16, e = S.expert;
+    float* yg = scratch_[worker].data();
+    float* yu = yg + (size_t)S.m * ldy;
+    if (L_->bits == 16) {
+        const BView g{P.gq + e * P.g_expert_q + it.nb0 * P.g_block_q, P.g_block_q, L_->kx / 2};
+        const BView u{P.uq + e * P.g_expert_q + it.nb0 * P.g_block_q, P.g_block_q, L_->kx / 2};
+        table_->bgemm(g, it.nbn, xb_rows_.data() + S.row0, S.m, yg, ldy);
+        table_->bgemm(u, it.nbn, xb_rows_.data() + S.row0, S.m, yu, ldy);
+    } else {
+        const ActRows a{xq_rows_.data() + S.row0, xs_rows_.data() + S.row0, xsum_rows_.data() + S.row0};
+        const QGemmFn fn = L_->bits == 8 ? table_->qgemm8 : table_->qgemm4;
+        fn(gate_view(P, P.gq, P.gs, e, it.nb0), it.nbn, a, S.m, yg, ldy);
+        fn(gate_view(P, P.uq, P.us, e, it.nb0), it.nbn, a, S.m, yu, ldy);
+    }
+    const int cols = P.cols();
+    for (int i = 0; i < S.m; ++i) {
+        float* h = pbuf_[it.piece].h.data() + (size_t)(S.row0 + i) * cols + (it.nb0 * 16 - P.r0);
+        const float* g = yg + (size_t)i * ldy;
+        const float* u = yu + (size_t)i * ldy;
+        for (int c = 0; c < ldy; ++c) h[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];   // silu(g) * u
+    }
+}
+
+void MoEEngine::quantize_h(const Item& it) {
+    const Piece& P = L_->pieces[it.piece];
+    const Slot& S = slots_[it.slot];
+    PieceBuf& B = pbuf_[it.piece];
+    const int cols = P.cols();
+    for (int r = S.row0; r < S.row0 + S.m; ++r) {
+        const float* h = B.h.data() + (size_t)r * cols;
+        if (L_->bits == 16) {
+            for (int c = 0; c < cols; ++c) B.hb[(size_t)r * cols + c] = f32_to_bf16(h[c]);
+        } else {
+            const int ng = cols / P.d_glen;
+            quantize_row(h, cols, cols, P.d_glen, B.hq.data() + (size_t)r * cols, B.hs.data() + (size_t)r * ng,
+                         B.hsum.data() + (size_t)r * ng);
+        }
+    }
+}
+
+void MoEEngine::down(const Item& it, int pool, int worker) {
+    const Layer& L = *L_;
+    const int H = L.hidden, c0 = it.nb0 * 16, nc = std::min(it.nbn * 16, H - c0), ldy = it.nbn * 16;
+    const bool direct = pool_->n_pools() == 1;
+    float* dst = direct ? out_ : partial_[pool].data();
+    const int64_t ld = direct ? out_stride_ : H;
+    if (!(direct && accumulate_))
+        for (int t = 0; t < T_; ++t) memset(dst + t * ld + c0, 0, sizeof(float) * nc);
+    float* y = scratch_[worker].data();
+    for (int pi = 0; pi < (int)L.pieces.size(); ++pi) {
+        const Piece& P = L.pieces[pi];
+        if (P.pool != pool) continue;
+        const PieceBuf& B = pbuf_[pi];
+        for (const Slot& S : slots_) {
+            const size_t eq = S.expert * P.d_expert_q + it.nb0 * P.d_block_q;
+            if (L.bits == 16) {
+                const BView v{P.dq + eq + (size_t)(P.r0 / 32) * 1024, P.d_block_q, P.cols() / 2};
+                table_->bgemm(v, it.nbn, B.b_rows.data() + S.row0, S.m, y, ldy);
+            } else {
+                QView v;
+                v.q = P.dq + eq + (size_t)(P.r0 / 64) * (L.bits == 8 ? 1024 : 512);
+                v.s = P.ds + S.expert * P.d_expert_s + it.nb0 * P.d_block_s + (size_t)P.d_g0 * 16;
+                v.q_block_stride = P.d_block_q;
+                v.s_block_stride = P.d_block_s;
+                v.n_rows4 = P.cols() / 4;
+                v.group_rows = P.d_glen / 4;
+                const ActRows a{B.q_rows.data() + S.row0, B.s_rows.data() + S.row0, B.sum_rows.data() + S.row0};
+                (L.bits == 8 ? table_->qgemm8 : table_->qgemm4)(v, it.nbn, a, S.m, y, ldy);
+            }
+            for (int i = 0; i < S.m; ++i) {
+                const int r = S.row0 + i;
+                float* d = dst + tok_[r] * ld + c0;
+                const float w = wt_[r];
+                const float* yy = y + (size_t)i * ldy;
+                for (int c = 0; c < nc; ++c) d[c] += w * yy[c];
+            }
+        }
+    }
+}
+
+}  // namespace kt

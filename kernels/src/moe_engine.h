@@ -1,0 +1,109 @@
+// The routed-expert part of MoE layers on packed cpu-expert layouts, run on a ThreadPool.
+//
+// One submit = one job on every worker, in phases:
+//   0 (all workers)        x -> int8 per token and gate/up group (or bf16), split over tokens
+//   1 (each sub-pool)      gate/up of (expert, block chunk) items of the pool's shard pieces; h = silu(g) * u
+//   1b (each sub-pool)     h -> int8 per token and down group (or bf16)
+//   2 (each sub-pool)      down over output-column chunks: each item loops over all experts, so the columns it
+//                          owns are written by one worker only; out[t] += w[t,j] * y
+//   3 (all, n_pools > 1)   out = sum of the pools' partial outputs
+#pragma once
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../include/ktkernels.h"
+#include "kernel_types.h"
+#include "thread_pool.h"
+
+namespace kt {
+
+struct Piece {
+    const uint8_t *gq, *uq, *dq;
+    const float *gs, *us, *ds;
+    int width;        // i1 - i0 of the shard
+    int r0, r1;       // shard-local rows computed here
+    int pool;
+    size_t g_expert_q, g_block_q, g_expert_s, g_block_s;   // gate/up strides (bytes / floats)
+    size_t d_expert_q, d_block_q, d_expert_s, d_block_s;   // down strides
+    int d_glen, d_g0;  // down group length inside the piece and index of its first group
+    int cols() const { return r1 - r0; }
+};
+
+struct Layer {
+    int n_experts, hidden, inter_pad, bits, group;
+    int kx;            // gate/up K_pad (hidden padded)
+    int kx_glen;       // gate/up group length (G, or kx for per-row / bf16)
+    int down_blocks;   // round_up(hidden, 16) / 16
+    std::vector<Piece> pieces;
+};
+
+struct Slot { int expert, row0, m; };
+
+class MoEEngine {
+public:
+    MoEEngine(int n_threads, int n_pools, const std::string& backend);
+    ~MoEEngine();
+    const KernelTable& table() const { return *table_; }
+    ThreadPool& pool() { return *pool_; }
+
+    void add_layer(int id, int n_experts, int hidden, int inter_pad, int bits, int group, int n_pieces,
+                   const kt_shard_piece* pieces);   // throws std::invalid_argument
+    void submit(int id, int T, const void* x, int x_dtype, int64_t x_stride, int k, const int32_t* ids,
+                const float* weights, float* out, int64_t out_stride, bool accumulate);
+    void sync() { pool_->wait(); }
+
+private:
+    struct PieceBuf {
+        std::vector<float> h;        // (R, cols) silu(g) * u
+        std::vector<int8_t> hq;      // (R, cols)
+        std::vector<float> hs;       // (R, groups)
+        std::vector<int32_t> hsum;   // (R, groups)
+        std::vector<uint16_t> hb;    // (R, cols) bf16 layout
+        std::vector<const int8_t*> q_rows;
+        std::vector<const float*> s_rows;
+        std::vector<const int32_t*> sum_rows;
+        std::vector<const uint16_t*> b_rows;
+    };
+    struct Item { int piece, slot, nb0, nbn; };
+
+    void run(const WorkerInfo& w);
+    void quantize_x(int t, int worker);
+    void gate_up(const Item& it, int worker);
+    void quantize_h(const Item& it);
+    void down(const Item& it, int pool, int worker);
+    QView gate_view(const Piece& p, const uint8_t* q, const float* s, int e, int nb) const;
+
+    const KernelTable* table_;
+    std::unique_ptr<ThreadPool> pool_;
+    std::map<int, Layer> layers_;
+
+    // the job in flight
+    const Layer* L_ = nullptr;
+    int T_ = 0;
+    const void* x_ = nullptr;
+    int x_dtype_ = KT_F32;
+    int64_t x_stride_ = 0, out_stride_ = 0;
+    float* out_ = nullptr;
+    bool accumulate_ = false;
+    std::vector<Slot> slots_;
+    std::vector<int> tok_;        // (R) token of each routed row, rows grouped by slot
+    std::vector<float> wt_;       // (R) routing weight
+    std::vector<int8_t> xq_;      // (T, kx)
+    std::vector<float> xs_;       // (T, kx / kx_glen)
+    std::vector<int32_t> xsum_;
+    std::vector<uint16_t> xb_;    // (T, kx) bf16 layout
+    std::vector<const int8_t*> xq_rows_;
+    std::vector<const float*> xs_rows_;
+    std::vector<const int32_t*> xsum_rows_;
+    std::vector<const uint16_t*> xb_rows_;
+    std::vector<PieceBuf> pbuf_;
+    std::vector<std::vector<Item>> items1_, items1b_, items2_;   // per pool
+    std::unique_ptr<std::atomic<int>[]> next1_, next1b_, next2_;
+    std::vector<std::vector<float>> partial_;   // per pool (T, hidden) when n_pools > 1
+    std::vector<std::vector<float>> scratch_;   // per worker
+};
+
+}  // namespace kt

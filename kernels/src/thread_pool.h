@@ -1,0 +1,72 @@
+// Persistent worker threads pinned to CPUs, grouped into sub-pools (one per NUMA node, or simulated).
+// One job at a time: launch() returns at once, wait() blocks until every worker finished the job.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kt {
+
+struct WorkerInfo {
+    int index;       // 0 .. n_threads-1
+    int pool;        // sub-pool (NUMA node) of this worker
+    int rank;        // index inside the sub-pool
+    int pool_size;   // workers in the sub-pool
+    int n_threads;
+};
+
+// Sense-reversing barrier: spins briefly (the work between barriers is short), then yields the CPU.
+class SpinBarrier {
+public:
+    void init(int n) { n_ = n; count_.store(0); generation_.store(0); }
+    void wait();
+private:
+    int n_ = 1;
+    std::atomic<int> count_{0};
+    std::atomic<unsigned> generation_{0};
+};
+
+// CPUs per NUMA node read from /sys/devices/system/node, restricted to the CPUs this process may use.
+std::vector<std::vector<int>> numa_node_cpus();
+
+class ThreadPool {
+public:
+    // n_pools sub-pools; when the machine has fewer NUMA nodes than n_pools the CPUs are split (simulation).
+    ThreadPool(int n_threads, int n_pools);
+    ~ThreadPool();
+    ThreadPool(const ThreadPool&) = delete;
+    ThreadPool& operator=(const ThreadPool&) = delete;
+
+    int n_threads() const { return (int)infos_.size(); }
+    int n_pools() const { return n_pools_; }
+    const WorkerInfo& info(int i) const { return infos_[i]; }
+    int cpu_of(int i) const { return cpus_[i]; }
+
+    void launch(std::function<void(const WorkerInfo&)> job);
+    void wait();
+    bool busy();
+    void pool_barrier(int pool) { pool_barriers_[pool].wait(); }
+    void global_barrier() { global_barrier_.wait(); }
+
+private:
+    void worker_main(int i);
+
+    int n_pools_;
+    std::vector<WorkerInfo> infos_;
+    std::vector<int> cpus_;                          // pinned CPU per worker, -1 if pinning failed
+    std::unique_ptr<SpinBarrier[]> pool_barriers_;
+    SpinBarrier global_barrier_;
+    std::vector<std::thread> threads_;
+    std::mutex mu_;
+    std::condition_variable cv_work_, cv_done_;
+    std::function<void(const WorkerInfo&)> job_;
+    std::atomic<uint64_t> generation_{0};
+    int pending_ = 0;
+    bool stop_ = false;
+};
+
+}  // namespace kt
