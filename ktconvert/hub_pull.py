@@ -61,20 +61,25 @@ def _run(plan: PullPlan, workers: int) -> None:
                                                          plan.local_dir / rf.path)
             rec_io.write_json_atomic(record_path, record)
 
-    todo = []
-    for pf in plan.files:
-        rf, dest = pf.remote, plan.local_dir / pf.remote.path
-        if pf.state == "present":
-            record["files"][rf.path] = old["files"][rf.path]
-            continue
-        if pf.state == "check":
-            try:
-                done(rf, check_content(dest, rf))
+    todo, checks = [], [pf for pf in plan.files if pf.state == "check"]
+    with tqdm(total=sum(pf.remote.size for pf in checks), unit="B", unit_scale=True, unit_divisor=1024,
+              desc="check local files", file=sys.stderr, disable=not checks or bool(constants.HF_HUB_DISABLE_PROGRESS_BARS)
+              ) as check_bar:
+        for pf in plan.files:
+            rf, dest = pf.remote, plan.local_dir / pf.remote.path
+            if pf.state == "present":
+                record["files"][rf.path] = old["files"][rf.path]
                 continue
-            except VerifyError as e:
-                say(f"local copy differs from the hub: {e}; downloading it again")
-                dest.unlink()
-        todo.append(pf)
+            if pf.state == "check":
+                try:
+                    done(rf, check_content(dest, rf))
+                    continue
+                except VerifyError as e:
+                    check_bar.write(f"local copy differs from the hub: {e}; downloading it again", file=sys.stderr)
+                    dest.unlink()
+                finally:
+                    check_bar.update(rf.size)
+            todo.append(pf)
     rec_io.write_json_atomic(record_path, record)
 
     stop = threading.Event()
