@@ -144,7 +144,8 @@ def node_unit_ranges(plan: ShardPlan, n_nodes: int) -> list[list[tuple[int, int,
 
     Units are counted inside the shard (0 = the shard's first unit), so a piece of shard s covers padded
     intermediate rows [i0 + u0 * unit, i0 + u1 * unit) where (i0, _) = plan.shard_range(s). Integer arithmetic
-    version of expert_shards.nodes_for_shards.
+    version of expert_shards.nodes_for_shards; when more nodes share a shard than it has units, some of them get
+    no piece (an empty list).
     """
     from .expert_shards import nodes_for_shards
     out = []
@@ -156,7 +157,9 @@ def node_unit_ranges(plan: ShardPlan, n_nodes: int) -> list[list[tuple[int, int,
             sharers = [j for j in range(n_nodes) if n_nodes > plan.n_shards and j * plan.n_shards // n_nodes == s]
             if sharers:
                 k, c = sharers.index(m), len(sharers)
-                node.append((s, k * n_units // c, (k + 1) * n_units // c))
+                u0, u1 = k * n_units // c, (k + 1) * n_units // c
+                if u1 > u0:              # more sharers than units: some nodes get no piece of this shard
+                    node.append((s, u0, u1))
             else:
                 node.append((s, 0, n_units))
         out.append(node)
