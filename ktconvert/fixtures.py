@@ -17,6 +17,13 @@ from pathlib import Path
 
 import torch
 
+from ktconvert.fixtures_files import (
+    F32_TENSORS,
+    FP8_QUANTIZATION_CONFIG,
+    hub_config,
+    to_hub_dtype,
+    write_shards,
+)
 from ktconvert.fixtures_tokenizer import write_tokenizer
 
 ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral", "deepseek_v2")
@@ -49,20 +56,6 @@ TINY_CONFIGS = {
         "routed_scaling_factor": 1.0, "norm_topk_prob": False, "max_position_embeddings": 1024, "bos_token_id": 0,
         "eos_token_id": 1},
 }
-# config.json keys the hub files carry that the transformers classes do not write (kept for fidelity).
-HUB_EXTRA_KEYS = {
-    "deepseek_v3": {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1},
-    "deepseek_v2": {"moe_layer_freq": 1, "scoring_func": "softmax", "ep_size": 1, "aux_loss_alpha": 0.001},
-    "qwen3_moe": {}, "mixtral": {},
-}
-FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                           "weight_block_size": [128, 128]}
-# Linear weights DeepSeek ships as FP8 (everything else stays BF16; e_score_correction_bias stays F32).
-_FP8_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj"
-                         r"|o_proj)|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$")
-_F32_TENSORS = re.compile(r".*\.e_score_correction_bias$")
-
-
 def _check_arch(arch: str) -> None:
     if arch not in ARCHS:
         raise ValueError(f"unknown fixture arch {arch!r}; choose from {', '.join(ARCHS)}")
@@ -104,7 +97,7 @@ def make_model(arch: str, *, num_layers: int | None = None, seed: int = 0, init_
     with torch.no_grad():
         model.lm_head.weight.mul_(init_scale)
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.is_floating_point() and not _F32_TENSORS.match(name) and "rotary_emb" not in name:
+            if t.is_floating_point() and not F32_TENSORS.match(name) and "rotary_emb" not in name:
                 t.copy_(t.to(torch.bfloat16).float())
     return model
 
@@ -154,63 +147,6 @@ def _mtp_state_dict(arch: str, num_layers: int | None, seed: int, overrides: dic
     return out
 
 
-def _hub_config(config, arch: str, fp8: bool) -> dict:
-    d = config.to_dict()
-    for k in ("output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label",
-              "label2id", "problem_type", "_name_or_path", "output_attentions", "dtype", "qk_head_dim"):
-        d.pop(k, None)
-    if arch in ("deepseek_v3", "deepseek_v2"):
-        d.pop("head_dim", None)  # derived; the hub's DeepSeek configs do not carry it
-    rope = d.pop("rope_parameters", None) or {}
-    d["rope_theta"] = rope.get("rope_theta", 10000.0)
-    if rope.get("rope_type", "default") != "default":
-        d["rope_scaling"] = {("type" if k == "rope_type" else k): v for k, v in rope.items() if k != "rope_theta"}
-    if arch == "qwen3_moe":
-        d["num_experts"] = d.pop("num_local_experts")
-    d.update(HUB_EXTRA_KEYS[arch])
-    d["architectures"] = [type(config).__name__.replace("Config", "ForCausalLM")]
-    d["torch_dtype"] = "bfloat16"
-    if fp8:
-        d["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
-    return dict(sorted(d.items()))
-
-
-def _to_hub_dtype(name: str, t: torch.Tensor, fp8: bool, block) -> dict[str, torch.Tensor]:
-    """One tensor as stored on the hub: bf16, f32 router bias, or FP8 + weight_scale_inv."""
-    if _F32_TENSORS.match(name):
-        return {name: t.float().contiguous()}
-    if fp8 and _FP8_WEIGHT.match(name):
-        from ktconvert.fp8 import quantize_fp8_block
-
-        bits, scale_inv = quantize_fp8_block(t.float().numpy(), tuple(block))
-        return {name: torch.from_numpy(bits).view(torch.float8_e4m3fn),
-                name + "_scale_inv": torch.from_numpy(scale_inv)}
-    return {name: t.to(torch.bfloat16).contiguous()}
-
-
-def _write_shards(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
-    """Greedy sharding in module order (a tensor never splits), hub file names, sorted index weight_map."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-        weight_map.update({name: fname for name in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
 def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | None = None, seed: int = 0,
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, init_scale: float = 1.0,
                     **config_overrides) -> Path:
@@ -236,10 +172,10 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
     block = FP8_QUANTIZATION_CONFIG["weight_block_size"]
     tensors: dict[str, torch.Tensor] = {}
     for name, t in named.items():
-        tensors.update(_to_hub_dtype(name, t, fp8, block))
+        tensors.update(to_hub_dtype(name, t, fp8, block))
     (out_dir / "config.json").unlink(missing_ok=True)  # written last: its presence marks a complete checkpoint
-    _write_shards(tensors, out_dir, max_shard_bytes)
-    hub_cfg = _hub_config(config, arch, fp8)
+    write_shards(tensors, out_dir, max_shard_bytes)
+    hub_cfg = hub_config(config, arch, fp8)
     gen_cfg = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": True,
                "temperature": 0.6, "top_p": 0.95, "transformers_version": hub_cfg.get("transformers_version")}
     (out_dir / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")

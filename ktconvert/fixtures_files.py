@@ -1,0 +1,79 @@
+"""How the fixture factory lays tensors and config out on disk, hub style: dtypes, shards + index, config.json."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+# config.json keys the hub files carry that the transformers classes do not write (kept for fidelity).
+HUB_EXTRA_KEYS = {
+    "deepseek_v3": {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1},
+    "deepseek_v2": {"moe_layer_freq": 1, "scoring_func": "softmax", "ep_size": 1, "aux_loss_alpha": 0.001},
+    "qwen3_moe": {}, "mixtral": {},
+}
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}
+# Linear weights DeepSeek ships as FP8 (everything else stays BF16; e_score_correction_bias stays F32).
+_FP8_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj"
+                         r"|o_proj)|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$")
+F32_TENSORS = re.compile(r".*\.e_score_correction_bias$")
+
+
+def hub_config(config, arch: str, fp8: bool) -> dict:
+    """config.json as the hub has it for this model type (transformers v5 names mapped back, hub-only keys added)."""
+    d = config.to_dict()
+    for k in ("output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label",
+              "label2id", "problem_type", "_name_or_path", "output_attentions", "dtype", "qk_head_dim"):
+        d.pop(k, None)
+    if arch in ("deepseek_v3", "deepseek_v2"):
+        d.pop("head_dim", None)  # derived; the hub's DeepSeek configs do not carry it
+    rope = d.pop("rope_parameters", None) or {}
+    d["rope_theta"] = rope.get("rope_theta", 10000.0)
+    if rope.get("rope_type", "default") != "default":
+        d["rope_scaling"] = {("type" if k == "rope_type" else k): v for k, v in rope.items() if k != "rope_theta"}
+    if arch == "qwen3_moe":
+        d["num_experts"] = d.pop("num_local_experts")
+    d.update(HUB_EXTRA_KEYS[arch])
+    d["architectures"] = [type(config).__name__.replace("Config", "ForCausalLM")]
+    d["torch_dtype"] = "bfloat16"
+    if fp8:
+        d["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    return dict(sorted(d.items()))
+
+
+def to_hub_dtype(name: str, t: torch.Tensor, fp8: bool, block) -> dict[str, torch.Tensor]:
+    """One tensor as stored on the hub: bf16, f32 router bias, or FP8 + weight_scale_inv."""
+    if F32_TENSORS.match(name):
+        return {name: t.float().contiguous()}
+    if fp8 and _FP8_WEIGHT.match(name):
+        from ktconvert.fp8 import quantize_fp8_block
+
+        bits, scale_inv = quantize_fp8_block(t.float().numpy(), tuple(block))
+        return {name: torch.from_numpy(bits).view(torch.float8_e4m3fn),
+                name + "_scale_inv": torch.from_numpy(scale_inv)}
+    return {name: t.to(torch.bfloat16).contiguous()}
+
+
+def write_shards(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
+    """Greedy sharding in module order (a tensor never splits), hub file names, sorted index weight_map."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
