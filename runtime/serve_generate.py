@@ -199,8 +199,8 @@ class GenerationMixin:
                 if engine_finish is None:
                     self.state.scheduler.abort(handle.req_id)
             elif engine_finish is not None:
-                finish = engine_finish
-                delta += text.finish()
+                delta += text.finish()  # the flushed tail may still complete a stop string
+                finish = "stop" if text.stopped else engine_finish
             if delta and on_delta is not None:
                 on_delta(delta)
             if finish is not None:

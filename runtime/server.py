@@ -68,7 +68,8 @@ class ServerState:
                   f"(ctx {engine.ctx}, max batch {self.max_batch}); ready", file=sys.stderr, flush=True)
         except BaseException as e:  # report, then stop the server: a server that can never load should not linger
             self.load_error = e
-            traceback.print_exc()
+            if not isinstance(e, (ValueError, OSError)):  # bad input gets its message only (printed on exit)
+                traceback.print_exc()
             on_failure()
 
     def require_ready(self):

@@ -200,7 +200,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
                                                             "stream": stream}), {"Content-Type": "application/json"})
         if stream:
             resp = conn.getresponse()
-            assert resp.status == 200 and resp.fp.readline()  # a first event arrived: it is generating
+            assert resp.status == 200 and resp.readline().startswith(b"data: ")  # a first event: generating
         else:
             deadline = time.monotonic() + 10
             while metric(server, "ktrun_num_requests_running") < 1 and time.monotonic() < deadline:
