@@ -1,0 +1,314 @@
+"""ktrun.cpu_moe: the routed-expert part of MoE layers on the CPU, computed by libktkernels on the packed
+cpu-expert layouts (layouts/README.md) in place: the weight arrays are read where they lie (numpy memmaps of the
+converted safetensors files), never copied.
+
+For T tokens with k routed experts each:  out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])).
+
+Usage (the decode loop)::
+
+    from ktrun.cpu_moe import ExpertShard, MoEKernels
+    moe = MoEKernels()                       # all CPUs, one sub-pool per NUMA node, best backend of this CPU
+    moe.add_layer(3, shards=[ExpertShard(gate_q, gate_s, up_q, up_s, down_q, down_s, i0, i1), ...],
+                  n_experts=256, hidden=7168, intermediate_pad=2048, bits=4, group_size=128)
+    moe.submit(3, x, ids, weights, out)      # returns at once; x (T, H) f32/bf16, ids (T, k) int, weights (T, k)
+    ...                                      # GPU work (attention, shared expert) runs meanwhile
+    moe.sync()                               # out (T, H) f32 now holds the routed-expert sum
+    y = moe.forward(3, x, ids, weights)      # submit + sync, returns a new (T, H) float32 array
+
+- Shard arrays stack all experts of one layer: gate_q (E, (i1-i0)/16, K_pad/64, tile_bytes) uint8,
+  gate_s (E, (i1-i0)/16, n_groups, 16) float32, up likewise, down_q (E, round_up(H,16)/16, (i1-i0)/64, tile_bytes),
+  down_s; bf16 layout (bits=16): scales are None. [i0, i1) are the shard's rows of the padded intermediate size
+  (`ktlayouts.ShardPlan.shard_range`); the shards must cover [0, intermediate_pad). Shards are mapped to the
+  sub-pools with `ktlayouts.nodes_for_shards` (M > S nodes split a shard's units between them).
+- x, ids, weights and out may be numpy arrays or CPU torch tensors (passed by pointer; this object keeps them alive
+  until sync). x: float32 or bfloat16 (torch) / uint16 bf16 bit patterns (numpy). ids < 0 are skipped.
+  `accumulate=True` adds into out instead of overwriting it.
+- Backend: `backend=` or env KT_KERNEL_BACKEND = scalar | avx2 | avx512 | amx (error if this CPU lacks it);
+  default the best one. Threads: `n_threads=` (default all CPUs of the process), `numa_pools=` (default env
+  KT_NUMA_POOLS, else one per NUMA node; more pools than nodes splits the CPUs, to simulate NUMA).
+- Library: `libktkernels*.so` next to this module (built by `make kernels`), or the path in env KT_KERNELS_LIB.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ktlayouts.cpu_expert import MatrixGeometry, group_unit
+from ktlayouts.expert_shards import nodes_for_shards
+
+ABI_VERSION = 2
+BACKENDS = ("scalar", "avx2", "avx512", "amx")
+
+
+class KernelError(RuntimeError):
+    """An error reported by libktkernels (bad arguments, unsupported backend)."""
+
+
+class _Piece(ctypes.Structure):
+    _fields_ = [("gate_q", ctypes.c_void_p), ("gate_s", ctypes.c_void_p), ("up_q", ctypes.c_void_p),
+                ("up_s", ctypes.c_void_p), ("down_q", ctypes.c_void_p), ("down_s", ctypes.c_void_p),
+                ("i0", ctypes.c_int32), ("i1", ctypes.c_int32), ("r0", ctypes.c_int32), ("r1", ctypes.c_int32),
+                ("pool", ctypes.c_int32)]
+
+
+def _library_path() -> str:
+    env = os.environ.get("KT_KERNELS_LIB")
+    if env:
+        return env
+    found = sorted(glob.glob(str(Path(__file__).resolve().parent / "libktkernels*.so")))
+    if not found:
+        raise KernelError(f"libktkernels*.so not found in {Path(__file__).resolve().parent}: run `make kernels`")
+    return found[0]
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def load_library() -> ctypes.CDLL:
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    path = _library_path()
+    lib = ctypes.CDLL(path)
+    c_int, c_p, c_i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
+    sigs = {
+        "kt_abi_version": (c_int, []), "kt_last_error": (ctypes.c_char_p, []),
+        "kt_backend_supported": (c_int, [ctypes.c_char_p]),
+        "kt_create": (c_p, [c_int, c_int, ctypes.c_char_p]), "kt_destroy": (None, [c_p]),
+        "kt_backend_name": (ctypes.c_char_p, [c_p]), "kt_backend_detail": (ctypes.c_char_p, [c_p]),
+        "kt_n_threads": (c_int, [c_p]), "kt_n_pools": (c_int, [c_p]),
+        "kt_thread_cpu": (c_int, [c_p, c_int]), "kt_thread_pool": (c_int, [c_p, c_int]),
+        "kt_add_layer": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_int, ctypes.POINTER(_Piece)]),
+        "kt_submit": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int]),
+        "kt_sync": (c_int, [c_p]),
+        "kt_measure_read_bandwidth": (ctypes.c_double, [c_p, ctypes.c_size_t, c_int]),
+        "kt_measure_int8_peak": (ctypes.c_double, [c_p, ctypes.c_double]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    if lib.kt_abi_version() != ABI_VERSION:
+        raise KernelError(f"{path}: ABI version {lib.kt_abi_version()}, this module needs {ABI_VERSION}: run `make kernels`")
+    _LIB = lib
+    return lib
+
+
+def backend_supported(name: str) -> bool:
+    return bool(load_library().kt_backend_supported(name.encode()))
+
+
+def _err(lib: ctypes.CDLL) -> str:
+    return lib.kt_last_error().decode(errors="replace")
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """One NUMA shard of a layer's routed experts (arrays stack all experts; see the module docstring)."""
+    gate_q: Any
+    gate_s: Any
+    up_q: Any
+    up_s: Any
+    down_q: Any
+    down_s: Any
+    i0: int
+    i1: int
+
+
+def _pointer(a: Any, what: str, dtype: np.dtype | None = None, contiguous: bool = True) -> int:
+    """Address of a numpy array or CPU torch tensor (checked dtype / contiguity)."""
+    if hasattr(a, "data_ptr"):   # torch
+        if a.device.type != "cpu":
+            raise ValueError(f"{what}: tensor is on {a.device}, the CPU kernels need CPU memory")
+        if contiguous and not a.is_contiguous():
+            raise ValueError(f"{what}: tensor must be contiguous")
+        return int(a.data_ptr())
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{what}: expected a numpy array or torch tensor, got {type(a).__name__}")
+    if dtype is not None and a.dtype != dtype:
+        raise ValueError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
+    if contiguous and not a.flags.c_contiguous:
+        raise ValueError(f"{what}: array must be C-contiguous")
+    return a.ctypes.data
+
+
+def _dtype_name(a: Any) -> str:
+    return str(getattr(a, "dtype", "")).replace("torch.", "")
+
+
+def _shape(a: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in a.shape)
+
+
+def _check_matrix(q: Any, s: Any, geom: MatrixGeometry, n_experts: int, what: str) -> None:
+    want_q = (n_experts, *geom.qweight_shape)
+    if _shape(q) != want_q or _dtype_name(q) != "uint8":
+        raise ValueError(f"{what}.qweight: shape {_shape(q)}, expected uint8 {want_q}")
+    if geom.bits == 16:
+        if s is not None:
+            raise ValueError(f"{what}.scales: the bf16 layout has no scales")
+        return
+    want_s = (n_experts, *geom.scales_shape)
+    if s is None or _shape(s) != want_s:
+        raise ValueError(f"{what}.scales: shape {None if s is None else _shape(s)}, expected float32 {want_s}")
+
+
+class MoEKernels:
+    """Persistent kernel context: thread pool + registered layers. See the module docstring."""
+
+    def __init__(self, n_threads: int | None = None, numa_pools: int | None = None, backend: str | None = None):
+        self._lib = load_library()
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+        ctx = self._lib.kt_create(n_threads or 0, numa_pools or 0, backend.encode() if backend else None)
+        if not ctx:
+            raise KernelError(_err(self._lib))
+        self._ctx = ctx
+        self._layers: dict[int, tuple[dict, list]] = {}
+        self._inflight: tuple | None = None
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            self._lib.kt_destroy(self._ctx)
+            self._ctx = None
+            self._inflight = None
+
+    def __del__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def backend(self) -> str:
+        return self._lib.kt_backend_name(self._ctx).decode()
+
+    @property
+    def backend_detail(self) -> str:
+        return self._lib.kt_backend_detail(self._ctx).decode()
+
+    @property
+    def n_threads(self) -> int:
+        return self._lib.kt_n_threads(self._ctx)
+
+    @property
+    def numa_pools(self) -> int:
+        return self._lib.kt_n_pools(self._ctx)
+
+    def thread_cpus(self) -> list[tuple[int, int]]:
+        """(sub-pool, pinned CPU or -1) per worker thread."""
+        return [(self._lib.kt_thread_pool(self._ctx, i), self._lib.kt_thread_cpu(self._ctx, i))
+                for i in range(self.n_threads)]
+
+    def add_layer(self, layer_id: int, shards: list[ExpertShard], n_experts: int, hidden: int, intermediate_pad: int,
+                  bits: int, group_size: int) -> None:
+        """Register one layer's experts (arrays are kept referenced, never copied)."""
+        if not shards:
+            raise ValueError(f"layer {layer_id}: no shards")
+        unit = 64 if bits == 16 or group_size == -1 else group_unit(group_size)
+        n_pools = self.numa_pools
+        pieces = []
+        for node, parts in enumerate(nodes_for_shards(len(shards), n_pools)):
+            for s_idx, f0, f1 in parts:
+                sh = shards[s_idx]
+                width = sh.i1 - sh.i0
+                gu = MatrixGeometry(n=width, k=hidden, bits=bits, group_size=group_size)
+                dn = MatrixGeometry(n=hidden, k=width, bits=bits, group_size=group_size)
+                what = f"layer {layer_id} shard {s_idx} [{sh.i0}, {sh.i1})"
+                _check_matrix(sh.gate_q, sh.gate_s, gu, n_experts, what + " gate")
+                _check_matrix(sh.up_q, sh.up_s, gu, n_experts, what + " up")
+                _check_matrix(sh.down_q, sh.down_s, dn, n_experts, what + " down")
+                n_units = width // unit
+                u0, u1 = round(f0 * n_units), round(f1 * n_units)
+                if u1 <= u0:
+                    continue   # more nodes than units in this shard: this node gets none of it
+                ptr = (lambda a, w: _pointer(a, f"{what} {w}", None) if a is not None else None)
+                pieces.append(_Piece(ptr(sh.gate_q, "gate.qweight"), ptr(sh.gate_s, "gate.scales"),
+                                     ptr(sh.up_q, "up.qweight"), ptr(sh.up_s, "up.scales"),
+                                     ptr(sh.down_q, "down.qweight"), ptr(sh.down_s, "down.scales"),
+                                     sh.i0, sh.i1, u0 * unit, u1 * unit, node))
+        for sh in shards:
+            for a in (sh.gate_s, sh.up_s, sh.down_s):
+                if a is not None and _dtype_name(a) != "float32":
+                    raise ValueError(f"layer {layer_id}: scales must be float32, got {a.dtype}")
+        arr = (_Piece * len(pieces))(*pieces)
+        if self._lib.kt_add_layer(self._ctx, layer_id, n_experts, hidden, intermediate_pad, bits, group_size,
+                                  len(pieces), arr) != 0:
+            raise KernelError(_err(self._lib))
+        self._layers[layer_id] = (dict(hidden=hidden, n_experts=n_experts), list(shards))
+
+    def submit(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any = None, accumulate: bool = False):
+        """Start the layer on the pool and return at once (out, allocated if None). Call sync() before using out."""
+        if layer_id not in self._layers:
+            raise KeyError(f"layer {layer_id} was not added")
+        hidden = self._layers[layer_id][0]["hidden"]
+        x_dtype, x_ptr, x_stride, T = self._activation(x, hidden)
+        ids_np = np.ascontiguousarray(ids.cpu().numpy() if hasattr(ids, "cpu") else ids)
+        w_np = np.ascontiguousarray(weights.detach().cpu().float().numpy() if hasattr(weights, "cpu") else weights,
+                                    dtype=np.float32)
+        if ids_np.ndim != 2 or ids_np.shape[0] != T or w_np.shape != ids_np.shape:
+            raise ValueError(f"ids {ids_np.shape} and weights {w_np.shape} must both be (T={T}, k)")
+        ids32 = ids_np.astype(np.int32, copy=False)
+        if out is None:
+            out = np.zeros((T, hidden), dtype=np.float32)
+        if _shape(out) != (T, hidden):
+            raise ValueError(f"out: shape {_shape(out)}, expected ({T}, {hidden})")
+        if _dtype_name(out) != "float32":
+            raise ValueError(f"out: dtype {out.dtype}, expected float32")
+        out_ptr = _pointer(out, "out")
+        self.sync()
+        rc = self._lib.kt_submit(self._ctx, layer_id, T, x_ptr, x_dtype, x_stride, ids32.shape[1], ids32.ctypes.data,
+                                 w_np.ctypes.data, out_ptr, hidden, int(accumulate))
+        if rc != 0:
+            raise KernelError(_err(self._lib))
+        self._inflight = (x, ids32, w_np, out)   # alive until sync
+        return out
+
+    def sync(self) -> None:
+        if self._inflight is None:
+            return
+        rc = self._lib.kt_sync(self._ctx)
+        self._inflight = None
+        if rc != 0:
+            raise KernelError(_err(self._lib))
+
+    def forward(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any = None, accumulate: bool = False):
+        out = self.submit(layer_id, x, ids, weights, out, accumulate)
+        self.sync()
+        return out
+
+    def measure_read_bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> float:
+        """Memory read bandwidth with this pool's threads, bytes/s (best of reps)."""
+        bw = self._lib.kt_measure_read_bandwidth(self._ctx, nbytes, reps)
+        if bw <= 0:
+            raise KernelError(_err(self._lib))
+        return bw
+
+    def measure_int8_peak(self, seconds: float = 0.5) -> float:
+        """Register-only int8 dot-product throughput (vpdpbusd) with this pool's threads, int8 ops/s."""
+        return self._lib.kt_measure_int8_peak(self._ctx, seconds)
+
+    @staticmethod
+    def _activation(x: Any, hidden: int) -> tuple[int, int, int, int]:
+        """-> (dtype code, pointer, row stride in elements, T)."""
+        shape = _shape(x)
+        if len(shape) != 2 or shape[1] != hidden:
+            raise ValueError(f"x: shape {shape}, expected (T, {hidden})")
+        if hasattr(x, "data_ptr"):
+            import torch
+            if x.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"x: dtype {x.dtype}, expected float32 or bfloat16")
+            if x.stride(1) != 1:
+                raise ValueError("x: rows must be contiguous")
+            return (0 if x.dtype == torch.float32 else 1), _pointer(x, "x", contiguous=False), x.stride(0), shape[0]
+        if x.dtype not in (np.float32, np.uint16) or x.strides[1] != x.itemsize:
+            raise ValueError(f"x: dtype {x.dtype} with strides {x.strides}: expected float32 or uint16 (bf16 bits) rows")
+        return (0 if x.dtype == np.float32 else 1), x.ctypes.data, x.strides[0] // x.itemsize, shape[0]
