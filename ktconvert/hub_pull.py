@@ -5,9 +5,10 @@ unchanged pull of the repo (checked against its `.ktconvert-source.json`).
 """
 from __future__ import annotations
 
+import queue
 import sys
 import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+import time
 from pathlib import Path
 
 import click
@@ -63,8 +64,8 @@ def _run(plan: PullPlan, workers: int) -> None:
 
     todo, checks = [], [pf for pf in plan.files if pf.state == "check"]
     with tqdm(total=sum(pf.remote.size for pf in checks), unit="B", unit_scale=True, unit_divisor=1024,
-              desc="check local files", file=sys.stderr, disable=not checks or bool(constants.HF_HUB_DISABLE_PROGRESS_BARS)
-              ) as check_bar:
+              desc="check local files", file=sys.stderr,
+              disable=not checks or bool(constants.HF_HUB_DISABLE_PROGRESS_BARS)) as check_bar:
         for pf in plan.files:
             rf, dest = pf.remote, plan.local_dir / pf.remote.path
             if pf.state == "present":
@@ -93,20 +94,15 @@ def _run(plan: PullPlan, workers: int) -> None:
         def one(pf) -> None:
             done(pf.remote, fetch_file(plan.repo_id, plan.commit, pf.remote, plan.local_dir, bar, warn, stop))
 
-        with hub_errors(plan.repo_id, plan.revision), ThreadPoolExecutor(max(1, min(workers, len(todo) or 1))) as pool:
-            futures = [pool.submit(one, pf) for pf in todo]
-            try:
-                finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            except BaseException:  # Ctrl-C: stop the transfers, keep their partial files for the next run
-                stop.set()
-                raise
-            errors = [f.exception() for f in finished if f.exception() and not isinstance(f.exception(), Cancelled)]
-            if errors:
-                stop.set()
-                for f in futures:
-                    f.cancel()
-                if isinstance(errors[0], VerifyError):
-                    raise PullError(f"verification failed: {errors[0]}")
+        try:
+            errors = run_parallel(one, todo, workers, stop)
+        except KeyboardInterrupt:
+            say(f"\ninterrupted: partial files stay in {plan.local_dir / PARTIAL_DIR}; re-run the pull to resume")
+            raise
+        if errors:
+            if isinstance(errors[0], VerifyError):
+                raise PullError(f"verification failed: {errors[0]}")
+            with hub_errors(plan.repo_id, plan.revision):
                 raise errors[0]
     try:
         (plan.local_dir / PARTIAL_DIR).rmdir()  # only when empty: partials of other revisions stay resumable
@@ -149,3 +145,41 @@ def pull_offline(repo_id: str, revision: str | None, local_dir: Path) -> Path:
     rec_io.write_last_pull(rec, local_dir)
     say(f"offline: {local_dir} holds a complete pull of {repo_id}@{rec['revision']} (commit {rec['commit']})")
     return local_dir.resolve()
+
+
+def run_parallel(fn, items: list, workers: int, stop: threading.Event) -> list[BaseException]:
+    """Run `fn` over `items` in daemon threads; return the errors (empty when all succeeded).
+
+    The first error sets `stop` (transfers in flight raise Cancelled at their next chunk) and returns at once.
+    Daemon threads and a polling main thread keep Ctrl-C immediate even while a transfer is blocked in a read.
+    """
+    pending: queue.SimpleQueue = queue.SimpleQueue()
+    for item in items:
+        pending.put(item)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                item = pending.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn(item)
+            except Cancelled:
+                return
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                errors.append(e)
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(workers, len(items))))]
+    for t in threads:
+        t.start()
+    try:
+        while not errors and any(t.is_alive() for t in threads):
+            time.sleep(0.05)
+    except BaseException:
+        stop.set()
+        raise
+    return errors
