@@ -118,7 +118,7 @@ def run_level(port, model, c, n_requests, max_tokens, seconds) -> tuple[list[dic
 
 def summary(name: str, values_s: list[float]) -> list[str]:
     v = sorted(values_s)
-    p99 = v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]
+    p99 = v[min(len(v) - 1, round(0.99 * (len(v) - 1)))]
     return [f"{name}_mean: {statistics.fmean(v) * 1e3:.2f} ms", f"{name}_median: {statistics.median(v) * 1e3:.2f} ms",
             f"{name}_p99: {p99 * 1e3:.2f} ms"]
 

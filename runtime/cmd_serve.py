@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import click
-
 from ktrun.server import DEFAULT_MAX_BODY_BYTES, run_server
 
 
@@ -40,6 +39,9 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "converted", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
     """
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        click.echo(f"ktrun serve: warning: listening on {host} without --api-key: anyone who can reach this port "
+                   "can use the model", err=True)
 
     def load_engine():  # runs after the socket is bound, so /health answers 503 during the (torch) import too
         from ktrun.engine import Engine

@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 # Latency buckets in seconds: TTFT on a big MoE model spans ms (short prompt, warm) to tens of seconds (long prefill).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

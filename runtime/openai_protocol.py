@@ -54,8 +54,11 @@ class GenerationRequest:
 def parse_json_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        # strings must be valid Unicode all the way through (a lone surrogate escape like "\ud800" is not)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError) as e:  # bad UTF-8 / JSON, a 5000-digit integer, nesting too deep
+        raise ApiError(400, f"request body is not valid JSON: {type(e).__name__}: {str(e)[:200]}",
+                       code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
     return body
@@ -252,7 +255,7 @@ def usage_chunk(req: GenerationRequest, rid: str, created: int, use: dict) -> di
 def sse(obj) -> bytes:
     """One server-sent event: `data: {json}` (or `data: [DONE]`) and a blank line."""
     payload = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode("utf-8")
+    return f"data: {payload}\n\n".encode()
 
 
 def models_list(model_name: str, created: int, ctx: int) -> dict:

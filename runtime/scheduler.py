@@ -103,7 +103,7 @@ class Scheduler:
             return  # already finished (or never admitted)
         try:
             self.engine.abort(req_id)
-        except Exception:  # the slot is gone either way; never let one request kill the loop
+        except Exception:  # noqa: BLE001 -- the slot is gone either way; one request never kills the loop
             traceback.print_exc()
         if count:
             self.aborted += 1
@@ -111,7 +111,7 @@ class Scheduler:
     def _admit(self, handle: RequestHandle) -> None:
         try:
             self.engine.add_request(handle.req_id, handle.prompt_ids, handle.params)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- any refusal goes back to that request's handler
             handle.out.put(e)
             return
         self._running[handle.req_id] = handle
@@ -120,7 +120,7 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- fail the running requests, keep serving the next ones
             traceback.print_exc()
             failure = EngineFailure(f"engine step failed: {type(e).__name__}: {e}")
             for req_id in list(self._running):

@@ -8,7 +8,7 @@ until it is known not to be one, so a streamed client never sees part of a stop 
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 PROMPT_CONTEXT_TOKENS = 4  # prompt tokens kept as left context for decoding the first generated tokens
 

@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 from ktrun import openai_protocol as proto
 from ktrun.metrics import ServeMetrics
@@ -66,7 +67,7 @@ class ServerState:
             self.engine = engine
             print(f"ktrun serve: model {engine.model_name!r} loaded in {time.perf_counter() - t0:.1f} s "
                   f"(ctx {engine.ctx}, max batch {self.max_batch}); ready", file=sys.stderr, flush=True)
-        except BaseException as e:  # report, then stop the server: a server that can never load should not linger
+        except BaseException as e:  # noqa: BLE001 -- report, then stop: a server that cannot load must not linger
             self.load_error = e
             if not isinstance(e, (ValueError, OSError)):  # bad input gets its message only (printed on exit)
                 traceback.print_exc()
@@ -84,7 +85,7 @@ class Handler(GenerationMixin, BaseHTTPRequestHandler):
     server_version = "ktrun"
     timeout = 300  # seconds a client may stall while sending a request or reading our response
 
-    ROUTES = {
+    ROUTES: ClassVar[dict[tuple[str, str], str]] = {
         ("GET", "/health"): "health", ("GET", "/v1/models"): "models", ("GET", "/metrics"): "metrics",
         ("POST", "/v1/completions"): "completions", ("POST", "/v1/chat/completions"): "chat_completions",
         ("POST", "/tokenize"): "tokenize", ("POST", "/detokenize"): "detokenize",
@@ -123,7 +124,7 @@ class Handler(GenerationMixin, BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
             self._status = 499  # client closed the connection
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- a bug answers 500 with the reason; the server keeps running
             traceback.print_exc()
             self._send_error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error", "internal"))
         self.state.metrics.requests.inc(1, self._endpoint, str(self._status))

@@ -150,6 +150,12 @@ def test_malformed_and_oversized_bodies(server):
     _error(server, "/v1/completions", b"\xff\xfe", 400, "invalid_json")
     _error(server, "/v1/completions", b"[1, 2]", 400, "invalid_json")
     _error(server, "/v1/chat/completions", b"", 400, "invalid_json")
+    _error(server, "/v1/completions", b"[" * 50000, 400, "invalid_json")
+    _error(server, "/v1/completions", b'{"model": "fake-model", "prompt": "\\ud800"}', 400, "invalid_json")
+    _error(server, "/v1/completions", b'{"model": "fake-model", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",
+           400, "invalid_json")
+    _error(server, "/v1/completions", b'{"model": "fake-model", "prompt": "x", "max_tokens": 1e400}', 400,
+           "invalid_parameter")
     msg = _error(server, "/v1/completions", {"model": MODEL, "prompt": "x" * 70000}, 413, "body_too_large")
     assert "65536" in msg
     st, resp, _ = request(server, "GET", "/v1/nothing")
