@@ -102,10 +102,20 @@ class Source:
             info = self._infos[name]
             if info.dtype == "F8_E4M3":
                 self._check_fp8_scale(info)
-        for name in self.arch.expert_tensor_names():
-            if name not in self._infos:
-                raise SourceError(f"{self.path}: tensor {name} is missing (config promises {self.arch.n_experts} "
-                                  f"experts in layers {self.arch.moe_layers()})")
+        a = self.arch
+        h, i = a.hidden_size, a.moe_intermediate_size
+        want = {"gate": (i, h), "up": (i, h), "down": (h, i)}
+        for layer in a.moe_layers():
+            for e in range(a.n_experts):
+                for proj, shape in want.items():
+                    name = a.expert_tensor_name(layer, e, proj)
+                    info = self._infos.get(name)
+                    if info is None:
+                        raise SourceError(f"{self.path}: tensor {name} is missing (config promises {a.n_experts} "
+                                          f"experts in layers {a.moe_layers()})")
+                    if info.shape != shape:
+                        raise SourceError(f"{info.file}: tensor {name} has shape {info.shape}, but config.json "
+                                          f"(hidden_size={h}, expert intermediate={i}) implies {shape}")
 
     def _check_fp8_scale(self, info: TensorInfo) -> None:
         sname = info.name + "_scale_inv"

@@ -361,3 +361,13 @@ def test_unsupported_quantization_config(ckpt_copy):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SourceError, match="config.json: unsupported quantization_config .*compressed-tensors"):
         open_source(d)
+
+
+def test_expert_shape_disagreeing_with_config(ckpt_copy):
+    d = ckpt_copy("deepseek_v2")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 96  # the tensors are (80, 128): the config lies
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SourceError, match=r"tensor model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight has shape "
+                                          r"\(80, 128\), but config.json .*implies \(96, 128\)"):
+        open_source(d)
