@@ -132,7 +132,7 @@ void MoEEngine::add_layer(int id, int E, int H, int I_pad, int bits, int G, int 
         if (c.first != at) bad("shard pieces must cover [0, intermediate_pad) exactly once; gap or overlap at row " + std::to_string(std::min(at, c.first)));
         at = c.second;
     }
-    if (at != I_pad) bad("shard pieces end at row " + std::to_string(at) + ", intermediate_pad is " + std::to_string(I_pad));
+    if (at != I_pad) bad("shard pieces must cover [0, intermediate_pad) exactly once; they end at row " + std::to_string(at) + ", intermediate_pad is " + std::to_string(I_pad));
     layers_[id] = std::move(L);
 }
 
