@@ -39,7 +39,7 @@ def pull(repo_id, revision, local_dir, include, exclude, dry_run, workers):
       ktconvert pull deepseek-ai/DeepSeek-V3
       ktconvert pull deepseek-ai/DeepSeek-V3 --dry-run
       ktconvert pull Qwen/Qwen3-30B-A3B --revision main --local-dir /data/Qwen3-30B-A3B
-      ktconvert pull mistralai/Mixtral-8x7B-v0.1 --exclude 'consolidated*'
+      ktconvert pull moonshotai/Kimi-K2-Instruct --include config.json --include '*.index.json'  # metadata only
       HF_HUB_OFFLINE=1 ktconvert pull deepseek-ai/DeepSeek-V3
     """
     from ktconvert.hub import pull as run_pull
