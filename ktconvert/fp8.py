@@ -32,7 +32,7 @@ E4M3FN_TO_F32 = _e4m3fn_table()  # (256,) f32
 
 def fp8_e4m3_to_f32(bits: np.ndarray) -> np.ndarray:
     """Decode uint8 float8_e4m3fn bit patterns to f32 (exact)."""
-    return E4M3FN_TO_F32[np.asarray(bits, dtype=np.uint8)]
+    return np.take(E4M3FN_TO_F32, np.asarray(bits, dtype=np.uint8))  # take: ~1.5x faster than fancy indexing
 
 
 def expand_block_scales(scale_inv: np.ndarray, shape: tuple[int, int], block=(128, 128)) -> np.ndarray:
@@ -53,7 +53,8 @@ def dequant_fp8_block(w_fp8_bits: np.ndarray, scale_inv: np.ndarray, block=(128,
     if w.dtype != np.uint8 or w.ndim != 2:
         raise ValueError(f"expected (N, K) uint8 float8_e4m3fn bits, got {w.dtype} {w.shape}")
     scales = expand_block_scales(np.asarray(scale_inv), w.shape, block)
-    return fp8_e4m3_to_f32(w) * scales  # f32 * f32 -> f32, one IEEE rounding
+    out = fp8_e4m3_to_f32(w)
+    return np.multiply(out, scales, out=out)  # f32 * f32 -> f32, one IEEE rounding
 
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
