@@ -173,9 +173,10 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
     tensors: dict[str, torch.Tensor] = {}
     for name, t in named.items():
         tensors.update(to_hub_dtype(name, t, fp8, block))
+    hub_cfg = hub_config(config, arch, fp8)
+    _check_against_adapter(hub_cfg, tensors)
     (out_dir / "config.json").unlink(missing_ok=True)  # written last: its presence marks a complete checkpoint
     write_shards(tensors, out_dir, max_shard_bytes)
-    hub_cfg = hub_config(config, arch, fp8)
     gen_cfg = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": True,
                "temperature": 0.6, "top_p": 0.95, "transformers_version": hub_cfg.get("transformers_version")}
     (out_dir / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
@@ -184,6 +185,18 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
     tmp.write_text(json.dumps(hub_cfg, indent=2) + "\n")
     tmp.replace(out_dir / "config.json")
     return out_dir
+
+
+def _check_against_adapter(hub_cfg: dict, tensors: dict) -> None:
+    """The factory and the converter's adapter tables must agree on every name (and there must be experts)."""
+    from ktconvert.arch import adapter_for
+
+    adapter = adapter_for(hub_cfg)
+    if not adapter.moe_layers():
+        raise ValueError(f"{hub_cfg['model_type']} with num_hidden_layers={adapter.num_layers} has no MoE layer "
+                         f"(first_k_dense_replace={hub_cfg.get('first_k_dense_replace')}); use more layers")
+    for name in tensors:
+        adapter.classify(name)
 
 
 def checkpoint_nbytes(out_dir) -> int:

@@ -163,3 +163,16 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="deepseek_v3"):
         make_checkpoint("mixtral", "/nonexistent-never-written", fp8=True)
     assert set(ARCHS) == {"deepseek_v3", "qwen3_moe", "mixtral", "deepseek_v2"}
+
+
+def test_layers_and_dims_overrides(tmp_path):
+    from ktconvert.source import open_source
+
+    d = make_checkpoint("deepseek_v3", tmp_path / "big", fp8=True, num_layers=4, hidden_size=160,
+                        moe_intermediate_size=192, n_routed_experts=8)
+    src = open_source(d)
+    assert src.arch.moe_layers() == [1, 2, 3] and src.arch.n_experts == 8
+    assert src.info("model.layers.3.mlp.experts.7.down_proj.weight").shape == (160, 192)
+    assert src.arch.classify("model.layers.4.enorm.weight").kind == "skip"  # MTP moves with num_layers
+    with pytest.raises(ValueError, match="no MoE layer"):
+        make_checkpoint("deepseek_v2", tmp_path / "none", num_layers=1)
