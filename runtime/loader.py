@@ -182,14 +182,26 @@ def _load_dense(root: Path, manifest: dict, device, dtype) -> dict[str, torch.Te
 
 
 def _dequantize_gpu_layers(group: dict, where: str) -> dict[str, torch.Tensor]:
-    """GPU-quantized dense tensors of one file {name: (array, manifest entry)} -> {hub weight name: float tensor}."""
-    try:
-        from ktconvert import dequant_gpu
-    except ImportError:
-        lays = sorted({t["layout"] for _a, t in group.values()})
-        raise LoadError(f"{where}: GPU layer layouts {lays} need ktconvert.dequant_gpu, which is not installed") from None
-    return dequant_gpu.dequantize_group({n: a for n, (a, _t) in group.items()},
-                                        {n: t for n, (_a, t) in group.items()}, where=where)
+    """GPU-quantized dense tensors of one file {name: (array, manifest entry)} -> {hub weight name: float32 tensor},
+    dequantized on the CPU with ktconvert.dequant_gpu (the correct fallback when no Marlin kernel is installed)."""
+    from ktconvert.dequant_gpu import dequantize_named, quantized_linears
+    from ktlayouts.cpu_expert import LayoutError
+
+    arrays = {n: np.asarray(a) for n, (a, _t) in group.items()}
+    layouts = {n: t["layout"] for n, (_a, t) in group.items()}
+    linears = quantized_linears(arrays, layouts)
+    claimed = {n for w in linears for n in arrays if n.startswith(w[: -len("weight")])}
+    stray = sorted(set(arrays) - claimed)
+    if stray:
+        raise LoadError(f"{where}: tensors {stray[:3]} have layouts {sorted({layouts[n] for n in stray})} "
+                        "that ktrun cannot read")
+    out = {}
+    for weight, layout in linears.items():
+        try:
+            out[weight] = torch.from_numpy(dequantize_named(layout, arrays, weight))
+        except LayoutError as e:
+            raise LoadError(f"{where}: {e}") from None
+    return out
 
 
 def prefault_numa(model: ConvertedModel, nodes: list[list[int]]) -> list[threading.Thread]:

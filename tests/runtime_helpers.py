@@ -54,3 +54,22 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """KL(P || Q) per row, nats."""
     lp, lq = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)
     return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def shared_root(tmp_path_factory) -> Path:
+    """One directory per test session for checkpoints and conversions shared by the ktrun test files."""
+    root = tmp_path_factory.getbasetemp() / "ktrun_shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def converted(tmp_path_factory, arch: str, method: str = "bf16", fp8: bool = False, **kw) -> Path:
+    """Session-wide conversion of the peaked fixture checkpoint of arch (built once, then reused)."""
+    root = shared_root(tmp_path_factory)
+    src = build_checkpoint(root, arch, **({"fp8": True} if fp8 else {}))
+    tag = "_".join([arch, "fp8" if fp8 else "bf16src", method] + [f"{k}{v}" for k, v in sorted(kw.items())])
+    return build_conversion(src, root / f"conv_{tag}", method, **kw)
+
+
+# `ktrun` as a real subprocess (the console script's entry point, with this interpreter)
+KTRUN = [__import__("sys").executable, "-c", "from ktrun.cli import main; main()"]

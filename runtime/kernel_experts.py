@@ -1,0 +1,58 @@
+"""KernelExperts: the routed-expert executor on libktkernels (runtime/cpu_moe.py), reading the mapped expert tiles of
+a converted directory in place. Same interface as experts.TorchExperts (submit / sync / stats / close).
+
+Shards written for S NUMA nodes are handed to the kernels' sub-pools with ktlayouts.nodes_for_shards (inside
+cpu_moe.MoEKernels.add_layer). Activations on a GPU are staged through CPU buffers; the result is copied back at sync.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .cpu_moe import ExpertShard, MoEKernels
+
+
+class KernelExperts:
+    def __init__(self, converted, n_threads: int | None = None, backend: str | None = None):
+        geo = converted.geometry
+        self.moe = MoEKernels(n_threads=n_threads, backend=backend)
+        plan = geo.shard_plan
+        for layer, shards in converted.experts.items():
+            pieces = []
+            for s, shard in enumerate(shards):
+                i0, i1 = plan.shard_range(s)
+                (gq, gs, _), (uq, us, _), (dq, ds, _) = shard["gate"], shard["up"], shard["down"]
+                pieces.append(ExpertShard(gq, gs, uq, us, dq, ds, i0, i1))
+            self.moe.add_layer(layer, pieces, geo.n_experts, geo.hidden, plan.intermediate_pad, geo.bits,
+                               geo.group_size)
+        self._pending = None
+        self.stats = {"expert_compute_s": 0.0, "expert_calls": 0, "expert_token_slots": 0,
+                      "kernel_backend": self.moe.backend}
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
+        if self._pending is not None:
+            raise RuntimeError("submit() called twice without sync()")
+        t0 = time.perf_counter()
+        xc = x if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()) \
+            else x.detach().float().cpu().contiguous()
+        direct = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
+        buf = out if direct else torch.empty(out.shape, dtype=torch.float32)
+        self.moe.submit(layer, xc, ids.cpu(), weights.float().cpu(), buf)
+        self._pending = (t0, xc, buf, out, direct)
+        self.stats["expert_token_slots"] += ids.numel()
+
+    def sync(self) -> None:
+        if self._pending is None:
+            return
+        t0, _xc, buf, out, direct = self._pending
+        self._pending = None
+        self.moe.sync()
+        if not direct:
+            out.copy_(buf.to(device=out.device, dtype=out.dtype))
+        # span from submit to the result being ready: kernel time, plus any wait for the caller to call sync
+        self.stats["expert_compute_s"] += time.perf_counter() - t0
+        self.stats["expert_calls"] += 1
+
+    def close(self) -> None:
+        self.moe.close()
