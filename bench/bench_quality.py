@@ -22,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ktlayouts.cpu_expert import MatrixGeometry, pack_expert_matrix, unpack_expert_matrix
+from ktlayouts.marlin import marlin_padded_shape
 
 import ktconvert
 from ktconvert import default_model_data as data
 from ktconvert.gptq import GptqConfig, HessianAccumulator, gptq_quantize
 from ktconvert.rtn import quantize_rtn
-from ktlayouts.cpu_expert import MatrixGeometry, pack_expert_matrix, unpack_expert_matrix
-from ktlayouts.marlin import marlin_padded_shape
 
 MODEL_DIR = Path(ktconvert.__file__).resolve().parent / "data" / "default_model"
 SEQ_LEN = 256
@@ -174,7 +174,7 @@ def main() -> None:
         rows.append((experts, gpu, ppl, kl))
         del m
 
-    print(f"\n| routed experts | GPU layers | held-out ppl | ppl / bf16 | mean KL vs bf16 (nats/token) |")
+    print("\n| routed experts | GPU layers | held-out ppl | ppl / bf16 | mean KL vs bf16 (nats/token) |")
     print("|---|---|---:|---:|---:|")
     for experts, gpu, ppl, kl in rows:
         print(f"| {experts} | {gpu} | {ppl:.3f} | {ppl / ref_ppl:.4f} | {kl:.5f} |")

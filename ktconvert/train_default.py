@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="output directory (hub layout)")
     ap.add_argument("--stdlib", type=Path, default=io.default_stdlib_dir(), help="folder of *.py training text")
     ap.add_argument("--steps", type=int, default=2400)
-    ap.add_argument("--batch", type=int, default=12, help="sequences of %d tokens per step" % SEQ_LEN)
+    ap.add_argument("--batch", type=int, default=12, help=f"sequences of {SEQ_LEN} tokens per step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--max-minutes", type=float, default=35.0)
     ap.add_argument("--threads", type=int, default=1)
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     np.random.seed(SEED)
     torch.manual_seed(SEED)
     args.out.mkdir(parents=True, exist_ok=True)
-    log = open(args.out / "train_log.txt", "a")
+    log = open(args.out / "train_log.txt", "a")  # noqa: SIM115 (open for the whole run)
 
     def say(msg: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {msg}"
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         "seed": SEED, "steps": step, "tokens_seen": tokens, "train_minutes": round(train_minutes, 1),
         "threads": args.threads, "seq_len": SEQ_LEN, "batch": args.batch, "peak_lr": args.lr,
         "parameters": n_params, "train_files": len(train_files), "heldout_files": len(heldout_files),
-        "train_tokens": int(len(train_stream)), "heldout_tokens": int(len(heldout_stream)),
+        "train_tokens": len(train_stream), "heldout_tokens": len(heldout_stream),
         "train_loss": round(train_loss, 4), "heldout_loss": round(heldout_loss, 4),
         "heldout_ppl": round(math.exp(heldout_loss), 3), "heldout_loss_tokens": heldout_n,
         "eval_slice_tokens": eval_n, "eval_slice_ppl": round(math.exp(eval_loss), 3),
