@@ -101,6 +101,8 @@ SPECS = {
                      {"gate": "w1", "up": "w3", "down": "w2"}, ("num_local_experts",), ("intermediate_size",)),
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(SPECS))
+# model_type values of checkpoints that are one of the above under another name (same tensor names and math).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 def _first(config: dict, keys: tuple, what: str, model_type: str):
@@ -188,7 +190,8 @@ class ArchAdapter:
 def adapter_for(config: dict) -> ArchAdapter:
     """The adapter for a parsed config.json; unsupported model_type -> SourceError listing the supported ones."""
     model_type = config.get("model_type")
+    model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type not in SPECS:
-        raise SourceError(f"unsupported model_type {model_type!r} in config.json; supported: "
-                          f"{', '.join(SUPPORTED_MODEL_TYPES)} (kimi_k2 checkpoints use deepseek_v3)")
+        raise SourceError(f"unsupported model_type {config.get('model_type')!r} in config.json; supported: "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES)} (Kimi-K2 is read as deepseek_v3)")
     return ArchAdapter(SPECS[model_type], config)

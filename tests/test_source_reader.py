@@ -144,6 +144,7 @@ def test_adapter_tables():
                         "n_routed_experts": 384, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
                         "first_k_dense_replace": 1, "n_shared_experts": 1})  # Kimi-K2's config shape
     assert kimi.moe_layers() == list(range(1, 61)) and kimi.n_experts == 384
+    assert adapter_for({**kimi.config, "model_type": "kimi_k2"}).model_type == "deepseek_v3"
     assert kimi.classify("model.layers.60.mlp.experts.383.gate_proj.weight") == TensorRole("expert", 60, 383, "gate")
     assert kimi.classify("model.layers.3.self_attn.q_a_layernorm.weight") == TensorRole("norm", 3)
     assert kimi.classify("model.layers.3.self_attn.kv_b_proj.weight_scale_inv").kind == "skip"
