@@ -182,7 +182,8 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                     experts = [j for j in group if j.kind == "expert"]
                     if experts and not all(journal.is_done(j.rel) for j in experts):
                         conv.write_experts(experts, pool)
-            side = copy_side_files(Path(src_path), out_dir, journal)
+                    src.close()   # unmap the shards read so far: mapped pages would count as RSS for the whole run
+            side = copy_side_files(src, out_dir, journal)
             manifest = write_manifest(src, out_dir, opts, plan, journal, side)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
