@@ -7,7 +7,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
-
 from ktlayouts.constants import METHOD_TO_LAYOUT
 from ktlayouts.converted_dir import MANIFEST_NAME, ExpertGeometry, ManifestError
 
@@ -57,8 +56,8 @@ def inspect_source(path: Path, group_size: int) -> dict:
             params[role.kind] += n
             if role.kind != "expert":
                 gpu_bytes += n * (4 if role.kind == "router_bias" else 2)
-        geo_args = dict(n_experts=a.n_experts, hidden=a.hidden_size, intermediate=a.moe_intermediate_size,
-                        moe_layers=tuple(a.moe_layers()))
+        geo_args = {"n_experts": a.n_experts, "hidden": a.hidden_size, "intermediate": a.moe_intermediate_size,
+                        "moe_layers": tuple(a.moe_layers())}
         cpu = expert_bytes_per_method(geo_args, group_size)
         return {"kind": "source", "model_type": a.model_type, "layers": a.num_layers, "params": dict(params),
                 "n_experts": a.n_experts, "top_k": a.top_k, "moe_layers": a.moe_layers(),

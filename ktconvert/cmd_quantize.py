@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import click
-
 from ktlayouts.constants import DEFAULT_GROUP_SIZE, METHOD_TO_LAYOUT
 from ktlayouts.converted_dir import ManifestError
 from ktlayouts.cpu_expert import LayoutError

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import click
 import numpy as np
-
 from ktlayouts.constants import FILE_ALIGN
 from ktlayouts.converted_dir import PARTIAL_SUFFIX, PROGRESS_NAME, ManifestError, is_pad_tensor, safe_relpath
 

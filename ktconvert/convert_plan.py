@@ -8,9 +8,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ktlayouts.constants import CPU_EXPERT_LAYOUTS, FORMAT_VERSION, META_FORMAT_VERSION, META_LAYOUT, META_LAYOUT_VERSION
-from ktlayouts.converted_dir import (GLOBALS_FILE, META_GEOMETRY, PROJECTIONS, ExpertGeometry, dense_file,
-                                     expert_file)
+from ktlayouts.constants import (
+    CPU_EXPERT_LAYOUTS,
+    FORMAT_VERSION,
+    META_FORMAT_VERSION,
+    META_LAYOUT,
+    META_LAYOUT_VERSION,
+)
+from ktlayouts.converted_dir import GLOBALS_FILE, META_GEOMETRY, PROJECTIONS, ExpertGeometry, dense_file, expert_file
 from ktlayouts.cpu_expert import LayoutError, check_group_size
 
 from .writer import TensorSpec

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-
-from ktlayouts.converted_dir import (PROJECTIONS, ExpertGeometry, expert_file, expert_tensor, load_manifest,
-                                     safe_relpath)
+from ktlayouts.converted_dir import PROJECTIONS, ExpertGeometry, expert_file, expert_tensor, load_manifest, safe_relpath
 from ktlayouts.cpu_expert import bf16_bits_to_f32, unpack_expert_matrix
+from safetensors import safe_open
 
 
 def read_header(path: Path) -> tuple[int, dict]:

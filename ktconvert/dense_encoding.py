@@ -7,11 +7,11 @@ plug in by registering another encoder; each output carries its layout name, whi
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
-
 from ktlayouts.converted_dir import DENSE_LAYOUT_BF16, DENSE_LAYOUT_F32
 from ktlayouts.cpu_expert import f32_to_bf16_bits
 

@@ -44,7 +44,7 @@ class Journal:
         return rel in self.files
 
     @classmethod
-    def load(cls, out_dir: Path) -> "Journal | None":
+    def load(cls, out_dir: Path) -> Journal | None:
         path = Path(out_dir) / PROGRESS_NAME
         if not path.exists():
             return None

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from ktlayouts.constants import FILE_ALIGN
 from ktlayouts.converted_dir import PAD_PREFIX, PARTIAL_SUFFIX
 

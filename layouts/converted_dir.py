@@ -110,7 +110,7 @@ class ExpertGeometry:
                 "moe_layers": list(self.moe_layers)}
 
     @classmethod
-    def from_json(cls, d: dict) -> "ExpertGeometry":
+    def from_json(cls, d: dict) -> ExpertGeometry:
         try:
             g = cls(method=d["method"], group_size=int(d["group_size"]), n_experts=int(d["n_experts"]),
                     hidden=int(d["hidden"]), intermediate=int(d["intermediate"]), numa_nodes=int(d["numa_nodes"]),

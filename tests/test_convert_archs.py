@@ -7,12 +7,12 @@ import struct
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from ktlayouts.converted_dir import is_pad_tensor, load_manifest
 from safetensors import safe_open
 
 from ktconvert.cli import main
 from ktconvert.converted_reader import ConvertedDir
 from ktconvert.source import open_source
-from ktlayouts.converted_dir import is_pad_tensor, load_manifest
 
 
 def run_cli(*args):
@@ -37,7 +37,7 @@ def check_files_aligned_and_readable(out):
         header = json.loads(raw[8: 8 + hlen])
         assert (8 + hlen) % 64 == 0
         with safe_open(str(out / rel), framework="pt") as h:   # any safetensors reader opens it
-            names = {k for k in h.keys() if not is_pad_tensor(k)}
+            names = {k for k in h if not is_pad_tensor(k)}
             assert names == set(f["tensors"])
             for name in names:
                 t = h.get_tensor(name)

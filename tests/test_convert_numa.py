@@ -2,14 +2,14 @@
 (expert_shards.nodes_for_shards), and the per-node partial expert outputs sum to the expert of the source."""
 import numpy as np
 import pytest
+from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor, node_unit_ranges
+from ktlayouts.cpu_expert import unpack_expert_matrix
 from safetensors import safe_open
 
 from ktconvert.converted_reader import ConvertedDir, unit_piece
 from ktconvert.fixtures import make_checkpoint
 from ktconvert.pipeline import ConvertOptions, convert
 from ktconvert.source import open_source
-from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor, node_unit_ranges
-from ktlayouts.cpu_expert import unpack_expert_matrix
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,12 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
+from ktlayouts.converted_dir import MANIFEST_NAME
 
 from ktconvert.cli import main
 from ktconvert.cmd_inspect import inspect_converted, inspect_source, parse_bytes
 from ktconvert.fixtures import make_checkpoint, make_model
 from ktconvert.pipeline import ConvertOptions, convert
-from ktlayouts.converted_dir import MANIFEST_NAME
 
 
 def cli(*args):
@@ -60,11 +60,11 @@ def test_inspect_fits_and_converted_sizes(converted):
 
 
 def test_verify_passes_then_catches_damage(converted, tmp_path):
-    src, good = converted
+    _src, good = converted
     code, text = cli("verify", good)
     assert code == 0 and "verify: OK" in text, text
     out = shutil.copytree(good, tmp_path / "c")
-    victim = sorted((out / "experts").iterdir())[0]
+    victim = min((out / "experts").iterdir())
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 0xFF
     victim.write_bytes(bytes(raw))

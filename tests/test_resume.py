@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from ktlayouts.converted_dir import MANIFEST_NAME, PROGRESS_NAME
 
 from ktconvert.pipeline import TEST_KILL_ENV, ConvertOptions, convert
 from ktconvert.progress import Journal, OutputDirError, prepare_output
-from ktlayouts.converted_dir import MANIFEST_NAME, PROGRESS_NAME
 
 KTCONVERT = [sys.executable, "-c", "from ktconvert.cli import main; main()"]
 
@@ -22,7 +22,7 @@ def run_quantize(src, out, *extra, kill_at=None):
     if kill_at:
         env[TEST_KILL_ENV] = kill_at
     return subprocess.run([*KTCONVERT, "quantize", str(src), "-o", str(out), "--quiet", *extra],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
 def tree(root: Path) -> dict[str, bytes]:

@@ -5,11 +5,11 @@ import struct
 import numpy as np
 import pytest
 import torch
+from ktlayouts.converted_dir import is_pad_tensor
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ktconvert.writer import AlignedWriter, TensorSpec, atomic_write_bytes
-from ktlayouts.converted_dir import is_pad_tensor
 
 
 def _tensor_offsets(path):
@@ -66,9 +66,8 @@ def test_incomplete_write_is_refused_and_leaves_nothing(tmp_path):
 
 def test_wrong_size_and_context_abort(tmp_path):
     out = tmp_path / "z.safetensors"
-    with pytest.raises(ValueError, match="expected 64"):
-        with AlignedWriter(out, [TensorSpec("a", "F32", (16,))]) as w:
-            w.write("a", np.zeros(15, np.float32))
+    with pytest.raises(ValueError, match="expected 64"), AlignedWriter(out, [TensorSpec("a", "F32", (16,))]) as w:
+        w.write("a", np.zeros(15, np.float32))
     assert list(tmp_path.iterdir()) == []
 
 
