@@ -1,4 +1,6 @@
 // C ABI of libktkernels (include/ktkernels.h): error strings instead of exceptions, plus the machine-limit probes.
+#include <sys/mman.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -84,9 +86,13 @@ int kt_sync(kt_ctx* ctx) {
 double kt_measure_read_bandwidth(kt_ctx* ctx, size_t bytes, int reps) {
     kt::ThreadPool& pool = ctx->engine.pool();
     const kt::ReadFn read = ctx->engine.table().read_sum;
-    bytes = bytes / 4096 * 4096;
-    char* buf = bytes ? (char*)aligned_alloc(4096, bytes) : nullptr;
-    if (!buf) { t_error = "cannot allocate the bandwidth probe buffer"; return -1.0; }
+    bytes = bytes / (2u << 20) * (2u << 20);
+    // Anonymous memory with transparent huge pages, as numpy gives large arrays (and as weights in a page-cache
+    // mapping are read): the probe should not lose to the kernels on TLB misses.
+    void* map = bytes ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) : MAP_FAILED;
+    if (map == MAP_FAILED) { t_error = "cannot allocate the bandwidth probe buffer"; return -1.0; }
+    madvise(map, bytes, MADV_HUGEPAGE);
+    char* buf = (char*)map;
     memset(buf, 1, bytes);   // fault every page in before timing
     std::vector<uint64_t> sink(pool.n_threads());
     const int n = pool.n_threads();
@@ -101,7 +107,7 @@ double kt_measure_read_bandwidth(kt_ctx* ctx, size_t bytes, int reps) {
         const double dt = now_s() - t0;
         if (bytes / dt > best) best = bytes / dt;
     }
-    free(buf);
+    munmap(map, bytes);
     return best;
 }
 

@@ -1,0 +1,121 @@
+"""Benchmark: one DeepSeek-V3-shaped routed-expert layer on libktkernels (ktrun.cpu_moe).
+
+hidden 7168, expert intermediate 2048, top-8, group size 128, as many experts as fit in --budget-gb (default 4 GB
+on this 24 GB box shared with other work; the issue asks ~8 GB where memory allows), random routing on every call
+so no expert stays in cache. For T = 1, 4, 16, 64, 512 tokens, int4 and int8, 1 and 2 threads it prints the time per
+layer, the weight bytes read per second and that as a fraction of the memory read bandwidth measured in the same run
+(kt_measure_read_bandwidth, same threads); for T >= 64 also int8 GOP/s against the measured register-only vpdpbusd
+peak (kt_measure_int8_peak, same threads). Output lines are `name: value unit`.
+
+    .venv/bin/python bench/bench_moe_kernels.py                       # everything (a few minutes)
+    .venv/bin/python bench/bench_moe_kernels.py --tokens 1 --threads 2 --bits 4
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from ktlayouts.cpu_expert import MatrixGeometry
+from ktrun.cpu_moe import ExpertShard, MoEKernels
+
+HIDDEN, INTER, TOP_K, GROUP = 7168, 2048, 8, 128
+
+
+def expert_bytes(bits: int) -> int:
+    gu = MatrixGeometry(n=INTER, k=HIDDEN, bits=bits, group_size=GROUP)
+    dn = MatrixGeometry(n=HIDDEN, k=INTER, bits=bits, group_size=GROUP)
+    return 2 * (gu.qweight_nbytes + gu.scales_nbytes) + dn.qweight_nbytes + dn.scales_nbytes
+
+
+def packed_layer(bits: int, n_experts: int, rng: np.random.Generator) -> ExpertShard:
+    """Random codes and scales straight into the packed arrays (only the addresses matter for speed). Every page is
+    written, so no read can hit the shared zero page."""
+    gu = MatrixGeometry(n=INTER, k=HIDDEN, bits=bits, group_size=GROUP)
+    dn = MatrixGeometry(n=HIDDEN, k=INTER, bits=bits, group_size=GROUP)
+    block = rng.integers(0, 256, size=1 << 20, dtype=np.uint8)
+
+    def codes(geom):
+        a = np.empty((n_experts, *geom.qweight_shape), np.uint8)
+        flat = a.reshape(-1)
+        for i in range(0, flat.size, block.size):
+            n = min(block.size, flat.size - i)
+            flat[i:i + n] = block[:n]
+            block[:64] = rng.integers(0, 256, size=64, dtype=np.uint8)   # vary it a little
+        return a
+
+    def scales(geom):
+        return (rng.standard_normal((n_experts, *geom.scales_shape)) * 1e-3).astype(np.float32)
+
+    return ExpertShard(codes(gu), scales(gu), codes(gu), scales(gu), codes(dn), scales(dn), 0, INTER)
+
+
+def random_routing(rng: np.random.Generator, T: int, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.argsort(rng.random((T, n_experts)), axis=1)[:, :TOP_K].astype(np.int32)   # distinct per token
+    return ids, (rng.random((T, TOP_K)) / TOP_K).astype(np.float32)
+
+
+def time_layer(moe: MoEKernels, T: int, n_experts: int, reps: int, rng) -> tuple[float, float]:
+    """-> (best seconds per layer, mean distinct experts touched)."""
+    x = rng.standard_normal((T, HIDDEN)).astype(np.float32)
+    out = np.empty((T, HIDDEN), np.float32)
+    routes = [random_routing(rng, T, n_experts) for _ in range(reps + 1)]
+    moe.forward(0, x, *routes[0], out)   # warm-up (page tables, buffers)
+    best, touched = float("inf"), []
+    for ids, w in routes[1:]:
+        t0 = time.perf_counter()
+        moe.forward(0, x, ids, w, out)
+        best = min(best, time.perf_counter() - t0)
+        touched.append(len(np.unique(ids)))
+    return best, float(np.mean(touched))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget-gb", type=float, default=4.0, help="memory for the packed experts of one layer")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--bits", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--backend", default=None, help="scalar|avx2|avx512|amx (default: best of this CPU)")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+
+    limits = {}
+    for nt in args.threads:
+        with MoEKernels(n_threads=nt, backend=args.backend) as moe:
+            bw, peak = moe.measure_read_bandwidth(1 << 30, 5), moe.measure_int8_peak(1.0)
+            limits[nt] = (bw, peak)
+            print(f"backend: {moe.backend_detail}")
+            print(f"read_bandwidth_{nt}t: {bw / 1e9:.2f} GB/s")
+            print(f"int8_peak_{nt}t: {peak / 1e9:.1f} GOP/s")
+
+    for bits in args.bits:
+        per_expert = expert_bytes(bits)
+        n_experts = max(TOP_K, int(args.budget_gb * 1e9 // per_expert))
+        t0 = time.perf_counter()
+        shard = packed_layer(bits, n_experts, rng)
+        print(f"int{bits}_layer: {n_experts} experts x {per_expert / 1e6:.1f} MB = "
+              f"{n_experts * per_expert / 1e9:.2f} GB (packed in {time.perf_counter() - t0:.1f} s)")
+        for nt in args.threads:
+            bw, peak = limits[nt]
+            with MoEKernels(n_threads=nt, backend=args.backend) as moe:
+                moe.add_layer(0, [shard], n_experts=n_experts, hidden=HIDDEN, intermediate_pad=INTER, bits=bits,
+                              group_size=GROUP)
+                for T in args.tokens:
+                    reps = 20 if T <= 4 else 8 if T <= 64 else 2
+                    sec, touched = time_layer(moe, T, n_experts, reps, rng)
+                    name = f"moe_int{bits}_T{T}_{nt}t"
+                    rate = touched * per_expert / sec
+                    print(f"{name}_time: {sec * 1e3:.2f} ms")
+                    print(f"{name}_weight_read: {rate / 1e9:.2f} GB/s")
+                    print(f"{name}_bw_fraction: {rate / bw:.3f} of measured read bandwidth")
+                    if T >= 64:
+                        gops = 2.0 * T * TOP_K * 3 * HIDDEN * INTER / sec
+                        print(f"{name}_compute: {gops / 1e9:.1f} GOP/s")
+                        print(f"{name}_peak_fraction: {gops / peak:.3f} of measured int8 vpdpbusd peak")
+        del shard
+
+
+if __name__ == "__main__":
+    main()
