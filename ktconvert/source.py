@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +51,6 @@ class Source:
         self.fp8_block: tuple[int, int] = tuple(qc.get("weight_block_size") or (128, 128))
         self._infos: dict[str, TensorInfo] = {}
         self._names: list[str] = []
-        self._fds: dict[Path, int] = {}
-        self._lock = threading.Lock()
         self._load_index()
         self._validate_tensors()
 
@@ -146,11 +143,16 @@ class Source:
 
     def _raw(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes, read with pread into a fresh buffer: no mapping stays resident after the read, so
-        memory is bounded by the tensor being read, whatever the checkpoint's size."""
-        with self._lock:  # readers may run in threads; pread itself is positional and thread-safe
-            fd = self._fds.get(info.file)
-            if fd is None:
-                fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+        memory is bounded by the tensor being read, whatever the checkpoint's size. The shard is opened per read
+        (microseconds): no shared descriptor, so threads may read concurrently and close() is always safe."""
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            return self._pread(fd, info)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _pread(fd: int, info: TensorInfo) -> np.ndarray:
         buf = np.empty(info.nbytes, dtype=np.uint8)
         view, done = memoryview(buf), 0
         while done < info.nbytes:
@@ -199,13 +201,7 @@ class Source:
         return values
 
     def close(self) -> None:
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
-
-    def __del__(self):
-        if getattr(self, "_fds", None) and os is not None:  # os may be gone at interpreter shutdown
-            self.close()
+        """Nothing stays open between reads; kept so a Source works as a context manager like a file."""
 
     def __enter__(self):
         return self
@@ -217,9 +213,13 @@ class Source:
         return f"Source({self.path}, {self.arch!r}, {len(self._names)} tensors)"
 
 
-def open_source(path) -> Source:
-    """Open a local checkpoint directory (config.json + safetensors shards); validates everything up front."""
+def open_source(path):
+    """Open a local checkpoint: a directory (config.json + safetensors shards) or a GGUF file / split set
+    (ktconvert.gguf_source.GGUFSource, same interface); validates everything up front."""
     p = Path(path)
+    if p.suffix == ".gguf" and p.is_file():
+        from ktconvert.gguf_source import GGUFSource
+        return GGUFSource(p)
     if not p.is_dir():
-        raise SourceError(f"{p}: not a directory")
+        raise SourceError(f"{p}: not a directory (nor a .gguf file)")
     return Source(p)

@@ -372,3 +372,16 @@ def test_expert_shape_disagreeing_with_config(ckpt_copy):
     with pytest.raises(SourceError, match=r"tensor model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight has shape "
                                           r"\(80, 128\), but config.json .*implies \(96, 128\)"):
         open_source(d)
+
+
+def test_threads_read_concurrently_and_close_is_safe(ckpt_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = open_source(ckpt_dir("deepseek_v2"))
+    names = src.tensor_names()
+    want = {n: src.read(n) for n in names}
+    with ThreadPoolExecutor(4) as pool:
+        got = dict(zip(names, pool.map(src.read, names)))
+    assert all(torch.equal(want[n], got[n]) for n in names)
+    src.close()
+    assert torch.equal(src.read(names[0]), want[names[0]])  # reading after close reopens the shard
