@@ -16,7 +16,6 @@ import argparse
 import time
 
 import numpy as np
-
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktrun.cpu_moe import ExpertShard, MoEKernels
 

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from ktlayouts.cpu_expert import MatrixGeometry, group_unit
 from ktlayouts.expert_shards import nodes_for_shards
 
@@ -230,11 +229,10 @@ class MoEKernels:
                 u0, u1 = round(f0 * n_units), round(f1 * n_units)
                 if u1 <= u0:
                     continue   # more nodes than units in this shard: this node gets none of it
-                ptr = (lambda a, w: _pointer(a, f"{what} {w}", None) if a is not None else None)
-                pieces.append(_Piece(ptr(sh.gate_q, "gate.qweight"), ptr(sh.gate_s, "gate.scales"),
-                                     ptr(sh.up_q, "up.qweight"), ptr(sh.up_s, "up.scales"),
-                                     ptr(sh.down_q, "down.qweight"), ptr(sh.down_s, "down.scales"),
-                                     sh.i0, sh.i1, u0 * unit, u1 * unit, node))
+                ptrs = [None if a is None else _pointer(a, f"{what} {name}") for a, name in (
+                    (sh.gate_q, "gate.qweight"), (sh.gate_s, "gate.scales"), (sh.up_q, "up.qweight"),
+                    (sh.up_s, "up.scales"), (sh.down_q, "down.qweight"), (sh.down_s, "down.scales"))]
+                pieces.append(_Piece(*ptrs, sh.i0, sh.i1, u0 * unit, u1 * unit, node))
         for sh in shards:
             for a in (sh.gate_s, sh.up_s, sh.down_s):
                 if a is not None and _dtype_name(a) != "float32":
@@ -243,7 +241,7 @@ class MoEKernels:
         if self._lib.kt_add_layer(self._ctx, layer_id, n_experts, hidden, intermediate_pad, bits, group_size,
                                   len(pieces), arr) != 0:
             raise KernelError(_err(self._lib))
-        self._layers[layer_id] = (dict(hidden=hidden, n_experts=n_experts), list(shards))
+        self._layers[layer_id] = ({"hidden": hidden, "n_experts": n_experts}, list(shards))
 
     def submit(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any = None, accumulate: bool = False):
         """Start the layer on the pool and return at once (out, allocated if None). Call sync() before using out."""

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from ktlayouts.cpu_expert import (MatrixGeometry, bf16_bits_to_f32, f32_to_bf16_bits, pack_expert_matrix,
-                                  quantize_activations, unpack_expert_matrix)
+from ktlayouts.cpu_expert import (
+    MatrixGeometry,
+    bf16_bits_to_f32,
+    f32_to_bf16_bits,
+    pack_expert_matrix,
+    quantize_activations,
+    unpack_expert_matrix,
+)
 from ktlayouts.expert_shards import ShardPlan
 from ktrun.cpu_moe import BACKENDS, ExpertShard, backend_supported
 
@@ -27,7 +32,7 @@ class PackedLayer:
         self.E, self.H, self.I, self.bits, self.G = n_experts, hidden, inter, bits, group_size
         self.plan = ShardPlan(intermediate=inter, group_size=group_size, n_shards=n_shards, bits=bits)
         ip = self.plan.intermediate_pad
-        w = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)   # noqa: E731
+        w = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
         gate, up, down = (np.zeros((n_experts, ip, hidden), np.float32), np.zeros((n_experts, ip, hidden), np.float32),
                           np.zeros((n_experts, hidden, ip), np.float32))
         gate[:, :inter], up[:, :inter], down[:, :, :inter] = w(n_experts, inter, hidden), w(n_experts, inter, hidden), \

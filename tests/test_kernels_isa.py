@@ -9,7 +9,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from ktrun.cpu_moe import _library_path
 
 FUNC = re.compile(r"^[0-9a-f]+ <(.*)>:$")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from ktrun.cpu_moe import MoEKernels
 from test_kernels_helpers import PackedLayer, assert_close, backend_params, routing
 
