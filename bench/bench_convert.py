@@ -1,0 +1,118 @@
+"""Conversion throughput (source GB/s) and peak RSS at 2, 4 and 8 layers (must stay flat), and the relative error of
+int4/int8 with group 128 vs per-row scales on the same weights. Prints `name: value unit` lines.
+
+Fixture: qwen3_moe with hidden 1024, expert intermediate 512, 32 experts -> ~100 MB of BF16 experts per layer.
+Each conversion runs in its own subprocess so ru_maxrss is that conversion's peak. Limits measured in this run:
+memory copy bandwidth (the ceiling for any streaming pass) and the same conversion with 1 worker (the peer).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+DIMS = {"hidden_size": 1024, "moe_intermediate_size": 512, "num_experts": 32, "intermediate_size": 1024,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128}
+LAYERS = (2, 4, 8)
+
+# VmHWM (peak RSS of this process image) rather than ru_maxrss, which Linux carries over from the forking parent.
+CHILD = r"""
+import json, re, sys, time
+from ktconvert.pipeline import ConvertOptions, convert
+def hwm_kb():
+    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
+src, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+base = hwm_kb()
+t = time.perf_counter()
+convert(src, out, ConvertOptions(method="int4-amx", group_size=128, workers=workers), show_progress=False)
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "peak_kb": hwm_kb(), "base_kb": base}))
+"""
+
+
+def copy_bandwidth_gbs() -> float:
+    """Read+write bandwidth of a large numpy copy, counted as bytes read (the converter's streaming ceiling)."""
+    a = np.ones(256 << 20, np.uint8)
+    b = np.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def run_convert(src: Path, out: Path, workers: int) -> dict:
+    r = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), str(workers)], capture_output=True, text=True, check=False)
+    if r.returncode:
+        raise SystemExit(r.stderr)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def quant_errors(src: Path) -> dict[str, float]:
+    from ktlayouts.cpu_expert import MatrixGeometry, pack_expert_matrix, unpack_expert_matrix
+
+    from ktconvert.source import open_source
+
+    rng = np.random.default_rng(0)
+    with open_source(src) as s:
+        mats = [s.read(s.arch.expert_tensor_name(0, e, p)).numpy() for e in range(4) for p in ("gate", "down")]
+    # the same weights with a few input channels scaled up 8x: the outlier channels real checkpoints have
+    outl = []
+    for w in mats:
+        w = w.copy()
+        w[:, rng.choice(w.shape[1], 8, replace=False)] *= 8
+        outl.append(w)
+    out = {}
+    for tag, ws in (("fixture", mats), ("outlier_channels", outl)):
+        for bits in (4, 8):
+            for g in (128, -1):
+                num = den = 0.0
+                for w in ws:
+                    geom = MatrixGeometry(w.shape[0], w.shape[1], bits, g)
+                    d = unpack_expert_matrix(*pack_expert_matrix(w, geom), geom)
+                    num += float(np.sum((d - w).astype(np.float64) ** 2))
+                    den += float(np.sum(w.astype(np.float64) ** 2))
+                out[f"rel_error_int{bits}_{'g128' if g == 128 else 'per_row'}_{tag}"] = (num / den) ** 0.5
+    return out
+
+
+def main() -> None:
+    from ktconvert.fixtures import checkpoint_nbytes, make_checkpoint
+
+    bw = copy_bandwidth_gbs()
+    print(f"memory_copy_bandwidth: {bw:.2f} GB/s")
+    with tempfile.TemporaryDirectory(prefix="bench_convert_") as tmp:
+        tmp = Path(tmp)
+        peaks = {}
+        for n_layers in LAYERS:
+            src = make_checkpoint("qwen3_moe", tmp / f"src{n_layers}", num_layers=n_layers, max_shard_bytes=1 << 30,
+                                  **DIMS)
+            nbytes = checkpoint_nbytes(src)
+            res = run_convert(src, tmp / f"out{n_layers}", workers=2)
+            gbs = nbytes / res["seconds"] / 1e9
+            peaks[n_layers] = res["peak_kb"] / 1024
+            print(f"convert_{n_layers}_layers_source_size: {nbytes / 1e6:.1f} MB")
+            print(f"convert_{n_layers}_layers_throughput: {gbs:.3f} GB/s")
+            print(f"convert_{n_layers}_layers_throughput_vs_memory_copy: {gbs / bw:.4f} ratio")
+            print(f"convert_{n_layers}_layers_peak_rss: {peaks[n_layers]:.0f} MB")
+            print(f"convert_{n_layers}_layers_rss_after_imports: {res['base_kb'] / 1024:.0f} MB")
+            if n_layers == LAYERS[1]:
+                one = run_convert(src, tmp / f"out{n_layers}_w1", workers=1)
+                print(f"convert_{n_layers}_layers_throughput_1_worker: {nbytes / one['seconds'] / 1e9:.3f} GB/s")
+                print(f"convert_{n_layers}_layers_speedup_2_workers_vs_1: {one['seconds'] / res['seconds']:.2f} x")
+            if n_layers != LAYERS[0]:
+                for p in (tmp / f"src{n_layers}", tmp / f"out{n_layers}"):
+                    subprocess.run(["rm", "-rf", str(p)], check=True)
+        print(f"convert_peak_rss_8_vs_2_layers: {peaks[LAYERS[-1]] / peaks[LAYERS[0]]:.3f} ratio")
+        for name, v in quant_errors(tmp / f"src{LAYERS[0]}").items():
+            print(f"{name}: {v:.5f} relative")
+
+
+if __name__ == "__main__":
+    main()
