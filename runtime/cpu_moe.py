@@ -304,9 +304,11 @@ class MoEKernels:
             import torch
             if x.dtype not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"x: dtype {x.dtype}, expected float32 or bfloat16")
-            if x.stride(1) != 1:
+            if x.numel() and x.stride(1) != 1:
                 raise ValueError("x: rows must be contiguous")
-            return (0 if x.dtype == torch.float32 else 1), _pointer(x, "x", contiguous=False), x.stride(0), shape[0]
-        if x.dtype not in (np.float32, np.uint16) or x.strides[1] != x.itemsize:
+            stride = x.stride(0) if shape[0] > 1 else hidden
+            return (0 if x.dtype == torch.float32 else 1), _pointer(x, "x", contiguous=False), stride, shape[0]
+        if x.dtype not in (np.float32, np.uint16) or (x.size and x.strides[1] != x.itemsize):
             raise ValueError(f"x: dtype {x.dtype} with strides {x.strides}: expected float32 or uint16 (bf16 bits) rows")
-        return (0 if x.dtype == np.float32 else 1), x.ctypes.data, x.strides[0] // x.itemsize, shape[0]
+        stride = x.strides[0] // x.itemsize if shape[0] > 1 else hidden
+        return (0 if x.dtype == np.float32 else 1), x.ctypes.data, stride, shape[0]

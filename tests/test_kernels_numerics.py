@@ -7,9 +7,9 @@ import pytest
 from ktrun.cpu_moe import MoEKernels
 from test_kernels_helpers import PackedLayer, assert_close, backend_params, routing
 
-# (bits, group size, hidden, intermediate): hidden 96 / intermediate 80 are padded by the layouts.
+# (bits, group size, hidden, intermediate): hidden 96 / 100 and intermediate 80 / 200 are padded by the layouts.
 SHAPES = [(4, 32, 96, 80), (4, 64, 96, 80), (4, 128, 96, 80), (4, -1, 96, 80),
-          (8, 32, 96, 80), (8, 64, 64, 128), (8, 128, 96, 80), (8, -1, 96, 80)]
+          (8, 32, 96, 80), (8, 64, 64, 128), (8, 128, 96, 80), (8, -1, 96, 80), (8, 64, 100, 200)]
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +79,14 @@ def test_out_of_order_repeated_and_skipped_ids(backend):
         assert_close(got, layer.reference(x, ids, w), 2e-3, "repeated ids")
         perm = moe.forward(0, x, ids[:, ::-1].copy(), w[:, ::-1].copy())
         np.testing.assert_allclose(perm, got, rtol=1e-5, atol=1e-6 * np.abs(got).max())
+
+
+def test_no_tokens_and_no_routes():
+    rng = np.random.default_rng(0)
+    layer = PackedLayer(rng, n_experts=3, hidden=64, inter=64, bits=8, group_size=64)
+    with MoEKernels(n_threads=2) as moe:
+        layer.add_to(moe)
+        assert moe.forward(0, np.zeros((0, 64), np.float32), np.zeros((0, 2)), np.zeros((0, 2), np.float32)).shape == (0, 64)
+        out = np.full((2, 64), 5.0, np.float32)
+        moe.forward(0, np.ones((2, 64), np.float32), -np.ones((2, 2)), np.ones((2, 2), np.float32), out)
+        assert not out.any(), "tokens without experts get zeros (no accumulate)"
