@@ -55,19 +55,21 @@ def random_routing(rng: np.random.Generator, T: int, n_experts: int) -> tuple[np
     return ids, (rng.random((T, TOP_K)) / TOP_K).astype(np.float32)
 
 
-def time_layer(moe: MoEKernels, T: int, n_experts: int, reps: int, rng) -> tuple[float, float]:
-    """-> (best seconds per layer, mean distinct experts touched)."""
+def time_layer(moe: MoEKernels, T: int, n_experts: int, reps: int, rng) -> tuple[float, float, list]:
+    """-> (best seconds per layer, mean distinct experts touched, per-worker phase profile of the best call)."""
     x = rng.standard_normal((T, HIDDEN)).astype(np.float32)
     out = np.empty((T, HIDDEN), np.float32)
     routes = [random_routing(rng, T, n_experts) for _ in range(reps + 1)]
     moe.forward(0, x, *routes[0], out)   # warm-up (page tables, buffers)
-    best, touched = float("inf"), []
+    best, touched, prof = float("inf"), [], []
     for ids, w in routes[1:]:
         t0 = time.perf_counter()
         moe.forward(0, x, ids, w, out)
-        best = min(best, time.perf_counter() - t0)
+        sec = time.perf_counter() - t0
+        if sec < best:
+            best, prof = sec, moe.profile()
         touched.append(len(np.unique(ids)))
-    return best, float(np.mean(touched))
+    return best, float(np.mean(touched)), prof
 
 
 def main() -> None:
@@ -103,10 +105,13 @@ def main() -> None:
                               group_size=GROUP)
                 for T in args.tokens:
                     reps = 20 if T <= 4 else 8 if T <= 64 else 2
-                    sec, touched = time_layer(moe, T, n_experts, reps, rng)
+                    sec, touched, prof = time_layer(moe, T, n_experts, reps, rng)
                     name = f"moe_int{bits}_T{T}_{nt}t"
                     rate = touched * per_expert / sec
                     print(f"{name}_time: {sec * 1e3:.2f} ms")
+                    # where the time went (kt_profile): per phase, the slowest worker
+                    phases = {k: max(p[k] for p in prof) for k in ("x_quant", "wait", "gate_up", "h_quant", "down")}
+                    print(f"{name}_phases: " + " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items()) + " ms")
                     print(f"{name}_weight_read: {rate / 1e9:.2f} GB/s")
                     print(f"{name}_bw_fraction: {rate / bw:.3f} of measured read bandwidth")
                     if T >= 64:

@@ -86,6 +86,7 @@ def load_library() -> ctypes.CDLL:
         "kt_add_layer": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_int, ctypes.POINTER(_Piece)]),
         "kt_submit": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int]),
         "kt_sync": (c_int, [c_p]),
+        "kt_profile": (c_int, [c_p, ctypes.POINTER(ctypes.c_double), c_int]),
         "kt_measure_read_bandwidth": (ctypes.c_double, [c_p, ctypes.c_size_t, c_int]),
         "kt_measure_int8_peak": (ctypes.c_double, [c_p, ctypes.c_double]),
     }
@@ -282,6 +283,15 @@ class MoEKernels:
         out = self.submit(layer_id, x, ids, weights, out, accumulate)
         self.sync()
         return out
+
+    PROFILE_PHASES = ("x_quant", "wait", "gate_up", "h_quant", "down", "wait_pools", "reduce")
+
+    def profile(self) -> list[dict[str, float]]:
+        """Seconds each worker spent per phase of the last submit (see kt_profile in kernels/include/ktkernels.h)."""
+        self.sync()
+        buf = (ctypes.c_double * (8 * self.n_threads))()
+        self._lib.kt_profile(self._ctx, buf, len(buf))
+        return [dict(zip(self.PROFILE_PHASES, buf[8 * i: 8 * i + 7])) for i in range(self.n_threads)]
 
     def measure_read_bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> float:
         """Memory read bandwidth with this pool's threads, bytes/s (best of reps)."""

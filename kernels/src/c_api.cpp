@@ -83,6 +83,13 @@ int kt_sync(kt_ctx* ctx) {
     return guarded([&] { ctx->engine.sync(); });
 }
 
+int kt_profile(kt_ctx* ctx, double* out, int capacity) {
+    const std::vector<double>& p = ctx->engine.profile();
+    const int n = (int)p.size() < capacity ? (int)p.size() : capacity;
+    for (int i = 0; i < n; ++i) out[i] = p[i];
+    return n;
+}
+
 double kt_measure_read_bandwidth(kt_ctx* ctx, size_t bytes, int reps) {
     kt::ThreadPool& pool = ctx->engine.pool();
     const kt::ReadFn read = ctx->engine.table().read_sum;

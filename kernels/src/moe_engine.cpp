@@ -1,6 +1,7 @@
 #include "moe_engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +20,10 @@ constexpr int kChunkBlocks = 8;   // column blocks (of 16) per work item, gate/u
 int env_int(const char* name, int fallback) {
     const char* v = std::getenv(name);
     return (v && *v) ? std::atoi(v) : fallback;
+}
+
+double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 int round_up(int x, int m) { return (x + m - 1) / m * m; }
@@ -71,6 +76,7 @@ MoEEngine::MoEEngine(int n_threads, int n_pools, const std::string& backend) {
     next1b_.reset(new std::atomic<int>[n_pools]);
     next2_.reset(new std::atomic<int>[n_pools]);
     scratch_.resize(n_threads);
+    profile_.assign((size_t)n_threads * kProfilePhases, 0.0);
 }
 
 MoEEngine::~MoEEngine() { pool_->wait(); }
@@ -240,15 +246,25 @@ void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stri
 
 void MoEEngine::run(const WorkerInfo& w) {
     const int n = w.n_threads, p = w.pool;
+    double* prof = profile_.data() + (size_t)w.index * kProfilePhases;
+    double t_last = now_s();
+    auto mark = [&](int phase) { const double t = now_s(); prof[phase] = t - t_last; t_last = t; };
     for (int t = (int)((int64_t)T_ * w.index / n); t < (int)((int64_t)T_ * (w.index + 1) / n); ++t) quantize_x(t, w.index);
+    mark(0);
     pool_->global_barrier();
+    mark(1);
     for (int i; (i = next1_[p].fetch_add(1)) < (int)items1_[p].size();) gate_up(items1_[p][i], w.index);
+    mark(2);
     pool_->pool_barrier(p);
     for (int i; (i = next1b_[p].fetch_add(1)) < (int)items1b_[p].size();) quantize_h(items1b_[p][i]);
     pool_->pool_barrier(p);
+    mark(3);
     for (int i; (i = next2_[p].fetch_add(1)) < (int)items2_[p].size();) down(items2_[p][i], p, w.index);
+    mark(4);
+    prof[5] = prof[6] = prof[7] = 0.0;
     if (pool_->n_pools() == 1) return;
     pool_->global_barrier();
+    mark(5);
     const int H = L_->hidden;
     const int c0 = (int)((int64_t)H * w.index / n), c1 = (int)((int64_t)H * (w.index + 1) / n);
     for (int t = 0; t < T_; ++t) {
@@ -259,6 +275,7 @@ void MoEEngine::run(const WorkerInfo& w) {
             o[c] = v;
         }
     }
+    mark(6);
 }
 
 void MoEEngine::quantize_x(int t, int worker) {

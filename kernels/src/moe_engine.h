@@ -54,6 +54,9 @@ public:
     void submit(int id, int T, const void* x, int x_dtype, int64_t x_stride, int k, const int32_t* ids,
                 const float* weights, float* out, int64_t out_stride, bool accumulate);
     void sync() { pool_->wait(); }
+    // Seconds each worker spent in each phase of the last job (kProfilePhases per worker, see ktkernels.h).
+    static constexpr int kProfilePhases = 8;
+    const std::vector<double>& profile() { pool_->wait(); return profile_; }
 
 private:
     struct PieceBuf {
@@ -104,6 +107,7 @@ private:
     std::unique_ptr<std::atomic<int>[]> next1_, next1b_, next2_;
     std::vector<std::vector<float>> partial_;   // per pool (T, hidden) when n_pools > 1
     std::vector<std::vector<float>> scratch_;   // per worker
+    std::vector<double> profile_;                // (n_threads, kProfilePhases)
 };
 
 }  // namespace kt
