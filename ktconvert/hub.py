@@ -212,8 +212,9 @@ def plan_pull(repo_id: str, revision: str | None = None, local_dir: Path | None 
 def resolve_source(src: str | None) -> Path:
     """The local checkpoint directory for a `ktconvert quantize` SRC argument.
 
-    An existing directory is used as is (refused if it is an unfinished pull); a hub repo id (ORG/NAME that is not
-    an existing path) is pulled first into its default directory; None means the most recent complete pull.
+    An existing directory (or .gguf file) is used as is (refused if it is an unfinished pull); a hub repo id
+    (ORG/NAME that is not an existing path) is pulled first into its default directory; None means the most recent
+    complete pull.
     """
     if src is None:
         state = read_last_pull()
@@ -229,8 +230,10 @@ def resolve_source(src: str | None) -> Path:
             if is_repo_id(src):
                 return pull(src)
             raise PullError(f"SRC {src!r} is neither an existing directory nor a hub repo id (ORG/NAME)")
+        if path.is_file() and path.suffix == ".gguf":
+            return path                      # a GGUF file or the first part of a split set
         if not path.is_dir():
-            raise PullError(f"SRC {src} is not a directory")
+            raise PullError(f"SRC {src} is neither a directory nor a .gguf file")
     rec = read_source_record(path)
     if rec is not None and not rec.get("complete"):
         raise PullError(f"{path} holds an unfinished pull of {rec.get('repo_id')}: re-run `ktconvert pull "

@@ -30,13 +30,23 @@ def _converted_config(raw: bytes) -> bytes:
     return raw
 
 
-def copy_side_files(src_dir: Path, out_dir: Path, journal) -> list[str]:
+def _side_file_reader(src) -> dict:
+    """{name: () -> bytes} of the source's config and tokenizer files: files beside the shards, or, for sources
+    that carry them inside (GGUF metadata), what the source's side_files() builds."""
+    if hasattr(src, "side_files"):
+        return {name: (lambda raw=raw: raw) for name, raw in src.side_files().items()}
+    root = Path(src.path)
+    return {p.name: p.read_bytes for p in root.iterdir() if p.is_file() and SIDE_FILE_RE.match(p.name)}
+
+
+def copy_side_files(src, out_dir: Path, journal) -> list[str]:
     """Copy config and tokenizer files (atomically, journaled); returns their names."""
-    names = sorted(p.name for p in Path(src_dir).iterdir() if p.is_file() and SIDE_FILE_RE.match(p.name))
+    readers = _side_file_reader(src)
+    names = sorted(readers)
     for name in names:
         if journal.is_done(name):
             continue
-        raw = (Path(src_dir) / name).read_bytes()
+        raw = readers[name]()
         if name == "config.json":
             raw = _converted_config(raw)
         atomic_write_bytes(out_dir / name, raw)

@@ -10,17 +10,17 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
-from ktlayouts.constants import FORMAT_VERSION, METHOD_TO_LAYOUT
+from ktlayouts.constants import FORMAT_VERSION, METHOD_TO_LAYOUT, ZERO_POINT
 from ktlayouts.converted_dir import MANIFEST_NAME, PROJECTIONS, ExpertGeometry, expert_tensor
-from ktlayouts.cpu_expert import pack_expert_matrix
+from ktlayouts.cpu_expert import pack_expert_codes, pack_expert_matrix
+from tqdm import tqdm
 
 from .convert_plan import ConvertError, ConvertPlan, FileJob, make_plan
 from .dense_encoding import dense_encoder
@@ -80,15 +80,47 @@ def _shard_matrices(w: dict[str, np.ndarray], geo: ExpertGeometry, shard: int) -
     return out
 
 
+def _pad_to(a: np.ndarray, shape: tuple, fill) -> np.ndarray:
+    out = np.full(shape, fill, dtype=a.dtype)
+    out[: a.shape[0], : a.shape[1]] = a
+    return out
+
+
+def _exact_int8(src, names: dict[str, str], geo: ExpertGeometry) -> dict | None:
+    """{proj: (codes, scales)} when the source's blocks are exactly int8 group-32 codes (GGUF Q8_0), else None."""
+    if geo.bits != 8 or geo.group_size != 32 or not hasattr(src, "read_int8_groups"):
+        return None
+    exact = {p: src.read_int8_groups(n) for p, n in names.items()}
+    return exact if all(v is not None for v in exact.values()) else None
+
+
+def _shard_codes(exact: dict, geo: ExpertGeometry, shard: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The shard's slice of exact int8 codes/scales, padded like _shard_matrices (code ZERO, scale 0)."""
+    i0, i1 = geo.shard_plan.shard_range(shard)
+    take, z, g = max(0, min(i1, geo.intermediate) - i0), ZERO_POINT[8], geo.group_size
+    out = {}
+    for p, (c, s) in exact.items():
+        if p == "down":
+            out[p] = (_pad_to(c[:, i0:i0 + take], (geo.hidden, i1 - i0), z),
+                      _pad_to(s[:, i0 // g:(i0 + take) // g], (geo.hidden, (i1 - i0) // g), 0.0))
+        else:
+            out[p] = (_pad_to(c[i0:i0 + take], (i1 - i0, geo.hidden), z),
+                      _pad_to(s[i0:i0 + take], (i1 - i0, s.shape[1]), 0.0))
+    return out
+
+
 def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int) -> list[dict[str, np.ndarray]]:
     """Read expert e of `layer` and pack it for every shard -> per shard {tensor name: array}."""
-    w = {p: src.read(adapter.expert_tensor_name(layer, e, p)).numpy() for p in PROJECTIONS}
+    names = {p: adapter.expert_tensor_name(layer, e, p) for p in PROJECTIONS}
+    exact = _exact_int8(src, names, geo)
+    w = None if exact else {p: src.read(n).numpy() for p, n in names.items()}
     per_shard = []
     for s in range(geo.numa_nodes):
-        mats = _shard_matrices(w, geo, s)
+        mats = _shard_codes(exact, geo, s) if exact else _shard_matrices(w, geo, s)
         packed = {}
         for p in PROJECTIONS:
-            qweight, scales = pack_expert_matrix(mats[p], geo.matrix_geometry(p, s))
+            geom = geo.matrix_geometry(p, s)
+            qweight, scales = pack_expert_codes(*mats[p], geom) if exact else pack_expert_matrix(mats[p], geom)
             packed[expert_tensor(p, "qweight")] = qweight
             if scales is not None:
                 packed[expert_tensor(p, "scales")] = scales
@@ -169,6 +201,11 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
         done = sum(j.source_nbytes for g in plan.jobs for j in g if all(journal.is_done(x.rel) for x in g))
         bar = tqdm(total=plan.source_nbytes, initial=done, unit="B", unit_scale=True, unit_divisor=1000,
                    desc="converting", disable=not show_progress, dynamic_ncols=True)
+        layers = src.arch.moe_layers()
+        if layers and _exact_int8(src, {p: src.arch.expert_tensor_name(layers[0], 0, p) for p in PROJECTIONS},
+                                  plan.geometry):
+            tqdm.write("experts: GGUF Q8_0 blocks taken over exactly as int8 group-32 codes and scales "
+                       "(no float round trip)", file=sys.stderr)
         conv = Converter(src, out_dir, opts, plan, journal, bar, kill)
         conv.encoder = encoder
         try:

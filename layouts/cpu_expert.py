@@ -18,7 +18,17 @@ from math import lcm
 
 import numpy as np
 
-from .constants import ACT_QMAX, GROUP_PER_ROW, TILE_K, TILE_N, TILE_ROW_BYTES, TILE_ROWS, VNNI_BF16, VNNI_INT8, ZERO_POINT
+from .constants import (
+    ACT_QMAX,
+    GROUP_PER_ROW,
+    TILE_K,
+    TILE_N,
+    TILE_ROW_BYTES,
+    TILE_ROWS,
+    VNNI_BF16,
+    VNNI_INT8,
+    ZERO_POINT,
+)
 
 
 class LayoutError(ValueError):
@@ -216,6 +226,20 @@ def pack_expert_matrix(w: np.ndarray, geom: MatrixGeometry) -> tuple[np.ndarray,
         return pack_bf16(w, geom), None
     codes, scales = quantize(w, geom)
     return pack_codes(codes, geom), pack_scales(scales, geom)
+
+
+def pack_expert_codes(codes: np.ndarray, scales: np.ndarray, geom: MatrixGeometry) -> tuple[np.ndarray, np.ndarray]:
+    """Already-quantized weights (codes (N, K) uint8 with this layout's zero point, scales (N, K / G) float32) ->
+    packed (qweight, scales), padding with code ZERO and scale 0. For sources whose blocks map exactly onto the
+    layout (GGUF Q8_0 -> int8 group 32): no float round trip."""
+    if geom.bits == 16 or geom.group_size == GROUP_PER_ROW or codes.shape != (geom.n, geom.k) \
+            or geom.k % geom.group or scales.shape != (geom.n, geom.k // geom.group):
+        raise LayoutError(f"codes {codes.shape} / scales {scales.shape} do not fit {geom}")
+    c = np.full((geom.n_pad, geom.k_pad), ZERO_POINT[geom.bits], dtype=np.uint8)
+    c[: geom.n, : geom.k] = codes
+    sc = np.zeros((geom.n_pad, geom.n_groups), dtype=np.float32)
+    sc[: geom.n, : scales.shape[1]] = scales
+    return pack_codes(c, geom), pack_scales(sc, geom)
 
 
 def unpack_expert_matrix(qweight: np.ndarray, scales: np.ndarray | None, geom: MatrixGeometry) -> np.ndarray:

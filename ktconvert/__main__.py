@@ -1,0 +1,4 @@
+"""`python -m ktconvert ...` is the `ktconvert` command."""
+from ktconvert.cli import main
+
+main()

@@ -1,0 +1,204 @@
+"""GGUF checkpoints (single file or a `-00001-of-0000N.gguf` split set) as a conversion source.
+
+Presents the same interface as ktconvert.source.Source, under hub tensor names, so the pipeline runs unchanged:
+metadata becomes config.json, `tokenizer.ggml.*` becomes tokenizer files, llama.cpp's stacked expert tensors
+(`blk.N.ffn_{gate,up,down}_exps`, shape (E, rows, cols)) become one hub tensor per expert, read one expert slice at a
+time from the memory-mapped file and dequantized with gguf-py (any ggml type it knows). Q8_0 experts can be taken
+over exactly into the int8 group-32 layout (`read_int8_groups`), without a float round trip.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .arch import SourceError, adapter_for
+from .gguf_meta import Meta, config_from_gguf
+from .gguf_names import IGNORED, KV_B_SPLIT, SUPPORTED_GGUF_ARCHS, hub_name, llama_unpermute
+from .gguf_tokenizer import tokenizer_files
+
+SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str             # hub name
+    dtype: str            # ggml type name, e.g. "Q8_0", "BF16"
+    shape: tuple          # hub (Linear) orientation
+    file: Path
+    offset: int           # absolute byte offset of this tensor's (or expert slice's) data
+    nbytes: int
+    gguf_name: str
+    expert: int | None = None
+
+
+def split_paths(path: Path) -> list[Path]:
+    """All parts of a split set (named like llama.cpp's gguf-split), or [path]; a missing part is an error."""
+    m = SPLIT_RE.match(path.name)
+    if not m:
+        return [path]
+    n = int(m["n"])
+    parts = [path.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise SourceError(f"{path}: split GGUF set of {n} parts is incomplete: missing {', '.join(missing)}")
+    return parts
+
+
+def _can_dequantize(qtype) -> bool:
+    """Whether gguf-py has a dequantizer for this ggml type (probed once per type on an empty array)."""
+    import gguf
+    try:
+        gguf.quants.dequantize(np.zeros((0, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    except Exception:  # noqa: BLE001 - an empty probe may trip shape checks; the type itself is known
+        return True
+    return True
+
+
+def _open_reader(path: Path):
+    import gguf
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        raise SourceError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise SourceError(f"{path}: tensor {t.name}: data ends at byte {t.data_offset + t.n_bytes}, "
+                              f"past the end of the file ({size} bytes); the file is truncated")
+    return reader
+
+
+class GGUFSource:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._readers = [_open_reader(p) for p in split_paths(self.path)]
+        self._where = str(self.path)
+        self.meta = Meta(self._readers[0].fields, self._where)
+        if self.meta.arch not in SUPPORTED_GGUF_ARCHS:
+            raise SourceError(f"{self.path}: unsupported GGUF architecture {self.meta.arch!r}; supported: "
+                              f"{', '.join(SUPPORTED_GGUF_ARCHS)}")
+        self._tensors = {t.name: (t, p) for r, p in zip(self._readers, split_paths(self.path)) for t in r.tensors}
+        emb = self._tensors.get("token_embd.weight")
+        if emb is None:
+            raise SourceError(f"{self.path}: no token_embd.weight tensor")
+        names = set(self._tensors)
+        self.config = config_from_gguf(self.meta, int(emb[0].shape[-1]), "output.weight" in names,
+                                       any(n.endswith("exp_probs_b.bias") for n in names))
+        self.arch = adapter_for(self.config)
+        for t, p in self._tensors.values():
+            if not _can_dequantize(t.tensor_type):
+                raise SourceError(f"{p}: tensor {t.name}: ggml type {t.tensor_type.name} cannot be dequantized "
+                                  f"by this version of gguf-py")
+        self._infos: dict[str, GGUFTensorInfo] = {}
+        self._build_map()
+
+    # --- name mapping -------------------------------------------------------------------------------------
+    def _add(self, hub: str, t, file: Path, expert: int | None, shape: tuple, offset: int, nbytes: int):
+        self._infos[hub] = GGUFTensorInfo(hub, t.tensor_type.name, shape, file, offset, nbytes, t.name, expert)
+
+    def _build_map(self) -> None:
+        n_layers = self.arch.num_layers
+        for gname, (t, file) in self._tensors.items():
+            if IGNORED.match(gname):
+                continue
+            mapped = hub_name(self.meta.arch, gname)
+            if mapped is None:
+                raise SourceError(f"{file}: tensor {gname}: unknown tensor name for GGUF architecture {self.meta.arch}")
+            hub, layer = mapped
+            if layer is not None and layer >= n_layers:
+                continue  # multi-token-prediction blocks some converters keep
+            rows = tuple(int(x) for x in reversed(t.shape))     # GGUF dims are innermost first
+            if hub == KV_B_SPLIT:
+                if gname.endswith("attn_k_b.weight"):
+                    hub = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+                    v = self._tensors[gname.replace("attn_k_b", "attn_v_b")][0]
+                    c = self.config
+                    shape = (c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
+                    self._add(hub, t, file, None, shape, int(t.data_offset), int(t.n_bytes + v.n_bytes))
+                continue
+            if "{E}" in hub:
+                per = int(t.n_bytes) // rows[0]
+                for e in range(rows[0]):
+                    self._add(hub.replace("{E}", str(e)), t, file, e, rows[1:], int(t.data_offset) + e * per, per)
+            else:
+                self._add(hub, t, file, None, rows, int(t.data_offset), int(t.n_bytes))
+        for name in self.arch.expert_tensor_names():
+            if name not in self._infos:
+                raise SourceError(f"{self.path}: tensor {name} (from blk.*.ffn_*_exps) is missing")
+
+    # --- Source interface ---------------------------------------------------------------------------------
+    def tensor_names(self) -> list[str]:
+        return list(self._infos)
+
+    def info(self, name: str) -> GGUFTensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise SourceError(f"{self.path}: no tensor named {name}") from None
+
+    def source_nbytes(self) -> int:
+        return sum(i.nbytes for i in self._infos.values())
+
+    def _dequant(self, gname: str, expert: int | None) -> np.ndarray:
+        import gguf
+        t, _ = self._tensors[gname]
+        raw = t.data if expert is None else t.data[expert]
+        return np.asarray(gguf.quants.dequantize(np.asarray(raw), t.tensor_type), dtype=np.float32)
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.info(name)
+        if info.gguf_name.endswith("attn_k_b.weight"):
+            k_b = self._dequant(info.gguf_name, None)                      # (heads, kv_rank, nope)
+            v_b = self._dequant(info.gguf_name.replace("attn_k_b", "attn_v_b"), None)   # (heads, v, kv_rank)
+            out = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(info.shape)
+        else:
+            out = self._dequant(info.gguf_name, info.expert).reshape(info.shape)
+        if self.meta.arch == "llama" and re.search(r"attn_[qk]\.weight$", info.gguf_name):
+            heads = self.config["num_attention_heads" if "attn_q" in info.gguf_name else "num_key_value_heads"]
+            out = llama_unpermute(out, heads)
+        bad = ~np.isfinite(out)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise SourceError(f"{info.file}: tensor {info.gguf_name} ({name}): non-finite value at element "
+                              f"{np.unravel_index(i, out.shape)} (tensor data at byte offset {info.offset})")
+        return torch.from_numpy(np.array(out, dtype=np.float32, order="C"))
+
+    def read_int8_groups(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """Q8_0 weights as (codes uint8 (N, K) with zero point 128, scales f32 (N, K/32)), exactly; else None."""
+        info = self.info(name)
+        if info.dtype != "Q8_0" or info.gguf_name.endswith(("attn_q.weight", "attn_k.weight", "attn_k_b.weight")):
+            return None
+        t, _ = self._tensors[info.gguf_name]
+        raw = np.asarray(t.data if info.expert is None else t.data[info.expert])
+        n, k = info.shape
+        blocks = raw.reshape(n, k // 32, 34)                   # Q8_0 block: f16 scale, 32 x int8
+        scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k)
+        return codes, scales
+
+    def side_files(self) -> dict[str, bytes]:
+        """config.json and tokenizer files, built from the GGUF metadata."""
+        files = tokenizer_files(self.meta, int(self.config.get("max_position_embeddings", 4096)))
+        files["config.json"] = (json.dumps(self.config, indent=2) + "\n").encode()
+        return files
+
+    def close(self) -> None:
+        self._readers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def is_gguf(path) -> bool:
+    p = Path(path)
+    return p.suffix == ".gguf" and p.is_file()

@@ -1,0 +1,202 @@
+"""GGUF checkpoints as conversion input: files written from the tiny HF fixtures with gguf-py's writer and llama.cpp's
+names (tests/gguf_export.py), in BF16, Q8_0, Q4_0, and Q4_K / Q6_K blocks built from their bit layout."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf_export import Q, export_gguf
+from gguf_kquants import q4_k_blocks, q6_k_blocks
+from tokenizers import Tokenizer
+
+from ktconvert.arch import SourceError
+from ktconvert.converted_reader import ConvertedDir
+from ktconvert.fixtures import make_checkpoint
+from ktconvert.gguf_source import GGUFSource
+from ktconvert.source import open_source
+
+KTCONVERT = [sys.executable, "-m", "ktconvert"]
+ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")
+TEXT = "def main():\n    print('hello, world')  # ünïcødé 123"
+
+
+def quantize(src: Path, out: Path, *args) -> subprocess.CompletedProcess:
+    r = subprocess.run([*KTCONVERT, "quantize", str(src), "-o", str(out), "--quiet", *args],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def gguf_expert(path: Path, layer: int, proj: str, e: int) -> np.ndarray:
+    """Expert e's weight as gguf-py itself dequantizes the stacked tensor (the reference)."""
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == f"blk.{layer}.ffn_{proj}_exps.weight")
+    return gguf.quants.dequantize(np.asarray(t.data[e]), t.tensor_type)
+
+
+@pytest.fixture(scope="module")
+def ds3(ckpt_dir):
+    return ckpt_dir("deepseek_v3")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_gguf_reads_exactly_like_its_safetensors(arch, ckpt_dir, tmp_path):
+    src_dir = ckpt_dir(arch)
+    path = export_gguf(src_dir, tmp_path / f"{arch}.gguf", Q.BF16)
+    st, gg = open_source(src_dir), open_source(path)
+    assert isinstance(gg, GGUFSource)
+    want = {n for n in st.tensor_names() if st.arch.classify(n).kind != "skip"}
+    assert set(gg.tensor_names()) == want
+    for name in want:       # fixture weights are bf16, so BF16 GGUF round trips bit for bit (q/k unpermuted too)
+        torch.testing.assert_close(gg.read(name), st.read(name), rtol=0, atol=0, msg=name)
+    for attr in ("model_type", "num_layers", "hidden_size", "n_experts", "top_k", "moe_intermediate_size",
+                 "n_shared_experts"):
+        assert getattr(gg.arch, attr) == getattr(st.arch, attr), attr
+    cfg = json.loads((src_dir / "config.json").read_text())
+    for key in ("rms_norm_eps", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace", "num_key_value_heads"):
+        if key in cfg:
+            assert gg.config[key] == cfg[key], key
+    files = gg.side_files()
+    tok_gguf = Tokenizer.from_str(files["tokenizer.json"].decode())
+    tok_st = Tokenizer.from_file(str(src_dir / "tokenizer.json"))
+    assert tok_gguf.encode(TEXT).ids == tok_st.encode(TEXT).ids
+    tc = json.loads(files["tokenizer_config.json"])
+    assert tc["chat_template"] == json.loads((src_dir / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_q8_0_experts_convert_exactly(ds3, tmp_path):
+    path = export_gguf(ds3, tmp_path / "m-q8_0.gguf", Q.Q8_0)
+    r = quantize(path, tmp_path / "out", "--method", "int8-amx", "--group-size", "32")
+    assert "no float round trip" in r.stderr
+    conv = ConvertedDir(tmp_path / "out")
+    layer = conv.geometry.moe_layers[0]
+    for e in (0, 3):
+        got = conv.read_expert(layer, e)
+        for proj in ("gate", "up", "down"):
+            np.testing.assert_array_equal(got[proj], gguf_expert(path, layer, proj, e))
+
+
+@pytest.mark.parametrize("qtype,method,rel", [(Q.Q4_0, "int4-amx", 0.15), (Q.Q8_0, "int4-amx", 0.15),
+                                              (Q.BF16, "int8-amx", 0.01)])
+def test_quantized_gguf_converts_within_quantization_error(ds3, tmp_path, qtype, method, rel):
+    path = export_gguf(ds3, tmp_path / "m.gguf", qtype)
+    quantize(path, tmp_path / "out", "--method", method, "--group-size", "32")
+    conv = ConvertedDir(tmp_path / "out")
+    layer = conv.geometry.moe_layers[-1]
+    got = conv.read_expert(layer, 1)
+    for proj in ("gate", "up", "down"):
+        ref = gguf_expert(path, layer, proj, 1)
+        err = np.linalg.norm(got[proj] - ref) / np.linalg.norm(ref)
+        assert err < rel, (proj, err)
+
+
+def test_k_quant_blocks_match_gguf_and_convert(tmp_path):
+    """Q4_K gate/up and Q6_K down built from their bit layout; gguf-py's dequantizer must agree with the values the
+    blocks were built to hold; conversion must reproduce them within int8 error."""
+    src = make_checkpoint("deepseek_v3", tmp_path / "src", num_layers=2, hidden_size=256, moe_intermediate_size=256)
+    cfg = json.loads((src / "config.json").read_text())
+    rng = np.random.default_rng(7)
+    e, h, i = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    raw, values = {}, {}
+    for proj, (rows, cols), build, qt in (("gate", (i, h), q4_k_blocks, Q.Q4_K), ("up", (i, h), q4_k_blocks, Q.Q4_K),
+                                          ("down", (h, i), q6_k_blocks, Q.Q6_K)):
+        blocks, vals = build(rng, e * rows * cols // 256)
+        np.testing.assert_array_equal(gguf.quants.dequantize(blocks, qt), vals)      # layout understood
+        raw[f"blk.1.ffn_{proj}_exps.weight"] = (blocks.reshape(e, rows, -1), qt)
+        values[proj] = vals.reshape(e, rows, cols)
+    path = export_gguf(src, tmp_path / "k.gguf", Q.BF16, raw_experts=raw)
+    quantize(path, tmp_path / "out", "--method", "int8-amx", "--group-size", "64")
+    conv = ConvertedDir(tmp_path / "out")
+    for ex in (0, e - 1):
+        got = conv.read_expert(1, ex)
+        for proj in ("gate", "up", "down"):
+            ref = values[proj][ex]
+            assert np.linalg.norm(got[proj] - ref) / np.linalg.norm(ref) < 0.01, proj
+
+
+def test_split_set_converts_and_missing_part_is_named(ds3, tmp_path):
+    first = export_gguf(ds3, tmp_path / "m.gguf", Q.BF16, split_max_tensors=12)
+    parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(parts) > 2 and not first.exists()
+    (tmp_path / "single").mkdir()
+    single = export_gguf(ds3, tmp_path / "single" / "m.gguf", Q.BF16)
+    a, b = open_source(parts[0]), open_source(single)
+    assert a.tensor_names() and set(a.tensor_names()) == set(b.tensor_names())
+    quantize(parts[0], tmp_path / "out", "--method", "int8-amx")
+    parts[1].unlink()
+    r = subprocess.run([*KTCONVERT, "quantize", str(parts[0]), "-o", str(tmp_path / "out2")], capture_output=True, check=False,
+                       text=True)
+    assert r.returncode != 0 and parts[1].name in r.stderr and "missing" in r.stderr
+    assert not (tmp_path / "out2" / "manifest.json").exists()
+
+
+def test_gguf_bf16_conversion_gives_the_same_logits_in_ktrun(ds3, tmp_path):
+    from ktrun.engine import Engine
+    from ktrun.models.kv_cache import Batch
+    path = export_gguf(ds3, tmp_path / "m.gguf", Q.BF16)
+    quantize(path, tmp_path / "from_gguf", "--method", "bf16")
+    quantize(ds3, tmp_path / "from_st", "--method", "bf16")
+    logits = []
+    for d in ("from_gguf", "from_st"):
+        eng = Engine(tmp_path / d, ctx=64, max_batch=1)
+        ids = eng.tokenizer.encode(TEXT)
+        logits.append((ids, eng.model.forward(Batch.build([(eng.model.new_cache(64), ids)], "cpu"), all_logits=True)))
+        eng.close()
+    assert logits[0][0] == logits[1][0]
+    torch.testing.assert_close(logits[0][1], logits[1][1], rtol=0, atol=0)
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+def _fails(src: Path, tmp_path: Path, *needles: str) -> str:
+    r = subprocess.run([*KTCONVERT, "quantize", str(src), "-o", str(tmp_path / "bad-out")], capture_output=True, check=False,
+                       text=True)
+    assert r.returncode != 0
+    for n in needles:
+        assert n in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "bad-out" / "manifest.json").exists()
+    return r.stderr
+
+
+def test_truncated_gguf_is_named(ds3, tmp_path):
+    path = export_gguf(ds3, tmp_path / "m.gguf", Q.Q8_0)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    _fails(path, tmp_path, "m.gguf", "truncated")
+
+
+def test_unknown_gguf_architecture(tmp_path):
+    wr = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
+    wr.add_block_count(1)
+    wr.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    _fails(tmp_path / "gpt2.gguf", tmp_path, "unsupported GGUF architecture 'gpt2'", "deepseek2", "qwen3moe")
+
+
+def test_ggml_type_without_dequantizer_is_named(ds3, tmp_path):
+    cfg = json.loads((ds3 / "config.json").read_text())
+    e, h, i = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    blk, size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
+    odd = np.zeros((e, i, h // blk * size), np.uint8)
+    path = export_gguf(ds3, tmp_path / "m.gguf", Q.BF16, raw_experts={"blk.1.ffn_gate_exps.weight": (odd, Q.Q8_1)})
+    _fails(path, tmp_path, "blk.1.ffn_gate_exps.weight", "Q8_1", "cannot be dequantized")
+
+
+def test_reader_errors_are_source_errors(tmp_path):
+    with pytest.raises(SourceError, match="missing"):
+        open_source(_touch(tmp_path / "x-00001-of-00002.gguf"))
+
+
+def _touch(p: Path) -> Path:
+    p.write_bytes(b"")
+    return p
