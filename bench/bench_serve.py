@@ -116,6 +116,18 @@ def run_level(port, model, c, n_requests, max_tokens, seconds) -> tuple[list[dic
     return results, time.perf_counter() - t0
 
 
+def scrape(port: int) -> dict[str, float]:
+    """Unlabelled samples of GET /metrics."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    out = {}
+    for line in conn.getresponse().read().decode().splitlines():
+        parts = line.split()
+        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+            out[parts[0]] = float(parts[1])
+    return out
+
+
 def summary(name: str, values_s: list[float]) -> list[str]:
     v = sorted(values_s)
     p99 = v[min(len(v) - 1, round(0.99 * (len(v) - 1)))]
@@ -146,12 +158,22 @@ def main() -> int:
             rates = {}
             for c in LEVELS:
                 n = max(a.min_requests, a.requests_per_stream * c)
+                m0 = scrape(port)
                 results, wall = run_level(port, model, c, n, a.max_tokens, a.level_seconds)
+                m1 = scrape(port)
+                d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in ("ktrun_generation_tokens_total",
+                                                                  "ktrun_engine_steps_total",
+                                                                  "ktrun_engine_step_seconds_total",
+                                                                  "ktrun_cpu_expert_seconds_total")}
                 tokens = sum(r["tokens"] for r in results)
                 rates[c] = tokens / wall
                 print(f"c{c}_requests: {len(results)} requests")
                 print(f"c{c}_requests_per_s: {len(results) / wall:.3f} req/s")
                 print(f"c{c}_output_tokens_per_s: {rates[c]:.1f} tok/s")
+                steps = max(d["ktrun_engine_steps_total"], 1)
+                print(f"c{c}_tokens_per_engine_step: {d['ktrun_generation_tokens_total'] / steps:.2f} tokens")
+                print(f"c{c}_engine_step_time_share: {d['ktrun_engine_step_seconds_total'] / wall:.2f} of wall")
+                print(f"c{c}_cpu_expert_time_share: {d['ktrun_cpu_expert_seconds_total'] / wall:.2f} of wall")
                 for line in summary(f"c{c}_ttft", [r["ttft"] for r in results]) + \
                         summary(f"c{c}_tpot", [r["tpot"] for r in results]):
                     print(line)

@@ -23,6 +23,7 @@ from ktrun.scheduler import Scheduler
 from ktrun.serve_generate import GenerationMixin
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DRAIN_LIMIT_BYTES = 64 << 20
 
 
 class ServerState:
@@ -46,6 +47,8 @@ class ServerState:
         m.add_gauge("ktrun_engine_ready", "1 once the model is loaded.", lambda: float(self.engine is not None))
         m.add_gauge("ktrun_slots_freed_by_abort_total", "Running requests stopped early (client gone, stop string).",
                     lambda: self.scheduler.aborted if self.scheduler else 0)
+        m.add_gauge("ktrun_engine_steps_total", "engine.step() calls (each: prefill new requests + 1 batched decode).",
+                    lambda: self.scheduler.steps if self.scheduler else 0)
         m.add_gauge("ktrun_engine_step_seconds_total", "Wall time inside engine.step().",
                     lambda: self.scheduler.step_seconds if self.scheduler else 0.0)
         m.add_gauge("ktrun_cpu_expert_seconds_total", "CPU time in routed-expert kernels (from Engine.stats).",
@@ -150,7 +153,8 @@ class Handler(GenerationMixin, BaseHTTPRequestHandler):
             self.close_connection = True
             raise ApiError(400, f"bad Content-Length {length!r}", code="invalid_header") from None
         if n > self.state.max_body_bytes:
-            self.close_connection = True  # the body stays unread, so this connection cannot carry another request
+            self.close_connection = True
+            self._discard_body(n)
             raise ApiError(413, f"request body is {n} bytes, over the limit of {self.state.max_body_bytes} bytes",
                            code="body_too_large")
         raw = self.rfile.read(n)
@@ -158,6 +162,17 @@ class Handler(GenerationMixin, BaseHTTPRequestHandler):
             self.close_connection = True
             raise ApiError(400, f"request body ended after {len(raw)} of {n} bytes", code="invalid_json")
         return proto.parse_json_body(raw)
+
+    def _discard_body(self, n: int) -> None:
+        """Read and drop a refused body (up to DRAIN_LIMIT_BYTES) so the client, still sending, gets our 413
+        instead of a reset connection; beyond that the connection is just closed."""
+        if n > DRAIN_LIMIT_BYTES:
+            return
+        while n > 0:
+            chunk = self.rfile.read(min(n, 1 << 16))
+            if not chunk:
+                return
+            n -= len(chunk)
 
     def send_json(self, status: int, obj, content_type: str = "application/json") -> None:
         data = obj.encode() if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False).encode("utf-8")

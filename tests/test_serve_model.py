@@ -21,7 +21,7 @@ import pytest
 from serve_helpers import ServerProcess, metric, request
 
 BIN = Path(__import__("sys").executable).parent
-CTX = 192
+CTX = 128
 WORDS = ("The", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "Hello", "world", "capital", "France",
          "Paris", "mixture", "experts")
 PROMPTS = [f"{w} number {i}:" for i, w in enumerate(WORDS)]
@@ -93,10 +93,10 @@ def test_prompt_tokens_match_transformers(server, client, converted):
 
 def test_completion_equals_engine_alone_streaming_and_not(client, converted, solo):
     model = converted.name
-    text, finish, n = solo(PROMPTS[0], 12)
-    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    text, finish, n = solo(PROMPTS[0], 8)
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0)
     assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (text, finish, n)
-    chunks = list(client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+    chunks = list(client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert chunks[-2].choices[0].finish_reason == finish and chunks[-1].usage.completion_tokens == n
@@ -104,8 +104,8 @@ def test_completion_equals_engine_alone_streaming_and_not(client, converted, sol
 
 def test_chat_streaming(client, converted):
     msgs = [{"role": "user", "content": "Hello"}]
-    full = client.chat.completions.create(model=converted.name, messages=msgs, max_tokens=8, temperature=0)
-    chunks = list(client.chat.completions.create(model=converted.name, messages=msgs, max_tokens=8, temperature=0,
+    full = client.chat.completions.create(model=converted.name, messages=msgs, max_tokens=6, temperature=0)
+    chunks = list(client.chat.completions.create(model=converted.name, messages=msgs, max_tokens=6, temperature=0,
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
@@ -113,23 +113,23 @@ def test_chat_streaming(client, converted):
 
 
 def test_sampling_seed_and_stop(client, converted, solo):
-    kw = {"model": converted.name, "prompt": PROMPTS[3], "max_tokens": 10, "temperature": 1.0, "top_p": 0.9,
+    kw = {"model": converted.name, "prompt": PROMPTS[3], "max_tokens": 6, "temperature": 1.0, "top_p": 0.9,
           "extra_body": {"top_k": 20}}
     a = client.completions.create(seed=1234, **kw).choices[0].text
     assert client.completions.create(seed=1234, **kw).choices[0].text == a
-    text, _, _ = solo(PROMPTS[3], 12)
-    stop = text[4:6] if len(text) >= 6 and text[4:6].strip() else None
-    if stop:
-        r = client.completions.create(model=converted.name, prompt=PROMPTS[3], max_tokens=12, temperature=0, stop=stop)
-        assert (r.choices[0].text, r.choices[0].finish_reason) == (text[: text.index(stop)], "stop")
+    # random weights give odd text: use the first prompt whose greedy text has a plain character past its start
+    prompt, text, stop = next((p, t, t[i]) for p in PROMPTS for t in [solo(p, 8)[0]]
+                              for i in range(1, len(t)) if t[i].isalnum())
+    r = client.completions.create(model=converted.name, prompt=prompt, max_tokens=8, temperature=0, stop=stop)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (text[: text.index(stop)], "stop")
 
 
 def test_16_concurrent_streams_each_get_their_solo_greedy_text(server, client, converted, solo):
-    expected = [solo(p, 10)[0] for p in PROMPTS]
+    expected = [solo(p, 6)[0] for p in PROMPTS]
     steps0, tokens0 = metric(server, "ktrun_engine_decode_steps"), metric(server, "ktrun_engine_generated_tokens")
 
     def run(p):
-        s = client.completions.create(model=converted.name, prompt=p, max_tokens=10, temperature=0, stream=True)
+        s = client.completions.create(model=converted.name, prompt=p, max_tokens=6, temperature=0, stream=True)
         return "".join(c.choices[0].text for c in s)
 
     with ThreadPoolExecutor(16) as pool:
