@@ -37,7 +37,7 @@ def check_files_aligned_and_readable(out):
         header = json.loads(raw[8: 8 + hlen])
         assert (8 + hlen) % 64 == 0
         with safe_open(str(out / rel), framework="pt") as h:   # any safetensors reader opens it
-            names = {k for k in h if not is_pad_tensor(k)}
+            names = {k for k in h.keys() if not is_pad_tensor(k)}  # noqa: SIM118 (safe_open is not iterable)
             assert names == set(f["tensors"])
             for name in names:
                 t = h.get_tensor(name)
