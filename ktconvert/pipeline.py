@@ -129,10 +129,10 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int) -> list[
 
 
 class Converter:
-    def __init__(self, src, out_dir: Path, opts: ConvertOptions, plan: ConvertPlan, journal: Journal, bar, kill):
+    def __init__(self, src, out_dir: Path, opts: ConvertOptions, plan: ConvertPlan, journal: Journal, encoder, bar,
+                 kill):
         self.src, self.out_dir, self.opts, self.plan, self.journal = src, out_dir, opts, plan, journal
-        self.bar, self.kill = bar, kill
-        self.encoder = None
+        self.encoder, self.bar, self.kill = encoder, bar, kill
 
     def _commit(self, writer: AlignedWriter, rel: str) -> None:
         size, sha = writer.commit()
@@ -206,8 +206,7 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                                   plan.geometry):
             tqdm.write("experts: GGUF Q8_0 blocks taken over exactly as int8 group-32 codes and scales "
                        "(no float round trip)", file=sys.stderr)
-        conv = Converter(src, out_dir, opts, plan, journal, bar, kill)
-        conv.encoder = encoder
+        conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill)
         try:
             with ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="ktconvert") as pool:
                 for group in plan.jobs:
