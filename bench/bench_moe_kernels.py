@@ -110,7 +110,7 @@ def main() -> None:
                     rate = touched * per_expert / sec
                     print(f"{name}_time: {sec * 1e3:.2f} ms")
                     # where the time went (kt_profile): per phase, the slowest worker
-                    phases = {k: max(p[k] for p in prof) for k in ("x_quant", "wait", "gate_up", "h_quant", "down")}
+                    phases = {k: max(p[k] for p in prof) for k in ("x_quant", "wait_x", "gate_up", "wait_h", "down")}
                     print(f"{name}_phases: " + " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items()) + " ms")
                     print(f"{name}_weight_read: {rate / 1e9:.2f} GB/s")
                     print(f"{name}_bw_fraction: {rate / bw:.3f} of measured read bandwidth")

@@ -284,7 +284,7 @@ class MoEKernels:
         self.sync()
         return out
 
-    PROFILE_PHASES = ("x_quant", "wait", "gate_up", "h_quant", "down", "wait_pools", "reduce")
+    PROFILE_PHASES = ("x_quant", "wait_x", "gate_up", "wait_h", "down", "wait_pools", "reduce")
 
     def profile(self) -> list[dict[str, float]]:
         """Seconds each worker spent per phase of the last submit (see kt_profile in kernels/include/ktkernels.h)."""

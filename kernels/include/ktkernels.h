@@ -63,9 +63,9 @@ int kt_submit(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtyp
               const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate);
 int kt_sync(kt_ctx* ctx);
 
-/* Where the last job's time went: 8 doubles (seconds) per worker thread: x quantization, barrier wait, gate/up
- * (+ silu), h quantization (with its two barrier waits), down, barrier wait and partial-sum reduction (the last two
- * only with n_pools > 1), unused. Returns the number of doubles written. */
+/* Where the last job's time went: 8 doubles (seconds) per worker thread: x quantization (0 when the submitting
+ * thread did it: few tokens), barrier wait, gate/up (+ silu + h quantization), barrier wait, down, barrier wait and
+ * partial-sum reduction (the last two only with n_pools > 1), unused. Returns the number of doubles written. */
 int kt_profile(kt_ctx* ctx, double* out, int capacity);
 
 /* Read bandwidth of this machine with the context's threads, bytes/s (best of reps, a buffer of `bytes`). */

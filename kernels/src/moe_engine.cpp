@@ -73,7 +73,6 @@ MoEEngine::MoEEngine(int n_threads, int n_pools, const std::string& backend) {
     if (n_threads <= 0) n_threads = std::max(n_cpus, n_pools);
     pool_.reset(new ThreadPool(n_threads, n_pools));
     next1_.reset(new std::atomic<int>[n_pools]);
-    next1b_.reset(new std::atomic<int>[n_pools]);
     next2_.reset(new std::atomic<int>[n_pools]);
     scratch_.resize(n_threads);
     profile_.assign((size_t)n_threads * kProfilePhases, 0.0);
@@ -221,19 +220,23 @@ void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stri
             else { B.q_rows[r] = B.hq.data() + (size_t)r * cols; B.s_rows[r] = B.hs.data() + (size_t)r * ng; B.sum_rows[r] = B.hsum.data() + (size_t)r * ng; }
         }
     }
-    items1_.assign(n_pools, {}); items1b_.assign(n_pools, {}); items2_.assign(n_pools, {});
+    items1_.assign(n_pools, {}); items2_.assign(n_pools, {});
+    const size_t n_ps = L.pieces.size() * slots_.size();
+    if (remaining_cap_ < n_ps) { remaining_.reset(new std::atomic<int>[n_ps]); remaining_cap_ = n_ps; }
+    for (size_t i = 0; i < n_ps; ++i) remaining_[i] = 0;
     for (int pi = 0; pi < (int)L.pieces.size(); ++pi) {
         const Piece& P = L.pieces[pi];
         for (int s = 0; s < (int)slots_.size(); ++s) {
-            for (int nb = P.r0 / 16; nb < P.r1 / 16; nb += kChunkBlocks)
+            for (int nb = P.r0 / 16; nb < P.r1 / 16; nb += kChunkBlocks) {
                 items1_[P.pool].push_back(Item{pi, s, nb, std::min(kChunkBlocks, P.r1 / 16 - nb)});
-            items1b_[P.pool].push_back(Item{pi, s, 0, 0});
+                ++remaining_[(size_t)pi * slots_.size() + s];
+            }
         }
     }
     for (int p = 0; p < n_pools; ++p) {
         for (int nb = 0; nb < L.down_blocks; nb += kChunkBlocks)
             items2_[p].push_back(Item{-1, -1, nb, std::min(kChunkBlocks, L.down_blocks - nb)});
-        next1_[p] = 0; next1b_[p] = 0; next2_[p] = 0;
+        next1_[p] = 0; next2_[p] = 0;
     }
     if (n_pools > 1) {
         partial_.resize(n_pools);
@@ -241,6 +244,8 @@ void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stri
     }
     const size_t need = std::max((size_t)2 * max_m * kChunkBlocks * 16, (size_t)L.kx);
     for (auto& s : scratch_) if (s.size() < need) s.resize(need);
+    x_ready_ = T <= kDecodeMaxRows;   // a few rows: quantize here, the workers start on weights right away
+    if (x_ready_) for (int t = 0; t < T; ++t) quantize_x(t, 0);
     pool_->launch([this](const WorkerInfo& w) { run(w); });
 }
 
@@ -248,15 +253,23 @@ void MoEEngine::run(const WorkerInfo& w) {
     const int n = w.n_threads, p = w.pool;
     double* prof = profile_.data() + (size_t)w.index * kProfilePhases;
     double t_last = now_s();
+    prof[0] = 0.0;
     auto mark = [&](int phase) { const double t = now_s(); prof[phase] = t - t_last; t_last = t; };
-    for (int t = (int)((int64_t)T_ * w.index / n); t < (int)((int64_t)T_ * (w.index + 1) / n); ++t) quantize_x(t, w.index);
-    mark(0);
-    pool_->global_barrier();
+    if (!x_ready_) {
+        for (int t = (int)((int64_t)T_ * w.index / n); t < (int)((int64_t)T_ * (w.index + 1) / n); ++t)
+            quantize_x(t, w.index);
+        mark(0);
+        pool_->global_barrier();
+    }
     mark(1);
-    for (int i; (i = next1_[p].fetch_add(1)) < (int)items1_[p].size();) gate_up(items1_[p][i], w.index);
+    for (int i; (i = next1_[p].fetch_add(1)) < (int)items1_[p].size();) {
+        const Item& it = items1_[p][i];
+        gate_up(it, w.index);
+        // acq_rel: the last finisher sees every other worker's h rows of this (piece, slot)
+        if (remaining_[(size_t)it.piece * slots_.size() + it.slot].fetch_sub(1, std::memory_order_acq_rel) == 1)
+            quantize_h(it);
+    }
     mark(2);
-    pool_->pool_barrier(p);
-    for (int i; (i = next1b_[p].fetch_add(1)) < (int)items1b_[p].size();) quantize_h(items1b_[p][i]);
     pool_->pool_barrier(p);
     mark(3);
     for (int i; (i = next2_[p].fetch_add(1)) < (int)items2_[p].size();) down(items2_[p][i], p, w.index);

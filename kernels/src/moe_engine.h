@@ -1,9 +1,11 @@
 // The routed-expert part of MoE layers on packed cpu-expert layouts, run on a ThreadPool.
 //
 // One submit = one job on every worker, in phases:
-//   0 (all workers)        x -> int8 per token and gate/up group (or bf16), split over tokens
+//   0 (all workers)        x -> int8 per token and gate/up group (or bf16), split over tokens (for a few tokens
+//                          the submitting thread does it, saving a barrier)
 //   1 (each sub-pool)      gate/up of (expert, block chunk) items of the pool's shard pieces; h = silu(g) * u
-//   1b (each sub-pool)     h -> int8 per token and down group (or bf16)
+//   1b (each sub-pool)     h -> int8 per token and down group (or bf16), by the worker that finished the last
+//                          gate/up item of that (piece, expert)
 //   2 (each sub-pool)      down over output-column chunks: each item loops over all experts, so the columns it
 //                          owns are written by one worker only; out[t] += w[t,j] * y
 //   3 (all, n_pools > 1)   out = sum of the pools' partial outputs
@@ -103,8 +105,13 @@ private:
     std::vector<const int32_t*> xsum_rows_;
     std::vector<const uint16_t*> xb_rows_;
     std::vector<PieceBuf> pbuf_;
-    std::vector<std::vector<Item>> items1_, items1b_, items2_;   // per pool
-    std::unique_ptr<std::atomic<int>[]> next1_, next1b_, next2_;
+    std::vector<std::vector<Item>> items1_, items2_;   // per pool
+    std::unique_ptr<std::atomic<int>[]> next1_, next2_;
+    // gate/up items still to finish per (piece, slot): the worker finishing the last one quantizes that h (phase 1b
+    // without a barrier of its own)
+    std::unique_ptr<std::atomic<int>[]> remaining_;
+    size_t remaining_cap_ = 0;
+    bool x_ready_ = false;   // x quantized by submit itself (few tokens): no phase 0 and no barrier after it
     std::vector<std::vector<float>> partial_;   // per pool (T, hidden) when n_pools > 1
     std::vector<std::vector<float>> scratch_;   // per worker
     std::vector<double> profile_;                // (n_threads, kProfilePhases)
