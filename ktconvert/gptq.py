@@ -10,6 +10,7 @@ Quantization is symmetric with the rounding of ktconvert.rtn, so RTN and GPTQ re
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 
 from ktlayouts.gptq import GptqGeometry
 
-from .rtn import QuantizedLinear, dequantize_columns, quantize_columns, scales_for
+from .rtn import QuantizedLinear, scales_for
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,31 @@ def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> tuple[torc
                     f"(tried from {percdamp:g}); calibration inputs may be degenerate")
 
 
+SMALL_MATRIX = 1 << 22     # N*K below which GPTQ runs single-threaded
+
+
+@contextmanager
+def _threads_for(elements: int):
+    """Column-by-column GPTQ on a small matrix is a long chain of tiny ops: extra threads only add
+    synchronisation (measured 6x slower with 2 threads on a loaded 2-core machine), so use one."""
+    before = torch.get_num_threads()
+    if elements < SMALL_MATRIX and before > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: str = "weight"
                   ) -> tuple[QuantizedLinear, float]:
     """weight (N, K), hessian (K, K) -> (QuantizedLinear, proxy loss sum (w - q)^2 / d^2 over the matrix)."""
+    with _threads_for(weight.numel()):
+        return _gptq(weight, hessian, cfg, name)
+
+
+def _gptq(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: str) -> tuple[QuantizedLinear, float]:
     w = weight.detach().to(torch.float32).clone()
     n, k = w.shape
     geom = GptqGeometry(n, k, cfg.bits, cfg.group_size)
@@ -105,11 +128,13 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, 
     u, _ = _inverse_cholesky(h, cfg.percdamp, name)
 
     group = geom.group
+    zero, maxq = float(1 << (cfg.bits - 1)), float((1 << cfg.bits) - 1)
     codes = torch.zeros(n, k, dtype=torch.float32)           # in processing order
     scales = torch.zeros(geom.n_groups, n, dtype=torch.float32)
-    loss = 0.0
+    loss = torch.zeros((), dtype=torch.float64)
     if cfg.group_size == -1:
         scales[0] = scales_for(w, cfg.bits)
+    s = safe = scales[0]
     for i1 in range(0, k, cfg.block):
         i2 = min(i1 + cfg.block, k)
         w1 = w[:, i1:i2].clone()                             # (N, B), updated in place
@@ -117,22 +142,22 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, 
         u1 = u[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if cfg.group_size != -1 and col % group == 0:
-                # group scale from the weights as updated so far: the group lies inside this block
-                scales[col // group] = scales_for(w1[:, i:i + group], cfg.bits)
-            s = scales[col // group]
-            c = quantize_columns(w1[:, i], s, cfg.bits)
+            if col % group == 0:
+                if cfg.group_size != -1:
+                    # group scale from the weights as updated so far: the group lies inside this block
+                    scales[col // group] = scales_for(w1[:, i:i + group], cfg.bits)
+                s = scales[col // group]
+                safe = torch.where(s != 0, s, torch.ones_like(s))   # all-zero group: scale 0, any code
+            c = torch.clamp_(torch.round_(w1[:, i] / safe).add_(zero), 0.0, maxq)   # same rounding as rtn
             codes[:, col] = c
-            q = dequantize_columns(c, s, cfg.bits)
-            d = u1[i, i]
-            e = (w1[:, i] - q) / d
-            loss += float((e * e).sum())
-            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+            e = (w1[:, i] - (c - zero) * s) / u1[i, i]
+            w1[:, i:].addr_(e, u1[i, i:], alpha=-1.0)
             err1[:, i] = e
-        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+        loss += (err1.double() ** 2).sum()
+        w[:, i2:].addmm_(err1, u[i1:i2, i2:], alpha=-1.0)
 
     inv = torch.argsort(perm)
     codes_kn = codes[:, inv].T.contiguous().to(torch.uint8).numpy()      # back to input-channel order
     g_idx = (inv // group).to(torch.int32).numpy() if cfg.act_order else geom.default_g_idx()
     q = QuantizedLinear(codes_kn, scales.to(torch.float16).numpy(), np.ascontiguousarray(g_idx), geom)
-    return q, loss
+    return q, float(loss)
