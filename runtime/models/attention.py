@@ -54,6 +54,16 @@ def mla_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
     return [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,)]
 
 
+def _absorbed(w: dict, p: str, nh: int, dn: int, dv: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj (nh*(dn+dv), R) split per head into W_uk (nh, dn, R) and W_uv^T (nh, R, dv), contiguous for bmm;
+    derived once per layer and kept next to the weights."""
+    key = p + "kv_b_proj.absorbed"
+    if key not in w:
+        wkv_b = w[p + "kv_b_proj.weight"].view(nh, dn + dv, R)
+        w[key] = (wkv_b[:, :dn].contiguous(), wkv_b[:, dn:].transpose(1, 2).contiguous())
+    return w[key]
+
+
 def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Multi-head latent attention. The cache holds c_kv = norm(W_dkv x) (R) and the roped shared key (r) per
@@ -71,18 +81,18 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     ckv = F.linear(x, w[p + "kv_a_proj_with_mqa.weight"], w.get(p + "kv_a_proj_with_mqa.bias"))   # (T, R + dr)
     c = rms_norm(ckv[:, :R], w[p + "kv_a_layernorm.weight"], LORA_NORM_EPS)
     k_rot = rope.apply(ckv[:, None, R:], cos, sin)[:, 0]                                       # (T, dr)
-    wkv_b = w[p + "kv_b_proj.weight"].view(nh, dn + dv, R)
-    q_lat = torch.einsum("thn,hnr->thr", q_nope, wkv_b[:, :dn])                               # (T, nh, R)
-    out_lat = torch.empty((T, nh, R), dtype=x.dtype, device=x.device)
+    w_uk, w_uv_t = _absorbed(w, p, nh, dn, dv, R)
+    q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk)                                        # (nh, T, R)
+    q_rot = q_rot.transpose(0, 1)                                                             # (nh, T, dr)
+    out_lat = torch.empty((nh, T, R), dtype=x.dtype, device=x.device)
     scale = cfg.softmax_scale
     latent = torch.cat([c, k_rot], dim=-1)                                                    # (T, R + dr)
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
         (lat_all,) = s.cache.write(layer, s.start, [latent[rows]])                           # (S, R + dr)
         c_all, kr_all = lat_all[:, :R], lat_all[:, R:]
-        scores = (torch.einsum("thr,sr->hts", q_lat[rows], c_all)
-                  + torch.einsum("thd,sd->hts", q_rot[rows], kr_all)) * scale                  # (nh, n, S)
-        mask = causal_scores_mask(s.n, s.start, s.start + s.n, x.device)
-        out_lat[rows] = torch.einsum("hts,sr->thr", _softmax_attend(scores, mask), c_all)
-    o = torch.einsum("thr,hvr->thv", out_lat, wkv_b[:, dn:])                                  # (T, nh, dv)
+        scores = (torch.matmul(q_lat[:, rows], c_all.t()) + torch.matmul(q_rot[:, rows], kr_all.t())) * scale
+        mask = causal_scores_mask(s.n, s.start, s.start + s.n, x.device)                      # scores: (nh, n, S)
+        out_lat[:, rows] = torch.matmul(_softmax_attend(scores, mask), c_all)
+    o = torch.matmul(out_lat, w_uv_t).transpose(0, 1)                                         # (T, nh, dv)
     return F.linear(o.reshape(T, nh * dv), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
