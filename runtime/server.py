@@ -109,6 +109,15 @@ class Handler(GenerationMixin, BaseHTTPRequestHandler):
     def do_POST(self):
         self._dispatch("POST")
 
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    def do_DELETE(self):
+        self._dispatch("DELETE")
+
+    def do_PATCH(self):
+        self._dispatch("PATCH")
+
     def _dispatch(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
         name = self.ROUTES.get((method, path))
@@ -228,7 +237,11 @@ def run_server(engine_factory, sampling_params_cls, host: str = "127.0.0.1", por
     import signal
 
     state = ServerState(engine_factory, sampling_params_cls, api_key, max_body_bytes, max_batch)
-    httpd = KtrunHTTPServer((host, port), state, log_requests)
+    try:
+        httpd = KtrunHTTPServer((host, port), state, log_requests)
+    except OSError as e:
+        print(f"ktrun serve: error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr, flush=True)
+        return 2
     bound_host, bound_port = httpd.server_address[:2]
     print(f"ktrun serve: listening on http://{bound_host}:{bound_port} (loading model...)", file=sys.stderr,
           flush=True)

@@ -7,13 +7,15 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 from serve_fake_engine import BOS, ByteTokenizer, fake_generate
-from serve_helpers import fake_server, metric, request, sse_events
+from serve_helpers import REPO, fake_server, metric, request, sse_events
 
 MODEL = "fake-model"
 
@@ -160,6 +162,8 @@ def test_malformed_and_oversized_bodies(server):
     assert "65536" in msg
     st, resp, _ = request(server, "GET", "/v1/nothing")
     assert st == 404 and resp["error"]["code"] == "not_found"
+    st, resp, _ = request(server, "DELETE", "/v1/completions")
+    assert st == 405 and resp["error"]["code"] == "method_not_allowed"
 
 
 def test_context_limits(server):
@@ -254,6 +258,12 @@ def test_api_key_and_loading_state():
         assert c.completions.create(model=MODEL, prompt="k", max_tokens=3).usage.completion_tokens == 3
     finally:
         assert s.stop() == 0, s.stderr
+
+
+def test_port_in_use(server):
+    out = subprocess.run([sys.executable, "tests/serve_fake_engine.py", "--port", str(server.port)], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{server.port}" in out.stderr
 
 
 def test_waiting_requests_beyond_max_batch():
