@@ -1,0 +1,162 @@
+"""GPU-layer quantization: GPTQ vs RTN time per decoder layer and peak RSS, output error of GPTQ vs RTN, and one
+DeepSeek-V3-sized Linear. Prints `name: value unit` lines.
+
+Fixture: deepseek_v3 (MLA attention, shared expert, dense first layer) with hidden 512, 4 layers. Each method runs
+over every non-expert Linear in its own subprocess (peak RSS = VmHWM of that process). Error: the last hidden
+states of the whole model with every non-expert Linear INT4 (group 128), GPTQ vs RTN, against the float model on
+the calibration tokens and on held-out tokens (a different window of the calibration text). Peer measured in the
+same run: RTN is the baseline for GPTQ's time, and the float32 size of the layers is the baseline for memory.
+
+    .venv/bin/python bench/bench_gptq.py                          # ~2 min on 2 cores
+    .venv/bin/python bench/bench_gptq.py --with-deepseek-linear   # + one N=1536, K=7168 Linear (~1 min more)
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+DIMS = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=8, q_lora_rank=256,
+            kv_lora_rank=128, num_attention_heads=4, num_key_value_heads=4)
+LAYERS = 4
+CHILD = r"""
+import json, re, sys, time
+import transformers.models.deepseek_v3.modeling_deepseek_v3  # noqa: F401  (imports before the baseline)
+from ktconvert.gpu_layers import make_gpu_encoder
+from ktconvert.source import open_source
+def status_kb(key):
+    return int(re.search(key + r":\s+(\d+)", open("/proc/self/status").read()).group(1))
+base = status_kb("VmRSS")
+src = open_source(sys.argv[1])
+enc = make_gpu_encoder(sys.argv[2], src=src, group_size=128, calib_tokens=1024, seq_len=256)
+key = lambda n: (src.arch.classify(n).layer is None, src.arch.classify(n).layer or 0, n)
+t = time.perf_counter()
+for name in sorted(src.tensor_names(), key=key):
+    role = src.arch.classify(name)
+    if role.kind not in ("expert", "skip"):
+        enc.encode(name, src.read(name).numpy(), role)
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "peak_kb": status_kb("VmHWM"), "base_kb": base}))
+"""
+
+
+def run_method(ckpt: Path, method: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), method], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def model_errors(ckpt: Path) -> dict[str, float]:
+    from ktconvert.gpu_calib import LayerwiseGptq, calibration_tokens, read_calibration_text
+    from ktconvert.gpu_layers import GpuLayerEncoder, GpuLayerOptions
+    from ktconvert.rtn import quantize_rtn
+    from ktconvert.source import open_source
+
+    src = open_source(ckpt)
+    text, _ = read_calibration_text(None)
+    vocab = src.config["vocab_size"]
+    calib = calibration_tokens(ckpt, text, vocab, 1024, 256, seed=0)
+    held = calibration_tokens(ckpt, text, vocab, 256, 256, seed=99)
+    enc = GpuLayerEncoder(GpuLayerOptions(method="gptq-int4", group_size=128), src=src)
+    target = lambda n: src.arch.classify(n).kind in ("attention", "shared_expert", "dense_mlp")  # noqa: E731
+    weights = {}
+
+    def record(qf):
+        def f(name, w, h):
+            q = qf(name, w, h)
+            weights[name] = None if q is None else q.dequantize()[: w.shape[0], : w.shape[1]]
+            return q
+        return f
+
+    def run(tokens, qf):
+        cal = LayerwiseGptq(src, tokens, qf, target)
+        for li in range(src.arch.num_layers):
+            cal._run_layer(li)
+        return cal.hidden
+
+    def replay(tokens, deq):          # the same quantized weights on other tokens
+        return run(tokens, lambda name, w, h: _Fixed(deq[name]))
+
+    out = {}
+    ref_c, ref_h = run(calib, lambda *a: None), run(held, lambda *a: None)
+    for method, qf in (("gptq", enc.quantize_with_hessian),
+                       ("rtn", lambda name, w, h: quantize_rtn(enc._pad(name, w)[0], 4, 128))):
+        weights.clear()
+        got = run(calib, record(qf))
+        deq = dict(weights)
+        out[f"{method}_calib"] = float(((got - ref_c) ** 2).mean() / (ref_c ** 2).mean())
+        out[f"{method}_heldout"] = float(((replay(held, deq) - ref_h) ** 2).mean() / (ref_h ** 2).mean())
+    return out
+
+
+class _Fixed:
+    """Stands in for a QuantizedLinear whose dequantized weight is already known."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def dequantize(self):
+        return self.w
+
+
+def deepseek_linear() -> dict[str, float]:
+    """One q_a_proj-sized Linear of DeepSeek-V3 (N=1536, K=7168), 2048 correlated calibration tokens."""
+    from ktconvert.gptq import GptqConfig, HessianAccumulator, gptq_quantize
+    from ktconvert.rtn import quantize_rtn
+
+    g = torch.Generator().manual_seed(0)
+    k, n = 7168, 1536
+    x = torch.randn(2048, 256, generator=g) @ torch.randn(256, k, generator=g) + 0.1 * torch.randn(2048, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.02
+    acc = HessianAccumulator(k)
+    acc.add(x)
+    t = time.perf_counter()
+    q, _ = gptq_quantize(w, acc.h, GptqConfig(bits=4, group_size=128))
+    t_gptq = time.perf_counter() - t
+    t = time.perf_counter()
+    r = quantize_rtn(w, 4, 128)
+    t_rtn = time.perf_counter() - t
+    y = x @ w.T
+    e_g = float(((x @ q.dequantize().T - y) ** 2).mean())
+    e_r = float(((x @ r.dequantize().T - y) ** 2).mean())
+    return {"gptq_s": t_gptq, "rtn_s": t_rtn, "err_ratio": e_g / e_r}
+
+
+def main() -> None:
+    from ktconvert.fixtures import make_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_checkpoint("deepseek_v3", Path(tmp) / "ckpt", num_layers=LAYERS, **DIMS)
+        idx = json.loads((ckpt / "model.safetensors.index.json").read_text())
+        f32_mb = 2 * idx["metadata"]["total_size"] / 1e6
+        res = {m: run_method(ckpt, m) for m in ("rtn-int4", "gptq-int4")}
+        for m, r in res.items():
+            tag = m.replace("-", "_")
+            print(f"{tag}_seconds_per_layer: {r['seconds'] / LAYERS:.3f} s")
+            print(f"{tag}_peak_rss: {r['peak_kb'] / 1024:.0f} MiB")
+            print(f"{tag}_peak_rss_above_imports: {(r['peak_kb'] - r['base_kb']) / 1024:.0f} MiB")
+        print(f"gptq_vs_rtn_time_ratio: {res['gptq-int4']['seconds'] / res['rtn-int4']['seconds']:.1f} x")
+        g = res["gptq-int4"]
+        print(f"checkpoint_as_f32: {f32_mb:.0f} MB")
+        print(f"gptq_peak_rss_above_imports_vs_checkpoint_f32: {(g['peak_kb'] - g['base_kb']) * 1024 / 1e6 / f32_mb:.2f} x")
+        err = model_errors(ckpt)
+        for split in ("calib", "heldout"):
+            print(f"model_output_rel_mse_gptq_{split}: {err[f'gptq_{split}']:.3e} ratio")
+            print(f"model_output_rel_mse_rtn_{split}: {err[f'rtn_{split}']:.3e} ratio")
+            print(f"gptq_over_rtn_error_{split}: {err[f'gptq_{split}'] / err[f'rtn_{split}']:.3f} ratio")
+    if "--with-deepseek-linear" not in sys.argv:
+        print(f"torch_threads: {torch.get_num_threads()} threads")
+        return
+    lin = deepseek_linear()
+    print(f"deepseek_q_a_proj_gptq_seconds: {lin['gptq_s']:.2f} s")
+    print(f"deepseek_q_a_proj_rtn_seconds: {lin['rtn_s']:.3f} s")
+    print(f"deepseek_q_a_proj_gptq_over_rtn_output_error: {lin['err_ratio']:.3f} ratio")
+    print(f"torch_threads: {torch.get_num_threads()} threads")
+
+
+if __name__ == "__main__":
+    main()
