@@ -28,10 +28,10 @@ def hwm_kb():
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
 src, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 base = hwm_kb()
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 convert(src, out, ConvertOptions(method="int4-amx", group_size=128, workers=workers), show_progress=False)
 dt = time.perf_counter() - t
-print(json.dumps({"seconds": dt, "peak_kb": hwm_kb(), "base_kb": base}))
+print(json.dumps({"seconds": dt, "cpu_seconds": time.process_time() - c, "peak_kb": hwm_kb(), "base_kb": base}))
 """
 
 
@@ -102,9 +102,12 @@ def main() -> None:
             print(f"convert_{n_layers}_layers_throughput_vs_memory_copy: {gbs / bw:.4f} ratio")
             print(f"convert_{n_layers}_layers_peak_rss: {peaks[n_layers]:.0f} MB")
             print(f"convert_{n_layers}_layers_rss_after_imports: {res['base_kb'] / 1024:.0f} MB")
+            # CPU seconds per wall second: ~2 when both cores work (less when other processes share them)
+            print(f"convert_{n_layers}_layers_cpu_per_wall: {res['cpu_seconds'] / res['seconds']:.2f} cores")
             if n_layers == LAYERS[1]:
                 one = run_convert(src, tmp / f"out{n_layers}_w1", workers=1)
                 print(f"convert_{n_layers}_layers_throughput_1_worker: {nbytes / one['seconds'] / 1e9:.3f} GB/s")
+                print(f"convert_{n_layers}_layers_cpu_per_wall_1_worker: {one['cpu_seconds'] / one['seconds']:.2f} cores")
                 print(f"convert_{n_layers}_layers_speedup_2_workers_vs_1: {one['seconds'] / res['seconds']:.2f} x")
             if n_layers != LAYERS[0]:
                 for p in (tmp / f"src{n_layers}", tmp / f"out{n_layers}"):

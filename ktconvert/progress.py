@@ -118,7 +118,8 @@ def prepare_output(out_dir: Path, params: dict, resume: bool, force: bool) -> Jo
     has_manifest = (out_dir / MANIFEST_NAME).exists()
     if journal is None:
         if has_manifest:
-            raise OutputDirError(f"{out_dir} already holds a complete conversion ({MANIFEST_NAME}); "
+            hint = f"nothing to resume (check it with: ktconvert verify {out_dir}); " if resume else ""
+            raise OutputDirError(f"{out_dir} already holds a complete conversion ({MANIFEST_NAME}); {hint}"
                                  f"use --force to overwrite it or choose another -o")
         others = sorted(p.name for p in out_dir.iterdir())
         if others and not force:

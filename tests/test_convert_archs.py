@@ -109,3 +109,15 @@ def test_methods_and_group_sizes(method, group, ckpt_dir, tmp_path):
     got = conv.read_expert(0, 3)["down"]
     err = np.linalg.norm(got - w) / np.linalg.norm(w)
     assert err < {"int8-amx": 0.01, "int4-amx": 0.15, "bf16": 0.004}[method]
+
+
+def test_manifest_records_the_pulled_source(ckpt_copy, tmp_path):
+    src = ckpt_copy("mixtral")
+    record = {"format": "ktconvert-source/1", "repo_id": "mistralai/Mixtral-8x7B-v0.1", "revision": "main",
+              "commit": "a" * 40, "complete": True, "files": {}}
+    (src / ".ktconvert-source.json").write_text(json.dumps(record))
+    out = quantize(src, tmp_path / "out")
+    manifest, _ = load_manifest(out)
+    assert manifest["source"]["repo_id"] == "mistralai/Mixtral-8x7B-v0.1"
+    assert manifest["source"]["revision"] == "main" and manifest["source"]["commit"] == "a" * 40
+    assert ".ktconvert-source.json" not in manifest["files"]
