@@ -159,8 +159,7 @@ class GenerationMixin:
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        first = {"role": True} if req.kind == "chat" else None
-        if first:
+        if req.kind == "chat":  # the role goes out at once, before the first token
             self._write_event(proto.sse(proto.chunk(req, rid, created, role=True)))
 
         def on_delta(delta):
