@@ -75,15 +75,16 @@ class TorchExperts:
     @torch.inference_mode()
     def _run(self, layer, x, ids, weights, out):
         t0 = time.perf_counter()
-        acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-        xf = x.float()
+        dev = self.device                       # experts live here; activations may come from a GPU
+        acc = torch.zeros(out.shape, dtype=torch.float32, device=dev)
+        xf, ids, weights = x.float().to(dev), ids.to(dev), weights.to(dev)
         for e in torch.unique(ids).tolist():
             tok, kpos = torch.where(ids == e)
             g, u, d = self._weights(layer, e)
             xe = xf[tok]
             y = F.linear(F.silu(F.linear(xe, g)) * F.linear(xe, u), d)
             acc.index_add_(0, tok, y * weights[tok, kpos, None].float())
-        out.copy_(acc.to(out.dtype))
+        out.copy_(acc.to(device=out.device, dtype=out.dtype))
         self.stats["expert_compute_s"] += time.perf_counter() - t0
         self.stats["expert_calls"] += 1
         self.stats["expert_token_slots"] += ids.numel()
