@@ -65,7 +65,8 @@ int kt_sync(kt_ctx* ctx);
 
 /* Where the last job's time went: 8 doubles (seconds) per worker thread: x quantization (0 when the submitting
  * thread did it: few tokens), barrier wait, gate/up (+ silu + h quantization), barrier wait, down, barrier wait and
- * partial-sum reduction (the last two only with n_pools > 1), unused. Returns the number of doubles written. */
+ * partial-sum reduction (the last two only with n_pools > 1), delay from submit to the worker starting.
+ * Returns the number of doubles written. */
 int kt_profile(kt_ctx* ctx, double* out, int capacity);
 
 /* Read bandwidth of this machine with the context's threads, bytes/s (best of reps, a buffer of `bytes`). */

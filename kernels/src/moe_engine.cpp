@@ -246,6 +246,7 @@ void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stri
     for (auto& s : scratch_) if (s.size() < need) s.resize(need);
     x_ready_ = T <= kDecodeMaxRows;   // a few rows: quantize here, the workers start on weights right away
     if (x_ready_) for (int t = 0; t < T; ++t) quantize_x(t, 0);
+    launch_time_ = now_s();
     pool_->launch([this](const WorkerInfo& w) { run(w); });
 }
 
@@ -254,6 +255,7 @@ void MoEEngine::run(const WorkerInfo& w) {
     double* prof = profile_.data() + (size_t)w.index * kProfilePhases;
     double t_last = now_s();
     prof[0] = 0.0;
+    const double start_delay = t_last - launch_time_;
     auto mark = [&](int phase) { const double t = now_s(); prof[phase] = t - t_last; t_last = t; };
     if (!x_ready_) {
         for (int t = (int)((int64_t)T_ * w.index / n); t < (int)((int64_t)T_ * (w.index + 1) / n); ++t)
@@ -274,7 +276,8 @@ void MoEEngine::run(const WorkerInfo& w) {
     mark(3);
     for (int i; (i = next2_[p].fetch_add(1)) < (int)items2_[p].size();) down(items2_[p][i], p, w.index);
     mark(4);
-    prof[5] = prof[6] = prof[7] = 0.0;
+    prof[5] = prof[6] = 0.0;
+    prof[7] = start_delay;
     if (pool_->n_pools() == 1) return;
     pool_->global_barrier();
     mark(5);

@@ -111,6 +111,7 @@ private:
     // without a barrier of its own)
     std::unique_ptr<std::atomic<int>[]> remaining_;
     size_t remaining_cap_ = 0;
+    double launch_time_ = 0.0;
     bool x_ready_ = false;   // x quantized by submit itself (few tokens): no phase 0 and no barrier after it
     std::vector<std::vector<float>> partial_;   // per pool (T, hidden) when n_pools > 1
     std::vector<std::vector<float>> scratch_;   // per worker
