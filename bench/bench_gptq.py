@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-DIMS = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=8, q_lora_rank=256,
-            kv_lora_rank=128, num_attention_heads=4, num_key_value_heads=4)
+DIMS = {"hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256, "n_routed_experts": 8,
+        "q_lora_rank": 256, "kv_lora_rank": 128, "num_attention_heads": 4, "num_key_value_heads": 4}
 LAYERS = 4
 CHILD = r"""
 import json, re, sys, time
@@ -62,7 +62,7 @@ def model_errors(ckpt: Path) -> dict[str, float]:
     calib = calibration_tokens(ckpt, text, vocab, 1024, 256, seed=0)
     held = calibration_tokens(ckpt, text, vocab, 256, 256, seed=99)
     enc = GpuLayerEncoder(GpuLayerOptions(method="gptq-int4", group_size=128), src=src)
-    target = lambda n: src.arch.classify(n).kind in ("attention", "shared_expert", "dense_mlp")  # noqa: E731
+    target = lambda n: src.arch.classify(n).kind in ("attention", "shared_expert", "dense_mlp")
     weights = {}
 
     def record(qf):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 
 import numpy as np
-
 from ktlayouts.compressed_tensors import ct_unpack
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.gptq import GptqGeometry, dequantize_kn, gptq_unpack
@@ -74,7 +73,7 @@ def dequantize_linear(layout: str, parts: dict[str, np.ndarray], what: str = "we
 
 def dequantize_named(layout: str, tensors: dict[str, np.ndarray], weight_name: str) -> np.ndarray:
     """tensors of a converted file (by full name), the hub weight name 'X.weight' -> W (N, K) float32."""
-    base = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+    base = weight_name.removesuffix(".weight")
     fmt, _ = parse_layout(layout)
     parts = {p: tensors[f"{base}.{p}"] for p in FORMAT_PARTS[fmt] if f"{base}.{p}" in tensors}
     return dequantize_linear(layout, parts, what=weight_name)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from ktlayouts.gptq import GptqGeometry
 
 from .rtn import QuantizedLinear, scales_for

@@ -15,8 +15,8 @@ from __future__ import annotations
 import importlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch

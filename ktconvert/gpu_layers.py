@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from ktlayouts.compressed_tensors import ct_pack
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.gptq import GPU_GROUP_SIZES, GptqGeometry, gptq_pack
@@ -181,7 +180,7 @@ class GpuLayerEncoder:
         if self.algo == "gptq":
             q = self._calibrated(name, role)
         else:
-            wp, g = self._pad(name, t)
+            wp, _ = self._pad(name, t)
             q = quantize_rtn(wp, self.bits, self.opts.group_size)
         self.quantized_names.append(name)
         return pack_quantized(name, q, self.opts.fmt, tuple(t.shape))

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from ktlayouts.gptq import GptqGeometry, zero_point
 
 FP16_MAX = 65504.0

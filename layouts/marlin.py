@@ -21,7 +21,7 @@ the converter pads with zeros instead (README: "Marlin padding").
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -53,7 +53,7 @@ def marlin_padded_shape(n: int, k: int, group_size: int) -> tuple[int, int]:
     return -(-n // MARLIN_MIN_N) * MARLIN_MIN_N, -(-k // unit) * unit
 
 
-@lru_cache(maxsize=None)
+@cache
 def weight_perm(bits: int) -> np.ndarray:
     """Permutation of 1024 values (16 K x 64 N, as four row-major 16x16 tiles) into Marlin fragment order."""
     check_bits(bits)
@@ -70,7 +70,7 @@ def weight_perm(bits: int) -> np.ndarray:
     return perm
 
 
-@lru_cache(maxsize=None)
+@cache
 def scale_perms() -> tuple[np.ndarray, np.ndarray]:
     """(grouped: 64 entries, single group: 32 entries) column orders of the scales."""
     grouped = np.array([i + 8 * j for i in range(8) for j in range(8)])

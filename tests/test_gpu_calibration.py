@@ -35,7 +35,6 @@ def test_layerwise_hessians_match_the_transformers_model(arch, tmp_path):
 
     def keep_float(name, w, h):
         got[name] = h.clone()
-        return None
     cal = LayerwiseGptq(src, tokens, keep_float, _is_target(src))
     for li in range(src.arch.num_layers):
         cal._run_layer(li)
@@ -130,8 +129,8 @@ _MEMORY_CHILD = textwrap.dedent("""
     print(json.dumps({"peak_rss_kib": int(hwm.split()[1]), "n": n_quantized}))
 """)
 
-_BIG = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=384, n_routed_experts=8,
-            q_lora_rank=128, kv_lora_rank=128)
+_BIG = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 384, "n_routed_experts": 8,
+        "q_lora_rank": 128, "kv_lora_rank": 128}
 
 
 @pytest.mark.slow
@@ -142,7 +141,7 @@ def test_memory_stays_bounded_with_many_layers(tmp_path):
         d = make_checkpoint("deepseek_v3", tmp_path / f"l{layers}", num_layers=layers, **_BIG)
         sizes[layers] = json.loads((d / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
         out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(d)], capture_output=True, text=True,
-                             timeout=300)
+                             timeout=300, check=False)
         assert out.returncode == 0, out.stderr[-3000:]
         res = json.loads(out.stdout.strip().splitlines()[-1])
         assert res["n"] == 8 * layers            # 8 Linear weights per layer: MLA 5 + dense MLP / shared expert 3

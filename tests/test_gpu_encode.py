@@ -10,8 +10,14 @@ from ktconvert.dense_encoding import Bf16Encoder
 from ktconvert.dequant_gpu import dequantize_linear, dequantize_named, quantized_linears
 from ktconvert.fixtures import make_checkpoint
 from ktconvert.gpu_calib import CalibrationError
-from ktconvert.gpu_layers import (GpuLayerEncoder, GpuLayerError, GpuLayerOptions, make_gpu_encoder, pack_quantized,
-                                  quantization_config)
+from ktconvert.gpu_layers import (
+    GpuLayerEncoder,
+    GpuLayerError,
+    GpuLayerOptions,
+    make_gpu_encoder,
+    pack_quantized,
+    quantization_config,
+)
 from ktconvert.rtn import quantize_rtn
 from ktconvert.source import open_source
 
@@ -78,7 +84,7 @@ def test_formats_agree_and_marlin_pads_documented(ds3):
     deq = {}
     for fmt in FORMATS:
         enc = make_gpu_encoder("rtn-int4", src=ds3, group_size=-1, fmt=fmt)
-        outs, layouts = _encode_all(enc, ds3)
+        outs, _ = _encode_all(enc, ds3)
         deq[fmt] = dequantize_named(f"gpu-{fmt}-int4", outs, name)
         if fmt == "marlin":
             base = name[: -len(".weight")]

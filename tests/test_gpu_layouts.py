@@ -5,7 +5,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from ktlayouts import compressed_tensors as ct
 from ktlayouts import gptq, marlin
 from ktlayouts.cpu_expert import LayoutError
