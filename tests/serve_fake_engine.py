@@ -5,7 +5,8 @@ Run as a script it serves itself through the real server code (`ktrun.server.run
 
 Tokens are bytes (0..255) plus BOS=256, EOS=257. The next token is a function of the request's own sequence only
 (so batching never changes it): a lowercase letter or space chosen by a hash of the last 4 tokens. Prompts with
-special words steer it: "UTF8" -> emits 'é' (two bytes per character), "EOS" -> ends with EOS after 3 tokens.
+special words steer it: "UTF8" -> emits 'é' (two bytes per character), "EOS" -> ends with EOS after 3 tokens,
+"CRASH" -> the step that prefills it raises (an engine bug).
 The engine checks that the scheduler never runs more than max_batch requests and never steps an aborted one.
 """
 from __future__ import annotations
@@ -74,6 +75,9 @@ class FakeEngine:
 
     def step(self):
         time.sleep(self.step_delay)
+        if any(b"CRASH" in bytes(t for t in ids if t < 256) for ids, _ in self._new.values()):
+            self._new.clear()
+            raise RuntimeError("fake engine: injected failure")
         for rid, (ids, params) in self._new.items():
             self._running[rid] = {"seq": ids, "n": 0, "params": params, "utf8": b"UTF8" in bytes(
                 t for t in ids if t < 256), "eos": b"EOS" in bytes(t for t in ids if t < 256)}
