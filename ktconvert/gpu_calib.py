@@ -56,16 +56,26 @@ def read_calibration_text(path: str | Path | None) -> tuple[str, Path]:
     return text, p
 
 
-def calibration_tokens(src_dir: Path, text: str, vocab_size: int, n_tokens: int, seq_len: int, seed: int
-                       ) -> torch.Tensor:
-    """Tokenize with the checkpoint's tokenizer.json -> (S, L) int64 windows, chosen deterministically by seed."""
+def _tokenizer(src):
+    """The checkpoint's tokenizer.json (a GGUF source rebuilds it from its metadata)."""
     from tokenizers import Tokenizer
 
-    tok_path = Path(src_dir) / "tokenizer.json"
+    if hasattr(src, "side_files"):
+        raw = src.side_files().get("tokenizer.json")
+        if raw is not None:
+            return Tokenizer.from_str(raw.decode() if isinstance(raw, bytes) else raw), f"{src.path} (GGUF metadata)"
+    tok_path = Path(src.path) / "tokenizer.json"
     if not tok_path.is_file():
         raise CalibrationError(f"GPTQ calibration needs the checkpoint's tokenizer: {tok_path} does not exist "
                                f"(use --gpu-method rtn-int4 to quantize without calibration)")
-    ids = Tokenizer.from_file(str(tok_path)).encode(text, add_special_tokens=False).ids
+    return Tokenizer.from_file(str(tok_path)), tok_path
+
+
+def calibration_tokens(src, text: str, n_tokens: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Tokenize with the checkpoint's tokenizer -> (S, L) int64 windows, chosen deterministically by seed."""
+    tokenizer, tok_path = _tokenizer(src)
+    vocab_size = int(src.config["vocab_size"])
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
     if not ids:
         raise CalibrationError("calibration text tokenizes to zero tokens")
     ids = np.asarray(ids, dtype=np.int64)
@@ -80,9 +90,11 @@ def calibration_tokens(src_dir: Path, text: str, vocab_size: int, n_tokens: int,
 
 def embedding_rows(src, ids: torch.Tensor) -> torch.Tensor:
     """Embeddings of `ids` (S, L) -> (S, L, H) float32, reading only those rows of the table from the file."""
+    from .source import Source
+
     info = src.info(EMBED_NAME)
     np_dtype = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}.get(info.dtype)
-    if np_dtype is None:
+    if np_dtype is None or not isinstance(src, Source):
         return src.read(EMBED_NAME)[ids]
     table = np.memmap(info.file, dtype=np_dtype, mode="r", offset=info.offset, shape=tuple(info.shape))
     uniq, inv = np.unique(ids.numpy(), return_inverse=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -162,8 +161,7 @@ class GpuLayerEncoder:
         if self._calibrator is None:
             from .gpu_calib import LayerwiseGptq, calibration_tokens, read_calibration_text
             text, path = read_calibration_text(self.opts.calib)
-            tokens = calibration_tokens(Path(self.src.path), text, int(self.src.config["vocab_size"]),
-                                        self.opts.calib_tokens, self.opts.seq_len, self.opts.seed)
+            tokens = calibration_tokens(self.src, text, self.opts.calib_tokens, self.opts.seq_len, self.opts.seed)
             log.info("GPTQ calibration: %d sequences x %d tokens from %s", tokens.shape[0], tokens.shape[1], path)
 
             def is_target(hub: str) -> bool:

@@ -18,7 +18,7 @@ KINDS = ("attention", "shared_expert", "dense_mlp")
 
 def _tokens(src, n=512, seq=128):
     text, _ = read_calibration_text(None)
-    return calibration_tokens(src.path, text, src.config["vocab_size"], n, seq, seed=0)
+    return calibration_tokens(src, text, n, seq, seed=0)
 
 
 def _is_target(src):
