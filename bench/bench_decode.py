@@ -20,7 +20,6 @@ import time
 
 import numpy as np
 import torch
-
 from ktlayouts.converted_dir import ExpertGeometry
 from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
 from ktrun.kernel_experts import KernelExperts

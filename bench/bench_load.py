@@ -85,7 +85,7 @@ def main():
             print(f"load_e{e}_cpu_time: {cpu * 1e3:.1f} ms")
             print(f"load_e{e}_bytes_touched_by_load: {read / 1e6:.2f} MB")
             print(f"load_e{e}_plain_read_of_expert_files: {tr * 1e3:.1f} ms")
-        (e0, b0, t0, _, _, c0), (e1, b1, t1, _, tr1, c1) = rows[0], rows[-1]
+        (_, b0, t0, _, _, c0), (_, b1, t1, _, tr1, c1) = rows[0], rows[-1]
         print(f"load_expert_bytes_growth: {b1 / b0:.1f} x")
         print(f"load_time_growth: {t1 / t0:.2f} x")
         print(f"load_cpu_time_growth: {c1 / c0:.2f} x")

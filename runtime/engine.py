@@ -26,7 +26,7 @@ from .models.model import MoEModel
 from .sampling import SamplingParams, make_generator, sample_token
 from .tokenizer import Tokenizer
 
-__all__ = ["Engine", "SamplingParams", "RequestError"]
+__all__ = ["Engine", "RequestError", "SamplingParams"]
 
 
 class RequestError(ValueError):

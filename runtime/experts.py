@@ -17,7 +17,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 import torch.nn.functional as F
-
 from ktlayouts.cpu_expert import unpack_expert_matrix
 
 
@@ -110,8 +109,9 @@ class TorchExperts:
 def kernels_available() -> bool:
     """True when runtime/cpu_moe.py and its library load on this machine."""
     try:
-        from . import cpu_moe  # noqa: F401
-    except Exception:   # missing module, library or CPU feature: the reference path serves
+        from . import cpu_moe
+        cpu_moe.load_library()
+    except (ImportError, OSError, RuntimeError):   # missing module or library, ABI mismatch: the reference serves
         return False
     return hasattr(cpu_moe, "MoEKernels")
 

@@ -3,8 +3,8 @@ max_tokens or the context limit. One request; the Engine (engine.py) batches man
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

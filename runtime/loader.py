@@ -23,10 +23,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from ktlayouts.converted_dir import (DENSE_LAYOUT_BF16, DENSE_LAYOUT_F32, PROJECTIONS, ExpertGeometry, ManifestError,
-                                     expert_file, expert_tensor, is_pad_tensor, load_manifest, node_unit_ranges,
-                                     safe_relpath)
+from ktlayouts.converted_dir import (
+    DENSE_LAYOUT_BF16,
+    DENSE_LAYOUT_F32,
+    PROJECTIONS,
+    ExpertGeometry,
+    ManifestError,
+    expert_file,
+    expert_tensor,
+    is_pad_tensor,
+    load_manifest,
+    node_unit_ranges,
+    safe_relpath,
+)
 
 from .models.config import ModelConfig, load_config
 
@@ -184,8 +193,9 @@ def _load_dense(root: Path, manifest: dict, device, dtype) -> dict[str, torch.Te
 def _dequantize_gpu_layers(group: dict, where: str) -> dict[str, torch.Tensor]:
     """GPU-quantized dense tensors of one file {name: (array, manifest entry)} -> {hub weight name: float32 tensor},
     dequantized on the CPU with ktconvert.dequant_gpu (the correct fallback when no Marlin kernel is installed)."""
-    from ktconvert.dequant_gpu import dequantize_named, quantized_linears
     from ktlayouts.cpu_expert import LayoutError
+
+    from ktconvert.dequant_gpu import dequantize_named, quantized_linears
 
     arrays = {n: np.asarray(a) for n, (a, _t) in group.items()}
     layouts = {n: t["layout"] for n, (_a, t) in group.items()}
@@ -212,7 +222,7 @@ def prefault_numa(model: ConvertedModel, nodes: list[list[int]]) -> list[threadi
     def touch(node: int):
         os.sched_setaffinity(0, nodes[node])            # this thread only
         for s, _u0, _u1 in plan[node]:
-            for layer, shards in model.experts.items():
+            for shards in model.experts.values():
                 for qw, sc, _g in shards[s].values():
                     for a in (qw, sc):
                         if a is not None:

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import (PROMPT, build_checkpoint, converted, greedy_gaps, reference_logits, shared_root,
-                             transformers_model, transformers_tokenizer)
-
 from ktrun.engine import Engine, SamplingParams
 from ktrun.experts import kernels_available
 from ktrun.models.kv_cache import Batch
+from runtime_helpers import (
+    PROMPT,
+    build_checkpoint,
+    converted,
+    greedy_gaps,
+    reference_logits,
+    shared_root,
+    transformers_model,
+    transformers_tokenizer,
+)
 
 ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")
 # Reference experts: both sides compute in float32 from identical bf16 weights (observed max |diff| ~3e-6).

@@ -137,7 +137,7 @@ def parse_config(cfg: dict, where: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; ktrun runs {sorted(MODEL_TYPES)}")
     try:
         L, H, nh = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
-        common = dict(
+        common = dict(  # noqa: C408
             model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=H, num_layers=L, num_heads=nh,
             num_kv_heads=cfg.get("num_key_value_heads") or nh, intermediate_size=cfg["intermediate_size"],
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), max_position=cfg.get("max_position_embeddings", 4096),

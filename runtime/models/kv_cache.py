@@ -66,7 +66,7 @@ class Batch:
     seqs: list[SeqSlice]
 
     @staticmethod
-    def build(items: list[tuple[SeqCache, list[int]]], device) -> "Batch":
+    def build(items: list[tuple[SeqCache, list[int]]], device) -> Batch:
         toks, pos, seqs, off = [], [], [], 0
         for cache, ids in items:
             if cache.length + len(ids) > cache.ctx:
