@@ -166,3 +166,23 @@ def test_method_auto_and_calibration_file_errors(ds3, tmp_path, caplog):
     with pytest.raises(CalibrationError, match=rf"--calib: calibration file {empty} is empty"):
         GpuLayerEncoder(GpuLayerOptions(method="gptq-int4", calib=str(empty)), src=ds3)
     assert GpuLayerEncoder(GpuLayerOptions(method="rtn-int4", calib=str(empty)), src=ds3).method == "rtn-int4"
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 128), (4, 32), (8, -1)])
+def test_compressed_tensors_library_reads_our_config_and_tensors(bits, group_size):
+    """The compressed-tensors package (what vLLM uses for these checkpoints) parses our quantization_config and
+    decompresses our weight_packed / weight_scale / weight_shape to our dequantized weight."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    cfg = QuantizationConfig.model_validate(quantization_config("compressed-tensors", bits, group_size, False, False,
+                                                                0.01))
+    scheme = cfg.config_groups["group_0"]
+    assert cfg.format == "pack-quantized" and scheme.weights.num_bits == bits and scheme.weights.symmetric
+    w = torch.randn(192, 512, generator=torch.Generator().manual_seed(bits))
+    parts = pack_quantized("x.weight", quantize_rtn(w, bits, group_size), "compressed-tensors", (192, 512))
+    state = {k[2:]: torch.from_numpy(v) for k, v in parts.items()}
+    theirs = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+    ours = dequantize_linear(f"gpu-compressed-tensors-int{bits}", {k[2:]: v for k, v in parts.items()})
+    assert theirs.dtype == torch.float16 and theirs.shape == (192, 512)
+    assert np.array_equal(theirs.numpy(), ours.astype(np.float16))
