@@ -64,13 +64,12 @@ class Counter(_Metric):
 
 
 class Gauge(_Metric):
-    """A gauge whose value is read from a callback at scrape time (so it is never stale)."""
+    """A value read from a callback at scrape time (never stale). kind="counter" for running totals kept
+    elsewhere (engine steps, seconds)."""
 
-    kind = "gauge"
-
-    def __init__(self, name, help_text, read: Callable[[], float]):
+    def __init__(self, name, help_text, read: Callable[[], float], kind: str = "gauge"):
         super().__init__(name, help_text)
-        self.read = read
+        self.read, self.kind = read, kind
 
     def render(self) -> list[str]:
         return self.header() + [f"{self.name} {_fmt(float(self.read()))}"]
@@ -123,8 +122,8 @@ class ServeMetrics:
         self.gen_len = Histogram("ktrun_request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
         self._gauges: list[Gauge] = []
 
-    def add_gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
-        self._gauges.append(Gauge(name, help_text, read))
+    def add_gauge(self, name: str, help_text: str, read: Callable[[], float], kind: str = "gauge") -> None:
+        self._gauges.append(Gauge(name, help_text, read, kind))
 
     def render(self, engine_stats: dict | None = None) -> str:
         lines: list[str] = []

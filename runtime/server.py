@@ -46,13 +46,13 @@ class ServerState:
         m.add_gauge("ktrun_max_batch", "Engine slots (max requests decoded together).", lambda: self.max_batch)
         m.add_gauge("ktrun_engine_ready", "1 once the model is loaded.", lambda: float(self.engine is not None))
         m.add_gauge("ktrun_slots_freed_by_abort_total", "Running requests stopped early (client gone, stop string).",
-                    lambda: self.scheduler.aborted if self.scheduler else 0)
+                    lambda: self.scheduler.aborted if self.scheduler else 0, kind="counter")
         m.add_gauge("ktrun_engine_steps_total", "engine.step() calls (each: prefill new requests + 1 batched decode).",
-                    lambda: self.scheduler.steps if self.scheduler else 0)
+                    lambda: self.scheduler.steps if self.scheduler else 0, kind="counter")
         m.add_gauge("ktrun_engine_step_seconds_total", "Wall time inside engine.step().",
-                    lambda: self.scheduler.step_seconds if self.scheduler else 0.0)
+                    lambda: self.scheduler.step_seconds if self.scheduler else 0.0, kind="counter")
         m.add_gauge("ktrun_cpu_expert_seconds_total", "CPU time in routed-expert kernels (from Engine.stats).",
-                    self._cpu_expert_seconds)
+                    self._cpu_expert_seconds, kind="counter")
 
     def _cpu_expert_seconds(self) -> float:
         stats = getattr(self.engine, "stats", None) or {}
