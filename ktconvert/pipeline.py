@@ -70,6 +70,9 @@ def _shard_matrices(w: dict[str, np.ndarray], geo: ExpertGeometry, shard: int) -
     take = max(0, min(i1, geo.intermediate) - i0)
     out = {}
     for p in PROJECTIONS:
+        if take == i1 - i0:      # no padding rows in this shard: a view, pack_expert_matrix copies anyway
+            out[p] = w[p][:, i0:i1] if p == "down" else w[p][i0:i1]
+            continue
         if p == "down":
             m = np.zeros((geo.hidden, i1 - i0), np.float32)
             m[:, :take] = w[p][:, i0:i0 + take]
