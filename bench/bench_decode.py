@@ -15,8 +15,11 @@ machine's read bandwidth (kernel measurement) as the limit for the expert bytes 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP threads must not spin on the kernels' CPUs
 
 import numpy as np
 import torch
@@ -97,6 +100,18 @@ class Recording(KernelExperts):
         super().submit(layer, x, ids, weights, out)
 
 
+class NoExperts:
+    """Routed experts cost nothing (output zero): times the dense part of a decode step alone."""
+    def __init__(self):
+        self.stats = {}
+
+    def submit(self, layer, x, ids, weights, out):
+        out.zero_()
+
+    def sync(self):
+        pass
+
+
 def replay_kernels(ex: Recording, calls, reps: int) -> float:
     """Best-of-reps seconds for the kernels alone to run `calls`."""
     best = float("inf")
@@ -118,6 +133,8 @@ def main():
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    ap.add_argument("--dense-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype of the dense (GPU-layer) part computed on the CPU")
     args = ap.parse_args()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -125,7 +142,10 @@ def main():
     cfg = parse_config(v3_config(args.layers, args.experts, args.heads))
     conv = SyntheticConversion(args.layers, args.experts)
     ex = Recording(conv)
-    model = MoEModel(cfg, dense_weights(cfg), ex)
+    dt = getattr(torch, args.dense_dtype)
+    dense = {k: v.to(torch.float32 if k.endswith(("gate.weight", "e_score_correction_bias")) else dt)
+             for k, v in dense_weights(cfg).items()}
+    model = MoEModel(cfg, dense, ex, dtype=dt)
     gen = torch.Generator().manual_seed(0)
     ctx = max(args.pp, args.tg + 1) + 1
     bench_tg(model, 2, ctx, gen)                                        # warm-up
@@ -141,6 +161,9 @@ def main():
         ratios.append((wall / args.tg) / (kern / args.tg))
     b = decode_breakdown(parts, args.tg)
     kern_ms = b["step_ms"] / statistics.fmean(ratios)
+    model.experts = NoExperts()
+    dense_ms = min(bench_tg(model, args.tg, ctx, gen)[0] for _ in range(args.reps)) / args.tg * 1e3
+    model.experts = ex
     pp_rates, pp_ratios = [], []
     for _ in range(args.reps):
         ex.calls, ex.record = [], True
@@ -157,12 +180,15 @@ def main():
 
     print(f"model: deepseek_v3-shaped, {args.layers} MoE layers x {args.experts} experts (H {H}, I {I}, int4 g128, "
           f"top-{TOP_K}), {args.heads} MLA heads, shared expert; kernel backend {ex.moe.backend_detail}, "
-          f"{ex.moe.n_threads} kernel threads, {torch.get_num_threads()} torch threads; expert bytes {conv.nbytes / 1e9:.2f} GB")
+          f"{ex.moe.n_threads} kernel threads, {torch.get_num_threads()} torch threads, dense {args.dense_dtype}; expert bytes {conv.nbytes / 1e9:.2f} GB")
     print(f"tg{args.tg}_tokens_per_s: {ms(tg_rates)} tok/s")
     print(f"tg_decode_step: {b['step_ms']:.2f} ms")
     print(f"tg_kernels_alone_same_experts: {kern_ms:.2f} ms")
     print(f"tg_step_over_kernels: {statistics.fmean(ratios):.3f} ratio")
     print(f"tg_outside_kernels: {b['step_ms'] - kern_ms:.2f} ms")
+    print(f"tg_dense_part_alone: {dense_ms:.2f} ms")
+    print(f"tg_step_minus_kernels_minus_dense: {b['step_ms'] - kern_ms - dense_ms:.2f} ms")
+    print(f"tg_step_over_kernels_plus_dense: {b['step_ms'] / (kern_ms + dense_ms):.3f} ratio")
     print(f"tg_step_waiting_on_experts: {b['experts_wait_ms']:.2f} ms")
     print(f"tg_step_attention: {b['attention_ms']:.2f} ms")
     print(f"tg_step_router_shared_expert: {b['router_shared_dense_mlp_ms']:.2f} ms")

@@ -13,9 +13,12 @@ expert submission per layer for all of them), while attention reads each request
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # effective only if torch is not loaded yet (see cmd_bench.py)
 
 import torch
 
