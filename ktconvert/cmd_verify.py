@@ -57,8 +57,11 @@ def check_structure(root: Path, manifest: dict) -> list[str]:
     return problems
 
 
-def compare_to_source(conv, src_path: str, echo) -> list[tuple[str, float, float]]:
-    """Per-tensor relative errors: [(what, error, limit)] for dense tensors and per (layer, proj) for experts."""
+def compare_to_source(conv, src_path: str, per_expert: bool = False) -> list[tuple[str, float, float, bool]]:
+    """Per-tensor relative errors [(what, error, limit, is_expert)]: every dense tensor, and every routed expert tensor
+    (per_expert) or the worst expert per (layer, proj)."""
+    from tqdm import tqdm
+
     from .converted_reader import relative_error
     from .source import open_source
 
@@ -68,16 +71,24 @@ def compare_to_source(conv, src_path: str, echo) -> list[tuple[str, float, float
     with open_source(src_path) as src:
         adapter = src.arch
         for name in conv.dense_names():
-            rows.append((name, relative_error(conv.read_dense(name), src.read(name).numpy()), DENSE_MAX_REL_ERROR))
+            rows.append((name, relative_error(conv.read_dense(name), src.read(name).numpy()), DENSE_MAX_REL_ERROR,
+                         False))
+        bar = tqdm(total=len(geo.moe_layers) * geo.n_experts, desc="comparing experts", unit="expert",
+                   disable=None)
         for layer in geo.moe_layers:
-            worst = {p: 0.0 for p in ("gate", "up", "down")}
+            worst = {p: (0.0, "") for p in ("gate", "up", "down")}
             for e in range(geo.n_experts):
-                got = conv.read_expert(layer, e)
-                for p, w in got.items():
-                    ref = src.read(adapter.expert_tensor_name(layer, e, p)).numpy()
-                    worst[p] = max(worst[p], relative_error(w, ref))
-            for p, err in worst.items():
-                rows.append((f"layer {layer} experts[0..{geo.n_experts - 1}].{p} (max)", err, limit))
+                for p, w in conv.read_expert(layer, e).items():
+                    name = adapter.expert_tensor_name(layer, e, p)
+                    err = relative_error(w, src.read(name).numpy())
+                    if per_expert:
+                        rows.append((name, err, limit, True))
+                    worst[p] = max(worst[p], (err, name))
+                bar.update(1)
+            if not per_expert:
+                for p, (err, name) in worst.items():
+                    rows.append((f"layer {layer} {p} of {geo.n_experts} experts, worst {name}", err, limit, True))
+        bar.close()
     return rows
 
 
@@ -86,8 +97,9 @@ def compare_to_source(conv, src_path: str, echo) -> list[tuple[str, float, float
 @click.option("--against", "src", default=None, help="Source checkpoint directory to compare dequantized weights to.")
 @click.option("--max-rel-error", type=float, default=None,
               help="Fail above this relative error for experts (default: int4 0.15, int8 0.01, bf16 0.005).")
+@click.option("--per-expert", is_flag=True, help="With --against: one line per routed expert tensor, not per layer.")
 @click.option("--quiet", is_flag=True, help="Print only failures and the summary.")
-def verify(directory, src, max_rel_error, quiet):
+def verify(directory, src, max_rel_error, per_expert, quiet):
     """Verify the converted DIRECTORY: manifest schema, every file's size and sha256, safetensors headers and
     64-byte alignment; with --against SRC also the relative error ||W_hat - W|| / ||W|| of every dequantized
     tensor against the source. Exits non-zero on any problem.
@@ -96,7 +108,7 @@ def verify(directory, src, max_rel_error, quiet):
     Examples:
       ktconvert verify converted/
       ktconvert verify converted/ --against ./DeepSeek-V3
-      ktconvert verify converted/ --against ./DeepSeek-V3 --max-rel-error 0.15
+      ktconvert verify converted/ --against ./DeepSeek-V3 --max-rel-error 0.15 --per-expert
     """
     from .arch import SourceError
     from .converted_reader import ConvertedDir
@@ -115,12 +127,12 @@ def verify(directory, src, max_rel_error, quiet):
         sys.exit(1)
     if src is not None:
         try:
-            rows = compare_to_source(conv, src, click.echo)
+            rows = compare_to_source(conv, src, per_expert)
         except (SourceError, KeyError) as e:
             raise click.ClickException(f"cannot compare against {src}: {e}") from None
         bad = 0
-        for what, err, limit in rows:
-            if max_rel_error is not None and "experts" in what:
+        for what, err, limit, is_expert in rows:
+            if max_rel_error is not None and is_expert:
                 limit = max_rel_error
             ok = np.isfinite(err) and err <= limit
             bad += not ok

@@ -91,3 +91,13 @@ def test_verify_against_a_different_source_fails(converted, tmp_path):
     other = make_checkpoint("qwen3_moe", tmp_path / "other", seed=1)
     code, text = cli("verify", out, "--against", other)
     assert code == 1 and "FAIL" in text and "above the limit" in text, text
+
+
+def test_verify_per_expert_lines_and_limit(converted):
+    src, out = converted
+    code, text = cli("verify", out, "--against", src, "--per-expert")
+    assert code == 0, text
+    assert "model.layers.1.mlp.experts.7.down_proj.weight: relative error" in text
+    code, text = cli("verify", out, "--against", src, "--max-rel-error", "0.001", "--quiet")
+    assert code == 1 and "FAIL model.layers." in text and "experts" in text, text
+    assert "self_attn" not in text       # dense tensors keep their own (BF16) limit
