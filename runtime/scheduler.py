@@ -136,3 +136,6 @@ class Scheduler:
             handle.out.put((int(token), finish_reason))
             if finish_reason is not None:
                 del self._running[req_id]
+        if self._running and not self.engine.has_work():  # never spin on requests the engine no longer holds
+            for req_id in list(self._running):
+                self._running.pop(req_id).out.put(EngineFailure("the engine dropped this request unfinished"))

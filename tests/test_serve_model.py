@@ -125,11 +125,11 @@ def test_sampling_seed_and_stop(client, converted, solo):
 
 
 def test_16_concurrent_streams_each_get_their_solo_greedy_text(server, client, converted, solo):
-    expected = [solo(p, 6)[0] for p in PROMPTS]
+    expected = [solo(p, 8)[0] for p in PROMPTS]
     steps0, tokens0 = metric(server, "ktrun_engine_decode_steps"), metric(server, "ktrun_engine_generated_tokens")
 
     def run(p):
-        s = client.completions.create(model=converted.name, prompt=p, max_tokens=6, temperature=0, stream=True)
+        s = client.completions.create(model=converted.name, prompt=p, max_tokens=8, temperature=0, stream=True)
         return "".join(c.choices[0].text for c in s)
 
     with ThreadPoolExecutor(16) as pool:
