@@ -101,6 +101,7 @@ class ConvertedModel:
     dtype: torch.dtype
     numa_plan: list[list[tuple[int, int, int]]] = field(default_factory=list)   # per node: (shard, u0, u1)
     mapped_bytes: int = 0
+    prefault_threads: list = field(default_factory=list)   # numa_prefault: join them to wait for the faulting
 
 
 def _check_files(root: Path, manifest: dict, verify: bool, quiet: bool) -> None:
@@ -258,5 +259,5 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
     model = ConvertedModel(root, manifest, geo, cfg, dense, experts, device, dtype,
                            numa_plan=node_unit_ranges(geo.shard_plan, len(nodes)), mapped_bytes=nbytes)
     if numa_prefault:
-        prefault_numa(model, nodes)
+        model.prefault_threads = prefault_numa(model, nodes)
     return model

@@ -46,6 +46,12 @@ def test_expert_tensors_are_views_of_the_mapped_files(tmp_path_factory):
             for qw, sc, _geom in shard.values():
                 assert _mapped(qw) and _mapped(sc) and not qw.flags.writeable
     assert m.mapped_bytes > 0 and m.numa_plan and all(m.numa_plan)
+    # opt-in: one thread per NUMA node, bound to its CPUs, faults that node's pieces in
+    m = load_converted(converted(tmp_path_factory, "qwen3_moe", "int4-amx"), device="cpu", numa_prefault=True)
+    assert len(m.prefault_threads) == len(m.numa_plan)
+    for t in m.prefault_threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
 
 
 @pytest.mark.parametrize("pools", [1, 3])
