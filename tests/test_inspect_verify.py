@@ -99,5 +99,5 @@ def test_verify_per_expert_lines_and_limit(converted):
     assert code == 0, text
     assert "model.layers.1.mlp.experts.7.down_proj.weight: relative error" in text
     code, text = cli("verify", out, "--against", src, "--max-rel-error", "0.001", "--quiet")
-    assert code == 1 and "FAIL model.layers." in text and "experts" in text, text
+    assert code == 1 and "FAIL layer 0 gate of 8 experts, worst model.layers.0.mlp.experts." in text, text
     assert "self_attn" not in text       # dense tensors keep their own (BF16) limit
