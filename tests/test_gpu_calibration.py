@@ -65,7 +65,7 @@ def test_layerwise_hessians_match_the_transformers_model(arch, tmp_path):
 def test_gptq_beats_rtn_at_the_model_output(arch, group_size, tmp_path):
     """Whole quantized model (every non-expert Linear INT4) vs the float model on the calibration tokens."""
     src = open_source(make_checkpoint(arch, tmp_path))
-    tokens = _tokens(src, n=1024)
+    tokens = _tokens(src, n=512)
     enc = GpuLayerEncoder(GpuLayerOptions(method="gptq-int4", group_size=group_size), src=src)
 
     def rtn(name, w, h):
@@ -80,6 +80,7 @@ def test_gptq_beats_rtn_at_the_model_output(arch, group_size, tmp_path):
     ref = run(lambda name, w, h: None)
     err_gptq = float(((run(enc.quantize_with_hessian) - ref) ** 2).mean())
     err_rtn = float(((run(rtn) - ref) ** 2).mean())
+    print(f"{arch}: model output MSE GPTQ {err_gptq:.3e}, RTN {err_rtn:.3e}")
     assert err_gptq < 0.7 * err_rtn, (err_gptq, err_rtn)
 
 
