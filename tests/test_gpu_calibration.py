@@ -152,3 +152,22 @@ def test_memory_stays_bounded_with_many_layers(tmp_path):
     print(f"peak RSS 2 layers {peaks[2] / 2**20:.0f} MiB, 8 layers {peaks[8] / 2**20:.0f} MiB, "
           f"6 extra layers are {extra_f32 / 2**20:.0f} MiB as f32")
     assert growth < 0.15 * extra_f32, (peaks, extra_f32)
+
+
+def test_act_order_gptq_writes_a_permuted_g_idx(tmp_path):
+    from ktconvert.dequant_gpu import dequantize_named
+
+    src = open_source(make_checkpoint("qwen3_moe", tmp_path, num_layers=1))
+    enc = GpuLayerEncoder(GpuLayerOptions(method="gptq-int4", group_size=32, fmt="gptq", act_order=True,
+                                          calib_tokens=256, seq_len=64), src=src)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    out = enc.encode(name, src.read(name).numpy(), src.arch.classify(name))
+    g_idx = out["model.layers.0.self_attn.q_proj.g_idx"]
+    assert not (g_idx == sorted(g_idx)).all()                   # channels quantized in Hessian order
+    assert (torch.bincount(torch.from_numpy(g_idx.astype("int64"))) == 32).all()
+    w = src.read(name).numpy()
+    deq = dequantize_named("gpu-gptq-int4", out, name)
+    import numpy as np
+    rel = float(np.linalg.norm(deq - w) / np.linalg.norm(w))
+    assert rel < 0.25, rel                                      # int4 g32: a wrong g_idx gives ~1
+    assert enc.quantization_config()["desc_act"] is True
