@@ -1,10 +1,10 @@
 """Tokenizer of a converted (or hub) directory: `tokenizer.json` through `tokenizers`, special tokens and the chat
 template from `tokenizer_config.json` (or `chat_template.jinja`), rendered with jinja2 the way transformers does.
 
-BOS/EOS follow transformers' tokenizers backend: when tokenizer_config.json states add_bos_token / add_eos_token,
-or tokenizer.json has no post-processor, the post-processor becomes "[BOS] $A [EOS]" with the stated flags
-(missing flags = False); otherwise tokenizer.json's own post-processor decides. Chat prompts are rendered to text
-and encoded without special tokens (the template writes BOS itself), as apply_chat_template does.
+BOS/EOS follow transformers (v5) loading a directory with tokenizer.json: add_bos_token / add_eos_token in
+tokenizer_config.json are dropped and tokenizer.json's post-processor alone decides (none = no special tokens).
+Chat prompts are rendered to text and encoded without special tokens (the template writes BOS itself), as
+apply_chat_template does.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import processors
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -61,23 +60,11 @@ class Tokenizer:
         self.special_tokens = {k: v for k, v in self.special_tokens.items() if v is not None}
         self.bos_token_id = self._id(self.special_tokens.get("bos_token"))
         self.eos_token_id = self._id(self.special_tokens.get("eos_token"))
-        explicit = "add_bos_token" in cfg or "add_eos_token" in cfg
-        if explicit or self._tok.post_processor is None:
-            self._set_post_processor(bool(cfg.get("add_bos_token", False)), bool(cfg.get("add_eos_token", False)))
         self.chat_template = self._find_template(d, cfg)
         self._compiled = None
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
-
-    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
-        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
-        add_bos = add_bos and bos is not None and self.bos_token_id is not None
-        add_eos = add_eos and eos is not None and self.eos_token_id is not None
-        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-        special = ([(bos, self.bos_token_id)] if add_bos else []) + ([(eos, self.eos_token_id)] if add_eos else [])
-        self._tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
     @staticmethod
     def _find_template(d: Path, cfg: dict) -> str | None:
