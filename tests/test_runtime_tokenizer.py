@@ -6,10 +6,9 @@ import shutil
 
 import pytest
 import torch
-from runtime_helpers import PROMPT, build_checkpoint, shared_root, transformers_tokenizer
-
 from ktrun.sampling import SamplingParams, filter_logits, make_generator, sample_token
 from ktrun.tokenizer import Tokenizer
+from runtime_helpers import PROMPT, build_checkpoint, shared_root, transformers_tokenizer
 
 # (tokenizer_config.json edits, tokenizer.json post_processor: "keep" | None) -> BOS/EOS as transformers decides
 # (v5 drops add_bos_token / add_eos_token when tokenizer.json exists: its post-processor alone decides)
