@@ -132,6 +132,15 @@ def test_finish_reasons_and_abort(setup):
         assert eng.step() == [("eos", first, "stop")]
     finally:
         eng.eos_ids.discard(first)
+    # a stop string ends the request ("stop") at the first token whose text completes it
+    gen = _run(eng, {"g": ids}, 8)["g"]
+    stop = eng.tokenizer.decode(gen[:5])[-2:]
+    first = next(j for j in range(8) if stop in eng.tokenizer.decode(gen[: j + 1]))
+    eng.add_request("st", ids, SamplingParams(max_tokens=8, stop=[stop], ignore_eos=True))
+    out = []
+    while eng.has_work():
+        out += eng.step()
+    assert [t for _r, t, _f in out] == gen[: first + 1] and out[-1][2] == "stop"
     with pytest.raises(ValueError, match="context limit"):
         eng.add_request("big", list(range(1, 100)) * 3, SamplingParams())
 
