@@ -169,5 +169,5 @@ def test_act_order_gptq_writes_a_permuted_g_idx(tmp_path):
     deq = dequantize_named("gpu-gptq-int4", out, name)
     import numpy as np
     rel = float(np.linalg.norm(deq - w) / np.linalg.norm(w))
-    assert rel < 0.25, rel                                      # int4 g32: a wrong g_idx gives ~1
+    assert rel < 0.2, rel        # measured 0.16; the same codes read with a sorted g_idx give 0.27
     assert enc.quantization_config()["desc_act"] is True
