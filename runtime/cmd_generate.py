@@ -42,8 +42,10 @@ class _TextStreamer:
 @click.option("--verify", is_flag=True, help="Check every file's sha256 against manifest.json before loading.")
 @click.option("--device", default=None, help="torch device for the dense layers (default: cuda if available, else cpu).")
 @click.option("--reference-experts", is_flag=True, help="Use the torch reference for routed experts, not the kernels.")
+@click.option("--numa-prefault", is_flag=True,
+              help="Fault each NUMA node's expert shards in from a thread bound to that node (reads them at start).")
 def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, top_k, seed, ctx, ignore_eos, as_json,
-             verify, device, reference_experts):
+             verify, device, reference_experts, numa_prefault):
     """Generate a continuation of --prompt with the converted model in MODEL_DIR.
 
     \b
@@ -63,7 +65,7 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 ignore_eos=ignore_eos)
         eng = Engine(model_dir, ctx=ctx, max_batch=1, device=device, verify=verify,
-                     use_kernels=False if reference_experts else None, quiet=as_json)
+                     use_kernels=False if reference_experts else None, quiet=as_json, numa_prefault=numa_prefault)
         tok = eng.tokenizer
         if chat:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

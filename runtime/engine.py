@@ -59,11 +59,12 @@ def eos_ids_of(model_dir: Path, cfg, tokenizer: Tokenizer) -> set[int]:
 
 class Engine:
     def __init__(self, model_dir, ctx: int = 4096, max_batch: int = 16, device=None, verify: bool = False,
-                 use_kernels: bool | None = None, quiet: bool = True):
+                 use_kernels: bool | None = None, quiet: bool = True, numa_prefault: bool = False):
         from .experts import make_executor
         self.model_dir = Path(model_dir)
         t0 = time.perf_counter()
-        self.converted = load_converted(self.model_dir, device=device, verify=verify, quiet=quiet)
+        self.converted = load_converted(self.model_dir, device=device, verify=verify, quiet=quiet,
+                                        numa_prefault=numa_prefault)
         self.experts = make_executor(self.converted, use_kernels=use_kernels)
         cfg = self.converted.config
         self.model = MoEModel(cfg, self.converted.dense, self.experts, self.converted.device, self.converted.dtype)
