@@ -16,10 +16,18 @@ from .layers import Rope, rms_norm
 LORA_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm use the default eps in the reference, not rms_norm_eps
 
 
-def _softmax_attend(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """scores: (heads, n, S) already scaled; mask (n, S) bool -> probabilities in the scores' dtype."""
-    scores = scores.masked_fill(~mask[None], float("-inf"))
+def _softmax_attend(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """scores: (heads, n, S) already scaled; mask (n, S) bool or None (all visible) -> probabilities."""
+    if mask is not None:
+        scores = scores.masked_fill(~mask[None], float("-inf"))
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+def _mask(s, device, window: int | None) -> torch.Tensor | None:
+    """Causal (and sliding-window) mask of one request's new tokens; None when every key is visible (decode)."""
+    if s.n == 1 and (window is None or s.start < window):
+        return None
+    return causal_scores_mask(s.n, s.start, s.start + s.n, device, window)
 
 
 def gqa_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
@@ -45,7 +53,7 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         k_all = k_all.repeat_interleave(rep, dim=1)
         v_all = v_all.repeat_interleave(rep, dim=1)
         scores = torch.einsum("thd,shd->hts", q[rows], k_all) * scale            # (nh, n, S)
-        mask = causal_scores_mask(s.n, s.start, s.start + s.n, x.device, cfg.sliding_window)
+        mask = _mask(s, x.device, cfg.sliding_window)
         out[rows] = torch.einsum("hts,shd->thd", _softmax_attend(scores, mask), v_all)
     return F.linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
 
@@ -92,7 +100,7 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         (lat_all,) = s.cache.write(layer, s.start, [latent[rows]])                           # (S, R + dr)
         c_all, kr_all = lat_all[:, :R], lat_all[:, R:]
         scores = (torch.matmul(q_lat[:, rows], c_all.t()) + torch.matmul(q_rot[:, rows], kr_all.t())) * scale
-        mask = causal_scores_mask(s.n, s.start, s.start + s.n, x.device)                      # scores: (nh, n, S)
+        mask = _mask(s, x.device, None)                                                       # scores: (nh, n, S)
         out_lat[:, rows] = torch.matmul(_softmax_attend(scores, mask), c_all)
     o = torch.matmul(out_lat, w_uv_t).transpose(0, 1)                                         # (T, nh, dv)
     return F.linear(o.reshape(T, nh * dv), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
