@@ -13,17 +13,14 @@ from .progress import OutputDirError
 CONVERT_ERRORS = (ConvertError, SourceError, OutputDirError, LayoutError, ManifestError)
 
 
-def resolve_source_arg(src: str):
-    """SRC as a local directory, or a hub repo id once ktconvert.hub.resolve_source exists."""
-    try:
-        from .hub import resolve_source
-    except ImportError:
-        return src
+def resolve_source_arg(src: str | None):
+    """SRC as a local directory or .gguf file, a hub repo id (pulled first), or None: the most recent pull."""
+    from .hub import resolve_source  # its PullError is a ClickException: a clean message and exit 1
     return resolve_source(src)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("src")
+@click.argument("src", required=False)
 @click.option("-o", "--output", "out_dir", default="converted", show_default=True, type=click.Path(file_okay=False),
               help="Output directory.")
 @click.option("--method", type=click.Choice(list(METHOD_TO_LAYOUT)), default="int4-amx", show_default=True,
@@ -37,7 +34,10 @@ def resolve_source_arg(src: str):
 @click.option("--workers", type=int, default=2, show_default=True, help="Threads quantizing experts.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, workers, quiet):
-    """Convert the checkpoint SRC (a local directory) into OUTPUT.
+    """Convert the checkpoint SRC into OUTPUT.
+
+    SRC is a local checkpoint directory (safetensors shards + config.json), a GGUF file (or the first part of a
+    split set), or a hub repo id (pulled first, see `ktconvert pull`); without SRC, the most recent pull.
 
     Routed experts become INT4/INT8 (or BF16) AMX/VNNI tiles in experts/layer-*.shard-*.safetensors; all other
     tensors are written as BF16 under their hub names in dense/; config and tokenizer files are copied;
@@ -47,6 +47,9 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
     \b
     Examples:
       ktconvert quantize ./DeepSeek-V3 -o converted/
+      ktconvert quantize deepseek-ai/DeepSeek-V3 --method int4-amx      # pull, then convert
+      ktconvert quantize --method int4-amx                               # the most recent pull
+      ktconvert quantize ./DeepSeek-V3-Q8_0-00001-of-00016.gguf -o dsv3/  # GGUF input
       ktconvert quantize ./Qwen3-30B-A3B --method int8-amx --group-size 64 --numa-nodes 2 -o q3/
       ktconvert quantize ./DeepSeek-V3 -o converted/ --resume     # after an interruption
       ktconvert quantize ./Mixtral-8x7B --method bf16 -o mixtral-ref/ --force
