@@ -66,7 +66,7 @@ def test_resolve_source_local_paths(tmp_path, monkeypatch):
     own.mkdir()
     assert resolve_source(str(own)) == own  # a directory without a pull record is the user's own checkpoint
     (tmp_path / "file.txt").write_text("x")
-    with pytest.raises(PullError, match="is not a directory"):
+    with pytest.raises(PullError, match="neither a directory nor a .gguf file"):
         resolve_source(str(tmp_path / "file.txt"))
     with pytest.raises(PullError, match="neither an existing directory nor a hub repo id"):
         resolve_source(str(tmp_path / "missing" / "dir"))
