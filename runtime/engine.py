@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # effective only if torch 
 
 import torch
 
-from .generate import finish_reason
+from .generate import finish_reason, prefill
 from .loader import load_converted
 from .models.kv_cache import Batch, SeqCache
 from .models.model import MoEModel
@@ -30,6 +30,9 @@ from .sampling import SamplingParams, make_generator, sample_token
 from .tokenizer import Tokenizer
 
 __all__ = ["Engine", "RequestError", "SamplingParams"]
+
+
+PREFILL_BATCH_TOKENS = 512   # new prompts up to this many tokens in all are prefilled together in one forward
 
 
 class RequestError(ValueError):
@@ -125,7 +128,10 @@ class Engine:
         if self._new:
             new, self._new = self._new, []
             t0 = time.perf_counter()
-            logits = self.model.forward(Batch.build([(r.cache, r.prompt_ids) for r in new], self.model.device))
+            if sum(len(r.prompt_ids) for r in new) <= PREFILL_BATCH_TOKENS:     # short prompts: one forward
+                logits = self.model.forward(Batch.build([(r.cache, r.prompt_ids) for r in new], self.model.device))
+            else:                                                               # long ones: chunked, one by one
+                logits = torch.stack([prefill(self.model, r.cache, r.prompt_ids) for r in new])
             self.stats["prefill_s"] += time.perf_counter() - t0
             self.stats["prompt_tokens"] += sum(len(r.prompt_ids) for r in new)
             self._emit(new, logits, out)

@@ -11,10 +11,15 @@ import torch
 from .models.kv_cache import Batch, SeqCache
 from .sampling import SamplingParams, make_generator, sample_token
 
+PREFILL_CHUNK = 512   # prompt tokens per forward: bounds the (heads, chunk, context) attention scores in memory
 
-def prefill(model, cache: SeqCache, prompt_ids: list[int]) -> torch.Tensor:
-    """Run the whole prompt; -> logits (V,) for the token after it."""
-    return model.forward(Batch.build([(cache, prompt_ids)], model.device))[0]
+
+def prefill(model, cache: SeqCache, prompt_ids: list[int], chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+    """Run the prompt in chunks of `chunk` tokens (each reads the cache the previous ones wrote);
+    -> logits (V,) for the token after it."""
+    for i in range(0, len(prompt_ids), chunk):
+        logits = model.forward(Batch.build([(cache, prompt_ids[i:i + chunk])], model.device))
+    return logits[0]
 
 
 def decode_one_token(model, cache: SeqCache, token: int) -> torch.Tensor:

@@ -159,3 +159,17 @@ def test_seeded_sampling_is_reproducible(setup):
 
     assert sample(3) == sample(3)
     assert sample(3) != sample(4)          # 12 draws at temperature 1.5: a collision would be a broken seed
+
+
+def test_long_prompt_prefilled_in_chunks(setup):
+    """Prompts longer than the engine's one-forward budget are prefilled in chunks; same tokens as transformers."""
+    from ktrun.engine import PREFILL_BATCH_TOKENS
+    _src, eng, ref, _tok = setup("deepseek_v3")
+    ids = [eng.tokenizer.bos_token_id] + torch.randint(3, 300, (PREFILL_BATCH_TOKENS + 40,),
+                                                       generator=torch.Generator().manual_seed(1)).tolist()
+    big = Engine(eng.model_dir, ctx=1024, max_batch=2, use_kernels=False)
+    big.add_request("long", ids, SamplingParams(max_tokens=4, ignore_eos=True))
+    gen = []
+    while big.has_work():
+        gen += [t for _r, t, _f in big.step()]
+    assert max(greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)) <= GREEDY_GAP["reference"]
