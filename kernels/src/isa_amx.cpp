@@ -69,20 +69,21 @@ void qgemm_amx(const QView& w, int n_blocks, const ActRows& a, int m, float* y, 
                         _tile_loadd(2, qb + kt * TB + (size_t)r0 * 64, 64);
                     } else {
                         for (int r = r0; r < r0 + nrows; r += 2) {   // chunk r/2: rows r (low nibbles), r+1 (high)
-                            __m512i e, o;
-                            Isa::load4(qb + kt * TB + (size_t)(r / 2) * 64, e, o);
-                            _mm512_store_si512(bbuf + (r - r0) * 64, e);
-                            _mm512_store_si512(bbuf + (r - r0 + 1) * 64, o);
+                            const uint8_t* chunk = qb + kt * TB + (size_t)(r / 2) * 64;
+                            _mm512_store_si512(bbuf + (r - r0) * 64, Isa::load4_lo(chunk));
+                            _mm512_store_si512(bbuf + (r - r0 + 1) * 64, Isa::load4_hi(chunk));
                         }
                         _tile_loadd(2, bbuf, 64);
                     }
                     _tile_dpbsud(0, 1, 2);
                 }
                 _tile_stored(0, cbuf, 64);
-                for (int i = 0; i < mt; ++i)
-                    Isa::finish(y + (size_t)(i0 + i) * ldy + nb * 16, _mm512_load_si512(cbuf + 16 * i),
-                                Z * a.sum[i0 + i][g], w.s + (size_t)nb * w.s_block_stride + (size_t)g * 16,
-                                a.s[i0 + i][g]);
+                for (int i = 0; i < mt; ++i) {
+                    const __m512i c = _mm512_sub_epi32(_mm512_load_si512(cbuf + 16 * i),
+                                                       _mm512_set1_epi32(Z * a.sum[i0 + i][g]));
+                    Isa::finish(y + (size_t)(i0 + i) * ldy + nb * 16, c,
+                                w.s + (size_t)nb * w.s_block_stride + (size_t)g * 16, a.s[i0 + i][g]);
+                }
             }
         }
     }
