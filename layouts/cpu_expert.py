@@ -116,9 +116,11 @@ class MatrixGeometry:
 # --- quantization -------------------------------------------------------------------------------
 
 def pad_weight(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
-    """w: (N, K) float -> (N_pad, K_pad) float32, zero padded."""
+    """w: (N, K) float -> (N_pad, K_pad) float32, zero padded (no copy when w already is that)."""
     if w.shape != (geom.n, geom.k):
         raise LayoutError(f"weight shape {tuple(w.shape)} does not match geometry ({geom.n}, {geom.k})")
+    if w.shape == (geom.n_pad, geom.k_pad) and w.dtype == np.float32:
+        return w
     out = np.zeros((geom.n_pad, geom.k_pad), dtype=np.float32)
     out[: geom.n, : geom.k] = w
     return out
@@ -127,20 +129,24 @@ def pad_weight(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
 def quantize(w: np.ndarray, geom: MatrixGeometry) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-group quantization. w: (N, K) -> codes (N_pad, K_pad) uint8, scales (N_pad, n_groups) f32.
 
-    The scale maps the group's largest-magnitude value onto the most negative code (-2^(b-1)), so all 2^b levels
-    are used (as llama.cpp's Q4_0/Q8_0 do); a scale may therefore be negative. An all-zero group gets scale 0.
+    The scale maps the group's largest-magnitude value (the positive one on a tie) onto the most negative code
+    (-2^(b-1)), so all 2^b levels are used (as llama.cpp's Q4_0/Q8_0 do); a scale may therefore be negative.
+    An all-zero group gets scale 0.
     """
     if geom.bits == 16:
         raise LayoutError("bf16 is not quantized; use pack_bf16")
     wp = pad_weight(w, geom).reshape(geom.n_pad, geom.n_groups, geom.group)
     qmin = -(1 << (geom.bits - 1))
-    idx = np.abs(wp).argmax(axis=2)[..., None]
-    peak = np.take_along_axis(wp, idx, axis=2)                        # (N_pad, n_groups, 1) signed
-    scale = (peak / qmin).astype(np.float32)
-    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
-    q = np.clip(np.rint(wp * inv), qmin, -qmin - 1)
-    codes = (q - qmin).astype(np.uint8).reshape(geom.n_pad, geom.k_pad)
-    return codes, scale[..., 0]
+    hi, lo = wp.max(axis=2), wp.min(axis=2)
+    peak = np.where(hi >= -lo, hi, lo)                                  # (N_pad, n_groups) signed
+    scale = (peak / np.float32(qmin)).astype(np.float32)
+    inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
+    q = wp * inv[..., None]                                             # one pass each, in place
+    np.rint(q, out=q)
+    np.clip(q, qmin, -qmin - 1, out=q)
+    q -= qmin
+    codes = q.astype(np.uint8).reshape(geom.n_pad, geom.k_pad)
+    return codes, scale
 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
