@@ -112,6 +112,9 @@ def main() -> None:
                     # where the time went (kt_profile): per phase, the slowest worker
                     phases = {k: max(p[k] for p in prof) for k in ("x_quant", "wait_x", "gate_up", "wait_h", "down")}
                     print(f"{name}_phases: " + " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items()) + " ms")
+                    # CPU time the workers got / (wall time x threads): below 1 when other processes share the cores
+                    share = sum(p["cpu_time"] for p in prof) / (sec * nt)
+                    print(f"{name}_cpu_share: {share:.2f} of wall time x threads")
                     print(f"{name}_weight_read: {rate / 1e9:.2f} GB/s")
                     print(f"{name}_bw_fraction: {rate / bw:.3f} of measured read bandwidth")
                     if T >= 64:

@@ -284,14 +284,16 @@ class MoEKernels:
         self.sync()
         return out
 
-    PROFILE_PHASES = ("x_quant", "wait_x", "gate_up", "wait_h", "down", "wait_pools", "reduce", "start_delay")
+    PROFILE_PHASES = ("x_quant", "wait_x", "gate_up", "wait_h", "down", "wait_pools", "reduce", "start_delay",
+                      "cpu_time")
 
     def profile(self) -> list[dict[str, float]]:
         """Seconds each worker spent per phase of the last submit (see kt_profile in kernels/include/ktkernels.h)."""
         self.sync()
-        buf = (ctypes.c_double * (8 * self.n_threads))()
+        n = len(self.PROFILE_PHASES)
+        buf = (ctypes.c_double * (n * self.n_threads))()
         self._lib.kt_profile(self._ctx, buf, len(buf))
-        return [dict(zip(self.PROFILE_PHASES, buf[8 * i: 8 * i + 8])) for i in range(self.n_threads)]
+        return [dict(zip(self.PROFILE_PHASES, buf[n * i: n * (i + 1)])) for i in range(self.n_threads)]
 
     def measure_read_bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> float:
         """Memory read bandwidth with this pool's threads, bytes/s (best of reps)."""

@@ -63,9 +63,10 @@ int kt_submit(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtyp
               const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate);
 int kt_sync(kt_ctx* ctx);
 
-/* Where the last job's time went: 8 doubles (seconds) per worker thread: x quantization (0 when the submitting
+/* Where the last job's time went: 9 doubles (seconds) per worker thread: x quantization (0 when the submitting
  * thread did it: few tokens), barrier wait, gate/up (+ silu + h quantization), barrier wait, down, barrier wait and
- * partial-sum reduction (the last two only with n_pools > 1), delay from submit to the worker starting.
+ * partial-sum reduction (the last two only with n_pools > 1), delay from submit to the worker starting, and the
+ * CPU time the worker got during the job (less than its wall time when other processes share the cores).
  * Returns the number of doubles written. */
 int kt_profile(kt_ctx* ctx, double* out, int capacity);
 

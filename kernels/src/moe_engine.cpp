@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -24,6 +25,12 @@ int env_int(const char* name, int fallback) {
 
 double now_s() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double thread_cpu_s() {
+    timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
 int round_up(int x, int m) { return (x + m - 1) / m * m; }
@@ -255,7 +262,7 @@ void MoEEngine::run(const WorkerInfo& w) {
     double* prof = profile_.data() + (size_t)w.index * kProfilePhases;
     double t_last = now_s();
     prof[0] = 0.0;
-    const double start_delay = t_last - launch_time_;
+    const double start_delay = t_last - launch_time_, cpu0 = thread_cpu_s();
     auto mark = [&](int phase) { const double t = now_s(); prof[phase] = t - t_last; t_last = t; };
     if (!x_ready_) {
         for (int t = (int)((int64_t)T_ * w.index / n); t < (int)((int64_t)T_ * (w.index + 1) / n); ++t)
@@ -278,6 +285,10 @@ void MoEEngine::run(const WorkerInfo& w) {
     mark(4);
     prof[5] = prof[6] = 0.0;
     prof[7] = start_delay;
+    struct CpuTime {   // CPU time this worker actually got during the job (the cores are shared)
+        double* slot; double t0;
+        ~CpuTime() { *slot = thread_cpu_s() - t0; }
+    } cpu_time{prof + 8, cpu0};
     if (pool_->n_pools() == 1) return;
     pool_->global_barrier();
     mark(5);

@@ -57,7 +57,7 @@ public:
                 const float* weights, float* out, int64_t out_stride, bool accumulate);
     void sync() { pool_->wait(); }
     // Seconds each worker spent in each phase of the last job (kProfilePhases per worker, see ktkernels.h).
-    static constexpr int kProfilePhases = 8;
+    static constexpr int kProfilePhases = 9;
     const std::vector<double>& profile() { pool_->wait(); return profile_; }
 
 private:
