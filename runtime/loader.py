@@ -246,8 +246,9 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
     except ManifestError as e:
         raise LoadError(f"{root}: {e}") from None
     cfg = load_config(root / "config.json")
-    if cfg.model_type != manifest.get("model_type", cfg.model_type):
-        raise LoadError(f"{root}: config.json model_type {cfg.model_type} != manifest {manifest['model_type']}")
+    arch = (cfg.raw.get("architectures") or [None])[0]
+    if arch and manifest.get("architecture") and arch != manifest["architecture"]:
+        raise LoadError(f"{root}: config.json architecture {arch} != manifest.json architecture {manifest['architecture']}")
     if tuple(cfg.moe_layers) != tuple(geo.moe_layers):
         raise LoadError(f"{root}: config.json MoE layers {cfg.moe_layers} != manifest experts.moe_layers {geo.moe_layers}")
     _check_files(root, manifest, verify, quiet)

@@ -132,7 +132,9 @@ def _first(cfg: dict, *keys: str):
 
 
 def parse_config(cfg: dict, where: str = "config.json") -> ModelConfig:
-    mt = cfg.get("model_type") or ARCHITECTURES.get((cfg.get("architectures") or [""])[0])
+    mt = cfg.get("model_type")
+    if mt not in MODEL_TYPES:   # e.g. Kimi-K2: model_type "kimi_k2", architecture DeepseekV3ForCausalLM
+        mt = ARCHITECTURES.get((cfg.get("architectures") or [""])[0], mt)
     if mt not in MODEL_TYPES:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; ktrun runs {sorted(MODEL_TYPES)}")
     try:
