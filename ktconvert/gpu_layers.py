@@ -26,12 +26,11 @@ from ktlayouts.marlin import marlin_pack, marlin_padded_shape
 
 from .dense_encoding import Bf16Encoder, DenseOutput
 from .gptq import GptqConfig, gptq_quantize
+from .gpu_cli import GPU_FORMATS, GPU_METHODS
 from .rtn import QuantizedLinear, quantize_rtn
 
 log = logging.getLogger(__name__)
 
-GPU_METHODS = {"gptq-int4": ("gptq", 4), "rtn-int4": ("rtn", 4), "rtn-int8": ("rtn", 8), "bf16": None}
-GPU_FORMATS = ("marlin", "gptq", "compressed-tensors")
 QUANTIZED_KINDS = ("attention", "shared_expert", "dense_mlp")
 
 
@@ -223,3 +222,4 @@ def make_gpu_encoder(method: str = "auto", src=None, **options) -> GpuLayerEncod
     if method == "bf16":
         return Bf16Encoder()
     return GpuLayerEncoder(GpuLayerOptions(method=method, **options), src=src)
+
