@@ -173,3 +173,22 @@ def test_long_prompt_prefilled_in_chunks(setup):
     while big.has_work():
         gen += [t for _r, t, _f in big.step()]
     assert max(greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)) <= GREEDY_GAP["reference"]
+
+
+def test_deepseek_v3_yarn_rope_matches_transformers(tmp_path_factory):
+    """YaRN as the hub ships it (rope_scaling with factor, mscale != mscale_all_dim) on positions past the original
+    context: interpolated frequencies, cos/sin attention factor and the softmax mscale^2 all as transformers."""
+    from runtime_helpers import INIT_SCALE, build_conversion
+
+    from ktconvert.fixtures import make_checkpoint
+    root = shared_root(tmp_path_factory) / "yarn"
+    src = make_checkpoint("deepseek_v3", root / "src", init_scale=INIT_SCALE, max_position_embeddings=640,
+                          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                           "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+                                           "mscale": 0.707, "mscale_all_dim": 1.0})
+    eng = Engine(build_conversion(src, root / "conv"), ctx=256, use_kernels=False)
+    assert eng.model.cfg.rope.kind == "yarn" and eng.model.rope.attn_factor != 1.0
+    ids = eng.tokenizer.encode(PROMPT + " " + PROMPT)           # ~20 tokens: past the original 16 positions
+    got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+    want = reference_logits(transformers_model(src), ids)
+    assert (got - want).abs().max() < LOGIT_ATOL["reference"]
