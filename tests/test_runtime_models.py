@@ -192,3 +192,20 @@ def test_deepseek_v3_yarn_rope_matches_transformers(tmp_path_factory):
     got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
     want = reference_logits(transformers_model(src), ids)
     assert (got - want).abs().max() < LOGIT_ATOL["reference"]
+
+
+def test_mixtral_sliding_window_matches_transformers(tmp_path_factory):
+    """A sliding window shorter than the prompt, in prefill and in decode steps past it."""
+    from runtime_helpers import INIT_SCALE, build_conversion
+
+    from ktconvert.fixtures import make_checkpoint
+    root = shared_root(tmp_path_factory) / "window"
+    src = make_checkpoint("mixtral", root / "src", init_scale=INIT_SCALE, sliding_window=6)
+    eng = Engine(build_conversion(src, root / "conv"), ctx=256, use_kernels=False)
+    assert eng.model.cfg.sliding_window == 6
+    ids = eng.tokenizer.encode(PROMPT)
+    ref = transformers_model(src)
+    got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+    assert (got - reference_logits(ref, ids)).abs().max() < LOGIT_ATOL["reference"]
+    gen = _run(eng, {"w": ids}, 8)["w"]
+    assert max(greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)) <= GREEDY_GAP["reference"]
