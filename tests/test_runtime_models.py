@@ -209,3 +209,17 @@ def test_mixtral_sliding_window_matches_transformers(tmp_path_factory):
     assert (got - reference_logits(ref, ids)).abs().max() < LOGIT_ATOL["reference"]
     gen = _run(eng, {"w": ids}, 8)["w"]
     assert max(greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)) <= GREEDY_GAP["reference"]
+
+
+def test_qwen3_moe_mlp_only_layers_matches_transformers(tmp_path_factory):
+    """mlp_only_layers: layer 0 is a dense MLP, layer 1 MoE."""
+    from runtime_helpers import INIT_SCALE, build_conversion
+
+    from ktconvert.fixtures import make_checkpoint
+    root = shared_root(tmp_path_factory) / "mlp_only"
+    src = make_checkpoint("qwen3_moe", root / "src", init_scale=INIT_SCALE, mlp_only_layers=[0])
+    eng = Engine(build_conversion(src, root / "conv"), ctx=256, use_kernels=False)
+    assert eng.model.cfg.moe_layers == (1,)
+    ids = eng.tokenizer.encode(PROMPT)
+    got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+    assert (got - reference_logits(transformers_model(src), ids)).abs().max() < LOGIT_ATOL["reference"]
