@@ -90,3 +90,12 @@ def quantized_linears(names, layouts: dict[str, str]) -> dict[str, str]:
             if part == FORMAT_PARTS[fmt][0]:
                 out[f"{base}.weight"] = layout
     return out
+
+
+# Limits on ||W_hat - W|| / ||W|| that `verify --against` applies to GPU-layer weights. INT4 GPTQ trades weight
+# error for output error (measured 0.10-0.20 on the fixtures); a wrong layout or scale gives ~1 or more.
+GPU_MAX_REL_ERROR = {4: 0.35, 8: 0.05}
+
+
+def max_rel_error(layout: str) -> float:
+    return GPU_MAX_REL_ERROR[parse_layout(layout)[1]]
