@@ -223,3 +223,18 @@ def test_qwen3_moe_mlp_only_layers_matches_transformers(tmp_path_factory):
     ids = eng.tokenizer.encode(PROMPT)
     got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
     assert (got - reference_logits(transformers_model(src), ids)).abs().max() < LOGIT_ATOL["reference"]
+
+
+def test_deepseek_v2_group_limited_greedy_with_q_lora_matches_transformers(tmp_path_factory):
+    """DeepSeek-V2 (full, not Lite): q_lora_rank set, group_limited_greedy routing, routed_scaling_factor."""
+    from runtime_helpers import INIT_SCALE, build_conversion
+
+    from ktconvert.fixtures import make_checkpoint
+    root = shared_root(tmp_path_factory) / "v2_groups"
+    src = make_checkpoint("deepseek_v2", root / "src", init_scale=INIT_SCALE, topk_method="group_limited_greedy",
+                          n_group=4, topk_group=2, q_lora_rank=48, routed_scaling_factor=1.7)
+    eng = Engine(build_conversion(src, root / "conv"), ctx=256, use_kernels=False)
+    assert eng.model.cfg.topk_method == "group_limited_greedy" and eng.model.cfg.q_lora_rank == 48
+    ids = eng.tokenizer.encode(PROMPT)
+    got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+    assert (got - reference_logits(transformers_model(src), ids)).abs().max() < LOGIT_ATOL["reference"]
