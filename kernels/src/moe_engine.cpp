@@ -16,7 +16,6 @@ namespace kt {
 
 namespace {
 
-constexpr int kChunkBlocks = 8;   // column blocks (of 16) per work item, gate/up and down
 
 int env_int(const char* name, int fallback) {
     const char* v = std::getenv(name);
@@ -32,8 +31,6 @@ double thread_cpu_s() {
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
-
-int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 float bf16_to_f32(uint16_t b) {
     const uint32_t u = (uint32_t)b << 16;
@@ -87,67 +84,6 @@ MoEEngine::MoEEngine(int n_threads, int n_pools, const std::string& backend) {
 
 MoEEngine::~MoEEngine() { pool_->wait(); }
 
-void MoEEngine::add_layer(int id, int E, int H, int I_pad, int bits, int G, int n_pieces, const kt_shard_piece* pcs) {
-    auto bad = [&](const std::string& m) { throw std::invalid_argument("layer " + std::to_string(id) + ": " + m); };
-    if (pool_->busy()) pool_->wait();
-    if (E < 1 || H < 1 || I_pad < 1) bad("n_experts, hidden and intermediate_pad must be >= 1");
-    if (bits != 4 && bits != 8 && bits != 16) bad("bits must be 4, 8 or 16 (bf16), got " + std::to_string(bits));
-    const bool per_row = bits == 16 || G == -1;
-    if (bits != 16 && !(G == -1 || G == 32 || (G > 0 && G % 64 == 0)))
-        bad("group size " + std::to_string(G) + " is not supported: use 32, a multiple of 64, or -1 (per row)");
-    const int unit = per_row ? 64 : std::lcm(64, G);
-    if (I_pad % unit) bad("intermediate_pad " + std::to_string(I_pad) + " is not a multiple of the unit " + std::to_string(unit));
-    if (n_pieces < 1 || !pcs) bad("needs at least one shard piece");
-    Layer L;
-    L.n_experts = E; L.hidden = H; L.inter_pad = I_pad; L.bits = bits; L.group = G;
-    L.kx = round_up(H, per_row ? 64 : unit);
-    L.kx_glen = per_row ? L.kx : G;
-    L.down_blocks = round_up(H, 16) / 16;
-    const size_t TB = bits == 4 ? 512 : 1024;
-    const int ktile = bits == 16 ? 32 : 64;   // K per tile
-    std::vector<std::pair<int, int>> covered;
-    for (int i = 0; i < n_pieces; ++i) {
-        const kt_shard_piece& s = pcs[i];
-        const std::string where = "shard piece " + std::to_string(i) + " [" + std::to_string(s.i0) + ", " +
-                                  std::to_string(s.i1) + ") rows [" + std::to_string(s.r0) + ", " + std::to_string(s.r1) + ")";
-        if (s.i0 < 0 || s.i1 > I_pad || s.i0 >= s.i1 || s.i0 % unit || s.i1 % unit)
-            bad(where + ": shard range must lie in [0, intermediate_pad) on multiples of " + std::to_string(unit));
-        const int width = s.i1 - s.i0;
-        if (s.r0 < 0 || s.r1 > width || s.r0 >= s.r1 || s.r0 % unit || s.r1 % unit)
-            bad(where + ": piece rows must lie in [0, i1 - i0) on multiples of " + std::to_string(unit));
-        if (s.pool < 0 || s.pool >= pool_->n_pools())
-            bad(where + ": pool " + std::to_string(s.pool) + " out of range (" + std::to_string(pool_->n_pools()) + " sub-pools)");
-        if (!s.gate_q || !s.up_q || !s.down_q || (bits != 16 && (!s.gate_s || !s.up_s || !s.down_s)))
-            bad(where + ": missing weight or scale pointer");
-        Piece p;
-        p.gq = (const uint8_t*)s.gate_q; p.uq = (const uint8_t*)s.up_q; p.dq = (const uint8_t*)s.down_q;
-        p.gs = s.gate_s; p.us = s.up_s; p.ds = s.down_s;
-        p.width = width; p.r0 = s.r0; p.r1 = s.r1; p.pool = s.pool;
-        const int ngx = L.kx / L.kx_glen;
-        p.g_block_q = (size_t)(L.kx / ktile) * TB;
-        p.g_expert_q = (size_t)(width / 16) * p.g_block_q;
-        p.g_block_s = (size_t)ngx * 16;
-        p.g_expert_s = (size_t)(width / 16) * p.g_block_s;
-        const int ngd = per_row ? 1 : width / G;
-        p.d_block_q = (size_t)(width / ktile) * TB;
-        p.d_expert_q = (size_t)L.down_blocks * p.d_block_q;
-        p.d_block_s = (size_t)ngd * 16;
-        p.d_expert_s = (size_t)L.down_blocks * p.d_block_s;
-        p.d_glen = per_row ? p.cols() : G;
-        p.d_g0 = per_row ? 0 : s.r0 / G;
-        L.pieces.push_back(p);
-        covered.emplace_back(s.i0 + s.r0, s.i0 + s.r1);
-    }
-    std::sort(covered.begin(), covered.end());
-    int at = 0;
-    for (auto& c : covered) {
-        if (c.first != at) bad("shard pieces must cover [0, intermediate_pad) exactly once; gap or overlap at row " + std::to_string(std::min(at, c.first)));
-        at = c.second;
-    }
-    if (at != I_pad) bad("shard pieces must cover [0, intermediate_pad) exactly once; they end at row " + std::to_string(at) + ", intermediate_pad is " + std::to_string(I_pad));
-    layers_[id] = std::move(L);
-}
-
 QView MoEEngine::gate_view(const Piece& p, const uint8_t* q, const float* s, int e, int nb) const {
     QView v;
     v.q = q + e * p.g_expert_q + nb * p.g_block_q;
@@ -157,104 +93,6 @@ QView MoEEngine::gate_view(const Piece& p, const uint8_t* q, const float* s, int
     v.n_rows4 = L_->kx / 4;
     v.group_rows = L_->kx_glen / 4;
     return v;
-}
-
-void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stride, int k, const int32_t* ids,
-                       const float* weights, float* out, int64_t out_stride, bool accumulate) {
-    auto it = layers_.find(id);
-    if (it == layers_.end()) throw std::invalid_argument("layer " + std::to_string(id) + " was not added");
-    const Layer& L = it->second;
-    if (T < 0 || k < 0) throw std::invalid_argument("n_tokens and k must be >= 0");
-    if (x_dtype != KT_F32 && x_dtype != KT_BF16) throw std::invalid_argument("x dtype must be f32 or bf16");
-    if (T > 0 && (!x || !out || (k > 0 && (!ids || !weights)))) throw std::invalid_argument("null x, ids, weights or out");
-    if (T > 0 && (x_stride < L.hidden || out_stride < L.hidden))
-        throw std::invalid_argument("row strides of x and out must be >= hidden (" + std::to_string(L.hidden) + ")");
-    for (int64_t i = 0; i < (int64_t)T * k; ++i)
-        if (ids[i] >= L.n_experts)
-            throw std::invalid_argument("expert id " + std::to_string(ids[i]) + " at token " + std::to_string(i / k) +
-                                        ", slot " + std::to_string(i % k) + " is out of range (layer " +
-                                        std::to_string(id) + " has " + std::to_string(L.n_experts) + " experts)");
-    pool_->wait();   // the previous job's buffers are reused below
-    L_ = &L; T_ = T; x_ = x; x_dtype_ = x_dtype; x_stride_ = x_stride; out_ = out; out_stride_ = out_stride;
-    accumulate_ = accumulate;
-    if (T == 0) return;
-
-    // Routing: rows grouped by expert (counting sort), in (expert, token, slot) order.
-    std::vector<int> count(L.n_experts + 1, 0);
-    for (int64_t i = 0; i < (int64_t)T * k; ++i) if (ids[i] >= 0) ++count[ids[i] + 1];
-    std::partial_sum(count.begin(), count.end(), count.begin());
-    const int R = count[L.n_experts];
-    tok_.assign(R, 0);
-    wt_.assign(R, 0.0f);
-    slots_.clear();
-    int max_m = 1;
-    for (int e = 0; e < L.n_experts; ++e)
-        if (count[e + 1] > count[e]) {
-            slots_.push_back(Slot{e, count[e], count[e + 1] - count[e]});
-            max_m = std::max(max_m, count[e + 1] - count[e]);
-        }
-    {
-        std::vector<int> fill(count.begin(), count.end() - 1);
-        for (int64_t i = 0; i < (int64_t)T * k; ++i)
-            if (ids[i] >= 0) { const int r = fill[ids[i]]++; tok_[r] = (int)(i / k); wt_[r] = weights[i]; }
-    }
-
-    const bool bf16 = L.bits == 16;
-    const int ngx = L.kx / L.kx_glen;
-    if (bf16) xb_.resize((size_t)T * L.kx);
-    else { xq_.resize((size_t)T * L.kx); xs_.resize((size_t)T * ngx); xsum_.resize((size_t)T * ngx); }
-    xq_rows_.resize(R); xs_rows_.resize(R); xsum_rows_.resize(R); xb_rows_.resize(R);
-    for (int r = 0; r < R; ++r) {
-        const size_t t = tok_[r];
-        if (bf16) xb_rows_[r] = xb_.data() + t * L.kx;
-        else { xq_rows_[r] = xq_.data() + t * L.kx; xs_rows_[r] = xs_.data() + t * ngx; xsum_rows_[r] = xsum_.data() + t * ngx; }
-    }
-
-    const int n_pools = pool_->n_pools();
-    pbuf_.resize(L.pieces.size());
-    for (int pi = 0; pi < (int)L.pieces.size(); ++pi) {
-        const Piece& P = L.pieces[pi];
-        PieceBuf& B = pbuf_[pi];
-        const int cols = P.cols(), ng = bf16 ? 1 : cols / P.d_glen;
-        B.h.resize((size_t)R * cols);
-        if (bf16) { B.hb.resize((size_t)R * cols); B.b_rows.resize(R); }
-        else {
-            B.hq.resize((size_t)R * cols); B.hs.resize((size_t)R * ng); B.hsum.resize((size_t)R * ng);
-            B.q_rows.resize(R); B.s_rows.resize(R); B.sum_rows.resize(R);
-        }
-        for (int r = 0; r < R; ++r) {
-            if (bf16) B.b_rows[r] = B.hb.data() + (size_t)r * cols;
-            else { B.q_rows[r] = B.hq.data() + (size_t)r * cols; B.s_rows[r] = B.hs.data() + (size_t)r * ng; B.sum_rows[r] = B.hsum.data() + (size_t)r * ng; }
-        }
-    }
-    items1_.assign(n_pools, {}); items2_.assign(n_pools, {});
-    const size_t n_ps = L.pieces.size() * slots_.size();
-    if (remaining_cap_ < n_ps) { remaining_.reset(new std::atomic<int>[n_ps]); remaining_cap_ = n_ps; }
-    for (size_t i = 0; i < n_ps; ++i) remaining_[i] = 0;
-    for (int pi = 0; pi < (int)L.pieces.size(); ++pi) {
-        const Piece& P = L.pieces[pi];
-        for (int s = 0; s < (int)slots_.size(); ++s) {
-            for (int nb = P.r0 / 16; nb < P.r1 / 16; nb += kChunkBlocks) {
-                items1_[P.pool].push_back(Item{pi, s, nb, std::min(kChunkBlocks, P.r1 / 16 - nb)});
-                ++remaining_[(size_t)pi * slots_.size() + s];
-            }
-        }
-    }
-    for (int p = 0; p < n_pools; ++p) {
-        for (int nb = 0; nb < L.down_blocks; nb += kChunkBlocks)
-            items2_[p].push_back(Item{-1, -1, nb, std::min(kChunkBlocks, L.down_blocks - nb)});
-        next1_[p] = 0; next2_[p] = 0;
-    }
-    if (n_pools > 1) {
-        partial_.resize(n_pools);
-        for (auto& v : partial_) v.resize((size_t)T * L.hidden);
-    }
-    const size_t need = std::max((size_t)2 * max_m * kChunkBlocks * 16, (size_t)L.kx);
-    for (auto& s : scratch_) if (s.size() < need) s.resize(need);
-    x_ready_ = T <= kDecodeMaxRows;   // a few rows: quantize here, the workers start on weights right away
-    if (x_ready_) for (int t = 0; t < T; ++t) quantize_x(t, 0);
-    launch_time_ = now_s();
-    pool_->launch([this](const WorkerInfo& w) { run(w); });
 }
 
 void MoEEngine::run(const WorkerInfo& w) {

@@ -1,4 +1,6 @@
 // The routed-expert part of MoE layers on packed cpu-expert layouts, run on a ThreadPool.
+// moe_layer.cpp: add_layer (validation, strides); moe_job.cpp: submit (routing, buffers, work items);
+// moe_engine.cpp: the phases each worker runs.
 //
 // One submit = one job on every worker, in phases:
 //   0 (all workers)        x -> int8 per token and gate/up group (or bf16), split over tokens (for a few tokens
