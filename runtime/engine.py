@@ -113,7 +113,7 @@ class Engine:
             tok = sample_token(row, r.params, r.gen)
             r.generated.append(tok)
             why = finish_reason(tok, len(r.generated), r.cache.length, self.ctx, r.params, self.eos_ids,
-                                lambda r=r: self.tokenizer.decode(r.generated))
+                                lambda r=r: self._tail_text(r))
             out.append((r.req_id, tok, why))
             if why:
                 self._running.pop(r.req_id, None)
@@ -121,6 +121,12 @@ class Engine:
             else:
                 self._running[r.req_id] = r
         self.stats["generated_tokens"] += len(reqs)
+
+    def _tail_text(self, r: _Request) -> str:
+        """Text of the last tokens, enough to hold any stop string (a character is at most 4 byte-level tokens),
+        so stop checks do not re-decode the whole generation every step."""
+        n = 4 * max(map(len, r.params.stop)) + 8
+        return self.tokenizer.decode(r.generated[-n:])
 
     def step(self) -> list[tuple[str, int, str | None]]:
         out: list[tuple[str, int, str | None]] = []
