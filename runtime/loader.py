@@ -215,20 +215,36 @@ def _dequantize_gpu_layers(group: dict, where: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def piece_arrays(shard: dict, u0: int, u1: int, unit: int) -> list[np.ndarray]:
+    """Views of the bytes a node needs for units [u0, u1) of one shard: gate/up column blocks (axis 1: 16 rows
+    each) and down K tiles (axis 2) and scale groups (axis 2; per-row scales are shared by all units)."""
+    out = []
+    for proj, (qw, sc, g) in shard.items():
+        if proj == "down":
+            kpt = 64 if g.bits != 16 else 32
+            out.append(qw[:, :, u0 * unit // kpt: u1 * unit // kpt])
+            if sc is not None:
+                out.append(sc if g.group == g.k_pad else sc[:, :, u0 * unit // g.group: u1 * unit // g.group])
+        else:
+            out.append(qw[:, u0 * unit // 16: u1 * unit // 16])
+            if sc is not None:
+                out.append(sc[:, u0 * unit // 16: u1 * unit // 16])
+    return out
+
+
 def prefault_numa(model: ConvertedModel, nodes: list[list[int]]) -> list[threading.Thread]:
     """Fault each node's expert pieces in from a thread bound to that node's CPUs (first touch places the pages)."""
-    plan = model.numa_plan
+    plan, unit = model.numa_plan, model.geometry.shard_plan.unit
     page = os.sysconf("SC_PAGE_SIZE")
 
     def touch(node: int):
         os.sched_setaffinity(0, nodes[node])            # this thread only
-        for s, _u0, _u1 in plan[node]:
+        for s, u0, u1 in plan[node]:
             for shards in model.experts.values():
-                for qw, sc, _g in shards[s].values():
-                    for a in (qw, sc):
-                        if a is not None:
-                            flat = a.reshape(-1).view(np.uint8)
-                            int(flat[::page].sum())     # one byte per page
+                for a in piece_arrays(shards[s], u0, u1, unit):
+                    b = a.view(np.uint8) if a.dtype == np.uint8 else a
+                    step = max(1, page // b.itemsize // max(1, b.shape[-1]))
+                    int(b.reshape(-1, b.shape[-1])[::step, 0].sum())   # about one element per page
 
     threads = [threading.Thread(target=touch, args=(m,), daemon=True) for m in range(len(plan))]
     for t in threads:

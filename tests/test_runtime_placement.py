@@ -9,7 +9,7 @@ import pytest
 import torch
 from ktrun.engine import Engine
 from ktrun.experts import kernels_available
-from ktrun.loader import load_converted
+from ktrun.loader import load_converted, piece_arrays
 from ktrun.models.kv_cache import Batch
 from runtime_helpers import (
     PROMPT,
@@ -52,6 +52,12 @@ def test_expert_tensors_are_views_of_the_mapped_files(tmp_path_factory):
     for t in m.prefault_threads:
         t.join(timeout=60)
         assert not t.is_alive()
+    # the per-node pieces a prefault thread touches partition each shard's bytes unit by unit
+    unit, n_units = m.geometry.shard_plan.unit, m.geometry.shard_plan.n_units
+    shard = next(iter(m.experts.values()))[0]
+    whole = sum(a.nbytes for a in piece_arrays(shard, 0, n_units, unit))
+    assert whole == sum(x.nbytes for qw, sc, _g in shard.values() for x in (qw, sc) if x is not None)
+    assert sum(a.nbytes for u in range(n_units) for a in piece_arrays(shard, u, u + 1, unit)) == whole
 
 
 @pytest.mark.parametrize("pools", [1, 3])
