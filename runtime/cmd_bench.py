@@ -86,9 +86,11 @@ def decode_breakdown(parts: list[dict], tg: int) -> dict[str, float]:
 @click.option("--tg", default=128, show_default=True, type=click.IntRange(0), help="Generated tokens per tg test.")
 @click.option("--reps", "-r", default=3, show_default=True, type=click.IntRange(1), help="Repetitions.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random prompt tokens.")
+@click.option("--dense-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="dtype of the dense layers (auto: bfloat16 on CUDA, float32 on the CPU).")
 @click.option("--device", default=None, help="torch device for the dense layers (default: cuda if available).")
 @click.option("--reference-experts", is_flag=True, help="Time the torch reference experts instead of the kernels.")
-def bench(model_dir, pp, tg, reps, seed, device, reference_experts):
+def bench(model_dir, pp, tg, reps, seed, dense_dtype, device, reference_experts):
     """Benchmark prompt processing and token generation of the converted model in MODEL_DIR.
 
     \b
@@ -101,12 +103,13 @@ def bench(model_dir, pp, tg, reps, seed, device, reference_experts):
 
     try:
         eng = Engine(model_dir, ctx=max(pp, tg + 1) + 1, max_batch=1, device=device,
-                     use_kernels=False if reference_experts else None)
+                     use_kernels=False if reference_experts else None,
+                     dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype))
     except (LoadError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     m, geo = eng.model, eng.converted.geometry
     name = f"{m.cfg.model_type} {geo.method} experts"
-    backend = f"{eng.converted.device.type} dense + {type(eng.experts).__name__}"
+    backend = f"{eng.converted.device.type} {str(eng.converted.dtype)[6:]} dense + {type(eng.experts).__name__}"
     res = run_bench(m, pp, tg, reps, seed)
     click.echo(f"| {'model':<28} | {'backend':<36} | {'test':>6} | {'t/s':>20} |")
     click.echo(f"| {'-' * 28} | {'-' * 36} | {'-' * 6}:| {'-' * 20}:|")

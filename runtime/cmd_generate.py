@@ -40,12 +40,14 @@ class _TextStreamer:
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (prompt/generated token ids, text).")
 @click.option("--verify", is_flag=True, help="Check every file's sha256 against manifest.json before loading.")
+@click.option("--dense-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="dtype of the dense layers (auto: bfloat16 on CUDA, float32 on the CPU).")
 @click.option("--device", default=None, help="torch device for the dense layers (default: cuda if available, else cpu).")
 @click.option("--reference-experts", is_flag=True, help="Use the torch reference for routed experts, not the kernels.")
 @click.option("--numa-prefault", is_flag=True,
               help="Fault each NUMA node's expert shards in from a thread bound to that node (reads them at start).")
 def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, top_k, seed, ctx, ignore_eos, as_json,
-             verify, device, reference_experts, numa_prefault):
+             verify, dense_dtype, device, reference_experts, numa_prefault):
     """Generate a continuation of --prompt with the converted model in MODEL_DIR.
 
     \b
@@ -54,6 +56,8 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
       ktrun generate converted/ --chat --prompt "Why is the sky blue?" --temperature 0.7 --seed 1
       ktrun generate converted/ --prompt "Hello" --json      # {"prompt_token_ids": [...], "token_ids": [...], ...}
     """
+    import torch
+
     from .engine import Engine
     from .generate import generate as run_generate
     from .loader import LoadError
@@ -65,7 +69,8 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 ignore_eos=ignore_eos)
         eng = Engine(model_dir, ctx=ctx, max_batch=1, device=device, verify=verify,
-                     use_kernels=False if reference_experts else None, quiet=as_json, numa_prefault=numa_prefault)
+                     use_kernels=False if reference_experts else None, quiet=as_json, numa_prefault=numa_prefault,
+                     dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype))
         tok = eng.tokenizer
         if chat:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
