@@ -2,13 +2,8 @@
 standard deviation over repetitions, plus where a decode step's time goes."""
 from __future__ import annotations
 
-import os
 import statistics
 import time
-
-# Before torch loads: idle OpenMP threads sleep instead of spinning on the CPUs the expert kernels run on
-# (measured on bench_decode: decode step 379 ms -> 128 ms on 2 cores).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click
 import torch

@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import click
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: idle OpenMP threads must not spin
 
 
 class _TextStreamer:
