@@ -69,23 +69,22 @@ class GpuLayerOptions:
             raise GpuLayerError("calibration token counts must be positive")
 
 
-def resolve_method(opts: GpuLayerOptions) -> str:
-    """The method to run; 'auto' picks gptq-int4 if calibration text is readable, else rtn-int4 (logged)."""
+def resolve_method(opts: GpuLayerOptions) -> tuple[str, str]:
+    """(method to run, why); 'auto' picks gptq-int4 if calibration text is readable, else rtn-int4."""
     from .gpu_calib import CalibrationError, read_calibration_text
 
     if opts.method != "auto":
         if GPU_METHODS[opts.method] and GPU_METHODS[opts.method][0] == "gptq":
-            read_calibration_text(opts.calib)        # missing / empty: CalibrationError naming the file
-        return opts.method
+            _, path = read_calibration_text(opts.calib)        # missing / empty: CalibrationError naming the file
+            return opts.method, f"--gpu-method {opts.method}, calibration text {path}"
+        return opts.method, f"--gpu-method {opts.method}"
     try:
         _, path = read_calibration_text(opts.calib)
     except CalibrationError as e:
         if opts.calib is not None:
             raise
-        log.warning("GPU layers: rtn-int4 (no calibration text: %s)", e)
-        return "rtn-int4"
-    log.info("GPU layers: gptq-int4 calibrated on %s", path)
-    return "gptq-int4"
+        return "rtn-int4", f"default; no calibration text for GPTQ: {e}"
+    return "gptq-int4", f"default, calibration text {path}"
 
 
 class GpuLayerEncoder:
@@ -93,8 +92,9 @@ class GpuLayerEncoder:
 
     def __init__(self, opts: GpuLayerOptions, src=None):
         self.opts = opts
-        self.method = resolve_method(opts)
+        self.method, why = resolve_method(opts)
         self.name = self.method
+        log.info("GPU layers: %s (%s), group size %d, %s format", self.method, why, opts.group_size, opts.fmt)
         self.bf16 = Bf16Encoder()
         self.src = src
         self._calibrator = None
