@@ -186,3 +186,17 @@ def test_compressed_tensors_library_reads_our_config_and_tensors(bits, group_siz
     ours = dequantize_linear(f"gpu-compressed-tensors-int{bits}", {k[2:]: v for k, v in parts.items()})
     assert theirs.dtype == torch.float16 and theirs.shape == (192, 512)
     assert np.array_equal(theirs.numpy(), ours.astype(np.float16))
+
+
+def test_auto_falls_back_to_rtn_without_calibration_text_and_says_so(ds3, tmp_path, monkeypatch, caplog):
+    import logging
+
+    from ktconvert import gpu_calib
+
+    with caplog.at_level(logging.INFO, logger="ktconvert.gpu_layers"):
+        assert GpuLayerEncoder(GpuLayerOptions(), src=ds3).method == "gptq-int4"
+        assert "gptq-int4 (default, calibration text" in caplog.text
+        monkeypatch.setattr(gpu_calib, "DEFAULT_CALIB", tmp_path / "not-shipped.txt")
+        caplog.clear()
+        assert GpuLayerEncoder(GpuLayerOptions(), src=ds3).method == "rtn-int4"
+        assert "rtn-int4 (default; no calibration text for GPTQ" in caplog.text and "not-shipped.txt" in caplog.text
