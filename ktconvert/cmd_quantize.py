@@ -58,9 +58,9 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
 
     try:
         opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers)
-        manifest = convert(resolve_source_arg(src), out_dir, opts, resume=resume, force=force,
-                           show_progress=not quiet)
+        src_path = resolve_source_arg(src)
+        manifest = convert(src_path, out_dir, opts, resume=resume, force=force, show_progress=not quiet)
     except CONVERT_ERRORS as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {manifest.parent} ({manifest.name} lists every file); check it with: "
-               f"ktconvert verify {manifest.parent} --against {src}")
+               f"ktconvert verify {manifest.parent} --against {src_path}")

@@ -18,9 +18,9 @@ PYTHON = sys.executable
 class ServerProcess:
     """A server subprocess started with `--port 0`; the chosen port is read from its 'listening on' line."""
 
-    def __init__(self, argv: list[str], wait_ready: bool = True, timeout: float = 120.0):
+    def __init__(self, argv: list[str], wait_ready: bool = True, timeout: float = 120.0, cwd: Path = REPO):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         self.log: list[str] = []
         deadline = time.monotonic() + timeout
