@@ -1,5 +1,7 @@
 """Tokenizer of a converted (or hub) directory: `tokenizer.json` through `tokenizers`, special tokens and the chat
 template from `tokenizer_config.json` (or `chat_template.jinja`), rendered with jinja2 the way transformers does.
+A directory without a chat template gets the built-in DeepSeek-V3 one when its vocabulary has DeepSeek's chat
+tokens (chat_templates.py).
 
 BOS/EOS follow transformers (v5) loading a directory with tokenizer.json: add_bos_token / add_eos_token in
 tokenizer_config.json are dropped and tokenizer.json's post-processor alone decides (none = no special tokens).
@@ -13,6 +15,8 @@ from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+
+from .chat_templates import builtin_template
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -61,6 +65,11 @@ class Tokenizer:
         self.bos_token_id = self._id(self.special_tokens.get("bos_token"))
         self.eos_token_id = self._id(self.special_tokens.get("eos_token"))
         self.chat_template = self._find_template(d, cfg)
+        self.chat_template_source = "model directory" if self.chat_template else None
+        if self.chat_template is None:       # none shipped: a built-in one when the vocabulary fits (DeepSeek-V3)
+            builtin = builtin_template(self._tok.get_vocab(with_added_tokens=True))
+            if builtin:
+                self.chat_template_source, self.chat_template = f"built-in {builtin[0]}", builtin[1]
         self._compiled = None
 
     def _id(self, token: str | None) -> int | None:

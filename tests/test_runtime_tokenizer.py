@@ -60,3 +60,64 @@ def test_top_k_top_p_filters():
     assert sample_token(logits, SamplingParams(), None) == 0          # temperature 0: argmax
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+# DeepSeek-V3's conversation format, written out by hand from its hub chat template (the independent reference):
+# BOS, system texts hoisted and joined by a blank line, <｜User｜>/<｜Assistant｜> turns, answers closed by EOS.
+_B, _E, _U, _A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+_CALL = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```"
+         "<｜tool▁call▁end｜>")
+DEEPSEEK_V3_CASES = [
+    ([{"role": "user", "content": "hi"}], True, f"{_B}{_U}hi{_A}"),
+    ([{"role": "user", "content": "hi"}], False, f"{_B}{_U}hi"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+      {"role": "assistant", "content": "4"}, {"role": "system", "content": "Now verbose."},
+      {"role": "user", "content": "3+3?"}], True,
+     f"{_B}Be brief.\n\nNow verbose.{_U}2+2?{_A}4{_E}{_U}3+3?{_A}"),
+    ([{"role": "user", "content": "weather?"},
+      {"role": "assistant", "content": None, "tool_calls": [
+          {"type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+      {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "20C"}], True,
+     (f"{_B}{_U}weather?{_A}<｜tool▁calls▁begin｜>{_CALL}<｜tool▁calls▁end｜>{_E}"
+     "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>\n"
+     "<｜tool▁output▁begin｜>20C<｜tool▁output▁end｜><｜tool▁outputs▁end｜>")),
+    ([{"role": "user", "content": "weather?"},
+      {"role": "assistant", "content": None, "tool_calls": [
+          {"type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}] * 2},
+      {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}], True,
+     (f"{_B}{_U}weather?{_A}<｜tool▁calls▁begin｜>{_CALL}\n{_CALL}<｜tool▁calls▁end｜>{_E}"
+     f"<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜><｜tool▁outputs▁end｜>Sunny.{_E}{_A}")),
+]
+
+
+@pytest.mark.parametrize("case", range(len(DEEPSEEK_V3_CASES)))
+def test_builtin_deepseek_v3_chat_template(tmp_path_factory, tmp_path, case):
+    """A DeepSeek-V3 conversion without a chat template renders chats in DeepSeek-V3's format; transformers rendering
+    the same template text gives the same string and the same token ids."""
+    src = build_checkpoint(shared_root(tmp_path_factory), "deepseek_v3")
+    d = tmp_path / "tok"
+    d.mkdir()
+    shutil.copy(src / "tokenizer.json", d / "tokenizer.json")
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours = Tokenizer(d)
+    assert ours.chat_template_source == "built-in deepseek_v3"
+    msgs, gen_prompt, want = DEEPSEEK_V3_CASES[case]
+    assert ours.render_chat(msgs, add_generation_prompt=gen_prompt) == want
+    ref = transformers_tokenizer(d)
+    assert ref.apply_chat_template(msgs, chat_template=ours.chat_template, tokenize=False,
+                                   add_generation_prompt=gen_prompt) == want
+    ref_ids = ref.apply_chat_template(msgs, chat_template=ours.chat_template, add_generation_prompt=gen_prompt)
+    ref_ids = ref_ids["input_ids"] if hasattr(ref_ids, "keys") else ref_ids
+    assert ours.apply_chat_template(msgs, add_generation_prompt=gen_prompt) == list(ref_ids)
+    assert ours.encode(want, add_special_tokens=False)[0] == ours.bos_token_id      # BOS written by the template
+
+
+def test_no_builtin_template_for_other_vocabularies(tmp_path_factory, tmp_path):
+    src = build_checkpoint(shared_root(tmp_path_factory), "qwen3_moe")
+    d = tmp_path / "tok"
+    d.mkdir()
+    shutil.copy(src / "tokenizer.json", d / "tokenizer.json")
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(d).render_chat([{"role": "user", "content": "hi"}])
