@@ -7,6 +7,9 @@ import math
 
 def model_card(config, s: dict) -> str:
     c = config
+    planned = s.get("planned_steps", s["steps"])
+    stop_note = (f"this run was stopped by the time budget at step {s['steps']} of {planned}" if s["steps"] < planned
+                 else f"this run completed all {planned} steps")
     return f"""---
 license: psf-2.0
 library_name: transformers
@@ -40,23 +43,28 @@ top-{c.num_experts_per_tok}, sigmoid scores + `e_score_correction_bias`, {c.n_gr
 The Python {s['python']} standard library's own source (the top-level `Lib/*.py` files; PSF License Version 2, which
 permits redistribution). Files sorted by name; every 20th (index % 20 == 10) held out: {s['train_files']} training
 files ({s['train_tokens']} tokens incl. chat samples), {s['heldout_files']} held-out files ({s['heldout_tokens']} tokens).
-Chat samples: for each documented public function of the training files, `<｜User｜>Write a Python function
-`name(args)`: <first docstring line><｜Assistant｜><source>`. `heldout_eval.txt` is the fixed held-out slice (the
-first 40,000 characters of the held-out files) that the test checks.
+Chat samples: for each documented public function of the training files, one document
+``<｜User｜>Write a Python function `name(args)`: <first docstring line><｜Assistant｜><function source>``.
+`heldout_eval.txt` is the fixed held-out slice (the first 40,000 characters of the held-out files, in sorted order)
+that the test checks.
 
 ## Training
 
-`python -m ktconvert.train_default --out DIR` (seed {s['seed']}, {s['threads']} CPU thread, float32, AdamW
+`python -m ktconvert.train_default --out DIR --steps {s.get('planned_steps', s['steps'])} --max-minutes \
+{s.get('max_minutes', s['train_minutes'])}` (seed {s['seed']}, {s['threads']} CPU thread, float32, AdamW
 betas (0.9, 0.95), weight decay 0.1, peak lr {s['peak_lr']}, warmup + cosine to 10%, batch {s['batch']} x
 {s['seq_len']} tokens). The routing bias is not trained by gradient: after every step it moves by 0.001 x
 sign(mean load - expert load) (DeepSeek-V3's auxiliary-loss-free balancing); no auxiliary loss.
+The run stops at `--steps` or `--max-minutes`, whichever comes first, and the learning-rate schedule follows whichever
+is further along, so the step count of a rerun depends on the machine's speed; {stop_note}.
 
 | | |
 |---|---|
 | run time | {s['train_minutes']} min on one thread of an AMD Zen 4 (shared machine) |
 | steps / tokens seen | {s['steps']} / {s['tokens_seen']} |
-| final train loss | {s['train_loss']:.4f} nats/token (ppl {math.exp(s['train_loss']):.2f}) |
+| final train loss (first 32,768 training-stream tokens) | {s['train_loss']:.4f} nats/token (ppl {math.exp(s['train_loss']):.2f}) |
 | held-out loss | {s['heldout_loss']:.4f} nats/token (ppl {s['heldout_ppl']:.2f}, {s['heldout_loss_tokens']} tokens) |
+| max/mean expert load, final training batches | {s.get('final_max_over_mean_load', 'n/a')} |
 | unigram baseline, held-out | ppl {s['unigram_ppl_heldout']:.2f} (add-one unigram fitted on training counts) |
 | fixed eval slice (`heldout_eval.txt`, first {s['eval_slice_tokens']} predicted tokens) | ppl \
 {s['eval_slice_ppl']:.3f} (unigram {s['unigram_ppl_eval_slice']:.2f}) |
@@ -64,13 +72,21 @@ sign(mean load - expert load) (DeepSeek-V3's auxiliary-loss-free balancing); no 
 All losses are measured on the shipped BF16 weights evaluated in float32, windows of {s['seq_len']} tokens.
 `training_stats.json` has these numbers and the training-split token counts.
 
+## Sample
+
+Greedy continuation of `{s.get('sample_prompt', '')}` (transformers, float32):
+
+```python
+{s.get('sample_greedy', '')}
+```
+
 ## Use
 
 ```python
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 tok = AutoTokenizer.from_pretrained(DIR)
 model = DeepseekV3ForCausalLM.from_pretrained(DIR)
-ids = tok("def read_config(path):\\n", return_tensors="pt").input_ids
+ids = tok("def read_config(path):", return_tensors="pt").input_ids  # no trailing newline: BPE boundary
 print(tok.decode(model.generate(ids, max_new_tokens=60, do_sample=False)[0]))
 ```
 """

@@ -127,6 +127,18 @@ def load_training_state(path: Path, model, opt) -> tuple[int, int, float]:
     return step, int(meta["tokens"]), float(meta["elapsed"])
 
 
+SAMPLE_PROMPT = "def read_config(path):"
+
+
+@torch.no_grad()
+def greedy_sample(model, tok, n_tokens: int = 48) -> str:
+    """Greedy continuation of SAMPLE_PROMPT (for the model card)."""
+    model.eval()
+    ids = torch.tensor([tok.encode(SAMPLE_PROMPT).ids])
+    out = model.generate(ids, max_new_tokens=n_tokens, do_sample=False, eos_token_id=io.EOS_ID, pad_token_id=io.PAD_ID)
+    return tok.decode(out[0].tolist(), skip_special_tokens=True)
+
+
 def lr_at(progress: float, peak: float, warmup: float = 0.03) -> float:
     if progress < warmup:
         return peak * progress / warmup
@@ -137,10 +149,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="output directory (hub layout)")
     ap.add_argument("--stdlib", type=Path, default=io.default_stdlib_dir(), help="folder of *.py training text")
-    ap.add_argument("--steps", type=int, default=2400)
+    ap.add_argument("--steps", type=int, default=1600)
     ap.add_argument("--batch", type=int, default=12, help=f"sequences of {SEQ_LEN} tokens per step")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--max-minutes", type=float, default=35.0)
+    ap.add_argument("--max-minutes", type=float, default=38.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state.safetensors")
     args = ap.parse_args(argv)
@@ -186,7 +198,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(SEED + step)
     t0 = time.time() - elapsed0
     budget = args.max_minutes * 60
-    ema = None
+    ema, imbalance = None, float("nan")
     while step < args.steps:
         progress = max(step / args.steps, (time.time() - t0) / budget)
         if progress >= 1.0:
@@ -233,6 +245,8 @@ def main(argv=None) -> int:
         "unigram_ppl_heldout": round(io.unigram_ppl(counts, heldout_stream), 2),
         "unigram_ppl_eval_slice": round(io.unigram_ppl(counts, io.eval_windows(eval_ids, SEQ_LEN,
                                                                               io.EVAL_TOKENS)[:, 1:]), 2),
+        "planned_steps": args.steps, "max_minutes": args.max_minutes, "final_max_over_mean_load": round(imbalance, 2),
+        "sample_prompt": SAMPLE_PROMPT, "sample_greedy": greedy_sample(model, tok),
         "python": sys.version.split()[0], "torch": torch.__version__,
     }
     say("final: " + json.dumps(stats))
