@@ -86,19 +86,21 @@ def inspect_converted(path: Path) -> dict:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.argument("path", type=click.Path(exists=True))
 @click.option("--gpu-mem", default=None, help="GPU memory to check against, e.g. 24GB or 80GiB.")
 @click.option("--cpu-mem", default=None, help="CPU memory (RAM) to check against, e.g. 512GB.")
 @click.option("--group-size", type=int, default=128, show_default=True, help="Group size for the int4/int8 sizes.")
 def inspect(path, gpu_mem, cpu_mem, group_size):
     """Show the architecture, parameter counts by role, experts, and the bytes each --method puts on the GPU
-    (non-expert layers, BF16) and on the CPU (routed experts) for the checkpoint or converted directory PATH,
+    (non-expert layers, BF16) and on the CPU (routed experts) for PATH (a checkpoint directory, a GGUF file or the
+    first part of a split set, or a converted directory),
     and whether they fit --gpu-mem / --cpu-mem (weights only; KV cache and activations come on top).
 
     \b
     Examples:
       ktconvert inspect ./DeepSeek-V3
       ktconvert inspect ./DeepSeek-V3 --gpu-mem 24GB --cpu-mem 512GB
+      ktconvert inspect ./DeepSeek-V3-Q4_K_M-00001-of-00009.gguf --cpu-mem 512GB
       ktconvert inspect converted/ --gpu-mem 24GB --cpu-mem 512GB
     """
     from .arch import SourceError

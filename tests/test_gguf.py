@@ -152,6 +152,18 @@ def test_gguf_bf16_conversion_gives_the_same_logits_in_ktrun(ds3, tmp_path):
     torch.testing.assert_close(logits[0][1], logits[1][1], rtol=0, atol=0)
 
 
+def test_inspect_a_gguf_file_like_its_safetensors(ckpt_dir, tmp_path):
+    src = ckpt_dir("qwen3_moe")
+    path = export_gguf(src, tmp_path / "m-q8_0.gguf", Q.Q8_0)
+    texts = []
+    for p in (src, path):
+        r = subprocess.run([*KTCONVERT, "inspect", str(p), "--gpu-mem", "1KB", "--cpu-mem", "1TB"],
+                           capture_output=True, text=True, timeout=120, check=False)
+        assert r.returncode == 0 and "GPU does NOT fit" in r.stdout and "CPU fits" in r.stdout, r.stdout + r.stderr
+        texts.append(r.stdout.split("\n", 1)[1])     # all but the first line (the path)
+    assert texts[0] == texts[1]          # same architecture, parameter counts and bytes per method
+
+
 # --- bad input ---------------------------------------------------------------------------------------------------
 
 def _fails(src: Path, tmp_path: Path, *needles: str) -> str:

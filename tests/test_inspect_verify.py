@@ -47,6 +47,10 @@ def test_inspect_fits_and_converted_sizes(converted):
     assert code == 0 and "qwen3_moe" in text and "GPU does NOT fit" in text and "CPU fits" in text, text
     code, text = cli("inspect", out, "--gpu-mem", "24GB")
     assert code == 0 and "converted" in text and "int4-amx" in text and "GPU fits" in text, text
+    code, text = cli("inspect", out, "--gpu-mem", "1KB", "--cpu-mem", "1KB")
+    assert code == 0 and "GPU does NOT fit" in text and "CPU does NOT fit" in text, text
+    code, text = cli("inspect", out, "--cpu-mem", "1TB")
+    assert code == 0 and "CPU fits" in text and "GPU fits" not in text and "GPU does NOT" not in text, text
     predicted = inspect_source(src, 128)["cpu"]["int4-amx"]
     conv = inspect_converted(out)
     manifest = json.loads((out / MANIFEST_NAME).read_text())
@@ -101,3 +105,20 @@ def test_verify_per_expert_lines_and_limit(converted):
     code, text = cli("verify", out, "--against", src, "--max-rel-error", "0.001", "--quiet")
     assert code == 1 and "FAIL layer 0 gate of 8 experts, worst model.layers.0.mlp.experts." in text, text
     assert "self_attn" not in text       # dense tensors keep their own (BF16) limit
+
+
+def test_every_command_has_help_with_examples():
+    """`ktconvert --help` and `ktconvert CMD --help` (a real subprocess each) list examples of that command."""
+    import subprocess
+    import sys
+
+    exe = [sys.executable, "-m", "ktconvert"]
+    r = subprocess.run([*exe, "--help"], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0 and "Examples:" in r.stdout, r.stdout + r.stderr
+    commands = ("pull", "quantize", "inspect", "verify")
+    for cmd in commands:
+        assert cmd in r.stdout.split("Commands:")[1], cmd
+        h = subprocess.run([*exe, cmd, "-h"], capture_output=True, text=True, timeout=60, check=False)
+        assert h.returncode == 0 and "Examples:" in h.stdout, (cmd, h.stdout + h.stderr)
+        examples = h.stdout.split("Examples:")[1].split("Options:")[0]
+        assert f"ktconvert {cmd} " in examples, (cmd, examples)
