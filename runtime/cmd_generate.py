@@ -7,20 +7,10 @@ import sys
 import click
 
 
-class _TextStreamer:
-    """Prints the decoded continuation as tokens arrive; holds back an incomplete UTF-8 character (U+FFFD)."""
-
-    def __init__(self, decode):
-        self.decode, self.ids, self.sent = decode, [], 0
-
-    def __call__(self, token: int) -> None:
-        self.ids.append(token)
-        text = self.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return
-        sys.stdout.write(text[self.sent:])
-        sys.stdout.flush()
-        self.sent = len(text)
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """The text before the first occurrence of any stop string (OpenAI semantics: the stop string is not returned)."""
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return text[: min(hits)] if hits else text
 
 
 @click.command("generate")
@@ -34,6 +24,8 @@ class _TextStreamer:
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = off.")
 @click.option("--seed", default=None, type=int, help="Sampling seed (reproducible output with temperature > 0).")
 @click.option("--ctx", default=4096, show_default=True, type=click.IntRange(1), help="Context limit in tokens.")
+@click.option("--stop", multiple=True, metavar="TEXT",
+              help="Stop when the text contains TEXT (repeatable); the output ends before it.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (prompt/generated token ids, text).")
 @click.option("--verify", is_flag=True, help="Check every file's sha256 against manifest.json before loading.")
@@ -43,7 +35,8 @@ class _TextStreamer:
 @click.option("--reference-experts", is_flag=True, help="Use the torch reference for routed experts, not the kernels.")
 @click.option("--numa-prefault", is_flag=True,
               help="Fault each NUMA node's expert shards in from a thread bound to that node (reads them at start).")
-def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, top_k, seed, ctx, ignore_eos, as_json,
+def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, top_k, seed, ctx, stop, ignore_eos,
+             as_json,
              verify, dense_dtype, device, reference_experts, numa_prefault):
     """Generate a continuation of --prompt with the converted model in MODEL_DIR.
 
@@ -52,6 +45,7 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
       ktrun generate converted/ --prompt "def fibonacci(n):" --max-tokens 64
       ktrun generate converted/ --chat --prompt "Why is the sky blue?" --temperature 0.7 --seed 1
       ktrun generate converted/ --prompt "Hello" --json      # {"prompt_token_ids": [...], "token_ids": [...], ...}
+      ktrun generate converted/ --prompt "1, 2, 3," --stop "10" --ctx 2048
     """
     import torch
 
@@ -60,11 +54,12 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
     from .loader import LoadError
     from .models.config import ConfigError
     from .sampling import SamplingParams
+    from .serve_text import TextStream
     from .tokenizer import TokenizerError
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                ignore_eos=ignore_eos)
+                                stop=list(stop), ignore_eos=ignore_eos)
         eng = Engine(model_dir, ctx=ctx, max_batch=1, device=device, verify=verify,
                      use_kernels=False if reference_experts else None, quiet=as_json, numa_prefault=numa_prefault,
                      dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype))
@@ -78,17 +73,20 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
         raise click.ClickException(str(e)) from None
     if len(prompt_ids) > ctx:
         raise click.ClickException(f"--prompt is {len(prompt_ids)} tokens, longer than --ctx {ctx}")
-    streamer = None if as_json else _TextStreamer(tok.decode)
+    # streamed text: incremental decoding that holds back incomplete characters and possible stop-string starts
+    stream = TextStream(tok.decode, stop, prompt_ids)
+    streamer = None if as_json else (lambda token: (sys.stdout.write(stream.push(token)), sys.stdout.flush()))
     out = run_generate(eng.model, prompt_ids, params, ctx, eng.eos_ids, decode_text=tok.decode, callback=streamer)
     eng.close()
-    text = tok.decode(out.tokens)
+    text = cut_at_stop(tok.decode(out.tokens), stop)
     if as_json:
         click.echo(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out.tokens, "text": text,
                                "finish_reason": out.finish_reason, "prefill_s": round(out.prefill_s, 6),
                                "decode_s": round(out.decode_s, 6)}))
     else:
-        if streamer.sent < len(text):
-            sys.stdout.write(text[streamer.sent:])
+        sys.stdout.write(stream.finish())
+        if len(text) > len(stream.text) and text.startswith(stream.text):   # a tail the windowed decode held
+            sys.stdout.write(text[len(stream.text):])
         sys.stdout.write("\n")
         rate = (len(out.tokens) - 1) / out.decode_s if out.decode_s > 0 and len(out.tokens) > 1 else 0.0
         click.echo(f"[{len(prompt_ids)} prompt tokens in {out.prefill_s:.2f} s, {len(out.tokens)} generated, "

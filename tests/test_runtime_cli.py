@@ -32,11 +32,18 @@ def v3(tmp_path_factory):
     return src, converted(tmp_path_factory, "deepseek_v3", "bf16")
 
 
-def test_generate_json_matches_transformers(v3):
-    src, conv = v3
-    r = ktrun("generate", conv, "--prompt", PROMPT, "--max-tokens", 10, "--ignore-eos", "--json")
+@pytest.fixture(scope="module")
+def plain_json(v3):
+    """`ktrun generate --json` of PROMPT: 10 greedy tokens."""
+    r = ktrun("generate", v3[1], "--prompt", PROMPT, "--max-tokens", 10, "--ignore-eos", "--json")
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    return json.loads(r.stdout)
+
+
+def test_generate_json_matches_transformers(v3, plain_json):
+    src, conv = v3
+    out = plain_json
+    assert set(out) >= {"prompt_token_ids", "token_ids", "text", "finish_reason"}
     tok = transformers_tokenizer(src)
     assert out["prompt_token_ids"] == tok(PROMPT).input_ids          # BOS included, as transformers adds it
     gen = out["token_ids"]
@@ -50,6 +57,21 @@ def test_generate_json_matches_transformers(v3):
     assert r2.returncode == 0, r2.stderr
     assert r2.stdout == out["text"] + "\n"
     assert "10 generated" in r2.stderr
+
+
+def test_generate_stop_string(v3, plain_json):
+    """--stop ends generation at the token that completes the stop string; the text ends before it, streamed or not."""
+    full = plain_json["text"]
+    i = next(i for i in range(2, len(full)) if full[i].isalnum() and full[i] not in full[:i])
+    stop = full[i]
+    r = ktrun("generate", v3[1], "--prompt", PROMPT, "--max-tokens", 10, "--ignore-eos", "--json", "--stop", stop)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["text"], out["finish_reason"]) == (full[:i], "stop")
+    assert out["token_ids"] == plain_json["token_ids"][: len(out["token_ids"])] and len(out["token_ids"]) < 10
+    r2 = ktrun("generate", v3[1], "--prompt", PROMPT, "--max-tokens", 10, "--ignore-eos", "--stop", stop)
+    assert r2.returncode == 0, r2.stderr
+    assert r2.stdout == full[:i] + "\n" and "finish: stop" in r2.stderr
 
 
 def test_generate_chat_with_sampling(v3):
