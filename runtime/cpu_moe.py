@@ -18,8 +18,8 @@ Usage (the decode loop)::
 - Shard arrays stack all experts of one layer: gate_q (E, (i1-i0)/16, K_pad/64, tile_bytes) uint8,
   gate_s (E, (i1-i0)/16, n_groups, 16) float32, up likewise, down_q (E, round_up(H,16)/16, (i1-i0)/64, tile_bytes),
   down_s; bf16 layout (bits=16): scales are None. [i0, i1) are the shard's rows of the padded intermediate size
-  (`ktlayouts.ShardPlan.shard_range`); the shards must cover [0, intermediate_pad). Shards are mapped to the
-  sub-pools with `ktlayouts.nodes_for_shards` (M > S nodes split a shard's units between them).
+  (`ktlayouts.expert_shards.ShardPlan.shard_range`, checked). Shards are mapped to the sub-pools with
+  `ktlayouts.converted_dir.node_unit_ranges` (M < S: a pool takes whole shards; M > S: pools split a shard's units).
 - x, ids, weights and out may be numpy arrays or CPU torch tensors (passed by pointer; this object keeps them alive
   until sync). x: float32 or bfloat16 (torch) / uint16 bf16 bit patterns (numpy). ids < 0 are skipped.
   `accumulate=True` adds into out instead of overwriting it.
@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ktlayouts.cpu_expert import MatrixGeometry, group_unit
-from ktlayouts.expert_shards import nodes_for_shards
+from ktlayouts.converted_dir import node_unit_ranges
+from ktlayouts.cpu_expert import MatrixGeometry
+from ktlayouts.expert_shards import ShardPlan
 
 ABI_VERSION = 2
 BACKENDS = ("scalar", "avx2", "avx512", "amx")
@@ -213,11 +214,15 @@ class MoEKernels:
         """Register one layer's experts (arrays are kept referenced, never copied)."""
         if not shards:
             raise ValueError(f"layer {layer_id}: no shards")
-        unit = 64 if bits == 16 or group_size == -1 else group_unit(group_size)
-        n_pools = self.numa_pools
+        # shard -> sub-pool pieces: ktlayouts' integer unit ranges (M < S: whole shards, M > S: split units)
+        plan = ShardPlan(intermediate=intermediate_pad, group_size=group_size, n_shards=len(shards), bits=bits)
+        got = [(sh.i0, sh.i1) for sh in shards]
+        if got != plan.shard_ranges():
+            raise ValueError(f"layer {layer_id}: shard ranges {got} are not the {len(shards)}-shard split of "
+                             f"intermediate_pad {intermediate_pad}: {plan.shard_ranges()}")
         pieces = []
-        for node, parts in enumerate(nodes_for_shards(len(shards), n_pools)):
-            for s_idx, f0, f1 in parts:
+        for node, parts in enumerate(node_unit_ranges(plan, self.numa_pools)):
+            for s_idx, u0, u1 in parts:
                 sh = shards[s_idx]
                 width = sh.i1 - sh.i0
                 gu = MatrixGeometry(n=width, k=hidden, bits=bits, group_size=group_size)
@@ -226,14 +231,10 @@ class MoEKernels:
                 _check_matrix(sh.gate_q, sh.gate_s, gu, n_experts, what + " gate")
                 _check_matrix(sh.up_q, sh.up_s, gu, n_experts, what + " up")
                 _check_matrix(sh.down_q, sh.down_s, dn, n_experts, what + " down")
-                n_units = width // unit
-                u0, u1 = round(f0 * n_units), round(f1 * n_units)
-                if u1 <= u0:
-                    continue   # more nodes than units in this shard: this node gets none of it
                 ptrs = [None if a is None else _pointer(a, f"{what} {name}") for a, name in (
                     (sh.gate_q, "gate.qweight"), (sh.gate_s, "gate.scales"), (sh.up_q, "up.qweight"),
                     (sh.up_s, "up.scales"), (sh.down_q, "down.qweight"), (sh.down_s, "down.scales"))]
-                pieces.append(_Piece(*ptrs, sh.i0, sh.i1, u0 * unit, u1 * unit, node))
+                pieces.append(_Piece(*ptrs, sh.i0, sh.i1, u0 * plan.unit, u1 * plan.unit, node))
         for sh in shards:
             for a in (sh.gate_s, sh.up_s, sh.down_s):
                 if a is not None and _dtype_name(a) != "float32":

@@ -34,9 +34,9 @@ def test_pool_sizes_and_simulated_numa(layer, threads, pools):
 
 
 def test_more_pools_than_shards_split_units():
-    """M > S: two sub-pools share one shard, each computing half of its units (expert_shards.nodes_for_shards)."""
+    """M > S: two sub-pools share one shard, each computing part of its units (converted_dir.node_unit_ranges)."""
     rng = np.random.default_rng(5)
-    one = PackedLayer(rng, n_experts=4, hidden=64, inter=256, bits=8, group_size=64, n_shards=1)
+    one = PackedLayer(rng, n_experts=4, hidden=64, inter=192, bits=8, group_size=64, n_shards=1)   # 3 units
     x = rng.standard_normal((7, 64)).astype(np.float32)
     ids, w = routing(rng, 7, 3, one.E)
     with MoEKernels(n_threads=2, numa_pools=2) as moe:
@@ -54,7 +54,7 @@ def test_many_shards_on_one_pool(layer):
         ref = layer.reference(x, ids, w)
         assert_close(moe.forward(0, x, ids, w), ref, 2e-3, "2 shards on 1 pool")
         # a layer needs all its shards: registering only one is refused
-        with pytest.raises(KernelError, match="cover"):
+        with pytest.raises(ValueError, match="not the 1-shard split"):
             layer.add_to(moe, layer_id=1, shards=layer.shards[:1])
 
 

@@ -94,7 +94,7 @@ void qgemm_amx(const QView& w, int n_blocks, const ActRows& a, int m, float* y, 
 
 extern const BGemmFn kAvx512Bf16Gemm;
 extern const KernelTable kAmxTable = {"amx", "amx (int: tdpbsud tiles; bf16 layout: vdpbf16ps)",
-                                      qgemm_amx<4>, qgemm_amx<8>, nullptr, read_sum, peak, 1};
+                                      qgemm_amx<4>, qgemm_amx<8>, nullptr, read_sum, peak, quantize_row, 1};
 extern const KernelTable kAmxFmaBf16Table = {"amx", "amx (int: tdpbsud tiles; bf16 layout: fp32 fma)",
-                                             qgemm_amx<4>, qgemm_amx<8>, bgemm, read_sum, peak, 1};
+                                             qgemm_amx<4>, qgemm_amx<8>, bgemm, read_sum, peak, quantize_row, 1};
 }  // namespace kt

@@ -81,6 +81,27 @@ double peak(int64_t iters) {
 
 }  // namespace
 
+// layouts/README.md "Activations": per group a_s = max|v| / 127, a_q = rint(v / a_s) in [-127, 127].
+// v has `len` values (zero padded past n_valid), glen per group.
+void quantize_row_ref(const float* v, int n_valid, int len, int glen, int8_t* q, float* s, int32_t* sum) {
+    for (int g = 0; g < len / glen; ++g) {
+        const int k0 = g * glen, k1 = k0 + glen;
+        float amax = 0.0f;
+        for (int k = k0; k < k1 && k < n_valid; ++k) amax = std::fmax(amax, std::fabs(v[k]));
+        const float scale = amax / 127.0f;
+        const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        int32_t total = 0;
+        for (int k = k0; k < k1; ++k) {
+            float r = k < n_valid ? std::nearbyint(v[k] * inv) : 0.0f;
+            r = std::fmin(127.0f, std::fmax(-127.0f, r));
+            q[k] = (int8_t)r;
+            total += (int32_t)r;
+        }
+        s[g] = scale;
+        sum[g] = total;
+    }
+}
+
 extern const KernelTable kScalarTable = {"scalar", "scalar (reference)", qgemm_ref<4>, qgemm_ref<8>, bgemm_ref,
-                                         read_sum, peak, 0};
+                                         read_sum, peak, quantize_row_ref, 0};
 }  // namespace kt

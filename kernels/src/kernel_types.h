@@ -38,6 +38,11 @@ typedef void (*BGemmFn)(const BView& w, int n_blocks, const uint16_t* const* a, 
 typedef uint64_t (*ReadFn)(const void* p, size_t bytes);
 // Runs a register-only int8 dot-product loop for `iters` iterations; returns int8 ops done (2 per MAC).
 typedef double (*PeakFn)(int64_t iters);
+// layouts/README.md activation quantization of one row: per group of glen values a_s = max|v| / 127,
+// a_q = rint(v / a_s) in [-127, 127] and sum(a_q); v has len values, zero past n_valid. Exact in every backend.
+typedef void (*QuantRowFn)(const float* v, int n_valid, int len, int glen, int8_t* q, float* s, int32_t* sum);
+// The reference (isa_scalar.cpp, baseline ISA).
+void quantize_row_ref(const float* v, int n_valid, int len, int glen, int8_t* q, float* s, int32_t* sum);
 
 struct KernelTable {
     const char* name;        // "scalar", "avx2", "avx512", "amx"
@@ -47,6 +52,7 @@ struct KernelTable {
     BGemmFn bgemm;           // cpu-expert-bf16
     ReadFn read_sum;
     PeakFn peak;
+    QuantRowFn quantize_row;
     int thread_setup_amx;    // workers must configure AMX tiles (permission requested at load)
 };
 

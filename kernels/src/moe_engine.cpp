@@ -45,27 +45,6 @@ uint16_t f32_to_bf16(float f) {   // round to nearest even, as ktlayouts.f32_to_
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// layouts/README.md "Activations": per group a_s = max|v| / 127, a_q = rint(v / a_s) in [-127, 127].
-// v has `len` values (zero padded past n_valid), glen per group.
-void quantize_row(const float* v, int n_valid, int len, int glen, int8_t* q, float* s, int32_t* sum) {
-    for (int g = 0; g < len / glen; ++g) {
-        const int k0 = g * glen, k1 = k0 + glen;
-        float amax = 0.0f;
-        for (int k = k0; k < k1 && k < n_valid; ++k) amax = std::max(amax, std::fabs(v[k]));
-        const float scale = amax / 127.0f;
-        const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-        int32_t total = 0;
-        for (int k = k0; k < k1; ++k) {
-            float r = k < n_valid ? std::nearbyint(v[k] * inv) : 0.0f;
-            r = std::min(127.0f, std::max(-127.0f, r));
-            q[k] = (int8_t)r;
-            total += (int32_t)r;
-        }
-        s[g] = scale;
-        sum[g] = total;
-    }
-}
-
 }  // namespace
 
 MoEEngine::MoEEngine(int n_threads, int n_pools, const std::string& backend) {
@@ -160,7 +139,7 @@ void MoEEngine::quantize_x(int t, int worker) {
         v = tmp;
     }
     const int ngx = L.kx / L.kx_glen;
-    quantize_row(v, H, L.kx, L.kx_glen, xq_.data() + (size_t)t * L.kx, xs_.data() + (size_t)t * ngx,
+    table_->quantize_row(v, H, L.kx, L.kx_glen, xq_.data() + (size_t)t * L.kx, xs_.data() + (size_t)t * ngx,
                  xsum_.data() + (size_t)t * ngx);
 }
 
@@ -201,7 +180,7 @@ void MoEEngine::quantize_h(const Item& it) {
             for (int c = 0; c < cols; ++c) B.hb[(size_t)r * cols + c] = f32_to_bf16(h[c]);
         } else {
             const int ng = cols / P.d_glen;
-            quantize_row(h, cols, cols, P.d_glen, B.hq.data() + (size_t)r * cols, B.hs.data() + (size_t)r * ng,
+            table_->quantize_row(h, cols, cols, P.d_glen, B.hq.data() + (size_t)r * cols, B.hs.data() + (size_t)r * ng,
                          B.hsum.data() + (size_t)r * ng);
         }
     }
