@@ -105,6 +105,15 @@ def test_cli_refuses_bad_input(v3, tmp_path):
         assert h.returncode == 0 and "Examples:" in h.stdout
 
 
+def _cli_refuses(d, *words):
+    """`ktrun generate` and `ktrun serve` stop at load with the reason and a non-zero exit; no text generated."""
+    r = ktrun("generate", d, "--prompt", PROMPT, "--max-tokens", 2)
+    assert r.returncode != 0 and r.stdout == "" and all(w in r.stderr for w in words), r.stderr
+    r = ktrun("serve", d, "--port", 0, timeout=120)
+    assert r.returncode == 1 and "could not load the model" in r.stderr and all(w in r.stderr for w in words), \
+        r.stderr
+
+
 def _copy(conv, tmp_path):
     return shutil.copytree(conv, tmp_path / "conv")
 
@@ -120,6 +129,7 @@ def test_newer_format_version_refused(v3, tmp_path):
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(LoadError, match="format_version 99 is newer"):
         load_converted(d)
+    _cli_refuses(d, "format_version 99 is newer")
 
 
 def test_missing_shard_refused(v3, tmp_path):
@@ -137,6 +147,7 @@ def test_truncated_shard_refused(v3, tmp_path):
         fh.truncate(f.stat().st_size - 4096)
     with pytest.raises(LoadError, match=f"{f.name}: .*truncated"):
         load_converted(d)
+    _cli_refuses(d, f.name, "truncated")
 
 
 def test_corrupt_shard_found_by_verify(v3, tmp_path):
