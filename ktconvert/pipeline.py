@@ -29,7 +29,7 @@ from .progress import Journal, prepare_output
 from .source import open_source
 from .writer import AlignedWriter
 
-TEST_KILL_ENV = "KTCONVERT_TEST_KILL_AT"   # "event:n": SIGKILL self at the n-th event (expert|commit|file); tests only
+TEST_KILL_ENV = "KTCONVERT_TEST_KILL_AT"   # "event:n": SIGKILL self at the n-th event (dense|expert|commit|file); tests only
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,7 @@ class Converter:
                 for out_name, arr in self.encoder.encode(name, tensor, role).items():
                     w.write(out_name, arr)
                 self.bar.update(self.src.info(name).nbytes)
+                self.kill("dense")
             self._commit(w, job.rel)
 
     def write_experts(self, jobs: list[FileJob], pool: ThreadPoolExecutor) -> None:

@@ -46,7 +46,7 @@ def ktconvert(cwd: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_pull_then_quantize_then_serve_as_written(hub, tmp_path):
-    server, files = hub
+    server, _files = hub
     env = env_for(server.url, tmp_path)
     r = ktconvert(tmp_path, env, "pull", REPO_ID)
     pulled = Path(r.stdout.strip().splitlines()[-1])

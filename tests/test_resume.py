@@ -42,14 +42,16 @@ def reference(ckpt_dir, tmp_path_factory):
 
 
 def test_kill_and_resume_is_byte_identical(reference, tmp_path):
-    """Killed mid expert file (a .partial on disk), then killed again after a rename but before the journal
-    recorded it; a plain rerun is refused naming the flags; --resume finishes byte-identical."""
+    """Killed at several points: mid dense file and mid expert file (a .partial on disk), after a rename but before
+    the journal recorded it; a plain rerun is refused naming the flags; --resume finishes byte-identical."""
     src, ref = reference
     out = tmp_path / "out"
-    for kill, extra in (("expert:5", ()), ("commit:2", ("--resume",))):
+    for kill, extra in (("dense:2", ()), ("expert:5", ("--resume",)), ("commit:2", ("--resume",))):
         r = run_quantize(src, out, *ARGS, *extra, kill_at=kill)
         assert r.returncode == -signal.SIGKILL, (kill, r.returncode, r.stderr[-2000:])
         assert not (out / MANIFEST_NAME).exists()      # an interrupted run never looks complete
+        if kill.startswith(("dense", "expert")):
+            assert list(out.rglob("*.partial")), kill
     r = run_quantize(src, out, *ARGS)
     assert r.returncode != 0 and "--resume" in r.stderr and "--force" in r.stderr
     r = run_quantize(src, out, *ARGS, "--resume")
@@ -61,11 +63,14 @@ def test_kill_and_resume_is_byte_identical(reference, tmp_path):
 
 
 def test_resume_after_k_files_redoes_a_damaged_file(reference, tmp_path):
+    """Killed after the last file was recorded but before the side files and manifest.json; a completed file
+    damaged meanwhile is redone on --resume."""
     src, ref = reference
     out = tmp_path / "out"
-    assert run_quantize(src, out, *ARGS, kill_at="file:4").returncode == -signal.SIGKILL
+    n_files = len([rel for rel in ref if rel.startswith(("experts/", "dense/"))])
+    assert run_quantize(src, out, *ARGS, kill_at=f"file:{n_files}").returncode == -signal.SIGKILL
     done = Journal.load(out).files
-    assert len(done) == 4 and not (out / MANIFEST_NAME).exists()
+    assert len(done) == n_files and not (out / MANIFEST_NAME).exists() and not (out / "config.json").exists()
     victim = next(rel for rel in done if rel.startswith("experts/"))
     (out / victim).write_bytes(b"garbage")
     r = run_quantize(src, out, *ARGS, "--resume", "--workers", "1")    # worker count does not change the bytes
