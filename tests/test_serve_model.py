@@ -127,6 +127,9 @@ def test_sampling_seed_and_stop(client, converted, solo):
 def test_16_concurrent_streams_each_get_their_solo_greedy_text(server, client, converted, solo):
     expected = [solo(p, 8)[0] for p in PROMPTS]
     steps0, tokens0 = metric(server, "ktrun_engine_decode_steps"), metric(server, "ktrun_engine_generated_tokens")
+    names = ("ktrun_time_to_first_token_seconds_count", "ktrun_time_per_output_token_seconds_count",
+             "ktrun_prompt_tokens_total", "ktrun_generation_tokens_total", "ktrun_cpu_expert_seconds_total")
+    before = {n: metric(server, n) for n in names}
 
     def run(p):
         s = client.completions.create(model=converted.name, prompt=p, max_tokens=8, temperature=0, stream=True)
@@ -139,6 +142,12 @@ def test_16_concurrent_streams_each_get_their_solo_greedy_text(server, client, c
     tokens = metric(server, "ktrun_engine_generated_tokens") - tokens0
     assert tokens / steps > 4, (tokens, steps)  # many requests per decode step: they were batched
     assert metric(server, "ktrun_num_requests_running") == 0
+    # /metrics counted every request: a TTFT and a TPOT sample each, their prompt and output tokens, expert time
+    grew = {n: metric(server, n) - before[n] for n in names}
+    n_prompt = sum(request(server, "POST", "/tokenize", {"prompt": p})[1]["count"] for p in PROMPTS)
+    n_out = sum(solo(p, 8)[2] for p in PROMPTS)
+    assert grew == {**grew, names[0]: 16, names[1]: 16, names[2]: n_prompt, names[3]: n_out}, grew
+    assert grew["ktrun_cpu_expert_seconds_total"] > 0
 
 
 def test_disconnect_mid_stream_frees_the_slot(server, converted):
@@ -181,6 +190,28 @@ def test_errors_never_crash(server, converted):
     assert request(server, "GET", "/metrics")[0] == 200
     assert metric(server, "ktrun_cpu_expert_seconds_total") > 0
     assert request(server, "GET", "/health")[0] == 200
+
+
+def test_api_key_and_health_while_loading(converted):
+    """A real model behind --api-key: /health says 503 while the model loads (torch import + mapping), then 200;
+    /v1/* answer 401 without the key or with a wrong one, and serve the official client that sends it."""
+    s = ServerProcess([str(BIN / "ktrun"), "serve", str(converted), "--port", "0", "--ctx", str(CTX),
+                       "--api-key", "sekret"], wait_ready=False, timeout=180)
+    try:
+        st, body, _ = request(s, "GET", "/health")
+        assert st == 503 and body["error"]["code"] == "model_loading", body
+        s.wait_ready(180)
+        st, body, _ = request(s, "GET", "/v1/models")
+        assert st == 401 and body["error"]["code"] == "invalid_api_key"
+        assert request(s, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.base_url + "/v1", api_key="nope", max_retries=0).models.list()
+        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="sekret", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model=converted.name, messages=[{"role": "user", "content": "hi"}],
+                                      max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        assert s.stop() == 0, s.stderr
 
 
 def test_serve_help_and_bad_dir(tmp_path):
