@@ -121,3 +121,28 @@ def test_manifest_records_the_pulled_source(ckpt_copy, tmp_path):
     assert manifest["source"]["repo_id"] == "mistralai/Mixtral-8x7B-v0.1"
     assert manifest["source"]["revision"] == "main" and manifest["source"]["commit"] == "a" * 40
     assert ".ktconvert-source.json" not in manifest["files"]
+
+
+def test_experts_are_packed_on_both_workers_at_once(ckpt_dir, tmp_path, monkeypatch):
+    """Both cores work: with --workers 2, two threads are inside the (real) expert packing at the same moment. Each
+    worker thread waits at a 2-party barrier on its first packing call; a serial converter would never get a second
+    thread there and the barrier would break."""
+    import threading
+
+    from ktconvert import pipeline
+    from ktconvert.pipeline import ConvertOptions, convert
+
+    real, lock, meet, seen = pipeline.pack_expert_matrix, threading.Lock(), threading.Barrier(2, timeout=60), set()
+
+    def pack_and_meet(*args, **kwargs):
+        me = threading.get_ident()
+        with lock:
+            first = me not in seen
+            seen.add(me)
+        if first:
+            meet.wait()      # returns only once another thread is packing too
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "pack_expert_matrix", pack_and_meet)
+    convert(ckpt_dir("qwen3_moe"), tmp_path / "out", ConvertOptions(workers=2), show_progress=False)
+    assert len(seen) == 2 and threading.main_thread().ident not in seen
