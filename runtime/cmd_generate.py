@@ -71,8 +71,9 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
             prompt_ids = tok.encode(prompt)
     except (LoadError, ConfigError, TokenizerError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    if len(prompt_ids) > ctx:
-        raise click.ClickException(f"--prompt is {len(prompt_ids)} tokens, longer than --ctx {ctx}")
+    if len(prompt_ids) >= ctx:
+        raise click.ClickException(f"--prompt is {len(prompt_ids)} tokens, longer than --ctx {ctx} allows (the "
+                                   "context holds the prompt and the generated tokens: at least 1)")
     # streamed text: incremental decoding that holds back incomplete characters and possible stop-string starts
     stream = TextStream(tok.decode, stop, prompt_ids)
     streamer = None if as_json else (lambda token: (sys.stdout.write(stream.push(token)), sys.stdout.flush()))

@@ -33,7 +33,7 @@ def finish_reason(token: int, n_generated: int, cache_len: int, ctx: int, params
         return "stop"
     if params.stop and text is not None and any(s in text() for s in params.stop):
         return "stop"
-    if n_generated >= params.max_tokens or cache_len + 1 > ctx:
+    if n_generated >= params.max_tokens or cache_len + 1 >= ctx:   # prompt + generated tokens fill the context
         return "length"
     return None
 

@@ -74,6 +74,17 @@ def test_generate_stop_string(v3, plain_json):
     assert r2.stdout == full[:i] + "\n" and "finish: stop" in r2.stderr
 
 
+def test_generate_stops_at_ctx(v3, plain_json):
+    """--ctx bounds prompt + generated tokens: generation ends with "length" when the context is full."""
+    n = len(plain_json["prompt_token_ids"])
+    r = ktrun("generate", v3[1], "--prompt", PROMPT, "--max-tokens", 10, "--ignore-eos", "--json", "--ctx", n + 3)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["token_ids"], out["finish_reason"]) == (plain_json["token_ids"][:3], "length")
+    r = ktrun("generate", v3[1], "--prompt", PROMPT, "--ctx", n)      # no room for a generated token
+    assert r.returncode != 0 and f"--prompt is {n} tokens, longer than --ctx {n}" in r.stderr and r.stdout == ""
+
+
 def test_generate_chat_with_sampling(v3):
     src, conv = v3
     r = ktrun("generate", conv, "--chat", "--prompt", "hi there", "--max-tokens", 6, "--json",
