@@ -108,7 +108,7 @@ def test_bad_input_is_reported(layer):
 def _run_with_backend_env(value: str) -> subprocess.CompletedProcess:
     code = "from ktrun.cpu_moe import MoEKernels; print(MoEKernels(n_threads=1).backend)"
     return subprocess.run([sys.executable, "-c", code], check=False, env={**os.environ, "KT_KERNEL_BACKEND": value},
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.parametrize("backend", ["scalar", "avx2", "avx512", "amx"])
