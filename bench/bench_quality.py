@@ -11,6 +11,10 @@ come from the BF16 model on training-split text (one pass, not layer-sequential)
 
     .venv/bin/python bench/bench_quality.py                     # ~8k held-out tokens, 1 thread
     .venv/bin/python bench/bench_quality.py --tokens 4096 --threads 2
+    .venv/bin/python bench/bench_quality.py --no-runtime          # only the round-trip rows
+
+The same table also has rows through the real product (bench/quality_runtime.py): the default model converted by
+`ktconvert` and scored by `ktrun` (CPU kernels when available: int8 activations too).
 """
 from __future__ import annotations
 
@@ -142,6 +146,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192, help="held-out tokens scored")
     ap.add_argument("--calib-tokens", type=int, default=4096, help="training-split tokens for GPTQ Hessians")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-runtime", action="store_true", help="skip the ktconvert + ktrun rows")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from tokenizers import Tokenizer
@@ -159,7 +164,7 @@ def main() -> None:
     t0 = time.time()
     ref_ppl, _, ref_logp = evaluate(base, windows, None)
     hessians = collect_hessians(base, calib)
-    rows = [("bf16", "bf16", ref_ppl, 0.0)]
+    rows = [("bf16", "bf16", ref_ppl, 0.0, "reference")]
     configs = [(f"int{b}-g{g}" if g > 0 else f"int{b}-per-row", "bf16", b, g, None)
                for b in (8, 4) for g in (32, 64, 128, -1)]
     configs += [("bf16", "rtn-int4-g128", None, None, "rtn"), ("bf16", "gptq-int4-g128", None, None, "gptq"),
@@ -171,19 +176,24 @@ def main() -> None:
         if algo:
             quantize_gpu_layers(m, algo, hessians)
         ppl, kl, _ = evaluate(m, windows, ref_logp)
-        rows.append((experts, gpu, ppl, kl))
+        rows.append((experts, gpu, ppl, kl, "round trip"))
         del m
+    if not args.no_runtime:
+        from quality_runtime import runtime_rows
 
-    print("\n| routed experts | GPU layers | held-out ppl | ppl / bf16 | mean KL vs bf16 (nats/token) |")
-    print("|---|---|---:|---:|---:|")
-    for experts, gpu, ppl, kl in rows:
-        print(f"| {experts} | {gpu} | {ppl:.3f} | {ppl / ref_ppl:.4f} | {kl:.5f} |")
-    print()
-    for experts, gpu, ppl, kl in rows:
-        key = f"experts_{experts}.gpu_{gpu}"
+        rows += [(e, g, p, k, f"ktrun {b}") for e, g, p, k, b in runtime_rows(args.model, windows, ref_logp, 4)]
+
+    print("\n| routed experts | GPU layers | path | held-out ppl | ppl / bf16 | mean KL vs bf16 (nats/token) |")
+    print("|---|---|---|---:|---:|---:|")
+    for experts, gpu, ppl, kl, path in rows:
+        print(f"| {experts} | {gpu} | {path} | {ppl:.3f} | {ppl / ref_ppl:.4f} | {kl:.5f} |")
+    print("# path: 'round trip' = transformers with weights quantized-dequantized through ktlayouts / ktconvert.rtn|gptq "
+          "(float activations); 'ktrun X' = converted by ktconvert, run by ktrun with expert backend X")
+    for experts, gpu, ppl, kl, path in rows:
+        key = f"experts_{experts}.gpu_{gpu}" + (".ktrun" if path.startswith("ktrun") else "")
         print(f"quality.{key}.ppl: {ppl:.3f} ppl")
         print(f"quality.{key}.ppl_ratio_vs_bf16: {ppl / ref_ppl:.4f} x")
-        if experts != "bf16" or gpu != "bf16":
+        if path != "reference":
             print(f"quality.{key}.mean_kl: {kl:.5f} nats/token")
     n_experts = base.config.n_routed_experts
     top = max(1, math.ceil(0.1 * n_experts))

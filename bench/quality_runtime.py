@@ -1,0 +1,58 @@
+"""bench_quality's second path: the real product. Convert the default model with `ktconvert` (pipeline.convert) and
+score the held-out windows with `ktrun`'s model (Engine; CPU kernels when the library loads, which adds int8
+activation quantization), against the same BF16 transformers reference log-probs."""
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+# (expert method, expert group size, GPU-layer method); GPU methods run only when the converter registers them.
+RUNTIME_CONFIGS = [("int8-amx", 128, "bf16"), ("int8-amx", -1, "bf16"), ("int4-amx", 128, "bf16"),
+                   ("int4-amx", -1, "bf16"), ("int4-amx", 128, "gptq-int4")]
+
+
+@torch.no_grad()
+def runtime_scores(conv_dir: Path, windows: torch.Tensor, ref_logp: list, batch: int) -> tuple[float, float, str]:
+    """-> (perplexity, mean KL(ref || ktrun), expert backend name) over the windows (n, SEQ_LEN+1)."""
+    from ktrun.engine import Engine
+    from ktrun.models.kv_cache import Batch
+
+    eng = Engine(conv_dir, ctx=windows.shape[1] + 8)
+    try:
+        nll, kl, count = 0.0, 0.0, 0
+        for j, i in enumerate(range(0, len(windows), batch)):
+            for r, row in enumerate(windows[i:i + batch]):
+                ids = row[:-1].tolist()
+                logits = eng.model.forward(Batch.build([(eng.model.new_cache(len(ids) + 8), ids)], "cpu"),
+                                           all_logits=True)  # (T, V)
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                nll -= float(logp.gather(-1, row[1:, None]).sum())
+                ref = ref_logp[j][r]
+                kl += float((ref.exp() * (ref - logp)).sum())
+                count += len(ids)
+        return math.exp(nll / count), kl / count, eng.stats["expert_backend"]
+    finally:
+        eng.close()
+
+
+def runtime_rows(model_dir: Path, windows: torch.Tensor, ref_logp: list, batch: int) -> list[tuple]:
+    """Rows (experts, gpu, ppl, kl, backend) through ktconvert + ktrun; skipped configs are printed as comments."""
+    from ktconvert.dense_encoding import DENSE_ENCODERS
+    from ktconvert.pipeline import ConvertOptions, convert
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kt_quality_") as tmp:
+        for method, group, gpu in RUNTIME_CONFIGS:
+            if gpu not in DENSE_ENCODERS:
+                print(f"# ktconvert has no GPU-layer method {gpu!r} yet: row {method} g{group} + {gpu} skipped")
+                continue
+            out = Path(tmp) / f"{method}_g{group}_{gpu}"
+            convert(model_dir, out, ConvertOptions(method=method, group_size=group, gpu_method=gpu),
+                    show_progress=False)
+            ppl, kl, backend = runtime_scores(out, windows, ref_logp, batch)
+            experts = f"{method.split('-')[0]}-{'per-row' if group == -1 else f'g{group}'}"
+            rows.append((experts, gpu, ppl, kl, backend))
+    return rows
