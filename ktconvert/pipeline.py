@@ -112,13 +112,14 @@ def _shard_codes(exact: dict, geo: ExpertGeometry, shard: int) -> dict[str, tupl
     return out
 
 
-def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int) -> list[dict[str, np.ndarray]]:
-    """Read expert e of `layer` and pack it for every shard -> per shard {tensor name: array}."""
+def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int,
+                 shards: list[int]) -> list[dict[str, np.ndarray]]:
+    """Read expert e of `layer` and pack it for the given shards -> per shard {tensor name: array}."""
     names = {p: adapter.expert_tensor_name(layer, e, p) for p in PROJECTIONS}
     exact = _exact_int8(src, names, geo)
     w = None if exact else {p: src.read(n).numpy() for p, n in names.items()}
     per_shard = []
-    for s in range(geo.numa_nodes):
+    for s in shards:
         mats = _shard_codes(exact, geo, s) if exact else _shard_matrices(w, geo, s)
         packed = {}
         for p in PROJECTIONS:
@@ -153,17 +154,20 @@ class Converter:
                 self.kill("dense")
             self._commit(w, job.rel)
 
-    def write_experts(self, jobs: list[FileJob], pool: ThreadPoolExecutor) -> None:
+    def write_experts(self, jobs: list[FileJob], pool: ThreadPoolExecutor, group_nbytes: int) -> None:
+        """Write the expert shard files `jobs` of one layer (on resume: only the shards not done yet);
+        group_nbytes: source bytes of the whole layer's experts (progress)."""
         geo, layer = self.plan.geometry, jobs[0].layer
+        shards = [job.shard for job in jobs]
         adapter = self.src.arch
         writers = []
         try:
             for job in jobs:
                 writers.append(AlignedWriter(self.out_dir / job.rel, job.specs, job.metadata))
-            per_expert = jobs[0].source_nbytes // geo.n_experts
+            per_expert = group_nbytes // geo.n_experts
             window: deque = deque()
             for e in range(geo.n_experts):
-                window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e)))
+                window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e, shards)))
                 if len(window) > self.opts.workers:
                     self._drain_one(window, writers, per_expert)
             while window:
@@ -220,8 +224,9 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                         if job.kind != "expert" and not journal.is_done(job.rel):
                             conv.write_dense(job)
                     experts = [j for j in group if j.kind == "expert"]
-                    if experts and not all(journal.is_done(j.rel) for j in experts):
-                        conv.write_experts(experts, pool)
+                    todo = [j for j in experts if not journal.is_done(j.rel)]
+                    if todo:
+                        conv.write_experts(todo, pool, sum(j.source_nbytes for j in experts))
                     src.close()   # unmap the shards read so far: mapped pages would count as RSS for the whole run
             side = copy_side_files(src, out_dir, journal)
             manifest = write_manifest(src, out_dir, opts, plan, journal, side)

@@ -73,9 +73,13 @@ def test_resume_after_k_files_redoes_a_damaged_file(reference, tmp_path):
     assert len(done) == n_files and not (out / MANIFEST_NAME).exists() and not (out / "config.json").exists()
     victim = next(rel for rel in done if rel.startswith("experts/"))
     (out / victim).write_bytes(b"garbage")
+    inodes = {rel: (out / rel).stat().st_ino for rel in done if rel != victim}
     r = run_quantize(src, out, *ARGS, "--resume", "--workers", "1")    # worker count does not change the bytes
     assert r.returncode == 0, r.stderr
     assert tree(out) == ref
+    # only the damaged file was rewritten (files are renamed into place, so a rewrite is a new inode), not the
+    # other NUMA shard of its layer
+    assert {rel: (out / rel).stat().st_ino for rel in inodes} == inodes
 
 
 def test_output_dir_rules(tmp_path):
