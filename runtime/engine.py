@@ -106,6 +106,11 @@ class Engine:
         self._running.pop(req_id, None)            # its SeqCache is dropped with it
         self._new = [r for r in self._new if r.req_id != req_id]
 
+    def kv_cache_bytes(self) -> int:
+        """KV-cache bytes held by the requests in the engine (read by /metrics from another thread: list() of a
+        dict's values is one step under the GIL)."""
+        return sum(r.cache.nbytes() for r in list(self._running.values()) + list(self._new))
+
     def has_work(self) -> bool:
         return bool(self._new or self._running)
 

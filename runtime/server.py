@@ -43,6 +43,8 @@ class ServerState:
                     lambda: self.scheduler.num_running if self.scheduler else 0)
         m.add_gauge("ktrun_num_requests_waiting", "Requests waiting for a free slot.",
                     lambda: self.scheduler.num_waiting if self.scheduler else 0)
+        m.add_gauge("ktrun_kv_cache_bytes", "KV-cache bytes held by requests in the engine (freed on finish/abort).",
+                    self._kv_cache_bytes)
         m.add_gauge("ktrun_max_batch", "Engine slots (max requests decoded together).", lambda: self.max_batch)
         m.add_gauge("ktrun_engine_ready", "1 once the model is loaded.", lambda: float(self.engine is not None))
         m.add_gauge("ktrun_slots_freed_by_abort_total", "Running requests stopped early (client gone, stop string).",
@@ -53,6 +55,10 @@ class ServerState:
                     lambda: self.scheduler.step_seconds if self.scheduler else 0.0, kind="counter")
         m.add_gauge("ktrun_cpu_expert_seconds_total", "CPU time in routed-expert kernels (from Engine.stats).",
                     self._cpu_expert_seconds, kind="counter")
+
+    def _kv_cache_bytes(self) -> float:
+        read = getattr(self.engine, "kv_cache_bytes", None)
+        return float(read()) if callable(read) else 0.0
 
     def _cpu_expert_seconds(self) -> float:
         stats = getattr(self.engine, "stats", None) or {}

@@ -141,7 +141,7 @@ def test_16_concurrent_streams_each_get_their_solo_greedy_text(server, client, c
     steps = metric(server, "ktrun_engine_decode_steps") - steps0
     tokens = metric(server, "ktrun_engine_generated_tokens") - tokens0
     assert tokens / steps > 4, (tokens, steps)  # many requests per decode step: they were batched
-    assert metric(server, "ktrun_num_requests_running") == 0
+    assert metric(server, "ktrun_num_requests_running") == 0 and metric(server, "ktrun_kv_cache_bytes") == 0
     # /metrics counted every request: a TTFT and a TPOT sample each, their prompt and output tokens, expert time
     grew = {n: metric(server, n) - before[n] for n in names}
     n_prompt = sum(request(server, "POST", "/tokenize", {"prompt": p})[1]["count"] for p in PROMPTS)
@@ -159,12 +159,14 @@ def test_disconnect_mid_stream_frees_the_slot(server, converted):
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")  # the first token is out
     assert metric(server, "ktrun_num_requests_running") == 1
+    assert metric(server, "ktrun_kv_cache_bytes") > 0                     # its cache, growing with its tokens
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     deadline = time.monotonic() + 20
     while metric(server, "ktrun_num_requests_running") > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric(server, "ktrun_num_requests_running") == 0
+    assert metric(server, "ktrun_kv_cache_bytes") == 0                    # dropped with the request
     assert metric(server, "ktrun_request_finished_total", '{reason="abort"}') == aborts0 + 1
     assert metric(server, "ktrun_slots_freed_by_abort_total") >= 1
 
