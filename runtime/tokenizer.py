@@ -77,12 +77,13 @@ class Tokenizer:
 
     @staticmethod
     def _find_template(d: Path, cfg: dict) -> str | None:
+        """chat_template.jinja wins over tokenizer_config.json's entry (as transformers loads them)."""
+        if (d / "chat_template.jinja").is_file():
+            return (d / "chat_template.jinja").read_text(encoding="utf-8")
         t = cfg.get("chat_template")
         if isinstance(t, list):   # [{"name": "default", "template": ...}, ...]
             named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
             t = named.get("default")
-        if t is None and (d / "chat_template.jinja").is_file():
-            t = (d / "chat_template.jinja").read_text()
         return t
 
     @property

@@ -121,3 +121,17 @@ def test_no_builtin_template_for_other_vocabularies(tmp_path_factory, tmp_path):
     shutil.copy(src / "tokenizer.json", d / "tokenizer.json")
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer(d).render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_chat_template_file_wins_over_tokenizer_config(tmp_path_factory, tmp_path):
+    """chat_template.jinja next to a tokenizer_config.json template: both sides render the file's template."""
+    src = build_checkpoint(shared_root(tmp_path_factory), "deepseek_v3")
+    d = tmp_path / "tok"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, d / name)
+    (d / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+                                           "\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    want = transformers_tokenizer(d).apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert "[user] hi" in want and Tokenizer(d).render_chat(msgs) == want
