@@ -56,6 +56,7 @@ def test_pull_then_quantize_then_serve_as_written(hub, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["method"] == "int4-amx" and manifest["model_type"] == "qwen3_moe"
     assert manifest["source"]["repo_id"] == REPO_ID and manifest["source"]["commit"] == COMMIT
+    assert manifest["source"]["revision"] == "main"
     assert "B/s" in r.stderr                      # the progress bar shows bytes and a rate
     assert f"--against {pulled}" in r.stdout      # the suggested verify command names the pulled directory
     assert ktconvert(tmp_path, env, "verify", "converted/", "--against", str(pulled)).returncode == 0
