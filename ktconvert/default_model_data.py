@@ -38,11 +38,15 @@ def default_stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def split_files(stdlib: Path) -> tuple[list[Path], list[Path]]:
-    """Top-level *.py files of the folder, sorted by name; every 20th (offset 10) is held out."""
+def split_files(stdlib: Path, limit: int = 0) -> tuple[list[Path], list[Path]]:
+    """Top-level *.py files of the folder, sorted by name (the first `limit` if > 0); every 20th (offset 10) is
+    held out."""
     files = sorted(p for p in stdlib.glob("*.py") if p.is_file())
     if len(files) < 2 * HELDOUT_EVERY:
         raise SystemExit(f"error: {stdlib} has only {len(files)} *.py files; need the Python standard library")
+    if 0 < limit <= HELDOUT_EVERY // 2:
+        raise SystemExit(f"error: --limit-files {limit} leaves no held-out file; use at least {HELDOUT_EVERY // 2 + 1}")
+    files = files[:limit] if limit > 0 else files
     heldout = [p for i, p in enumerate(files) if i % HELDOUT_EVERY == HELDOUT_EVERY // 2]
     train = [p for i, p in enumerate(files) if i % HELDOUT_EVERY != HELDOUT_EVERY // 2]
     return train, heldout

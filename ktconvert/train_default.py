@@ -5,7 +5,7 @@ Reproducible (sorted file list, fixed seed, one thread); stops at --steps or --m
 
 Examples:
     python -m ktconvert.train_default --out /tmp/default_model
-    python -m ktconvert.train_default --out /tmp/m --steps 20 --max-minutes 2     # smoke run
+    python -m ktconvert.train_default --out /tmp/m --steps 2 --limit-files 40     # smoke run (~1 min)
     python -m ktconvert.train_default --out /tmp/default_model --resume          # continue after a crash
 """
 
@@ -149,6 +149,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="output directory (hub layout)")
     ap.add_argument("--stdlib", type=Path, default=io.default_stdlib_dir(), help="folder of *.py training text")
+    ap.add_argument("--limit-files", type=int, default=0, help="use only the first N files (smoke runs, tests)")
     ap.add_argument("--steps", type=int, default=1600)
     ap.add_argument("--batch", type=int, default=12, help=f"sequences of {SEQ_LEN} tokens per step")
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
         log.write(line + "\n")
         log.flush()
 
-    train_files, heldout_files = io.split_files(args.stdlib)
+    train_files, heldout_files = io.split_files(args.stdlib, args.limit_files)
     say(f"data: {len(train_files)} train files, {len(heldout_files)} held-out files from {args.stdlib}")
     tok = io.train_tokenizer(train_files)
     chats = io.chat_samples(train_files)

@@ -180,3 +180,33 @@ def test_converted_default_model_runs_in_ktrun_close_to_transformers(model, toke
         eng.close()
     kl = (ref.exp() * (ref - got)).sum(-1)  # (T,) nats; bench_quality measured mean 8e-4 for int4 g128
     assert kl.mean() < 5e-3 and kl.max() < 0.2, f"int4 default model in ktrun: KL mean {kl.mean():.2e} max {kl.max():.2e}"
+
+
+def test_training_script_smoke_run_writes_a_loadable_hub_dir(tmp_path):
+    """`python -m ktconvert.train_default` end to end on 25 stdlib files and 2 steps (about a minute)."""
+    import subprocess
+    import sys
+
+    from ktconvert.default_model_data import default_stdlib_dir
+
+    if len(list(default_stdlib_dir().glob("*.py"))) < 40:
+        pytest.skip(f"no Python standard library source at {default_stdlib_dir()}")
+    out = tmp_path / "m"
+    r = subprocess.run([sys.executable, "-m", "ktconvert.train_default", "--out", str(out), "--steps", "2",
+                        "--limit-files", "25"], capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (out / "train_state.safetensors").exists()  # optimizer state is removed after a verified export
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+    assert "model.layers.1.mlp.experts.15.down_proj.weight" in index["weight_map"]
+    assert not any("gate_up_proj" in n for n in index["weight_map"])
+    stats = json.loads((out / "training_stats.json").read_text())
+    assert stats["steps"] == 2 and stats["train_files"] == 24 and stats["heldout_files"] == 1
+    assert "completed all 2 steps" in (out / "README.md").read_text(encoding="utf-8")
+
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+
+    m = DeepseekV3ForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = tok("import os\n", return_tensors="pt")["input_ids"]
+    assert ids[0, 0] == 0 and torch.isfinite(m(input_ids=ids).logits).all()
