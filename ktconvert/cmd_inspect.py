@@ -1,6 +1,7 @@
 """`ktconvert inspect`: what a checkpoint (or converted directory) holds and whether it fits a GPU + CPU budget."""
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import defaultdict
@@ -65,11 +66,33 @@ def inspect_source(path: Path, group_size: int) -> dict:
                 "source_bytes": src.source_nbytes()}
 
 
+def _converted_adapter(path: Path):
+    """The architecture adapter of the config.json a conversion copied (the source's), or None if unreadable."""
+    from .arch import SourceError, adapter_for
+
+    try:
+        return adapter_for(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError, SourceError):
+        return None
+
+
+def _role_kind(adapter, name: str) -> str:
+    """Role of a converted dense tensor; "non-expert" where the name is not a plain hub tensor (e.g. packed
+    GPU-layer tensors) or the config could not be read."""
+    from .arch import SourceError
+
+    try:
+        return adapter.classify(name).kind if adapter is not None else "non-expert"
+    except SourceError:
+        return "non-expert"
+
+
 def inspect_converted(path: Path) -> dict:
     from .converted_reader import ConvertedDir
 
     conv = ConvertedDir(path)
     m, geo = conv.manifest, conv.geometry
+    adapter = _converted_adapter(Path(path))
     params: dict[str, int] = defaultdict(int)
     cpu = gpu = 0
     for f in m["files"].values():
@@ -77,11 +100,12 @@ def inspect_converted(path: Path) -> dict:
             cpu += f["size"]
         elif f["kind"] in ("dense", "globals"):
             gpu += f["size"]
-            for t in f["tensors"].values():
-                params["non-expert"] += math.prod(t["shape"])
+            for name, t in f["tensors"].items():
+                params[_role_kind(adapter, name)] += math.prod(t["shape"])
     params["expert"] = 3 * geo.hidden * geo.intermediate * geo.n_experts * len(geo.moe_layers)
     return {"kind": "converted", "model_type": m["model_type"], "layers": m.get("num_layers"), "params": dict(params),
-            "n_experts": geo.n_experts, "top_k": None, "moe_layers": list(geo.moe_layers), "shared_experts": None,
+            "n_experts": geo.n_experts, "top_k": adapter.top_k if adapter else None, "moe_layers": list(geo.moe_layers),
+            "shared_experts": adapter.n_shared_experts if adapter else None,
             "gpu": {geo.method: gpu}, "cpu": {geo.method: cpu}, "method": geo.method, "numa_nodes": geo.numa_nodes}
 
 

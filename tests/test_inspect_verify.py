@@ -53,6 +53,9 @@ def test_inspect_fits_and_converted_sizes(converted):
     assert code == 0 and "CPU fits" in text and "GPU fits" not in text and "GPU does NOT" not in text, text
     predicted = inspect_source(src, 128)["cpu"]["int4-amx"]
     conv = inspect_converted(out)
+    source_info = inspect_source(src, 128)
+    assert conv["params"] == source_info["params"]      # the same counts by role as the source
+    assert (conv["top_k"], conv["shared_experts"]) == (source_info["top_k"], source_info["shared_experts"])
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     expert_files = [f for f in manifest["files"].values() if f["kind"] == "expert"]
     assert conv["cpu"]["int4-amx"] == sum(f["size"] for f in expert_files)
