@@ -5,8 +5,9 @@ on this 24 GB box shared with other work; the issue asks ~8 GB where memory allo
 so no expert stays in cache. For T = 1, 4, 16, 64, 512 tokens, int4 and int8, 1 and 2 threads it prints the time per
 layer (best of the reps), where it went (kt_profile phases, CPU share the workers got), the weight bytes read per
 second and that as a fraction of the memory read bandwidth measured in the same run (kt_measure_read_bandwidth, same
-threads, best of probes taken before every configuration); for T >= 64 also int8 GOP/s against the measured
-register-only vpdpbusd peak (kt_measure_int8_peak, same threads). Output lines are `name: value unit`.
+threads, the better of the probes just before and just after that configuration); for T >= 64 also int8 GOP/s
+against the measured register-only vpdpbusd peak (kt_measure_int8_peak, same threads, same bracketing).
+Output lines are `name: value unit`.
 
     .venv/bin/python bench/bench_moe_kernels.py                       # everything (a few minutes)
     .venv/bin/python bench/bench_moe_kernels.py --tokens 1 --threads 2 --bits 4
@@ -73,11 +74,9 @@ def time_layer(moe: MoEKernels, T: int, n_experts: int, reps: int, rng) -> tuple
     return best, float(np.mean(touched)), prof
 
 
-def probe(moe: MoEKernels, limits: dict, nt: int) -> None:
-    """Re-measure the machine limits with this pool; keep the best seen in the run (the cores are shared)."""
-    bw, peak = moe.measure_read_bandwidth(512 << 20, 4), moe.measure_int8_peak(0.3)
-    old_bw, old_peak = limits.get(nt, (0.0, 0.0))
-    limits[nt] = (max(bw, old_bw), max(peak, old_peak))
+def probe(moe: MoEKernels) -> tuple[float, float]:
+    """(read bytes/s, int8 ops/s) of this machine with this pool right now."""
+    return moe.measure_read_bandwidth(512 << 20, 4), moe.measure_int8_peak(0.3)
 
 
 def main() -> None:
@@ -90,10 +89,8 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
 
-    # The limits are probed before every configuration and the best of the whole run is the denominator, so a
-    # probe that happened to run while other processes held the cores cannot flatter the kernels.
-    limits: dict[int, tuple[float, float]] = {}
-    results = []   # (name, T, threads, seconds, weight bytes/s)
+    # This VM shares its cores and memory system with other work, so the limits drift: each configuration is
+    # bracketed by probes with the same pool (just before and just after) and divided by the better of the two.
     for bits in args.bits:
         per_expert = expert_bytes(bits)
         n_experts = max(TOP_K, int(args.budget_gb * 1e9 // per_expert))
@@ -107,11 +104,15 @@ def main() -> None:
                       f"{[cpu for _, cpu in moe.thread_cpus()]}")
                 moe.add_layer(0, [shard], n_experts=n_experts, hidden=HIDDEN, intermediate_pad=INTER, bits=bits,
                               group_size=GROUP)
+                after = probe(moe)
                 for T in args.tokens:
-                    probe(moe, limits, nt)
+                    before = after
                     reps = 20 if T <= 4 else 8 if T <= 64 else 2
                     sec, touched, prof = time_layer(moe, T, n_experts, reps, rng)
+                    after = probe(moe)
+                    bw, peak = max(before[0], after[0]), max(before[1], after[1])
                     name = f"moe_int{bits}_T{T}_{nt}t"
+                    rate = touched * per_expert / sec
                     print(f"{name}_time: {sec * 1e3:.2f} ms")
                     # where the time went (kt_profile): per phase, the slowest worker
                     phases = {k: max(p[k] for p in prof) for k in ("x_quant", "wait_x", "gate_up", "wait_h", "down")}
@@ -119,21 +120,15 @@ def main() -> None:
                     # CPU time the workers got / (wall time x threads): below 1 when other processes share the cores
                     share = sum(p["cpu_time"] for p in prof) / (sec * nt)
                     print(f"{name}_cpu_share: {share:.2f} of wall time x threads")
-                    results.append((name, T, nt, sec, touched * per_expert / sec))
-                probe(moe, limits, nt)
+                    print(f"{name}_read_bandwidth: {bw / 1e9:.2f} GB/s (probe, {nt} thread(s), best of before/after)")
+                    print(f"{name}_weight_read: {rate / 1e9:.2f} GB/s")
+                    print(f"{name}_bw_fraction: {rate / bw:.3f} of measured read bandwidth")
+                    if T >= 64:
+                        gops = 2.0 * T * TOP_K * 3 * HIDDEN * INTER / sec
+                        print(f"{name}_int8_peak: {peak / 1e9:.1f} GOP/s (probe, best of before/after)")
+                        print(f"{name}_compute: {gops / 1e9:.1f} GOP/s")
+                        print(f"{name}_peak_fraction: {gops / peak:.3f} of measured int8 vpdpbusd peak")
         del shard
-
-    for nt, (bw, peak) in sorted(limits.items()):
-        print(f"read_bandwidth_{nt}t: {bw / 1e9:.2f} GB/s (best probe of the run)")
-        print(f"int8_peak_{nt}t: {peak / 1e9:.1f} GOP/s (best probe of the run)")
-    for name, T, nt, sec, rate in results:
-        bw, peak = limits[nt]
-        print(f"{name}_weight_read: {rate / 1e9:.2f} GB/s")
-        print(f"{name}_bw_fraction: {rate / bw:.3f} of measured read bandwidth")
-        if T >= 64:
-            gops = 2.0 * T * TOP_K * 3 * HIDDEN * INTER / sec
-            print(f"{name}_compute: {gops / 1e9:.1f} GOP/s")
-            print(f"{name}_peak_fraction: {gops / peak:.3f} of measured int8 vpdpbusd peak")
 
 
 if __name__ == "__main__":
