@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <cmath>
+#include <ctime>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -15,7 +15,6 @@
 namespace kt {
 
 namespace {
-
 
 int env_int(const char* name, int fallback) {
     const char* v = std::getenv(name);
