@@ -1,6 +1,8 @@
 """`ktconvert quantize`: convert a checkpoint into a ktrun directory (CPU expert tiles + non-expert tensors)."""
 from __future__ import annotations
 
+import logging
+
 import click
 from ktlayouts.constants import DEFAULT_GROUP_SIZE, METHOD_TO_LAYOUT
 from ktlayouts.converted_dir import ManifestError
@@ -8,6 +10,7 @@ from ktlayouts.cpu_expert import LayoutError
 
 from .arch import SourceError
 from .convert_plan import ConvertError
+from .gpu_cli import gpu_click_options, gpu_errors
 from .progress import OutputDirError
 
 CONVERT_ERRORS = (ConvertError, SourceError, OutputDirError, LayoutError, ManifestError)
@@ -33,14 +36,17 @@ def resolve_source_arg(src: str | None):
 @click.option("--force", is_flag=True, help="Discard a previous conversion in the output directory and start over.")
 @click.option("--workers", type=int, default=2, show_default=True, help="Threads quantizing experts.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, workers, quiet):
+@gpu_click_options
+def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, workers, quiet, **gpu):
     """Convert the checkpoint SRC into OUTPUT.
 
     SRC is a local checkpoint directory (safetensors shards + config.json), a GGUF file (or the first part of a
     split set), or a hub repo id (pulled first, see `ktconvert pull`); without SRC, the most recent pull.
 
-    Routed experts become INT4/INT8 (or BF16) AMX/VNNI tiles in experts/layer-*.shard-*.safetensors; all other
-    tensors are written as BF16 under their hub names in dense/; config and tokenizer files are copied;
+    Routed experts become INT4/INT8 (or BF16) AMX/VNNI tiles in experts/layer-*.shard-*.safetensors; the other
+    Linears (attention, shared experts, dense MLPs; lm_head with --quantize-head) become GPTQ or RTN INT4/INT8 GPU
+    layers in dense/ (Marlin layout, or gptq / compressed-tensors for vLLM), calibrated layer by layer on the
+    shipped text (or --calib FILE); embeddings, norms and routers stay BF16/F32; config and tokenizer files are copied;
     manifest.json (written last) lists every file with size and sha256. Memory stays at about one expert;
     a killed run continues with --resume and yields byte-identical output.
 
@@ -53,14 +59,17 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
       ktconvert quantize ./Qwen3-30B-A3B --method int8-amx --group-size 64 --numa-nodes 2 -o q3/
       ktconvert quantize ./DeepSeek-V3 -o converted/ --resume     # after an interruption
       ktconvert quantize ./Mixtral-8x7B --method bf16 -o mixtral-ref/ --force
+      ktconvert quantize ./DeepSeek-V3 --gpu-method rtn-int8 --gpu-group-size -1 -o dsv3-int8/
+      ktconvert quantize ./Qwen3-30B-A3B --gpu-format compressed-tensors --calib my_text.txt -o q3-ct/
     """
     from .pipeline import ConvertOptions, convert
 
     try:
-        opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers)
+        logging.basicConfig(level=logging.INFO, format="ktconvert: %(message)s")
+        opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers, **gpu)
         src_path = resolve_source_arg(src)
         manifest = convert(src_path, out_dir, opts, resume=resume, force=force, show_progress=not quiet)
-    except CONVERT_ERRORS as e:
+    except (*CONVERT_ERRORS, *gpu_errors()) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {manifest.parent} ({manifest.name} lists every file); check it with: "
                f"ktconvert verify {manifest.parent} --against {src_path}")

@@ -63,6 +63,7 @@ def compare_to_source(conv, src_path: str, per_expert: bool = False) -> list[tup
     from tqdm import tqdm
 
     from .converted_reader import relative_error
+    from .dequant_gpu import max_rel_error
     from .source import open_source
 
     geo = conv.geometry
@@ -71,8 +72,9 @@ def compare_to_source(conv, src_path: str, per_expert: bool = False) -> list[tup
     with open_source(src_path) as src:
         adapter = src.arch
         for name in conv.dense_names():
-            rows.append((name, relative_error(conv.read_dense(name), src.read(name).numpy()), DENSE_MAX_REL_ERROR,
-                         False))
+            layout = conv.dense_layout(name)
+            dense_limit = max_rel_error(layout) if layout.startswith("gpu-") else DENSE_MAX_REL_ERROR
+            rows.append((name, relative_error(conv.read_dense(name), src.read(name).numpy()), dense_limit, False))
         bar = tqdm(total=len(geo.moe_layers) * geo.n_experts, desc="comparing experts", unit="expert",
                    disable=None)
         for layer in geo.moe_layers:

@@ -15,6 +15,8 @@ from ktlayouts.converted_dir import PROJECTIONS, ExpertGeometry, expert_file, ex
 from ktlayouts.cpu_expert import bf16_bits_to_f32, unpack_expert_matrix
 from safetensors import safe_open
 
+from .dequant_gpu import dequantize_named, quantized_linears
+
 
 def read_header(path: Path) -> tuple[int, dict]:
     """(data start offset, header dict) of a safetensors file, without loading any data."""
@@ -33,6 +35,12 @@ class ConvertedDir:
         self._handles: dict[str, object] = {}
         self._dense_index = {name: rel for rel, f in self.manifest["files"].items()
                              if f["kind"] in ("dense", "globals") for name in f.get("tensors", {})}
+        # GPU-quantized Linears (ktconvert.dequant_gpu): hub weight name -> (file, layout), read dequantized
+        self._gpu: dict[str, tuple[str, str]] = {}
+        for rel, f in self.manifest["files"].items():
+            if f["kind"] in ("dense", "globals"):
+                layouts = {n: t["layout"] for n, t in f.get("tensors", {}).items()}
+                self._gpu.update({w: (rel, lay) for w, lay in quantized_linears(layouts, layouts).items()})
 
     def open(self, rel: str):
         if rel not in self._handles:
@@ -43,10 +51,23 @@ class ConvertedDir:
         self._handles.clear()
 
     def dense_names(self) -> list[str]:
-        return sorted(self._dense_index)
+        """Non-expert tensors by hub name (a GPU-quantized Linear once, as its `.weight`)."""
+        parts = {n for w in self._gpu for n in self._dense_index if n.startswith(w[: -len("weight")])}
+        return sorted((set(self._dense_index) - parts) | set(self._gpu))
+
+    def dense_layout(self, name: str) -> str:
+        if name in self._gpu:
+            return self._gpu[name][1]
+        return self.manifest["files"][self._dense_index[name]]["tensors"][name]["layout"]
 
     def read_dense(self, name: str) -> np.ndarray:
         """A non-expert tensor as float32 (BF16 stored as uint16 bit patterns by the numpy reader)."""
+        if name in self._gpu:
+            rel, layout = self._gpu[name]
+            f = self.open(rel)
+            base = name[: -len("weight")]
+            parts = {n: f.get_tensor(n).numpy() for n in self.manifest["files"][rel]["tensors"] if n.startswith(base)}
+            return dequantize_named(layout, parts, name)
         rel = self._dense_index[name]
         t = self.manifest["files"][rel]["tensors"][name]
         a = self.open(rel).get_tensor(name)

@@ -13,6 +13,7 @@ from ktlayouts.constants import FORMAT_VERSION
 from ktlayouts.converted_dir import MANIFEST_NAME, SOURCE_RECORD_NAME, is_pad_tensor, validate_manifest
 
 from . import __version__
+from .gpu_cli import converted_config_json
 from .writer import atomic_write_bytes, build_header, file_sha256
 
 # Top-level source files copied verbatim (config.json is rewritten: see _converted_config).
@@ -39,7 +40,7 @@ def _side_file_reader(src) -> dict:
     return {p.name: p.read_bytes for p in root.iterdir() if p.is_file() and SIDE_FILE_RE.match(p.name)}
 
 
-def copy_side_files(src, out_dir: Path, journal) -> list[str]:
+def copy_side_files(src, out_dir: Path, journal, encoder=None) -> list[str]:
     """Copy config and tokenizer files (atomically, journaled); returns their names."""
     readers = _side_file_reader(src)
     names = sorted(readers)
@@ -48,7 +49,7 @@ def copy_side_files(src, out_dir: Path, journal) -> list[str]:
             continue
         raw = readers[name]()
         if name == "config.json":
-            raw = _converted_config(raw)
+            raw = _converted_config(raw) if encoder is None else converted_config_json(raw, encoder)
         atomic_write_bytes(out_dir / name, raw)
         journal.record(name, len(raw), file_sha256(out_dir / name))
     return names

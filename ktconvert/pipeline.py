@@ -13,7 +13,7 @@ import signal
 import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ from ktlayouts.cpu_expert import pack_expert_codes, pack_expert_matrix
 from tqdm import tqdm
 
 from .convert_plan import ConvertError, ConvertPlan, FileJob, make_plan
-from .dense_encoding import dense_encoder
+from .gpu_cli import GPU_OPTION_FIELDS, dense_encoder_for
 from .manifest import copy_side_files, write_manifest
 from .progress import Journal, prepare_output
 from .source import open_source
@@ -37,7 +37,12 @@ class ConvertOptions:
     method: str = "int4-amx"
     group_size: int = 128
     numa_nodes: int = 1
-    gpu_method: str = "bf16"       # encoder of non-expert tensors (dense_encoding registry)
+    gpu_method: str = "bf16"       # encoder of non-expert tensors: bf16 | auto | gptq-int4 | rtn-int4 | rtn-int8
+    gpu_group_size: int = 128      # GPU-layer options (ktconvert.gpu_layers.GpuLayerOptions)
+    gpu_format: str = "marlin"
+    calib: str | None = None
+    quantize_head: bool = False
+    gpu_act_order: bool = False
     workers: int = 2
 
     def __post_init__(self):
@@ -193,7 +198,9 @@ def conversion_params(src, opts: ConvertOptions) -> dict:
     shard_files = sorted({(i.file.name, i.file.stat().st_size) for i in map(src.info, src.tensor_names())})
     return {"format_version": FORMAT_VERSION, "source": str(Path(src.path).resolve()),
             "source_files": [list(x) for x in shard_files], "method": opts.method,
-            "group_size": opts.group_size, "numa_nodes": opts.numa_nodes, "gpu_method": opts.gpu_method}
+            "group_size": opts.group_size, "numa_nodes": opts.numa_nodes, "gpu_method": opts.gpu_method,
+            **({} if opts.gpu_method == "bf16" else
+               {k: getattr(opts, k) for k in ("gpu_group_size", "gpu_format", "quantize_head", "gpu_act_order")})}
 
 
 def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, resume: bool = False,
@@ -202,7 +209,8 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
     out_dir = Path(out_dir)
     kill = _KillHook()
     with open_source(src_path) as src:
-        encoder = dense_encoder(opts.gpu_method)
+        encoder = dense_encoder_for(src, **{k: getattr(opts, k) for k in GPU_OPTION_FIELDS})
+        opts = replace(opts, gpu_method=encoder.name)     # "auto" resolved (the log says which)
         plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder)
         params = conversion_params(src, opts)
         journal = prepare_output(out_dir, params, resume=resume, force=force)
@@ -228,7 +236,7 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                     if todo:
                         conv.write_experts(todo, pool, sum(j.source_nbytes for j in experts))
                     src.close()   # unmap the shards read so far: mapped pages would count as RSS for the whole run
-            side = copy_side_files(src, out_dir, journal)
+            side = copy_side_files(src, out_dir, journal, encoder)
             manifest = write_manifest(src, out_dir, opts, plan, journal, side)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):

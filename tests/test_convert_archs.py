@@ -77,7 +77,7 @@ def test_convert_and_verify_against_source(arch, ckpt_dir, fp8_ckpt, tmp_path):
 
 
 def test_dense_tensors_are_exact_bf16_and_router_bias_f32(fp8_ckpt, tmp_path):
-    out = quantize(fp8_ckpt, tmp_path / "out")
+    out = quantize(fp8_ckpt, tmp_path / "out", "--gpu-method", "bf16")     # GPU layers unquantized here
     conv = ConvertedDir(out)
     with open_source(fp8_ckpt) as s:
         for name in conv.dense_names():

@@ -29,7 +29,7 @@ def tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-ARGS = ("--numa-nodes", "2", "--group-size", "32")
+ARGS = ("--numa-nodes", "2", "--group-size", "32", "--gpu-method", "bf16")   # the in-process reference is bf16
 
 
 @pytest.fixture(scope="module")
