@@ -56,7 +56,7 @@ def read_calibration_text(path: str | Path | None) -> tuple[str, Path]:
     return text, p
 
 
-def _tokenizer(src):
+def tokenizer_for(src):
     """The checkpoint's tokenizer.json (a GGUF source rebuilds it from its metadata)."""
     from tokenizers import Tokenizer
 
@@ -73,7 +73,7 @@ def _tokenizer(src):
 
 def calibration_tokens(src, text: str, n_tokens: int, seq_len: int, seed: int) -> torch.Tensor:
     """Tokenize with the checkpoint's tokenizer -> (S, L) int64 windows, chosen deterministically by seed."""
-    tokenizer, tok_path = _tokenizer(src)
+    tokenizer, tok_path = tokenizer_for(src)
     vocab_size = int(src.config["vocab_size"])
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     if not ids:

@@ -69,9 +69,10 @@ class GpuLayerOptions:
             raise GpuLayerError("calibration token counts must be positive")
 
 
-def resolve_method(opts: GpuLayerOptions) -> tuple[str, str]:
-    """(method to run, why); 'auto' picks gptq-int4 if calibration text is readable, else rtn-int4."""
-    from .gpu_calib import CalibrationError, read_calibration_text
+def resolve_method(opts: GpuLayerOptions, src=None) -> tuple[str, str]:
+    """(method to run, why); 'auto' picks gptq-int4 if calibration text (and, given the source, its tokenizer) is
+    available, else rtn-int4."""
+    from .gpu_calib import CalibrationError, read_calibration_text, tokenizer_for
 
     if opts.method != "auto":
         if GPU_METHODS[opts.method] and GPU_METHODS[opts.method][0] == "gptq":
@@ -84,6 +85,11 @@ def resolve_method(opts: GpuLayerOptions) -> tuple[str, str]:
         if opts.calib is not None:
             raise
         return "rtn-int4", f"default; no calibration text for GPTQ: {e}"
+    try:
+        if src is not None:
+            tokenizer_for(src)
+    except CalibrationError as e:
+        return "rtn-int4", f"default; {e}"
     return "gptq-int4", f"default, calibration text {path}"
 
 
@@ -92,7 +98,7 @@ class GpuLayerEncoder:
 
     def __init__(self, opts: GpuLayerOptions, src=None):
         self.opts = opts
-        self.method, why = resolve_method(opts)
+        self.method, why = resolve_method(opts, src)
         self.name = self.method
         log.info("GPU layers: %s (%s), group size %d, %s format", self.method, why, opts.group_size, opts.fmt)
         self.bf16 = Bf16Encoder()

@@ -111,6 +111,7 @@ def test_calibration_needs_a_tokenizer(tmp_path):
     name = "model.layers.0.self_attn.q_proj.weight"
     with pytest.raises(CalibrationError, match=r"tokenizer\.json does not exist.*rtn-int4"):
         enc.encode(name, src.read(name).numpy(), src.arch.classify(name))
+    assert make_gpu_encoder("auto", src=src).method == "rtn-int4"      # the default falls back instead
 
 
 _MEMORY_CHILD = textwrap.dedent("""
