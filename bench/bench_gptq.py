@@ -1,5 +1,6 @@
 """GPU-layer quantization: GPTQ vs RTN time per decoder layer and peak RSS, output error of GPTQ vs RTN, and one
-DeepSeek-V3-sized Linear. Prints `name: value unit` lines.
+DeepSeek-V3-sized Linear, and the KL to the float model of the shipped trained model with INT4 GPU layers.
+Prints `name: value unit` lines.
 
 Fixture: deepseek_v3 (MLA attention, shared expert, dense first layer) with hidden 512, 4 layers. Each method runs
 over every non-expert Linear in its own subprocess (peak RSS = VmHWM of that process). Error: the last hidden
@@ -117,6 +118,47 @@ class _Fixed:
         return self.w
 
 
+def trained_model_kl() -> dict[str, float]:
+    """KL (nats/token) of the shipped trained model with INT4 GPU layers (group 128) to the float model."""
+    import ktconvert
+    from ktconvert.gpu_calib import LayerwiseGptq, calibration_tokens, read_calibration_text, tokenizer_for
+    from ktconvert.gpu_layers import GpuLayerEncoder, GpuLayerOptions
+    from ktconvert.rtn import quantize_rtn
+    from ktconvert.source import open_source
+
+    model_dir = Path(ktconvert.__file__).resolve().parent / "data" / "default_model"
+    src = open_source(model_dir)
+    calib = calibration_tokens(src, read_calibration_text(None)[0], 1024, 256, seed=0)
+    ids = tokenizer_for(src)[0].encode((model_dir / "heldout_eval.txt").read_text(encoding="utf-8"),
+                                       add_special_tokens=False).ids
+    held = torch.tensor(ids[: 4 * 256]).reshape(4, 256)
+    norm_w, head, eps = src.read("model.norm.weight"), src.read("lm_head.weight"), src.config["rms_norm_eps"]
+    target = lambda n: src.arch.classify(n).kind in ("attention", "shared_expert", "dense_mlp")
+
+    def run(tokens, qf):
+        cal = LayerwiseGptq(src, tokens, qf, target)
+        for li in range(src.arch.num_layers):
+            cal._run_layer(li)
+        h = cal.hidden * torch.rsqrt(cal.hidden.pow(2).mean(-1, keepdim=True) + eps) * norm_w
+        return torch.log_softmax(h @ head.T, -1)
+
+    enc = GpuLayerEncoder(GpuLayerOptions(method="gptq-int4", group_size=128), src=src)
+    ref = {"calib": run(calib, lambda *a: None), "heldout": run(held, lambda *a: None)}
+    out = {}
+    for method, qf in (("gptq", enc.quantize_with_hessian),
+                       ("rtn", lambda name, w, h: quantize_rtn(enc._pad(name, w)[0], 4, 128))):
+        ws = {}
+
+        def record(name, w, h, qf=qf, ws=ws):
+            q = qf(name, w, h)
+            ws[name] = q.dequantize()[: w.shape[0], : w.shape[1]]
+            return q
+        got = {"calib": run(calib, record), "heldout": run(held, lambda name, w, h, ws=ws: _Fixed(ws[name]))}
+        for split, lp in got.items():
+            out[f"{method}_{split}"] = float((ref[split].exp() * (ref[split] - lp)).sum(-1).mean())
+    return out
+
+
 def deepseek_linear() -> dict[str, float]:
     """One q_a_proj-sized Linear of DeepSeek-V3 (N=1536, K=7168), 2048 correlated calibration tokens."""
     from ktconvert.gptq import GptqConfig, HessianAccumulator, gptq_quantize
@@ -166,6 +208,11 @@ def main() -> None:
             print(f"model_output_rel_mse_gptq_{split}: {err[f'gptq_{split}']:.3e} ratio")
             print(f"model_output_rel_mse_rtn_{split}: {err[f'rtn_{split}']:.3e} ratio")
             print(f"gptq_over_rtn_error_{split}: {err[f'gptq_{split}'] / err[f'rtn_{split}']:.3f} ratio")
+    kl = trained_model_kl()
+    for split in ("calib", "heldout"):
+        print(f"trained_model_kl_gptq_{split}: {kl[f'gptq_{split}']:.2e} nats/token")
+        print(f"trained_model_kl_rtn_{split}: {kl[f'rtn_{split}']:.2e} nats/token")
+        print(f"trained_model_gptq_over_rtn_kl_{split}: {kl[f'gptq_{split}'] / kl[f'rtn_{split}']:.3f} ratio")
     if "--with-deepseek-linear" not in sys.argv:
         print(f"torch_threads: {torch.get_num_threads()} threads")
         return
