@@ -7,7 +7,14 @@ from pathlib import Path
 import click
 import numpy as np
 from ktlayouts.constants import FILE_ALIGN
-from ktlayouts.converted_dir import PARTIAL_SUFFIX, PROGRESS_NAME, ManifestError, is_pad_tensor, safe_relpath
+from ktlayouts.converted_dir import (
+    PARTIAL_SUFFIX,
+    PROGRESS_NAME,
+    ManifestError,
+    is_pad_tensor,
+    read_safetensors_header,
+    safe_relpath,
+)
 
 # Default limit on ||W_hat - W|| / ||W|| per tensor: a wrong layout or scale gives errors near 1 or above.
 DEFAULT_MAX_REL_ERROR = {"int4-amx": 0.15, "int8-amx": 0.01, "bf16": 0.005}
@@ -16,7 +23,6 @@ DENSE_MAX_REL_ERROR = 0.01     # BF16 rounding of non-expert tensors
 
 def check_structure(root: Path, manifest: dict) -> list[str]:
     """Problems with files, sizes, sha256, headers and alignment (empty list = all good)."""
-    from .converted_reader import read_header
     from .writer import file_sha256
 
     problems = []
@@ -38,7 +44,7 @@ def check_structure(root: Path, manifest: dict) -> list[str]:
         if "tensors" not in f:
             continue
         try:
-            base, header = read_header(path)
+            base, header = read_safetensors_header(path)
         except (ValueError, UnicodeDecodeError) as e:
             problems.append(f"{rel}: unreadable safetensors header: {e}")
             continue

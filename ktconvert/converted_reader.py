@@ -5,8 +5,6 @@ proves the files are standard safetensors.
 """
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -16,16 +14,6 @@ from ktlayouts.cpu_expert import bf16_bits_to_f32, unpack_expert_matrix
 from safetensors import safe_open
 
 from .dequant_gpu import dequantize_named, quantized_linears
-
-
-def read_header(path: Path) -> tuple[int, dict]:
-    """(data start offset, header dict) of a safetensors file, without loading any data."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: too short for a safetensors header")
-        n = struct.unpack("<Q", head)[0]
-        return 8 + n, json.loads(f.read(n))
 
 
 class ConvertedDir:

@@ -20,6 +20,7 @@ from .arch import SourceError, adapter_for
 from .gguf_meta import Meta, config_from_gguf
 from .gguf_names import IGNORED, KV_B_SPLIT, SUPPORTED_GGUF_ARCHS, hub_name, llama_unpermute
 from .gguf_tokenizer import tokenizer_files
+from .source import SourceBase
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
@@ -75,7 +76,7 @@ def _open_reader(path: Path):
     return reader
 
 
-class GGUFSource:
+class GGUFSource(SourceBase):
     def __init__(self, path: Path):
         self.path = Path(path)
         self._readers = [_open_reader(p) for p in split_paths(self.path)]
@@ -137,15 +138,6 @@ class GGUFSource:
     def tensor_names(self) -> list[str]:
         return list(self._infos)
 
-    def info(self, name: str) -> GGUFTensorInfo:
-        try:
-            return self._infos[name]
-        except KeyError:
-            raise SourceError(f"{self.path}: no tensor named {name}") from None
-
-    def source_nbytes(self) -> int:
-        return sum(i.nbytes for i in self._infos.values())
-
     def _dequant(self, gname: str, expert: int | None) -> np.ndarray:
         import gguf
         t, _ = self._tensors[gname]
@@ -191,12 +183,6 @@ class GGUFSource:
 
     def close(self) -> None:
         self._readers = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def is_gguf(path) -> bool:

@@ -30,7 +30,34 @@ def _safe_shard_path(root: Path, shard: str, where: str) -> Path:
     return root / shard
 
 
-class Source:
+class SourceBase:
+    """What every conversion source shares: a table of tensors (`self._infos`: hub name -> info with .nbytes) and
+    its lookups. Subclasses: Source (safetensors directory), ktconvert.gguf_source.GGUFSource."""
+
+    path: Path
+    _infos: dict
+
+    def info(self, name: str):
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise SourceError(f"{self.path}: no tensor named {name}") from None
+
+    def source_nbytes(self) -> int:
+        """Bytes of tensor data in the checkpoint (headers excluded)."""
+        return sum(i.nbytes for i in self._infos.values())
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Source(SourceBase):
     """One local checkpoint directory, validated at open, read lazily one tensor at a time."""
 
     def __init__(self, path: Path):
@@ -131,16 +158,6 @@ class Source:
     def tensor_names(self) -> list[str]:
         return list(self._names)
 
-    def info(self, name: str) -> TensorInfo:
-        try:
-            return self._infos[name]
-        except KeyError:
-            raise SourceError(f"{self.path}: no tensor named {name}") from None
-
-    def source_nbytes(self) -> int:
-        """Bytes of tensor data in the checkpoint (all shards, headers excluded)."""
-        return sum(i.nbytes for i in self._infos.values())
-
     def _raw(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes, read with pread into a fresh buffer: no mapping stays resident after the read, so
         memory is bounded by the tensor being read, whatever the checkpoint's size. The shard is opened per read
@@ -202,12 +219,6 @@ class Source:
 
     def close(self) -> None:
         """Nothing stays open between reads; kept so a Source works as a context manager like a file."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self) -> str:
         return f"Source({self.path}, {self.arch!r}, {len(self._names)} tensors)"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,23 @@ _DENSE_RE = re.compile(r"^dense/layer-(\d{4})\.safetensors$")
 
 class ManifestError(ValueError):
     """A manifest.json that does not follow this spec."""
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """(byte offset of the data section, header dict) of a safetensors file; reads only the header.
+    A short or corrupt header -> ManifestError naming the file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ManifestError(f"{path}: truncated (no safetensors header)")
+        n = struct.unpack("<Q", head)[0]
+        raw = f.read(n)
+    if len(raw) < n:
+        raise ManifestError(f"{path}: truncated safetensors header")
+    try:
+        return 8 + n, json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path}: corrupt safetensors header ({e})") from None
 
 
 def expert_file(layer: int, shard: int, n_shards: int) -> str:

@@ -14,15 +14,14 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from ktlayouts import converted_dir
 from ktlayouts.converted_dir import (
     DENSE_LAYOUT_BF16,
     DENSE_LAYOUT_F32,
@@ -49,18 +48,10 @@ class LoadError(ValueError):
 
 def read_safetensors_header(path: Path) -> tuple[int, dict]:
     """(byte offset of the data section, header dict) — reads only the header."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise LoadError(f"{path}: truncated (no safetensors header)")
-        n = struct.unpack("<Q", head)[0]
-        raw = f.read(n)
-    if len(raw) < n:
-        raise LoadError(f"{path}: truncated safetensors header")
     try:
-        return 8 + n, json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise LoadError(f"{path}: corrupt safetensors header ({e})") from None
+        return converted_dir.read_safetensors_header(path)
+    except ManifestError as e:
+        raise LoadError(str(e)) from None
 
 
 def sha256_file(path: Path, progress=None) -> str:
