@@ -63,6 +63,19 @@ class HessianAccumulator:
         self.h.addmm_(x.T, x)
 
 
+def _upper_factor_of_inverse(h: torch.Tensor) -> torch.Tensor | None:
+    """U upper triangular with U^T U = H^-1 (the upper Cholesky factor of H^-1), or None if H is not PD.
+
+    With J the reversal permutation and J H J = C C^T (lower Cholesky), U = J C^-1 J: one Cholesky and one
+    triangular solve instead of Cholesky, cholesky_inverse and a second Cholesky.
+    """
+    c, info = torch.linalg.cholesky_ex(torch.flip(h, (0, 1)))
+    if info != 0:
+        return None
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    return torch.flip(torch.linalg.solve_triangular(c, eye, upper=False), (0, 1))
+
+
 def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> tuple[torch.Tensor, float]:
     """-> (U upper Cholesky factor of (H + damp I)^-1, damping used). Retries with 10x damping, then raises."""
     if not torch.isfinite(h).all():
@@ -74,29 +87,27 @@ def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> tuple[torc
     pd = percdamp
     for attempt in range(DAMP_RETRIES):
         pd = min(percdamp * 10 ** attempt, 1.0)
-        chol, info = torch.linalg.cholesky_ex(h + pd * mean_diag * eye)
-        if info == 0:
-            hinv = torch.cholesky_inverse(chol)
-            u, info = torch.linalg.cholesky_ex(hinv, upper=True)
-            if info == 0 and torch.isfinite(u).all():
-                if attempt:
-                    log.warning("%s: Hessian not positive definite with damping %g, used %g", name, percdamp, pd)
-                return u, pd
+        u = _upper_factor_of_inverse(h + pd * mean_diag * eye)
+        if u is not None and torch.isfinite(u).all():
+            if attempt:
+                log.warning("%s: Hessian not positive definite with damping %g, used %g", name, percdamp, pd)
+            return u, pd
         if pd >= 1.0:
             break
     raise GptqError(f"{name}: Hessian is not positive definite even with damping {pd:g} x mean(diag(H)) "
                     f"(tried from {percdamp:g}); calibration inputs may be degenerate")
 
 
-SMALL_MATRIX = 1 << 22     # N*K below which GPTQ runs single-threaded
+SMALL_BLOCK = 1 << 21      # N*block below which the column loop runs single-threaded
 
 
 @contextmanager
 def _threads_for(elements: int):
-    """Column-by-column GPTQ on a small matrix is a long chain of tiny ops: extra threads only add
-    synchronisation (measured 6x slower with 2 threads on a loaded 2-core machine), so use one."""
+    """The column loop is a long chain of small ops on (N,) and (N, block) tensors: below SMALL_BLOCK elements extra
+    threads only add synchronisation (measured 6x slower at N=384 and 2.5x at N=1536 with 2 threads on a loaded
+    2-core machine), so it runs on one; the Cholesky before it keeps every thread."""
     before = torch.get_num_threads()
-    if elements < SMALL_MATRIX and before > 1:
+    if elements < SMALL_BLOCK and before > 1:
         torch.set_num_threads(1)
     try:
         yield
@@ -108,8 +119,7 @@ def _threads_for(elements: int):
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: str = "weight"
                   ) -> tuple[QuantizedLinear, float]:
     """weight (N, K), hessian (K, K) -> (QuantizedLinear, proxy loss sum (w - q)^2 / d^2 over the matrix)."""
-    with _threads_for(weight.numel()):
-        return _gptq(weight, hessian, cfg, name)
+    return _gptq(weight, hessian, cfg, name)
 
 
 def _gptq(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: str) -> tuple[QuantizedLinear, float]:
@@ -126,6 +136,21 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: st
     w, h = w[:, perm], h[perm][:, perm]
     u, _ = _inverse_cholesky(h, cfg.percdamp, name)
 
+    with _threads_for(n * cfg.block):
+        codes, scales, loss = _quantize_columns(w, u, geom, cfg)
+
+    inv = torch.argsort(perm)
+    codes_kn = codes[:, inv].T.contiguous().to(torch.uint8).numpy()      # back to input-channel order
+    g_idx = (inv // geom.group).to(torch.int32).numpy() if cfg.act_order else geom.default_g_idx()
+    q = QuantizedLinear(codes_kn, scales.to(torch.float16).numpy(), np.ascontiguousarray(g_idx), geom)
+    return q, float(loss)
+
+
+def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg: GptqConfig
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GPTQ column loop: w (N, K) in processing order (updated in place), u (K, K) -> codes (N, K) float,
+    scales (n_groups, N), loss."""
+    n, k = w.shape
     group = geom.group
     zero, maxq = float(1 << (cfg.bits - 1)), float((1 << cfg.bits) - 1)
     codes = torch.zeros(n, k, dtype=torch.float32)           # in processing order
@@ -154,9 +179,4 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: st
             err1[:, i] = e
         loss += (err1.double() ** 2).sum()
         w[:, i2:].addmm_(err1, u[i1:i2, i2:], alpha=-1.0)
-
-    inv = torch.argsort(perm)
-    codes_kn = codes[:, inv].T.contiguous().to(torch.uint8).numpy()      # back to input-channel order
-    g_idx = (inv // group).to(torch.int32).numpy() if cfg.act_order else geom.default_g_idx()
-    q = QuantizedLinear(codes_kn, scales.to(torch.float16).numpy(), np.ascontiguousarray(g_idx), geom)
-    return q, float(loss)
+    return codes, scales, loss
