@@ -6,6 +6,9 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
+KERNEL_STAMP := build/.kernels-built
+KERNEL_SRCS  := $(shell find kernels -type f -not -path '*/build/*')
+
 .PHONY: setup kernels test bench lint demo clean
 
 setup: $(VENV)/.setup-done
@@ -16,22 +19,26 @@ $(VENV)/.setup-done: pyproject.toml setup.py kernels/CMakeLists.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e '.[test]'
+	mkdir -p build && touch $(KERNEL_STAMP)
 	touch $@
 
-# Rebuild the C++ kernel library in place after editing kernels/ (pip install does this too).
-kernels: setup
-	$(PY) setup.py -q build_ext --inplace
+# Rebuild the C++ kernel library in place when kernels/ changed since the last build (pip install builds it too).
+kernels: setup $(KERNEL_STAMP)
 
-test: setup kernels
+$(KERNEL_STAMP): $(KERNEL_SRCS)
+	$(PY) setup.py -q build_ext --inplace
+	mkdir -p build && touch $@
+
+test: kernels
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests
 
-bench: setup kernels
+bench: kernels
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 lint: setup
 	$(VENV)/bin/ruff check ktconvert layouts runtime tests bench
 
-demo: setup kernels
+demo: kernels
 	$(PY) -m ktconvert.demo
 
 clean:

@@ -29,7 +29,10 @@ class CMakeBuild(build_ext):
         subprocess.check_call(["cmake", "--build", str(build_dir), "-j", jobs, "--target", "ktkernels"])
         dest = Path(self.get_ext_fullpath(ext.name))
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(build_dir / "libktkernels.so", dest)
+        # copy then rename: a process that has the old library mapped keeps its (unchanged) inode
+        tmp = dest.with_name(dest.name + ".tmp")
+        shutil.copyfile(build_dir / "libktkernels.so", tmp)
+        os.replace(tmp, dest)
 
 
 setup(ext_modules=[CMakeLibrary("ktrun.libktkernels", ROOT / "kernels")], cmdclass={"build_ext": CMakeBuild})
