@@ -1,9 +1,17 @@
 """CPU expert layouts: pack/unpack round trips, the AMX-semantics reference against a plain matmul, sharding."""
 import numpy as np
 import pytest
-
-from ktlayouts.cpu_expert import (LayoutError, MatrixGeometry, amx_reference_matmul, pack_codes, pack_expert_matrix,
-                                  quantize, quantize_activations, unpack_codes, unpack_expert_matrix)
+from ktlayouts.cpu_expert import (
+    LayoutError,
+    MatrixGeometry,
+    amx_reference_matmul,
+    pack_codes,
+    pack_expert_matrix,
+    quantize,
+    quantize_activations,
+    unpack_codes,
+    unpack_expert_matrix,
+)
 from ktlayouts.expert_shards import ShardPlan, nodes_for_shards
 
 SHAPES = [(48, 96), (64, 256), (100, 130)]      # includes shapes that are not tile multiples
