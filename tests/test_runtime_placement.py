@@ -83,10 +83,6 @@ def test_int4_gpu_layers_dequantized_on_cpu(tmp_path_factory):
     """Attention/shared-expert/dense-MLP weights as Marlin int4 (RTN) + int4 experts vs the bf16 conversion.
     Bound: KL mean < 0.15, max < 0.5 nats (observed 5.7e-2 / 0.14: the tiny fixture's K=96..200 rows leave one
     scale per row, and every attention projection is quantized)."""
-    from ktconvert.dense_encoding import DENSE_ENCODERS, register_dense_encoder
-    from ktconvert.gpu_layers import make_gpu_encoder
-    if "rtn-int4" not in DENSE_ENCODERS:      # the pipeline selects dense encoders from this registry by name
-        register_dense_encoder("rtn-int4", lambda: make_gpu_encoder("rtn-int4"))
     conv = converted(tmp_path_factory, "deepseek_v3", "int4-amx", gpu_method="rtn-int4")
     layouts = {t["layout"] for f in __import__("json").loads((conv / "manifest.json").read_text())["files"].values()
                for t in f.get("tensors", {}).values()}
