@@ -11,6 +11,7 @@ COMMANDS = {
     "quantize": "ktconvert.cmd_quantize:quantize",
     "inspect": "ktconvert.cmd_inspect:inspect",
     "verify": "ktconvert.cmd_verify:verify",
+    "export": "ktconvert.cmd_export:export",
 }
 
 

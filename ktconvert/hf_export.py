@@ -1,0 +1,208 @@
+"""Export a converted directory (made with --gpu-format compressed-tensors or gptq) as a standard hub-layout
+checkpoint in the layout vLLM / transformers read: sharded `model-XXXXX-of-YYYYY.safetensors` + `model.safetensors.index.json`,
+config.json with the conversion's quantization_config, tokenizer files.
+
+  non-expert tensors: under their hub names exactly as the conversion stored them (quantized Linears in their GPU
+                      format, e.g. X.weight_packed / X.weight_scale / X.weight_shape; the rest BF16, or F32 where
+                      the conversion kept F32 such as e_score_correction_bias)
+  routed experts:     dequantized from the CPU tiles (ConvertedDir.read_expert) and written as BF16 under the
+                      source's per-expert names (ArchAdapter.expert_tensor_name); the quantization_config lists them
+                      as not quantized (compressed-tensors `ignore`, gptq `dynamic` negative match).
+The output is written into a temporary sibling directory and renamed into place when complete.
+
+Known limitation (transformers 5.24): `from_pretrained` of a compressed-tensors checkpoint whose routed experts are
+BF16 fails for fused-MoE classes (DeepseekV3, Qwen3-MoE, ...): its expert converter runs CompressedTensorsDequantize,
+which keeps only `weight_packed` keys ("Concatenate on tensors destined for ...experts.gate_up_proj. Ckpt contains: 0").
+The compressed-tensors package itself decompresses the export (tests/test_export_hf.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from ktlayouts.converted_dir import safe_relpath
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .arch import PROJS, adapter_for
+from .converted_reader import ConvertedDir
+
+DEFAULT_SHARD_BYTES = 4 << 30                       # 4 GiB per shard, as the hub's big checkpoints use
+# Routed experts stay BF16. The patterns match both the per-expert Linears (model.layers.N.mlp.experts.E.gate_proj,
+# Mixtral's block_sparse_moe.experts.E.w1) and the fused MoE module engines name ...mlp.experts; not shared_experts.
+EXPERT_IGNORE_REGEX = r"re:.*\.experts($|\..*)"     # compressed-tensors `ignore` entry (re.match)
+EXPERT_SKIP_DYNAMIC = r"-:.*\.experts($|\..*)"      # gptq `dynamic` negative match (vLLM / GPTQModel)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+class ExportError(ValueError):
+    """A converted directory that cannot be exported, or an output path that is in the way."""
+
+
+def gpu_format(conv: ConvertedDir) -> str | None:
+    """'compressed-tensors', 'gptq', 'marlin' or None (no GPU-quantized Linear) from the dense layouts."""
+    fmts = {lay.split("-int")[0][len("gpu-"):] for lay in (conv.dense_layout(n) for n in conv.dense_names())
+            if lay.startswith("gpu-")}
+    if len(fmts) > 1:
+        raise ExportError(f"{conv.root}: GPU layers in several formats {sorted(fmts)}; cannot export")
+    return next(iter(fmts), None)
+
+
+def export_quantization_config(qc: dict | None, fmt: str | None, unquantized_linears: list[str]) -> dict | None:
+    """The conversion's quantization_config with routed experts (and unquantized Linears such as router gates)
+    marked as not quantized."""
+    if qc is None:
+        return None
+    qc = json.loads(json.dumps(qc))                     # deep copy
+    if fmt == "compressed-tensors":
+        ignore = list(qc.get("ignore") or [])
+        for entry in [EXPERT_IGNORE_REGEX, *unquantized_linears]:
+            if entry not in ignore:
+                ignore.append(entry)
+        qc["ignore"] = ignore
+    elif fmt == "gptq":
+        dynamic = dict(qc.get("dynamic") or {})
+        dynamic.setdefault(EXPERT_SKIP_DYNAMIC, {})
+        for name in unquantized_linears:
+            if name != "lm_head":
+                dynamic.setdefault("-:" + name.replace(".", r"\.") + "$", {})
+        qc["dynamic"] = dynamic
+    return qc
+
+
+class ShardWriter:
+    """Collects tensors into shards of about `shard_bytes`; `finish` names them -of-N and writes the index."""
+
+    def __init__(self, root: Path, shard_bytes: int):
+        self.root, self.shard_bytes = root, shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []              # tensor names per written shard
+        self.total_bytes = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if name in self.pending or any(name in s for s in self.shards):
+            raise ExportError(f"tensor {name} written twice")
+        nbytes = t.numel() * t.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.shard_bytes:
+            self.flush()
+        self.pending[name] = t.contiguous()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        save_file(self.pending, str(self.root / f"shard-{len(self.shards):05d}.tmp"), metadata={"format": "pt"})
+        self.shards.append(sorted(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        self.flush()
+        n = len(self.shards)
+        names, weight_map = [], {}
+        for i, tensors in enumerate(self.shards):
+            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.root / f"shard-{i:05d}.tmp", self.root / fname)
+            names.append(fname)
+            weight_map.update(dict.fromkeys(tensors, fname))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+def dense_tensors(conv: ConvertedDir) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every non-expert tensor as stored: (hub name, tensor)."""
+    for rel, f in conv.manifest["files"].items():
+        if f["kind"] not in ("dense", "globals"):
+            continue
+        with safe_open(str(safe_relpath(conv.root, rel)), framework="pt") as h:
+            for name in f.get("tensors", {}):
+                yield name, h.get_tensor(name)
+
+
+def expert_tensors(conv: ConvertedDir, adapter) -> Iterator[tuple[str, torch.Tensor]]:
+    """Routed experts dequantized to BF16 under their hub names: gate/up (I, H), down (H, I)."""
+    geo = conv.geometry
+    for layer in geo.moe_layers:
+        for e in range(geo.n_experts):
+            mats = conv.read_expert(layer, e)
+            for p in PROJS:
+                yield adapter.expert_tensor_name(layer, e, p), torch.from_numpy(mats[p]).to(torch.bfloat16)
+
+
+def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
+              progress=None) -> list[str]:
+    """Write the hub-layout checkpoint of `converted` to `out` (must not exist). Returns the shard file names.
+    `progress(nbytes)` is called after each tensor is queued (for a progress bar)."""
+    src, out = Path(converted), Path(out)
+    if out.exists():
+        raise ExportError(f"output {out} already exists; choose a new path or remove it")
+    if not (src / "config.json").is_file():
+        raise ExportError(f"{src}: no config.json (not a converted directory?)")
+    conv = ConvertedDir(src)
+    fmt = gpu_format(conv)
+    if fmt == "marlin":
+        raise ExportError(f"{src} holds GPU layers in the Marlin layout (--gpu-format marlin), which only ktrun "
+                          "reads; reconvert with `ktconvert quantize ... --gpu-format compressed-tensors` "
+                          "(or --gpu-format gptq) to export for transformers / vLLM")
+    config = json.loads((src / "config.json").read_text())
+    adapter = adapter_for(config)
+    layouts = {n: conv.dense_layout(n) for n in conv.dense_names()}
+    unquantized = sorted(n[: -len(".weight")] for n, lay in layouts.items()
+                         if lay.startswith("dense-") and n.endswith(".weight") and conv_ndim(conv, n) == 2
+                         and "embed" not in n)
+    qc = export_quantization_config(config.get("quantization_config"), fmt, unquantized)
+    if qc is not None:
+        config["quantization_config"] = qc
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        writer = ShardWriter(tmp, shard_bytes)
+        for name, t in _chain(dense_tensors(conv), expert_tensors(conv, adapter)):
+            writer.add(name, t)
+            if progress is not None:
+                progress(t.numel() * t.element_size())
+        shards = writer.finish()
+        config.pop("torch_dtype", None)
+        config["dtype"] = "bfloat16"
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for fname in TOKENIZER_FILES:
+            if (src / fname).is_file():
+                shutil.copyfile(src / fname, tmp / fname)
+        if out.exists():
+            raise ExportError(f"output {out} appeared while exporting; not overwriting it")
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        conv.close()
+    return shards
+
+
+def conv_ndim(conv: ConvertedDir, name: str) -> int:
+    return len(conv.manifest["files"][conv._dense_index[name]]["tensors"][name]["shape"])
+
+
+def _chain(*its):
+    for it in its:
+        yield from it
+
+
+def export_total_bytes(converted: str | Path) -> int:
+    """Bytes the export will write (for a progress bar): dense tensors as stored + experts in BF16."""
+    conv = ConvertedDir(converted)
+    dense = sum(t["nbytes"] for f in conv.manifest["files"].values()
+                if f["kind"] in ("dense", "globals") for t in f.get("tensors", {}).values())
+    geo = conv.geometry
+    experts = len(geo.moe_layers) * geo.n_experts * 3 * geo.hidden * geo.intermediate * 2
+    return dense + experts
