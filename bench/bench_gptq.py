@@ -66,9 +66,9 @@ def run_method(ckpt: Path, method: str) -> dict:
 
 
 def model_errors(ckpt: Path) -> dict[str, float]:
-    from ktconvert.gpu_calib import LayerwiseGptq, calibration_tokens, read_calibration_text
-    from ktconvert.gpu_layers import GpuLayerEncoder, GpuLayerOptions
-    from ktconvert.rtn import quantize_rtn
+    """Relative MSE of the last hidden states, INT4 GPU layers (GPTQ / RTN) vs the float model."""
+    from ktconvert.gptq_eval import last_hidden_states
+    from ktconvert.gpu_calib import calibration_tokens, read_calibration_text
     from ktconvert.source import open_source
 
     src = open_source(ckpt)
@@ -76,54 +76,16 @@ def model_errors(ckpt: Path) -> dict[str, float]:
     calib = calibration_tokens(src, text, 1024, 256, seed=0)
     every = calibration_tokens(src, text, 10 ** 9, 256, seed=0)           # all windows of the text
     held = torch.stack([w for w in every if not (w == calib).all(dim=1).any()][:2])   # 2 windows not calibrated on
-    enc = GpuLayerEncoder(GpuLayerOptions(method="gptq-int4", group_size=128), src=src)
-    target = lambda n: src.arch.classify(n).kind in ("attention", "shared_expert", "dense_mlp")
-    weights = {}
-
-    def record(qf):
-        def f(name, w, h):
-            q = qf(name, w, h)
-            weights[name] = None if q is None else q.dequantize()[: w.shape[0], : w.shape[1]]
-            return q
-        return f
-
-    def run(tokens, qf):
-        cal = LayerwiseGptq(src, tokens, qf, target)
-        for li in range(src.arch.num_layers):
-            cal._run_layer(li)
-        return cal.hidden
-
-    def replay(tokens, deq):          # the same quantized weights on other tokens
-        return run(tokens, lambda name, w, h: _Fixed(deq[name]))
-
-    out = {}
-    ref_c, ref_h = run(calib, lambda *a: None), run(held, lambda *a: None)
-    for method, qf in (("gptq", enc.quantize_with_hessian),
-                       ("rtn", lambda name, w, h: quantize_rtn(enc._pad(name, w)[0], 4, 128))):
-        weights.clear()
-        got = run(calib, record(qf))
-        deq = dict(weights)
-        out[f"{method}_calib"] = float(((got - ref_c) ** 2).mean() / (ref_c ** 2).mean())
-        out[f"{method}_heldout"] = float(((replay(held, deq) - ref_h) ** 2).mean() / (ref_h ** 2).mean())
-    return out
-
-
-class _Fixed:
-    """Stands in for a QuantizedLinear whose dequantized weight is already known."""
-
-    def __init__(self, w):
-        self.w = w
-
-    def dequantize(self):
-        return self.w
+    hidden = last_hidden_states(src, calib, held, 128)
+    return {f"{m}_{split}": float(((hidden[m][split] - ref) ** 2).mean() / (ref ** 2).mean())
+            for m in ("gptq", "rtn") for split, ref in hidden["float"].items()}
 
 
 def trained_model_kl() -> dict[str, float]:
     """KL (nats/token) of the shipped trained model with INT4 GPU layers (group 128) to the float model."""
     import ktconvert
-    from ktconvert.gpu_calib import LayerwiseGptq, calibration_tokens, read_calibration_text, tokenizer_for
-    from ktconvert.gpu_layers import GpuLayerEncoder, GpuLayerOptions
-    from ktconvert.rtn import quantize_rtn
+    from ktconvert.gptq_eval import gptq_vs_rtn_kl
+    from ktconvert.gpu_calib import calibration_tokens, read_calibration_text, tokenizer_for
     from ktconvert.source import open_source
 
     model_dir = Path(ktconvert.__file__).resolve().parent / "data" / "default_model"
@@ -132,31 +94,7 @@ def trained_model_kl() -> dict[str, float]:
     ids = tokenizer_for(src)[0].encode((model_dir / "heldout_eval.txt").read_text(encoding="utf-8"),
                                        add_special_tokens=False).ids
     held = torch.tensor(ids[: 4 * 256]).reshape(4, 256)
-    norm_w, head, eps = src.read("model.norm.weight"), src.read("lm_head.weight"), src.config["rms_norm_eps"]
-    target = lambda n: src.arch.classify(n).kind in ("attention", "shared_expert", "dense_mlp")
-
-    def run(tokens, qf):
-        cal = LayerwiseGptq(src, tokens, qf, target)
-        for li in range(src.arch.num_layers):
-            cal._run_layer(li)
-        h = cal.hidden * torch.rsqrt(cal.hidden.pow(2).mean(-1, keepdim=True) + eps) * norm_w
-        return torch.log_softmax(h @ head.T, -1)
-
-    enc = GpuLayerEncoder(GpuLayerOptions(method="gptq-int4", group_size=128), src=src)
-    ref = {"calib": run(calib, lambda *a: None), "heldout": run(held, lambda *a: None)}
-    out = {}
-    for method, qf in (("gptq", enc.quantize_with_hessian),
-                       ("rtn", lambda name, w, h: quantize_rtn(enc._pad(name, w)[0], 4, 128))):
-        ws = {}
-
-        def record(name, w, h, qf=qf, ws=ws):
-            q = qf(name, w, h)
-            ws[name] = q.dequantize()[: w.shape[0], : w.shape[1]]
-            return q
-        got = {"calib": run(calib, record), "heldout": run(held, lambda name, w, h, ws=ws: _Fixed(ws[name]))}
-        for split, lp in got.items():
-            out[f"{method}_{split}"] = float((ref[split].exp() * (ref[split] - lp)).sum(-1).mean())
-    return out
+    return {f"{m}_{split}": v for (m, split), v in gptq_vs_rtn_kl(src, calib, held, 128).items()}
 
 
 def deepseek_linear() -> dict[str, float]:
