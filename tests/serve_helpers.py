@@ -105,6 +105,16 @@ def metric(server, name: str, labels: str = "") -> float:
     return 0.0
 
 
+def wait_for_metric(server, name: str, done, timeout: float) -> float:
+    """Poll /metrics until done(value) or the timeout; returns the last value (the caller asserts on it)."""
+    deadline = time.monotonic() + timeout
+    value = metric(server, name)
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        value = metric(server, name)
+    return value
+
+
 def sse_events(resp) -> list:
     """Read a streamed http.client response to the end; the `data:` payloads (JSON, or '[DONE]')."""
     events = []

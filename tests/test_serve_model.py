@@ -12,13 +12,12 @@ import http.client
 import json
 import socket
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
-from serve_helpers import ServerProcess, metric, request
+from serve_helpers import ServerProcess, metric, request, wait_for_metric
 
 BIN = Path(__import__("sys").executable).parent
 CTX = 128
@@ -162,10 +161,7 @@ def test_disconnect_mid_stream_frees_the_slot(server, converted):
     assert metric(server, "ktrun_kv_cache_bytes") > 0                     # its cache, growing with its tokens
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    deadline = time.monotonic() + 20
-    while metric(server, "ktrun_num_requests_running") > 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(server, "ktrun_num_requests_running") == 0
+    assert wait_for_metric(server, "ktrun_num_requests_running", lambda v: v == 0, timeout=20) == 0
     assert metric(server, "ktrun_kv_cache_bytes") == 0                    # dropped with the request
     assert metric(server, "ktrun_request_finished_total", '{reason="abort"}') == aborts0 + 1
     assert metric(server, "ktrun_slots_freed_by_abort_total") >= 1

@@ -9,13 +9,12 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 from serve_fake_engine import BOS, ByteTokenizer, fake_generate
-from serve_helpers import REPO, fake_server, metric, request, sse_events
+from serve_helpers import REPO, fake_server, metric, request, sse_events, wait_for_metric
 
 MODEL = "fake-model"
 
@@ -213,16 +212,11 @@ def test_disconnect_mid_stream_frees_the_slot(server):
             resp = conn.getresponse()
             assert resp.status == 200 and resp.readline().startswith(b"data: ")  # a first event: generating
         else:
-            deadline = time.monotonic() + 10
-            while metric(server, "ktrun_num_requests_running") < 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for_metric(server, "ktrun_num_requests_running", lambda v: v >= 1, timeout=10)
         assert metric(server, "ktrun_num_requests_running") == 1
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
-        deadline = time.monotonic() + 10
-        while metric(server, "ktrun_num_requests_running") > 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert metric(server, "ktrun_num_requests_running") == 0
+        assert wait_for_metric(server, "ktrun_num_requests_running", lambda v: v == 0, timeout=10) == 0
     assert metric(server, "ktrun_request_finished_total", '{reason="abort"}') == aborts0 + 2
     assert metric(server, "ktrun_engine_aborts") == engine_aborts0 + 2  # engine.abort() freed both slots
     assert metric(server, "ktrun_generation_tokens_total") < 10_000
