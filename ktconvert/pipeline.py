@@ -94,9 +94,15 @@ def _pad_to(a: np.ndarray, shape: tuple, fill) -> np.ndarray:
     return out
 
 
+def _is_exact_int8(src, names: dict[str, str], geo: ExpertGeometry) -> bool:
+    """Whether these source tensors are blocks that are exactly int8 group-32 codes (GGUF Q8_0): dtypes only."""
+    return (geo.bits == 8 and geo.group_size == 32 and hasattr(src, "read_int8_groups")
+            and all(src.info(n).dtype == "Q8_0" for n in names.values()))
+
+
 def _exact_int8(src, names: dict[str, str], geo: ExpertGeometry) -> dict | None:
-    """{proj: (codes, scales)} when the source's blocks are exactly int8 group-32 codes (GGUF Q8_0), else None."""
-    if geo.bits != 8 or geo.group_size != 32 or not hasattr(src, "read_int8_groups"):
+    """{proj: (codes, scales)} taken over from the source when _is_exact_int8, else None."""
+    if not _is_exact_int8(src, names, geo):
         return None
     exact = {p: src.read_int8_groups(n) for p, n in names.items()}
     return exact if all(v is not None for v in exact.values()) else None
@@ -218,8 +224,8 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
         bar = tqdm(total=plan.source_nbytes, initial=done, unit="B", unit_scale=True, unit_divisor=1000,
                    desc="converting", disable=not show_progress, dynamic_ncols=True)
         layers = src.arch.moe_layers()
-        if layers and _exact_int8(src, {p: src.arch.expert_tensor_name(layers[0], 0, p) for p in PROJECTIONS},
-                                  plan.geometry):
+        if layers and _is_exact_int8(src, {p: src.arch.expert_tensor_name(layers[0], 0, p) for p in PROJECTIONS},
+                                     plan.geometry):
             tqdm.write("experts: GGUF Q8_0 blocks taken over exactly as int8 group-32 codes and scales "
                        "(no float round trip)", file=sys.stderr)
         conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill)
