@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from .hf_export import DEFAULT_SHARD_BYTES, ExportError, export_hf, export_total_bytes
+from .hf_export import DEFAULT_SHARD_BYTES, EXPERT_MODES, ExportError, export_hf, export_total_bytes
 
 
 @click.command("export")
@@ -14,12 +14,16 @@ from .hf_export import DEFAULT_SHARD_BYTES, ExportError, export_hf, export_total
               help="New directory to write (must not exist).")
 @click.option("--shard-size", default=DEFAULT_SHARD_BYTES, show_default=True, type=click.IntRange(min=1),
               help="Bytes per model-XXXXX-of-YYYYY.safetensors shard (about).")
+@click.option("--experts", type=click.Choice(EXPERT_MODES), default="quantized", show_default=True,
+              help="Routed experts: 'quantized' takes the CPU codes and scales over losslessly into the GPU format "
+                   "(loads in transformers); 'bf16' dequantizes them (for engines that want dense experts).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def export(converted: Path, out: Path, shard_size: int, quiet: bool):
+def export(converted: Path, out: Path, shard_size: int, experts: str, quiet: bool):
     """Write CONVERTED (made by `ktconvert quantize --gpu-format compressed-tensors|gptq`) as a checkpoint in the
-    hub layout (for vLLM / compressed-tensors): GPU layers in their quantized format under their hub names, routed
-    experts dequantized from the CPU tiles to BF16, sharded safetensors + model.safetensors.index.json, config.json
-    (quantization_config marks the experts as not quantized), tokenizer files.
+    hub layout (for transformers / vLLM): GPU layers in their quantized format under their hub names, routed
+    experts in the same format with their own bits and group size (codes and scales of the CPU tiles, not
+    re-quantized; a second quantization_config scheme) or, with --experts bf16, dequantized to BF16 (marked as not
+    quantized), sharded safetensors + model.safetensors.index.json, config.json, tokenizer files.
 
     \b
     Examples:
@@ -31,9 +35,9 @@ def export(converted: Path, out: Path, shard_size: int, quiet: bool):
     if out.exists():
         raise click.ClickException(f"output {out} already exists; choose a new path or remove it")
     try:
-        total = export_total_bytes(converted)
+        total = export_total_bytes(converted, experts)
         with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=quiet) as bar:
-            shards = export_hf(converted, out, shard_bytes=shard_size, progress=bar.update)
+            shards = export_hf(converted, out, shard_bytes=shard_size, progress=bar.update, experts=experts)
     except (ExportError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {out} ({len(shards)} shard(s) + model.safetensors.index.json)")

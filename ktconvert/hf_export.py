@@ -5,15 +5,16 @@ config.json with the conversion's quantization_config, tokenizer files.
   non-expert tensors: under their hub names exactly as the conversion stored them (quantized Linears in their GPU
                       format, e.g. X.weight_packed / X.weight_scale / X.weight_shape; the rest BF16, or F32 where
                       the conversion kept F32 such as e_score_correction_bias)
-  routed experts:     dequantized from the CPU tiles (ConvertedDir.read_expert) and written as BF16 under the
-                      source's per-expert names (ArchAdapter.expert_tensor_name); the quantization_config lists them
-                      as not quantized (compressed-tensors `ignore`, gptq `dynamic` negative match).
+  routed experts:     experts="quantized" (default): per-expert Linears in the same GPU format, from the CPU tiles'
+                      codes and scales without re-quantizing (hf_export_experts), under the source's per-expert
+                      names (ArchAdapter.expert_tensor_name); the quantization_config gets a second scheme for them
+                      (compressed-tensors config group with a regex target, gptq `dynamic` override).
+                      transformers `from_pretrained` loads the result directly (tests/test_export_hf.py).
+                      experts="bf16": dequantized (ConvertedDir.read_expert) to BF16 and listed as not quantized
+                      (compressed-tensors `ignore`, gptq `dynamic` negative match), for engines that want dense
+                      experts. transformers 5.24 cannot load this variant of a compressed-tensors checkpoint: its
+                      fused-MoE converter runs CompressedTensorsDequantize, which keeps only `weight_packed` keys.
 The output is written into a temporary sibling directory and renamed into place when complete.
-
-Known limitation (transformers 5.24): `from_pretrained` of a compressed-tensors checkpoint whose routed experts are
-BF16 fails for fused-MoE classes (DeepseekV3, Qwen3-MoE, ...): its expert converter runs CompressedTensorsDequantize,
-which keeps only `weight_packed` keys ("Concatenate on tensors destined for ...experts.gate_up_proj. Ckpt contains: 0").
-The compressed-tensors package itself decompresses the export (tests/test_export_hf.py).
 """
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ from safetensors.torch import save_file
 
 from .arch import PROJS, adapter_for
 from .converted_reader import ConvertedDir
+from .hf_export_experts import ExpertExportError, add_expert_scheme, export_step, quantized_expert_tensors
 
 DEFAULT_SHARD_BYTES = 4 << 30                       # 4 GiB per shard, as the hub's big checkpoints use
+EXPERT_MODES = ("quantized", "bf16")
 # Routed experts stay BF16. The patterns match both the per-expert Linears (model.layers.N.mlp.experts.E.gate_proj,
 # Mixtral's block_sparse_moe.experts.E.w1) and the fused MoE module engines name ...mlp.experts; not shared_experts.
 EXPERT_IGNORE_REGEX = r"re:.*\.experts($|\..*)"     # compressed-tensors `ignore` entry (re.match)
@@ -53,21 +56,23 @@ def gpu_format(conv: ConvertedDir) -> str | None:
     return next(iter(fmts), None)
 
 
-def export_quantization_config(qc: dict | None, fmt: str | None, unquantized_linears: list[str]) -> dict | None:
-    """The conversion's quantization_config with routed experts (and unquantized Linears such as router gates)
-    marked as not quantized."""
+def export_quantization_config(qc: dict | None, fmt: str | None, unquantized_linears: list[str],
+                               ignore_experts: bool = True) -> dict | None:
+    """The conversion's quantization_config with unquantized Linears (such as router gates), and the routed experts
+    when `ignore_experts` (BF16 experts), marked as not quantized."""
     if qc is None:
         return None
     qc = json.loads(json.dumps(qc))                     # deep copy
     if fmt == "compressed-tensors":
         ignore = list(qc.get("ignore") or [])
-        for entry in [EXPERT_IGNORE_REGEX, *unquantized_linears]:
+        for entry in [EXPERT_IGNORE_REGEX] * ignore_experts + unquantized_linears:
             if entry not in ignore:
                 ignore.append(entry)
         qc["ignore"] = ignore
     elif fmt == "gptq":
         dynamic = dict(qc.get("dynamic") or {})
-        dynamic.setdefault(EXPERT_SKIP_DYNAMIC, {})
+        if ignore_experts:
+            dynamic.setdefault(EXPERT_SKIP_DYNAMIC, {})
         for name in unquantized_linears:
             if name != "lm_head":
                 dynamic.setdefault("-:" + name.replace(".", r"\.") + "$", {})
@@ -137,10 +142,13 @@ def expert_tensors(conv: ConvertedDir, adapter) -> Iterator[tuple[str, torch.Ten
 
 
 def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
-              progress=None) -> list[str]:
+              progress=None, experts: str = "quantized") -> list[str]:
     """Write the hub-layout checkpoint of `converted` to `out` (must not exist). Returns the shard file names.
+    experts: "quantized" (the CPU codes and scales in the GPU format, lossless) or "bf16" (dequantized).
     `progress(nbytes)` is called after each tensor is queued (for a progress bar)."""
     src, out = Path(converted), Path(out)
+    if experts not in EXPERT_MODES:
+        raise ExportError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
     if out.exists():
         raise ExportError(f"output {out} already exists; choose a new path or remove it")
     if not (src / "config.json").is_file():
@@ -157,9 +165,22 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
     unquantized = sorted(n[: -len(".weight")] for n, lay in layouts.items()
                          if lay.startswith("dense-") and n.endswith(".weight") and conv_ndim(conv, n) == 2
                          and "embed" not in n)
-    qc = export_quantization_config(config.get("quantization_config"), fmt, unquantized)
-    if qc is not None:
-        config["quantization_config"] = qc
+    qc = config.get("quantization_config")
+    if experts == "quantized":
+        if qc is None or fmt is None:
+            raise ExportError(f"{src} has no GPU-quantized layers (--gpu-method bf16), so no quantization_config "
+                              "to put the routed experts in; export with --experts bf16")
+        try:
+            step = export_step(conv)
+        except ExpertExportError as e:
+            raise ExportError(str(e)) from None
+        config["quantization_config"] = export_quantization_config(
+            add_expert_scheme(qc, fmt, conv.geometry.bits, step), fmt, unquantized, ignore_experts=False)
+        expert_iter = ((n, torch.from_numpy(a)) for n, a in quantized_expert_tensors(conv, adapter, fmt))
+    else:
+        if qc is not None:
+            config["quantization_config"] = export_quantization_config(qc, fmt, unquantized)
+        expert_iter = expert_tensors(conv, adapter)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -167,7 +188,7 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
     tmp.mkdir()
     try:
         writer = ShardWriter(tmp, shard_bytes)
-        for name, t in _chain(dense_tensors(conv), expert_tensors(conv, adapter)):
+        for name, t in _chain(dense_tensors(conv), expert_iter):
             writer.add(name, t)
             if progress is not None:
                 progress(t.numel() * t.element_size())
@@ -198,11 +219,13 @@ def _chain(*its):
         yield from it
 
 
-def export_total_bytes(converted: str | Path) -> int:
-    """Bytes the export will write (for a progress bar): dense tensors as stored + experts in BF16."""
+def export_total_bytes(converted: str | Path, experts: str = "quantized") -> int:
+    """Bytes the export will write (for a progress bar): dense tensors as stored + experts (BF16, or codes at the
+    experts' bits with float32 scales, counted at one scale per 32 weights)."""
     conv = ConvertedDir(converted)
     dense = sum(t["nbytes"] for f in conv.manifest["files"].values()
                 if f["kind"] in ("dense", "globals") for t in f.get("tensors", {}).values())
     geo = conv.geometry
-    experts = len(geo.moe_layers) * geo.n_experts * 3 * geo.hidden * geo.intermediate * 2
-    return dense + experts
+    weights = len(geo.moe_layers) * geo.n_experts * 3 * geo.hidden * geo.intermediate
+    per_weight = 2 if experts == "bf16" or geo.bits == 16 else geo.bits / 8 + 4 / 32
+    return dense + int(weights * per_weight)

@@ -9,6 +9,7 @@ import click
 import torch
 
 from .generate import decode_one_token, prefill
+from .gpu_weights_option import gpu_weights_option
 
 PARTS = ("expert_wait_s", "attention_s", "mlp_s", "forward_s")
 
@@ -85,7 +86,8 @@ def decode_breakdown(parts: list[dict], tg: int) -> dict[str, float]:
               help="dtype of the dense layers (auto: bfloat16 on CUDA, float32 on the CPU).")
 @click.option("--device", default=None, help="torch device for the dense layers (default: cuda if available).")
 @click.option("--reference-experts", is_flag=True, help="Time the torch reference experts instead of the kernels.")
-def bench(model_dir, pp, tg, reps, seed, dense_dtype, device, reference_experts):
+@gpu_weights_option
+def bench(model_dir, pp, tg, reps, seed, dense_dtype, device, reference_experts, gpu_weights):
     """Benchmark prompt processing and token generation of the converted model in MODEL_DIR.
 
     \b
@@ -98,7 +100,7 @@ def bench(model_dir, pp, tg, reps, seed, dense_dtype, device, reference_experts)
 
     try:
         eng = Engine(model_dir, ctx=max(pp, tg + 1) + 1, max_batch=1, device=device,
-                     use_kernels=False if reference_experts else None,
+                     use_kernels=False if reference_experts else None, gpu_weights=gpu_weights,
                      dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype))
     except (LoadError, ValueError) as e:
         raise click.ClickException(str(e)) from None
@@ -106,6 +108,7 @@ def bench(model_dir, pp, tg, reps, seed, dense_dtype, device, reference_experts)
     name = f"{m.cfg.model_type} {geo.method} experts"
     backend = f"{eng.converted.device.type} {str(eng.converted.dtype)[6:]} dense + {type(eng.experts).__name__}"
     res = run_bench(m, pp, tg, reps, seed)
+    click.echo(f"quantized GPU layers: {eng.converted.gpu_weights}\n")
     click.echo(f"| {'model':<28} | {'backend':<36} | {'test':>6} | {'t/s':>20} |")
     click.echo(f"| {'-' * 28} | {'-' * 36} | {'-' * 6}:| {'-' * 20}:|")
     for key, n in (("pp", pp), ("tg", tg)):

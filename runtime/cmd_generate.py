@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from .gpu_weights_option import gpu_weights_option
+
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     """The text before the first occurrence of any stop string (OpenAI semantics: the stop string is not returned)."""
@@ -35,9 +37,9 @@ def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
 @click.option("--reference-experts", is_flag=True, help="Use the torch reference for routed experts, not the kernels.")
 @click.option("--numa-prefault", is_flag=True,
               help="Fault each NUMA node's expert shards in from a thread bound to that node (reads them at start).")
+@gpu_weights_option
 def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, top_k, seed, ctx, stop, ignore_eos,
-             as_json,
-             verify, dense_dtype, device, reference_experts, numa_prefault):
+             as_json, verify, dense_dtype, device, reference_experts, numa_prefault, gpu_weights):
     """Generate a continuation of --prompt with the converted model in MODEL_DIR.
 
     \b
@@ -62,7 +64,7 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
                                 stop=list(stop), ignore_eos=ignore_eos)
         eng = Engine(model_dir, ctx=ctx, max_batch=1, device=device, verify=verify,
                      use_kernels=False if reference_experts else None, quiet=as_json, numa_prefault=numa_prefault,
-                     dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype))
+                     dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype), gpu_weights=gpu_weights)
         tok = eng.tokenizer
         if chat:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

@@ -7,6 +7,8 @@ from pathlib import Path
 import click
 from ktrun.server import DEFAULT_MAX_BODY_BYTES, run_server
 
+from .gpu_weights_option import gpu_weights_option
+
 
 @click.command("serve")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -25,7 +27,8 @@ from ktrun.server import DEFAULT_MAX_BODY_BYTES, run_server
 @click.option("--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
               help="Largest request body accepted (larger: 413).")
 @click.option("--log-requests", is_flag=True, help="Print an access log line per HTTP request on stderr.")
-def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests):
+@gpu_weights_option
+def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests, gpu_weights):
     """Serve MODEL_DIR (a `ktconvert quantize` output) over the OpenAI API.
 
     Endpoints: GET /health (503 while loading, 200 when ready), GET /v1/models, POST /v1/completions,
@@ -46,7 +49,8 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
     def load_engine():  # runs after the socket is bound, so /health answers 503 during the (torch) import too
         from ktrun.engine import Engine
 
-        return Engine(str(model_dir), ctx=ctx, max_batch=max_batch, device=device, verify=verify)
+        return Engine(str(model_dir), ctx=ctx, max_batch=max_batch, device=device, verify=verify,
+                      gpu_weights=gpu_weights)
 
     def sampling_params(**kw):
         from ktrun.engine import SamplingParams

@@ -63,13 +63,13 @@ def eos_ids_of(model_dir: Path, cfg, tokenizer: Tokenizer) -> set[int]:
 class Engine:
     def __init__(self, model_dir, ctx: int = 4096, max_batch: int = 16, device=None, verify: bool = False,
                  use_kernels: bool | None = None, quiet: bool = True, numa_prefault: bool = False,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, gpu_weights: str = "auto"):
         from .experts import make_executor
         self.model_dir = Path(model_dir)
         t0 = time.perf_counter()
         # dtype of the dense part: None = bfloat16 on CUDA, float32 on the CPU
         self.converted = load_converted(self.model_dir, device=device, dtype=dtype, verify=verify, quiet=quiet,
-                                        numa_prefault=numa_prefault)
+                                        numa_prefault=numa_prefault, gpu_weights=gpu_weights)
         self.experts = make_executor(self.converted, use_kernels=use_kernels)
         cfg = self.converted.config
         self.model = MoEModel(cfg, self.converted.dense, self.experts, self.converted.device, self.converted.dtype)

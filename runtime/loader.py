@@ -6,8 +6,9 @@
 - Expert files are mapped (numpy memmap of the whole file, tensors as views at their header offsets): nothing is
   read at start-up, so start-up time does not grow with expert bytes. Each tensor's offset in the file header must
   equal the manifest's.
-- Dense tensors (hub names) are read and placed on CUDA when available, else the CPU; GPU-quantized layouts are
-  dequantized per layer through ktconvert.dequant_gpu.
+- Dense tensors (hub names) are read and placed on CUDA when available, else the CPU; GPU-quantized Linears are
+  placed by ktrun.dense_placement (`gpu_weights`): dequantized at load, or kept packed in the Marlin layout and run
+  by an installed Marlin kernel (else dequantized per call).
 - NUMA: files written for S shards are assigned to this machine's M nodes (ktlayouts nodes_for_shards); with
   `numa_prefault=True` a thread bound to each node's CPUs faults that node's pieces in (page cache lands on the node).
 """
@@ -36,6 +37,7 @@ from ktlayouts.converted_dir import (
     safe_relpath,
 )
 
+from .dense_placement import PlacementError, place_quantized
 from .models.config import ModelConfig, load_config
 
 _NP_DTYPES = {"U8": np.uint8, "F32": np.float32, "BF16": np.uint16, "F16": np.float16, "I32": np.int32,
@@ -85,7 +87,7 @@ class ConvertedModel:
     manifest: dict
     geometry: ExpertGeometry
     config: ModelConfig
-    dense: dict[str, torch.Tensor]
+    dense: dict[str, object]        # hub name -> tensor, or ktrun.packed_linear.MarlinLinear (packed GPU Linear)
     # layer -> list over shards of {proj: (qweight (E, NB, KT, TB) u8, scales (E, NB, G, 16) f32 | None, geom)}
     experts: dict[int, list[dict]]
     device: torch.device
@@ -93,6 +95,7 @@ class ConvertedModel:
     numa_plan: list[list[tuple[int, int, int]]] = field(default_factory=list)   # per node: (shard, u0, u1)
     mapped_bytes: int = 0
     prefault_threads: list = field(default_factory=list)   # numa_prefault: join them to wait for the faulting
+    gpu_weights: str = ""           # how the GPU-quantized Linears were placed (ktrun.dense_placement)
 
 
 def _check_files(root: Path, manifest: dict, verify: bool, quiet: bool) -> None:
@@ -161,7 +164,7 @@ def _to_torch(name: str, a: np.ndarray, dtype_name: str) -> torch.Tensor:
     raise LoadError(f"dense tensor {name!r}: dtype {dtype_name} is not a float layout")
 
 
-def _load_dense(root: Path, manifest: dict, device, dtype) -> dict[str, torch.Tensor]:
+def _load_dense(root: Path, manifest: dict, device, dtype, gpu_weights: str) -> tuple[dict, str]:
     dense, quantized = {}, {}
     for rel, f in manifest["files"].items():
         if f["kind"] not in ("dense", "globals"):
@@ -175,35 +178,13 @@ def _load_dense(root: Path, manifest: dict, device, dtype) -> dict[str, torch.Te
                 keep32 = name.endswith(("e_score_correction_bias", ".gate.weight"))
                 dense[name] = t.to(device=device, dtype=torch.float32 if keep32 else dtype)
             else:
-                quantized.setdefault(rel, {})[name] = (a, f["tensors"][name])
-    for rel, group in quantized.items():
-        for name, t in _dequantize_gpu_layers(group, str(safe_relpath(root, rel))).items():
-            dense[name] = t.to(device=device, dtype=dtype)
-    return dense
-
-
-def _dequantize_gpu_layers(group: dict, where: str) -> dict[str, torch.Tensor]:
-    """GPU-quantized dense tensors of one file {name: (array, manifest entry)} -> {hub weight name: float32 tensor},
-    dequantized on the CPU with ktconvert.dequant_gpu (the correct fallback when no Marlin kernel is installed)."""
-    from ktlayouts.cpu_expert import LayoutError
-
-    from ktconvert.dequant_gpu import dequantize_named, quantized_linears
-
-    arrays = {n: np.asarray(a) for n, (a, _t) in group.items()}
-    layouts = {n: t["layout"] for n, (_a, t) in group.items()}
-    linears = quantized_linears(arrays, layouts)
-    claimed = {n for w in linears for n in arrays if n.startswith(w[: -len("weight")])}
-    stray = sorted(set(arrays) - claimed)
-    if stray:
-        raise LoadError(f"{where}: tensors {stray[:3]} have layouts {sorted({layouts[n] for n in stray})} "
-                        "that ktrun cannot read")
-    out = {}
-    for weight, layout in linears.items():
-        try:
-            out[weight] = torch.from_numpy(dequantize_named(layout, arrays, weight))
-        except LayoutError as e:
-            raise LoadError(f"{where}: {e}") from None
-    return out
+                quantized.setdefault(str(safe_relpath(root, rel)), {})[name] = (a, f["tensors"][name])
+    try:
+        placed, how = place_quantized(quantized, device, dtype, gpu_weights)
+    except PlacementError as e:
+        raise LoadError(str(e)) from None
+    dense.update(placed)
+    return dense, how
 
 
 def piece_arrays(shard: dict, u0: int, u1: int, unit: int) -> list[np.ndarray]:
@@ -244,7 +225,7 @@ def prefault_numa(model: ConvertedModel, nodes: list[list[int]]) -> list[threadi
 
 
 def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool = False, quiet: bool = True,
-                   numa_prefault: bool = False) -> ConvertedModel:
+                   numa_prefault: bool = False, gpu_weights: str = "auto") -> ConvertedModel:
     root = Path(model_dir)
     if not root.is_dir():
         raise LoadError(f"{root}: not a directory")
@@ -262,10 +243,11 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     experts, nbytes = _map_experts(root, manifest, geo)
-    dense = _load_dense(root, manifest, device, dtype)
+    dense, how = _load_dense(root, manifest, device, dtype, gpu_weights)
     nodes = numa_nodes()
     model = ConvertedModel(root, manifest, geo, cfg, dense, experts, device, dtype,
-                           numa_plan=node_unit_ranges(geo.shard_plan, len(nodes)), mapped_bytes=nbytes)
+                           numa_plan=node_unit_ranges(geo.shard_plan, len(nodes)), mapped_bytes=nbytes,
+                           gpu_weights=how)
     if numa_prefault:
         model.prefault_threads = prefault_numa(model, nodes)
     return model

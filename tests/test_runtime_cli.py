@@ -103,6 +103,7 @@ def test_bench_prints_llama_bench_table(v3):
     assert r.returncode == 0, r.stderr
     assert "pp16" in r.stdout and "tg4" in r.stdout and "±" in r.stdout
     assert "decode step" in r.stdout and "CPU experts" in r.stdout
+    assert "quantized GPU layers: none quantized" in r.stdout        # a bf16 conversion
 
 
 def test_cli_refuses_bad_input(v3, tmp_path):

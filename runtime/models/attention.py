@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..packed_linear import dense_weight, linear
 from .config import ModelConfig
 from .kv_cache import Batch, causal_scores_mask
 from .layers import Rope, rms_norm
@@ -38,9 +39,9 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
                   cos: torch.Tensor, sin: torch.Tensor, qk_norm: bool) -> torch.Tensor:
     """x: (T, H) -> (T, H). p: weight-name prefix of this layer's self_attn, e.g. 'model.layers.3.self_attn.'."""
     T, nh, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = F.linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(T, nh, hd)
-    k = F.linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(T, nkv, hd)
-    v = F.linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(T, nkv, hd)
+    q = linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(T, nh, hd)
+    k = linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(T, nkv, hd)
+    v = linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(T, nkv, hd)
     if qk_norm:   # Qwen3: RMSNorm over each head's dims before RoPE
         q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
@@ -55,7 +56,7 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         scores = torch.einsum("thd,shd->hts", q[rows], k_all) * scale            # (nh, n, S)
         mask = _mask(s, x.device, cfg.sliding_window)
         out[rows] = torch.einsum("hts,shd->thd", _softmax_attend(scores, mask), v_all)
-    return F.linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+    return linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
 
 
 def mla_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
@@ -67,7 +68,7 @@ def _absorbed(w: dict, p: str, nh: int, dn: int, dv: int, R: int) -> tuple[torch
     derived once per layer and kept next to the weights."""
     key = p + "kv_b_proj.absorbed"
     if key not in w:
-        wkv_b = w[p + "kv_b_proj.weight"].view(nh, dn + dv, R)
+        wkv_b = dense_weight(w[p + "kv_b_proj.weight"]).view(nh, dn + dv, R)
         w[key] = (wkv_b[:, :dn].contiguous(), wkv_b[:, dn:].transpose(1, 2).contiguous())
     return w[key]
 
@@ -80,13 +81,13 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     T, nh = x.shape[0], cfg.num_heads
     dn, dr, dv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
-        q = F.linear(x, w[p + "q_proj.weight"])
+        q = linear(x, w[p + "q_proj.weight"])
     else:
-        qa = F.linear(x, w[p + "q_a_proj.weight"], w.get(p + "q_a_proj.bias"))
-        q = F.linear(rms_norm(qa, w[p + "q_a_layernorm.weight"], LORA_NORM_EPS), w[p + "q_b_proj.weight"])
+        qa = linear(x, w[p + "q_a_proj.weight"], w.get(p + "q_a_proj.bias"))
+        q = linear(rms_norm(qa, w[p + "q_a_layernorm.weight"], LORA_NORM_EPS), w[p + "q_b_proj.weight"])
     q = q.view(T, nh, dn + dr)
     q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
-    ckv = F.linear(x, w[p + "kv_a_proj_with_mqa.weight"], w.get(p + "kv_a_proj_with_mqa.bias"))   # (T, R + dr)
+    ckv = linear(x, w[p + "kv_a_proj_with_mqa.weight"], w.get(p + "kv_a_proj_with_mqa.bias"))   # (T, R + dr)
     c = rms_norm(ckv[:, :R], w[p + "kv_a_layernorm.weight"], LORA_NORM_EPS)
     k_rot = rope.apply(ckv[:, None, R:], cos, sin)[:, 0]                                       # (T, dr)
     w_uk, w_uv_t = _absorbed(w, p, nh, dn, dv, R)
@@ -103,4 +104,4 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         mask = _mask(s, x.device, None)                                                       # scores: (nh, n, S)
         out_lat[:, rows] = torch.matmul(_softmax_attend(scores, mask), c_all)
     o = torch.matmul(out_lat, w_uv_t).transpose(0, 1)                                         # (T, nh, dv)
-    return F.linear(o.reshape(T, nh * dv), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+    return linear(o.reshape(T, nh * dv), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))

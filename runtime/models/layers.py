@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..packed_linear import linear
 from .config import RopeConfig, yarn_mscale
 
 
@@ -21,13 +22,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dt)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, w, b)
-
-
-def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x: (T, H); gate/up: (I, H); down: (H, I)."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu_mlp(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+    """x: (T, H); gate/up: (I, H); down: (H, I) (tensors or packed Linears)."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 # --- RoPE -----------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..packed_linear import linear
 from . import arch_module
 from .config import ModelConfig
 from .kv_cache import Batch, SeqCache
@@ -85,7 +86,7 @@ class MoEModel:
         if not all_logits:
             x = x[batch.last_token_rows().to(self.device)]
         x = rms_norm(x, w["model.norm.weight"], cfg.rms_norm_eps)
-        logits = F.linear(x, self.lm_head).float()
+        logits = linear(x, self.lm_head).float()
         self.timing["forward_s"] += time.perf_counter() - t0
         self.timing["forwards"] += 1
         return logits

@@ -1,0 +1,116 @@
+"""Place the GPU-quantized Linears of a conversion on the compute device, by policy (`--gpu-weights`):
+
+  dequant  dequantize every quantized Linear once at load (ktconvert.dequant_gpu, float32 on the CPU, then cast):
+           fastest per token, 4x (int4) the device memory of the packed weights.
+  packed   Marlin-layout Linears stay packed on the device as ktrun.packed_linear.MarlinLinear: an installed
+           Marlin GEMM (ktrun.marlin_kernel) reads them in place; without one each layer dequantizes itself per
+           call. gptq / compressed-tensors layouts (written for other engines) are dequantized at load.
+  auto     CPU: dequant.  CUDA: packed when a Marlin kernel is installed; otherwise dequant if the dequantized
+           weights take at most half of the free device memory, else packed (dequantized per call).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .gpu_weights_option import POLICIES
+from .marlin_kernel import find_marlin_kernel
+from .packed_linear import MarlinLinear
+
+
+class PlacementError(ValueError):
+    """A quantized tensor ktrun cannot place; the message names the file and tensor."""
+
+
+def _dequantized(group: dict, where: str) -> dict[str, torch.Tensor]:
+    """Quantized tensors of one file {name: (array, manifest entry)} -> {hub weight name: float32 (N, K) tensor}."""
+    from ktlayouts.cpu_expert import LayoutError
+
+    from ktconvert.dequant_gpu import dequantize_named, quantized_linears
+
+    arrays = {n: np.asarray(a) for n, (a, _t) in group.items()}
+    layouts = {n: t["layout"] for n, (_a, t) in group.items()}
+    linears = quantized_linears(arrays, layouts)
+    claimed = {n for w in linears for n in arrays if n.startswith(w[: -len("weight")])}
+    stray = sorted(set(arrays) - claimed)
+    if stray:
+        raise PlacementError(f"{where}: tensors {stray[:3]} have layouts {sorted({layouts[n] for n in stray})} "
+                             "that ktrun cannot read")
+    out = {}
+    for weight, layout in linears.items():
+        try:
+            out[weight] = torch.from_numpy(dequantize_named(layout, arrays, weight))
+        except LayoutError as e:
+            raise PlacementError(f"{where}: {e}") from None
+    return out
+
+
+def _marlin_parts(group: dict) -> dict[str, tuple[str, dict[str, np.ndarray]]]:
+    """{hub weight name: (layout, {qweight, scales, weight_shape})} of the Marlin-layout Linears of one file."""
+    out = {}
+    for name, (a, t) in group.items():
+        if t["layout"].startswith("gpu-marlin-") and name.endswith(".qweight"):
+            base = name[: -len(".qweight")]
+            parts = {p: np.asarray(group[f"{base}.{p}"][0]) for p in ("qweight", "scales", "weight_shape")
+                     if f"{base}.{p}" in group}
+            out[f"{base}.weight"] = (t["layout"], parts)
+    return out
+
+
+def _packed(weight: str, layout: str, parts: dict, device, dtype, kernel, where: str) -> MarlinLinear:
+    bits = int(layout.rsplit("int", 1)[1])
+    qw, sc = parts.get("qweight"), parts.get("scales")
+    if qw is None or sc is None:
+        raise PlacementError(f"{where}: {weight} ({layout}) needs qweight and scales")
+    k_pad, n_pad = qw.shape[0] * 16, qw.shape[1] * 2 // bits
+    n, k = (int(v) for v in parts["weight_shape"]) if "weight_shape" in parts else (n_pad, k_pad)
+    if sc.shape[1] != n_pad or k_pad % sc.shape[0] or n > n_pad or k > k_pad:
+        raise PlacementError(f"{where}: {weight}: qweight {list(qw.shape)}, scales {list(sc.shape)} and "
+                             f"weight_shape {[n, k]} do not fit together")
+    group = -1 if sc.shape[0] == 1 else k_pad // sc.shape[0]
+    use = kernel if kernel is not None and kernel.supports(bits, group, dtype) else None
+    return MarlinLinear(weight, torch.from_numpy(np.array(qw)).to(device), torch.from_numpy(np.array(sc)).to(device),
+                        bits, n, k, dtype, kernel=use)
+
+
+def choose_policy(policy: str, device: torch.device, dequantized_bytes: int) -> tuple[str, object]:
+    """-> ('packed' | 'dequant', MarlinKernel or None) for this device."""
+    if policy not in POLICIES:
+        raise PlacementError(f"--gpu-weights {policy!r}: expected one of {', '.join(POLICIES)}")
+    kernel = find_marlin_kernel(device)
+    if policy != "auto":
+        return policy, kernel
+    if device.type != "cuda":
+        return "dequant", None
+    if kernel is not None:
+        return "packed", kernel
+    free, _total = torch.cuda.mem_get_info(device)
+    return ("dequant" if dequantized_bytes <= free // 2 else "packed"), None
+
+
+def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: torch.dtype, policy: str = "auto"
+                    ) -> tuple[dict[str, object], str]:
+    """quantized: {file (for errors): {name: (array, manifest entry)}} -> ({hub weight name: tensor or
+    MarlinLinear}, a one-line description of what was done, for logs and `ktrun bench`)."""
+    marlin = {w: (where, lay, parts) for where, group in quantized.items()
+              for w, (lay, parts) in _marlin_parts(group).items()}
+    nbytes = sum(p["qweight"].shape[0] * 16 * p["qweight"].shape[1] * 32 // int(lay.rsplit("int", 1)[1])
+                 for _w, lay, p in marlin.values()) * torch.finfo(dtype).bits // 8
+    mode, kernel = choose_policy(policy, device, nbytes)
+    out: dict[str, object] = {}
+    for where, group in quantized.items():
+        packed_here = {w for w, (wh, _l, _p) in marlin.items() if wh == where} if mode == "packed" else set()
+        rest = {n: v for n, v in group.items() if not any(n.startswith(w[: -len("weight")]) for w in packed_here)}
+        if rest:
+            for name, t in _dequantized(rest, where).items():
+                out[name] = t.to(device=device, dtype=dtype)
+        for w in packed_here:
+            _where, lay, parts = marlin[w]
+            out[w] = _packed(w, lay, parts, device, dtype, kernel, where)
+    packed = [v for v in out.values() if isinstance(v, MarlinLinear)]
+    if not packed:
+        return out, "dequantized at load" if out else "none quantized"
+    n_kernel = sum(v.kernel is not None for v in packed)
+    how = f"Marlin kernel ({kernel.provider})" if n_kernel == len(packed) else \
+        "dequantized per call" if n_kernel == 0 else f"Marlin kernel for {n_kernel}/{len(packed)}, rest per call"
+    return out, f"{len(packed)} Linears packed, {how}"

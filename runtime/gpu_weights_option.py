@@ -1,0 +1,13 @@
+"""The `--gpu-weights` option shared by `ktrun generate`, `serve` and `bench` (torch-free: imported by the CLI)."""
+from __future__ import annotations
+
+import click
+
+POLICIES = ("auto", "packed", "dequant")
+
+gpu_weights_option = click.option(
+    "--gpu-weights", type=click.Choice(POLICIES), default="auto", show_default=True,
+    help="GPU-quantized Linears: 'packed' keeps Marlin-layout weights packed on the device and runs them with an "
+         "installed Marlin kernel (vLLM or SGLang; else dequantized per call); 'dequant' dequantizes them once at "
+         "load; 'auto': packed with a kernel on CUDA, else dequant when it fits in half the free GPU memory "
+         "(always dequant on the CPU).")
