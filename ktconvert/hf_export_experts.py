@@ -33,7 +33,7 @@ from ktlayouts.gptq import GptqGeometry, gptq_pack
 
 from .converted_reader import ConvertedDir
 
-EXPORT_STEPS = (128, 64, 32)           # group lengths GPU kernels (Marlin, Machete, exllama) accept
+EXPORT_STEPS = (128, 64, 32)           # the group lengths (besides per-row) vLLM's Marlin kernels take
 CHANNEL = -1                           # step meaning one scale per output row
 # The per-expert Linears (model.layers.N.mlp.experts.E.gate_proj, Mixtral's block_sparse_moe.experts.E.w1), not
 # shared_experts: a compressed-tensors target (re.match on the module name) and a gptq `dynamic` key.
