@@ -65,7 +65,9 @@ int main() {
     std::mt19937 rng(1234);
     int failures = 0;
     struct Case { int bits, G, T, k; };
-    const Case cases[] = {{4, 32, 1, 2}, {8, 64, 3, 4}, {4, 128, 20, 8}, {8, -1, 9, 1}, {16, -1, 5, 3}};
+    // rows per expert (E = 6): ~1-2 (decode, split chains), ~26 (prefill tiles + tails), ~6 (decode with prefetch)
+    const Case cases[] = {{4, 32, 1, 2}, {8, 64, 3, 4}, {4, 128, 20, 8}, {8, -1, 9, 1}, {16, -1, 5, 3},
+                          {8, 128, 6, 6}, {4, -1, 7, 5}};
     for (const Case& c : cases) {
         const int E = 6, H = 96, I = c.G == 128 ? 256 : 128;
         RandomLayer L = make_layer(E, H, I, c.bits, c.G, rng);
