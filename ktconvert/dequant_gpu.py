@@ -11,7 +11,7 @@ import numpy as np
 from ktlayouts.compressed_tensors import ct_unpack
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.gptq import GptqGeometry, dequantize_kn, gptq_unpack
-from ktlayouts.marlin import marlin_unpack
+from ktlayouts.marlin import marlin_unpack, qweight_kn
 
 # tensor suffixes of one quantized Linear, per format
 FORMAT_PARTS = {
@@ -53,7 +53,7 @@ def dequantize_linear(layout: str, parts: dict[str, np.ndarray], what: str = "we
         raise LayoutError(f"{what}: {layout} needs tensors {missing}")
     if fmt == "marlin":
         qw = parts["qweight"]
-        k, n = qw.shape[0] * 16, qw.shape[1] * 2 // bits
+        k, n = qweight_kn(qw.shape, bits)
         geom = GptqGeometry(n, k, bits, _group_size(k, parts["scales"].shape[0], what))
         codes, scales = marlin_unpack(parts, geom)
         w = dequantize_kn(codes, scales, geom.default_g_idx(), bits)

@@ -78,6 +78,11 @@ def scale_perms() -> tuple[np.ndarray, np.ndarray]:
     return grouped, single
 
 
+def qweight_kn(qweight_shape, bits: int) -> tuple[int, int]:
+    """(K, N) of a Marlin qweight of shape (K/16, N*16*bits/32) (padded sizes, as stored)."""
+    return qweight_shape[0] * MARLIN_TILE, qweight_shape[1] * 32 // (MARLIN_TILE * bits)
+
+
 def _tiled(k: int, n: int) -> tuple[int, int]:
     return k // MARLIN_TILE, n * MARLIN_TILE
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from ktlayouts.marlin import qweight_kn
 
 from .gpu_weights_option import POLICIES
 from .marlin_kernel import find_marlin_kernel
@@ -45,24 +46,26 @@ def _dequantized(group: dict, where: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _marlin_parts(group: dict) -> dict[str, tuple[str, dict[str, np.ndarray]]]:
-    """{hub weight name: (layout, {qweight, scales, weight_shape})} of the Marlin-layout Linears of one file."""
+def _marlin_parts(group: dict) -> dict[str, tuple[int, dict[str, np.ndarray]]]:
+    """{hub weight name: (bits, {qweight, scales, weight_shape})} of the Marlin-layout Linears of one file."""
+    from ktconvert.dequant_gpu import FORMAT_PARTS, parse_layout, quantized_linears
+
+    linears = quantized_linears(group, {n: t["layout"] for n, (_a, t) in group.items()})
     out = {}
-    for name, (a, t) in group.items():
-        if t["layout"].startswith("gpu-marlin-") and name.endswith(".qweight"):
-            base = name[: -len(".qweight")]
-            parts = {p: np.asarray(group[f"{base}.{p}"][0]) for p in ("qweight", "scales", "weight_shape")
-                     if f"{base}.{p}" in group}
-            out[f"{base}.weight"] = (t["layout"], parts)
+    for weight, layout in linears.items():
+        fmt, bits = parse_layout(layout)
+        if fmt == "marlin":
+            base = weight.removesuffix(".weight")
+            out[weight] = (bits, {p: np.asarray(group[f"{base}.{p}"][0]) for p in FORMAT_PARTS[fmt]
+                                  if f"{base}.{p}" in group})
     return out
 
 
-def _packed(weight: str, layout: str, parts: dict, device, dtype, kernel, where: str) -> MarlinLinear:
-    bits = int(layout.rsplit("int", 1)[1])
+def _packed(weight: str, bits: int, parts: dict, device, dtype, kernel, where: str) -> MarlinLinear:
     qw, sc = parts.get("qweight"), parts.get("scales")
     if qw is None or sc is None:
-        raise PlacementError(f"{where}: {weight} ({layout}) needs qweight and scales")
-    k_pad, n_pad = qw.shape[0] * 16, qw.shape[1] * 2 // bits
+        raise PlacementError(f"{where}: {weight} (gpu-marlin-int{bits}) needs qweight and scales")
+    k_pad, n_pad = qweight_kn(qw.shape, bits)
     n, k = (int(v) for v in parts["weight_shape"]) if "weight_shape" in parts else (n_pad, k_pad)
     if sc.shape[1] != n_pad or k_pad % sc.shape[0] or n > n_pad or k > k_pad:
         raise PlacementError(f"{where}: {weight}: qweight {list(qw.shape)}, scales {list(sc.shape)} and "
@@ -92,10 +95,10 @@ def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: tor
                     ) -> tuple[dict[str, object], str]:
     """quantized: {file (for errors): {name: (array, manifest entry)}} -> ({hub weight name: tensor or
     MarlinLinear}, a one-line description of what was done, for logs and `ktrun bench`)."""
-    marlin = {w: (where, lay, parts) for where, group in quantized.items()
-              for w, (lay, parts) in _marlin_parts(group).items()}
-    nbytes = sum(p["qweight"].shape[0] * 16 * p["qweight"].shape[1] * 32 // int(lay.rsplit("int", 1)[1])
-                 for _w, lay, p in marlin.values()) * torch.finfo(dtype).bits // 8
+    marlin = {w: (where, bits, parts) for where, group in quantized.items()
+              for w, (bits, parts) in _marlin_parts(group).items()}
+    nbytes = sum(np.prod(qweight_kn(p["qweight"].shape, bits)) for _w, bits, p in marlin.values()) \
+        * torch.finfo(dtype).bits // 8
     mode, kernel = choose_policy(policy, device, nbytes)
     out: dict[str, object] = {}
     for where, group in quantized.items():
@@ -105,8 +108,8 @@ def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: tor
             for name, t in _dequantized(rest, where).items():
                 out[name] = t.to(device=device, dtype=dtype)
         for w in packed_here:
-            _where, lay, parts = marlin[w]
-            out[w] = _packed(w, lay, parts, device, dtype, kernel, where)
+            _where, bits, parts = marlin[w]
+            out[w] = _packed(w, bits, parts, device, dtype, kernel, where)
     packed = [v for v in out.values() if isinstance(v, MarlinLinear)]
     if not packed:
         return out, "dequantized at load" if out else "none quantized"

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from ktlayouts.gptq import zero_point
-from ktlayouts.marlin import scale_perms, weight_perm
+from ktlayouts.marlin import qweight_kn, scale_perms, weight_perm
 
 
 @cache
@@ -60,7 +60,7 @@ class MarlinLinear:
                  dtype: torch.dtype, kernel=None):
         self.name, self.bits, self.n, self.k, self.dtype = name, bits, n, k, dtype
         self.qweight = qweight                                      # (K_pad/16, N_pad*16*bits/32) int32
-        self.k_pad, self.n_pad = qweight.shape[0] * 16, qweight.shape[1] * 2 // bits
+        self.k_pad, self.n_pad = qweight_kn(qweight.shape, bits)
         n_groups = scales.shape[0]
         self.group_size = -1 if n_groups == 1 else self.k_pad // n_groups
         # (n_groups, N_pad), Marlin column order: float16 as stored; the kernel wants the activation dtype (as vLLM)
