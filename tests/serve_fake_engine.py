@@ -15,20 +15,10 @@ import argparse
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
+
+from ktrun.sampling_params import SamplingParams
 
 BOS, EOS = 256, 257
-
-
-@dataclass
-class FakeSamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list = field(default_factory=list)
-    ignore_eos: bool = False
 
 
 class ByteTokenizer:
@@ -54,7 +44,7 @@ class FakeEngine:
     def __init__(self, ctx=256, max_batch=16, step_delay=0.002, model_name="fake-model"):
         self.tokenizer, self.model_name, self.ctx, self.max_batch = ByteTokenizer(), model_name, ctx, max_batch
         self.step_delay = step_delay
-        self._new: dict[str, tuple[list[int], FakeSamplingParams]] = {}
+        self._new: dict[str, tuple[list[int], SamplingParams]] = {}
         self._running: dict[str, dict] = {}
         self.stats = {"steps": 0, "max_batch_seen": 0, "aborts": 0, "cpu_expert_s": 0.0}
 
@@ -106,7 +96,7 @@ class FakeEngine:
 def fake_generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
     """The tokens FakeEngine gives one request alone (the protocol tests' expected output)."""
     eng = FakeEngine(step_delay=0)
-    eng.add_request("x", prompt_ids, FakeSamplingParams(max_tokens=max_tokens))
+    eng.add_request("x", prompt_ids, SamplingParams(max_tokens=max_tokens))
     toks = []
     while eng.has_work():
         toks += [t for _, t, _ in eng.step()]
@@ -130,7 +120,7 @@ def main(argv=None):
         time.sleep(a.load_delay)
         return FakeEngine(ctx=a.ctx, max_batch=a.max_batch, step_delay=a.step_delay)
 
-    return run_server(factory, FakeSamplingParams, port=a.port, api_key=a.api_key, max_batch=a.max_batch,
+    return run_server(factory, SamplingParams, port=a.port, api_key=a.api_key, max_batch=a.max_batch,
                       max_body_bytes=a.max_body_bytes)
 
 
