@@ -39,7 +39,7 @@ lint: setup
 	$(VENV)/bin/ruff check ktconvert layouts runtime tests bench
 
 demo: kernels
-	$(PY) -m ktconvert.demo
+	$(PY) -m ktconvert.default_model.demo
 
 clean:
 	rm -rf build converted runtime/*.so

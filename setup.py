@@ -7,10 +7,20 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+
+
+# import name -> folder. Import names are specific: `layouts/` installs as `ktlayouts`, `runtime/` as `ktrun`.
+PACKAGE_DIRS = {"ktconvert": "ktconvert", "ktlayouts": "layouts", "ktrun": "runtime"}
+
+
+def discover_packages() -> list[str]:
+    """Every package under each folder (found, not listed by hand), under its import name."""
+    return [name for top, folder in PACKAGE_DIRS.items()
+            for name in [top, *(f"{top}.{sub}" for sub in find_packages(str(ROOT / folder)))]]
 
 
 class CMakeLibrary(Extension):
@@ -35,4 +45,5 @@ class CMakeBuild(build_ext):
         os.replace(tmp, dest)
 
 
-setup(ext_modules=[CMakeLibrary("ktrun.libktkernels", ROOT / "kernels")], cmdclass={"build_ext": CMakeBuild})
+setup(packages=discover_packages(), package_dir=PACKAGE_DIRS,
+      ext_modules=[CMakeLibrary("ktrun.libktkernels", ROOT / "kernels")], cmdclass={"build_ext": CMakeBuild})

@@ -57,7 +57,7 @@ def run_convert(src: Path, out: Path, workers: int) -> dict:
 def quant_errors(src: Path) -> dict[str, float]:
     from ktlayouts.cpu_expert import MatrixGeometry, pack_expert_matrix, unpack_expert_matrix
 
-    from ktconvert.source import open_source
+    from ktconvert.sources import open_source
 
     rng = np.random.default_rng(0)
     with open_source(src) as s:
@@ -83,7 +83,7 @@ def quant_errors(src: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    from ktconvert.fixtures import checkpoint_nbytes, make_checkpoint
+    from ktconvert.testing import checkpoint_nbytes, make_checkpoint
 
     bw = copy_bandwidth_gbs()
     print(f"memory_copy_bandwidth: {bw:.2f} GB/s")

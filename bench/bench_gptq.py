@@ -28,8 +28,8 @@ LAYERS = 4
 CHILD = r"""
 import json, re, sys, time
 import transformers.models.deepseek_v3.modeling_deepseek_v3  # noqa: F401  (imports before the baseline)
-from ktconvert.gpu_layers import make_gpu_encoder
-from ktconvert.source import open_source
+from ktconvert.gpu.encoder import make_gpu_encoder
+from ktconvert.sources import open_source
 def status_kb(key):
     return int(re.search(key + r":\s+(\d+)", open("/proc/self/status").read()).group(1))
 base = status_kb("VmRSS")
@@ -48,7 +48,7 @@ print(json.dumps({"seconds": dt, "peak_kb": status_kb("VmHWM"), "base_kb": base}
 
 def largest_layer_f32_mb(ckpt: Path) -> float:
     """float32 size of the largest decoder layer (all its tensors, routed experts included)."""
-    from ktconvert.source import open_source
+    from ktconvert.sources import open_source
 
     src = open_source(ckpt)
     per_layer: dict[int, int] = {}
@@ -67,9 +67,9 @@ def run_method(ckpt: Path, method: str) -> dict:
 
 def model_errors(ckpt: Path) -> dict[str, float]:
     """Relative MSE of the last hidden states, INT4 GPU layers (GPTQ / RTN) vs the float model."""
-    from ktconvert.gptq_eval import last_hidden_states
-    from ktconvert.gpu_calib import calibration_tokens, read_calibration_text
-    from ktconvert.source import open_source
+    from ktconvert.gpu.calib import calibration_tokens, read_calibration_text
+    from ktconvert.gpu.evaluate import last_hidden_states
+    from ktconvert.sources import open_source
 
     src = open_source(ckpt)
     text, _ = read_calibration_text(None)
@@ -84,9 +84,9 @@ def model_errors(ckpt: Path) -> dict[str, float]:
 def trained_model_kl() -> dict[str, float]:
     """KL (nats/token) of the shipped trained model with INT4 GPU layers (group 128) to the float model."""
     import ktconvert
-    from ktconvert.gptq_eval import gptq_vs_rtn_kl
-    from ktconvert.gpu_calib import calibration_tokens, read_calibration_text, tokenizer_for
-    from ktconvert.source import open_source
+    from ktconvert.gpu.calib import calibration_tokens, read_calibration_text, tokenizer_for
+    from ktconvert.gpu.evaluate import gptq_vs_rtn_kl
+    from ktconvert.sources import open_source
 
     model_dir = Path(ktconvert.__file__).resolve().parent / "data" / "default_model"
     src = open_source(model_dir)
@@ -99,8 +99,8 @@ def trained_model_kl() -> dict[str, float]:
 
 def deepseek_linear() -> dict[str, float]:
     """One q_a_proj-sized Linear of DeepSeek-V3 (N=1536, K=7168), 2048 correlated calibration tokens."""
-    from ktconvert.gptq import GptqConfig, HessianAccumulator, gptq_quantize
-    from ktconvert.rtn import quantize_rtn
+    from ktconvert.gpu.gptq import GptqConfig, HessianAccumulator, gptq_quantize
+    from ktconvert.gpu.rtn import quantize_rtn
 
     g = torch.Generator().manual_seed(0)
     k, n = 7168, 1536
@@ -121,7 +121,7 @@ def deepseek_linear() -> dict[str, float]:
 
 
 def main() -> None:
-    from ktconvert.fixtures import make_checkpoint
+    from ktconvert.testing import make_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint("deepseek_v3", Path(tmp) / "ckpt", num_layers=LAYERS, **DIMS)

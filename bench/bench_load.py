@@ -28,8 +28,8 @@ def touched_bytes() -> int:
 
 
 def build(root: Path, n_experts: int) -> Path:
-    from ktconvert.fixtures import make_checkpoint
     from ktconvert.pipeline import ConvertOptions, convert
+    from ktconvert.testing import make_checkpoint
     src, out = root / f"src{n_experts}", root / f"conv{n_experts}"
     with contextlib.redirect_stderr(io.StringIO()):
         make_checkpoint("deepseek_v3", src, hidden_size=256, moe_intermediate_size=512, n_routed_experts=n_experts,

@@ -5,7 +5,7 @@ as one table; plus expert-use statistics (share of routed tokens taken by the to
 Independent path: the shipped BF16 model in transformers (float32 compute); quantized variants replace weights by
 their quantize-dequantize round trip through the on-disk reference code: experts via
 `ktlayouts.cpu_expert.pack_expert_matrix` / `unpack_expert_matrix`; GPU layers (attention, dense MLP, shared expert)
-via `ktconvert.rtn.quantize_rtn` / `ktconvert.gptq.gptq_quantize`, zero-padded to the Marlin geometry like the
+via `ktconvert.gpu.rtn.quantize_rtn` / `ktconvert.gpu.gptq.gptq_quantize`, zero-padded to the Marlin geometry like the
 converter. Activations stay float (the CPU kernels' int8 activation quantization is not modelled here). GPTQ Hessians
 come from the BF16 model on training-split text (one pass, not layer-sequential).
 
@@ -30,9 +30,9 @@ from ktlayouts.cpu_expert import MatrixGeometry, pack_expert_matrix, unpack_expe
 from ktlayouts.marlin import marlin_padded_shape
 
 import ktconvert
-from ktconvert import default_model_data as data
-from ktconvert.gptq import GptqConfig, HessianAccumulator, gptq_quantize
-from ktconvert.rtn import quantize_rtn
+from ktconvert.default_model import data
+from ktconvert.gpu.gptq import GptqConfig, HessianAccumulator, gptq_quantize
+from ktconvert.gpu.rtn import quantize_rtn
 
 MODEL_DIR = Path(ktconvert.__file__).resolve().parent / "data" / "default_model"
 SEQ_LEN = 256
@@ -187,7 +187,7 @@ def main() -> None:
     print("|---|---|---|---:|---:|---:|")
     for experts, gpu, ppl, kl, path in rows:
         print(f"| {experts} | {gpu} | {path} | {ppl:.3f} | {ppl / ref_ppl:.4f} | {kl:.5f} |")
-    print("# path: 'round trip' = transformers with weights quantized-dequantized through ktlayouts / ktconvert.rtn|gptq "
+    print("# path: 'round trip' = transformers with weights quantized-dequantized through ktlayouts / ktconvert.gpu.rtn|gptq "
           "(float activations); 'ktrun X' = converted by ktconvert, run by ktrun with expert backend X")
     for experts, gpu, ppl, kl, path in rows:
         key = f"experts_{experts}.gpu_{gpu}" + (".ktrun" if path.startswith("ktrun") else "")

@@ -28,7 +28,7 @@ BIN = Path(sys.executable).parent  # the venv's console scripts: ktconvert, ktru
 
 
 def build_fixture(work: Path, arch: str) -> Path:
-    from ktconvert.fixtures import make_checkpoint
+    from ktconvert.testing import make_checkpoint
 
     src = make_checkpoint(arch, work / "src")
     out = work / "converted"

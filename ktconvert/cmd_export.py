@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from .hf_export import DEFAULT_SHARD_BYTES, EXPERT_MODES, ExportError, export_hf, export_total_bytes
+from ktconvert.export.hf import DEFAULT_SHARD_BYTES, EXPERT_MODES, ExportError, export_hf, export_total_bytes
 
 
 @click.command("export")

@@ -43,7 +43,7 @@ def expert_bytes_per_method(geo_args: dict, group_size: int) -> dict[str, int]:
 
 
 def inspect_source(path: Path, group_size: int) -> dict:
-    from .source import open_source
+    from ktconvert.sources import open_source
 
     with open_source(path) as src:
         a = src.arch
@@ -68,7 +68,7 @@ def inspect_source(path: Path, group_size: int) -> dict:
 
 def _converted_adapter(path: Path):
     """The architecture adapter of the config.json a conversion copied (the source's), or None if unreadable."""
-    from .arch import SourceError, adapter_for
+    from ktconvert.sources.roles import SourceError, adapter_for
 
     try:
         return adapter_for(json.loads((path / "config.json").read_text()))
@@ -79,7 +79,7 @@ def _converted_adapter(path: Path):
 def _role_kind(adapter, name: str) -> str:
     """Role of a converted dense tensor; "non-expert" where the name is not a plain hub tensor (e.g. packed
     GPU-layer tensors) or the config could not be read."""
-    from .arch import SourceError
+    from ktconvert.sources.roles import SourceError
 
     try:
         return adapter.classify(name).kind if adapter is not None else "non-expert"
@@ -88,7 +88,7 @@ def _role_kind(adapter, name: str) -> str:
 
 
 def inspect_converted(path: Path) -> dict:
-    from .converted_reader import ConvertedDir
+    from ktconvert.converted_reader import ConvertedDir
 
     conv = ConvertedDir(path)
     m, geo = conv.manifest, conv.geometry
@@ -127,8 +127,8 @@ def inspect(path, gpu_mem, cpu_mem, group_size):
       ktconvert inspect ./DeepSeek-V3-Q4_K_M-00001-of-00009.gguf --cpu-mem 512GB
       ktconvert inspect converted/ --gpu-mem 24GB --cpu-mem 512GB
     """
-    from .arch import SourceError
-    from .cmd_quantize import resolve_source_arg
+    from ktconvert.cmd_quantize import resolve_source_arg
+    from ktconvert.sources.roles import SourceError
 
     gpu_limit = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem else None
     cpu_limit = parse_bytes(cpu_mem, "--cpu-mem") if cpu_mem else None

@@ -8,17 +8,18 @@ from ktlayouts.constants import DEFAULT_GROUP_SIZE, METHOD_TO_LAYOUT
 from ktlayouts.converted_dir import ManifestError
 from ktlayouts.cpu_expert import LayoutError
 
-from .arch import SourceError
-from .convert_plan import ConvertError
-from .gpu_cli import gpu_click_options, gpu_errors
-from .progress import OutputDirError
+from ktconvert.convert_plan import ConvertError
+from ktconvert.gpu import gpu_errors
+from ktconvert.gpu.options import gpu_click_options
+from ktconvert.progress import OutputDirError
+from ktconvert.sources.roles import SourceError
 
 CONVERT_ERRORS = (ConvertError, SourceError, OutputDirError, LayoutError, ManifestError)
 
 
 def resolve_source_arg(src: str | None):
     """SRC as a local directory or .gguf file, a hub repo id (pulled first), or None: the most recent pull."""
-    from .hub import resolve_source  # its PullError is a ClickException: a clean message and exit 1
+    from ktconvert.hub import resolve_source  # its PullError is a ClickException: a clean message and exit 1
     return resolve_source(src)
 
 
@@ -62,7 +63,7 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
       ktconvert quantize ./DeepSeek-V3 --gpu-method rtn-int8 --gpu-group-size -1 -o dsv3-int8/
       ktconvert quantize ./Qwen3-30B-A3B --gpu-format compressed-tensors --calib my_text.txt -o q3-ct/
     """
-    from .pipeline import ConvertOptions, convert
+    from ktconvert.pipeline import ConvertOptions, convert
 
     try:
         logging.basicConfig(level=logging.INFO, format="ktconvert: %(message)s")

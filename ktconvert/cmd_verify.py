@@ -23,7 +23,7 @@ DENSE_MAX_REL_ERROR = 0.01     # BF16 rounding of non-expert tensors
 
 def check_structure(root: Path, manifest: dict) -> list[str]:
     """Problems with files, sizes, sha256, headers and alignment (empty list = all good)."""
-    from .writer import file_sha256
+    from ktconvert.writer import file_sha256
 
     problems = []
     leftovers = [p.name for p in root.rglob(f"*{PARTIAL_SUFFIX}")] + \
@@ -66,11 +66,11 @@ def check_structure(root: Path, manifest: dict) -> list[str]:
 def compare_to_source(conv, src_path: str, per_expert: bool = False) -> list[tuple[str, float, float, bool]]:
     """Per-tensor relative errors [(what, error, limit, is_expert)]: every dense tensor, and every routed expert tensor
     (per_expert) or the worst expert per (layer, proj)."""
+    from ktlayouts.gpu_formats import max_rel_error
     from tqdm import tqdm
 
-    from .converted_reader import relative_error
-    from .dequant_gpu import max_rel_error
-    from .source import open_source
+    from ktconvert.converted_reader import relative_error
+    from ktconvert.sources import open_source
 
     geo = conv.geometry
     limit = DEFAULT_MAX_REL_ERROR[geo.method]
@@ -118,8 +118,8 @@ def verify(directory, src, max_rel_error, per_expert, quiet):
       ktconvert verify converted/ --against ./DeepSeek-V3
       ktconvert verify converted/ --against ./DeepSeek-V3 --max-rel-error 0.15 --per-expert
     """
-    from .arch import SourceError
-    from .converted_reader import ConvertedDir
+    from ktconvert.converted_reader import ConvertedDir
+    from ktconvert.sources.roles import SourceError
 
     root = Path(directory)
     try:

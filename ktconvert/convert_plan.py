@@ -18,7 +18,7 @@ from ktlayouts.constants import (
 from ktlayouts.converted_dir import GLOBALS_FILE, META_GEOMETRY, PROJECTIONS, ExpertGeometry, dense_file, expert_file
 from ktlayouts.cpu_expert import LayoutError, check_group_size
 
-from .writer import TensorSpec
+from ktconvert.writer import TensorSpec
 
 
 class ConvertError(Exception):

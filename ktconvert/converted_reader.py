@@ -11,9 +11,8 @@ import numpy as np
 import torch
 from ktlayouts.converted_dir import PROJECTIONS, ExpertGeometry, expert_file, expert_tensor, load_manifest, safe_relpath
 from ktlayouts.cpu_expert import bf16_bits_to_f32, unpack_expert_matrix
+from ktlayouts.gpu_formats import dequantize_named, quantized_linears
 from safetensors import safe_open
-
-from .dequant_gpu import dequantize_named, quantized_linears
 
 
 class ConvertedDir:
@@ -23,7 +22,7 @@ class ConvertedDir:
         self._handles: dict[str, object] = {}
         self._dense_index = {name: rel for rel, f in self.manifest["files"].items()
                              if f["kind"] in ("dense", "globals") for name in f.get("tensors", {})}
-        # GPU-quantized Linears (ktconvert.dequant_gpu): hub weight name -> (file, layout), read dequantized
+        # GPU-quantized Linears (ktlayouts.gpu_formats): hub weight name -> (file, layout), read dequantized
         self._gpu: dict[str, tuple[str, str]] = {}
         for rel, f in self.manifest["files"].items():
             if f["kind"] in ("dense", "globals"):

@@ -12,9 +12,9 @@ from pathlib import Path
 from ktlayouts.constants import FORMAT_VERSION
 from ktlayouts.converted_dir import MANIFEST_NAME, SOURCE_RECORD_NAME, is_pad_tensor, validate_manifest
 
-from . import __version__
-from .gpu_cli import converted_config_json
-from .writer import atomic_write_bytes, build_header, file_sha256
+from ktconvert import __version__
+from ktconvert.gpu import converted_config_json
+from ktconvert.writer import atomic_write_bytes, build_header, file_sha256
 
 # Top-level source files copied verbatim (config.json is rewritten: see _converted_config).
 SIDE_FILE_RE = re.compile(r"^(config\.json|generation_config\.json|tokenizer[\w.-]*|special_tokens_map\.json|"

@@ -22,12 +22,12 @@ from ktlayouts.converted_dir import MANIFEST_NAME, PROJECTIONS, ExpertGeometry, 
 from ktlayouts.cpu_expert import pack_expert_codes, pack_expert_matrix
 from tqdm import tqdm
 
-from .convert_plan import ConvertError, ConvertPlan, FileJob, make_plan
-from .gpu_cli import GPU_OPTION_FIELDS, dense_encoder_for
-from .manifest import copy_side_files, write_manifest
-from .progress import Journal, prepare_output
-from .source import open_source
-from .writer import AlignedWriter
+from ktconvert.convert_plan import ConvertError, ConvertPlan, FileJob, make_plan
+from ktconvert.gpu import GPU_OPTION_FIELDS, dense_encoder_for
+from ktconvert.manifest import copy_side_files, write_manifest
+from ktconvert.progress import Journal, prepare_output
+from ktconvert.sources import open_source
+from ktconvert.writer import AlignedWriter
 
 TEST_KILL_ENV = "KTCONVERT_TEST_KILL_AT"   # "event:n": SIGKILL self at the n-th event (dense|expert|commit|file); tests only
 
@@ -38,7 +38,7 @@ class ConvertOptions:
     group_size: int = 128
     numa_nodes: int = 1
     gpu_method: str = "bf16"       # encoder of non-expert tensors: bf16 | auto | gptq-int4 | rtn-int4 | rtn-int8
-    gpu_group_size: int = 128      # GPU-layer options (ktconvert.gpu_layers.GpuLayerOptions)
+    gpu_group_size: int = 128      # GPU-layer options (ktconvert.gpu.encoder.GpuLayerOptions)
     gpu_format: str = "marlin"
     calib: str | None = None
     quantize_head: bool = False

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ktlayouts.converted_dir import DENSE_DIR, EXPERT_DIR, MANIFEST_NAME, PARTIAL_SUFFIX, PROGRESS_NAME, safe_relpath
 
-from .writer import atomic_write_bytes, file_sha256
+from ktconvert.writer import atomic_write_bytes, file_sha256
 
 JOURNAL_VERSION = 1
 

@@ -9,7 +9,7 @@ import click
 # run on (measured on bench_decode: decode step 379 ms -> 128 ms on 2 cores).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from ktconvert.cli import LazyGroup
+from ktrun.lazy_group import LazyGroup
 
 COMMANDS = {
     "generate": "ktrun.cmd_generate:generate",

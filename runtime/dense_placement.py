@@ -1,6 +1,6 @@
 """Place the GPU-quantized Linears of a conversion on the compute device, by policy (`--gpu-weights`):
 
-  dequant  dequantize every quantized Linear once at load (ktconvert.dequant_gpu, float32 on the CPU, then cast):
+  dequant  dequantize every quantized Linear once at load (ktlayouts.gpu_formats, float32 on the CPU, then cast):
            fastest per token, 4x (int4) the device memory of the packed weights.
   packed   Marlin-layout Linears stay packed on the device as ktrun.packed_linear.MarlinLinear: an installed
            Marlin GEMM (ktrun.marlin_kernel) reads them in place; without one each layer dequantizes itself per
@@ -26,8 +26,7 @@ class PlacementError(ValueError):
 def _dequantized(group: dict, where: str) -> dict[str, torch.Tensor]:
     """Quantized tensors of one file {name: (array, manifest entry)} -> {hub weight name: float32 (N, K) tensor}."""
     from ktlayouts.cpu_expert import LayoutError
-
-    from ktconvert.dequant_gpu import dequantize_named, quantized_linears
+    from ktlayouts.gpu_formats import dequantize_named, quantized_linears
 
     arrays = {n: np.asarray(a) for n, (a, _t) in group.items()}
     layouts = {n: t["layout"] for n, (_a, t) in group.items()}
@@ -48,7 +47,7 @@ def _dequantized(group: dict, where: str) -> dict[str, torch.Tensor]:
 
 def _marlin_parts(group: dict) -> dict[str, tuple[int, dict[str, np.ndarray]]]:
     """{hub weight name: (bits, {qweight, scales, weight_shape})} of the Marlin-layout Linears of one file."""
-    from ktconvert.dequant_gpu import FORMAT_PARTS, parse_layout, quantized_linears
+    from ktlayouts.gpu_formats import FORMAT_PARTS, parse_layout, quantized_linears
 
     linears = quantized_linears(group, {n: t["layout"] for n, (_a, t) in group.items()})
     out = {}

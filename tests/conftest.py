@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ktconvert.fixtures import ARCHS, make_checkpoint
+from ktconvert.testing import ARCHS, make_checkpoint
 
 
 @pytest.fixture(scope="session")

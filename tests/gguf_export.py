@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 from tokenizers import Tokenizer
 
-from ktconvert.source import open_source
+from ktconvert.sources import open_source
 
 GGUF_ARCH = {"deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2, "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
              "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ktconvert.fixtures import make_checkpoint
 from ktconvert.pipeline import ConvertOptions, convert
+from ktconvert.testing import make_checkpoint
 
 INIT_SCALE = 8.0          # lm_head x8: peaked next-token distributions, so greedy choices have clear margins
 PROMPT = "The quick brown fox jumps over the lazy dog"

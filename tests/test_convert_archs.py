@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from ktconvert.cli import main
 from ktconvert.converted_reader import ConvertedDir
-from ktconvert.source import open_source
+from ktconvert.sources import open_source
 
 
 def run_cli(*args):

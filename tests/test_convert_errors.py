@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from ktlayouts.converted_dir import MANIFEST_NAME, PROGRESS_NAME
 
 from ktconvert.cli import main
-from ktconvert.source import open_source
+from ktconvert.sources import open_source
 
 
 def quantize(src, out, *extra):

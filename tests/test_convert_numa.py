@@ -7,9 +7,9 @@ from ktlayouts.cpu_expert import unpack_expert_matrix
 from safetensors import safe_open
 
 from ktconvert.converted_reader import ConvertedDir, unit_piece
-from ktconvert.fixtures import make_checkpoint
 from ktconvert.pipeline import ConvertOptions, convert
-from ktconvert.source import open_source
+from ktconvert.sources import open_source
+from ktconvert.testing import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -183,16 +183,16 @@ def test_converted_default_model_runs_in_ktrun_close_to_transformers(model, toke
 
 
 def test_training_script_smoke_run_writes_a_loadable_hub_dir(tmp_path):
-    """`python -m ktconvert.train_default` end to end on 25 stdlib files and 2 steps (about a minute)."""
+    """`python -m ktconvert.default_model.train` end to end on 25 stdlib files and 2 steps (about a minute)."""
     import subprocess
     import sys
 
-    from ktconvert.default_model_data import default_stdlib_dir
+    from ktconvert.default_model.data import default_stdlib_dir
 
     if len(list(default_stdlib_dir().glob("*.py"))) < 40:
         pytest.skip(f"no Python standard library source at {default_stdlib_dir()}")
     out = tmp_path / "m"
-    r = subprocess.run([sys.executable, "-m", "ktconvert.train_default", "--out", str(out), "--steps", "2",
+    r = subprocess.run([sys.executable, "-m", "ktconvert.default_model.train", "--out", str(out), "--steps", "2",
                         "--limit-files", "25"], capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not (out / "train_state.safetensors").exists()  # optimizer state is removed after a verified export

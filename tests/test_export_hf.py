@@ -20,8 +20,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from ktconvert.converted_reader import ConvertedDir
-from ktconvert.hf_export import EXPERT_IGNORE_REGEX, EXPERT_SKIP_DYNAMIC
-from ktconvert.hf_export_experts import EXPERT_DYNAMIC, EXPERT_TARGET_REGEX
+from ktconvert.export.hf import EXPERT_IGNORE_REGEX, EXPERT_SKIP_DYNAMIC
+from ktconvert.export.hf_experts import EXPERT_DYNAMIC, EXPERT_TARGET_REGEX
 
 KTCONVERT = [sys.executable, "-c", "from ktconvert.cli import main; main()"]
 PROMPT = torch.tensor([[3, 17, 42, 99, 5, 200, 11, 7, 64, 128, 250, 1]])

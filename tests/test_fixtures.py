@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ktconvert.fixtures import ARCHS, make_checkpoint, make_model
+from ktconvert.testing import ARCHS, make_checkpoint, make_model
 
 EXPERT_NAME = {
     "deepseek_v3": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
@@ -166,7 +166,7 @@ def test_bad_arguments():
 
 
 def test_layers_and_dims_overrides(tmp_path):
-    from ktconvert.source import open_source
+    from ktconvert.sources import open_source
 
     d = make_checkpoint("deepseek_v3", tmp_path / "big", fp8=True, num_layers=4, hidden_size=160,
                         moe_intermediate_size=192, n_routed_experts=8)

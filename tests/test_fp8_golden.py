@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktconvert.fp8 import (
+from ktconvert.sources.fp8 import (
     E4M3FN_TO_F32,
     dequant_fp8_block,
     dequant_fp8_block_bf16,

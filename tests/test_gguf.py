@@ -15,11 +15,11 @@ from gguf_export import Q, export_gguf
 from gguf_kquants import q4_k_blocks, q6_k_blocks
 from tokenizers import Tokenizer
 
-from ktconvert.arch import SourceError
 from ktconvert.converted_reader import ConvertedDir
-from ktconvert.fixtures import make_checkpoint
-from ktconvert.gguf_source import GGUFSource
-from ktconvert.source import open_source
+from ktconvert.sources import open_source
+from ktconvert.sources.gguf import GGUFSource
+from ktconvert.sources.roles import SourceError
+from ktconvert.testing import make_checkpoint
 
 KTCONVERT = [sys.executable, "-m", "ktconvert"]
 ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")

@@ -7,11 +7,11 @@ import textwrap
 import pytest
 import torch
 
-from ktconvert.fixtures import make_checkpoint, make_model
-from ktconvert.gpu_calib import CalibrationError, LayerwiseGptq, calibration_tokens, read_calibration_text
-from ktconvert.gpu_layers import GpuLayerEncoder, GpuLayerOptions, make_gpu_encoder
-from ktconvert.rtn import quantize_rtn
-from ktconvert.source import open_source
+from ktconvert.gpu.calib import CalibrationError, LayerwiseGptq, calibration_tokens, read_calibration_text
+from ktconvert.gpu.encoder import GpuLayerEncoder, GpuLayerOptions, make_gpu_encoder
+from ktconvert.gpu.rtn import quantize_rtn
+from ktconvert.sources import open_source
+from ktconvert.testing import make_checkpoint, make_model
 
 KINDS = ("attention", "shared_expert", "dense_mlp")
 
@@ -116,8 +116,8 @@ def test_calibration_needs_a_tokenizer(tmp_path):
 
 _MEMORY_CHILD = textwrap.dedent("""
     import json, sys
-    from ktconvert.gpu_layers import make_gpu_encoder
-    from ktconvert.source import open_source
+    from ktconvert.gpu.encoder import make_gpu_encoder
+    from ktconvert.sources import open_source
     src = open_source(sys.argv[1])
     enc = make_gpu_encoder("gptq-int4", src=src, group_size=128, calib_tokens=256, seq_len=128)
     key = lambda n: (src.arch.classify(n).layer is None, src.arch.classify(n).layer or 0, n)
@@ -156,7 +156,7 @@ def test_memory_stays_bounded_with_many_layers(tmp_path):
 
 
 def test_act_order_gptq_writes_a_permuted_g_idx(tmp_path):
-    from ktconvert.dequant_gpu import dequantize_named
+    from ktlayouts.gpu_formats import dequantize_named
 
     src = open_source(make_checkpoint("qwen3_moe", tmp_path, num_layers=1))
     enc = GpuLayerEncoder(GpuLayerOptions(method="gptq-int4", group_size=32, fmt="gptq", act_order=True,
@@ -180,8 +180,8 @@ def test_gptq_beats_rtn_on_the_trained_default_model():
     from pathlib import Path
 
     import ktconvert
-    from ktconvert.gptq_eval import gptq_vs_rtn_kl
-    from ktconvert.gpu_calib import tokenizer_for
+    from ktconvert.gpu.calib import tokenizer_for
+    from ktconvert.gpu.evaluate import gptq_vs_rtn_kl
 
     model_dir = Path(ktconvert.__file__).resolve().parent / "data" / "default_model"
     src = open_source(model_dir)

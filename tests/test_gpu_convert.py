@@ -7,11 +7,11 @@ import sys
 import numpy as np
 import pytest
 from ktlayouts.converted_dir import MANIFEST_NAME, load_manifest
+from ktlayouts.gpu_formats import dequantize_named
 
 from ktconvert.converted_reader import ConvertedDir
-from ktconvert.dequant_gpu import dequantize_named
 from ktconvert.pipeline import TEST_KILL_ENV, ConvertOptions, convert
-from ktconvert.source import open_source
+from ktconvert.sources import open_source
 
 KTCONVERT = [sys.executable, "-c", "from ktconvert.cli import main; main()"]
 KINDS = ("attention", "shared_expert", "dense_mlp")

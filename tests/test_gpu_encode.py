@@ -5,12 +5,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ktlayouts.gpu_formats import dequantize_linear, dequantize_named, quantized_linears
 
-from ktconvert.dense_encoding import Bf16Encoder
-from ktconvert.dequant_gpu import dequantize_linear, dequantize_named, quantized_linears
-from ktconvert.fixtures import make_checkpoint
-from ktconvert.gpu_calib import CalibrationError
-from ktconvert.gpu_layers import (
+from ktconvert.gpu.calib import CalibrationError
+from ktconvert.gpu.dense import Bf16Encoder
+from ktconvert.gpu.encoder import (
     GpuLayerEncoder,
     GpuLayerError,
     GpuLayerOptions,
@@ -18,8 +17,9 @@ from ktconvert.gpu_layers import (
     pack_quantized,
     quantization_config,
 )
-from ktconvert.rtn import quantize_rtn
-from ktconvert.source import open_source
+from ktconvert.gpu.rtn import quantize_rtn
+from ktconvert.sources import open_source
+from ktconvert.testing import make_checkpoint
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 FORMATS = ("marlin", "gptq", "compressed-tensors")
@@ -191,9 +191,9 @@ def test_compressed_tensors_library_reads_our_config_and_tensors(bits, group_siz
 def test_auto_falls_back_to_rtn_without_calibration_text_and_says_so(ds3, tmp_path, monkeypatch, caplog):
     import logging
 
-    from ktconvert import gpu_calib
+    from ktconvert.gpu import calib as gpu_calib
 
-    with caplog.at_level(logging.INFO, logger="ktconvert.gpu_layers"):
+    with caplog.at_level(logging.INFO, logger="ktconvert.gpu.encoder"):
         assert GpuLayerEncoder(GpuLayerOptions(), src=ds3).method == "gptq-int4"
         assert "gptq-int4 (default, calibration text" in caplog.text
         monkeypatch.setattr(gpu_calib, "DEFAULT_CALIB", tmp_path / "not-shipped.txt")

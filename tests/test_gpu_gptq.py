@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from ktconvert.gptq import GptqConfig, GptqError, HessianAccumulator, gptq_quantize
-from ktconvert.rtn import quantize_rtn
+from ktconvert.gpu.gptq import GptqConfig, GptqError, HessianAccumulator, gptq_quantize
+from ktconvert.gpu.rtn import quantize_rtn
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 ENTRIES = [e for e in json.loads((GOLDEN / "index.json").read_text()) if e["file"].startswith("w")]
@@ -82,7 +82,7 @@ def test_indefinite_hessian_is_retried_with_more_damping(caplog):
     h -= 0.05 * float(torch.diag(h).mean()) * torch.eye(128)    # slightly indefinite: needs damping > 0.05
     ev = torch.linalg.eigvalsh(h)
     assert ev.min() < 0
-    with caplog.at_level(logging.WARNING, logger="ktconvert.gptq"):
+    with caplog.at_level(logging.WARNING, logger="ktconvert.gpu.gptq"):
         q, _ = gptq_quantize(torch.randn(64, 128), h, GptqConfig(group_size=128), name="layers.0.mlp.down_proj")
     assert "layers.0.mlp.down_proj" in caplog.text and "used 0.1" in caplog.text
     assert q.codes_kn.shape == (128, 64)

@@ -8,8 +8,8 @@ from ktlayouts.converted_dir import MANIFEST_NAME
 
 from ktconvert.cli import main
 from ktconvert.cmd_inspect import inspect_converted, inspect_source, parse_bytes
-from ktconvert.fixtures import make_checkpoint, make_model
 from ktconvert.pipeline import ConvertOptions, convert
+from ktconvert.testing import make_checkpoint, make_model
 
 
 def cli(*args):

@@ -180,7 +180,7 @@ def test_deepseek_v3_yarn_rope_matches_transformers(tmp_path_factory):
     context: interpolated frequencies, cos/sin attention factor and the softmax mscale^2 all as transformers."""
     from runtime_helpers import INIT_SCALE, build_conversion
 
-    from ktconvert.fixtures import make_checkpoint
+    from ktconvert.testing import make_checkpoint
     root = shared_root(tmp_path_factory) / "yarn"
     src = make_checkpoint("deepseek_v3", root / "src", init_scale=INIT_SCALE, max_position_embeddings=640,
                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
@@ -198,7 +198,7 @@ def test_mixtral_sliding_window_matches_transformers(tmp_path_factory):
     """A sliding window shorter than the prompt, in prefill and in decode steps past it."""
     from runtime_helpers import INIT_SCALE, build_conversion
 
-    from ktconvert.fixtures import make_checkpoint
+    from ktconvert.testing import make_checkpoint
     root = shared_root(tmp_path_factory) / "window"
     src = make_checkpoint("mixtral", root / "src", init_scale=INIT_SCALE, sliding_window=6)
     eng = Engine(build_conversion(src, root / "conv"), ctx=256, use_kernels=False)
@@ -215,7 +215,7 @@ def test_qwen3_moe_mlp_only_layers_matches_transformers(tmp_path_factory):
     """mlp_only_layers: layer 0 is a dense MLP, layer 1 MoE."""
     from runtime_helpers import INIT_SCALE, build_conversion
 
-    from ktconvert.fixtures import make_checkpoint
+    from ktconvert.testing import make_checkpoint
     root = shared_root(tmp_path_factory) / "mlp_only"
     src = make_checkpoint("qwen3_moe", root / "src", init_scale=INIT_SCALE, mlp_only_layers=[0])
     eng = Engine(build_conversion(src, root / "conv"), ctx=256, use_kernels=False)
@@ -229,7 +229,7 @@ def test_deepseek_v2_group_limited_greedy_with_q_lora_matches_transformers(tmp_p
     """DeepSeek-V2 (full, not Lite): q_lora_rank set, group_limited_greedy routing, routed_scaling_factor."""
     from runtime_helpers import INIT_SCALE, build_conversion
 
-    from ktconvert.fixtures import make_checkpoint
+    from ktconvert.testing import make_checkpoint
     root = shared_root(tmp_path_factory) / "v2_groups"
     src = make_checkpoint("deepseek_v2", root / "src", init_scale=INIT_SCALE, topk_method="group_limited_greedy",
                           n_group=4, topk_group=2, q_lora_rank=48, routed_scaling_factor=1.7)

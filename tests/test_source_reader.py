@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ktconvert.arch import SUPPORTED_MODEL_TYPES, TensorRole, adapter_for
-from ktconvert.source import SourceError, open_source
+from ktconvert.sources import SourceError, open_source
+from ktconvert.sources.roles import SUPPORTED_MODEL_TYPES, TensorRole, adapter_for
 
 
 def _index(d: Path) -> dict:

@@ -2,16 +2,16 @@
 GPTQ against RTN, on the calibration tokens and on other (held-out) tokens. Used by bench/bench_gptq.py and the
 calibration tests.
 
-Both methods run through the same layer-by-layer driver (ktconvert.gpu_calib.LayerwiseGptq) that conversion uses;
+Both methods run through the same layer-by-layer driver (ktconvert.gpu.calib.LayerwiseGptq) that conversion uses;
 on held-out tokens the weights quantized on the calibration pass are replayed unchanged.
 """
 from __future__ import annotations
 
 import torch
 
-from .gpu_calib import LayerwiseGptq
-from .gpu_layers import GpuLayerEncoder, GpuLayerOptions
-from .rtn import quantize_rtn
+from ktconvert.gpu.calib import LayerwiseGptq
+from ktconvert.gpu.encoder import GpuLayerEncoder, GpuLayerOptions
+from ktconvert.gpu.rtn import quantize_rtn
 
 GPU_KINDS = ("attention", "shared_expert", "dense_mlp")
 

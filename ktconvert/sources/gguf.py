@@ -1,6 +1,6 @@
 """GGUF checkpoints (single file or a `-00001-of-0000N.gguf` split set) as a conversion source.
 
-Presents the same interface as ktconvert.source.Source, under hub tensor names, so the pipeline runs unchanged:
+Presents the same interface as ktconvert.sources.Source, under hub tensor names, so the pipeline runs unchanged:
 metadata becomes config.json, `tokenizer.ggml.*` becomes tokenizer files, llama.cpp's stacked expert tensors
 (`blk.N.ffn_{gate,up,down}_exps`, shape (E, rows, cols)) become one hub tensor per expert, read one expert slice at a
 time from the memory-mapped file and dequantized with gguf-py (any ggml type it knows). Q8_0 experts can be taken
@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .arch import SourceError, adapter_for
-from .gguf_meta import Meta, config_from_gguf
-from .gguf_names import IGNORED, KV_B_SPLIT, SUPPORTED_GGUF_ARCHS, hub_name, llama_unpermute
-from .gguf_tokenizer import tokenizer_files
-from .source import SourceBase
+from ktconvert.sources.base import SourceBase
+from ktconvert.sources.gguf_meta import Meta, config_from_gguf
+from ktconvert.sources.gguf_names import IGNORED, KV_B_SPLIT, SUPPORTED_GGUF_ARCHS, hub_name, llama_unpermute
+from ktconvert.sources.gguf_tokenizer import tokenizer_files
+from ktconvert.sources.roles import SourceError, adapter_for
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 

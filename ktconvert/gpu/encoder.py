@@ -24,10 +24,10 @@ from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.gptq import GPU_GROUP_SIZES, GptqGeometry, gptq_pack
 from ktlayouts.marlin import marlin_pack, marlin_padded_shape
 
-from .dense_encoding import Bf16Encoder, DenseOutput
-from .gptq import GptqConfig, gptq_quantize
-from .gpu_cli import GPU_FORMATS, GPU_METHODS
-from .rtn import QuantizedLinear, quantize_rtn
+from ktconvert.gpu.dense import Bf16Encoder, DenseOutput
+from ktconvert.gpu.gptq import GptqConfig, gptq_quantize
+from ktconvert.gpu.options import GPU_FORMATS, GPU_METHODS
+from ktconvert.gpu.rtn import QuantizedLinear, quantize_rtn
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class GpuLayerOptions:
 def resolve_method(opts: GpuLayerOptions, src=None) -> tuple[str, str]:
     """(method to run, why); 'auto' picks gptq-int4 if calibration text (and, given the source, its tokenizer) is
     available, else rtn-int4."""
-    from .gpu_calib import CalibrationError, read_calibration_text, tokenizer_for
+    from ktconvert.gpu.calib import CalibrationError, read_calibration_text, tokenizer_for
 
     if opts.method != "auto":
         if GPU_METHODS[opts.method] and GPU_METHODS[opts.method][0] == "gptq":
@@ -94,7 +94,7 @@ def resolve_method(opts: GpuLayerOptions, src=None) -> tuple[str, str]:
 
 
 class GpuLayerEncoder:
-    """DenseEncoder (ktconvert.dense_encoding) writing quantized GPU layers; `src` is needed for GPTQ only."""
+    """DenseEncoder (ktconvert.gpu.dense) writing quantized GPU layers; `src` is needed for GPTQ only."""
 
     def __init__(self, opts: GpuLayerOptions, src=None):
         self.opts = opts
@@ -164,7 +164,7 @@ class GpuLayerEncoder:
 
     def _calibrated(self, name: str, role) -> QuantizedLinear:
         if self._calibrator is None:
-            from .gpu_calib import LayerwiseGptq, calibration_tokens, read_calibration_text
+            from ktconvert.gpu.calib import LayerwiseGptq, calibration_tokens, read_calibration_text
             text, path = read_calibration_text(self.opts.calib)
             tokens = calibration_tokens(self.src, text, self.opts.calib_tokens, self.opts.seq_len, self.opts.seed)
             log.info("GPTQ calibration: %d sequences x %d tokens from %s", tokens.shape[0], tokens.shape[1], path)

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .rtn import QuantizedLinear
+from ktconvert.gpu.rtn import QuantizedLinear
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CALIB = Path(__file__).resolve().parent / "data" / "calib.txt"
+DEFAULT_CALIB = Path(__file__).resolve().parents[1] / "data" / "calib.txt"
 EMBED_NAME = "model.embed_tokens.weight"
 NORM_NAME = "model.norm.weight"
 HEAD_NAME = "lm_head.weight"
@@ -90,7 +90,7 @@ def calibration_tokens(src, text: str, n_tokens: int, seq_len: int, seed: int) -
 
 def embedding_rows(src, ids: torch.Tensor) -> torch.Tensor:
     """Embeddings of `ids` (S, L) -> (S, L, H) float32, reading only those rows of the table from the file."""
-    from .source import Source
+    from ktconvert.sources import Source
 
     info = src.info(EMBED_NAME)
     np_dtype = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}.get(info.dtype)
@@ -197,7 +197,7 @@ class LayerwiseGptq:
                 hub = _checkpoint_name(f"model.layers.{li}.", mod_name + ".weight", self.names)
                 if self.is_target(hub):
                     linears[hub] = mod
-        from .gptq import HessianAccumulator
+        from ktconvert.gpu.gptq import HessianAccumulator
         accs = {hub: HessianAccumulator(m.in_features) for hub, m in linears.items()}
         hooks = [m.register_forward_pre_hook(lambda _m, args, a=accs[h]: a.add(args[0])) for h, m in linears.items()]
         experts = [m for m in layer.modules() if isinstance(m, StreamingExperts)]
@@ -247,7 +247,7 @@ class LayerwiseGptq:
         if self.quantize_head and HEAD_NAME in self.names and self.is_target(HEAD_NAME):
             norm = self.norm_cls(self.cfg.hidden_size, eps=self.cfg.rms_norm_eps)
             norm.weight.copy_(self.src.read(NORM_NAME))
-            from .gptq import HessianAccumulator
+            from ktconvert.gpu.gptq import HessianAccumulator
             acc = HessianAccumulator(self.cfg.hidden_size)
             acc.add(norm(self.hidden))
             self.results[HEAD_NAME] = (self.next_layer, self.quantize_fn(HEAD_NAME, self.src.read(HEAD_NAME), acc.h))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arch import SourceError
+from ktconvert.sources.roles import SourceError
 
 
 class Meta:

@@ -50,7 +50,7 @@ that the test checks.
 
 ## Training
 
-`python -m ktconvert.train_default --out DIR --steps {s.get('planned_steps', s['steps'])} --max-minutes \
+`python -m ktconvert.default_model.train --out DIR --steps {s.get('planned_steps', s['steps'])} --max-minutes \
 {s.get('max_minutes', s['train_minutes'])}` (seed {s['seed']}, {s['threads']} CPU thread, float32, AdamW
 betas (0.9, 0.95), weight decay 0.1, peak lr {s['peak_lr']}, warmup + cosine to 10%, batch {s['batch']} x
 {s['seq_len']} tokens). The routing bias is not trained by gradient: after every step it moves by 0.001 x

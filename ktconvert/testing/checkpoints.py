@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from ktconvert.fixtures_files import (
+from ktconvert.testing.files import (
     F32_TENSORS,
     FP8_QUANTIZATION_CONFIG,
     hub_config,
     to_hub_dtype,
     write_shards,
 )
-from ktconvert.fixtures_tokenizer import write_tokenizer
+from ktconvert.testing.tokenizer import write_tokenizer
 
 ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral", "deepseek_v2")
 DEFAULT_MAX_SHARD_BYTES = 512 * 1024
@@ -189,7 +189,7 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
 
 def _check_against_adapter(hub_cfg: dict, tensors: dict) -> None:
     """The factory and the converter's adapter tables must agree on every name (and there must be experts)."""
-    from ktconvert.arch import adapter_for
+    from ktconvert.sources.roles import adapter_for
 
     adapter = adapter_for(hub_cfg)
     if not adapter.moe_layers():
@@ -209,10 +209,10 @@ def param_count(model) -> int:
 
 
 def main(argv=None) -> None:
-    """python -m ktconvert.fixtures ARCH OUT_DIR [--fp8] [--layers N] [--seed S] [--set key=json ...]"""
+    """python -m ktconvert.testing ARCH OUT_DIR [--fp8] [--layers N] [--seed S] [--set key=json ...]"""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m ktconvert.fixtures", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m ktconvert.testing", description=main.__doc__)
     ap.add_argument("arch", choices=ARCHS)
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--fp8", action="store_true", help="DeepSeek FP8 release format (deepseek_v3)")
@@ -228,6 +228,3 @@ def main(argv=None) -> None:
                           max_shard_bytes=a.max_shard_bytes, **overrides)
     print(f"{out}: {checkpoint_nbytes(out)} bytes of tensors")
 
-
-if __name__ == "__main__":
-    main()

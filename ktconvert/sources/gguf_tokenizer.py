@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from .arch import SourceError
+from ktconvert.sources.roles import SourceError
 
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "data" / "default_model"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "data" / "default_model"
 PROMPT = "import os\n\n\ndef read_lines(path):"   # no trailing newline: a lone newline token is answered with EOS
 
 
@@ -37,8 +37,8 @@ def main(output: str, prompt: str, max_tokens: int) -> None:
 
     \b
     Example:
-      python -m ktconvert.demo
-      python -m ktconvert.demo --prompt "import os" --max-tokens 40
+      python -m ktconvert.default_model.demo
+      python -m ktconvert.default_model.demo --prompt "import os" --max-tokens 40
     """
     _run(["ktconvert", "quantize", str(DEFAULT_MODEL), "-o", output, "--method", "int4-amx",
           "--gpu-method", "gptq-int4", "--force"])

@@ -5,7 +5,7 @@ Hessian H = 2 X^T X / T (K, K). Columns are quantized in order (or in order of d
 the rounding error of each column is spread over the columns not yet quantized through the upper Cholesky factor
 U of H^-1. Updates inside a block of 128 columns are applied at once ("lazy batch"), the rest once per block.
 Group scales are computed when the first column of a group is reached, from the weights as updated so far.
-Quantization is symmetric with the rounding of ktconvert.rtn, so RTN and GPTQ results share one layout.
+Quantization is symmetric with the rounding of ktconvert.gpu.rtn, so RTN and GPTQ results share one layout.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from ktlayouts.gptq import GptqGeometry
 
-from .rtn import QuantizedLinear, scales_for
+from ktconvert.gpu.rtn import QuantizedLinear, scales_for
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ktconvert.arch import ArchAdapter, SourceError, adapter_for
-from ktconvert.fp8 import bf16_bits_to_f32, dequant_fp8_block, fp8_e4m3_to_f32
-from ktconvert.st_header import DTYPE_SIZES, TensorInfo, parse_shard
-
-__all__ = ["DTYPE_SIZES", "Source", "SourceError", "TensorInfo", "open_source"]
+from ktconvert.sources.base import SourceBase
+from ktconvert.sources.fp8 import bf16_bits_to_f32, dequant_fp8_block, fp8_e4m3_to_f32
+from ktconvert.sources.roles import ArchAdapter, SourceError, adapter_for
+from ktconvert.sources.st_header import DTYPE_SIZES, TensorInfo, parse_shard
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -28,33 +27,6 @@ def _safe_shard_path(root: Path, shard: str, where: str) -> Path:
     if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
         raise SourceError(f"{where}: shard name {shard!r} is not a plain file name inside {root}")
     return root / shard
-
-
-class SourceBase:
-    """What every conversion source shares: a table of tensors (`self._infos`: hub name -> info with .nbytes) and
-    its lookups. Subclasses: Source (safetensors directory), ktconvert.gguf_source.GGUFSource."""
-
-    path: Path
-    _infos: dict
-
-    def info(self, name: str):
-        try:
-            return self._infos[name]
-        except KeyError:
-            raise SourceError(f"{self.path}: no tensor named {name}") from None
-
-    def source_nbytes(self) -> int:
-        """Bytes of tensor data in the checkpoint (headers excluded)."""
-        return sum(i.nbytes for i in self._infos.values())
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class Source(SourceBase):
@@ -222,15 +194,3 @@ class Source(SourceBase):
 
     def __repr__(self) -> str:
         return f"Source({self.path}, {self.arch!r}, {len(self._names)} tensors)"
-
-
-def open_source(path):
-    """Open a local checkpoint: a directory (config.json + safetensors shards) or a GGUF file / split set
-    (ktconvert.gguf_source.GGUFSource, same interface); validates everything up front."""
-    p = Path(path)
-    if p.suffix == ".gguf" and p.is_file():
-        from ktconvert.gguf_source import GGUFSource
-        return GGUFSource(p)
-    if not p.is_dir():
-        raise SourceError(f"{p}: not a directory (nor a .gguf file)")
-    return Source(p)

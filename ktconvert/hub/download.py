@@ -15,9 +15,18 @@ import click
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 from tqdm.auto import tqdm
 
-from ktconvert import hub_record as rec_io
-from ktconvert.hub import PullError, PullPlan, default_local_dir, free_bytes, hub_errors, human, is_repo_id, plan_pull
-from ktconvert.hub_fetch import PARTIAL_DIR, Cancelled, VerifyError, check_content, fetch_file, sha256_file
+from ktconvert.hub import record as rec_io
+from ktconvert.hub.fetch import PARTIAL_DIR, Cancelled, VerifyError, check_content, fetch_file, sha256_file
+from ktconvert.hub.plan import (
+    PullError,
+    PullPlan,
+    default_local_dir,
+    free_bytes,
+    hub_errors,
+    human,
+    is_repo_id,
+    plan_pull,
+)
 
 
 def say(msg: str) -> None:

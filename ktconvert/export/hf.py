@@ -6,7 +6,7 @@ config.json with the conversion's quantization_config, tokenizer files.
                       format, e.g. X.weight_packed / X.weight_scale / X.weight_shape; the rest BF16, or F32 where
                       the conversion kept F32 such as e_score_correction_bias)
   routed experts:     experts="quantized" (default): per-expert Linears in the same GPU format, from the CPU tiles'
-                      codes and scales without re-quantizing (hf_export_experts), under the source's per-expert
+                      codes and scales without re-quantizing (export.hf_experts), under the source's per-expert
                       names (ArchAdapter.expert_tensor_name); the quantization_config gets a second scheme for them
                       (compressed-tensors config group with a regex target, gptq `dynamic` override).
                       transformers `from_pretrained` loads the result directly (tests/test_export_hf.py).
@@ -29,9 +29,9 @@ from ktlayouts.converted_dir import safe_relpath
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .arch import PROJS, adapter_for
-from .converted_reader import ConvertedDir
-from .hf_export_experts import ExpertExportError, add_expert_scheme, export_step, quantized_expert_tensors
+from ktconvert.converted_reader import ConvertedDir
+from ktconvert.export.hf_experts import ExpertExportError, add_expert_scheme, export_step, quantized_expert_tensors
+from ktconvert.sources.roles import PROJS, adapter_for
 
 DEFAULT_SHARD_BYTES = 4 << 30                       # 4 GiB per shard, as the hub's big checkpoints use
 EXPERT_MODES = ("quantized", "bf16")

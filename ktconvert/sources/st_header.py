@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ktconvert.arch import SourceError
+from ktconvert.sources.roles import SourceError
 
 DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
 MAX_HEADER_BYTES = 100 * 1024 * 1024

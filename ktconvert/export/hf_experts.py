@@ -31,7 +31,7 @@ from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor
 from ktlayouts.cpu_expert import LayoutError, MatrixGeometry, unpack_codes, unpack_scales
 from ktlayouts.gptq import GptqGeometry, gptq_pack
 
-from .converted_reader import ConvertedDir
+from ktconvert.converted_reader import ConvertedDir
 
 EXPORT_STEPS = (128, 64, 32)           # the group lengths (besides per-row) vLLM's Marlin kernels take
 CHANNEL = -1                           # step meaning one scale per output row

@@ -4,9 +4,9 @@ Reproducible (sorted file list, fixed seed, one thread); stops at --steps or --m
 (the learning-rate schedule follows whichever is further along). Writes the checkpoint in the hub layout.
 
 Examples:
-    python -m ktconvert.train_default --out /tmp/default_model
-    python -m ktconvert.train_default --out /tmp/m --steps 2 --limit-files 40     # smoke run (~1 min)
-    python -m ktconvert.train_default --out /tmp/default_model --resume          # continue after a crash
+    python -m ktconvert.default_model.train --out /tmp/default_model
+    python -m ktconvert.default_model.train --out /tmp/m --steps 2 --limit-files 40     # smoke run (~1 min)
+    python -m ktconvert.default_model.train --out /tmp/default_model --resume          # continue after a crash
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ktconvert import default_model_data as io
-from ktconvert import default_model_export as export
+from ktconvert.default_model import data as io
+from ktconvert.default_model import export
 
 SEED = 1234
 SEQ_LEN = 256

@@ -48,7 +48,7 @@ def to_hub_dtype(name: str, t: torch.Tensor, fp8: bool, block) -> dict[str, torc
     if F32_TENSORS.match(name):
         return {name: t.float().contiguous()}
     if fp8 and _FP8_WEIGHT.match(name):
-        from ktconvert.fp8 import quantize_fp8_block
+        from ktconvert.sources.fp8 import quantize_fp8_block
 
         bits, scale_inv = quantize_fp8_block(t.float().numpy(), tuple(block))
         return {name: torch.from_numpy(bits).view(torch.float8_e4m3fn),

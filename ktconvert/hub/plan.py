@@ -2,7 +2,7 @@
 
 `plan_pull` resolves the revision to a commit, lists the repo tree (sizes, LFS sha256) and selects the files
 conversion needs; `pull` checks free space, downloads what is missing (resuming partial files), verifies every file
-and writes `<local_dir>/.ktconvert-source.json` (format: see `ktconvert.hub_record`). `resolve_source` turns the
+and writes `<local_dir>/.ktconvert-source.json` (format: see `ktconvert.hub.record`). `resolve_source` turns the
 SRC argument of `ktconvert quantize` into a local directory. Environment: HF_TOKEN (gated/private repos), HF_ENDPOINT
 (mirrors), HF_HUB_OFFLINE=1 (use the local copy only), KTCONVERT_HOME (default local root, ~/.cache/ktconvert).
 """
@@ -20,8 +20,8 @@ import click
 import httpx2
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
-from ktconvert.hub_fetch import PARTIAL_DIR, RemoteFile, partial_path
-from ktconvert.hub_record import SOURCE_RECORD, entry_still_valid, ktconvert_home, read_last_pull, read_source_record
+from ktconvert.hub.fetch import PARTIAL_DIR, RemoteFile, partial_path
+from ktconvert.hub.record import SOURCE_RECORD, entry_still_valid, ktconvert_home, read_source_record
 
 # Files conversion needs: weights as safetensors, their index, configs, tokenizer files, chat template.
 DEFAULT_INCLUDE = (
@@ -207,41 +207,3 @@ def plan_pull(repo_id: str, revision: str | None = None, local_dir: Path | None 
             files.append(PlannedFile(rf, "missing"))
     return PullPlan(repo_id, revision, commit, local_dir.resolve(), list(include or DEFAULT_INCLUDE),
                     list(exclude or ()), files, skipped, gated=bool(info.gated))
-
-
-def resolve_source(src: str | None) -> Path:
-    """The local checkpoint directory for a `ktconvert quantize` SRC argument.
-
-    An existing directory (or .gguf file) is used as is (refused if it is an unfinished pull); a hub repo id
-    (ORG/NAME that is not an existing path) is pulled first into its default directory; None means the most recent
-    complete pull.
-    """
-    if src is None:
-        state = read_last_pull()
-        if not state or not state.get("local_dir"):
-            raise PullError(f"no SRC given and nothing pulled yet (no {ktconvert_home() / 'last_pull.json'}): "
-                            "run `ktconvert pull ORG/NAME` first or pass a checkpoint directory")
-        path = Path(state["local_dir"])
-        if not path.is_dir():
-            raise PullError(f"the most recent pull ({state.get('repo_id')}) was into {path}, which no longer exists")
-    else:
-        path = Path(src).expanduser()
-        if not path.exists():
-            if is_repo_id(src):
-                return pull(src)
-            raise PullError(f"SRC {src!r} is neither an existing directory nor a hub repo id (ORG/NAME)")
-        if path.is_file() and path.suffix == ".gguf":
-            return path                      # a GGUF file or the first part of a split set
-        if not path.is_dir():
-            raise PullError(f"SRC {src} is neither a directory nor a .gguf file")
-    rec = read_source_record(path)
-    if rec is not None and not rec.get("complete"):
-        raise PullError(f"{path} holds an unfinished pull of {rec.get('repo_id')}: re-run `ktconvert pull "
-                        f"{rec.get('repo_id')} --revision {rec.get('revision')} --local-dir {path}` to complete it")
-    return path
-
-
-def pull(repo_id: str, **kwargs) -> Path:
-    """Pull `repo_id` (see `ktconvert.hub_pull.pull` for the keyword arguments); return the local directory."""
-    from ktconvert.hub_pull import pull as run_pull
-    return run_pull(repo_id, **kwargs)

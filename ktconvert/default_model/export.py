@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from ktconvert import default_model_data as data
+from ktconvert.default_model import data
 
 MAX_SHARD_BYTES = 8 * 1024 * 1024  # gives 3 shards for the ~20 MB model
 FP32_NAMES = ("e_score_correction_bias",)  # kept in float32 as in the DeepSeek-V3 release
@@ -111,7 +111,7 @@ def export_hub_dir(out_dir: Path, model, tok, stats: dict, train_counts: np.ndar
     (out_dir / "heldout_eval.txt").write_text(eval_text, encoding="utf-8")
     full = dict(stats, train_token_counts=[int(c) for c in train_counts])
     (out_dir / "training_stats.json").write_text(json.dumps(full) + "\n")
-    from ktconvert.default_model_card import model_card
+    from ktconvert.default_model.card import model_card
 
     (out_dir / "README.md").write_text(model_card(model.config, stats), encoding="utf-8")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-TOKENIZER_VOCAB = 300  # the model vocab (fixtures.VOCAB_SIZE) is larger: padded, as on the hub
+TOKENIZER_VOCAB = 300  # the model vocab (checkpoints.VOCAB_SIZE) is larger: padded, as on the hub
 
 _DS_BOS, _DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 _DEEPSEEK = {

@@ -1,7 +1,6 @@
-"""Glue between the GPU-layer encoders (ktconvert.gpu_layers) and the converter: the encoder for a conversion's
-options, the converted config.json, and the click options of `ktconvert quantize`.
+"""GPU-layer methods and formats, and the click options of `ktconvert quantize` that choose them.
 
-Light to import (no torch): the CLI imports it to build its options; the encoders are imported when used."""
+Light to import (no torch): the CLI imports it to build its options."""
 from __future__ import annotations
 
 # method -> (algorithm, bits); bf16 leaves the non-expert tensors unquantized
@@ -10,33 +9,6 @@ GPU_FORMATS = ("marlin", "gptq", "compressed-tensors")
 GPU_METHOD_CHOICES = ("auto", *GPU_METHODS)
 # ConvertOptions fields that select and configure the non-expert encoder (the arguments of dense_encoder_for)
 GPU_OPTION_FIELDS = ("gpu_method", "gpu_group_size", "gpu_format", "calib", "quantize_head", "gpu_act_order")
-
-
-def dense_encoder_for(src, gpu_method: str = "bf16", gpu_group_size: int = 128, gpu_format: str = "marlin",
-                      calib: str | None = None, quantize_head: bool = False, gpu_act_order: bool = False):
-    """The non-expert encoder of a conversion (ConvertOptions' gpu_* fields): bf16 or a GpuLayerEncoder."""
-    from .dense_encoding import DENSE_ENCODERS, dense_encoder
-    from .gpu_layers import GpuLayerEncoder, GpuLayerOptions
-
-    if gpu_method == "bf16" or (gpu_method in DENSE_ENCODERS and gpu_method not in GPU_METHOD_CHOICES):
-        return dense_encoder(gpu_method)
-    return GpuLayerEncoder(GpuLayerOptions(method=gpu_method, group_size=gpu_group_size, fmt=gpu_format, calib=calib,
-                                           quantize_head=quantize_head, act_order=gpu_act_order), src=src)
-
-
-def converted_config_json(raw: bytes, encoder) -> bytes:
-    """config.json for the converted directory: the source's quantization_config (FP8) replaced by the GPU
-    layers' one (gptq / compressed-tensors formats), or removed."""
-    import json
-
-    cfg = json.loads(raw)
-    qc = encoder.quantization_config() if hasattr(encoder, "quantization_config") else None
-    if "quantization_config" not in cfg and qc is None:
-        return raw
-    cfg.pop("quantization_config", None)
-    if qc is not None:
-        cfg["quantization_config"] = qc
-    return (json.dumps(cfg, indent=2) + "\n").encode()
 
 
 def gpu_click_options(command):
@@ -62,12 +34,3 @@ def gpu_click_options(command):
     for opt in reversed(options):
         command = opt(command)
     return command
-
-
-def gpu_errors() -> tuple[type[Exception], ...]:
-    """Exceptions of the GPU-layer path that mean bad input (the CLI prints them and exits 1)."""
-    from .gptq import GptqError
-    from .gpu_calib import CalibrationError
-    from .gpu_layers import GpuLayerError
-
-    return (GpuLayerError, CalibrationError, GptqError)
