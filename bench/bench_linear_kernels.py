@@ -11,7 +11,8 @@ read bandwidth measured in the same run (bench_moe_kernels.probe: kt_measure_rea
 better of the probes just before and just after); for T >= 64 also int8 GOP/s against the register-only vpdpbusd
 peak (kt_measure_int8_peak, same bracketing); and a torch float32 matmul of the same shape on the same number of
 threads, timed alternately with the kernel (ratio = torch time / kernel time). Then the GPU-code repack on an
-o_proj-sized matrix (7168x16384 int4): MB/s of codes from (K, N) bytes and from gptq words.
+o_proj-sized matrix (7168x16384 int4): MB/s of codes from (K, N) bytes, gptq words and compressed-tensors
+words.
 Output lines are `name: value unit`.
 
     .venv/bin/python bench/bench_linear_kernels.py                        # everything (~10 minutes)
@@ -95,7 +96,8 @@ def bench_repack(lin: LinearKernels, nt: int, rng: np.random.Generator) -> None:
     geom = linear_geometry(n, k, bits, GROUP)
     out = (np.empty(geom.qweight_shape, np.uint8), np.empty(geom.scales_shape, np.float32))
     out[0].fill(0), out[1].fill(0)
-    for name, c, packed in (("u8_kn", codes, False), ("gptq_words", words, True)):
+    ct_words = np.ascontiguousarray(words.T)     # compressed-tensors weight_packed (N, K/8), read as its .T view
+    for name, c, packed in (("u8_kn", codes, False), ("gptq_words", words, True), ("ct_words", ct_words.T, True)):
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()

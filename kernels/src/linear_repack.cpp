@@ -124,25 +124,34 @@ struct Repack {
         return all;
     }
 
+    // int4 word (8 K of one column, nibble i = K 8h + i) -> its 4 tile bytes: byte j = K j (low) | K j+4 (high).
+    static uint32_t chunk_word(uint32_t w) {
+        const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;       // bytes: K 0,2,4,6 / K 1,3,5,7
+        const uint32_t a = lo | ((lo >> 16) << 4), b = hi | ((hi >> 16) << 4);   // bytes: (K0|K4, K2|K6), (K1|K5, K3|K7)
+        return (a & 0xFFu) | ((b & 0xFFu) << 8) | ((a & 0xFF00u) << 8) | ((b & 0xFF00u) << 16);
+    }
+
     // Codes packed along K in little-endian 32-bit words (gptq qweight, compressed-tensors weight_packed).
     // int8: a word is 4 consecutive K of one column = one 32-bit word of a tile row. int4: a word is the 8 K of one
-    // chunk's column c; nibble i (K 8h + i) goes to byte i % 4, low nibble for i < 4, high for i >= 4.
+    // chunk's column c (chunk_word).
     void packed_tile(int nb, int kt, uint8_t* t) const {
+        if (sn == 1) {   // gptq (K/f, N): one tile row / chunk = 16 consecutive words of one word row
+            const uint32_t* base = words + 16 * nb;
+            for (int r = 0; r < (bits == 8 ? 16 : 8); ++r) {
+                const uint32_t* row = base + (int64_t)((bits == 8 ? 16 : 8) * kt + r) * sk;
+                if (bits == 8) { memcpy(t + r * 64, row, 64); continue; }
+                uint32_t out[16];
+                for (int c = 0; c < 16; ++c) out[c] = chunk_word(row[c]);
+                memcpy(t + r * 64, out, 64);
+            }
+            return;
+        }
         for (int c = 0; c < 16; ++c) {
             const uint32_t* col = words + (int64_t)(16 * nb + c) * sn;
-            if (bits == 8) {
-                for (int r = 0; r < 16; ++r) {
-                    const uint32_t w = col[(int64_t)(16 * kt + r) * sk];
-                    memcpy(t + r * 64 + 4 * c, &w, 4);
-                }
-            } else {
-                for (int h = 0; h < 8; ++h) {
-                    const uint32_t w = col[(int64_t)(8 * kt + h) * sk];
-                    const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;   // K 0,2,4,6 / 1,3,5,7
-                    const uint32_t a = lo | ((lo >> 16) << 4), b = hi | ((hi >> 16) << 4);  // bytes: (K0|K4, K2|K6), (K1|K5, K3|K7)
-                    const uint32_t out = (a & 0xFFu) | ((b & 0xFFu) << 8) | ((a & 0xFF00u) << 8) | ((b & 0xFF00u) << 16);
-                    memcpy(t + h * 64 + 4 * c, &out, 4);
-                }
+            for (int r = 0; r < (bits == 8 ? 16 : 8); ++r) {
+                const uint32_t w = col[(int64_t)((bits == 8 ? 16 : 8) * kt + r) * sk];
+                const uint32_t out = bits == 8 ? w : chunk_word(w);
+                memcpy(t + r * 64 + 4 * c, &out, 4);
             }
         }
     }
