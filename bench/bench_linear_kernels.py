@@ -7,10 +7,10 @@ expert's gate+up (two 2048x7168 Linears sharing x, one submission) and down 7168
 ones are read from memory, as in a model, not from L3.
 
 For each configuration: time per call (best of the reps), weight bytes read per second and that as a fraction of the
-read bandwidth measured in the same run (bench_moe_kernels.probe: kt_measure_read_bandwidth with the same pool, the
-better of the probes just before and just after); for T >= 64 also int8 GOP/s against the register-only vpdpbusd
-peak (kt_measure_int8_peak, same bracketing); and a torch float32 matmul of the same shape on the same number of
-threads, timed alternately with the kernel (ratio = torch time / kernel time). Then the GPU-code repack on an
+read bandwidth measured in the same run (bench_moe_kernels.probe: kt_measure_read_bandwidth with the same pool); for
+T >= 64 also int8 GOP/s against the register-only vpdpbusd peak (kt_measure_int8_peak); and a torch float32 matmul
+of the same shape on the same number of threads (ratio = torch time / kernel time). The four are sampled in three
+rounds of (probe, kernel, torch) closed by a probe, best of each (see measure()). Then the GPU-code repack on an
 o_proj-sized matrix (7168x16384 int4): MB/s of codes from (K, N) bytes, gptq words and compressed-tensors
 words.
 Output lines are `name: value unit`.
@@ -63,25 +63,35 @@ def random_copies(geoms, copies: int, rng: np.random.Generator) -> list[list[tup
     return out
 
 
-def time_pair(lin: LinearKernels, ids: list[list[int]], x: np.ndarray, outs: list, torch_mm, reps: int
-              ) -> tuple[float, float]:
-    """Best seconds per call of the kernel (cycling over the weight copies) and of torch_mm, alternated in blocks
-    (kernel, torch, kernel, torch): torch's OpenMP threads keep spinning on the cores for a while after each call,
-    so the first call of each block is a warm-up and not timed."""
-    best_k = best_t = float("inf")
-    for _ in range(2):
+def measure(lin: LinearKernels, ids: list[list[int]], x: np.ndarray, outs: list, torch_mm, reps: int,
+            rounds: int = 3) -> dict[str, float]:
+    """Rounds of (probe, kernel block, torch block), then a last probe; the best of each over all rounds, so the
+    kernel, its limits and the peer are sampled in the same stretches of time on this shared machine.
+    The kernel cycles over the weight copies. torch's OpenMP threads keep spinning on the cores for a while after
+    each call, so the first call of each block is a warm-up and not timed. cpu_share: CPU time the process got
+    during the kernel blocks / (their wall time x threads), below 1 when other processes take the cores."""
+    best = {"kernel": float("inf"), "torch": float("inf"), "bw": 0.0, "peak": 0.0}
+    wall = cpu = 0.0
+    for r in range(rounds + 1):
+        bw, peak = probe(lin.kernels)
+        best["bw"], best["peak"] = max(best["bw"], bw), max(best["peak"], peak)
+        if r == rounds:
+            break
         lin.forward(ids[0], x, outs)
-        for r in range(reps):
+        w0, c0 = time.perf_counter(), time.process_time()
+        for i in range(reps):
             t0 = time.perf_counter()
-            lin.forward(ids[(r + 1) % len(ids)], x, outs)
-            best_k = min(best_k, time.perf_counter() - t0)
+            lin.forward(ids[(i + 1) % len(ids)], x, outs)
+            best["kernel"] = min(best["kernel"], time.perf_counter() - t0)
+        wall, cpu = wall + time.perf_counter() - w0, cpu + time.process_time() - c0
         if torch_mm:
             torch_mm()
             for _ in range(reps):
                 t0 = time.perf_counter()
                 torch_mm()
-                best_t = min(best_t, time.perf_counter() - t0)
-    return best_k, best_t
+                best["torch"] = min(best["torch"], time.perf_counter() - t0)
+    best["cpu_share"] = cpu / (wall * lin.n_threads)
+    return best
 
 
 def torch_matmuls(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -147,24 +157,22 @@ def main() -> None:
                         for j, (g, (q, s)) in enumerate(zip(geoms, packed)):
                             lin.add(c * len(geoms) + j, q, s, g.n, g.k, bits, GROUP)
                             ids[-1].append(c * len(geoms) + j)
-                    after = probe(lin.kernels)
                     for T in args.tokens:
-                        before = after
                         x = rng.standard_normal((T, k)).astype(np.float32)
                         outs = [np.empty((T, g.n), np.float32) for g in geoms]
                         torch_mm = partial(torch_matmuls, torch.from_numpy(x), w32) if w32 else None
                         macs = T * sum(g.n * g.k for g in geoms)
-                        reps = max(2, min(40, int(0.15 / max(nbytes / 20e9, 2 * macs / 400e9))))
-                        sec, sec_torch = time_pair(lin, ids, x, outs, torch_mm, reps)
-                        after = probe(lin.kernels)
-                        bw, peak = max(before[0], after[0]), max(before[1], after[1])
+                        reps = max(2, min(30, int(0.1 / max(nbytes / 20e9, 2 * macs / 400e9))))
+                        m = measure(lin, ids, x, outs, torch_mm, reps)
+                        sec, sec_torch, bw, peak = m["kernel"], m["torch"], m["bw"], m["peak"]
                         tag = f"linear_{name}_int{bits}_T{T}_{nt}t"
                         print(f"{tag}_time: {sec * 1e3:.3f} ms")
-                        print(f"{tag}_read_bandwidth: {bw / 1e9:.2f} GB/s (probe, {nt} thread(s), best of before/after)")
+                        print(f"{tag}_cpu_share: {m['cpu_share']:.2f} of wall time x threads")
+                        print(f"{tag}_read_bandwidth: {bw / 1e9:.2f} GB/s (probe, {nt} thread(s), best of 4 bracketing)")
                         print(f"{tag}_weight_read: {nbytes / sec / 1e9:.2f} GB/s")
                         print(f"{tag}_bw_fraction: {nbytes / sec / bw:.3f} of measured read bandwidth")
                         if T >= 64:
-                            print(f"{tag}_int8_peak: {peak / 1e9:.1f} GOP/s (probe, best of before/after)")
+                            print(f"{tag}_int8_peak: {peak / 1e9:.1f} GOP/s (probe, best of 4 bracketing)")
                             print(f"{tag}_compute: {2 * macs / sec / 1e9:.1f} GOP/s")
                             print(f"{tag}_peak_fraction: {2 * macs / sec / peak:.3f} of measured int8 vpdpbusd peak")
                         if torch_mm:

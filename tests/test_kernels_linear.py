@@ -150,6 +150,27 @@ def test_async_api_torch_inputs_and_moe_on_one_pool():
         np.testing.assert_array_equal(lin.forward(4, x), ref)
 
 
+def test_weights_are_read_in_place_from_a_mapped_file(tmp_path):
+    """Registered tensors are not copied: rewriting the mapped file changes what the next call computes."""
+    rng = np.random.default_rng(12)
+    geom = linear_geometry(48, 128, 4, 64)
+    (q1, s1), (q2, s2) = (pack_linear(rng.standard_normal((48, 128)).astype(np.float32), geom) for _ in range(2))
+    path = tmp_path / "w.bin"
+    path.write_bytes(q1.tobytes() + s1.tobytes())
+    q_map = np.memmap(path, np.uint8, "r", 0, geom.qweight_shape)
+    s_map = np.memmap(path, np.float32, "r", q1.nbytes, geom.scales_shape)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    with LinearKernels(n_threads=2) as lin:
+        lin.add(0, q_map, s_map, 48, 128, 4, 64)
+        lin.add(1, q2, s2, 48, 128, 4, 64)
+        y1 = lin.forward(0, x)
+        writer = np.memmap(path, np.uint8, "r+")
+        writer[:] = np.frombuffer(q2.tobytes() + s2.tobytes(), np.uint8)
+        writer.flush()
+        np.testing.assert_array_equal(lin.forward(0, x), lin.forward(1, x))
+        assert not np.array_equal(y1, lin.forward(0, x))
+
+
 def test_bad_input_is_reported():
     rng = np.random.default_rng(2)
     g1, g2 = linear_geometry(40, 64, 4, 32), linear_geometry(40, 128, 4, 32)
