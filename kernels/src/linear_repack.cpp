@@ -156,20 +156,27 @@ struct Repack {
         }
     }
 
-    // Column blocks [nb0, nb1): their K tiles (K outermost, so the codes of the blocks' columns are read as whole
-    // cache lines and pages of a (K, N) or gptq source), then their scales. Returns the OR of the U8 codes seen
-    // (int4 range check).
+    uint8_t tile(int nb, int kt) const {
+        uint8_t* t = q + (size_t)nb * q_block + (size_t)kt * tile_bytes;
+        if (16 * nb + 16 > n || 64 * kt + 64 > k) return generic_tile(nb, kt, t);
+        if (kind == KT_CODES_PACKED_K) { packed_tile(nb, kt, t); return 0; }
+        if (sn == 1) return kn_tile(nb, kt, t);
+        if (sk == 1) return nk_tile(nb, kt, t);
+        return generic_tile(nb, kt, t);
+    }
+
+    // Column blocks [nb0, nb1): their K tiles, then their scales. Returns the OR of the U8 codes seen (int4 range
+    // check). Sources with rows along N ((K, N) bytes, gptq words) go K outermost, so the blocks' columns are read as
+    // whole cache lines and pages; sources with rows along K ((N, K) bytes, compressed-tensors words) go block by
+    // block, each column one sequential stream.
     uint8_t blocks(int nb0, int nb1) const {
         uint8_t all = 0;
-        for (int kt = 0; kt < kx / 64; ++kt)
-            for (int nb = nb0; nb < nb1; ++nb) {
-                uint8_t* t = q + (size_t)nb * q_block + (size_t)kt * tile_bytes;
-                if (16 * nb + 16 > n || 64 * kt + 64 > k) all |= generic_tile(nb, kt, t);
-                else if (kind == KT_CODES_PACKED_K) packed_tile(nb, kt, t);
-                else if (sn == 1) all |= kn_tile(nb, kt, t);
-                else if (sk == 1) all |= nk_tile(nb, kt, t);
-                else all |= generic_tile(nb, kt, t);
-            }
+        if (sn == 1)
+            for (int kt = 0; kt < kx / 64; ++kt)
+                for (int nb = nb0; nb < nb1; ++nb) all |= tile(nb, kt);
+        else
+            for (int nb = nb0; nb < nb1; ++nb)
+                for (int kt = 0; kt < kx / 64; ++kt) all |= tile(nb, kt);
         for (int nb = nb0; nb < nb1; ++nb) {
             float* sb = s + (size_t)nb * n_groups * 16;
             for (int g = 0; g < n_groups; ++g)
