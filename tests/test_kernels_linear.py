@@ -10,6 +10,9 @@ container (gptq / compressed-tensors words as stored, (K, N) and (N, K) bytes, M
 GPU formats' weights (ktlayouts.gpu_formats dequantization as the reference)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -30,6 +33,8 @@ from ktrun.cpu_linear import LinearKernels
 from ktrun.cpu_moe import KernelError, MoEKernels
 from test_kernels_helpers import PackedLayer, assert_close, backend_params, routing
 
+GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
+GOLDEN_LINEARS = [e for e in json.loads((GOLDEN / "index.json").read_text()) if e["file"].startswith("w")]
 TOKENS = (1, 2, 7, 16, 64, 129, 512)
 # (group, N, K): N never a multiple of 16 (partial last column block); K not a multiple of the group unit lcm(64, G)
 # (K_pad > K) except where K % G is the only constraint left (G = 64, 128: K % G != 0 pads the last group)
@@ -276,6 +281,37 @@ def test_gpu_layers_run_repacked(fmt, bits):
     _, bound = quantized_reference(x, w, geom)
     excess = np.abs(got - x.astype(np.float64) @ w.T) - bound - 1e-5 * (np.abs(x) @ np.abs(w).T)
     assert excess.max() <= 0, f"{fmt}: beyond the activation-quantization bound by {excess.max():.3g}"
+
+
+@pytest.mark.parametrize("entry", GOLDEN_LINEARS, ids=lambda e: e["file"])
+def test_golden_gpu_tensors_repack_and_run(entry):
+    """shared/golden: tensors written by the public packers (vLLM's gptq/Marlin helpers, compressed-tensors). Every
+    container, repacked in C++, gives the reference tiles; the op on them is within the activation-quantization
+    bound of x @ W^T for W = (code - Z) * scale (the golden README's formula, in float64)."""
+    d = np.load(GOLDEN / entry["file"])
+    bits, group, n, k = entry["bits"], entry["group_size"], entry["N"], entry["K"]
+    _, q_ref, s_ref = repack_gpu_codes(d["codes_kn"], d["scales_fp16"], bits, group)
+    codes, scales = marlin_unpack({"qweight": d["marlin_qweight"], "scales": d["marlin_scales"]},
+                                  GptqGeometry(n, k, bits, group))
+    sources = {
+        "codes_kn": (d["codes_kn"], d["scales_fp16"], False),
+        "gptq_qweight": (d["gptq_qweight"], d["scales_fp16"], True),
+        "ct_weight_packed.T": (d["ct_weight_packed"].T, d["ct_weight_scale"].T, True),
+        "marlin (ktlayouts unpack)": (codes, scales, False),
+    }
+    w = ((d["codes_kn"].astype(np.float64) - (1 << (bits - 1)))
+         * np.repeat(d["scales_fp16"].astype(np.float64), k if group == -1 else group, axis=0)).T
+    x = np.random.default_rng(entry["K"] + entry["N"]).standard_normal((5, k)).astype(np.float32)
+    with LinearKernels(n_threads=2) as lin:
+        for name, (c, s, packed) in sources.items():
+            q, sc = lin.repack(c, s, bits, group, packed=packed)
+            np.testing.assert_array_equal(q, q_ref, err_msg=name)
+            np.testing.assert_array_equal(sc, s_ref, err_msg=name)
+        lin.add(0, q_ref, s_ref, n, k, bits, group)
+        got = lin.forward(0, x)
+    _, bound = quantized_reference(x, w, linear_geometry(n, k, bits, group))
+    excess = np.abs(got - x.astype(np.float64) @ w.T) - bound - 1e-5 * (np.abs(x) @ np.abs(w).T)
+    assert excess.max() <= 0, f"beyond the activation-quantization bound by {excess.max():.3g}"
 
 
 def test_unpack_codes_round_trip():
