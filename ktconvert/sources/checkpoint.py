@@ -41,7 +41,7 @@ class Source(SourceBase):
             self.config: dict = json.loads(cfg_path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SourceError(f"{cfg_path}: invalid JSON: {e}") from e
-        self.arch: ArchAdapter = adapter_for(self.config)
+        self.arch: ArchAdapter = adapter_for(self.config, str(cfg_path))
         qc = self.config.get("quantization_config") or {}
         if qc and (qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3"):
             raise SourceError(f"{cfg_path}: unsupported quantization_config (quant_method={qc.get('quant_method')!r}, "
