@@ -44,11 +44,11 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
       ktrun generate converted/ --prompt "1, 2, 3," --stop "10" --ctx 2048
     """
     import torch
+    from ktlayouts.families import ConfigError
 
     from .generate import generate as run_generate
     from .loaded_model import load_model
     from .loader import LoadError
-    from .models.config import ConfigError
     from .sampling import SamplingParams
     from .tokenizer import TokenizerError
 
