@@ -17,8 +17,8 @@ from functools import cache
 import numpy as np
 import torch
 import torch.nn.functional as F
-from ktlayouts.gptq import zero_point
-from ktlayouts.marlin import qweight_kn, scale_perms, weight_perm
+from ktlayouts.gptq import group_size_for, zero_point
+from ktlayouts.marlin import grouped_scales, qweight_kn, scale_perms, weight_perm
 
 
 @cache
@@ -61,8 +61,7 @@ class MarlinLinear:
         self.name, self.bits, self.n, self.k, self.dtype = name, bits, n, k, dtype
         self.qweight = qweight                                      # (K_pad/16, N_pad*16*bits/32) int32
         self.k_pad, self.n_pad = qweight_kn(qweight.shape, bits)
-        n_groups = scales.shape[0]
-        self.group_size = -1 if n_groups == 1 else self.k_pad // n_groups
+        self.group_size = group_size_for(self.k_pad, scales.shape[0], name)
         # (n_groups, N_pad), Marlin column order: float16 as stored; the kernel wants the activation dtype (as vLLM)
         self.scales = scales.to(dtype) if kernel is not None else scales
         self.kernel = kernel                                        # ktrun.marlin_kernel.MarlinKernel or None
@@ -79,7 +78,7 @@ class MarlinLinear:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> W (N, K) on the layer's device: (code - 2^(bits-1)) * scale in float32, then cast once."""
         codes = marlin_codes(self.qweight, self.bits)                               # (K_pad, N_pad) uint8
-        s = marlin_scales(self.scales.float(), grouped=self.group_size != -1 and self.group_size < self.k_pad)
+        s = marlin_scales(self.scales.float(), grouped=grouped_scales(self.k_pad, self.group_size))
         w = codes.float().sub_(zero_point(self.bits)).view(s.shape[0], -1, self.n_pad)  # (n_groups, G, N_pad)
         w = w.mul_(s[:, None, :]).view(self.k_pad, self.n_pad)[: self.k, : self.n]
         return w.t().to(dtype or self.dtype).contiguous()
