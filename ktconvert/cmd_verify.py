@@ -23,7 +23,7 @@ DENSE_MAX_REL_ERROR = 0.01     # BF16 rounding of non-expert tensors
 
 def check_structure(root: Path, manifest: dict) -> list[str]:
     """Problems with files, sizes, sha256, headers and alignment (empty list = all good)."""
-    from ktconvert.writer import file_sha256
+    from ktlayouts.files import sha256_file
 
     problems = []
     leftovers = [p.name for p in root.rglob(f"*{PARTIAL_SUFFIX}")] + \
@@ -38,7 +38,7 @@ def check_structure(root: Path, manifest: dict) -> list[str]:
         if path.stat().st_size != f["size"]:
             problems.append(f"{rel}: size {path.stat().st_size}, manifest says {f['size']}")
             continue
-        if file_sha256(path) != f["sha256"]:
+        if sha256_file(path) != f["sha256"]:
             problems.append(f"{rel}: sha256 differs from the manifest (corrupted or modified)")
             continue
         if "tensors" not in f:
