@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from ktlayouts.gptq import group_size_for, zero_point
-from ktlayouts.marlin import grouped_scales, qweight_kn, scale_perms, weight_perm
+from ktlayouts.marlin import MARLIN_TILE, grouped_scales, qweight_kn, scale_perms, weight_perm
 
 
 @cache
@@ -40,10 +40,11 @@ def unpack_cols(qw: torch.Tensor, bits: int) -> torch.Tensor:
 def marlin_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """qweight (K/16, N*16*bits/32) int32 -> codes (K, N) uint8 (the inverse of ktlayouts.marlin.pack_weight)."""
     t = unpack_cols(qweight, bits)                          # (K/16, 16 N): 16x16 tiles, fragment order
-    k, n = qweight.shape[0] * 16, t.shape[1] // 16
+    k, n = qweight_kn(qweight.shape, bits)
     inv, _, _ = _inverse_perms(bits, str(qweight.device))
     t = t.reshape(-1, inv.numel())[:, inv]                  # back to four row-major 16x16 tiles per 1024 values
-    return t.reshape(k // 16, n // 16, 16, 16).transpose(1, 2).reshape(k, n)
+    tile = MARLIN_TILE
+    return t.reshape(k // tile, n // tile, tile, tile).transpose(1, 2).reshape(k, n)
 
 
 def marlin_scales(scales: torch.Tensor, grouped: bool) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor
 from ktlayouts.cpu_expert import LayoutError, MatrixGeometry, unpack_codes, unpack_scales
+from ktlayouts.expert_shards import paste_shard
 from ktlayouts.gptq import GptqGeometry
 from ktlayouts.gpu_formats import GpuLinearFormat, gpu_format_for
 
@@ -55,6 +56,7 @@ class ShardPiece:
 
 
 def shard_pieces(conv: ConvertedDir, proj: str) -> list[ShardPiece]:
+    """Where each shard's rows (gate/up) or columns (down) start in the source matrix (expert_shards' ranges)."""
     geo = conv.geometry
     out = []
     for s, (i0, _i1) in enumerate(geo.shard_plan.shard_ranges()):
@@ -111,8 +113,8 @@ def expert_codes(conv: ConvertedDir, layer: int, expert: int, proj: str, step: i
         q = f.get_slice(expert_tensor(proj, "qweight"))[expert: expert + 1][0].numpy()
         s = f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0].numpy()
         c, sc = unpack_codes(q, p.geom), unpack_scales(s, p.geom)          # (N_pad, K_pad), (N_pad, n_groups)
+        paste_shard(c, proj, conv.geometry.shard_plan, p.shard, codes)
         n1, k1 = min(n, p.n0 + p.geom.n), min(k, p.k0 + p.geom.k)
-        codes[p.n0:n1, p.k0:k1] = c[: n1 - p.n0, : k1 - p.k0]
         first = np.arange(p.k0, k1, step_k)                                # first column of each export group
         scales[p.n0:n1, first // step_k] = sc[: n1 - p.n0, (first - p.k0) // p.geom.group]
     return codes, scales
