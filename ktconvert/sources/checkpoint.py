@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ktlayouts.bf16 import bf16_bits_to_f32
 
 from ktconvert.sources.base import SourceBase
-from ktconvert.sources.fp8 import bf16_bits_to_f32, dequant_fp8_block, fp8_e4m3_to_f32
+from ktconvert.sources.fp8 import dequant_fp8_block, fp8_e4m3_to_f32
 from ktconvert.sources.roles import ArchAdapter, SourceError, adapter_for
 from ktconvert.sources.st_header import DTYPE_SIZES, TensorInfo, parse_shard
 
