@@ -1,4 +1,4 @@
-"""Golden bytes of our own CPU expert layouts (layouts/golden/, written once by layouts/golden/write_golden.py):
+"""Golden bytes of our own CPU expert layouts (layouts/golden/, written once by layouts/write_golden.py):
 today's pack must reproduce them byte for byte, unpack must read them back, they follow layouts/README.md's tile
 formula (an independent loop here, not the packer), and every layout's current version must have them -- so a
 change to pack and unpack together cannot keep the layout version and silently break every file on disk."""
@@ -52,7 +52,7 @@ def test_every_current_layout_version_has_golden_files(layout):
     bits, version = CPU_EXPERT_LAYOUTS[layout]
     mine = [e for e in CURRENT if e["layout"] == layout]
     assert mine, (f"{layout} version {version} has no golden files in {GOLDEN}: run "
-                  "layouts/golden/write_golden.py once for the new version (see layouts/README.md)")
+                  "layouts/write_golden.py once for the new version (see layouts/README.md)")
     assert all(e["bits"] == bits for e in mine)
     geoms = [MatrixGeometry(e["n"], e["k"], bits, e["group_size"]) for e in mine]
     assert any(g.n_pad != g.n for g in geoms) and any(g.k_pad != g.k for g in geoms), "a padded shape is missing"

@@ -1,7 +1,7 @@
 """Write the golden files of the CPU expert layouts' CURRENT versions (ktlayouts.constants.CPU_EXPERT_LAYOUTS) from
 today's packer. Run once per layout version, by hand:
 
-    .venv/bin/python layouts/golden/write_golden.py
+    .venv/bin/python -m ktlayouts.write_golden
 
 It refuses to touch a (layout, version) that index.json already lists: golden bytes are written once and never
 regenerated. Changing pack or unpack means bumping the layout's version in constants.py and running this again,
@@ -25,7 +25,7 @@ from ktlayouts.bf16 import f32_to_bf16_bits
 from ktlayouts.constants import CPU_EXPERT_LAYOUTS
 from ktlayouts.cpu_expert import MatrixGeometry, pack_bf16, pack_codes, pack_scales, pad_weight, quantize
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent / "golden"
 INDEX = HERE / "index.json"
 INT_SHAPES = [(16, 256), (20, 136)]                 # (N, K): tile-aligned; N % 16 != 0 and K % unit != 0
 BF16_SHAPES = [(16, 64), (20, 136)]
