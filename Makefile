@@ -9,7 +9,10 @@ PYTEST_ARGS ?=
 KERNEL_STAMP := build/.kernels-built
 KERNEL_SRCS  := $(shell find kernels -type f -not -path '*/build/*')
 
-.PHONY: setup kernels test bench lint demo clean
+KT_KERNEL   ?= kt-kernel==0.7.2
+INTEROP_DIR := build/interop
+
+.PHONY: setup kernels test test-interop bench lint demo clean
 
 setup: $(VENV)/.setup-done
 
@@ -31,6 +34,17 @@ $(KERNEL_STAMP): $(KERNEL_SRCS)
 
 test: kernels
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests
+
+# kt-kernel goes in with --no-deps into its own folder (its metadata pins torch==2.9.1, a multi-GB CUDA build from
+# PyPI; its extension links no libtorch and runs on our torch); the tests put that folder on kt-kernel's PYTHONPATH.
+test-interop: kernels $(INTEROP_DIR)/.installed
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests/test_kt_kernel_interop.py tests/test_export_targets.py
+
+$(INTEROP_DIR)/.installed: pyproject.toml $(VENV)/.setup-done
+	$(PIP) install -q -e '.[test,interop]'
+	rm -rf $(INTEROP_DIR) && $(PIP) install -q --no-deps --target $(INTEROP_DIR) $(KT_KERNEL)
+	mkdir -p build && touch $(KERNEL_STAMP)
+	touch $@
 
 bench: kernels
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
