@@ -64,6 +64,7 @@ bench: kernels
 
 lint: setup
 	$(VENV)/bin/ruff check ktconvert layouts runtime tests bench
+	$(VENV)/bin/lint-imports --no-logo
 
 demo: kernels
 	$(PY) -m ktconvert.default_model.demo

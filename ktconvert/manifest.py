@@ -11,10 +11,11 @@ from pathlib import Path
 
 from ktlayouts.constants import FORMAT_VERSION
 from ktlayouts.converted_dir import MANIFEST_NAME, SOURCE_RECORD_NAME, is_pad_tensor, validate_manifest
+from ktlayouts.files import sha256_file
 
 from ktconvert import __version__
 from ktconvert.gpu import converted_config_json
-from ktconvert.writer import atomic_write_bytes, build_header, file_sha256
+from ktconvert.writer import atomic_write_bytes, build_header
 
 # Top-level source files copied verbatim (config.json is rewritten: see _converted_config).
 SIDE_FILE_RE = re.compile(r"^(config\.json|generation_config\.json|tokenizer[\w.-]*|special_tokens_map\.json|"
@@ -51,7 +52,7 @@ def copy_side_files(src, out_dir: Path, journal, encoder=None) -> list[str]:
         if name == "config.json":
             raw = _converted_config(raw) if encoder is None else converted_config_json(raw, encoder)
         atomic_write_bytes(out_dir / name, raw)
-        journal.record(name, len(raw), file_sha256(out_dir / name))
+        journal.record(name, len(raw), sha256_file(out_dir / name))
     return names
 
 

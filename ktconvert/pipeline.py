@@ -17,9 +17,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from ktlayouts.constants import FORMAT_VERSION, METHOD_TO_LAYOUT, ZERO_POINT
+from ktlayouts.constants import FORMAT_VERSION, METHOD_TO_LAYOUT
 from ktlayouts.converted_dir import MANIFEST_NAME, PROJECTIONS, ExpertGeometry, expert_tensor
 from ktlayouts.cpu_expert import pack_expert_codes, pack_expert_matrix
+from ktlayouts.expert_shards import shard_codes, shard_matrices
 from tqdm import tqdm
 
 from ktconvert.convert_plan import ConvertError, ConvertPlan, FileJob, make_plan
@@ -72,31 +73,6 @@ class _KillHook:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _shard_matrices(w: dict[str, np.ndarray], geo: ExpertGeometry, shard: int) -> dict[str, np.ndarray]:
-    """One expert's gate/up (I, H) and down (H, I) -> the shard's slices, zero-padded to the unit boundary."""
-    i0, i1 = geo.shard_plan.shard_range(shard)
-    take = max(0, min(i1, geo.intermediate) - i0)
-    out = {}
-    for p in PROJECTIONS:
-        if take == i1 - i0:      # no padding rows in this shard: a view, pack_expert_matrix copies anyway
-            out[p] = w[p][:, i0:i1] if p == "down" else w[p][i0:i1]
-            continue
-        if p == "down":
-            m = np.zeros((geo.hidden, i1 - i0), np.float32)
-            m[:, :take] = w[p][:, i0:i0 + take]
-        else:
-            m = np.zeros((i1 - i0, geo.hidden), np.float32)
-            m[:take] = w[p][i0:i0 + take]
-        out[p] = m
-    return out
-
-
-def _pad_to(a: np.ndarray, shape: tuple, fill) -> np.ndarray:
-    out = np.full(shape, fill, dtype=a.dtype)
-    out[: a.shape[0], : a.shape[1]] = a
-    return out
-
-
 def _is_exact_int8(src, names: dict[str, str], geo: ExpertGeometry) -> bool:
     """Whether these source tensors are blocks that are exactly int8 group-32 codes (GGUF Q8_0): dtypes only."""
     return (geo.bits == 8 and geo.group_size == 32 and hasattr(src, "read_int8_groups")
@@ -111,21 +87,6 @@ def _exact_int8(src, names: dict[str, str], geo: ExpertGeometry) -> dict | None:
     return exact if all(v is not None for v in exact.values()) else None
 
 
-def _shard_codes(exact: dict, geo: ExpertGeometry, shard: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The shard's slice of exact int8 codes/scales, padded like _shard_matrices (code ZERO, scale 0)."""
-    i0, i1 = geo.shard_plan.shard_range(shard)
-    take, z, g = max(0, min(i1, geo.intermediate) - i0), ZERO_POINT[8], geo.group_size
-    out = {}
-    for p, (c, s) in exact.items():
-        if p == "down":
-            out[p] = (_pad_to(c[:, i0:i0 + take], (geo.hidden, i1 - i0), z),
-                      _pad_to(s[:, i0 // g:(i0 + take) // g], (geo.hidden, (i1 - i0) // g), 0.0))
-        else:
-            out[p] = (_pad_to(c[i0:i0 + take], (i1 - i0, geo.hidden), z),
-                      _pad_to(s[i0:i0 + take], (i1 - i0, s.shape[1]), 0.0))
-    return out
-
-
 def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int,
                  shards: list[int], bf16_scales: bool = False) -> list[dict[str, np.ndarray]]:
     """Read expert e of `layer` and pack it for the given shards -> per shard {tensor name: array}.
@@ -135,7 +96,7 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int,
     w = None if exact else {p: src.read(n).numpy() for p, n in names.items()}
     per_shard = []
     for s in shards:
-        mats = _shard_codes(exact, geo, s) if exact else _shard_matrices(w, geo, s)
+        mats = shard_codes(exact, geo.shard_plan, s) if exact else shard_matrices(w, geo.shard_plan, s)
         packed = {}
         for p in PROJECTIONS:
             geom = geo.matrix_geometry(p, s)
@@ -231,8 +192,8 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
         bar = tqdm(total=plan.source_nbytes, initial=done, unit="B", unit_scale=True, unit_divisor=1000,
                    desc="converting", disable=not show_progress, dynamic_ncols=True)
         layers = src.arch.moe_layers()
-        if layers and not opts.bf16_scales and _is_exact_int8(src, {p: src.arch.expert_tensor_name(layers[0], 0, p) for p in PROJECTIONS},
-                                     plan.geometry):
+        if layers and not opts.bf16_scales and _is_exact_int8(
+                src, {p: src.arch.expert_tensor_name(layers[0], 0, p) for p in PROJECTIONS}, plan.geometry):
             tqdm.write("experts: GGUF Q8_0 blocks taken over exactly as int8 group-32 codes and scales "
                        "(no float round trip)", file=sys.stderr)
         conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill)

@@ -18,6 +18,7 @@ from math import lcm
 
 import numpy as np
 
+from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits, round_to_bf16
 from .constants import (
     ACT_QMAX,
     GROUP_PER_ROW,
@@ -88,9 +89,14 @@ class MatrixGeometry:
         return self.n_pad // TILE_N
 
     @property
+    def k_per_tile(self) -> int:
+        """Input channels per tile: 64 for int tiles, 32 for bf16 tiles."""
+        return TILE_K if self.bits != 16 else TILE_ROWS * VNNI_BF16
+
+    @property
     def k_tiles(self) -> int:
         """Tiles along K: K/64 for int tiles, K/32 for bf16 tiles."""
-        return self.k_pad // (TILE_K if self.bits != 16 else TILE_ROWS * VNNI_BF16)
+        return self.k_pad // self.k_per_tile
 
     @property
     def tile_bytes(self) -> int:
@@ -124,11 +130,6 @@ def pad_weight(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     out = np.zeros((geom.n_pad, geom.k_pad), dtype=np.float32)
     out[: geom.n, : geom.k] = w
     return out
-
-
-def round_to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 values rounded (nearest even) to the nearest bfloat16, as float32."""
-    return bf16_bits_to_f32(f32_to_bf16_bits(x))
 
 
 def quantize(w: np.ndarray, geom: MatrixGeometry, bf16_scales: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -209,16 +210,6 @@ def pack_scales(scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
 def unpack_scales(packed: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(packed).reshape(geom.scales_shape).transpose(0, 2, 1)).reshape(
         geom.n_pad, geom.n_groups)
-
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even float32 -> bf16 bit patterns (uint16). Inputs must be finite."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def pack_bf16(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:

@@ -37,9 +37,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cpu_expert import LayoutError
+from .gpu_formats import gpu_format_for
 
 KT_METHODS = ("GPTQ_INT4", "RAWINT4", "AMXINT4", "AMXINT8")
 AMX_METHOD_BITS = {"AMXINT8": 8, "AMXINT4": 4}
+# GPTQ_INT4 / RAWINT4 read the int4 experts an hf export writes in these GPU formats (ktlayouts.gpu_formats)
+KT_METHOD_GPU_FORMAT = {"GPTQ_INT4": gpu_format_for("gptq", 4), "RAWINT4": gpu_format_for("compressed-tensors", 4)}
 AMX_N_STEP = 32                         # rows per strip (two 16-row AMX tiles)
 AMX_K_STEP = {8: 64, 4: 128}            # columns per strip step (int4: two 64-column tiles share the bytes)
 AMX_N_BLOCK = {8: 64, 4: 128}           # rows per block (GemmKernel224Int8 / GemmKernel224Int4 N_BLOCK)

@@ -95,20 +95,20 @@ def bench(model_dir, pp, tg, reps, seed, dense_dtype, device, reference_experts,
       ktrun bench converted/                       # pp512 and tg128, 3 repetitions
       ktrun bench converted/ --pp 64 --tg 16 --reps 2
     """
-    from .engine import Engine
+    from .loaded_model import load_model
     from .loader import LoadError
 
     try:
-        eng = Engine(model_dir, ctx=max(pp, tg + 1) + 1, max_batch=1, device=device,
-                     use_kernels=False if reference_experts else None, gpu_weights=gpu_weights,
-                     dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype))
+        lm = load_model(model_dir, device=device, use_kernels=False if reference_experts else None,
+                        gpu_weights=gpu_weights, dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype))
     except (LoadError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    m, geo = eng.model, eng.converted.geometry
-    name = f"{m.cfg.model_type} {geo.method} experts"
-    backend = f"{eng.converted.device.type} {str(eng.converted.dtype)[6:]} dense + {type(eng.experts).__name__}"
-    res = run_bench(m, pp, tg, reps, seed)
-    click.echo(f"quantized GPU layers: {eng.converted.gpu_weights}\n")
+    with lm:
+        m, conv = lm.model, lm.converted
+        name = f"{m.cfg.model_type} {conv.geometry.method} experts"
+        backend = f"{conv.device.type} {str(conv.dtype)[6:]} dense + {type(m.experts).__name__}"
+        res = run_bench(m, pp, tg, reps, seed)
+    click.echo(f"quantized GPU layers: {conv.gpu_weights}\n")
     click.echo(f"| {'model':<28} | {'backend':<36} | {'test':>6} | {'t/s':>20} |")
     click.echo(f"| {'-' * 28} | {'-' * 36} | {'-' * 6}:| {'-' * 20}:|")
     for key, n in (("pp", pp), ("tg", tg)):
@@ -122,4 +122,3 @@ def bench(model_dir, pp, tg, reps, seed, dense_dtype, device, reference_experts,
                    f"head/norms/embedding {b['head_norm_embed_ms']:.2f} ms, loop overhead {b['loop_overhead_ms']:.2f} ms")
         click.echo(f"CPU routed-expert compute {b['cpu_expert_compute_ms']:.2f} ms per step "
                    f"(runs while the shared experts compute)")
-    eng.close()

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import click
-from ktrun.server import DEFAULT_MAX_BODY_BYTES, run_server
+from ktrun.serve import DEFAULT_MAX_BODY_BYTES, run_server
 
 from .gpu_weights_option import gpu_weights_option
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from ktlayouts.cpu_expert import unpack_expert_matrix
+from ktlayouts.expert_shards import join_shards
 
 
 class PackedExpertSource:
@@ -29,13 +30,10 @@ class PackedExpertSource:
 
     def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """-> gate (I, H), up (I, H), down (H, I) float32 for expert e, shards concatenated along I."""
-        parts = {p: [] for p in ("gate", "up", "down")}
-        for shard in self.layers[layer]:
-            for p, (qw, sc, geom) in shard.items():
-                parts[p].append(unpack_expert_matrix(qw[e], None if sc is None else sc[e], geom))
-        i = self.intermediate
-        return (np.concatenate(parts["gate"], 0)[:i], np.concatenate(parts["up"], 0)[:i],
-                np.concatenate(parts["down"], 1)[:, :i])
+        per_shard = [{p: unpack_expert_matrix(qw[e], None if sc is None else sc[e], geom)
+                      for p, (qw, sc, geom) in shard.items()} for shard in self.layers[layer]]
+        m = join_shards(per_shard, self.intermediate)
+        return m["gate"], m["up"], m["down"]
 
 
 class DenseExpertSource:

@@ -1,13 +1,13 @@
 """A small deterministic stand-in for `ktrun.engine.Engine`, for the HTTP protocol tests of `ktrun serve`.
 
-Run as a script it serves itself through the real server code (`ktrun.server.run_server`):
+Run as a script it serves itself through the real server code (`ktrun.serve.run_server`):
     python tests/serve_fake_engine.py --port 0 [--api-key K] [--load-delay S] [--step-delay S]
 
 Tokens are bytes (0..255) plus BOS=256, EOS=257. The next token is a function of the request's own sequence only
 (so batching never changes it): a lowercase letter or space chosen by a hash of the last 4 tokens. Prompts with
 special words steer it: "UTF8" -> emits 'é' (two bytes per character), "EOS" -> ends with EOS after 3 tokens,
 "CRASH" -> the step that prefills it raises (an engine bug).
-The engine checks that the scheduler never runs more than max_batch requests and never steps an aborted one.
+The engine checks that the engine thread never runs more than max_batch requests and never steps an aborted one.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class FakeEngine:
         if len(prompt_ids) > self.ctx:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds ctx {self.ctx}")
         if len(self._new) + len(self._running) >= self.max_batch:
-            raise RuntimeError("fake engine: scheduler admitted more than max_batch requests")
+            raise RuntimeError("fake engine: engine thread admitted more than max_batch requests")
         self._new[req_id] = (list(prompt_ids), params)
 
     def abort(self, req_id):
@@ -114,7 +114,7 @@ def main(argv=None):
     ap.add_argument("--max-body-bytes", type=int, default=1 << 16)
     a = ap.parse_args(argv)
     sys.path.insert(0, ".")
-    from ktrun.server import run_server
+    from ktrun.serve import run_server
 
     def factory():
         time.sleep(a.load_delay)

@@ -4,7 +4,7 @@ The CPU tiles hold symmetric per-group codes with zero point 2^(bits-1) (ktlayou
     W[n, k] = (code[n, k] - 2^(bits-1)) * scale[n, k // G]
 which is exactly compressed-tensors' symmetric int quantization (pack-quantized) and GPTQ's sym=True, desc_act=False
 (ktlayouts.compressed_tensors / ktlayouts.gptq). So the codes are unpacked from the tiles, cropped to the source
-shape (N, K) and repacked with those layouts' pack functions; no value is re-quantized. Scales stay float32, as
+shape (N, K) and repacked by the registered GPU format (ktlayouts.gpu_formats); no value is re-quantized. Scales stay float32, as
 the tiles store them (the layouts' usual float16 would round them).
 
 Export group size ("step"): the consumers need one group length that divides K of every projection (H for
@@ -21,24 +21,25 @@ dtype=bfloat16 (its fused-expert decompression does not cast, its dense path doe
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from ktlayouts.compressed_tensors import ct_pack
 from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor
 from ktlayouts.cpu_expert import LayoutError, MatrixGeometry, unpack_codes, unpack_scales
-from ktlayouts.gptq import GptqGeometry, gptq_pack
+from ktlayouts.expert_shards import paste_shard
+from ktlayouts.gptq import GptqGeometry
+from ktlayouts.gpu_formats import GpuLinearFormat, gpu_format_for
 
 from ktconvert.converted_reader import ConvertedDir
 
 EXPORT_STEPS = (128, 64, 32)           # the group lengths (besides per-row) vLLM's Marlin kernels take
 CHANNEL = -1                           # step meaning one scale per output row
 # The per-expert Linears (model.layers.N.mlp.experts.E.gate_proj, Mixtral's block_sparse_moe.experts.E.w1), not
-# shared_experts: a compressed-tensors target (re.match on the module name) and a gptq `dynamic` key.
-EXPERT_TARGET_REGEX = r"re:.*\.experts\.\d+\.[^.]+$"
-EXPERT_DYNAMIC = r"+:.*\.experts\.\d+\.[^.]+$"
+# shared_experts; spelled as a compressed-tensors target (re.match on the module name) and a gptq `dynamic` key.
+EXPERT_LINEARS = r".*\.experts\.\d+\.[^.]+$"
+EXPERT_TARGET_REGEX = gpu_format_for("compressed-tensors", 4).module_pattern(EXPERT_LINEARS, quantized=True)
+EXPERT_DYNAMIC = gpu_format_for("gptq", 4).module_pattern(EXPERT_LINEARS, quantized=True)
 
 
 class ExpertExportError(ValueError):
@@ -55,6 +56,7 @@ class ShardPiece:
 
 
 def shard_pieces(conv: ConvertedDir, proj: str) -> list[ShardPiece]:
+    """Where each shard's rows (gate/up) or columns (down) start in the source matrix (expert_shards' ranges)."""
     geo = conv.geometry
     out = []
     for s, (i0, _i1) in enumerate(geo.shard_plan.shard_ranges()):
@@ -119,8 +121,8 @@ def expert_codes(conv: ConvertedDir, layer: int, expert: int, proj: str, step: i
         q = f.get_slice(expert_tensor(proj, "qweight"))[expert: expert + 1][0].numpy()
         s = f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0].numpy()
         c, sc = unpack_codes(q, p.geom), unpack_scales(s, p.geom)          # (N_pad, K_pad), (N_pad, n_groups)
+        paste_shard(c, proj, conv.geometry.shard_plan, p.shard, codes)
         n1, k1 = min(n, p.n0 + p.geom.n), min(k, p.k0 + p.geom.k)
-        codes[p.n0:n1, p.k0:k1] = c[: n1 - p.n0, : k1 - p.k0]
         first = np.arange(p.k0, k1, step_k)                                # first column of each export group
         scales[p.n0:n1, first // step_k] = sc[: n1 - p.n0, (first - p.k0) // p.geom.group]
     return codes, scales
@@ -135,21 +137,20 @@ def gptq_geometry(conv: ConvertedDir, proj: str, step: int) -> GptqGeometry:
             from None
 
 
-def pack_expert(fmt: str, codes: np.ndarray, scales: np.ndarray, geom: GptqGeometry) -> dict[str, np.ndarray]:
+def _exporting(fmt: GpuLinearFormat) -> GpuLinearFormat:
+    if fmt.quant_method is None:
+        raise ExpertExportError(f"no quantized expert export for GPU format {fmt.family!r}")
+    return fmt
+
+
+def pack_expert(fmt: GpuLinearFormat, codes: np.ndarray, scales: np.ndarray, geom: GptqGeometry
+                ) -> dict[str, np.ndarray]:
     """codes (N, K), scales (N, n_groups) float32 -> the Linear's tensors in `fmt` (suffix -> array), scales f32."""
     codes_kn, scales_gn = np.ascontiguousarray(codes.T), np.ascontiguousarray(scales.T)
-    if fmt == "compressed-tensors":
-        parts = ct_pack(codes_kn, scales_gn, geom)
-        parts["weight_scale"] = np.ascontiguousarray(scales, dtype=np.float32)        # (N, n_groups)
-    elif fmt == "gptq":
-        parts = gptq_pack(codes_kn, scales_gn, geom)
-        parts["scales"] = np.ascontiguousarray(scales_gn, dtype=np.float32)           # (n_groups, N)
-    else:
-        raise ExpertExportError(f"no quantized expert export for GPU format {fmt!r}")
-    return parts
+    return _exporting(gpu_format_for(fmt.family, geom.bits)).pack(codes_kn, scales_gn, geom, scale_dtype=np.float32)
 
 
-def quantized_expert_tensors(conv: ConvertedDir, adapter, fmt: str,
+def quantized_expert_tensors(conv: ConvertedDir, adapter, fmt: GpuLinearFormat,
                              step: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """Every routed expert Linear in `fmt`: (hub name of the part, array), e.g. ...experts.3.gate_proj.weight_packed.
     step: the export group length (default export_step; another exact one, see exact_steps, may be given)."""
@@ -167,24 +168,8 @@ def quantized_expert_tensors(conv: ConvertedDir, adapter, fmt: str,
                     yield f"{base}.{suffix}", arr
 
 
-def add_expert_scheme(qc: dict, fmt: str, bits: int, step: int) -> dict:
-    """The exported quantization_config (a copy of `qc`, the GPU layers' own) plus the experts' scheme:
-    compressed-tensors: a second config group whose regex target names the per-expert Linears (a regex outranks
-    the GPU layers' class target "Linear" in compressed-tensors, vLLM and transformers alike);
-    gptq: a positive `dynamic` override with the experts' bits and group size (vLLM / GPTQModel)."""
-    qc = json.loads(json.dumps(qc))                     # deep copy
-    if fmt == "compressed-tensors":
-        dense = next(iter(qc["config_groups"].values()))
-        weights = dict(dense["weights"], num_bits=bits, type="int", symmetric=True, dynamic=False, actorder=None,
-                       strategy="channel" if step == CHANNEL else "group",
-                       group_size=None if step == CHANNEL else step)
-        name = f"group_{len(qc['config_groups'])}"
-        qc["config_groups"][name] = {"targets": [EXPERT_TARGET_REGEX], "weights": weights, "input_activations": None,
-                                     "output_activations": None, "format": "pack-quantized"}
-    elif fmt == "gptq":
-        dynamic = dict(qc.get("dynamic") or {})
-        dynamic[EXPERT_DYNAMIC] = {"bits": bits, "group_size": step}
-        qc["dynamic"] = dynamic
-    else:
-        raise ExpertExportError(f"no quantized expert export for GPU format {fmt!r}")
-    return qc
+def add_expert_scheme(qc: dict, fmt: GpuLinearFormat, bits: int, step: int) -> dict:
+    """The exported quantization_config (a copy of `qc`, the GPU layers' own) plus the experts' scheme (the
+    format's second scheme for the per-expert Linears: compressed-tensors a config group with a regex target,
+    gptq a positive `dynamic` override with the experts' bits and group size)."""
+    return _exporting(fmt).with_scheme(qc, EXPERT_LINEARS, bits, step)

@@ -25,10 +25,13 @@ import numpy as np
 from ktlayouts.constants import ZERO_POINT
 from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor
 from ktlayouts.cpu_expert import LayoutError, unpack_codes, unpack_scales
+from ktlayouts.expert_shards import paste_shard
+from ktlayouts.gpu_formats import GpuLinearFormat
 from ktlayouts.kt_kernel import (
     AMX_METHOD_BITS,
     AMX_QMAX,
     AMX_SCALE_FACTOR,
+    KT_METHOD_GPU_FORMAT,
     KT_METHODS,
     RAWINT4_GROUP,
     KtAlignmentError,
@@ -89,9 +92,10 @@ def _check_names(conv: ConvertedDir, adapter, method: str) -> None:
                                 f"this model names them like {names['gate']}; use --kt-method AMXINT4")
 
 
-def plan_kt_export(conv: ConvertedDir, config: dict, adapter, gpu_fmt: str | None, method: str,
+def plan_kt_export(conv: ConvertedDir, config: dict, adapter, gpu_fmt: GpuLinearFormat | None, method: str,
                    n_parts: int) -> KtPlan:
-    """Check everything kt-kernel needs before anything is written; KtExportError / KtAlignmentError say why not."""
+    """Check everything kt-kernel needs before anything is written; KtExportError / KtAlignmentError say why not.
+    gpu_fmt: the registered format of the conversion's GPU Linears (export.hf.gpu_format_of), None if none."""
     if method not in KT_METHODS:
         raise KtExportError(f"--kt-method {method!r}: choose one of {', '.join(KT_METHODS)}")
     geo = conv.geometry
@@ -104,11 +108,12 @@ def plan_kt_export(conv: ConvertedDir, config: dict, adapter, gpu_fmt: str | Non
         return KtPlan(method, n_parts, KT_EXPERT_DIR)
     _int4_only(conv, method)
     _check_names(conv, adapter, method)
-    want_fmt = "gptq" if method == "GPTQ_INT4" else "compressed-tensors"
-    if gpu_fmt != want_fmt:
-        raise KtExportError(f"{method}: kt-kernel reads the experts from the export's {want_fmt} tensors, and this "
-                            f"conversion's GPU format is {gpu_fmt or 'none (--gpu-method bf16)'}; reconvert with "
-                            f"--gpu-format {want_fmt}, or use --kt-method AMXINT4")
+    want = KT_METHOD_GPU_FORMAT[method]    # the experts' format; the GPU layers may be int8 of the same family
+    if gpu_fmt is None or gpu_fmt.family != want.family:
+        have = gpu_fmt.family if gpu_fmt is not None else "none (--gpu-method bf16)"
+        raise KtExportError(f"{method}: kt-kernel reads the experts from the export's {want.family} tensors, and this "
+                            f"conversion's GPU format is {have}; reconvert with --gpu-format {want.family}, or use "
+                            "--kt-method AMXINT4")
     steps = exact_steps(conv)
     if method == "GPTQ_INT4":
         qc = config.get("quantization_config") or {}
@@ -164,11 +169,10 @@ def source_codes(conv: ConvertedDir, layer: int, expert: int, proj: str) -> tupl
         f = conv.open(expert_file(layer, p.shard, conv.geometry.numa_nodes))
         q = f.get_slice(expert_tensor(proj, "qweight"))[expert: expert + 1][0].numpy()
         s = f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0].numpy()
-        c, sc = unpack_codes(q, p.geom), unpack_scales(s, p.geom)
-        n1, k1 = min(n, p.n0 + p.geom.n), min(k, p.k0 + p.geom.k)
-        codes[p.n0:n1, p.k0:k1] = c[: n1 - p.n0, : k1 - p.k0]
-        cols = np.arange(k1 - p.k0) // p.geom.group
-        scales[p.n0:n1, p.k0:k1] = sc[: n1 - p.n0][:, cols]
+        c, sc = unpack_codes(q, p.geom), unpack_scales(s, p.geom)          # (N_pad, K_pad), (N_pad, n_groups)
+        col_sc = sc[:, np.arange(c.shape[1]) // p.geom.group]              # (N_pad, K_pad): each column's scale
+        paste_shard(c, proj, conv.geometry.shard_plan, p.shard, codes)
+        paste_shard(col_sc, proj, conv.geometry.shard_plan, p.shard, scales)
     return codes, scales
 
 

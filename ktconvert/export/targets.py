@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ktconvert.converted_reader import ConvertedDir
-from ktconvert.export.hf import DEFAULT_SHARD_BYTES, ExportError, export_hf, export_total_bytes, gpu_format
+from ktconvert.export.hf import DEFAULT_SHARD_BYTES, ExportError, export_hf, export_total_bytes, gpu_format_of
 from ktconvert.export.kt_kernel import (
     KtExportError,
     KtPlan,
@@ -81,7 +81,7 @@ def export_for(target: str, converted: str | Path, out: str | Path, kt_method: s
         conv = ConvertedDir(src)
         try:
             config = json.loads((src / "config.json").read_text())
-            plan = plan_kt_export(conv, config, adapter_for(config), gpu_format(conv), kt_method,
+            plan = plan_kt_export(conv, config, adapter_for(config), gpu_format_of(conv), kt_method,
                                   numa_nodes or conv.geometry.numa_nodes)
         finally:
             conv.close()

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ktlayouts.bf16 import bf16_bits_to_f32
 
 from ktconvert.sources.base import SourceBase
-from ktconvert.sources.fp8 import bf16_bits_to_f32, dequant_fp8_block, fp8_e4m3_to_f32
+from ktconvert.sources.fp8 import dequant_fp8_block, fp8_e4m3_to_f32
 from ktconvert.sources.roles import ArchAdapter, SourceError, adapter_for
 from ktconvert.sources.st_header import DTYPE_SIZES, TensorInfo, parse_shard
 
@@ -41,7 +42,7 @@ class Source(SourceBase):
             self.config: dict = json.loads(cfg_path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SourceError(f"{cfg_path}: invalid JSON: {e}") from e
-        self.arch: ArchAdapter = adapter_for(self.config)
+        self.arch: ArchAdapter = adapter_for(self.config, str(cfg_path))
         qc = self.config.get("quantization_config") or {}
         if qc and (qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3"):
             raise SourceError(f"{cfg_path}: unsupported quantization_config (quant_method={qc.get('quant_method')!r}, "

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ktlayouts.families import gguf_arch
+from ktlayouts.families.gguf_names import IGNORED, KV_B_SPLIT, llama_unpermute
 
 from ktconvert.sources.base import SourceBase
 from ktconvert.sources.gguf_meta import Meta, config_from_gguf
-from ktconvert.sources.gguf_names import IGNORED, KV_B_SPLIT, SUPPORTED_GGUF_ARCHS, hub_name, llama_unpermute
 from ktconvert.sources.gguf_tokenizer import tokenizer_files
-from ktconvert.sources.roles import SourceError, adapter_for
+from ktconvert.sources.roles import SourceError, adapter_for, as_source_error
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
@@ -82,9 +83,8 @@ class GGUFSource(SourceBase):
         self._readers = [_open_reader(p) for p in split_paths(self.path)]
         self._where = str(self.path)
         self.meta = Meta(self._readers[0].fields, self._where)
-        if self.meta.arch not in SUPPORTED_GGUF_ARCHS:
-            raise SourceError(f"{self.path}: unsupported GGUF architecture {self.meta.arch!r}; supported: "
-                              f"{', '.join(SUPPORTED_GGUF_ARCHS)}")
+        with as_source_error():
+            self.gguf_arch = gguf_arch(self.meta.arch, str(self.path))   # its tensor names and metadata keys
         self._tensors = {t.name: (t, p) for r, p in zip(self._readers, split_paths(self.path)) for t in r.tensors}
         emb = self._tensors.get("token_embd.weight")
         if emb is None:
@@ -92,7 +92,7 @@ class GGUFSource(SourceBase):
         names = set(self._tensors)
         self.config = config_from_gguf(self.meta, int(emb[0].shape[-1]), "output.weight" in names,
                                        any(n.endswith("exp_probs_b.bias") for n in names))
-        self.arch = adapter_for(self.config)
+        self.arch = adapter_for(self.config, f"{self.path} (GGUF metadata)")
         for t, p in self._tensors.values():
             if not _can_dequantize(t.tensor_type):
                 raise SourceError(f"{p}: tensor {t.name}: ggml type {t.tensor_type.name} cannot be dequantized "
@@ -109,7 +109,7 @@ class GGUFSource(SourceBase):
         for gname, (t, file) in self._tensors.items():
             if IGNORED.match(gname):
                 continue
-            mapped = hub_name(self.meta.arch, gname)
+            mapped = self.gguf_arch.hub_name(gname)
             if mapped is None:
                 raise SourceError(f"{file}: tensor {gname}: unknown tensor name for GGUF architecture {self.meta.arch}")
             hub, layer = mapped
@@ -152,7 +152,7 @@ class GGUFSource(SourceBase):
             out = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(info.shape)
         else:
             out = self._dequant(info.gguf_name, info.expert).reshape(info.shape)
-        if self.meta.arch == "llama" and re.search(r"attn_[qk]\.weight$", info.gguf_name):
+        if self.gguf_arch.permuted_qk and re.search(r"attn_[qk]\.weight$", info.gguf_name):
             heads = self.config["num_attention_heads" if "attn_q" in info.gguf_name else "num_key_value_heads"]
             out = llama_unpermute(out, heads)
         bad = ~np.isfinite(out)

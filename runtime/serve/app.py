@@ -3,7 +3,8 @@
 Why the stdlib: SSE is chunked writes on the socket, a body size limit is a Content-Length check before reading,
 and a vanished client shows up either as a failed write (streaming) or as an end-of-file peek on the socket while
 the handler waits for tokens (non-streaming): all three need no framework. Generation itself runs on the single
-engine thread of `Scheduler`; handler threads only validate, tokenize, wait on their queue and write.
+`EngineThread` (engine_thread.py); handler threads only validate, tokenize, wait on their queue and write. The
+endpoints are in routes.py, the OpenAI wire format in protocol.py, /metrics in metrics.py.
 """
 from __future__ import annotations
 
@@ -14,45 +15,44 @@ import threading
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import ClassVar
 
-from ktrun import openai_protocol as proto
-from ktrun.metrics import ServeMetrics
-from ktrun.openai_protocol import ApiError
-from ktrun.scheduler import Scheduler
-from ktrun.serve_generate import GenerationMixin
+from . import protocol as proto
+from .engine_thread import EngineThread
+from .metrics import ServeMetrics
+from .protocol import ApiError
+from .routes import Routes
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DRAIN_LIMIT_BYTES = 64 << 20
 
 
 class ServerState:
-    """What every handler shares: the engine (None until loaded), its scheduler, metrics and settings."""
+    """What every handler shares: the engine (None until loaded), its engine thread, metrics and settings."""
 
     def __init__(self, engine_factory, sampling_params_cls, api_key: str | None, max_body_bytes: int,
                  max_batch: int):
         self.engine_factory, self.sampling_params_cls = engine_factory, sampling_params_cls
         self.api_key, self.max_body_bytes, self.max_batch = api_key, max_body_bytes, max_batch
         self.engine = None
-        self.scheduler: Scheduler | None = None
+        self.engine_thread: EngineThread | None = None
         self.load_error: BaseException | None = None
         self.created = proto.now()
         self.metrics = ServeMetrics()
         m = self.metrics
         m.add_gauge("ktrun_num_requests_running", "Requests holding an engine slot (decoded together each step).",
-                    lambda: self.scheduler.num_running if self.scheduler else 0)
+                    lambda: self.engine_thread.num_running if self.engine_thread else 0)
         m.add_gauge("ktrun_num_requests_waiting", "Requests waiting for a free slot.",
-                    lambda: self.scheduler.num_waiting if self.scheduler else 0)
+                    lambda: self.engine_thread.num_waiting if self.engine_thread else 0)
         m.add_gauge("ktrun_kv_cache_bytes", "KV-cache bytes held by requests in the engine (freed on finish/abort).",
                     self._kv_cache_bytes)
         m.add_gauge("ktrun_max_batch", "Engine slots (max requests decoded together).", lambda: self.max_batch)
         m.add_gauge("ktrun_engine_ready", "1 once the model is loaded.", lambda: float(self.engine is not None))
         m.add_gauge("ktrun_slots_freed_by_abort_total", "Running requests stopped early (client gone, stop string).",
-                    lambda: self.scheduler.aborted if self.scheduler else 0, kind="counter")
+                    lambda: self.engine_thread.aborted if self.engine_thread else 0, kind="counter")
         m.add_gauge("ktrun_engine_steps_total", "engine.step() calls (each: prefill new requests + 1 batched decode).",
-                    lambda: self.scheduler.steps if self.scheduler else 0, kind="counter")
+                    lambda: self.engine_thread.steps if self.engine_thread else 0, kind="counter")
         m.add_gauge("ktrun_engine_step_seconds_total", "Wall time inside engine.step().",
-                    lambda: self.scheduler.step_seconds if self.scheduler else 0.0, kind="counter")
+                    lambda: self.engine_thread.step_seconds if self.engine_thread else 0.0, kind="counter")
         m.add_gauge("ktrun_cpu_expert_seconds_total", "CPU time in routed-expert kernels (from Engine.stats).",
                     self._cpu_expert_seconds, kind="counter")
 
@@ -72,7 +72,7 @@ class ServerState:
         try:
             t0 = time.perf_counter()
             engine = self.engine_factory()
-            self.scheduler = Scheduler(engine, self.max_batch)
+            self.engine_thread = EngineThread(engine, self.max_batch)
             self.engine = engine
             print(f"ktrun serve: model {engine.model_name!r} loaded in {time.perf_counter() - t0:.1f} s "
                   f"(ctx {engine.ctx}, max batch {self.max_batch}); ready", file=sys.stderr, flush=True)
@@ -89,17 +89,10 @@ class ServerState:
         return self.engine
 
 
-class Handler(GenerationMixin, BaseHTTPRequestHandler):
+class Handler(Routes, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "ktrun"
     timeout = 300  # seconds a client may stall while sending a request or reading our response
-
-    ROUTES: ClassVar[dict[tuple[str, str], str]] = {
-        ("GET", "/health"): "health", ("GET", "/v1/models"): "models", ("GET", "/metrics"): "metrics",
-        ("POST", "/v1/completions"): "completions", ("POST", "/v1/chat/completions"): "chat_completions",
-        ("POST", "/tokenize"): "tokenize", ("POST", "/detokenize"): "detokenize",
-    }
-    PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # need the API key when one is set
 
     @property
     def state(self) -> ServerState:
@@ -206,19 +199,6 @@ class Handler(GenerationMixin, BaseHTTPRequestHandler):
         except OSError:
             self.close_connection = True
 
-    # -- simple routes --------------------------------------------------------------------------------------------
-    def route_health(self) -> None:
-        self.state.require_ready()
-        self.send_json(200, {"status": "ok"})
-
-    def route_models(self) -> None:
-        engine = self.state.require_ready()
-        self.send_json(200, proto.models_list(engine.model_name, self.state.created, engine.ctx))
-
-    def route_metrics(self) -> None:
-        stats = dict(getattr(self.state.engine, "stats", None) or {})
-        self.send_json(200, self.state.metrics.render(stats), "text/plain; version=0.0.4; charset=utf-8")
-
 
 class KtrunHTTPServer(ThreadingHTTPServer):
     daemon_threads = True        # a stuck client never blocks shutdown
@@ -263,8 +243,8 @@ def run_server(engine_factory, sampling_params_cls, host: str = "127.0.0.1", por
         pass
     finally:
         httpd.server_close()
-        if state.scheduler is not None:
-            state.scheduler.shutdown()
+        if state.engine_thread is not None:
+            state.engine_thread.shutdown()
     if state.load_error is not None:
         print(f"ktrun serve: error: could not load the model: {state.load_error}", file=sys.stderr, flush=True)
         return 1

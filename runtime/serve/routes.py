@@ -1,15 +1,17 @@
-"""Generation routes of `ktrun serve` (/v1/completions, /v1/chat/completions, /tokenize, /detokenize), mixed into
-the HTTP handler: validate -> tokenize -> length checks -> submit to the scheduler -> stream or collect the text."""
+"""The endpoints of `ktrun serve`, mixed into the HTTP handler (app.py): the route table, /health, /v1/models,
+/metrics, /tokenize, /detokenize, and the generation routes (/v1/completions, /v1/chat/completions):
+validate -> tokenize -> length checks -> submit to the engine thread -> stream or collect the text."""
 from __future__ import annotations
 
 import queue
 import select
 import socket
 import time
+from typing import ClassVar
 
-from ktrun import openai_protocol as proto
-from ktrun.openai_protocol import ApiError, GenerationRequest, bad_param
-from ktrun.serve_text import TextStream
+from ..text_stream import TextStream
+from . import protocol as proto
+from .protocol import ApiError, GenerationRequest, bad_param
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 DISCONNECT_POLL_S = 0.05
@@ -45,7 +47,29 @@ def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
     return list(getattr(out, "ids", out))
 
 
-class GenerationMixin:
+class Routes:
+    """route_<name> methods for ROUTES; the handler (app.Handler) supplies state, read_json and send_json."""
+
+    ROUTES: ClassVar[dict[tuple[str, str], str]] = {
+        ("GET", "/health"): "health", ("GET", "/v1/models"): "models", ("GET", "/metrics"): "metrics",
+        ("POST", "/v1/completions"): "completions", ("POST", "/v1/chat/completions"): "chat_completions",
+        ("POST", "/tokenize"): "tokenize", ("POST", "/detokenize"): "detokenize",
+    }
+    PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # need the API key when one is set
+
+    # -- simple routes --------------------------------------------------------------------------------------------
+    def route_health(self) -> None:
+        self.state.require_ready()
+        self.send_json(200, {"status": "ok"})
+
+    def route_models(self) -> None:
+        engine = self.state.require_ready()
+        self.send_json(200, proto.models_list(engine.model_name, self.state.created, engine.ctx))
+
+    def route_metrics(self) -> None:
+        stats = dict(getattr(self.state.engine, "stats", None) or {})
+        self.send_json(200, self.state.metrics.render(stats), "text/plain; version=0.0.4; charset=utf-8")
+
     # -- /tokenize, /detokenize (vLLM-compatible shapes) ------------------------------------------------------------
     def route_tokenize(self) -> None:
         body = self.read_json()
@@ -109,7 +133,7 @@ class GenerationMixin:
             self._check_ids(engine, req.prompt, "prompt")
             prompt_ids = list(req.prompt)
         max_tokens = self._check_lengths(req, len(prompt_ids), engine.ctx)
-        try:  # stop strings are matched here, on the decoded text, so the engine gets none
+        try:  # stop strings are matched here (TextStream), on the text sent, so the engine gets none
             params = self.state.sampling_params_cls(
                 max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 seed=req.seed, stop=[], ignore_eos=req.ignore_eos)
@@ -118,7 +142,7 @@ class GenerationMixin:
         rid = proto.new_id(kind)
         metrics = self.state.metrics
         metrics.prompt_tokens.inc(len(prompt_ids))
-        handle = self.state.scheduler.submit(rid, prompt_ids, params)
+        handle = self.state.engine_thread.submit(rid, prompt_ids, params)
         text = TextStream(lambda ids: decode(tok, ids), req.stop, prompt_ids)
         try:
             if req.stream:
@@ -131,7 +155,7 @@ class GenerationMixin:
                 self.send_json(200, proto.full_response(req, rid, proto.now(), out, finish,
                                                         proto.usage(len(prompt_ids), n)))
         except (ClientGone, BrokenPipeError, ConnectionResetError):
-            self.state.scheduler.abort(rid)  # frees the slot on the engine thread's next turn
+            self.state.engine_thread.abort(rid)  # frees the slot on the engine thread's next turn
             self.state.metrics.finished.inc(1, "abort")
             self.close_connection = True
             self._status = 499
@@ -192,14 +216,13 @@ class GenerationMixin:
                 metrics.ttft.observe(t_first - t_arrival)
             n += 1
             metrics.generated_tokens.inc()
-            delta = text.push(token)
+            delta = text.push(token, last=engine_finish is not None)
             if text.stopped:
                 finish = "stop"
                 if engine_finish is None:
-                    self.state.scheduler.abort(handle.req_id)
-            elif engine_finish is not None:
-                delta += text.finish()  # the flushed tail may still complete a stop string
-                finish = "stop" if text.stopped else engine_finish
+                    self.state.engine_thread.abort(handle.req_id)
+            else:
+                finish = engine_finish
             if delta and on_delta is not None:
                 on_delta(delta)
             if finish is not None:

@@ -1,4 +1,4 @@
-"""One engine thread for `ktrun serve`: admits requests, runs `engine.step()` in a loop (one batched decode step over
+"""The engine thread of `ktrun serve`: admits requests, runs `engine.step()` in a loop (one batched decode step over
 every running request), and routes each emitted token to its request's queue.
 
 The engine is touched only from this thread. HTTP handler threads call `submit` / `abort`, which only queue work
@@ -30,7 +30,9 @@ class RequestHandle:
     submitted_at: float = field(default_factory=time.perf_counter)
 
 
-class Scheduler:
+class EngineThread:
+    """Owns the engine: starts its thread at construction; `shutdown()` stops it."""
+
     def __init__(self, engine, max_batch: int):
         self.engine = engine
         self.max_batch = max(1, int(max_batch))

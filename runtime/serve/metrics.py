@@ -106,7 +106,7 @@ class Histogram(_Metric):
 
 
 class ServeMetrics:
-    """Everything `GET /metrics` reports. Gauges that depend on the scheduler/engine read them through callbacks."""
+    """Everything `GET /metrics` reports. Gauges that depend on the engine thread/engine read them through callbacks."""
 
     def __init__(self):
         self.requests = Counter("ktrun_requests_total", "HTTP requests answered, by endpoint and status code.",
