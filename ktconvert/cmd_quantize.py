@@ -36,9 +36,13 @@ def resolve_source_arg(src: str | None):
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion in the output directory.")
 @click.option("--force", is_flag=True, help="Discard a previous conversion in the output directory and start over.")
 @click.option("--workers", type=int, default=2, show_default=True, help="Threads quantizing experts.")
+@click.option("--bf16-scales", is_flag=True,
+              help="Round every expert scale to bfloat16 before quantizing (codes computed against the rounded "
+                   "scale), so formats with bf16 scales take them over exactly: `ktconvert export --for sglang-kt "
+                   "--kt-method RAWINT4` needs it.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @gpu_click_options
-def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, workers, quiet, **gpu):
+def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, workers, quiet, bf16_scales, **gpu):
     """Convert the checkpoint SRC into OUTPUT.
 
     SRC is a local checkpoint directory (safetensors shards + config.json), a GGUF file (or the first part of a
@@ -62,12 +66,14 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
       ktconvert quantize ./Mixtral-8x7B --method bf16 -o mixtral-ref/ --force
       ktconvert quantize ./DeepSeek-V3 --gpu-method rtn-int8 --gpu-group-size -1 -o dsv3-int8/
       ktconvert quantize ./Qwen3-30B-A3B --gpu-format compressed-tensors --calib my_text.txt -o q3-ct/
+      ktconvert quantize ./Qwen3-30B-A3B --group-size 32 --bf16-scales --gpu-format compressed-tensors -o q3-raw/
     """
     from ktconvert.pipeline import ConvertOptions, convert
 
     try:
         logging.basicConfig(level=logging.INFO, format="ktconvert: %(message)s")
-        opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers, **gpu)
+        opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers,
+                              bf16_scales=bf16_scales, **gpu)
         src_path = resolve_source_arg(src)
         manifest = convert(src_path, out_dir, opts, resume=resume, force=force, show_progress=not quiet)
     except (*CONVERT_ERRORS, *gpu_errors()) as e:

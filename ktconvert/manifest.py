@@ -104,6 +104,7 @@ def build_manifest(src, opts, plan, journal, side_files: list[str]) -> dict:
         "numa_nodes": opts.numa_nodes,
         "gpu_method": opts.gpu_method,
         "experts": plan.geometry.to_json(),
+        **({"expert_scales": "bf16"} if getattr(opts, "bf16_scales", False) else {}),
         "files": dict(sorted(files.items())),
     }
 

@@ -45,6 +45,7 @@ class ConvertOptions:
     quantize_head: bool = False
     gpu_act_order: bool = False
     workers: int = 2
+    bf16_scales: bool = False      # expert scales rounded to bf16 before quantizing (exact in bf16-scale formats)
 
     def __post_init__(self):
         if self.method not in METHOD_TO_LAYOUT:
@@ -53,6 +54,8 @@ class ConvertOptions:
             raise ConvertError(f"--numa-nodes must be >= 1, got {self.numa_nodes}")
         if self.workers < 1:
             raise ConvertError(f"--workers must be >= 1, got {self.workers}")
+        if self.bf16_scales and self.method == "bf16":
+            raise ConvertError("--bf16-scales rounds the scales of quantized experts; --method bf16 has none")
 
 
 class _KillHook:
@@ -85,10 +88,11 @@ def _exact_int8(src, names: dict[str, str], geo: ExpertGeometry) -> dict | None:
 
 
 def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int,
-                 shards: list[int]) -> list[dict[str, np.ndarray]]:
-    """Read expert e of `layer` and pack it for the given shards -> per shard {tensor name: array}."""
+                 shards: list[int], bf16_scales: bool = False) -> list[dict[str, np.ndarray]]:
+    """Read expert e of `layer` and pack it for the given shards -> per shard {tensor name: array}.
+    bf16_scales: quantize against bf16-rounded scales (GGUF Q8_0's float16 scales are then not taken over)."""
     names = {p: adapter.expert_tensor_name(layer, e, p) for p in PROJECTIONS}
-    exact = _exact_int8(src, names, geo)
+    exact = None if bf16_scales else _exact_int8(src, names, geo)
     w = None if exact else {p: src.read(n).numpy() for p, n in names.items()}
     per_shard = []
     for s in shards:
@@ -96,7 +100,8 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int,
         packed = {}
         for p in PROJECTIONS:
             geom = geo.matrix_geometry(p, s)
-            qweight, scales = pack_expert_codes(*mats[p], geom) if exact else pack_expert_matrix(mats[p], geom)
+            qweight, scales = pack_expert_codes(*mats[p], geom) if exact else \
+                pack_expert_matrix(mats[p], geom, bf16_scales)
             packed[expert_tensor(p, "qweight")] = qweight
             if scales is not None:
                 packed[expert_tensor(p, "scales")] = scales
@@ -139,7 +144,8 @@ class Converter:
             per_expert = group_nbytes // geo.n_experts
             window: deque = deque()
             for e in range(geo.n_experts):
-                window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e, shards)))
+                window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e, shards,
+                                                     self.opts.bf16_scales)))
                 if len(window) > self.opts.workers:
                     self._drain_one(window, writers, per_expert)
             while window:
@@ -167,7 +173,8 @@ def conversion_params(src, opts: ConvertOptions) -> dict:
             "source_files": [list(x) for x in shard_files], "method": opts.method,
             "group_size": opts.group_size, "numa_nodes": opts.numa_nodes, "gpu_method": opts.gpu_method,
             **({} if opts.gpu_method == "bf16" else
-               {k: getattr(opts, k) for k in ("gpu_group_size", "gpu_format", "quantize_head", "gpu_act_order")})}
+               {k: getattr(opts, k) for k in ("gpu_group_size", "gpu_format", "quantize_head", "gpu_act_order")}),
+            **({"bf16_scales": True} if opts.bf16_scales else {})}
 
 
 def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, resume: bool = False,
@@ -185,8 +192,8 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
         bar = tqdm(total=plan.source_nbytes, initial=done, unit="B", unit_scale=True, unit_divisor=1000,
                    desc="converting", disable=not show_progress, dynamic_ncols=True)
         layers = src.arch.moe_layers()
-        if layers and _is_exact_int8(src, {p: src.arch.expert_tensor_name(layers[0], 0, p) for p in PROJECTIONS},
-                                     plan.geometry):
+        if layers and not opts.bf16_scales and _is_exact_int8(
+                src, {p: src.arch.expert_tensor_name(layers[0], 0, p) for p in PROJECTIONS}, plan.geometry):
             tqdm.write("experts: GGUF Q8_0 blocks taken over exactly as int8 group-32 codes and scales "
                        "(no float round trip)", file=sys.stderr)
         conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill)

@@ -2,7 +2,8 @@
 
 float32 -> bf16 rounds to nearest, ties to even (what torch's `.to(torch.bfloat16)` and the hardware converters
 do); infinities stay infinities, values beyond the largest bf16 round to infinity, and NaN stays a (quiet) NaN
-with its sign. bf16 -> float32 is exact (the 16 bits become the high half of the float32).
+with its sign. bf16 -> float32 is exact (the 16 bits become the high half of the float32); round_to_bf16 is the
+composition (float32 values on the bf16 grid, e.g. scales a bf16-scale format takes over exactly).
 """
 from __future__ import annotations
 
@@ -26,3 +27,8 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     """bf16 bit patterns (uint16 or int16, any shape) -> float32 (exact)."""
     return (np.asarray(bits).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def round_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded (nearest even) to the nearest bfloat16, as float32 (same shape)."""
+    return bf16_bits_to_f32(f32_to_bf16_bits(x))

@@ -66,6 +66,7 @@ class GpuLinearFormat:
     family: ClassVar[str]                  # --gpu-format value, middle of the layout name
     title: ClassVar[str]                   # for messages: "Marlin"
     parts: ClassVar[tuple[Part, ...]]      # parts[0] marks a Linear of this format in a file
+    scale_part: ClassVar[str]              # the suffix of the part holding the scales
     pads: ClassVar[bool] = False           # zero-pads shapes it cannot tile (readers crop to weight_shape)
     stores_g_idx: ClassVar[bool] = False   # keeps a permuted g_idx (act-order GPTQ with grouped scales)
     kernel: ClassVar[str | None] = None    # the device GEMM that reads the packed parts in place
@@ -230,6 +231,7 @@ def families_where(attr: str) -> tuple[str, ...]:
 class MarlinFormat(GpuLinearFormat):
     """ktlayouts.marlin: the Marlin W4A16/W8A16 GEMM's tiles, zero-padded to N % 64, K % 128; ktrun only."""
     family, title = "marlin", "Marlin"
+    scale_part = "scales"
     parts = (Part("qweight", "I32"), Part("scales", "F16"), Part("weight_shape", "I64"))
     pads = True
     kernel = "marlin"
@@ -266,6 +268,7 @@ class MarlinFormat(GpuLinearFormat):
 class GptqFormat(GpuLinearFormat):
     """ktlayouts.gptq: AutoGPTQ / GPTQModel checkpoints (v1 zero points), read by vLLM and transformers."""
     family, title = "gptq", "GPTQ"
+    scale_part = "scales"
     parts = (Part("qweight", "I32"), Part("qzeros", "I32"), Part("scales", "F16"), Part("g_idx", "I32", False))
     stores_g_idx = True
     quant_method = "gptq"
@@ -318,6 +321,7 @@ class GptqFormat(GpuLinearFormat):
 class CompressedTensorsFormat(GpuLinearFormat):
     """ktlayouts.compressed_tensors: llm-compressor's pack-quantized, read by vLLM and transformers."""
     family, title = "compressed-tensors", "compressed-tensors"
+    scale_part = "weight_scale"
     parts = (Part("weight_packed", "I32"), Part("weight_scale", "F16"), Part("weight_shape", "I64"))
     quant_method = "compressed-tensors"
 

@@ -122,6 +122,16 @@ def test_float32_scales_stay_exact(fmt):
     assert u.scales_gn.dtype == np.float32 and np.array_equal(u.scales_gn, scales)
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_scale_part_is_the_part_that_holds_the_scales(fmt):
+    geom = fmt.storage_geometry(128, 256, 32)
+    codes = _random(geom, 6)[0]
+    scales = np.random.default_rng(7).standard_normal(geom.scales_shape).astype(np.float16)
+    parts = fmt.pack(codes, scales, geom)
+    assert fmt.scale_part in fmt.suffixes
+    assert sorted(parts[fmt.scale_part].reshape(-1).tolist()) == sorted(scales.reshape(-1).tolist())
+
+
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e["file"])
 @pytest.mark.parametrize("family", sorted(GOLDEN_PARTS))
 def test_dequantize_golden_bytes_to_the_reference_formula(entry, family):

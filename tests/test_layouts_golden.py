@@ -61,6 +61,20 @@ def test_every_current_layout_version_has_golden_files(layout):
 
 
 @pytest.mark.parametrize("entry", INT, ids=_ids)
+def test_bf16_scales_off_is_the_golden_path_and_on_rounds_only_the_scales(entry):
+    """quantize(..., bf16_scales) (`ktconvert quantize --bf16-scales`): off reproduces the golden bytes; on, every
+    scale is the bf16 rounding of the golden one and the codes stay within one step of it."""
+    d, geom = _load(entry)
+    w = d["weight"].astype(np.float32)
+    qweight, packed = pack_expert_matrix(w, geom, bf16_scales=False)
+    assert qweight.tobytes() == d["qweight"].tobytes() and packed.tobytes() == d["packed_scales"].tobytes()
+    codes, scales = quantize(w, geom, bf16_scales=True)
+    want = torch.from_numpy(d["scales"]).to(torch.bfloat16).float().numpy()      # torch's rounding, not ours
+    assert np.array_equal(scales, want)
+    assert np.abs(codes.astype(np.int16) - d["codes"].astype(np.int16)).max() <= 1
+
+
+@pytest.mark.parametrize("entry", INT, ids=_ids)
 def test_int_pack_reproduces_the_golden_bytes(entry):
     d, geom = _load(entry)
     codes, scales = quantize(d["weight"].astype(np.float32), geom)

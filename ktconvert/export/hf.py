@@ -133,10 +133,15 @@ def expert_tensors(conv: ConvertedDir, adapter) -> Iterator[tuple[str, torch.Ten
 
 
 def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
-              progress=None, experts: str = "quantized") -> list[str]:
+              progress=None, experts: str = "quantized", expert_step: int | None = None,
+              expert_scale_dtype: torch.dtype = torch.float32, before_rename=None) -> list[str]:
     """Write the hub-layout checkpoint of `converted` to `out` (must not exist). Returns the shard file names.
     experts: "quantized" (the CPU codes and scales in the GPU format, lossless) or "bf16" (dequantized).
-    `progress(nbytes)` is called after each tensor is queued (for a progress bar)."""
+    `progress(nbytes)` is called after each tensor is queued (for a progress bar).
+    For export targets (export.targets): expert_step forces the experts' group length (one of
+    hf_experts.exact_steps), expert_scale_dtype stores their scales in another dtype (the caller checks that the
+    values are exact in it), before_rename(tmp_dir, conv) writes more files into the export before it is renamed
+    into place."""
     src, out = Path(converted), Path(out)
     if experts not in EXPERT_MODES:
         raise ExportError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
@@ -164,12 +169,13 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
             raise ExportError(f"{src} has no GPU-quantized layers (--gpu-method bf16), so no quantization_config "
                               "to put the routed experts in; export with --experts bf16")
         try:
-            step = export_step(conv)
+            step = export_step(conv) if expert_step is None else expert_step
         except ExpertExportError as e:
             raise ExportError(str(e)) from None
         config["quantization_config"] = export_quantization_config(
             add_expert_scheme(qc, fmt, conv.geometry.bits, step), fmt, unquantized, ignore_experts=False)
-        expert_iter = ((n, torch.from_numpy(a)) for n, a in quantized_expert_tensors(conv, adapter, fmt))
+        expert_iter = ((n, _scale_as(n, torch.from_numpy(a), fmt, expert_scale_dtype))
+                       for n, a in quantized_expert_tensors(conv, adapter, fmt, step))
     else:
         if qc is not None:
             config["quantization_config"] = export_quantization_config(qc, fmt, unquantized)
@@ -192,6 +198,8 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
         for fname in TOKENIZER_FILES:
             if (src / fname).is_file():
                 shutil.copyfile(src / fname, tmp / fname)
+        if before_rename is not None:
+            before_rename(tmp, conv)
         if out.exists():
             raise ExportError(f"output {out} appeared while exporting; not overwriting it")
         os.rename(tmp, out)
@@ -201,6 +209,11 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
     finally:
         conv.close()
     return shards
+
+
+def _scale_as(name: str, t: torch.Tensor, fmt: GpuLinearFormat, dtype: torch.dtype) -> torch.Tensor:
+    """The format's scale part in `dtype` (numpy has no bfloat16, so the cast happens here); other parts as they are."""
+    return t.to(dtype) if name.endswith("." + fmt.scale_part) and t.dtype != dtype else t
 
 
 def conv_ndim(conv: ConvertedDir, name: str) -> int:

@@ -85,6 +85,14 @@ def column_groups(conv: ConvertedDir, proj: str) -> np.ndarray:
     return ids
 
 
+def exact_steps(conv: ConvertedDir) -> list[int]:
+    """Every group length in EXPORT_STEPS that writes the experts exactly (divides K of every projection, and every
+    step-long run of columns lies inside one CPU scale group), longest first."""
+    groups = [column_groups(conv, p) for p in PROJECTIONS]
+    return [step for step in EXPORT_STEPS
+            if all(len(g) % step == 0 and np.all(g.reshape(-1, step) == g.reshape(-1, step)[:, :1]) for g in groups)]
+
+
 def export_step(conv: ConvertedDir) -> int:
     """The group length the export writes (CHANNEL for one scale per row); ExpertExportError if none is exact."""
     groups = {p: column_groups(conv, p) for p in PROJECTIONS}
@@ -142,12 +150,14 @@ def pack_expert(fmt: GpuLinearFormat, codes: np.ndarray, scales: np.ndarray, geo
     return _exporting(gpu_format_for(fmt.family, geom.bits)).pack(codes_kn, scales_gn, geom, scale_dtype=np.float32)
 
 
-def quantized_expert_tensors(conv: ConvertedDir, adapter, fmt: GpuLinearFormat) -> Iterator[tuple[str, np.ndarray]]:
-    """Every routed expert Linear in `fmt`: (hub name of the part, array), e.g. ...experts.3.gate_proj.weight_packed."""
+def quantized_expert_tensors(conv: ConvertedDir, adapter, fmt: GpuLinearFormat,
+                             step: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Every routed expert Linear in `fmt`: (hub name of the part, array), e.g. ...experts.3.gate_proj.weight_packed.
+    step: the export group length (default export_step; another exact one, see exact_steps, may be given)."""
     geo = conv.geometry
     if geo.bits == 16:
         raise ExpertExportError("the conversion stores BF16 experts (--method bf16); export them with --experts bf16")
-    step = export_step(conv)
+    step = export_step(conv) if step is None else step
     geoms = {p: gptq_geometry(conv, p, step) for p in PROJECTIONS}
     for layer in geo.moe_layers:
         for e in range(geo.n_experts):
