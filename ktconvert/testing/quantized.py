@@ -47,7 +47,8 @@ def _qparams(w: torch.Tensor, args):
         lo, hi = g.amin(dim=2), g.amax(dim=2)
     elif strategy == "block":
         bn, bk = args.block_structure
-        b = w.reshape(n // bn, bn, k // bk, bk)
+        b = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))           # partial edge blocks, as the library
+        b = b.reshape(b.shape[0] // bn, bn, b.shape[1] // bk, bk)
         lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))
     else:
         raise ValueError(f"strategy {strategy} not handled by the fixture writer")
