@@ -87,7 +87,7 @@ def gptq_checkpoint(src: Path, out: Path, bits=4, group_size=32, sym=True, desc_
                     seed=0, drop_g_idx=False, dynamic=None, version="gptq") -> tuple[Path, dict[str, np.ndarray]]:
     """src quantized the GPTQ way (round to nearest per group; desc_act: input channels in a random order, so
     g_idx permutes the groups) in the GPTQ v1 layout (`version` gptq_v2: zeros stored as they are)."""
-    index, tensors = read_checkpoint(src)
+    _index, tensors = read_checkpoint(src)
     rng = np.random.default_rng(seed)
     written, values = {}, {}
     targets = set(quantized_linears(tensors, skip))
@@ -156,8 +156,9 @@ def fp8_scaled_checkpoint(src: Path, out: Path, per_channel=True, quant_method="
     torch (its float8_e4m3fn rounding); values: what the FP8 bits times the scale are, in float32."""
     _index, tensors = read_checkpoint(src)
     written, values = {}, {}
+    targets = {n for n in quantized_linears(tensors) if ".layers." in n}
     for name, t in tensors.items():
-        if name not in quantized_linears(tensors) or ".layers." not in name:
+        if name not in targets:
             written[name] = t
             continue
         w = t.float()
