@@ -41,7 +41,7 @@ def _qparams(w: torch.Tensor, args):
         lo, hi = w.amin().reshape(1), w.amax().reshape(1)
     elif strategy == "channel":
         lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
-    elif strategy == "group":
+    elif strategy in ("group", "tensor_group"):
         pad = -k % args.group_size          # a partial last group: zeros change no min/max (0 is always in range)
         g = torch.nn.functional.pad(w, (0, pad)).reshape(n, -1, args.group_size)
         lo, hi = g.amin(dim=2), g.amax(dim=2)
@@ -52,7 +52,11 @@ def _qparams(w: torch.Tensor, args):
         lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))
     else:
         raise ValueError(f"strategy {strategy} not handled by the fixture writer")
-    return calculate_qparams(lo, hi, args)
+    if strategy == "tensor_group":                  # NVFP4: FP8 group scales under one float32 global scale
+        from compressed_tensors.quantization.utils import generate_gparam
+        gs = generate_gparam(w.amin().reshape(1).float(), w.amax().reshape(1).float())
+        return (*calculate_qparams(lo, hi, args, global_scale=gs), gs)
+    return (*calculate_qparams(lo, hi, args), None)
 
 
 def compressed_tensors_checkpoint(src: Path, out: Path, preset: str = "W4A16", group_size: int | None = None,
@@ -98,8 +102,10 @@ def compressed_tensors_checkpoint(src: Path, out: Path, preset: str = "W4A16", g
             written[name] = t
             continue
         w = t.to(torch.bfloat16)
-        scale, zp = _qparams(w, scheme.weights)
+        scale, zp, global_scale = _qparams(w, scheme.weights)
         state = {"weight": w, "weight_scale": scale}
+        if global_scale is not None:
+            state["weight_global_scale"] = global_scale
         if not scheme.weights.symmetric:
             state["weight_zero_point"] = zp
         for suffix, v in compressor.compress(state, scheme).items():
