@@ -70,6 +70,7 @@ def inspect_source(path: Path, group_size: int) -> dict:
         method, group, why = choose_method(src)
         return {"kind": "source", "model_type": a.model_type, "layers": a.num_layers, "params": dict(params),
                 "formats": formats, "auto": {"method": method, "group_size": group, "why": why},
+                "quantized": getattr(src, "quant", None) is not None,   # a hub checkpoint with a quantization_config
                 "n_experts": a.n_experts, "top_k": a.top_k, "moe_layers": a.moe_layers(),
                 "shared_experts": a.n_shared_experts, "gpu": {m: gpu_bytes for m in cpu}, "cpu": cpu,
                 "source_bytes": src.source_nbytes()}
@@ -153,7 +154,7 @@ def inspect(path, gpu_mem, cpu_mem, group_size):
                + (f", {info['shared_experts']} shared" if info["shared_experts"] else ""))
     if info["kind"] == "converted":
         click.echo(f"method: {info['method']}, {info['numa_nodes']} NUMA shard(s)")
-    else:
+    elif info["quantized"]:
         click.echo("stored as:")
         for label, (count, nbytes) in sorted(info["formats"].items(), key=lambda kv: -kv[1][1]):
             click.echo(f"  {label:<34} {count:>7,d} tensors  {human(nbytes):>10}")

@@ -151,9 +151,11 @@ def awq_checkpoint(src: Path, out: Path, group_size=32, skip=(r"lm_head\.weight$
     return _finish(src, out, written, qc), values
 
 
-def fp8_scaled_checkpoint(src: Path, out: Path, per_channel=True, quant_method="fbgemm_fp8") -> tuple[Path, dict]:
-    """src as FP8 E4M3 weights with one float32 scale per output channel (N, 1) or per tensor (1,), cast by
-    torch (its float8_e4m3fn rounding); values: what the FP8 bits times the scale are, in float32."""
+def fp8_scaled_checkpoint(src: Path, out: Path, per_channel=True, quant_method="fbgemm_fp8", flat_scales=False
+                          ) -> tuple[Path, dict]:
+    """src as FP8 E4M3 weights with one float32 scale per output channel (N, 1) (flat_scales: (N,)) or per tensor
+    (1,) (flat_scales: a 0-d scalar), cast by torch (its float8_e4m3fn rounding); values: the FP8 bits times the
+    scale, in float32."""
     _index, tensors = read_checkpoint(src)
     written, values = {}, {}
     targets = {n for n in quantized_linears(tensors) if ".layers." in n}
@@ -167,7 +169,8 @@ def fp8_scaled_checkpoint(src: Path, out: Path, per_channel=True, quant_method="
         bits = (w / (scale if per_channel else scale[0])).to(torch.float8_e4m3fn)
         base = name.removesuffix(".weight")
         written[name] = bits
-        written[f"{base}.weight_scale"] = scale
+        written[f"{base}.weight_scale"] = scale.reshape(-1)[0] if flat_scales and not per_channel else \
+            scale.reshape(-1) if flat_scales else scale
         values[name] = (bits.float() * (scale if per_channel else scale[0])).numpy()
     qc = {"quant_method": quant_method, "activation_scheme": "dynamic"} if quant_method != "fbgemm_fp8" else \
         {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]}

@@ -109,6 +109,9 @@ def test_gptq_and_awq_readers_equal_their_bit_layouts(bf16, tmp_path):
         "awq": awq_checkpoint(bf16, tmp_path / "a1", group_size=32),
         "fbgemm-fp8": fp8_scaled_checkpoint(bf16, tmp_path / "f1"),
         "fp8-per-tensor": fp8_scaled_checkpoint(bf16, tmp_path / "f2", per_channel=False, quant_method="fp8"),
+        "fp8-channel-[N]": fp8_scaled_checkpoint(bf16, tmp_path / "f3", flat_scales=True),
+        "fp8-tensor-scalar": fp8_scaled_checkpoint(bf16, tmp_path / "f4", per_channel=False, flat_scales=True,
+                                                   quant_method="fp8"),
     }.items():
         src = open_source(d)
         assert set(values) <= set(src.tensor_names()), tag
