@@ -43,24 +43,34 @@ def expert_bytes_per_method(geo_args: dict, group_size: int) -> dict[str, int]:
 
 
 def inspect_source(path: Path, group_size: int) -> dict:
+    from ktconvert.exact_paths import choose_method, quant_format
     from ktconvert.sources import open_source
 
     with open_source(path) as src:
         a = src.arch
         params: dict[str, int] = defaultdict(int)
+        formats: dict[str, list[int]] = {}      # stored format -> [tensors, bytes] (quantized: all their parts)
         gpu_bytes = 0
         for name in src.tensor_names():
             role = a.classify(name)
             if role.kind == "skip":
                 continue
-            n = math.prod(src.info(name).shape)
+            info = src.info(name)
+            fmt = quant_format(src, name)
+            entry = formats.setdefault(fmt.label if fmt is not None else str(info.dtype), [0, 0])
+            entry[0] += 1
+            entry[1] += info.nbytes
+            n = math.prod(info.shape)
             params[role.kind] += n
             if role.kind != "expert":
                 gpu_bytes += n * (4 if role.kind == "router_bias" else 2)
         geo_args = {"n_experts": a.n_experts, "hidden": a.hidden_size, "intermediate": a.moe_intermediate_size,
                         "moe_layers": tuple(a.moe_layers())}
         cpu = expert_bytes_per_method(geo_args, group_size)
+        method, group, why = choose_method(src)
         return {"kind": "source", "model_type": a.model_type, "layers": a.num_layers, "params": dict(params),
+                "formats": formats, "auto": {"method": method, "group_size": group, "why": why},
+                "quantized": getattr(src, "quant", None) is not None,   # a hub checkpoint with a quantization_config
                 "n_experts": a.n_experts, "top_k": a.top_k, "moe_layers": a.moe_layers(),
                 "shared_experts": a.n_shared_experts, "gpu": {m: gpu_bytes for m in cpu}, "cpu": cpu,
                 "source_bytes": src.source_nbytes()}
@@ -144,6 +154,12 @@ def inspect(path, gpu_mem, cpu_mem, group_size):
                + (f", {info['shared_experts']} shared" if info["shared_experts"] else ""))
     if info["kind"] == "converted":
         click.echo(f"method: {info['method']}, {info['numa_nodes']} NUMA shard(s)")
+    elif info["quantized"]:
+        click.echo("stored as:")
+        for label, (count, nbytes) in sorted(info["formats"].items(), key=lambda kv: -kv[1][1]):
+            click.echo(f"  {label:<34} {count:>7,d} tensors  {human(nbytes):>10}")
+        auto = info["auto"]
+        click.echo(f"--method auto: {auto['method']} --group-size {auto['group_size']} ({auto['why']})")
     total = sum(info["params"].values())
     click.echo(f"parameters: {total / 1e9:.3f} B total")
     for kind, n in sorted(info["params"].items(), key=lambda kv: -kv[1]):

@@ -27,10 +27,12 @@ def resolve_source_arg(src: str | None):
 @click.argument("src", required=False)
 @click.option("-o", "--output", "out_dir", default="converted", show_default=True, type=click.Path(file_okay=False),
               help="Output directory.")
-@click.option("--method", type=click.Choice(list(METHOD_TO_LAYOUT)), default="int4-amx", show_default=True,
-              help="Routed-expert format for the CPU kernels.")
-@click.option("--group-size", type=int, default=DEFAULT_GROUP_SIZE, show_default=True,
-              help="Input channels per scale: 32, a multiple of 64, or -1 for one scale per row.")
+@click.option("--method", type=click.Choice([*METHOD_TO_LAYOUT, "auto"]), default="int4-amx", show_default=True,
+              help="Routed-expert format for the CPU kernels; auto: the layout that holds an already-quantized "
+                   "source's experts exactly (its codes and scales copied), else int4-amx.")
+@click.option("--group-size", type=int, default=None,
+              help=f"Input channels per scale: 32, a multiple of 64, or -1 for one scale per row (default "
+                   f"{DEFAULT_GROUP_SIZE}; with --method auto, the source's).")
 @click.option("--numa-nodes", type=int, default=1, show_default=True,
               help="Split every expert into this many shards (one file per node); servable on any node count.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion in the output directory.")
@@ -52,6 +54,8 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
     Linears (attention, shared experts, dense MLPs; lm_head with --quantize-head) become GPTQ or RTN INT4/INT8 GPU
     layers in dense/ (Marlin layout, or gptq / compressed-tensors for vLLM), calibrated layer by layer on the
     shipped text (or --calib FILE); embeddings, norms and routers stay BF16/F32; config and tokenizer files are copied;
+    already-quantized sources (compressed-tensors, GPTQ, AWQ, FP8, MXFP4/MXFP8) keep their codes where a layout holds
+    them exactly, and the log says which tensors were re-quantized and with what error;
     manifest.json (written last) lists every file with size and sha256. Memory stays at about one expert;
     a killed run continues with --resume and yields byte-identical output.
 
@@ -61,6 +65,7 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
       ktconvert quantize deepseek-ai/DeepSeek-V3 --method int4-amx      # pull, then convert
       ktconvert quantize --method int4-amx                               # the most recent pull
       ktconvert quantize ./DeepSeek-V3-Q8_0-00001-of-00016.gguf -o dsv3/  # GGUF input
+      ktconvert quantize ./Kimi-K2-Thinking --method auto -o kimi/       # int4 g32 experts taken over exactly
       ktconvert quantize ./Qwen3-30B-A3B --method int8-amx --group-size 64 --numa-nodes 2 -o q3/
       ktconvert quantize ./DeepSeek-V3 -o converted/ --resume     # after an interruption
       ktconvert quantize ./Mixtral-8x7B --method bf16 -o mixtral-ref/ --force

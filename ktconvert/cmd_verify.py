@@ -102,7 +102,9 @@ def compare_to_source(conv, src_path: str, per_expert: bool = False) -> list[tup
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
-@click.option("--against", "src", default=None, help="Source checkpoint directory to compare dequantized weights to.")
+@click.option("--against", "src", default=None,
+              help="Source checkpoint (directory or GGUF) to compare dequantized weights to; a quantized source is "
+                   "compared with its own dequantization.")
 @click.option("--max-rel-error", type=float, default=None,
               help="Fail above this relative error for experts (default: int4 0.15, int8 0.01, bf16 0.005).")
 @click.option("--per-expert", is_flag=True, help="With --against: one line per routed expert tensor, not per layer.")
@@ -146,7 +148,9 @@ def verify(directory, src, max_rel_error, per_expert, quiet):
             bad += not ok
             if not quiet or not ok:
                 click.echo(f"{'ok  ' if ok else 'FAIL'} {what}: relative error {err:.3e} (limit {limit:g})")
-        click.echo(f"against {src}: {len(rows)} tensors compared, {bad} above the limit")
+        exact = sum(1 for _w, err, _l, _e in rows if err == 0)
+        click.echo(f"against {src}: {len(rows)} tensors compared, {exact} equal to the source's own dequantized "
+                   f"values (error 0), {bad} above the limit")
         if bad:
             sys.exit(1)
     click.echo("verify: OK")

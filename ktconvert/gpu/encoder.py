@@ -102,6 +102,7 @@ class GpuLayerEncoder:
         if self.algo == "gptq" and src is None:
             raise GpuLayerError("--gpu-method gptq-int4 needs the source checkpoint for calibration")
         self.quantized_names: list[str] = []
+        self._paths: dict[str, tuple[bool, str]] = {}     # quantized source Linears: (taken over exactly, why not)
 
     # --- which tensors, which shapes -------------------------------------------------------------------------
     def quantizes(self, name: str, shape: tuple[int, ...], role) -> bool:
@@ -138,8 +139,34 @@ class GpuLayerEncoder:
             w = torch.nn.functional.pad(w, (0, g.k - w.shape[1], 0, g.n - w.shape[0]))
         return w, g
 
+    def exact(self, name: str, shape: tuple[int, int]) -> QuantizedLinear | None:
+        """An already-quantized source Linear whose integer grid this format holds exactly: its codes and scales,
+        unchanged (ktconvert.exact_paths.gpu_codes); None otherwise (then it is quantized from its dequantized
+        float32 values, and the log gives the error)."""
+        from ktconvert.exact_paths import gpu_codes, int_grid, quant_format
+
+        fmt = quant_format(self.src, name) if self.src is not None else None
+        if fmt is None:
+            return None
+        grid = int_grid(self.src, name) if fmt.kind in ("int", "mxfp4") else None
+        if grid is None:
+            self._paths[name] = (False, "not an integer grid")
+            return None
+        geom = self.geometry(name, shape)
+        got, why = gpu_codes(grid, self.format, geom, self.opts.group_size, keep_g_idx=self.opts.act_order)
+        self._paths[name] = (got is not None, why)
+        return None if got is None else QuantizedLinear(*got, geom)
+
+    def path_of(self, name: str) -> tuple[bool, str] | None:
+        """(taken over exactly, why not) of a quantized source Linear this encoder wrote; None if not one."""
+        return self._paths.get(name)
+
     def quantize_with_hessian(self, name: str, w: torch.Tensor, h: torch.Tensor) -> QuantizedLinear:
-        """GPTQ of one weight (N, K) with its Hessian (K, K), zero-padded to the layout's geometry."""
+        """GPTQ of one weight (N, K) with its Hessian (K, K), zero-padded to the layout's geometry (or the source's
+        own codes where they fit exactly: no GPTQ then)."""
+        exact = self.exact(name, tuple(w.shape))
+        if exact is not None:
+            return exact
         wp, g = self._pad(name, w.to(torch.float32))
         if g.k != h.shape[0]:
             hp = torch.zeros(g.k, g.k, dtype=torch.float32)
@@ -171,8 +198,10 @@ class GpuLayerEncoder:
         if self.algo == "gptq":
             q = self._calibrated(name, role)
         else:
-            wp, _ = self._pad(name, t)
-            q = quantize_rtn(wp, self.bits, self.opts.group_size)
+            q = self.exact(name, tuple(t.shape))
+            if q is None:
+                wp, _ = self._pad(name, t)
+                q = quantize_rtn(wp, self.bits, self.opts.group_size)
         self.quantized_names.append(name)
         return pack_quantized(name, q, self.opts.fmt, tuple(t.shape))
 
