@@ -10,9 +10,9 @@ Strategies (every one ranks a layer's experts by the profile's counts, fit + hel
              called most)
   frequency  the globally most-called cells, whatever their layer
   per-layer  the budget spread by marginal hit gain per byte, where the gain of a layer's n-th expert is measured
-             on data that did not rank it: the experts ranked on one split, their share of calls measured on the
-             other (both ways, weighted by tokens), then a greedy walk over each layer's concave hull. Layers whose
-             skew is real (it holds on unseen text) get more; layers whose counts are noise stay near uniform.
+             on data that did not rank it: experts ranked on the profile's fit split, their share of calls measured
+             on its held-out split, then a greedy walk over each layer's concave hull. Layers whose skew is real
+             (it holds on unseen text) get more; layers whose counts are noise stay near uniform.
              Bytes per expert are the same in every MoE layer of the supported families, so per byte = per cell
              here; the hull walk takes per-layer bytes for when they are not.
 """
@@ -123,20 +123,11 @@ def _uniform(layers, n_experts, cells, allc) -> dict[int, int]:
 
 
 def validated_curve(profile: ExpertProfile, layer: int) -> np.ndarray:
-    """(E + 1,) share of calls covered by the top n experts (n = 0..E) measured on data that did not rank them: rank
-    on fit, measure on held-out and the other way round, weighted by the measuring split's tokens. Falls back to
-    the fit split alone when there is no held-out data."""
+    """(E + 1,) share of calls covered by the top n experts (n = 0..E), measured on data that did not rank them:
+    ranked on the fit split, counted on the held-out split. Without held-out data, the fit split alone."""
     fit, held = (np.asarray(profile.counts(s)[layer], dtype=np.float64) for s in ("fit", "heldout"))
-    curves, weights = [], []
-    for rank_on, measure in ((fit, held), (held, fit)):
-        if measure.sum() > 0 and rank_on.sum() > 0:
-            cov = np.concatenate([[0.0], np.cumsum(measure[ranking(rank_on)])]) / measure.sum()
-            curves.append(cov)
-            weights.append(measure.sum())
-    if not curves:
-        total = fit + held
-        return np.concatenate([[0.0], np.cumsum(np.sort(total)[::-1])]) / max(total.sum(), 1.0)
-    return np.average(np.stack(curves), axis=0, weights=weights)
+    measure = held if held.sum() > 0 and fit.sum() > 0 else fit + held
+    return np.concatenate([[0.0], np.cumsum(measure[ranking(fit if fit.sum() > 0 else held)])]) / max(measure.sum(), 1.0)
 
 
 def _hull_steps(curve: np.ndarray) -> list[tuple[float, int]]:

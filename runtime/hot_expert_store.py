@@ -4,7 +4,8 @@ A slot of MoE layer L holds one expert's gate, up and down in a GPU format:
   marlin  the CPU tiles' own codes regrouped by ktlayouts.expert_gpu (exact) and packed by the format registry
           (ktlayouts.gpu_formats 'marlin', float16 scales): ktrun.packed_linear.MarlinLinear, run by an installed
           Marlin GEMM (else dequantized per call, as every packed Linear).
-  bf16    the dequantized expert (exactly the CPU tiles' values) rounded to bf16; computed in the dense dtype.
+  bf16    the dequantized expert (exactly the CPU tiles' values) rounded to bf16; computed in the dense dtype (on
+          the CPU stand-in the rounded values are kept in that dtype, so no call converts them).
 Slot tensors are allocated once; loading an expert copies into them (`pack` on the host, `upload` to the slot), so
 a swap needs no allocation and never touches a slot that a step reads (ktrun.expert_residency says which).
 
@@ -52,7 +53,9 @@ class HotExpertStore:
         self.format = resolve_format(self.geo, fmt, self.device)
         self._experts = converted.experts                    # layer -> shards -> {proj: (qweight, scales, geom)}
         self._dense = PackedExpertSource(converted.experts, self.geo.intermediate)
-        self.expert_nbytes = hot_expert_nbytes(self.geo, self.format)
+        self.expert_nbytes = hot_expert_nbytes(self.geo, self.format)     # as a GPU holds them
+        # bf16 weights stored as bf16 on a GPU; on the CPU stand-in, bf16-rounded values in the (wider) dense dtype
+        self._bf16_storage = torch.bfloat16 if self.device.type == "cuda" else self.dtype
         if self.format == "marlin":
             self._fmt = gpu_format_for("marlin", self.geo.bits)
             self._step = gpu_group_step(self.geo)
@@ -69,7 +72,7 @@ class HotExpertStore:
         for p in PROJECTIONS:
             n, k = source_shape(self.geo, p)
             if self.format == "bf16":
-                out.append(torch.zeros((n, k), dtype=torch.bfloat16, device=self.device))
+                out.append(torch.zeros((n, k), dtype=self._bf16_storage, device=self.device))
                 continue
             shapes = {s: shape for s, _dt, shape in self._fmt.part_shapes(self._fmt.storage_geometry(n, k, self._step))}
             qw = torch.zeros(shapes["qweight"], dtype=torch.int32, device=self.device)
@@ -105,7 +108,7 @@ class HotExpertStore:
         """Copy packed host arrays into slot `slot` of `layer` (on the current stream)."""
         for dst, parts in zip(self.slots[layer][slot], host):
             if self.format == "bf16":
-                dst.copy_(torch.from_numpy(parts["weight"]).to(torch.bfloat16), non_blocking=non_blocking)
+                dst.copy_(torch.from_numpy(parts["weight"]).to(torch.bfloat16).to(dst.dtype), non_blocking=non_blocking)
             else:
                 dst.qweight.copy_(torch.from_numpy(parts["qweight"]), non_blocking=non_blocking)
                 dst.scales.copy_(torch.from_numpy(parts["scales"]).to(dst.scales.dtype), non_blocking=non_blocking)
@@ -117,7 +120,7 @@ class HotExpertStore:
     def expert_forward(self, layer: int, slot: int, x: torch.Tensor) -> torch.Tensor:
         """x: (M, H) -> (M, H): down(silu(gate x) * up x) with the slot's weights."""
         g, u, d = self.slots[layer][slot]
-        if self.format == "bf16" and x.dtype != torch.bfloat16:
+        if self.format == "bf16" and x.dtype != g.dtype:
             g, u, d = (w.to(x.dtype) for w in (g, u, d))       # bf16 weights, computed in the dense dtype
         return swiglu_mlp(x, g, u, d)
 
@@ -127,17 +130,19 @@ class HotExpertStore:
         x: (T, H) on the device; ids_np, hit: (T, k) on the host; slot_of: (E,) slot of each resident expert.
         -> (T, H) float32 on x's device (launched asynchronously on CUDA)."""
         t_idx, j_idx = np.nonzero(hit)
-        slots = slot_of[ids_np[t_idx, j_idx]]
-        order = np.argsort(slots, kind="stable")                # rows grouped by slot, token order inside
-        t_idx, j_idx, slots = t_idx[order], j_idx[order], slots[order]
-        cuts = np.flatnonzero(np.diff(slots)) + 1
-        starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [len(slots)]])
+        experts = ids_np[t_idx, j_idx]
+        # rows grouped by expert id (not slot: the sum order must not depend on which slot an expert landed in),
+        # token order inside
+        order = np.argsort(experts, kind="stable")
+        t_idx, j_idx, experts = t_idx[order], j_idx[order], experts[order]
+        cuts = np.flatnonzero(np.diff(experts)) + 1
+        starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [len(experts)]])
         dev = x.device
         tok = torch.from_numpy(t_idx).to(dev, non_blocking=True)
         w = weights.to(dev)[tok, torch.from_numpy(j_idx).to(dev, non_blocking=True)].float()
         out = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32, device=dev)
         for a, b in zip(starts.tolist(), ends.tolist()):
             rows = tok[a:b]
-            y = self.expert_forward(layer, int(slots[a]), x[rows])
+            y = self.expert_forward(layer, int(slot_of[experts[a]]), x[rows])
             out.index_add_(0, rows, y.float() * w[a:b, None])
         return out
