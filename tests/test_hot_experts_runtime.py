@@ -173,9 +173,9 @@ class Replay:
             r.place(L, e_in, slot)
 
 
-def run_batch(conv, opts, prompts=PROMPTS, max_tokens=12, replay_log=None):
-    """Greedy requests batched in one Engine; -> (tokens per request, logits of every step, the executor)."""
-    eng = Engine(conv, ctx=256, max_batch=8, hot_experts=opts)
+def run_batch(conv, opts, prompts=PROMPTS, max_tokens=12, replay_log=None, device=None):
+    """Greedy requests batched in one Engine; -> (tokens per request, logits of every step, the executor, stats)."""
+    eng = Engine(conv, ctx=256, max_batch=8, hot_experts=opts, device=device)
     ex = eng.model.experts
     if replay_log is not None:
         ex.dynamic.close()
