@@ -73,6 +73,9 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
         raise click.ClickException(str(e)) from None
     # streamed text: never an incomplete character or the start of a possible stop string (ktrun.text_stream)
     streamer = None if as_json else (lambda delta: (sys.stdout.write(delta), sys.stdout.flush()))
+    if hot_opts is not None and not as_json:
+        from .hot_experts import describe
+        click.echo(describe(lm.model.experts), err=True)
     with lm:
         if len(prompt_ids) >= ctx:
             raise click.ClickException(f"--prompt is {len(prompt_ids)} tokens, longer than --ctx {ctx} allows (the "

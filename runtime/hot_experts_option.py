@@ -13,7 +13,10 @@ DEFAULT_STRATEGY = "frequency"
 
 def hot_experts_options(dynamic: bool = True):
     """Decorator adding --profile, --gpu-experts, --gpu-experts-ratio, --gpu-mem, --kv-mem, --placement,
-    --gpu-expert-format (and --dynamic-experts, --dynamic-window) to a click command."""
+    --gpu-expert-format (and, for ktrun, --dynamic-experts, --dynamic-window) to a click command; dynamic=False:
+    the options of `ktconvert quantize`, which writes the placement into the conversion."""
+    kv_default = "KV of --ctx tokens, x --max-batch for serve, 4096 for bench" if dynamic else "4096 tokens of one sequence"
+    auto = "marlin when a Marlin kernel is installed, else bf16" if dynamic else "marlin when the codes fit it"
     opts = [
         click.option("--profile", "hot_profile", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="Expert activation profile (ktconvert profile) that chooses the hot experts."),
@@ -26,15 +29,14 @@ def hot_experts_options(dynamic: bool = True):
                      help="GPU memory to fill with hot experts after the dense layers, the KV budget and a 5% "
                           "reserve, e.g. 24GB."),
         click.option("--kv-mem", "hot_kv_mem", default=None, metavar="SIZE",
-                     help="KV-cache budget that --gpu-mem leaves free (default: the context's KV cache)."),
+                     help=f"KV-cache budget that --gpu-mem leaves free (default: {kv_default})."),
         click.option("--placement", "hot_strategy", type=click.Choice(STRATEGIES), default=DEFAULT_STRATEGY,
                      show_default=True,
                      help="uniform: the same number per layer; frequency: the most-called (layer, expert) pairs; "
                           "per-layer: the budget spread by held-out-validated hit gain per byte."),
         click.option("--gpu-expert-format", "hot_format", type=click.Choice(("auto", *HOT_FORMATS)), default="auto",
                      show_default=True,
-                     help="How hot experts are held: marlin (the tiles' int codes, exact) or bf16; auto: marlin "
-                          "when a Marlin kernel is installed, else bf16."),
+                     help=f"How hot experts are held: marlin (the tiles' int codes, exact) or bf16; auto: {auto}."),
     ]
     if dynamic:
         opts += [
