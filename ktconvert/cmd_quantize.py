@@ -7,6 +7,8 @@ import click
 from ktlayouts.constants import DEFAULT_GROUP_SIZE, METHOD_TO_LAYOUT
 from ktlayouts.converted_dir import ManifestError
 from ktlayouts.cpu_expert import LayoutError
+from ktrun.byte_sizes import parse_bytes
+from ktrun.hot_experts_option import hot_experts_options
 
 from ktconvert.convert_plan import ConvertError
 from ktconvert.gpu import gpu_errors
@@ -15,6 +17,23 @@ from ktconvert.progress import OutputDirError
 from ktconvert.sources.roles import SourceError
 
 CONVERT_ERRORS = (ConvertError, SourceError, OutputDirError, LayoutError, ManifestError)
+
+
+def hot_placement_from(kw: dict):
+    """Pop the hot-expert options -> HotPlacementOptions, or None when no placement was asked for."""
+    from ktconvert.hot_placement import HotPlacementOptions
+
+    profile, n, ratio = kw.pop("hot_profile", None), kw.pop("hot_per_layer", None), kw.pop("hot_ratio", None)
+    gpu_mem, kv_mem = kw.pop("hot_gpu_mem", None), kw.pop("hot_kv_mem", None)
+    strategy, fmt = kw.pop("hot_strategy"), kw.pop("hot_format")
+    given = [x is not None for x in (n, ratio, gpu_mem)]
+    if profile is None and not any(given):
+        return None
+    if profile is None or sum(given) != 1:
+        raise click.UsageError("a placement written into the conversion needs --profile P and one of --gpu-experts, "
+                               "--gpu-experts-ratio and --gpu-mem")
+    return HotPlacementOptions(profile, n, ratio, parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem else None,
+                               parse_bytes(kv_mem, "--kv-mem") if kv_mem else None, strategy, fmt)
 
 
 def resolve_source_arg(src: str | None):
@@ -44,6 +63,7 @@ def resolve_source_arg(src: str | None):
                    "--kt-method RAWINT4` needs it.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @gpu_click_options
+@hot_experts_options(dynamic=False)
 def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, workers, quiet, bf16_scales, **gpu):
     """Convert the checkpoint SRC into OUTPUT.
 
@@ -72,13 +92,19 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
       ktconvert quantize ./DeepSeek-V3 --gpu-method rtn-int8 --gpu-group-size -1 -o dsv3-int8/
       ktconvert quantize ./Qwen3-30B-A3B --gpu-format compressed-tensors --calib my_text.txt -o q3-ct/
       ktconvert quantize ./Qwen3-30B-A3B --group-size 32 --bf16-scales --gpu-format compressed-tensors -o q3-raw/
+      ktconvert quantize ./DeepSeek-V3 -o converted/ --profile profile.json --gpu-mem 24GB --placement per-layer
+
+    With --profile (from `ktconvert profile`) and a budget (--gpu-experts N per MoE layer, --gpu-experts-ratio R,
+    or --gpu-mem SIZE after the dense layers and --kv-mem), the hot experts are chosen by --placement and written
+    to gpu_experts.json; ktrun keeps them on the GPU.
     """
     from ktconvert.pipeline import ConvertOptions, convert
 
+    hot = hot_placement_from(gpu)
     try:
         logging.basicConfig(level=logging.INFO, format="ktconvert: %(message)s")
         opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers,
-                              bf16_scales=bf16_scales, **gpu)
+                              bf16_scales=bf16_scales, hot_experts=hot, **gpu)
         src_path = resolve_source_arg(src)
         manifest = convert(src_path, out_dir, opts, resume=resume, force=force, show_progress=not quiet)
     except (*CONVERT_ERRORS, *gpu_errors()) as e:

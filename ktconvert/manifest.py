@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ktlayouts.constants import FORMAT_VERSION
 from ktlayouts.converted_dir import MANIFEST_NAME, SOURCE_RECORD_NAME, is_pad_tensor, validate_manifest
+from ktlayouts.expert_placement import PLACEMENT_KIND
 from ktlayouts.files import sha256_file
 
 from ktconvert import __version__
@@ -82,7 +83,7 @@ def _file_entry(job, journal) -> dict:
     return entry
 
 
-def build_manifest(src, opts, plan, journal, side_files: list[str]) -> dict:
+def build_manifest(src, opts, plan, journal, side_files: list[str], placement: str | None = None) -> dict:
     cfg = src.config
     adapter = src.arch
     files = {}
@@ -91,6 +92,8 @@ def build_manifest(src, opts, plan, journal, side_files: list[str]) -> dict:
             files[job.rel] = _file_entry(job, journal)
     for name in side_files:
         files[name] = {"kind": "config", **journal.files[name]}
+    if placement is not None:                    # gpu_experts.json (quantize --profile)
+        files[placement] = {"kind": PLACEMENT_KIND, **journal.files[placement]}
     return {
         "format_version": FORMAT_VERSION,
         "producer": f"ktconvert {__version__}",
@@ -109,8 +112,9 @@ def build_manifest(src, opts, plan, journal, side_files: list[str]) -> dict:
     }
 
 
-def write_manifest(src, out_dir: Path, opts, plan, journal, side_files: list[str]) -> Path:
-    m = build_manifest(src, opts, plan, journal, side_files)
+def write_manifest(src, out_dir: Path, opts, plan, journal, side_files: list[str], placement: str | None = None
+                   ) -> Path:
+    m = build_manifest(src, opts, plan, journal, side_files, placement)
     validate_manifest(m)
     path = Path(out_dir) / MANIFEST_NAME
     atomic_write_bytes(path, (json.dumps(m, indent=1, sort_keys=True) + "\n").encode())

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from ktconvert.convert_plan import ConvertError, ConvertPlan, FileJob, make_plan
 from ktconvert.exact_paths import PathLog, choose_method, expert_codes, quant_format, relative_error
 from ktconvert.gpu import GPU_OPTION_FIELDS, dense_encoder_for
+from ktconvert.hot_placement import load_checked_profile, write_placement
 from ktconvert.manifest import copy_side_files, write_manifest
 from ktconvert.progress import Journal, prepare_output
 from ktconvert.sources import open_source
@@ -49,6 +50,7 @@ class ConvertOptions:
     gpu_act_order: bool = False
     workers: int = 2
     bf16_scales: bool = False      # expert scales rounded to bf16 before quantizing (exact in bf16-scale formats)
+    hot_experts: object = None     # ktconvert.hot_placement.HotPlacementOptions: write gpu_experts.json
 
     def __post_init__(self):
         if self.method not in METHOD_TO_LAYOUT and self.method != "auto":
@@ -224,7 +226,8 @@ def conversion_params(src, opts: ConvertOptions) -> dict:
             "group_size": opts.group_size, "numa_nodes": opts.numa_nodes, "gpu_method": opts.gpu_method,
             **({} if opts.gpu_method == "bf16" else
                {k: getattr(opts, k) for k in ("gpu_group_size", "gpu_format", "quantize_head", "gpu_act_order")}),
-            **({"bf16_scales": True} if opts.bf16_scales else {})}
+            **({"bf16_scales": True} if opts.bf16_scales else {}),
+            **({} if opts.hot_experts is None else {"hot_experts": opts.hot_experts.params()})}
 
 
 def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, resume: bool = False,
@@ -237,6 +240,8 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
         encoder = dense_encoder_for(src, **{k: getattr(opts, k) for k in GPU_OPTION_FIELDS})
         opts = replace(opts, gpu_method=encoder.name)     # "auto" resolved (the log says which)
         plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder)
+        if opts.hot_experts is not None:
+            load_checked_profile(opts.hot_experts, src)   # a profile of another model fails before any work
         params = conversion_params(src, opts)
         journal = prepare_output(out_dir, params, resume=resume, force=force)
         done = sum(j.source_nbytes for g in plan.jobs for j in g if all(journal.is_done(x.rel) for x in g))
@@ -259,7 +264,9 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
             for line in conv.paths.summary({"experts": conv.target(), "GPU layers": encoder.name}):
                 tqdm.write(f"ktconvert: {line}", file=sys.stderr)
             side = copy_side_files(src, out_dir, journal, encoder)
-            manifest = write_manifest(src, out_dir, opts, plan, journal, side)
+            placement = None if opts.hot_experts is None else write_placement(
+                src, out_dir, opts.hot_experts, plan.geometry, journal)
+            manifest = write_manifest(src, out_dir, opts, plan, journal, side, placement)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                 raise ConvertError(f"disk full while writing into {out_dir} ({os.strerror(e.errno)}"

@@ -8,6 +8,7 @@ import click
 from ktrun.serve import DEFAULT_MAX_BODY_BYTES, run_server
 
 from .gpu_weights_option import gpu_weights_option
+from .hot_experts_option import hot_experts_from, hot_experts_options
 
 
 @click.command("serve")
@@ -28,7 +29,9 @@ from .gpu_weights_option import gpu_weights_option
               help="Largest request body accepted (larger: 413).")
 @click.option("--log-requests", is_flag=True, help="Print an access log line per HTTP request on stderr.")
 @gpu_weights_option
-def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests, gpu_weights):
+@hot_experts_options()
+def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests, gpu_weights,
+          **hot):
     """Serve MODEL_DIR (a `ktconvert quantize` output) over the OpenAI API.
 
     Endpoints: GET /health (503 while loading, 200 when ready), GET /v1/models, POST /v1/completions,
@@ -39,6 +42,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
     Examples:
       ktrun serve converted/ --port 8000
       ktrun serve converted/ --ctx 8192 --max-batch 32 --api-key "$(cat key.txt)"
+      ktrun serve converted/ --profile profile.json --gpu-mem 24GB --dynamic-experts   # hot experts, kept fresh
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "converted", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
     """
@@ -46,11 +50,13 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
         click.echo(f"ktrun serve: warning: listening on {host} without --api-key: anyone who can reach this port "
                    "can use the model", err=True)
 
+    hot_opts = hot_experts_from(hot)
+
     def load_engine():  # runs after the socket is bound, so /health answers 503 during the (torch) import too
         from ktrun.engine import Engine
 
         return Engine(str(model_dir), ctx=ctx, max_batch=max_batch, device=device, verify=verify,
-                      gpu_weights=gpu_weights)
+                      gpu_weights=gpu_weights, hot_experts=hot_opts)
 
     def sampling_params(**kw):
         from ktrun.engine import SamplingParams

@@ -7,14 +7,9 @@ which is exactly compressed-tensors' symmetric int quantization (pack-quantized)
 shape (N, K) and repacked by the registered GPU format (ktlayouts.gpu_formats); no value is re-quantized. Scales stay float32, as
 the tiles store them (the layouts' usual float16 would round them).
 
-Export group size ("step"): the consumers need one group length that divides K of every projection (H for
-gate/up, I for down; compressed-tensors' dequantization refuses K % group != 0). The CPU group G can be longer than
-K (G=128, H=96) or end in a partial group, and with --group-size -1 and several NUMA shards every down shard has
-its own per-row scale. So the export uses the largest step in (128, 64, 32) that divides H and I such that every
-step-long run of columns lies inside one CPU group, and writes each CPU scale once per step-long run it covers
-(still exact). When every row of every projection has one scale (per-row codes, or G >= K), the export keeps one
-scale per row (compressed-tensors strategy "channel", GPTQ group_size -1). Otherwise there is no exact step (e.g.
-I = 80 with G = 64) and the export refuses, pointing to --experts bf16.
+Export group size ("step"): ktlayouts.expert_gpu.gpu_group_step (the largest of 128/64/32 that divides H and I and
+stays inside the CPU groups, or one scale per row); a conversion without one is refused, pointing to --experts bf16.
+The codes come out of the tiles with ktlayouts.expert_gpu.expert_codes, which ktrun's hot experts share.
 
 transformers (5.24, CPU) keeps the dequantized experts in the scales' dtype (float32) even when loading with
 dtype=bfloat16 (its fused-expert decompression does not cast, its dense path does); forward passes work.
@@ -22,19 +17,18 @@ dtype=bfloat16 (its fused-expert decompression does not cast, its dense path doe
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
+from ktlayouts import expert_gpu
 from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor
-from ktlayouts.cpu_expert import LayoutError, MatrixGeometry, unpack_codes, unpack_scales
-from ktlayouts.expert_shards import paste_shard
+from ktlayouts.cpu_expert import LayoutError
+from ktlayouts.expert_gpu import GPU_STEPS
 from ktlayouts.gptq import GptqGeometry
 from ktlayouts.gpu_formats import GpuLinearFormat, gpu_format_for
 
 from ktconvert.converted_reader import ConvertedDir
 
-EXPORT_STEPS = (128, 64, 32)           # the group lengths (besides per-row) vLLM's Marlin kernels take
-CHANNEL = -1                           # step meaning one scale per output row
+EXPORT_STEPS = GPU_STEPS               # the group lengths (besides per-row CHANNEL) vLLM's Marlin kernels take
 # The per-expert Linears (model.layers.N.mlp.experts.E.gate_proj, Mixtral's block_sparse_moe.experts.E.w1), not
 # shared_experts; spelled as a compressed-tensors target (re.match on the module name) and a gptq `dynamic` key.
 EXPERT_LINEARS = r".*\.experts\.\d+\.[^.]+$"
@@ -46,43 +40,9 @@ class ExpertExportError(ValueError):
     """Routed experts that cannot be written in a GPU format without re-quantizing."""
 
 
-@dataclass(frozen=True)
-class ShardPiece:
-    """Where one stored shard of one projection sits in the source-shaped (N, K) matrix."""
-    shard: int
-    geom: MatrixGeometry    # the shard's tile geometry (padded)
-    n0: int                 # first output row (gate/up shards split N = I)
-    k0: int                 # first input column (down shards split K = I)
-
-
-def shard_pieces(conv: ConvertedDir, proj: str) -> list[ShardPiece]:
-    """Where each shard's rows (gate/up) or columns (down) start in the source matrix (expert_shards' ranges)."""
-    geo = conv.geometry
-    out = []
-    for s, (i0, _i1) in enumerate(geo.shard_plan.shard_ranges()):
-        geom = geo.matrix_geometry(proj, s)
-        out.append(ShardPiece(s, geom, 0 if proj == "down" else i0, i0 if proj == "down" else 0))
-    return out
-
-
 def source_shape(conv: ConvertedDir, proj: str) -> tuple[int, int]:
     """(N, K) of the source Linear: gate/up (I, H), down (H, I)."""
-    h, i = conv.geometry.hidden, conv.geometry.intermediate
-    return (h, i) if proj == "down" else (i, h)
-
-
-def column_groups(conv: ConvertedDir, proj: str) -> np.ndarray:
-    """(K,) int64: an id of the CPU scale group each source input column belongs to (same id, same scale)."""
-    _n, k = source_shape(conv, proj)
-    ids, first_id = np.empty(k, dtype=np.int64), 0
-    for p in shard_pieces(conv, proj):
-        k1 = min(k, p.k0 + p.geom.k)
-        cols = np.arange(p.k0, k1)
-        ids[cols] = first_id + (cols - p.k0) // p.geom.group
-        first_id += p.geom.n_groups
-        if proj != "down":
-            break                   # gate/up: every shard has the same column groups (K = H is not split)
-    return ids
+    return expert_gpu.source_shape(conv.geometry, proj)
 
 
 def exact_steps(conv: ConvertedDir) -> list[int]:
@@ -95,13 +55,9 @@ def exact_steps(conv: ConvertedDir) -> list[int]:
 
 def export_step(conv: ConvertedDir) -> int:
     """The group length the export writes (CHANNEL for one scale per row); ExpertExportError if none is exact."""
-    groups = {p: column_groups(conv, p) for p in PROJECTIONS}
-    if all(np.all(g == g[0]) for g in groups.values()):
-        return CHANNEL
-    for step in EXPORT_STEPS:
-        if all(len(g) % step == 0 and np.all(g.reshape(-1, step) == g.reshape(-1, step)[:, :1])
-               for g in groups.values()):
-            return step
+    step = expert_gpu.gpu_group_step(conv.geometry)
+    if step is not None:
+        return step
     geo = conv.geometry
     raise ExpertExportError(
         f"the routed experts (group size {geo.group_size}, {geo.numa_nodes} NUMA shard(s), hidden {geo.hidden}, "
@@ -112,26 +68,18 @@ def export_step(conv: ConvertedDir) -> int:
 def expert_codes(conv: ConvertedDir, layer: int, expert: int, proj: str, step: int) -> tuple[np.ndarray, np.ndarray]:
     """codes (N, K) uint8 (zero point 2^(bits-1)) and scales (N, K / step) float32 (N, 1) for CHANNEL of one expert
     projection in source shape, straight from the stored tiles."""
-    n, k = source_shape(conv, proj)
-    step_k = k if step == CHANNEL else step
-    codes = np.empty((n, k), dtype=np.uint8)
-    scales = np.empty((n, k // step_k), dtype=np.float32)
-    for p in shard_pieces(conv, proj):
-        f = conv.open(expert_file(layer, p.shard, conv.geometry.numa_nodes))
-        q = f.get_slice(expert_tensor(proj, "qweight"))[expert: expert + 1][0].numpy()
-        s = f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0].numpy()
-        c, sc = unpack_codes(q, p.geom), unpack_scales(s, p.geom)          # (N_pad, K_pad), (N_pad, n_groups)
-        paste_shard(c, proj, conv.geometry.shard_plan, p.shard, codes)
-        n1, k1 = min(n, p.n0 + p.geom.n), min(k, p.k0 + p.geom.k)
-        first = np.arange(p.k0, k1, step_k)                                # first column of each export group
-        scales[p.n0:n1, first // step_k] = sc[: n1 - p.n0, (first - p.k0) // p.geom.group]
-    return codes, scales
+    shards = []
+    for s in range(conv.geometry.numa_nodes):
+        f = conv.open(expert_file(layer, s, conv.geometry.numa_nodes))
+        shards.append((f.get_slice(expert_tensor(proj, "qweight"))[expert: expert + 1][0].numpy(),
+                       f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0].numpy()))
+    return expert_gpu.expert_codes(conv.geometry, proj, step, shards)
 
 
 def gptq_geometry(conv: ConvertedDir, proj: str, step: int) -> GptqGeometry:
     n, k = source_shape(conv, proj)
     try:
-        return GptqGeometry(n, k, conv.geometry.bits, step)
+        return expert_gpu.gptq_geometry(conv.geometry, proj, step)
     except LayoutError as e:
         raise ExpertExportError(f"routed expert {proj} ({n}, {k}): {e}; export the experts with --experts bf16") \
             from None

@@ -134,13 +134,22 @@ class ServeMetrics:
         return "\n".join(lines) + "\n"
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def render_engine_stats(stats: dict) -> list[str]:
-    """Numeric entries of `Engine.stats` as gauges `ktrun_engine_<key>` (units as the engine names them)."""
+    """Numeric entries of `Engine.stats` as gauges `ktrun_engine_<key>` (units as the engine names them); an entry
+    `<name>_by_layer` holding {layer: number} (e.g. gpu_hit_ratio_by_layer) as one gauge with a `layer` label."""
     lines = []
     for key in sorted(stats):
         v = stats[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
         name = "ktrun_engine_" + "".join(c if c.isalnum() else "_" for c in str(key)).strip("_").lower()
+        if str(key).endswith("_by_layer") and isinstance(v, dict) and all(_number(x) for x in v.values()):
+            lines += [f"# HELP {name} Engine.stats[{key!r}], per MoE layer.", f"# TYPE {name} gauge"]
+            lines += [f'{name}{{layer="{_escape(L)}"}} {_fmt(x)}' for L, x in sorted(v.items())]
+            continue
+        if not _number(v):
+            continue
         lines += [f"# HELP {name} Engine.stats[{key!r}].", f"# TYPE {name} gauge", f"{name} {_fmt(v)}"]
     return lines
