@@ -63,6 +63,7 @@ class FakeEngine:
     def __init__(self, ctx=256, max_batch=16, step_delay=0.002, model_name="fake-model"):
         self.tokenizer, self.model_name, self.ctx, self.max_batch = ByteTokenizer(), model_name, ctx, max_batch
         self.step_delay = step_delay
+        self.eos_ids = {EOS}
         self._new: dict[str, tuple[list[int], SamplingParams]] = {}
         self._running: dict[tuple[str, int], dict] = {}
         self.stats = {"steps": 0, "max_batch_seen": 0, "aborts": 0, "cpu_expert_s": 0.0}
@@ -129,7 +130,7 @@ class FakeEngine:
             r["first"] = False
             r["seq"].append(tok)
             r["n"] += 1
-            finish = "stop" if tok == EOS else ("length" if r["n"] >= p.max_tokens
+            finish = "stop" if tok == EOS or tok in p.stop_token_ids else ("length" if r["n"] >= p.max_tokens
                                                 or len(r["seq"]) >= self.ctx else None)
             out.append(SimpleNamespace(req_id=key[0], token=tok, finish=finish, index=key[1], logprobs=lp,
                                        prompt_logprobs=prompt_lp))

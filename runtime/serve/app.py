@@ -199,7 +199,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):
         """pydantic's 422 -> the OpenAI 400 envelope naming the first bad field."""
-        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        errs = list(e.errors()) or [{"loc": (), "msg": "invalid request"}]
+        err = next((x for x in errs if x.get("type") == "value_error"), errs[0])   # our own checks say most
         msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
         param = error_param(err.get("loc", ()))
         if param is None:                      # a check on the whole body names its field in quotes

@@ -8,6 +8,7 @@ disconnect arrives; a non-streamed one has a watcher on the connection that wake
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -164,6 +165,7 @@ class Generation:
         self.prompt_lp = None
         self.t_first: float | None = None
         self.t_last: float | None = None
+        self._frame: list[tuple[str, str]] | None = None
 
     # -- engine side --------------------------------------------------------------------------------------------
     def submit(self) -> None:
@@ -297,6 +299,22 @@ class Generation:
         return out
 
     # -- streaming ----------------------------------------------------------------------------------------------
+    def _text_chunk(self, index: int, text: str) -> bytes:
+        """The common chunk (one choice's new text, nothing else) from pre-rendered JSON around the text: the same
+        bytes as R.CompletionResponse / R.ChatCompletionChunk would give, without building models per token."""
+        if self._frame is None:
+            plain = (R.ChatCompletionChunk if self.plan.kind == "chat" else R.CompletionResponse)(
+                id=self.rid, created=self.created, model=self.plan.model, choices=[])
+            if self.plan.include_usage:
+                plain.usage = None
+            head, tail = plain.model_dump_json(exclude_unset=True).split('"choices":[]')
+            field = '"delta":{"content":' if self.plan.kind == "chat" else '"text":'
+            close = "}" if self.plan.kind == "chat" else ""
+            self._frame = [(f'data: {head}"choices":[{{"index":{i},{field}', f'{close},"logprobs":null,'
+                            f'"finish_reason":null}}]{tail}\n\n') for i in range(len(self.choices))]
+        head, tail = self._frame[index]
+        return (head + json.dumps(text, ensure_ascii=False) + tail).encode()
+
     def _chunk(self, choices: list, usage: R.Usage | None = None, timings=None) -> bytes:
         cls = R.ChatCompletionChunk if self.plan.kind == "chat" else R.CompletionResponse
         obj = cls(id=self.rid, created=self.created, model=self.plan.model, choices=choices)
@@ -343,7 +361,9 @@ class Generation:
             try:
                 async for c, item in self.items():
                     reasoning, content, tool_deltas = c.feed(item)
-                    if reasoning or content or tool_deltas:
+                    if content and not (reasoning or tool_deltas or c.pending_lp):
+                        yield self._text_chunk(c.index, content)
+                    elif reasoning or content or tool_deltas:
                         yield self._chunk([self._delta_choice(c, reasoning, content, tool_deltas)])
             except ApiError as e:          # headers are out: report the error as an event, then end the stream
                 yield R.sse(e.body()) + R.sse("[DONE]")

@@ -1,8 +1,8 @@
 """OpenAI API responses of `ktrun serve` as pydantic models: what /docs shows and what goes on the wire.
 
-Responses are serialized with exclude_unset: a field appears when the server set it (to a value or to null), so a
-chat delta carries only what changed, and `usage: null` rides on stream chunks only with include_usage, as OpenAI
-sends them. `timings` (per request, like llama-server's) is an extension the openai client keeps as an extra field.
+Responses are serialized with exclude_unset, where a field with a non-null default (object, role, index, ...) counts
+as set: a field whose default is null appears only when the server set it (to a value or to null), so a chat delta
+carries only what changed, and `usage: null` rides on stream chunks only with include_usage, as OpenAI sends them. `timings` (per request, like llama-server's) is an extension the openai client keeps as an extra field.
 """
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class Out(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    def model_post_init(self, context) -> None:
+        fields = type(self).model_fields
+        self.__pydantic_fields_set__.update(
+            k for k, f in fields.items() if f.default is not None or f.default_factory is not None)
 
     def dump(self) -> dict:
         return self.model_dump(exclude_unset=True, by_alias=True)

@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from . import responses as R
 from .generation import ClientGone, Generation, Plan, decode
@@ -80,6 +80,11 @@ class KtrunRoute(APIRoute):
 router = APIRouter(route_class=KtrunRoute)
 
 
+def _json(obj: R.Out) -> JSONResponse:
+    """The response model on the wire as responses.py serializes it (fields the server did not set left out)."""
+    return JSONResponse(obj.dump())
+
+
 def _state(request: Request):
     return request.app.state.ktrun
 
@@ -141,14 +146,15 @@ def chat_prompt(tok, req) -> tuple[str, list[int]]:
 @router.get("/health", response_model=R.HealthResponse, responses=ERRORS)
 async def health(request: Request):
     _state(request).require_ready()
-    return R.HealthResponse()
+    return _json(R.HealthResponse())
 
 
 @router.get("/v1/models", response_model=R.ModelList, responses=ERRORS)
 async def models(request: Request):
     state = _state(request)
     engine = state.require_ready()
-    return R.ModelList(data=[R.ModelCard(id=engine.model_name, created=state.created, max_model_len=engine.ctx)])
+    return _json(R.ModelList(data=[R.ModelCard(id=engine.model_name, created=state.created,
+                                               max_model_len=engine.ctx)]))
 
 
 @router.get("/metrics", response_class=Response)
@@ -168,7 +174,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
             chat_template_kwargs=body.chat_template_kwargs))[1]
     else:
         ids = encode(engine.tokenizer, body.prompt, body.add_special_tokens)
-    return R.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.ctx)
+    return _json(R.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.ctx))
 
 
 @router.post("/detokenize", response_model=R.DetokenizeResponse, responses=ERRORS)
@@ -176,7 +182,7 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     engine = _state(request).require_ready()
     _check_model(engine, body.model, optional=True)
     _check_ids(engine, body.tokens, "tokens", model_vocab=False)
-    return R.DetokenizeResponse(prompt=decode(engine.tokenizer, body.tokens))
+    return _json(R.DetokenizeResponse(prompt=decode(engine.tokenizer, body.tokens)))
 
 
 @router.get("/tokenizer_info", response_model=R.TokenizerInfo, responses=ERRORS)
@@ -184,9 +190,9 @@ async def tokenizer_info(request: Request):
     engine = _state(request).require_ready()
     tok = engine.tokenizer
     special = getattr(tok, "special_tokens", {}) or {}
-    return R.TokenizerInfo(eos_token=special.get("eos_token"), bos_token=special.get("bos_token"),
-                           pad_token=special.get("pad_token"), chat_template=getattr(tok, "chat_template", None),
-                           model_max_length=engine.ctx)
+    return _json(R.TokenizerInfo(eos_token=special.get("eos_token"), bos_token=special.get("bos_token"),
+                                 pad_token=special.get("pad_token"), chat_template=getattr(tok, "chat_template", None),
+                                 model_max_length=engine.ctx))
 
 
 # -- generation ---------------------------------------------------------------------------------------------------
@@ -291,6 +297,6 @@ async def _generate(request: Request, req, kind: str):
     if req.stream:
         return StreamingResponse(gen.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        return await gen.collect()
+        return _json(await gen.collect())
     except ClientGone:   # nobody to answer; the request is aborted and counted (499: client closed the request)
         return Response(status_code=499)

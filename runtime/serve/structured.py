@@ -30,8 +30,8 @@ def _compiler(tok, vocab_size: int, stop_ids: list[int]):
 
                 info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=backend),
                                                           vocab_size=vocab_size, stop_token_ids=stop_ids)
-            else:                                               # a plain byte vocabulary (test tokenizers)
-                vocab = [bytes([i]).decode("latin-1") for i in range(256)]
+            else:                              # a byte vocabulary (ids 0-255; the rest special), as the test fakes use
+                vocab = [bytes([i]) for i in range(256)] + [f"<special_{i}>".encode() for i in range(256, vocab_size)]
                 info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids)
             _compilers[key] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         return _compilers[key]

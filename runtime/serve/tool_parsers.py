@@ -13,7 +13,7 @@ Every family marks a call its own way (written from the models' chat templates a
 A parser reads the text generated so far (maybe cut mid-marker) and returns the plain content before the first call
 and the calls seen so far, each with its arguments text so far: arguments only grow, so a stream can send what is
 new. ToolCallStream turns that into OpenAI deltas; the whole text parsed once gives the same calls and content.
-Text that never became a call with a name (e.g. `<tool_call>` then junk) is content, as generated.
+Text that never became a call of one of the request's tools (e.g. `<tool_call>` then junk) is content, as generated.
 """
 from __future__ import annotations
 
@@ -57,10 +57,14 @@ class ToolParser:
         i = text.find(self.start)
         if i < 0:
             return (text if final else text[:len(text) - partial_tail(text, self.start)]), []
-        calls = self.calls(text[i + len(self.start):], final)
-        if final and not any(c.name for c in calls):
-            return text, []            # markers without a call: the model's text as it is
-        return text[:i], [c for c in calls if c.name]
+        calls = [c for c in self.calls(text[i + len(self.start):], final) if self._known(c.name)]
+        if final and not calls:
+            return text, []            # markers without a call of a known tool: the model's text as it is
+        return text[:i], calls
+
+    def _known(self, name: str | None) -> bool:
+        """A call names one of the request's tools (any name when the parser was given none)."""
+        return bool(name) and (not self.tools or name in self.tools)
 
     def calls(self, section: str, final: bool) -> list[Call]:
         raise NotImplementedError
