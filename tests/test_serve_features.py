@@ -299,7 +299,7 @@ def test_openapi_docs_and_tokenizer_info(server):
     assert {"tools", "logprobs", "response_format", "n"} <= set(spec["components"]["schemas"]
                                                                 ["ChatCompletionRequest"]["properties"])
     st, html, hdrs = request(server, "GET", "/docs")
-    assert st == 200 and hdrs["Content-Type"].startswith("text/html")
+    assert st == 200 and hdrs["Content-Type"].startswith("text/html") and "openapi.json" in html
     assert request(server, "GET", "/tokenizer_info")[0] == 200
 
 

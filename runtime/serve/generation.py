@@ -310,8 +310,8 @@ class Generation:
             head, tail = plain.model_dump_json(exclude_unset=True).split('"choices":[]')
             field = '"delta":{"content":' if self.plan.kind == "chat" else '"text":'
             close = "}" if self.plan.kind == "chat" else ""
-            self._frame = [(f'data: {head}"choices":[{{"index":{i},{field}', f'{close},"logprobs":null,'
-                            f'"finish_reason":null}}]{tail}\n\n') for i in range(len(self.choices))]
+            end = f'{close},"logprobs":null,"finish_reason":null}}]{tail}\n\n'
+            self._frame = [(f'data: {head}"choices":[{{"index":{i},{field}', end) for i in range(len(self.choices))]
         head, tail = self._frame[index]
         return (head + json.dumps(text, ensure_ascii=False) + tail).encode()
 
