@@ -277,13 +277,13 @@ class Generation:
                 return
 
     def _chat_choice(self, c: Choice) -> R.ChatChoice:
-        msg = R.AssistantMessage(content="".join(c.content) if (c.content or not c.tools or not c.tools.calls)
-                                 else None)
+        calls = c.tools.calls if c.tools is not None else []
+        content = "".join(c.content)    # none beside reasoning or tool calls is null (as OpenAI / vLLM send it)
+        msg = R.AssistantMessage(content=content or (None if (c.reasoning or calls) else ""))
         if self.plan.reasoning:
             msg.reasoning_content = "".join(c.reasoning) if c.reasoning else None
-        if c.tools is not None and c.tools.calls:
-            msg.tool_calls = [R.ToolCallOut(id=x["id"], function=R.FunctionCallOut(**x["function"]))
-                              for x in c.tools.calls]
+        if calls:
+            msg.tool_calls = [R.ToolCallOut(id=x["id"], function=R.FunctionCallOut(**x["function"])) for x in calls]
         out = R.ChatChoice(index=c.index, message=msg, finish_reason=c.finish_reason)
         out.logprobs = c.chat_logprobs(c.logprobs) if self.plan.logprobs is not None else None
         return out

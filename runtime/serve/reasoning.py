@@ -21,7 +21,8 @@ def prompt_opens_thinking(prompt_text: str, start: str = THINK_START, end: str =
 
 def uses_thinking(vocab: dict[str, int], template: str | None) -> bool:
     """The model writes think blocks: `<think>` is a token of its own, or its chat template mentions one."""
-    return THINK_START in vocab or THINK_END in vocab or bool(template and THINK_END in template)
+    marks = (THINK_START, THINK_END)
+    return any(m in vocab for m in marks) or any(m in (template or "") for m in marks)
 
 
 class ReasoningSplitter:
