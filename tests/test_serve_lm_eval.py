@@ -14,7 +14,7 @@ import torch
 from serve_helpers import ServerProcess
 
 lm_eval = pytest.importorskip("lm_eval")
-from lm_eval.api.model import TemplateLM  # noqa: E402
+from lm_eval.api.model import TemplateLM
 
 BIN = __import__("pathlib").Path(__import__("sys").executable).parent
 CTX = 512
