@@ -19,7 +19,7 @@ def test_penalties_and_bias_follow_the_formulas():
     p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias={4: 1.5})
     got = Sampler(p, prompt).shape(logits, out)
     want = logits.clone()
-    for t in {0, 2, 3}:                                         # prompt or output: CTRL repetition penalty
+    for t in (0, 2, 3):                                         # prompt or output: CTRL repetition penalty
         want[t] = want[t] / 2.0 if want[t] > 0 else want[t] * 2.0
     for t, count in ((3, 2), (2, 1)):                           # output only: OpenAI presence + frequency
         want[t] -= 0.25 * count + 0.5
