@@ -103,7 +103,10 @@ class ServerState:
     # -- loading ------------------------------------------------------------------------------------------------
     def publish(self, batch) -> None:
         """Engine thread -> event loop: one wake-up per engine step for everything it produced."""
-        self.loop.call_soon_threadsafe(_deliver, batch)
+        try:
+            self.loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:   # the loop has closed (shutting down): nobody is waiting for these
+            pass
 
     def load(self, on_failure) -> None:
         """Runs in a background thread after the socket is bound: /health says 503 until this finishes."""
