@@ -50,8 +50,13 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
     Examples:
       ktrun serve converted/ --port 8000
       ktrun serve converted/ --ctx 8192 --max-batch 32 --api-key "$(cat key.txt)"
+      ktrun serve qwen3-converted/ --tool-call-parser hermes --reasoning-inline
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "converted", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+
+    Requests take OpenAI's fields plus vLLM's extras (top_k, min_p, repetition_penalty, stop_token_ids,
+    ignore_eos, chat_template_kwargs): logprobs, n, penalties, logit_bias, tools (parsed per model family),
+    reasoning_content, response_format json_object / json_schema (grammar-enforced). README: what is refused.
     """
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"ktrun serve: warning: listening on {host} without --api-key: anyone who can reach this port "

@@ -256,6 +256,8 @@ def run_server(engine_factory, sampling_params_cls, host: str = "127.0.0.1", por
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # accepted connections inherit it: each SSE event goes out at once (no Nagle wait for the previous ACK)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(256)   # listen backlog: bursts of concurrent clients connect without SYN retries
     except OSError as e:
