@@ -211,7 +211,8 @@ class Generation:
     def abort(self) -> None:
         if not self.done:
             self.done = True
-            self.state.engine_thread.abort(self.rid)
+            if self.handle is not None:
+                self.state.engine_thread.abort(self.rid)
             self.state.metrics.finished.labels("abort").inc()
 
     # -- the end: metrics, timings, log ---------------------------------------------------------------------------
@@ -252,6 +253,7 @@ class Generation:
     # -- non-streaming ----------------------------------------------------------------------------------------
     async def collect(self):
         watcher = asyncio.ensure_future(self._watch_disconnect())
+        self.submit()
         try:
             async for choice, item in self.items():
                 choice.feed(item)
@@ -358,6 +360,9 @@ class Generation:
         try:
             if self.plan.kind == "chat":   # the role goes out at once, before the first token
                 yield self._chunk([self._delta_choice(c, role=True) for c in self.choices])
+            # submitted only now, with the headers (and the role) out: from here on this thread just waits, so the
+            # engine thread has the interpreter to itself for the prefill
+            self.submit()
             try:
                 async for c, item in self.items():
                     reasoning, content, tool_deltas = c.feed(item)

@@ -292,8 +292,7 @@ async def _generate(request: Request, req, kind: str):
     except ValueError as e:
         raise ApiError(400, f"invalid sampling parameters: {e}", code="invalid_parameter") from None
 
-    gen = Generation(state, plan, request)
-    gen.submit()
+    gen = Generation(state, plan, request)   # it submits to the engine once its response has started
     if req.stream:
         return StreamingResponse(gen.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
