@@ -1,8 +1,8 @@
 """GPU-quantized Linears run on the CPU by libktkernels' dense Linear op (`--gpu-weights kernels`, the CPU default).
 
 At load each quantized Linear of the conversion (Marlin, GPTQ, compressed-tensors; int4/int8; group 32, 64m or per
-row) is unpacked to its codes (ktlayouts.gpu_formats: codes (K, N) uint8 and float16 scales, no float weights) and
-repacked once, bit-exact, into cpu-linear-int4/int8 tiles (kt_linear_repack, layouts/README.md "CPU dense
+row) has its codes read (gptq / compressed-tensors words straight from the file; Marlin's unpacked to (K, N) bytes
+first; no float weights) and repacked once, bit-exact, into cpu-linear-int4/int8 tiles (kt_linear_repack, layouts/README.md "CPU dense
 Linears"): the same symmetric codes and groups, so nothing is re-quantized and no dense float copy is made. The
 tiles are owned by the KernelLinear; the conversion's bytes are read once and released.
 
@@ -25,7 +25,10 @@ import torch.nn.functional as F
 from ktlayouts.constants import GROUP_PER_ROW
 from ktlayouts.cpu_expert import LayoutError, MatrixGeometry
 from ktlayouts.cpu_linear import linear_geometry, unpack_linear
+from ktlayouts.gptq import stored_scales, unpack_cols, zero_point
 from ktlayouts.gpu_formats import gpu_format, linear_parts, quantized_linears
+from ktlayouts.marlin import unpack_scales as marlin_unpack_scales
+from ktlayouts.marlin import weight_perm
 
 from .cpu_linear import LinearKernels
 
@@ -104,25 +107,64 @@ def _supported(group_size: int) -> bool:
     return group_size == GROUP_PER_ROW or group_size == 32 or (group_size > 0 and group_size % 64 == 0)
 
 
+def _marlin_codes(qweight: np.ndarray, k: int, n: int, bits: int) -> np.ndarray:
+    """Marlin qweight (K/16, N*16*bits/32) int32 -> codes (K, N) uint8: ktlayouts.marlin.unpack_weight's result
+    (tested equal through the tiles), ~20x faster: the words' bytes (and nibbles) in place of shifts, and a gather
+    with the inverse permutation in place of a scatter. K, N: stored (padded) sizes."""
+    b = np.ascontiguousarray(qweight).view(np.uint8)                    # little-endian: codes LSB first
+    if bits == 4:
+        t = np.empty((b.shape[0], b.shape[1] * 2), np.uint8)
+        np.bitwise_and(b, 15, out=t[:, 0::2])
+        np.right_shift(b, 4, out=t[:, 1::2])
+    else:
+        t = b
+    inv = np.argsort(weight_perm(bits))
+    t = np.take(t.reshape(-1, inv.size), inv, axis=1)                   # four row-major 16x16 tiles per row
+    return t.reshape(k // 16, n // 16, 16, 16).transpose(0, 2, 1, 3).reshape(k, n)
+
+
+def _gpu_codes(fmt, parts: dict, name: str):
+    """-> (codes, packed, scales (n_groups, N_s), g_idx or None, stored geometry, logical (N, K)) of one Linear,
+    without unpacking where the repack reads the stored words itself: gptq qweight (K*bits/32, N) and
+    compressed-tensors weight_packed (N, K*bits/32) are words packed along K; Marlin is unpacked to (K, N) bytes."""
+    parts = {p: np.asarray(a) for p, a in parts.items()}
+    if fmt.family == "gptq":
+        geom, shape = fmt.stored_geometry(parts, name)
+        zeros = unpack_cols(parts["qzeros"], fmt.bits).astype(np.int32) + 1
+        if np.any(zeros != zero_point(fmt.bits)):
+            raise LayoutError(f"{name}: qzeros are not the symmetric v1 zero point {zero_point(fmt.bits) - 1}")
+        return parts["qweight"], True, stored_scales(parts["scales"]), parts.get("g_idx"), geom, shape
+    if fmt.family == "compressed-tensors":
+        geom, shape = fmt.stored_geometry(parts, name)
+        return parts["weight_packed"].T, True, stored_scales(parts["weight_scale"]).T, None, geom, shape
+    if fmt.family == "marlin":
+        geom, shape = fmt.stored_geometry(parts, name)
+        return (_marlin_codes(parts["qweight"], geom.k, geom.n, fmt.bits), False,
+                marlin_unpack_scales(parts["scales"], geom.k, geom.group_size), None, geom, shape)
+    u = fmt.unpack(parts, name)
+    return u.codes_kn, False, u.scales_gn, u.g_idx, u.geom, u.shape
+
+
 def repack_linear(lin: LinearKernels, linear_id: int, name: str, layout: str, parts: dict, dtype: torch.dtype
                   ) -> KernelLinear | None:
     """One GPU Linear (its parts {suffix: array}) -> a registered KernelLinear; None when the op cannot hold it
     exactly (act-order g_idx, unsupported group size): the caller dequantizes it instead."""
     fmt = gpu_format(layout)
-    u = fmt.unpack({p: np.asarray(a) for p, a in parts.items()}, name)    # codes (K_s, N_s) u8, scales (g, N_s)
-    g = u.geom.group_size
-    if not _supported(g) or not np.array_equal(u.g_idx, u.geom.default_g_idx()):
+    codes, packed, scales, g_idx, stored, (n, k) = _gpu_codes(fmt, parts, name)
+    g = stored.group_size
+    if not _supported(g) or (g_idx is not None and not np.array_equal(g_idx, stored.default_g_idx())):
         return None
-    n, k = u.shape
     k_op = k if g == GROUP_PER_ROW else _round_up(k, g)          # <= stored K: the extra codes are zero points
     n_groups = 1 if g == GROUP_PER_ROW else k_op // g
-    codes = u.codes_kn[:k_op, :n]
-    scales = u.scales_gn[:n_groups, :n]
+    if packed and k_op != stored.k:    # words cannot be cropped along K (gptq / compressed-tensors never pad)
+        raise LayoutError(f"{name}: logical K={k} in a {stored.k}-deep {fmt.name} Linear")
+    codes = codes[:, :n] if packed else codes[:k_op, :n]
+    scales = scales[:n_groups, :n]
     geom = linear_geometry(n, k_op, fmt.bits, g)
     if scales.dtype == np.float16:
-        qw, sc = lin.repack(codes, scales, fmt.bits, g)
+        qw, sc = lin.repack(codes, scales, fmt.bits, g, packed=packed)
     else:   # float32 scales (stored so by some sources): codes through the repack, scales placed here
-        qw, sc = lin.repack(codes, np.ones((n_groups, n), np.float16), fmt.bits, g)
+        qw, sc = lin.repack(codes, np.ones((n_groups, n), np.float16), fmt.bits, g, packed=packed)
         s = np.zeros((geom.scales_shape[0] * 16, geom.scales_shape[1]), np.float32)   # (N_pad, n_groups)
         s[:n, :n_groups] = scales.T.astype(np.float32)
         sc[...] = s.reshape(geom.scales_shape[0], 16, geom.scales_shape[1]).transpose(0, 2, 1)
