@@ -40,6 +40,7 @@ from ktlayouts.converted_dir import (
 from ktlayouts.expert_shards import unit_piece
 from ktlayouts.families import MODEL_TYPE_ALIASES, ModelConfig, get_family, load_config
 from ktlayouts.files import sha256_file
+from ktlayouts.gpu_formats import is_gpu_layout
 
 from .dense_placement import PlacementError, place_quantized, use_cpu_kernels
 
@@ -273,7 +274,8 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
     except PlacementError as e:
         raise LoadError(str(e)) from None
     kernels = lin = None
-    if on_kernels:
+    if on_kernels and any(is_gpu_layout(t["layout"]) for f in manifest["files"].values()
+                          if f["kind"] in ("dense", "globals") for t in f.get("tensors", {}).values()):
         from .cpu_linear import LinearKernels
         from .cpu_moe import MoEKernels
         kernels = MoEKernels()
