@@ -25,6 +25,7 @@ class Sequence:
         self.tokens: list[int] = []
         self.text = TextStream(decode, params.stop, self.prompt_ids) if decode is not None else None
         self.finish_reason: str | None = None
+        self.cached_tokens = 0                     # prompt tokens the prefix cache supplied (never prefilled)
 
     def append(self, token: int) -> str:
         """Add the token just sampled (not yet in the cache) and decide whether the sequence ends with it;
