@@ -28,6 +28,7 @@ class RequestHandle:
     params: object
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     submitted_at: float = field(default_factory=time.perf_counter)
+    cached_tokens: int = 0        # prompt tokens the prefix cache supplied (set before the first token is queued)
 
 
 class EngineThread:
@@ -61,7 +62,7 @@ class EngineThread:
             self._abort_ids.add(req_id)
             self._cond.notify()
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float = 30.0) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify()
@@ -98,6 +99,16 @@ class EngineThread:
                 self._step()
         for req_id in list(self._running):
             self._abort_running(req_id)
+        self._flush_prefix_cache()
+
+    def _flush_prefix_cache(self) -> None:
+        """At shutdown, on this thread (the engine's only one): cached KV blocks to the disk tier, for a warm restart."""
+        flush = getattr(self.engine, "flush_prefix_cache", None)
+        if flush is not None:
+            try:
+                flush()
+            except Exception:  # noqa: BLE001 -- a cache that cannot be saved must not turn a shutdown into a crash
+                traceback.print_exc()
 
     def _abort_running(self, req_id: str, count: bool = True) -> None:
         handle = self._running.pop(req_id, None)
@@ -131,10 +142,13 @@ class EngineThread:
             return
         self.step_seconds += time.perf_counter() - t0
         self.steps += 1
+        cached = getattr(self.engine, "cached_tokens", None) or {}  # requests this step prefilled
         for req_id, token, finish_reason in outputs:
             handle = self._running.get(req_id)
             if handle is None:
                 continue  # aborted while this step ran
+            if req_id in cached:
+                handle.cached_tokens = int(cached[req_id])
             handle.out.put((int(token), finish_reason))
             if finish_reason is not None:
                 del self._running[req_id]

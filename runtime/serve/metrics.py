@@ -125,12 +125,13 @@ class ServeMetrics:
     def add_gauge(self, name: str, help_text: str, read: Callable[[], float], kind: str = "gauge") -> None:
         self._gauges.append(Gauge(name, help_text, read, kind))
 
-    def render(self, engine_stats: dict | None = None) -> str:
+    def render(self, engine_stats: dict | None = None, prefix_cache_stats: dict | None = None) -> str:
         lines: list[str] = []
         for m in (self.requests, self.prompt_tokens, self.generated_tokens, self.finished,
                   self.ttft, self.tpot, self.e2e, self.gen_len, *self._gauges):
             lines += m.render()
         lines += render_engine_stats(engine_stats or {})
+        lines += render_prefix_cache_stats(prefix_cache_stats or {})
         return "\n".join(lines) + "\n"
 
 
@@ -143,4 +144,41 @@ def render_engine_stats(stats: dict) -> list[str]:
             continue
         name = "ktrun_engine_" + "".join(c if c.isalnum() else "_" for c in str(key)).strip("_").lower()
         lines += [f"# HELP {name} Engine.stats[{key!r}].", f"# TYPE {name} gauge", f"{name} {_fmt(v)}"]
+    return lines
+
+
+# (name, kind, help, [(labels, Engine.prefix_cache_stats() key)])
+_TIERS = ("device", "ram", "disk")
+PREFIX_CACHE_METRICS = (
+    ("ktrun_prefix_cache_enabled", "gauge", "1 when the prefix cache is on (--no-prefix-cache: 0).",
+     [("", "enabled")]),
+    ("ktrun_prefix_cache_hit_tokens_total", "counter", "Prompt tokens taken from the prefix cache (not prefilled).",
+     [("", "hit_tokens")]),
+    ("ktrun_prefix_cache_miss_tokens_total", "counter", "Prompt tokens prefilled (not in the prefix cache).",
+     [("", "miss_tokens")]),
+    ("ktrun_prefix_cache_tier_hit_tokens_total", "counter",
+     "Prompt tokens taken from the prefix cache, by the tier their block was found in.",
+     [(f'tier="{t}"', f"hit_tokens_{t}") for t in _TIERS]),
+    ("ktrun_prefix_cache_bytes", "gauge",
+     "Bytes of cached KV blocks by tier (device: keyed blocks in the KV pool, in use or not).",
+     [(f'tier="{t}"', f"{t}_bytes") for t in _TIERS]),
+    ("ktrun_prefix_cache_blocks", "gauge", "Cached KV blocks, by tier.",
+     [(f'tier="{t}"', f"{t}_blocks") for t in _TIERS]),
+    ("ktrun_prefix_cache_budget_bytes", "gauge", "Byte budget of the RAM and disk tiers.",
+     [(f'tier="{t}"', f"{t}_budget_bytes") for t in ("ram", "disk")]),
+    ("ktrun_prefix_cache_evicted_blocks_total", "counter", "Blocks moved down from a tier (device->RAM, RAM->disk).",
+     [('tier="device"', "evicted_blocks_device"), ('tier="ram"', "evicted_blocks_ram")]),
+    ("ktrun_prefix_cache_corrupt_blocks_total", "counter", "Disk blocks that failed their checks (deleted, recomputed).",
+     [("", "disk_corrupt_blocks")]),
+)
+
+
+def render_prefix_cache_stats(stats: dict) -> list[str]:
+    """Engine.prefix_cache_stats() (plain numbers) as Prometheus lines; absent keys are left out."""
+    lines = []
+    for name, kind, help_text, samples in PREFIX_CACHE_METRICS:
+        present = [(lab, stats[key]) for lab, key in samples if isinstance(stats.get(key), (int, float))]
+        if present:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{{{lab}}} {_fmt(v)}" if lab else f"{name} {_fmt(v)}" for lab, v in present]
     return lines

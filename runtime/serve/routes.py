@@ -68,7 +68,9 @@ class Routes:
 
     def route_metrics(self) -> None:
         stats = dict(getattr(self.state.engine, "stats", None) or {})
-        self.send_json(200, self.state.metrics.render(stats), "text/plain; version=0.0.4; charset=utf-8")
+        prefix = getattr(self.state.engine, "prefix_cache_stats", None)
+        self.send_json(200, self.state.metrics.render(stats, prefix() if prefix else None),
+                       "text/plain; version=0.0.4; charset=utf-8")
 
     # -- /tokenize, /detokenize (vLLM-compatible shapes) ------------------------------------------------------------
     def route_tokenize(self) -> None:
@@ -153,7 +155,7 @@ class Routes:
                 if req.echo:
                     out = (req.prompt if isinstance(req.prompt, str) else decode(tok, prompt_ids)) + out
                 self.send_json(200, proto.full_response(req, rid, proto.now(), out, finish,
-                                                        proto.usage(len(prompt_ids), n)))
+                                                        proto.usage(len(prompt_ids), n, handle.cached_tokens)))
         except (ClientGone, BrokenPipeError, ConnectionResetError):
             self.state.engine_thread.abort(rid)  # frees the slot on the engine thread's next turn
             self.state.metrics.finished.inc(1, "abort")
@@ -197,7 +199,7 @@ class Routes:
             return
         events = proto.sse(proto.chunk(req, rid, created, finish_reason=finish))
         if req.include_usage:
-            events += proto.sse(proto.usage_chunk(req, rid, created, proto.usage(n_prompt, n)))
+            events += proto.sse(proto.usage_chunk(req, rid, created, proto.usage(n_prompt, n, handle.cached_tokens)))
         self._write_event(events + proto.sse("[DONE]"))
         self.wfile.write(b"0\r\n\r\n")  # end of the chunked body; the connection stays usable
 
