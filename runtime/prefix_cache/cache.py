@@ -78,9 +78,20 @@ class PrefixCache:
         """Give the empty cache the longest cached prefix of prompt_ids (bringing RAM/disk blocks back to the
         device); -> its length in tokens (a multiple of the block size)."""
         keys = self.prompt_keys(prompt_ids) if keys is None else keys
+        from_disk = {}
+        if self.disk is not None:                          # read the prefix's disk blocks together
+            want = []
+            for k in keys:
+                if k in self.on_device or k in self.ram:
+                    continue
+                if k not in self.disk:
+                    break
+                want.append(k)
+            if len(want) > 1:
+                from_disk = dict(zip(want, self.disk.get_many(want)))
         blocks = []
         for key in keys:
-            b = self._take(key)
+            b = self._take(key, from_disk)
             if b is None:
                 break
             blocks.append(b)
@@ -90,7 +101,7 @@ class PrefixCache:
         self.counters["miss_tokens"] += len(prompt_ids) - n
         return n
 
-    def _take(self, key: bytes) -> int | None:
+    def _take(self, key: bytes, from_disk: dict) -> int | None:
         b = self.on_device.get(key)
         if b is not None:
             self.unused.pop(b, None)
@@ -99,7 +110,7 @@ class PrefixCache:
         else:
             data, tier = self.ram.take(key), "ram"
             if data is None and self.disk is not None:
-                data, tier = self.disk.get(key), "disk"
+                data, tier = from_disk.pop(key) if key in from_disk else self.disk.get(key), "disk"
             if data is None:
                 return None
             b = self.pool.allocate()
@@ -174,6 +185,7 @@ class PrefixCache:
             key = self.key_of[b]
             if key not in self.disk:
                 self.disk.put(key, self._host_copy(b))
+        self.disk.save_recency()
         return self.disk.writes - before
 
     def close(self) -> None:
