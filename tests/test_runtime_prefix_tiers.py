@@ -56,14 +56,21 @@ def test_pool_refcounts_consecutive_allocation_and_growth():
 
 def test_ram_tier_budget_and_lru():
     n = data_bytes(block(0))
-    ram = RamTier(3 * n + n // 2)
-    assert all(ram.put(key(i), block(i)) == [] for i in range(3))
-    assert ram.take(key(0)) is not None                    # a hit moves it out (back to the device)
-    ram.put(key(0), block(0))                              # now the newest
-    out = ram.put(key(3), block(3))
-    assert [k for k, _ in out] == [key(1)] and ram.bytes == 3 * n <= ram.budget
-    assert [k for k, _ in ram.put(key(9), [torch.zeros(4 * n // 4 + 1)])] == [key(9)]   # never fits: given back
-    assert ram.peak_bytes <= ram.budget
+    ram = RamTier(3 * n + n // 2, LAYOUT.block_shapes(), torch.float32)
+    spilled = []
+
+    def spill(k, data):
+        spilled.append((k, [t.clone() for t in data]))
+
+    assert all(ram.store(key(i), block(i), spill) for i in range(3)) and not spilled
+    out = [torch.empty(s) for s in LAYOUT.block_shapes()]
+    assert ram.load(key(0), out) and all(torch.equal(a, b) for a, b in zip(out, block(0)))   # back to the device
+    ram.store(key(0), block(0), spill)                     # now the newest
+    ram.store(key(3), block(3), spill)                     # full: the oldest (1) spills, with its data
+    assert [k for k, _ in spilled] == [key(1)] and all(torch.equal(a, b) for a, b in zip(spilled[0][1], block(1)))
+    assert ram.bytes == 3 * n and ram.allocated_bytes == 3 * n <= ram.budget and ram.peak_bytes <= ram.budget
+    assert sum(t.untyped_storage().nbytes() for c in ram._chunks for t in c) == 3 * n   # memory really taken
+    assert not RamTier(n - 1, LAYOUT.block_shapes(), torch.float32).store(key(9), block(9), spill)   # holds none
 
 
 def test_disk_tier_round_trip_lru_across_reopen_and_budget(tmp_path):

@@ -5,7 +5,7 @@ Tiers, each least recently used first out:
 - device: the block stays where it is in the model's BlockPool (the live cache tensors). While requests use it, it
   is shared read-only (reference counted); when none does it is kept, up to `device_bytes` (None: as long as the
   pool needs no room for requests; the pool asks for cached blocks back before it grows).
-- RAM: blocks evicted from the device become host copies (pinned on CUDA) under `ram_bytes` (ram_tier.py).
+- RAM: blocks evicted from the device are copied into host slots (pinned on CUDA) under `ram_bytes` (ram_tier.py).
 - disk: blocks evicted from RAM go to checksummed files under `disk_dir` within `disk_bytes` (disk_tier.py), and
   every cached block is written there at shutdown (flush), so a restarted server starts warm.
 A block found in the RAM or disk tier is copied back into a device block instead of being recomputed.
@@ -19,8 +19,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from ..models.kv_cache import BlockPool, SeqCache
 from .disk_tier import DiskTier
@@ -49,12 +47,12 @@ class PrefixCache:
         self.on_device: dict[bytes, int] = {}               # key -> pool block
         self.key_of: dict[int, bytes] = {}                  # pool block -> key
         self.unused: OrderedDict[int, None] = OrderedDict()  # keyed device blocks no request holds, oldest first
-        self.ram = RamTier(cfg.ram_bytes)
+        self._pin = pool.device.type == "cuda"
+        self.ram = RamTier(cfg.ram_bytes, pool.layout.block_shapes(), pool.dtype, pin=self._pin)
         self.disk = None
         if cfg.disk_dir is not None:
             self.disk = DiskTier(cfg.disk_dir, cfg.disk_bytes, digest.hex(), pool.layout.describe(),
                                  pool.layout.block_shapes(), len(pool.layout.token_shapes), pool.dtype)
-        self._pin = pool.device.type == "cuda"
         self.counters = {"hit_tokens": 0, "miss_tokens": 0, "evicted_blocks_device": 0, "evicted_blocks_ram": 0,
                          "dropped_blocks": 0,
                          **{f"hit_tokens_{t}": 0 for t in TIERS}, **{f"hit_blocks_{t}": 0 for t in TIERS}}
@@ -108,13 +106,21 @@ class PrefixCache:
             self.pool.retain(b)
             tier = "device"
         else:
-            data, tier = self.ram.take(key), "ram"
-            if data is None and self.disk is not None:
-                data, tier = from_disk.pop(key) if key in from_disk else self.disk.get(key), "disk"
-            if data is None:
+            in_ram = key in self.ram
+            if not (in_ram or (self.disk is not None and (key in from_disk or key in self.disk))):
                 return None
-            b = self.pool.allocate()
-            self.pool.load_block(b, data)
+            if in_ram:
+                self.ram.touch(key)                        # newest: the allocation below may push blocks out
+            b = self.pool.allocate()                       # (it may move an unused device block to RAM)
+            if self.ram.load(key, self.pool.block_views(b)):
+                tier = "ram"
+            else:
+                data = None if self.disk is None else from_disk.pop(key) if key in from_disk else self.disk.get(key)
+                if data is None:                           # absent, or corrupt: the prefix ends here
+                    self.pool.release(b)
+                    return None
+                self.pool.load_block(b, data)
+                tier = "disk"
             self._register(b, key)
         self.counters[f"hit_blocks_{tier}"] += 1
         self.counters[f"hit_tokens_{tier}"] += self.block_size
@@ -159,19 +165,24 @@ class PrefixCache:
         return victim
 
     def _host_copy(self, b: int) -> BlockData:
-        return [torch.empty(v.shape, dtype=v.dtype, pin_memory=self._pin).copy_(v) for v in self.pool.block_views(b)]
+        return [v.to("cpu", copy=True) for v in self.pool.block_views(b)]
 
     def _evict(self, b: int) -> None:
         """Device -> RAM (-> disk): the block's data leaves the device block b, which the caller reuses."""
         key = self.key_of.pop(b)
         del self.on_device[key]
         self.counters["evicted_blocks_device"] += 1
-        if self.ram.budget < self.pool.block_bytes and self.disk is not None and key in self.disk:
-            return                                         # nothing to keep that the disk does not hold
-        for k, data in self.ram.put(key, self._host_copy(b)):
-            self.counters["evicted_blocks_ram"] += k != key
-            if self.disk is None or not self.disk.put(k, data):
-                self.counters["dropped_blocks"] += 1
+        if self.ram.store(key, self.pool.block_views(b), self._spill):
+            return
+        # no room in RAM (budget under one block): straight to disk, if there is one
+        if self.disk is None or (key not in self.disk and not self.disk.put(key, self._host_copy(b))):
+            self.counters["dropped_blocks"] += 1
+
+    def _spill(self, key: bytes, data: BlockData) -> None:
+        """The RAM tier's oldest block, pushed out: to disk (data is valid during this call only)."""
+        self.counters["evicted_blocks_ram"] += 1
+        if self.disk is None or not self.disk.put(key, data):
+            self.counters["dropped_blocks"] += 1
 
     def flush(self) -> int:
         """Write every cached block not yet on disk to the disk tier (server shutdown); -> blocks written."""
@@ -199,7 +210,8 @@ class PrefixCache:
         s.update(block_size=self.block_size, block_bytes=bb,
                  device_blocks=len(self.on_device), device_bytes=len(self.on_device) * bb,
                  device_unused_bytes=len(self.unused) * bb, ram_blocks=len(self.ram), ram_bytes=self.ram.bytes,
-                 ram_budget_bytes=self.ram.budget, ram_peak_bytes=self.ram.peak_bytes)
+                 ram_allocated_bytes=self.ram.allocated_bytes, ram_budget_bytes=self.ram.budget,
+                 ram_peak_bytes=self.ram.peak_bytes)
         d = self.disk
         if d is None:
             s.update(disk_blocks=0, disk_bytes=0, disk_budget_bytes=0, disk_peak_bytes=0, disk_corrupt_blocks=0,
