@@ -1,30 +1,20 @@
 """`ktrun serve`: an OpenAI-compatible HTTP server for a converted directory."""
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 import click
 from ktrun.serve import DEFAULT_MAX_BODY_BYTES, run_server
 
+from .byte_sizes import parse_bytes
 from .gpu_weights_option import gpu_weights_option
+from .hot_experts_option import hot_experts_from, hot_experts_options
 
-_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
-
-class ByteSize(click.ParamType):
-    """'4GiB', '512MB', '16G', '0' -> bytes. (ktconvert has its own parser; ktrun never imports ktconvert.)"""
-
-    name = "SIZE"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*", str(value), re.IGNORECASE)
-        if not m:
-            self.fail(f"{value!r} is not a size like 4GiB, 512MB, 16G or 0", param, ctx)
-        return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+def _size(ctx, param, value):
+    """A byte-size option ('4GiB', '512MB', '16G', '0') -> bytes, or None when not given."""
+    return None if value is None else parse_bytes(str(value), param.opts[0])
 
 
 @click.command("serve")
@@ -44,25 +34,37 @@ class ByteSize(click.ParamType):
 @click.option("--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
               help="Largest request body accepted (larger: 413).")
 @click.option("--log-requests", is_flag=True, help="Print an access log line per HTTP request on stderr.")
+@click.option("--tool-call-parser", default="auto", show_default=True,
+              type=click.Choice(["auto", "none", "deepseek_v3", "deepseek_v31", "hermes", "glm45", "kimi_k2"]),
+              help="How tool calls are found in the generated text (auto: from the model's vocabulary and chat "
+                   "template; hermes is Qwen2.5/Qwen3's <tool_call> JSON).")
+@click.option("--reasoning-parser", default="auto", show_default=True, type=click.Choice(["auto", "think", "none"]),
+              help="Split <think>...</think> text into reasoning_content (auto: when the model has think tokens or "
+                   "its template writes them).")
+@click.option("--reasoning-inline", is_flag=True,
+              help="Keep reasoning text inline in content by default (a request's separate_reasoning overrides).")
+@click.option("--no-timings-log", is_flag=True, help="No per-request timing line on stderr.")
 @click.option("--no-prefix-cache", is_flag=True,
               help="Prefill every prompt in full (no KV blocks are kept between requests).")
 @click.option("--prefix-cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder of the disk tier of the prefix cache (kept across restarts; one server per folder).")
-@click.option("--prefix-cache-disk", type=ByteSize(), default="16GiB", show_default=True,
+@click.option("--prefix-cache-disk", metavar="SIZE", callback=_size, default="16GiB", show_default=True,
               help="Byte budget of the disk tier.")
-@click.option("--prefix-cache-ram", type=ByteSize(), default="4GiB", show_default=True,
+@click.option("--prefix-cache-ram", metavar="SIZE", callback=_size, default="4GiB", show_default=True,
               help="Byte budget of the CPU RAM tier (blocks evicted from the device; 0: none).")
-@click.option("--prefix-cache-device", type=ByteSize(), default=None,
+@click.option("--prefix-cache-device", metavar="SIZE", callback=_size, default=None,
               help="Bytes of cached blocks no request uses kept on the compute device (default: what the KV pool "
                    "has room for; it never grows for them).")
 @gpu_weights_option
+@hot_experts_options()
 def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests,
-          no_prefix_cache, prefix_cache_dir, prefix_cache_disk, prefix_cache_ram, prefix_cache_device, gpu_weights):
+          tool_call_parser, reasoning_parser, reasoning_inline, no_timings_log, no_prefix_cache, prefix_cache_dir,
+          prefix_cache_disk, prefix_cache_ram, prefix_cache_device, gpu_weights, **hot):
     """Serve MODEL_DIR (a `ktconvert quantize` output) over the OpenAI API.
 
     Endpoints: GET /health (503 while loading, 200 when ready), GET /v1/models, POST /v1/completions,
     POST /v1/chat/completions (both with "stream": true for server-sent events), POST /tokenize,
-    POST /detokenize, GET /metrics (Prometheus text).
+    POST /detokenize, GET /tokenizer_info, GET /metrics (Prometheus text), GET /docs (OpenAPI).
 
     Prefix cache (on unless --no-prefix-cache): the KV blocks of earlier prompts are reused by later requests
     with the same prefix (system prompt, conversation so far), from the device, the RAM tier or the disk tier;
@@ -72,13 +74,21 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
     Examples:
       ktrun serve converted/ --port 8000
       ktrun serve converted/ --ctx 8192 --max-batch 32 --api-key "$(cat key.txt)"
+      ktrun serve converted/ --profile profile.json --gpu-mem 24GB --dynamic-experts   # hot experts, kept fresh
+      ktrun serve qwen3-converted/ --tool-call-parser hermes --reasoning-inline
       ktrun serve converted/ --prefix-cache-dir /nvme/ktrun-cache --prefix-cache-disk 200GB --prefix-cache-ram 32GiB
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "converted", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+
+    Requests take OpenAI's fields plus vLLM's extras (top_k, min_p, repetition_penalty, stop_token_ids,
+    ignore_eos, chat_template_kwargs): logprobs, n, penalties, logit_bias, tools (parsed per model family),
+    reasoning_content, response_format json_object / json_schema (grammar-enforced). README: what is refused.
     """
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"ktrun serve: warning: listening on {host} without --api-key: anyone who can reach this port "
                    "can use the model", err=True)
+
+    hot_opts = hot_experts_from(hot)
 
     def load_engine():  # runs after the socket is bound, so /health answers 503 during the (torch) import too
         from ktrun.engine import Engine, PrefixCacheConfig
@@ -87,7 +97,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
             device_bytes=prefix_cache_device, ram_bytes=prefix_cache_ram, disk_dir=prefix_cache_dir,
             disk_bytes=prefix_cache_disk)
         return Engine(str(model_dir), ctx=ctx, max_batch=max_batch, device=device, verify=verify,
-                      gpu_weights=gpu_weights, prefix_cache=prefix)
+                      gpu_weights=gpu_weights, hot_experts=hot_opts, prefix_cache=prefix)
 
     def sampling_params(**kw):
         from ktrun.engine import SamplingParams
@@ -95,4 +105,6 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
         return SamplingParams(**kw)
 
     sys.exit(run_server(load_engine, sampling_params, host=host, port=port, api_key=api_key, max_batch=max_batch,
-                        max_body_bytes=max_body_bytes, log_requests=log_requests))
+                        max_body_bytes=max_body_bytes, log_requests=log_requests, tool_call_parser=tool_call_parser,
+                        reasoning_parser=reasoning_parser, separate_reasoning=not reasoning_inline,
+                        log_timings=not no_timings_log))

@@ -194,6 +194,23 @@ class SeqCache:
         self.block_hashes.extend(hashes)
         self.length = len(tokens)
 
+    def fork(self) -> SeqCache:
+        """A second cache holding the same tokens (n > 1: the other choices start from the prompt's prefill): the
+        full blocks are shared (retained: neither writes them again), the partial last block is copied."""
+        dst = SeqCache(self.pool, self.ctx)
+        full = self.length // self.pool.block_size
+        for b in self.blocks[:full]:
+            self.pool.retain(b)
+            dst._append(b)
+        if full < len(self.blocks) and self.length > full * self.pool.block_size:
+            b = self.pool.allocate(dst.blocks[-1] + 1 if dst.blocks else None)
+            self.pool.load_block(b, self.pool.block_views(self.blocks[full]))   # views taken after any growth
+            dst._append(b)
+        dst.tokens.extend(self.tokens)
+        dst.block_hashes.extend(self.block_hashes)
+        dst.length = self.length
+        return dst
+
     def reserve(self, total: int) -> None:
         """Hold blocks for positions [0, total) (before a forward, so a forward never allocates)."""
         if total > self.ctx:
