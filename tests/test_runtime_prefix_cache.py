@@ -264,3 +264,53 @@ def test_block_runs_and_gathered_blocks_give_the_same_logits(family):
     torch.testing.assert_close(got, want[2 * Bp:], rtol=1e-3, atol=2e-3)
     for c in (one, two, scattered, other):
         c.release()
+
+
+def run_choices(eng: Engine, req_id: str, ids: list[int], params: SamplingParams, check=None):
+    """-> ({choice index: tokens}, {first token's prompt logprobs per choice}, cached prompt tokens)."""
+    eng.add_request(req_id, ids, params)
+    toks: dict[int, list[int]] = {}
+    plp, cached = {}, None
+    while eng.has_work():
+        for out in eng.step():
+            toks.setdefault(out.index, []).append(out[1])
+            if out.prompt_logprobs is not None:
+                plp[out.index] = out.prompt_logprobs
+        cached = eng.cached_tokens.get(req_id, cached)
+        if check is not None:
+            check()
+    return toks, plp, cached
+
+
+def test_n_choices_fork_a_cached_prefix_and_prompt_logprobs_prefill_in_full(family):
+    """n > 1: the choices fork choice 0's cache after its (partly cached) prefill: the full blocks are shared, the
+    partial last block copied; each choice equals the uncached engine's. A request asking for prompt logprobs is
+    prefilled in full (cached_tokens 0) and scores its prompt exactly as without the cache. Every block goes back."""
+    _arch, conv, base = family
+    eng = Engine(conv, ctx=CTX, max_batch=8, kv_block_size=B)
+    pool = eng.model.kv_pool
+    rng = random.Random(17)
+    ids = prompt(rng, 4 * B + 5)
+    run(eng, {"warm": ids[:3 * B + 2]})                              # caches 3 full blocks of the prompt
+    greedy = SamplingParams(max_tokens=N_GEN, ignore_eos=True, n=3)
+    want, _, _ = run_choices(base, "n3", ids, greedy)
+    held = []
+
+    def check():
+        held.append(pool.used)
+
+    got, _, cached = run_choices(eng, "n3", ids, greedy, check)
+    assert cached == 3 * B and got == want and len(got) == 3 and all(t == got[0] for t in got.values())
+    # the first step holds 4 shared full blocks + one partial block per choice (3 copies), not 3 x 5 blocks
+    assert held[0] == 4 + 3, held
+    assert pool.used == 0 and eng.kv_cache_bytes() == 0
+
+    scored = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    w_toks, w_plp, _ = run_choices(base, "lp", ids, scored)
+    g_toks, g_plp, cached = run_choices(eng, "lp", ids, scored)
+    assert cached == 0 and g_toks == w_toks
+    assert [p.token for p in g_plp[0]] == ids[1:] and [p.token for p in w_plp[0]] == ids[1:]
+    torch.testing.assert_close(torch.tensor([p.logprob for p in g_plp[0]]),
+                               torch.tensor([p.logprob for p in w_plp[0]]), rtol=0, atol=0)
+    assert pool.used == 0
+    eng.close()
