@@ -304,6 +304,10 @@ def test_n_choices_fork_a_cached_prefix_and_prompt_logprobs_prefill_in_full(fami
     # the first step holds 4 shared full blocks + one partial block per choice (3 copies), not 3 x 5 blocks
     assert held[0] == 4 + 3, held
     assert pool.used == 0 and eng.kv_cache_bytes() == 0
+    # the choices completed the same blocks (greedy): each key is kept once, the copies and partial blocks are freed
+    pc = eng.prefix_cache
+    assert len(pool._free_set) == pool.capacity - len(pc.key_of) and len(pc.key_of) == len(pc.on_device)
+    assert len(pc.key_of) == (len(ids) + N_GEN - 1) // B + 1         # + the warm request's own 4th block
 
     scored = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2)
     w_toks, w_plp, _ = run_choices(base, "lp", ids, scored)
