@@ -87,6 +87,8 @@ class Engine:
         self.model.set_kv_block_size(kv_block_size)
         if prefix_cache is True:
             prefix_cache = PrefixCacheConfig()
+        if self.model.has_recurrent_state:   # linear attention: a shared KV block holds no recurrent state to resume
+            prefix_cache = False
         try:
             self.prefix_cache = PrefixCache(self.model.kv_pool, self._cache_identity(), prefix_cache) \
                 if prefix_cache else None

@@ -114,6 +114,17 @@ def test_defaults_are_transformers_defaults(name):
         want.update(first_k_dense=hf.first_k_dense_replace, n_shared_experts=hf.n_shared_experts,
                     routed_scaling_factor=hf.routed_scaling_factor, n_group=hf.n_group or 1,
                     topk_group=hf.topk_group or 1, q_lora_rank=hf.q_lora_rank)
+    if name == "qwen3_next":   # hybrid: layer kinds, DeltaNet dims, partial rotary, the shared expert
+        la = ours.linear_attention
+        got.update(layer_types=ours.layer_types, la=(la.conv_kernel, la.num_k_heads, la.num_v_heads, la.k_head_dim,
+                                                     la.v_head_dim),
+                   head_dim=ours.head_dim, rope_dim=ours.rope.dim, n_shared=ours.n_shared_experts,
+                   intermediate_size=ours.intermediate_size)
+        want.update(layer_types=tuple(hf.layer_types), la=(hf.linear_conv_kernel_dim, hf.linear_num_key_heads,
+                                                           hf.linear_num_value_heads, hf.linear_key_head_dim,
+                                                           hf.linear_value_head_dim),
+                    head_dim=hf.head_dim, rope_dim=int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"]),
+                    n_shared=1, intermediate_size=hf.intermediate_size)
     assert got == want
     model = AutoModelForCausalLM.from_config(hf)
     hf_moe = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
@@ -147,6 +158,12 @@ def test_one_resolution_rule():
     ("qwen3_moe", {"num_key_value_heads": 3}, "num_key_value_heads=3"),
     ("qwen3_moe", {"hidden_size": "128"}, "'hidden_size'"),
     ("mixtral", {"num_local_experts": 1}, "num_experts_per_tok=2"),
+    ("qwen3_next", {"linear_num_value_heads": 3}, "linear_num_value_heads=3"),
+    ("qwen3_next", {"layer_types": ["linear_attention"]}, "'layer_types' must list one type per layer"),
+    ("qwen3_next", {"layer_types": ["linear_attention"] * 3 + ["mamba"]}, "= 'mamba' is not one of"),
+    ("qwen3_next", {"full_attention_interval": 0}, "full_attention_interval=0"),
+    ("qwen3_next", {"partial_rotary_factor": 1.5}, "'partial_rotary_factor' = 1.5"),
+    ("qwen3_next", {"linear_key_head_dim": "32"}, "'linear_key_head_dim'"),
 ])
 def test_config_errors_name_the_field(name, change, field):
     raw = {"model_type": name, **_minimal(name), **change}

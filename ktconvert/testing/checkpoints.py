@@ -59,6 +59,10 @@ def _seeded_model(config, seed: int):
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init; the hub's are not
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") and not p.any():   # zero-centred norms (Qwen3-Next): 1 + w
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     return model.eval()
 
 

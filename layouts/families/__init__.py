@@ -18,7 +18,7 @@ import json
 import pkgutil
 from pathlib import Path
 
-from .config import Fields, ModelConfig, RopeConfig, yarn_mscale
+from .config import Fields, LinearAttentionConfig, ModelConfig, RopeConfig, yarn_mscale
 from .errors import ConfigError, FamilyError, TensorNameError
 from .family import ATTENTION_KINDS, Family
 from .gguf_names import GGUFArch
@@ -26,7 +26,7 @@ from .hub_names import KINDS, PROJS, TensorRole
 
 __all__ = ["ATTENTION_KINDS", "FAMILIES", "GGUF_ARCHS", "KINDS", "MODEL_TYPE_ALIASES", "PROJS",
            "SUPPORTED_GGUF_ARCHS", "SUPPORTED_MODEL_TYPES", "ConfigError", "Family", "FamilyError", "Fields",
-           "GGUFArch", "ModelConfig", "RopeConfig", "TensorNameError", "TensorRole", "family_for", "get_family",
+           "GGUFArch", "LinearAttentionConfig", "ModelConfig", "RopeConfig", "TensorNameError", "TensorRole", "family_for", "get_family",
            "gguf_arch", "load_config", "parse_config", "yarn_mscale"]
 
 _HELPERS = {"config", "errors", "family", "gguf_names", "hub_names"}

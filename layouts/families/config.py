@@ -39,6 +39,22 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet linear attention (Qwen3-Next): per layer a causal depthwise conv over q|k|v and a recurrent
+    state (v_heads, k_head_dim, v_head_dim) instead of a KV cache."""
+    conv_kernel: int                      # depthwise causal conv width over the q|k|v channels
+    num_k_heads: int
+    num_v_heads: int                      # a multiple of num_k_heads (q/k heads are shared by groups of v heads)
+    k_head_dim: int
+    v_head_dim: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k (num_k_heads * k_head_dim each) and v (num_v_heads * v_head_dim)."""
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str                       # the family's name (an alias such as kimi_k2 reads as deepseek_v3)
     num_layers: int                       # main decoder layers (multi-token-prediction layers not counted)
@@ -77,6 +93,9 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # hybrid linear attention (Qwen3-Next): "full_attention" | "linear_attention" per layer (empty: all full)
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttentionConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)

@@ -63,7 +63,16 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    out = torch.empty((T, nh, hd), dtype=x.dtype, device=x.device)
+    out = gqa_attend(cfg, q, k, v, batch, layer)
+    return linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+
+
+def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
+               layer: int) -> torch.Tensor:
+    """Write each request's k/v into its cache and attend over its cached positions: q (T, nh, hd), k/v
+    (T, nkv, hd) roped -> (T, nh, hd)."""
+    T, nh, nkv, hd = q.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    out = torch.empty((T, nh, hd), dtype=q.dtype, device=q.device)
     rep, scale = nh // nkv, cfg.softmax_scale
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
@@ -71,9 +80,9 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         ks = [kr.repeat_interleave(rep, dim=1) for kr, _ in runs]
         vs = [vr.repeat_interleave(rep, dim=1) for _, vr in runs]
         scores = _cat_scores([torch.einsum("thd,shd->hts", q[rows], kr) for kr in ks]) * scale   # (nh, n, S)
-        mask = _mask(s, x.device, cfg.sliding_window)
+        mask = _mask(s, q.device, cfg.sliding_window)
         out[rows] = _attend_runs(_softmax_attend(scores, mask), vs, lambda p, vr: torch.einsum("hts,shd->thd", p, vr))
-    return linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+    return out
 
 
 def mla_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:

@@ -17,7 +17,9 @@ all of them. A table broken into more than MAX_RUNS runs is gathered into one te
 Per-block state snapshots, for layers whose cache is a recurrent state rather than one row per position (linear
 attention: the state after a block's last token is what a request continuing from that block needs), are declared in
 `BlockLayout.state_shapes`; the pool stores them as (layers, blocks, *shape) and every tier moves them with the token
-tensors. No family here has one yet: the forward that writes and reads them belongs to such a family.
+tensors. No family uses them yet. Recurrent layers keep their state per request instead (`SeqCache.recurrent`, the
+state after the request's committed tokens), which is why the engine turns the prefix cache off for such models: a
+shared block holds no state to continue from.
 """
 from __future__ import annotations
 
@@ -174,6 +176,9 @@ class SeqCache:
         self._runs: list[list[int]] = []           # [first block, block count] of each run of consecutive blocks
         self._table: torch.Tensor | None = None    # blocks as a device tensor, for index_select
         self._slots: tuple[int, int, torch.Tensor] | None = None
+        # recurrent layers (linear attention): layer -> that layer's state tensors after the committed tokens
+        # (Qwen3-Next: the conv window and the DeltaNet state), written by the forward, per request
+        self.recurrent: dict[int, tuple[torch.Tensor, ...]] = {}
         # a cache dropped without release() (one-off forwards in tests, `ktrun bench`) gives its blocks back
         self._finalizer = weakref.finalize(self, _release_blocks, pool, self.blocks)
 
@@ -209,6 +214,7 @@ class SeqCache:
         dst.tokens.extend(self.tokens)
         dst.block_hashes.extend(self.block_hashes)
         dst.length = self.length
+        dst.recurrent = {layer: tuple(t.clone() for t in ts) for layer, ts in self.recurrent.items()}
         return dst
 
     def reserve(self, total: int) -> None:
@@ -226,6 +232,7 @@ class SeqCache:
         self.block_hashes.clear()
         self.length, self._table, self._slots = 0, None, None
         self._runs.clear()
+        self.recurrent.clear()
 
     def nbytes(self) -> int:
         return len(self.blocks) * self.pool.block_bytes

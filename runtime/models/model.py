@@ -25,6 +25,9 @@ class MoEModel:
         self.arch = arch_module(cfg.model_type)
         self.names = get_family(cfg.model_type).names    # hub names: where the MoE block and shared experts live
         self.rope = Rope(cfg.rope, self.device)
+        self.norm = getattr(self.arch, "rms_norm", rms_norm)     # the family's decoder RMSNorm (Qwen3-Next: 1 + w)
+        # recurrent layers keep a per-request state (SeqCache.recurrent) that shared prefix blocks cannot restore
+        self.has_recurrent_state = "linear_attention" in cfg.layer_types
         self.moe_layers = set(cfg.moe_layers)
         self.moe_prefix = [self._moe_prefix(i) for i in range(cfg.num_layers)]
         self.lm_head = weights.get("lm_head.weight")
@@ -66,6 +69,9 @@ class MoEModel:
             sp = f"model.layers.{i}." + self.names.shared_prefix
             shared = swiglu_mlp(h, self.w[sp + "gate_proj.weight"], self.w[sp + "up_proj.weight"],
                                 self.w[sp + "down_proj.weight"])
+            scale = getattr(self.arch, "shared_expert_scale", None)           # Qwen3-Next: a sigmoid gate
+            if scale is not None:
+                shared = scale(self.cfg, self.w, p, h) * shared
         t0 = time.perf_counter()
         self.experts.sync()
         self.timing["expert_wait_s"] += time.perf_counter() - t0
@@ -82,10 +88,10 @@ class MoEModel:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             t1 = clock()
-            h = rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            h = self.norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             x = x + self.arch.attention(cfg, w, p + "self_attn.", h, batch, i, self.rope, cos, sin)
             t2 = clock()
-            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            h = self.norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             if i in self.moe_layers:
                 x = x + self._moe(i, h)
             else:
@@ -97,7 +103,7 @@ class MoEModel:
         batch.commit()
         if not all_logits:
             x = x[batch.last_token_rows().to(self.device)]
-        x = rms_norm(x, w["model.norm.weight"], cfg.rms_norm_eps)
+        x = self.norm(x, w["model.norm.weight"], cfg.rms_norm_eps)
         logits = linear(x, self.lm_head).float()
         self.timing["forward_s"] += time.perf_counter() - t0
         self.timing["forwards"] += 1

@@ -1,0 +1,129 @@
+"""Gated DeltaNet linear attention (Qwen3-Next), plain torch, one request at a time over a varlen batch.
+
+Per layer and request the state is (conv window, S): the last kernel-1 inputs of the causal depthwise conv over the
+q|k|v channels, and S (v_heads, dk, dv) in float32. Per token t (q, k L2-normalized, q scaled by dk^-1/2):
+    S <- exp(g_t) S;  u_t = beta_t (v_t - k_t S);  S <- S + k_t^T u_t;  o_t = q_t S
+`delta_rule_recurrent` runs that loop as written (decode: one token). `delta_rule_chunked` (prefill) computes the
+same in chunks of C tokens: with gamma the in-chunk cumulative log decay and S0 the state entering the chunk,
+    u = (I + A)^-1 (beta*v - beta*exp(gamma)*k S0),   A[t, s] = beta_t exp(gamma_t - gamma_s) k_t.k_s  (s < t)
+    o_t = exp(gamma_t) q_t S0 + sum_{s <= t} exp(gamma_t - gamma_s) (q_t.k_s) u_s
+    S_C = exp(gamma_C) S0 + sum_s exp(gamma_C - gamma_s) k_s^T u_s
+(the unit lower-triangular solves do not depend on S0, so they run for every chunk at once).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from ktlayouts.families import ModelConfig
+
+from ..packed_linear import linear
+from .kv_cache import Batch
+
+CHUNK = 64   # tokens per chunk of the chunked delta rule (prefill)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (the reference's eps placement)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def delta_rule_recurrent(q, k, v, g, beta, state):
+    """q, k: (L, h, dk); v: (L, h, dv); g, beta: (L, h); state (h, dk, dv) float32 -> (o (L, h, dv) float32,
+    new state). q and k already L2-normalized and q scaled."""
+    S = state.clone()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for t in range(q.shape[0]):
+        S = S * g[t].exp()[:, None, None]
+        u = (v[t] - torch.einsum("hk,hkv->hv", k[t], S)) * beta[t][:, None]
+        S = S + k[t][:, :, None] * u[:, None, :]
+        out[t] = torch.einsum("hk,hkv->hv", q[t], S)
+    return out, S
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """Same arguments and result as delta_rule_recurrent, C = chunk tokens at a time (see the module docstring)."""
+    L, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-L) % chunk
+    # padded tokens: k = v = 0, beta = 0, g = 0 -> no update and no decay, so the final state is unchanged
+    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
+    n = (L + pad) // chunk
+    # (h, n, C, d): heads first, then chunks
+    q, k, v = (t.view(n, chunk, h, -1).permute(2, 0, 1, 3) for t in (q, k, v))
+    g, beta = (t.view(n, chunk, h).permute(2, 0, 1) for t in (g, beta))
+    gamma = g.cumsum(-1)                                                       # (h, n, C)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    diff = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf"))
+    decay = diff.exp()                                                        # exp(gamma_t - gamma_s), s <= t
+    eye = torch.eye(chunk, dtype=torch.float32, device=q.device)
+    a = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay * (1 - eye)   # strictly lower
+    m = eye + a
+    w_v = torch.linalg.solve_triangular(m, beta[..., None] * v, upper=False, unitriangular=True)
+    w_k = torch.linalg.solve_triangular(m, (beta * gamma.exp())[..., None] * k, upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay                                    # (h, n, C, C)
+    q_in = q * gamma.exp()[..., None]                                         # reads S0
+    k_out = k * (gamma[..., -1:] - gamma).exp()[..., None]                    # writes S_C
+    chunk_decay = gamma[..., -1].exp()                                        # (h, n)
+    S = state.clone()
+    out = torch.empty((h, n, chunk, dv), dtype=torch.float32, device=q.device)
+    for i in range(n):
+        u = w_v[:, i] - w_k[:, i] @ S                                         # (h, C, dv)
+        out[:, i] = q_in[:, i] @ S + qk[:, i] @ u
+        S = S * chunk_decay[:, i, None, None] + k_out[:, i].transpose(-1, -2) @ u
+    return out.permute(1, 2, 0, 3).reshape(n * chunk, h, dv)[:L], S
+
+
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim scaled by weight, times silu(gate) (in float32), in x's dtype."""
+    dt = x.dtype
+    h = x.float()
+    h = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    return (h * F.silu(gate.float())).to(dt)
+
+
+def state_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A request's state in one linear-attention layer: conv window (kernel-1, conv_dim), S (v_heads, dk, dv)."""
+    la = cfg.linear_attention
+    return (la.conv_kernel - 1, la.conv_dim), (la.num_v_heads, la.k_head_dim, la.v_head_dim)
+
+
+def gated_deltanet(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int) -> torch.Tensor:
+    """x: (T, H) -> (T, H). p: this layer's linear_attn prefix, e.g. 'model.layers.0.linear_attn.'."""
+    la = cfg.linear_attention
+    T, nk, nv, dk, dv = x.shape[0], la.num_k_heads, la.num_v_heads, la.k_head_dim, la.v_head_dim
+    r = nv // nk
+    # in_proj_qkvz rows are grouped per key head: [q (dk), k (dk), v (r*dv), z (r*dv)]; in_proj_ba: [b (r), a (r)]
+    qkvz = linear(x, w[p + "in_proj_qkvz.weight"]).view(T, nk, 2 * dk + 2 * r * dv)
+    q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+    b, a = torch.split(linear(x, w[p + "in_proj_ba.weight"]).view(T, nk, 2 * r), [r, r], dim=-1)
+    mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)     # (T, conv_dim)
+    z = z.reshape(T, nv, dv)
+    beta = b.reshape(T, nv).sigmoid().float()
+    g = -w[p + "A_log"].float().exp() * F.softplus(a.reshape(T, nv).float() + w[p + "dt_bias"].float())
+    conv_w = w[p + "conv1d.weight"]                                             # (conv_dim, 1, kernel)
+    conv_shape, s_shape = state_shapes(cfg)
+    core = torch.empty((T, nv, dv), dtype=x.dtype, device=x.device)
+    for s in batch.seqs:
+        rows = slice(s.offset, s.offset + s.n)
+        state = s.cache.recurrent.get(layer)
+        if state is None:
+            if s.start != 0:
+                raise RuntimeError(f"layer {layer}: request continues at position {s.start} without its recurrent "
+                                   f"state (a linear-attention cache cannot be rebuilt from KV blocks)")
+            state = (torch.zeros(conv_shape, dtype=conv_w.dtype, device=x.device),
+                     torch.zeros(s_shape, dtype=torch.float32, device=x.device))
+        window, S = state
+        xin = torch.cat([window, mixed[rows].to(conv_w.dtype)], dim=0)           # (K-1 + n, conv_dim)
+        conv = F.conv1d(xin.t()[None], conv_w, groups=conv_w.shape[0])[0].t()    # (n, conv_dim)
+        conv = F.silu(conv).to(x.dtype)
+        qc, kc, vc = torch.split(conv, [nk * dk, nk * dk, nv * dv], dim=-1)
+        qc = l2_normalize(qc.reshape(s.n, nk, dk).float()).repeat_interleave(r, dim=1) * dk ** -0.5
+        kc = l2_normalize(kc.reshape(s.n, nk, dk).float()).repeat_interleave(r, dim=1)
+        vc = vc.reshape(s.n, nv, dv).float()
+        rule = delta_rule_recurrent if s.n == 1 else delta_rule_chunked
+        o, S = rule(qc, kc, vc, g[rows], beta[rows], S)
+        core[rows] = o.to(x.dtype)
+        s.cache.recurrent[layer] = (xin[xin.shape[0] - conv_shape[0]:].clone(), S)
+    out = gated_rms_norm(core, w[p + "norm.weight"], z, cfg.rms_norm_eps)        # (T, nv, dv)
+    return linear(out.reshape(T, nv * dv), w[p + "out_proj.weight"])
