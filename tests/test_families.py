@@ -160,7 +160,7 @@ def test_one_resolution_rule():
     ("mixtral", {"num_local_experts": 1}, "num_experts_per_tok=2"),
     ("qwen3_next", {"linear_num_value_heads": 3}, "linear_num_value_heads=3"),
     ("qwen3_next", {"layer_types": ["linear_attention"]}, "'layer_types' must list one type per layer"),
-    ("qwen3_next", {"layer_types": ["linear_attention"] * 3 + ["mamba"]}, "= 'mamba' is not one of"),
+    ("qwen3_next", {"layer_types": ["linear_attention", "mamba"]}, "= 'mamba' is not one of"),
     ("qwen3_next", {"full_attention_interval": 0}, "full_attention_interval=0"),
     ("qwen3_next", {"partial_rotary_factor": 1.5}, "'partial_rotary_factor' = 1.5"),
     ("qwen3_next", {"linear_key_head_dim": "32"}, "'linear_key_head_dim'"),

@@ -13,6 +13,7 @@ EXPERT_NAME = {
     "deepseek_v2": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "qwen3_moe": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "mixtral": re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$"),
+    "qwen3_next": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
 }
 
 

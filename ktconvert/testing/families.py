@@ -63,17 +63,16 @@ FIXTURES = {
         tokenizer="deepseek",
         hub_extra_keys={"moe_layer_freq": 1, "scoring_func": "softmax", "ep_size": 1, "aux_loss_alpha": 0.001},
         hub_drop_keys=("head_dim",)),
-    # hybrid: layers 0-2 gated DeltaNet, layer 3 gated full attention (full_attention_interval 4, the default);
+    # hybrid: layer 0 gated DeltaNet, layer 1 gated full attention (full_attention_interval 2; the default is 4);
     # 2 key heads shared by 4 value heads, k/v head dims 32/24, rotary on a quarter of each 32-dim attention head
     "qwen3_next": FixtureFamily(
         config={
             "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 80, "num_experts": 8,
-            "num_experts_per_tok": 2, "shared_expert_intermediate_size": 96, "num_hidden_layers": 4,
+            "num_experts_per_tok": 2, "shared_expert_intermediate_size": 96, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2,
             "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 24,
-            "linear_conv_kernel_dim": 4, "norm_topk_prob": True, "max_position_embeddings": 1024,
-            "bos_token_id": 0, "eos_token_id": 2},
-        tokenizer="chatml", hub_extra_keys={"full_attention_interval": 4, "partial_rotary_factor": 0.25},
-        hub_drop_keys=("layer_types",)),
+            "linear_conv_kernel_dim": 4, "full_attention_interval": 2, "norm_topk_prob": True,
+            "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2},
+        tokenizer="chatml", hub_extra_keys={"partial_rotary_factor": 0.25}),   # the hub's top-level key
 }
 ARCHS = tuple(FIXTURES)

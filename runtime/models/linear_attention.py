@@ -42,7 +42,7 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     """Same arguments and result as delta_rule_recurrent, C = chunk tokens at a time (see the module docstring)."""
-    L, h, dk = k.shape
+    L, h = k.shape[:2]
     dv = v.shape[-1]
     pad = (-L) % chunk
     # padded tokens: k = v = 0, beta = 0, g = 0 -> no update and no decay, so the final state is unchanged
