@@ -112,3 +112,23 @@ def test_continuing_without_state_is_an_error(four_layers):
     with pytest.raises(RuntimeError, match="without its recurrent state"):
         eng.model.forward(Batch.build([(cache, [8])], "cpu"))
     eng.close()
+
+
+def test_gptq_calibrates_through_the_hybrid_layers(tmp_path_factory):
+    """--gpu-method gptq-int4 calibrates layer by layer through transformers' Qwen3-Next decoder layers (DeltaNet's
+    in_proj_qkvz / in_proj_ba / out_proj and the gated q_proj included) and beats round-to-nearest at the same
+    format. Observed KL vs bf16 (int8 experts, marlin group 64): gptq mean 1.2e-2 max 5.0e-2, rtn 2.0e-2 / 6.7e-2."""
+    from runtime_helpers import converted, kl
+
+    def logits(conv):
+        eng = Engine(conv, ctx=256, use_kernels=False)
+        ids = eng.tokenizer.encode(PROMPT + " and then some more words")
+        out = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+        eng.close()
+        return out
+
+    ref = logits(converted(tmp_path_factory, "qwen3_next", "bf16"))
+    kw = {"gpu_format": "marlin", "gpu_group_size": 64}
+    gptq = kl(ref, logits(converted(tmp_path_factory, "qwen3_next", "int8-amx", gpu_method="gptq-int4", **kw)))
+    rtn = kl(ref, logits(converted(tmp_path_factory, "qwen3_next", "int8-amx", gpu_method="rtn-int4", **kw)))
+    assert gptq.mean() < rtn.mean() and gptq.mean() < 3e-2 and gptq.max() < 1e-1, (gptq, rtn)
