@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 from ktrun.serve import DEFAULT_MAX_BODY_BYTES, run_server
 
+from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
 
@@ -40,6 +41,7 @@ from .hot_experts_option import hot_experts_from, hot_experts_options
 @click.option("--no-timings-log", is_flag=True, help="No per-request timing line on stderr.")
 @gpu_weights_option
 @hot_experts_options()
+@expert_ram_options
 def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests,
           tool_call_parser, reasoning_parser, reasoning_inline, no_timings_log, gpu_weights,
           **hot):
@@ -54,6 +56,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
       ktrun serve converted/ --port 8000
       ktrun serve converted/ --ctx 8192 --max-batch 32 --api-key "$(cat key.txt)"
       ktrun serve converted/ --profile profile.json --gpu-mem 24GB --dynamic-experts   # hot experts, kept fresh
+      ktrun serve converted/ --expert-ram 200GB          # experts beyond 200 GB of RAM read from disk
       ktrun serve qwen3-converted/ --tool-call-parser hermes --reasoning-inline
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "converted", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
@@ -66,13 +69,14 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
         click.echo(f"ktrun serve: warning: listening on {host} without --api-key: anyone who can reach this port "
                    "can use the model", err=True)
 
+    ram_opts = expert_ram_from(hot)
     hot_opts = hot_experts_from(hot)
 
     def load_engine():  # runs after the socket is bound, so /health answers 503 during the (torch) import too
         from ktrun.engine import Engine
 
         return Engine(str(model_dir), ctx=ctx, max_batch=max_batch, device=device, verify=verify,
-                      gpu_weights=gpu_weights, hot_experts=hot_opts)
+                      gpu_weights=gpu_weights, hot_experts=hot_opts, expert_ram=ram_opts)
 
     def sampling_params(**kw):
         from ktrun.engine import SamplingParams

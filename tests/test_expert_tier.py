@@ -1,0 +1,210 @@
+"""The RAM tier for routed experts (ktrun.expert_tier, ktrun.tiered_experts, `--expert-ram`): the kernels compute
+on experts read into a budgeted mirror of the expert files, and everything they return is bit-identical to the
+all-in-RAM run (the file maps). The budget is checked against the kernel's own count of resident pages (mincore),
+after every forward and while reads are in flight, at the smallest budget the tier accepts (one layer's experts),
+so experts are evicted and read back all the time.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+import torch
+from ktrun.expert_placement import Budget, HotExpertOptions
+from ktrun.expert_ram_option import ExpertRamOptions
+from ktrun.expert_tier import PAGE, ExpertRamTier, TierError
+from ktrun.hybrid_experts import HybridExperts
+from ktrun.loaded_model import load_model
+from ktrun.models.kv_cache import Batch
+from ktrun.models.model import MoEModel
+from ktrun.tiered_experts import TieredExperts, build_tiered_executor, tier_lines
+
+from tests.runtime_helpers import KTRUN, PROMPT, converted
+
+PROMPT_IDS = [3, 17, 99, 5, 42, 7, 250, 31, 8, 64, 11, 120]
+DECODE = [9, 77, 1, 200, 13, 45, 88, 2]
+
+
+def logits_run(model) -> list[torch.Tensor]:
+    """Teacher-forced: the prompt in one prefill (all positions), then one token per step."""
+    cache = model.new_cache(64)
+    out = [model.forward(Batch.build([(cache, PROMPT_IDS)], model.device), all_logits=True).clone()]
+    for t in DECODE:
+        out.append(model.forward(Batch.build([(cache, [t])], model.device)).clone())
+    return out
+
+
+def min_budget(conv) -> int:
+    """The smallest budget the tier accepts for this conversion: one layer's experts."""
+    probe = ExpertRamTier(conv, 1 << 40)
+    try:
+        return probe.layer_pages * PAGE
+    finally:
+        probe.close()
+
+
+class BudgetWatch:
+    """Samples the mirrors' resident bytes (mincore) from a thread while the model runs."""
+
+    def __init__(self, tier):
+        self.tier, self.peak, self.samples = tier, 0, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.tier.measured_resident_bytes())
+            self.samples += 1
+            self._stop.wait(0.0005)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def check_identical(conv, budget: int, predict: bool, io: str = "direct"):
+    lm = load_model(conv, device="cpu")
+    with lm:
+        ref = logits_run(lm.model)
+    c = lm.converted
+    ex = build_tiered_executor(c, budget, predict=predict, io=io)
+    try:
+        model = MoEModel(c.config, c.dense, ex, c.device, c.dtype)
+        with BudgetWatch(ex.tier) as watch:
+            got = logits_run(model)
+        s = ex.stats
+    finally:
+        ex.close()
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), f"step {i}: tier logits differ from the all-in-RAM run by {(a - b).abs().max()}"
+    assert s["ram_tier_evictions"] > 0 and s["ram_tier_demand_loads"] > 0     # the budget really bit
+    assert s["ram_tier_peak_resident_bytes"] <= budget
+    assert watch.samples > 0 and watch.peak <= budget, f"measured {watch.peak} resident bytes > budget {budget}"
+    assert s["ram_tier_measured_resident_bytes"] <= budget
+    return s
+
+
+@pytest.mark.parametrize("predict", [False, True], ids=["no-predict", "predict"])
+def test_default_model_bit_identical_under_budget(default_converted, predict):
+    s = check_identical(default_converted, min_budget_cached(default_converted), predict)
+    if predict:
+        assert s["ram_tier_prefetch_issued"] > 0 and s["ram_tier_pred_predicted"] > 0
+
+
+_MIN = {}
+
+
+def min_budget_cached(conv) -> int:
+    if conv not in _MIN:
+        lm = load_model(conv, device="cpu")
+        with lm:
+            _MIN[conv] = min_budget(lm.converted)
+    return _MIN[conv]
+
+
+@pytest.mark.parametrize("arch,method,kw", [
+    ("qwen3_moe", "int8-amx", {"numa_nodes": 2, "group_size": 32}),     # two shard files per layer
+    ("mixtral", "bf16", {}),                                             # the bf16 layout: no scales
+], ids=["qwen3-int8-2shards", "mixtral-bf16"])
+def test_fixture_bit_identical_under_budget(tmp_path_factory, arch, method, kw):
+    conv = converted(tmp_path_factory, arch, method, **kw)
+    check_identical(conv, min_budget_cached(conv), predict=True)
+
+
+def test_buffered_reads_bit_identical(default_converted):
+    s = check_identical(default_converted, min_budget_cached(default_converted), predict=True, io="pread")
+    assert s["ram_tier_io"] == "pread"
+
+
+def test_mirror_holds_the_files_bytes_and_eviction_frees_them(default_converted):
+    lm = load_model(default_converted, device="cpu")
+    with lm:
+        c = lm.converted
+        tier = ExpertRamTier(c, 1 << 30)
+        try:
+            L = c.geometry.moe_layers[0]
+            gs, futs = tier.ensure(L, [0, 5])
+            tier.wait(futs)
+            for s, shard in enumerate(c.experts[L]):
+                for p, (qw, sc, _) in shard.items():
+                    mq, ms, _ = tier.mirror_layers[L][s][p]
+                    for e in (0, 5):
+                        assert np.array_equal(mq[e], qw[e]) and (sc is None or np.array_equal(ms[e], sc[e]))
+            held = tier.measured_resident_bytes()
+            assert 0 < held <= tier.stats()["resident_bytes"]
+            tier.release(gs)
+            with tier._cv:                       # evict both, as room for other experts would
+                for g in gs:
+                    tier._evict(g)
+            assert tier.measured_resident_bytes() == 0 and tier.stats()["resident_bytes"] == 0
+            assert tier.counters["bytes_read"] >= tier.expert_pages(L, 0) * PAGE
+        finally:
+            tier.close()
+
+
+def test_budget_below_one_layer_is_refused(default_converted):
+    lm = load_model(default_converted, device="cpu")
+    with lm:
+        need = min_budget(lm.converted)
+        with pytest.raises(TierError, match="--expert-ram .* one MoE layer"):
+            ExpertRamTier(lm.converted, need - PAGE)
+
+
+def test_gpu_hot_experts_bit_identical_and_never_read(default_converted):
+    """Under hot experts (ktrun.hybrid_experts) the tier is the CPU executor: the run equals the same hot placement
+    without the tier, bit for bit, and the skip mask keeps GPU-resident experts out of the tier's reads."""
+    hot = HotExpertOptions(budget=Budget(4), strategy="uniform")
+    budget = min_budget_cached(default_converted)
+    with load_model(default_converted, device="cpu", hot_experts=hot) as lm:
+        ref = logits_run(lm.model)
+    with load_model(default_converted, device="cpu", hot_experts=hot, expert_ram=ExpertRamOptions(budget)) as lm:
+        hybrid = lm.model.experts
+        assert isinstance(hybrid, HybridExperts) and isinstance(hybrid.cpu, TieredExperts)
+        got = logits_run(lm.model)
+        tier = hybrid.cpu.tier
+        on_gpu = {L: hybrid.residency.on_gpu(L) for L in tier.layers}
+        assert all(len(v) == 4 for v in on_gpu.values())
+        assert all(tier._freq[tier.g(L, e)] == 0 for L, es in on_gpu.items() for e in es)
+        assert tier.counters["demand_loads"] > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_tier_lines_report_the_issue_metrics():
+    before = {"ram_tier_budget_bytes": 100, "ram_tier_bytes_read": 0, "ram_tier_disk_busy_s": 0.0,
+              "ram_tier_demand_experts": 0, "ram_tier_ram_hits": 0}
+    after = dict(before, ram_tier_io="direct", ram_tier_peak_resident_bytes=90, ram_tier_measured_resident_bytes=80,
+                 ram_tier_bytes_read=4000, ram_tier_disk_busy_s=0.002, ram_tier_demand_experts=10, ram_tier_ram_hits=7,
+                 ram_tier_pred_predicted=8, ram_tier_pred_correct=6, ram_tier_pred_actual=10,
+                 ram_tier_prefetch_issued=4, ram_tier_prefetch_used=3)
+    lines = dict(line.split(": ", 1) for line in tier_lines(before, after, tokens=2))
+    assert lines["ram_tier_disk_bytes_per_token"] == "2000 bytes"
+    assert lines["ram_tier_disk_read_rate"] == "0.002 GB/s"
+    assert lines["ram_tier_hit_ratio"] == "0.7000"
+    assert lines["ram_tier_prefetch_hit_ratio"] == "0.7500"
+    assert lines["ram_tier_prediction_precision"] == "0.7500" and lines["ram_tier_prediction_recall"] == "0.6000"
+
+
+def test_cli_generate_and_bench_with_expert_ram(default_converted):
+    """Real subprocesses: the same greedy tokens with --expert-ram (at the minimum budget) as without; bench prints
+    the tier's lines; a budget below one layer fails naming the flag."""
+    budget = str(min_budget_cached(default_converted))
+    base = [*KTRUN, "generate", str(default_converted), "--prompt", PROMPT, "--max-tokens", "12", "--json"]
+    plain = json.loads(subprocess.run(base, check=True, capture_output=True, text=True).stdout)
+    tiered = json.loads(subprocess.run(base + ["--expert-ram", budget], check=True, capture_output=True,
+                                       text=True).stdout)
+    assert tiered["token_ids"] == plain["token_ids"]
+    bench = subprocess.run([*KTRUN, "bench", str(default_converted), "--pp", "8", "--tg", "4", "--reps", "1",
+                            "--expert-ram", budget], check=True, capture_output=True, text=True).stdout
+    for key in ("ram_tier_disk_bytes_per_token", "ram_tier_disk_read_rate", "ram_tier_hit_ratio",
+                "ram_tier_prefetch_hit_ratio", "ram_tier_budget"):
+        assert f"\n{key}: " in bench, bench
+    bad = subprocess.run(base + ["--expert-ram", "4KB"], check=False, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--expert-ram" in bad.stderr and "one MoE layer" in bad.stderr
