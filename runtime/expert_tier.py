@@ -30,11 +30,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import heapq
+import itertools
 import mmap
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,7 +138,7 @@ class ExpertRamTier:
                             f"give at least that")
         self._futures: dict[int, Future] = {}
         self._cv = threading.Condition()
-        self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="ktrun-tier-io")
+        self._queue = _ReadQueue(max(1, io_threads), self._read)
         self._tick = 0
         self.resident_pages = 0
         self.peak_pages = 0
@@ -214,7 +216,7 @@ class ExpertRamTier:
             for a, b in _runs(free):
                 m.buf.madvise(mmap.MADV_DONTNEED, (p0 + a) * PAGE, (b - a) * PAGE)
 
-    def _admit(self, g: int, wait: bool, exclude: set[int]) -> bool:
+    def _admit(self, g: int, wait: bool, exclude: set[int], priority: int = 0) -> bool:
         """Reserve g's pages (evicting as needed) and start its read; under the lock. False: no room (wait=False)."""
         while True:
             need = self._new_pages(g)
@@ -239,7 +241,7 @@ class ExpertRamTier:
         if self._inflight == 0:
             self._busy_since = time.perf_counter()
         self._inflight += 1
-        self._futures[g] = self._pool.submit(self._read, g)
+        self._futures[g] = self._queue.submit(priority, g)
         self.counters["loads"] += 1
         return True
 
@@ -305,6 +307,8 @@ class ExpertRamTier:
                     continue
                 if st == LOADING:
                     self.counters["inflight_hits"] += 1
+                    if g in self._futures:              # a queued prefetch is now wanted: ahead of other prefetches
+                        self._queue.push(0, g, self._futures[g])
                 else:
                     self.counters["demand_loads"] += 1
                     self._admit(g, wait=True, exclude=set())
@@ -335,7 +339,7 @@ class ExpertRamTier:
                 if self._state[g] != ABSENT:
                     continue
                 self._last[g] = self._tick              # recently wanted: evicted after older equals
-                if not self._admit(g, wait=False, exclude=keep):
+                if not self._admit(g, wait=False, exclude=keep, priority=1):
                     self.counters["prefetch_dropped"] += 1
                     continue
                 self._prefetched[g] = True
@@ -383,11 +387,60 @@ class ExpertRamTier:
 
     def close(self) -> None:
         self.drain()
-        self._pool.shutdown(wait=True)
+        self._queue.shutdown()
         for m in self._mirrors:
             if m.fd >= 0:
                 os.close(m.fd)
                 m.fd = -1
+
+
+class _ReadQueue:
+    """`n` reader threads taking expert reads by priority (0 = demand before 1 = prefetch), FIFO within one.
+    (concurrent.futures' pool is FIFO only: a demand read would wait behind every prefetch queued before it.)
+    push() may queue an expert again at a better priority; whichever entry comes first runs it, once."""
+
+    def __init__(self, n: int, fn):
+        self._fn, self._heap, self._cv = fn, [], threading.Condition()
+        self._seq, self._taken, self._stop = itertools.count(), set(), False
+        self._threads = [threading.Thread(target=self._work, name=f"ktrun-tier-io-{i}", daemon=True)
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, g: int) -> Future:
+        fut: Future = Future()
+        self.push(priority, g, fut)
+        return fut
+
+    def push(self, priority: int, g: int, fut: Future) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (priority, next(self._seq), g, fut))
+            self._cv.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._stop:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, g, fut = heapq.heappop(self._heap)
+                if fut.done() or id(fut) in self._taken:
+                    continue
+                self._taken.add(id(fut))
+            try:
+                fut.set_result(self._fn(g))
+            except Exception as e:          # noqa: BLE001 (handed to whoever waits on the read)
+                fut.set_exception(e)
+            with self._cv:
+                self._taken.discard(id(fut))
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
 
 
 @functools.cache
