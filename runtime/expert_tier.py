@@ -44,6 +44,7 @@ import numpy as np
 from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor, safe_relpath
 
 PAGE = mmap.PAGESIZE
+CHUNK_PAGES = 512                     # reads of at most 2 MiB: one expert is several reads in flight
 IO_MODES = ("direct", "pread")
 ABSENT, LOADING, RESIDENT = 0, 1, 2
 
@@ -136,9 +137,10 @@ class ExpertRamTier:
             raise TierError(f"--expert-ram {self.budget_bytes} bytes cannot hold one MoE layer's routed experts "
                             f"({self.layer_pages * PAGE} bytes, {E} experts: prefill can route to all of them); "
                             f"give at least that")
-        self._futures: dict[int, Future] = {}
+        self._futures: dict[int, Future] = {}     # loads in flight: done when the expert is resident
+        self._jobs: dict[int, _Job] = {}
         self._cv = threading.Condition()
-        self._queue = _ReadQueue(max(1, io_threads), self._read)
+        self._queue = _ReadQueue(max(1, io_threads), self._read_chunk)
         self._tick = 0
         self.resident_pages = 0
         self.peak_pages = 0
@@ -241,48 +243,61 @@ class ExpertRamTier:
         if self._inflight == 0:
             self._busy_since = time.perf_counter()
         self._inflight += 1
-        self._futures[g] = self._queue.submit(priority, g)
+        job = _Job(g, self._chunks(g))
+        self._jobs[g], self._futures[g] = job, job.fut
+        self._queue.push(priority, job)
         self.counters["loads"] += 1
         return True
 
-    def _read(self, g: int) -> None:
+    def _chunks(self, g: int) -> list[tuple[int, int, int]]:
+        """g's page spans cut into reads of at most CHUNK_PAGES: (mirror, first page, end page)."""
+        return [(mi, a, min(a + CHUNK_PAGES, p1)) for mi, p0, p1 in self._spans[g] for a in range(p0, p1, CHUNK_PAGES)]
+
+    def _read_chunk(self, job: _Job, k: int) -> None:
+        """One read of a load (on a reader thread); the last one to finish completes the load."""
+        mi, p0, p1 = job.chunks[k]
+        m = self._mirrors[mi]
         nbytes = reads = 0
         err = None
         try:
-            for mi, p0, p1 in self._spans[g]:
-                m = self._mirrors[mi]
-                pos, end = p0 * PAGE, min(p1 * PAGE, -(-m.size // PAGE) * PAGE)
-                while pos < end:
-                    n = os.preadv(m.fd, [m.view[pos:end]], pos)
-                    reads += 1
-                    if n <= 0:
-                        if pos < m.size:
-                            raise TierError(f"{m.path}: read at offset {pos} returned {n} (file is {m.size} bytes)")
-                        break
-                    pos += n
-                    nbytes += n
-                if not m.direct:                 # buffered read: leave no second copy in the page cache
-                    os.posix_fadvise(m.fd, p0 * PAGE, (p1 - p0) * PAGE, os.POSIX_FADV_DONTNEED)
+            pos, end = p0 * PAGE, p1 * PAGE
+            while pos < end:
+                n = os.preadv(m.fd, [m.view[pos:end]], pos)
+                reads += 1
+                if n <= 0:
+                    if pos < m.size:
+                        raise TierError(f"{m.path}: read at offset {pos} returned {n} (file is {m.size} bytes)")
+                    break
+                pos += n
+                nbytes += n
+            if not m.direct:                     # buffered read: leave no second copy in the page cache
+                os.posix_fadvise(m.fd, p0 * PAGE, (p1 - p0) * PAGE, os.POSIX_FADV_DONTNEED)
         except OSError as e:
-            err = TierError(f"{self._mirrors[self._spans[g][0][0]].path}: reading expert {g % self.n_experts}: {e}")
+            err = TierError(f"{m.path}: reading expert {job.g % self.n_experts} at offset {p0 * PAGE}: {e}")
         except TierError as e:
             err = e
+        g = job.g
         with self._cv:
+            self.counters["bytes_read"] += nbytes
+            self.counters["reads"] += reads
+            job.err = job.err or err
+            job.left -= 1
+            if job.left:
+                return
             self._inflight -= 1
             if self._inflight == 0:
                 self.disk_busy_s += time.perf_counter() - self._busy_since
-            self.counters["bytes_read"] += nbytes
-            self.counters["reads"] += reads
             self._futures.pop(g, None)
-            if err is None:
-                self._state[g] = RESIDENT
-            else:                                 # give the pages back; the caller sees the error
-                self._state[g] = RESIDENT
+            self._jobs.pop(g, None)
+            self._state[g] = RESIDENT
+            if job.err is not None:               # give the pages back; the caller sees the error
                 self._evict(g)
                 self.counters["evictions"] -= 1
             self._cv.notify_all()
-        if err is not None:
-            raise err
+        if job.err is None:
+            job.fut.set_result(None)
+        else:
+            job.fut.set_exception(job.err)
 
     # -- the two requests -----------------------------------------------------------------------------------
     def ensure(self, layer: int, experts) -> tuple[list[int], list[Future]]:
@@ -307,8 +322,8 @@ class ExpertRamTier:
                     continue
                 if st == LOADING:
                     self.counters["inflight_hits"] += 1
-                    if g in self._futures:              # a queued prefetch is now wanted: ahead of other prefetches
-                        self._queue.push(0, g, self._futures[g])
+                    if g in self._jobs:                 # a queued prefetch is now wanted: ahead of other prefetches
+                        self._queue.push(0, self._jobs[g])
                 else:
                     self.counters["demand_loads"] += 1
                     self._admit(g, wait=True, exclude=set())
@@ -394,28 +409,35 @@ class ExpertRamTier:
                 m.fd = -1
 
 
+class _Job:
+    """One expert's load: its reads (chunks), how many are left, the future its waiters hold."""
+
+    def __init__(self, g: int, chunks: list[tuple[int, int, int]]):
+        self.g, self.chunks, self.left, self.err = g, chunks, len(chunks), None
+        self.fut: Future = Future()
+        self.started: set[int] = set()
+
+
 class _ReadQueue:
-    """`n` reader threads taking expert reads by priority (0 = demand before 1 = prefetch), FIFO within one.
-    (concurrent.futures' pool is FIFO only: a demand read would wait behind every prefetch queued before it.)
-    push() may queue an expert again at a better priority; whichever entry comes first runs it, once."""
+    """`n` reader threads taking reads by priority (0 = demand before 1 = prefetch), FIFO within one; every chunk
+    of a load is its own read, so even one expert keeps several reads in flight. (concurrent.futures' pool is
+    FIFO only: a demand read would wait behind every prefetch queued before it.) push() may queue a load again at a
+    better priority; each chunk still runs once."""
 
     def __init__(self, n: int, fn):
         self._fn, self._heap, self._cv = fn, [], threading.Condition()
-        self._seq, self._taken, self._stop = itertools.count(), set(), False
+        self._seq, self._stop = itertools.count(), False
         self._threads = [threading.Thread(target=self._work, name=f"ktrun-tier-io-{i}", daemon=True)
                          for i in range(n)]
         for t in self._threads:
             t.start()
 
-    def submit(self, priority: int, g: int) -> Future:
-        fut: Future = Future()
-        self.push(priority, g, fut)
-        return fut
-
-    def push(self, priority: int, g: int, fut: Future) -> None:
+    def push(self, priority: int, job: _Job) -> None:
         with self._cv:
-            heapq.heappush(self._heap, (priority, next(self._seq), g, fut))
-            self._cv.notify()
+            for k in range(len(job.chunks)):
+                if k not in job.started:
+                    heapq.heappush(self._heap, (priority, next(self._seq), k, job))
+            self._cv.notify_all()
 
     def _work(self) -> None:
         while True:
@@ -424,16 +446,11 @@ class _ReadQueue:
                     self._cv.wait()
                 if not self._heap:
                     return
-                _, _, g, fut = heapq.heappop(self._heap)
-                if fut.done() or id(fut) in self._taken:
+                _, _, k, job = heapq.heappop(self._heap)
+                if k in job.started:
                     continue
-                self._taken.add(id(fut))
-            try:
-                fut.set_result(self._fn(g))
-            except Exception as e:          # noqa: BLE001 (handed to whoever waits on the read)
-                fut.set_exception(e)
-            with self._cv:
-                self._taken.discard(id(fut))
+                job.started.add(k)
+            self._fn(job, k)
 
     def shutdown(self) -> None:
         with self._cv:
