@@ -254,6 +254,7 @@ def child(a) -> None:
                     "wait_ms_per_token": 1e3 * d("demand_wait_s") / a.tokens, "io": s1["ram_tier_io"]})
         if "ram_tier_pred_predicted" in s1:
             out.update({"prefetch_hit_ratio": d("prefetch_used") / max(1, d("prefetch_issued")),
+                        "prefetch_throttled_calls": d("prefetch_throttled"),
                         "precision": d("pred_correct") / max(1, d("pred_predicted")),
                         "recall": d("pred_correct") / max(1, d("pred_actual"))})
     lm.close()

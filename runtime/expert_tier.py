@@ -36,6 +36,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,8 @@ import numpy as np
 from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor, safe_relpath
 
 PAGE = mmap.PAGESIZE
+PREFETCH_WINDOW = 64                  # prefetch outcomes remembered
+PREFETCH_MIN_USE = 0.5                # below this share used, prefetch probes with one expert per call
 CHUNK_PAGES = 512                     # reads of at most 2 MiB: one expert is several reads in flight
 IO_MODES = ("direct", "pread")
 ABSENT, LOADING, RESIDENT = 0, 1, 2
@@ -127,7 +130,8 @@ class ExpertRamTier:
         self._pins = np.zeros(n, dtype=np.int32)
         self._freq = np.zeros(n, dtype=np.float64)
         self._last = np.zeros(n, dtype=np.int64)
-        self._prefetched = np.zeros(n, dtype=bool)     # loaded by prefetch and not demanded since
+        self._issued: dict[int, list[int]] = {}         # layer -> experts prefetched for its next call
+        self._outcomes: deque[bool] = deque(maxlen=PREFETCH_WINDOW)   # recent prefetches: used by their layer?
         if profile_counts:
             for L, c in profile_counts.items():
                 if L in self._li:
@@ -148,7 +152,7 @@ class ExpertRamTier:
         self._busy_since = 0.0
         self.counters = dict.fromkeys(("bytes_read", "reads", "loads", "evictions", "demand_experts", "ram_hits",
                                        "inflight_hits", "demand_loads", "prefetch_issued", "prefetch_used",
-                                       "prefetch_dropped"), 0)
+                                       "prefetch_dropped", "prefetch_throttled"), 0)
         self.disk_busy_s = 0.0          # wall time with at least one read in flight
         self.wait_s = 0.0               # time callers waited on demand reads
 
@@ -207,7 +211,6 @@ class ExpertRamTier:
 
     def _evict(self, g: int) -> None:
         self._state[g] = ABSENT
-        self._prefetched[g] = False
         self.counters["evictions"] += 1
         for mi, p0, p1 in self._spans[g]:
             m = self._mirrors[mi]
@@ -312,11 +315,13 @@ class ExpertRamTier:
                 self._freq[g] += 1
                 self._last[g] = self._tick
             self.counters["demand_experts"] += len(gs)
+            wanted = set(gs)
+            for g in self._issued.pop(layer, []):          # how the prefetches for this call turned out
+                used = g in wanted and self._state[g] != ABSENT
+                self._outcomes.append(used)
+                self.counters["prefetch_used"] += used
             for g in gs:
                 st = self._state[g]
-                if self._prefetched[g]:
-                    self.counters["prefetch_used"] += 1
-                    self._prefetched[g] = False
                 if st == RESIDENT:
                     self.counters["ram_hits"] += 1
                     continue
@@ -331,6 +336,12 @@ class ExpertRamTier:
                     futs.append(self._futures[g])
         return gs, futs
 
+    def prefetch_use(self) -> float:
+        """Share of the last PREFETCH_WINDOW prefetches their layer then used (1.0 until 16 are known)."""
+        if len(self._outcomes) < 16:
+            return 1.0
+        return sum(self._outcomes) / len(self._outcomes)
+
     def wait(self, futs: list[Future]) -> None:
         t0 = time.perf_counter()
         for f in futs:
@@ -344,12 +355,18 @@ class ExpertRamTier:
             self._cv.notify_all()
 
     def prefetch(self, layer: int, experts) -> int:
-        """Start reading predicted experts of `layer` that are not in RAM, as far as unpinned room allows (never
-        waits, never evicts a pinned or just-predicted expert). -> reads issued."""
+        """Start reading predicted experts of `layer` (best first) that are not in RAM, as far as unpinned room
+        allows (never waits, never evicts a pinned or just-predicted expert). While the recent prefetches were used
+        less than PREFETCH_MIN_USE of the time, only the best-ranked one is read (a probe that keeps measuring):
+        a wrong prefetch costs a read and evicts an expert, which on a full budget and a busy disk is a loss.
+        -> reads issued."""
         issued = 0
         with self._cv:
             gs = [self.g(layer, e) for e in experts]
             keep = set(gs)
+            if self.prefetch_use() < PREFETCH_MIN_USE:
+                self.counters["prefetch_throttled"] += 1
+                gs = [g for g in gs if self._state[g] == ABSENT][:1]
             for g in gs:
                 if self._state[g] != ABSENT:
                     continue
@@ -357,7 +374,7 @@ class ExpertRamTier:
                 if not self._admit(g, wait=False, exclude=keep, priority=1):
                     self.counters["prefetch_dropped"] += 1
                     continue
-                self._prefetched[g] = True
+                self._issued.setdefault(layer, []).append(g)
                 issued += 1
             self.counters["prefetch_issued"] += issued
         return issued

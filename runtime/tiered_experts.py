@@ -47,7 +47,7 @@ class NextLayerPredictor:
 
     @torch.inference_mode()
     def predict(self, layer: int, x: torch.Tensor) -> tuple[int | None, list[int]]:
-        """-> (next MoE layer or None, its predicted experts)."""
+        """-> (next MoE layer or None, its predicted experts, best score first)."""
         nxt = self.next.get(layer)
         if nxt is None or nxt not in self.routers:
             return None, []
@@ -56,7 +56,11 @@ class NextLayerPredictor:
         if bias is not None:
             scores = scores.sigmoid() + bias
         k = min(self.n_experts, self.top_k + self.extra)
-        pred = sorted(set(torch.topk(scores, k, dim=-1)[1].flatten().tolist()))
+        top = torch.topk(scores, k, dim=-1)                                    # (T, k) each, best first
+        best: dict[int, float] = {}                                            # expert -> its best score
+        for e, v in zip(top[1].flatten().tolist(), top[0].flatten().tolist()):
+            best[e] = max(v, best.get(e, v))
+        pred = sorted(best, key=best.__getitem__, reverse=True)
         self._pending[nxt] = set(pred)
         return nxt, pred
 
@@ -176,6 +180,7 @@ def tier_lines(before: dict, after: dict, tokens: int) -> list[str]:
              f"ram_tier_inflight_hit_ratio: {ratio(d('inflight_hits'), d('demand_experts')):.4f}"]
     if "ram_tier_pred_predicted" in after:
         lines += [f"ram_tier_prefetch_hit_ratio: {ratio(d('prefetch_used'), d('prefetch_issued')):.4f}",
+                  f"ram_tier_prefetch_throttled_calls: {d('prefetch_throttled')}",
                   f"ram_tier_prediction_precision: {ratio(d('pred_correct'), d('pred_predicted')):.4f}",
                   f"ram_tier_prediction_recall: {ratio(d('pred_correct'), d('pred_actual')):.4f}"]
     return lines

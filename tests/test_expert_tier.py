@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from ktrun.engine import Engine, SamplingParams
 from ktrun.expert_placement import Budget, HotExpertOptions
 from ktrun.expert_ram_option import ExpertRamOptions
 from ktrun.expert_tier import PAGE, ExpertRamTier, TierError
@@ -175,6 +176,27 @@ def test_gpu_hot_experts_bit_identical_and_never_read(default_converted):
         assert tier.counters["demand_loads"] > 0
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
+
+
+def test_engine_batch_with_expert_ram(default_converted):
+    """The batching engine behind `ktrun serve`: two requests decoded together give the same tokens with the tier
+    (at the minimum budget) as without."""
+    def run(**kw):
+        eng = Engine(str(default_converted), ctx=128, max_batch=2, device="cpu", **kw)
+        try:
+            for rid, text in (("a", PROMPT), ("b", "def fibonacci(n):")):
+                eng.add_request(rid, eng.tokenizer.encode(text), SamplingParams(max_tokens=10))
+            got: dict[str, list[int]] = {"a": [], "b": []}
+            while eng.has_work():
+                for rid, tok, *_ in eng.step():
+                    got[rid].append(tok)
+            return got, eng.experts.stats
+        finally:
+            eng.close()
+    plain, _ = run()
+    tiered, stats = run(expert_ram=ExpertRamOptions(min_budget_cached(default_converted)))
+    assert tiered == plain
+    assert stats["ram_tier_demand_loads"] > 0 and stats["ram_tier_peak_resident_bytes"] <= stats["ram_tier_budget_bytes"]
 
 
 def test_tier_lines_report_the_issue_metrics():
