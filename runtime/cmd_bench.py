@@ -181,6 +181,9 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
         backend = f"{conv.device.type} {str(conv.dtype)[6:]} dense + {type(m.experts).__name__}"
         hot_line = describe(m.experts)
         res = run_bench(m, pp, tg, reps, seed, prompt_ids=prompt_ids)
+        from .tiered_experts import find_tier
+        tier = find_tier(m.experts)
+        measured = tier.measured_resident_bytes() if tier is not None else None
     click.echo(f"quantized GPU layers: {conv.gpu_weights}")
     click.echo(hot_line + "\n")
     for line in summary:
@@ -201,7 +204,7 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
     lines = hit_ratio_lines(res["hits"], per_layer)
     if res["tier"]:
         from .tiered_experts import tier_lines
-        tier = tier_lines(res["tier"][0][0], res["tier"][-1][1], tg * len(res["tier"]))
+        tier = tier_lines(res["tier"][0][0], res["tier"][-1][1], tg * len(res["tier"]), measured)
         if tier:
             click.echo("")
             for line in tier:

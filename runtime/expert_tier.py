@@ -13,7 +13,7 @@ all-in-RAM run. A mirror costs address space only; RAM is spent on the pages of 
   evict(expert)  madvise(MADV_DONTNEED) on the pages no other resident or loading expert touches (a per-page
                  reference count): the pages go back to the kernel; they read as zeros until loaded again.
   budget         resident + in-flight pages x 4 KiB <= budget_bytes, always (checked before each read is issued;
-                 `measured_resident_bytes()` reads the real resident set of the mirrors from /proc/self/smaps).
+                 `measured_resident_bytes()` asks the kernel which mirror pages are resident: mincore(2)).
                  Transparent huge pages are disabled on the mirrors (a 2 MiB page would break page accounting).
 
 Which experts stay: eviction takes the unpinned resident expert with the lowest routed-call count (learned online,
@@ -138,6 +138,8 @@ class ExpertRamTier:
                     self._freq[self._li[L] * E: (self._li[L] + 1) * E] = np.asarray(c, dtype=np.float64)[:E]
         self.layer_pages = max(self._layer_pages(L) for L in self.layers)
         if self.layer_pages > self.budget_pages:
+            for m in self._mirrors:
+                os.close(m.fd)
             raise TierError(f"--expert-ram {self.budget_bytes} bytes cannot hold one MoE layer's routed experts "
                             f"({self.layer_pages * PAGE} bytes, {E} experts: prefill can route to all of them); "
                             f"give at least that")

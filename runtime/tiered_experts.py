@@ -135,8 +135,7 @@ class TieredExperts:
             s.update({f"ram_tier_pred_{k}": v for k, v in self.predictor.stats.items()})
             s["ram_tier_prediction_precision"] = self.predictor.precision
             s["ram_tier_prediction_recall"] = self.predictor.recall
-        s["ram_tier_measured_resident_bytes"] = self.tier.measured_resident_bytes()
-        return s
+        return s              # cheap: the Engine merges it every step (mincore is tier.measured_resident_bytes())
 
     def close(self) -> None:
         self._launcher.shutdown(wait=True)
@@ -156,10 +155,19 @@ def build_tiered_executor(converted, budget_bytes: int, predict: bool = True, io
     return TieredExperts(cpu, tier, NextLayerPredictor(converted, extra) if predict else None)
 
 
-def tier_lines(before: dict, after: dict, tokens: int) -> list[str]:
+def find_tier(executor):
+    """The ExpertRamTier under an executor (TieredExperts itself, or the CPU side of HybridExperts), or None."""
+    while executor is not None:
+        if isinstance(executor, TieredExperts):
+            return executor.tier
+        executor = getattr(executor, "cpu", None)
+    return None
+
+
+def tier_lines(before: dict, after: dict, tokens: int, measured: int | None = None) -> list[str]:
     """`name: value unit` lines of the RAM tier over the steps between two executor `stats` snapshots (the
     tokens decoded in between): disk bytes per token, disk GB/s while reading, tier and prefetch hit ratios,
-    prediction precision/recall, resident bytes against the budget."""
+    prediction precision/recall, resident bytes against the budget (measured: the tier's mincore count)."""
     if "ram_tier_budget_bytes" not in after:
         return []
 
@@ -172,7 +180,7 @@ def tier_lines(before: dict, after: dict, tokens: int) -> list[str]:
     lines = [f"ram_tier_io: {after['ram_tier_io']}",
              f"ram_tier_budget: {after['ram_tier_budget_bytes']} bytes",
              f"ram_tier_peak_resident: {after['ram_tier_peak_resident_bytes']} bytes",
-             f"ram_tier_measured_resident: {after['ram_tier_measured_resident_bytes']} bytes",
+             *([f"ram_tier_measured_resident: {measured} bytes"] if measured is not None else []),
              f"ram_tier_disk_bytes_per_token: {ratio(d('bytes_read'), tokens):.0f} bytes",
              f"ram_tier_disk_read_rate: {ratio(d('bytes_read'), d('disk_busy_s')) / 1e9:.3f} GB/s",
              f"ram_tier_demand_wait_per_token: {1e3 * ratio(d('demand_wait_s'), tokens):.3f} ms",

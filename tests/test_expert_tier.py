@@ -88,7 +88,7 @@ def check_identical(conv, budget: int, predict: bool, io: str = "direct"):
     assert s["ram_tier_evictions"] > 0 and s["ram_tier_demand_loads"] > 0     # the budget really bit
     assert s["ram_tier_peak_resident_bytes"] <= budget
     assert watch.samples > 0 and watch.peak <= budget, f"measured {watch.peak} resident bytes > budget {budget}"
-    assert s["ram_tier_measured_resident_bytes"] <= budget
+    assert ex.tier.measured_resident_bytes() <= budget
     return s
 
 
@@ -202,11 +202,12 @@ def test_engine_batch_with_expert_ram(default_converted):
 def test_tier_lines_report_the_issue_metrics():
     before = {"ram_tier_budget_bytes": 100, "ram_tier_bytes_read": 0, "ram_tier_disk_busy_s": 0.0,
               "ram_tier_demand_experts": 0, "ram_tier_ram_hits": 0}
-    after = dict(before, ram_tier_io="direct", ram_tier_peak_resident_bytes=90, ram_tier_measured_resident_bytes=80,
+    after = dict(before, ram_tier_io="direct", ram_tier_peak_resident_bytes=90,
                  ram_tier_bytes_read=4000, ram_tier_disk_busy_s=0.002, ram_tier_demand_experts=10, ram_tier_ram_hits=7,
                  ram_tier_pred_predicted=8, ram_tier_pred_correct=6, ram_tier_pred_actual=10,
                  ram_tier_prefetch_issued=4, ram_tier_prefetch_used=3)
-    lines = dict(line.split(": ", 1) for line in tier_lines(before, after, tokens=2))
+    lines = dict(line.split(": ", 1) for line in tier_lines(before, after, tokens=2, measured=80))
+    assert lines["ram_tier_measured_resident"] == "80 bytes"
     assert lines["ram_tier_disk_bytes_per_token"] == "2000 bytes"
     assert lines["ram_tier_disk_read_rate"] == "0.002 GB/s"
     assert lines["ram_tier_hit_ratio"] == "0.7000"
