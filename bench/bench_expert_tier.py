@@ -1,5 +1,6 @@
 """Decode of a model whose expert files are larger than the RAM allowed to it: plain mmap (the page cache decides)
-vs the RAM tier (`--expert-ram`) without and with next-layer prediction, in the same run, under a memory cgroup.
+vs the RAM tier (`--expert-ram`) without and with next-layer prediction (and without, on buffered reads), in the same
+run, under a memory cgroup.
 
 Model: a Qwen3-MoE-architecture checkpoint written here (random bf16 weights, hidden 1024, expert intermediate 1536,
 64 experts, top-8, 8 layers; the dense part from ktconvert.testing), converted by `ktconvert quantize --method
@@ -43,7 +44,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"hidden_size": 1024, "moe_intermediate_size": 1536, "num_experts": 64, "num_experts_per_tok": 8,
          "num_layers": 8}
-MODES = ("ram", "mmap", "tier", "tier+predict")   # ram: plain mmap, no cgroup, files in the page cache
+# ram: plain mmap, no cgroup, files in the page cache; tier-pread: the tier with buffered reads (--expert-ram-io pread)
+MODES = ("ram", "mmap", "tier", "tier+predict", "tier-pread")
 MARGIN = 64 << 20
 
 
@@ -218,8 +220,8 @@ def child(a) -> None:
     from ktrun.generate import decode_one_token, prefill
     from ktrun.loaded_model import load_model
     torch.set_num_threads(1)
-    opts = None if a.mode in ("ram", "mmap", "baseline") else ExpertRamOptions(a.budget, predict=a.mode.endswith("predict"),
-                                                                      io=a.io)
+    opts = None if a.mode in ("ram", "mmap", "baseline") else ExpertRamOptions(
+        a.budget, predict=a.mode.endswith("predict"), io="pread" if a.mode == "tier-pread" else a.io)
     lm = load_model(a.conv, device="cpu", expert_ram=opts)
     m = lm.model
     tier = getattr(m.experts, "tier", None)
@@ -337,7 +339,7 @@ def main() -> None:
         if mode == "ram":
             continue
         ok = [r for r in rs if "failed" not in r]
-        tag = f"{ratio}x_{mode.replace('+', '_')}"
+        tag = f"{ratio}x_{mode.replace('+', '_').replace('-', '_')}"
         print(f"runs_failed_{tag}: {len(rs) - len(ok)}")
         if not ok:
             continue

@@ -175,13 +175,9 @@ class ExpertRamTier:
         return _Mirror(path, size, buf, np.zeros(n_pages, dtype=np.uint16), fd, direct)
 
     def _layer_pages(self, L: int) -> int:
-        """Pages all of layer L's experts occupy together (shared pages counted once)."""
+        """Pages all of layer L's experts occupy together (shared pages counted once: the union of their spans)."""
         E, i = self.n_experts, self._li[L]
-        touched: dict[int, set] = {}
-        for g in range(i * E, (i + 1) * E):
-            for mi, p0, p1 in self._spans[g]:
-                touched.setdefault(mi, set()).update(range(p0, p1))
-        return sum(len(s) for s in touched.values())
+        return sum(p1 - p0 for _, p0, p1 in _merge([sp for g in range(i * E, (i + 1) * E) for sp in self._spans[g]]))
 
     def g(self, layer: int, e: int) -> int:
         return self._li[layer] * self.n_experts + int(e)

@@ -199,6 +199,39 @@ def test_engine_batch_with_expert_ram(default_converted):
     assert stats["ram_tier_demand_loads"] > 0 and stats["ram_tier_peak_resident_bytes"] <= stats["ram_tier_budget_bytes"]
 
 
+def test_serve_with_expert_ram(default_converted):
+    """`ktrun serve --expert-ram` as a real subprocess, driven by the openai client: greedy completions equal the
+    Engine's without the tier, and /metrics carries the tier's gauges."""
+    import openai
+
+    from tests.serve_helpers import ServerProcess, metric
+    budget = min_budget_cached(default_converted)
+    prompts = [PROMPT, "def fibonacci(n):"]
+    eng = Engine(str(default_converted), ctx=256, max_batch=1, device="cpu")
+    try:
+        want = []
+        for i, text in enumerate(prompts):
+            eng.add_request(str(i), eng.tokenizer.encode(text), SamplingParams(max_tokens=8))
+            toks = []
+            while eng.has_work():
+                toks += [out[1] for out in eng.step()]
+            want.append(eng.tokenizer.decode(toks))
+    finally:
+        eng.close()
+    s = ServerProcess([*KTRUN, "serve", str(default_converted), "--port", "0", "--ctx", "256",
+                       "--expert-ram", str(budget)], timeout=180)
+    try:
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = [client.completions.create(model=default_converted.resolve().name, prompt=p, max_tokens=8, temperature=0).choices[0].text
+               for p in prompts]
+        assert got == want
+        assert metric(s, "ktrun_engine_ram_tier_budget_bytes") == budget
+        assert metric(s, "ktrun_engine_ram_tier_demand_loads") > 0
+    finally:
+        assert s.stop() == 0, s.stderr
+    assert "Traceback" not in s.stderr, s.stderr
+
+
 def test_tier_lines_report_the_issue_metrics():
     before = {"ram_tier_budget_bytes": 100, "ram_tier_bytes_read": 0, "ram_tier_disk_busy_s": 0.0,
               "ram_tier_demand_experts": 0, "ram_tier_ram_hits": 0}
