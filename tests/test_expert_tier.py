@@ -150,6 +150,35 @@ def test_mirror_holds_the_files_bytes_and_eviction_frees_them(default_converted)
             tier.close()
 
 
+def test_profile_seeds_what_stays(default_converted, tmp_path):
+    """--profile with --expert-ram seeds the eviction counts (and places nothing on the GPU): at the smallest budget,
+    reading another layer's experts evicts the profile's cold experts of a full layer and keeps its hot one."""
+    from ktlayouts.expert_profile import ExpertProfile
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+    geo = c.geometry
+    L, other = geo.moe_layers[0], geo.moe_layers[1]
+    prof = ExpertProfile.empty(c.config.model_type, geo.n_experts, c.config.top_k, geo.moe_layers)
+    prof.splits["fit"].counts[L][0] = 1000     # expert 0 of layer L: hot (without it, the first victim: ties go
+    #                                            to the least recently used, then the lowest index)
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    with load_model(default_converted, device="cpu", hot_experts=HotExpertOptions(profile=str(path)),
+                    expert_ram=ExpertRamOptions(min_budget_cached(default_converted), predict=False)) as lm:
+        tiered = lm.model.experts
+        assert isinstance(tiered, TieredExperts)                   # no GPU placement from a profile alone
+        tier = tiered.tier
+        gs, futs = tier.ensure(L, range(geo.n_experts))            # the whole layer: the budget is full
+        tier.wait(futs)
+        tier.release(gs)
+        gs, futs = tier.ensure(other, [0, 1, 2, 3])
+        tier.wait(futs)
+        tier.release(gs)
+        kept = tier.resident(L)
+        assert 0 in kept and len(kept) < geo.n_experts
+        assert tier.resident_pages * PAGE <= tier.budget_bytes
+
+
 def test_budget_below_one_layer_is_refused(default_converted):
     lm = load_model(default_converted, device="cpu")
     with lm:
