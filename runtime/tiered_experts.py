@@ -82,8 +82,12 @@ class NextLayerPredictor:
 
 
 class TieredExperts:
-    def __init__(self, cpu, tier, predictor: NextLayerPredictor | None = None):
+    def __init__(self, cpu, tier, predictor: NextLayerPredictor | None = None, launch_thread: bool = True):
+        """launch_thread=False: a layer whose reads are pending starts its kernels in sync() instead of from the
+        launcher thread, for a kernel pool the model's other ops also submit to (the quantized Linears' pool,
+        ktrun.loader): a pool takes submissions from one thread at a time."""
         self.cpu, self.tier, self.predictor = cpu, tier, predictor
+        self.launch_thread = launch_thread
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="ktrun-tier-launch")
         self._pending = None
         self._lock = threading.Lock()
@@ -112,7 +116,7 @@ class TieredExperts:
         def launch():
             self.tier.wait(futs)
             self.cpu.submit(layer, x, ids, weights, out, **kw)
-        self._pending = (gs, self._launcher.submit(launch))
+        self._pending = (gs, self._launcher.submit(launch) if self.launch_thread else launch)
 
     def sync(self) -> None:
         if self._pending is None:
@@ -120,7 +124,9 @@ class TieredExperts:
         gs, launched = self._pending
         self._pending = None
         try:
-            if launched is not None:
+            if callable(launched):              # deferred to this thread (launch_thread=False)
+                launched()
+            elif launched is not None:
                 launched.result()
             self.cpu.sync()
         finally:
@@ -152,7 +158,9 @@ def build_tiered_executor(converted, budget_bytes: int, predict: bool = True, io
     from .kernel_experts import KernelExperts
     tier = ExpertRamTier(converted, budget_bytes, io=io, io_threads=io_threads, profile_counts=profile_counts)
     cpu = KernelExperts(converted, n_threads=n_threads, layers=tier.mirror_layers)
-    return TieredExperts(cpu, tier, NextLayerPredictor(converted, extra) if predict else None)
+    shared_pool = cpu.moe is getattr(converted, "kernels", None)
+    return TieredExperts(cpu, tier, NextLayerPredictor(converted, extra) if predict else None,
+                         launch_thread=not shared_pool)
 
 
 def find_tier(executor):

@@ -20,8 +20,7 @@ from ktrun.expert_tier import PAGE, ExpertRamTier, TierError
 from ktrun.hybrid_experts import HybridExperts
 from ktrun.loaded_model import load_model
 from ktrun.models.kv_cache import Batch
-from ktrun.models.model import MoEModel
-from ktrun.tiered_experts import TieredExperts, build_tiered_executor, tier_lines
+from ktrun.tiered_experts import TieredExperts, tier_lines
 
 from tests.runtime_helpers import KTRUN, PROMPT, converted
 
@@ -71,30 +70,29 @@ class BudgetWatch:
 
 
 def check_identical(conv, budget: int, predict: bool, io: str = "direct"):
-    lm = load_model(conv, device="cpu")
-    with lm:
+    """-> (the tier executor's stats, whether its kernels were launched from the launcher thread)."""
+    with load_model(conv, device="cpu") as lm:
         ref = logits_run(lm.model)
-    c = lm.converted
-    ex = build_tiered_executor(c, budget, predict=predict, io=io)
-    try:
-        model = MoEModel(c.config, c.dense, ex, c.device, c.dtype)
+    with load_model(conv, device="cpu", expert_ram=ExpertRamOptions(budget, predict=predict, io=io)) as lm:
+        ex = lm.model.experts
+        assert isinstance(ex, TieredExperts)
         with BudgetWatch(ex.tier) as watch:
-            got = logits_run(model)
+            got = logits_run(lm.model)
         s = ex.stats
-    finally:
-        ex.close()
+        measured = ex.tier.measured_resident_bytes()
     for i, (a, b) in enumerate(zip(ref, got)):
         assert torch.equal(a, b), f"step {i}: tier logits differ from the all-in-RAM run by {(a - b).abs().max()}"
     assert s["ram_tier_evictions"] > 0 and s["ram_tier_demand_loads"] > 0     # the budget really bit
     assert s["ram_tier_peak_resident_bytes"] <= budget
     assert watch.samples > 0 and watch.peak <= budget, f"measured {watch.peak} resident bytes > budget {budget}"
-    assert ex.tier.measured_resident_bytes() <= budget
-    return s
+    assert measured <= budget
+    return s, ex.launch_thread
 
 
 @pytest.mark.parametrize("predict", [False, True], ids=["no-predict", "predict"])
 def test_default_model_bit_identical_under_budget(default_converted, predict):
-    s = check_identical(default_converted, min_budget_cached(default_converted), predict)
+    s, threaded = check_identical(default_converted, min_budget_cached(default_converted), predict)
+    assert not threaded          # its int4 GPU layers run on the kernels' pool: kernels started in sync()
     if predict:
         assert s["ram_tier_prefetch_issued"] > 0 and s["ram_tier_pred_predicted"] > 0
 
@@ -116,11 +114,12 @@ def min_budget_cached(conv) -> int:
 ], ids=["qwen3-int8-2shards", "mixtral-bf16"])
 def test_fixture_bit_identical_under_budget(tmp_path_factory, arch, method, kw):
     conv = converted(tmp_path_factory, arch, method, **kw)
-    check_identical(conv, min_budget_cached(conv), predict=True)
+    _, threaded = check_identical(conv, min_budget_cached(conv), predict=True)
+    assert threaded              # bf16 GPU layers: a pool of its own, kernels started by the launcher thread
 
 
 def test_buffered_reads_bit_identical(default_converted):
-    s = check_identical(default_converted, min_budget_cached(default_converted), predict=True, io="pread")
+    s, _ = check_identical(default_converted, min_budget_cached(default_converted), predict=True, io="pread")
     assert s["ram_tier_io"] == "pread"
 
 
