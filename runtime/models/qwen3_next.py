@@ -27,7 +27,8 @@ def route(cfg, w: dict, p: str, x):
 
 def shared_expert_scale(cfg, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
     """p: 'model.layers.N.mlp.' -> (T, 1): sigmoid(shared_expert_gate x), the shared expert's weight."""
-    return torch.sigmoid(linear(x, w[p + "shared_expert_gate.weight"]))
+    gate = w[p + "shared_expert_gate.weight"]                    # a router-kind tensor: may be kept in float32
+    return torch.sigmoid(linear(x, gate.to(x.dtype) if isinstance(gate, torch.Tensor) else gate))
 
 
 def gated_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,

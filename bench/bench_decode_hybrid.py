@@ -1,0 +1,217 @@
+"""ktrun decode (tg) and prefill (pp) on a Qwen3-Next-shaped synthetic stack, with where the time goes.
+
+The model: Qwen3-Next-80B-A3B's layer shapes (hidden 2048; routed experts intermediate 512, int4-amx group 128,
+top-10, one sigmoid-gated shared expert of 512; gated DeltaNet with 16 key / 32 value heads of 128 and a width-4
+conv; gated full attention with 16 heads, 2 KV heads of 256, rotary on a quarter) but only --layers layers (every
+4th full attention, the rest linear, as the checkpoint) and --experts experts per layer, a 4096-token vocabulary.
+Weights are random (packed codes and scales written straight into the int4 layout).
+
+Peer measured in the same run: the kernels alone (cpu_moe.MoEKernels.forward) replaying the timed decode steps'
+expert calls, and the dense part alone (routed experts answering zero). Attention time is split by layer kind
+(DeltaNet vs full attention) by timing the family's attention calls.
+
+    .venv/bin/python bench/bench_decode_hybrid.py [--layers 4] [--experts 32] [--tg 16] [--pp 128] [--reps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import types
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP threads must not spin on the kernels' CPUs
+
+import numpy as np
+import torch
+from ktlayouts.converted_dir import ExpertGeometry
+from ktlayouts.families import parse_config
+from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
+from ktrun.kernel_experts import KernelExperts
+from ktrun.models.model import MoEModel
+
+H, I, SHARED_I, TOP_K, VOCAB = 2048, 512, 512, 10, 4096
+
+
+def next_config(layers: int, experts: int) -> dict:
+    return {"model_type": "qwen3_next", "vocab_size": VOCAB, "hidden_size": H, "intermediate_size": 5120,
+            "moe_intermediate_size": I, "shared_expert_intermediate_size": SHARED_I, "num_hidden_layers": layers,
+            "num_experts": experts, "num_experts_per_tok": min(TOP_K, experts), "num_attention_heads": 16,
+            "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 4, "partial_rotary_factor": 0.25, "rope_theta": 10000000,
+            "max_position_embeddings": 4096}
+
+
+class SyntheticConversion:
+    """What KernelExperts needs from a loaded conversion: geometry + per-layer packed arrays (random int4)."""
+
+    def __init__(self, layers: int, experts: int, seed: int = 0):
+        self.geometry = ExpertGeometry("int4-amx", 128, experts, H, I, 1, tuple(range(layers)))
+        rng = np.random.default_rng(seed)
+        self.experts, self.nbytes = {}, 0
+        for layer in range(layers):
+            shard = {}
+            for p in ("gate", "up", "down"):
+                g = self.geometry.matrix_geometry(p, 0)
+                qw = rng.integers(0, 256, size=(experts, *g.qweight_shape), dtype=np.uint8)
+                sc = (rng.standard_normal((experts, *g.scales_shape)) / (8 * np.sqrt(g.k))).astype(np.float32)
+                shard[p] = (qw, sc, g)
+                self.nbytes += qw.nbytes + sc.nbytes
+            self.experts[layer] = [shard]
+
+
+def dense_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    la, nh, nkv, hd = cfg.linear_attention, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    kd, vd = la.num_k_heads * la.k_head_dim, la.num_v_heads * la.v_head_dim
+    w = {"model.embed_tokens.weight": torch.randn(VOCAB, H, generator=g), "model.norm.weight": torch.zeros(H),
+         "lm_head.weight": rnd(VOCAB, H)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w.update({p + "input_layernorm.weight": torch.zeros(H), p + "post_attention_layernorm.weight": torch.zeros(H),
+                  p + "mlp.gate.weight": rnd(cfg.num_experts, H), p + "mlp.shared_expert_gate.weight": rnd(1, H),
+                  p + "mlp.shared_expert.gate_proj.weight": rnd(SHARED_I, H),
+                  p + "mlp.shared_expert.up_proj.weight": rnd(SHARED_I, H),
+                  p + "mlp.shared_expert.down_proj.weight": rnd(H, SHARED_I)})
+        if cfg.layer_types[i] == "linear_attention":
+            q = p + "linear_attn."
+            w.update({q + "in_proj_qkvz.weight": rnd(2 * kd + 2 * vd, H), q + "in_proj_ba.weight": rnd(2 * la.num_v_heads, H),
+                      q + "conv1d.weight": rnd(la.conv_dim, 1, la.conv_kernel), q + "A_log": torch.rand(la.num_v_heads).log(),
+                      q + "dt_bias": torch.ones(la.num_v_heads), q + "norm.weight": torch.ones(la.v_head_dim),
+                      q + "out_proj.weight": rnd(H, vd)})
+        else:
+            q = p + "self_attn."
+            w.update({q + "q_proj.weight": rnd(2 * nh * hd, H), q + "k_proj.weight": rnd(nkv * hd, H),
+                      q + "v_proj.weight": rnd(nkv * hd, H), q + "o_proj.weight": rnd(H, nh * hd),
+                      q + "q_norm.weight": torch.zeros(hd), q + "k_norm.weight": torch.zeros(hd)})
+    return w
+
+
+def timed_arch(model: MoEModel, clock: dict) -> None:
+    """Wrap the family's attention to add each call's seconds to clock[layer kind]."""
+    arch, cfg = model.arch, model.cfg
+
+    def attention(c, w, p, x, batch, layer, *rest):
+        t0 = time.perf_counter()
+        out = arch.attention(c, w, p, x, batch, layer, *rest)
+        clock[cfg.layer_types[layer]] = clock.get(cfg.layer_types[layer], 0.0) + time.perf_counter() - t0
+        return out
+
+    model.arch = types.SimpleNamespace(**{k: getattr(arch, k) for k in dir(arch) if not k.startswith("__")})
+    model.arch.attention = attention
+
+
+class NoExperts:
+    """Routed experts cost nothing (output zero): times the dense part of a decode step alone."""
+    def __init__(self):
+        self.stats = {}
+
+    def submit(self, layer, x, ids, weights, out):
+        out.zero_()
+
+    def sync(self):
+        pass
+
+
+class Recording(KernelExperts):
+    """KernelExperts that keeps copies of every call's inputs, to replay them on the kernels alone."""
+    record = False
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls = []
+
+    def submit(self, layer, x, ids, weights, out):
+        if self.record:
+            self.calls.append((layer, x.float().contiguous().clone(), ids.clone(), weights.float().clone()))
+        super().submit(layer, x, ids, weights, out)
+
+
+def replay_kernels(ex: Recording, calls, reps: int) -> float:
+    best = float("inf")
+    outs = [torch.empty(x.shape, dtype=torch.float32) for _, x, _, _ in calls]
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for (layer, x, ids, w), o in zip(calls, outs):
+            ex.moe.forward(layer, x, ids, w, o)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--tg", type=int, default=16)
+    ap.add_argument("--pp", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dense-dtype", choices=("float32", "bfloat16"), default="float32")
+    args = ap.parse_args()
+
+    cfg = parse_config(next_config(args.layers, args.experts))
+    conv = SyntheticConversion(args.layers, args.experts)
+    ex = Recording(conv)
+    dt = getattr(torch, args.dense_dtype)
+    dense = {k: v.to(torch.float32 if k.endswith("gate.weight") else dt) for k, v in dense_weights(cfg).items()}
+    model = MoEModel(cfg, dense, ex, dtype=dt)
+    clock: dict[str, float] = {}
+    timed_arch(model, clock)
+    gen = torch.Generator().manual_seed(0)
+    ctx = max(args.pp, args.tg + 1) + 1
+    bench_tg(model, 2, ctx, gen)                                        # warm-up
+    tg_rates, parts, ratios = [], [], []
+    clock.clear()
+    for _ in range(args.reps):
+        ex.calls, ex.record = [], True
+        wall, part = bench_tg(model, args.tg, ctx, gen)
+        ex.record = False
+        calls = ex.calls[args.layers:]                                   # drop the 1-token prefill's calls
+        tg_rates.append(args.tg / wall)
+        parts.append({**part, "wall_s": wall})
+        ratios.append((wall / args.tg) / (replay_kernels(ex, calls, 3) / args.tg))
+    steps = args.tg * args.reps + args.reps                              # the 1-token prefills are timed too
+    kind_ms = {k: 1e3 * v / steps for k, v in clock.items()}
+    b = decode_breakdown(parts, args.tg)
+    kern_ms = b["step_ms"] / statistics.fmean(ratios)
+    model.experts = NoExperts()
+    dense_ms = min(bench_tg(model, args.tg, ctx, gen)[0] for _ in range(args.reps)) / args.tg * 1e3
+    model.experts = ex
+    pp_rates = [args.pp / bench_pp(model, args.pp, ctx, gen) for _ in range(args.reps)]
+
+    bw = ex.moe.measure_read_bandwidth(1 << 28, 3)
+    dense_bytes = sum(t.numel() * t.element_size() for k, t in dense.items() if k != "model.embed_tokens.weight")
+
+    def ms(xs):
+        return f"{statistics.fmean(xs):.2f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.2f}"
+
+    n_lin = sum(t == "linear_attention" for t in cfg.layer_types)
+    print(f"model: qwen3_next-shaped, {args.layers} layers ({n_lin} gated DeltaNet, {args.layers - n_lin} gated "
+          f"full attention) x {args.experts} experts (H {H}, I {I}, int4 g128, top-{cfg.top_k}) + gated shared "
+          f"expert; kernel backend {ex.moe.backend_detail}, {ex.moe.n_threads} kernel threads, "
+          f"{torch.get_num_threads()} torch threads, dense {args.dense_dtype}; expert bytes {conv.nbytes / 1e9:.2f} GB")
+    print(f"tg{args.tg}_tokens_per_s: {ms(tg_rates)} tok/s")
+    print(f"pp{args.pp}_tokens_per_s: {ms(pp_rates)} tok/s")
+    print(f"tg_decode_step: {b['step_ms']:.2f} ms")
+    print(f"tg_kernels_alone_same_experts: {kern_ms:.2f} ms")
+    print(f"tg_step_over_kernels: {statistics.fmean(ratios):.3f} ratio")
+    print(f"tg_dense_part_alone: {dense_ms:.2f} ms")
+    print(f"tg_step_over_kernels_plus_dense: {b['step_ms'] / (kern_ms + dense_ms):.3f} ratio")
+    print(f"tg_step_waiting_on_experts: {b['experts_wait_ms']:.2f} ms")
+    print(f"tg_step_attention: {b['attention_ms']:.2f} ms")
+    print(f"tg_step_gated_deltanet_layers: {kind_ms.get('linear_attention', 0.0):.2f} ms")
+    print(f"tg_step_full_attention_layers: {kind_ms.get('full_attention', 0.0):.2f} ms")
+    print(f"tg_step_router_shared_expert: {b['router_shared_dense_mlp_ms']:.2f} ms")
+    print(f"tg_step_head_norms_embedding: {b['head_norm_embed_ms']:.2f} ms")
+    print(f"tg_step_loop_overhead: {b['loop_overhead_ms']:.2f} ms")
+    print(f"tg_dense_bytes_per_step: {dense_bytes / 1e6:.1f} MB")
+    print(f"read_bandwidth: {bw / 1e9:.1f} GB/s")
+    print(f"tg_dense_over_bandwidth_limit: {dense_ms / (dense_bytes / bw * 1e3):.2f} ratio")
+
+
+if __name__ == "__main__":
+    main()
