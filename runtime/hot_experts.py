@@ -26,13 +26,14 @@ from .expert_placement import HotExpertOptions, PlacementError, plan_placement
 from .expert_residency import ExpertResidency
 from .hot_expert_store import HotExpertError, HotExpertStore, resolve_format
 from .hybrid_experts import HybridExperts
-from .models import arch_module
+from .models import arch_module, cache_layers
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
     """KV-cache bytes one token takes in every layer (the family's cache widths)."""
     widths = arch_module(cfg.model_type).cache_widths(cfg)
-    return cfg.num_layers * sum(math.prod(w) for w in widths) * torch.finfo(dtype).bits // 8
+    return cache_layers(arch_module(cfg.model_type), cfg) * sum(math.prod(w) for w in widths) * \
+        torch.finfo(dtype).bits // 8
 
 
 def dense_device_bytes(converted) -> int:

@@ -150,3 +150,15 @@ def test_bfloat16_runtime_stays_close_to_float32(tmp_path_factory):
 
     d = kl(logits(torch.float32), logits(torch.bfloat16))
     assert d.mean() < 3e-3 and d.max() < 1e-1, (d.mean(), d.max())
+
+
+def test_kv_blocks_only_for_full_attention_layers(four_layers):
+    """Three DeltaNet layers + one full-attention layer: the KV pool holds one layer's k and v per position."""
+    from ktrun.hot_experts import kv_bytes_per_token
+
+    _src, conv, _ref = four_layers
+    eng = Engine(conv, ctx=256, use_kernels=False)
+    cfg = eng.model.cfg
+    assert eng.model.kv_pool.layout.num_layers == 1
+    assert kv_bytes_per_token(cfg, torch.float32) == 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    eng.close()

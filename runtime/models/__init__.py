@@ -11,3 +11,10 @@ from ktlayouts.families import get_family
 def arch_module(model_type: str):
     """The forward module of a family (model_type: its name or an alias); ConfigError for an unknown one."""
     return importlib.import_module(f"{__name__}.{get_family(model_type).runtime_module}")
+
+
+def cache_layers(arch, cfg) -> int:
+    """Layers with KV blocks in a family's forward module `arch`: every layer, unless the module says fewer
+    (Qwen3-Next: its full-attention layers; its forward writes slot j for its j-th such layer)."""
+    fn = getattr(arch, "cache_layers", None)
+    return cfg.num_layers if fn is None else fn(cfg)

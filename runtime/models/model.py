@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ktlayouts.families import ModelConfig, get_family
 
 from ..packed_linear import linear
-from . import arch_module
+from . import arch_module, cache_layers
 from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache
 from .layers import Rope, rms_norm, swiglu_mlp
 
@@ -47,7 +47,8 @@ class MoEModel:
         return p + self.names.moe_prefix
 
     def cache_layout(self, block_size: int = KV_BLOCK_SIZE) -> BlockLayout:
-        return BlockLayout(self.cfg.num_layers, tuple(tuple(w) for w in self.arch.cache_widths(self.cfg)), block_size)
+        return BlockLayout(cache_layers(self.arch, self.cfg), tuple(tuple(w) for w in self.arch.cache_widths(self.cfg)),
+                           block_size)
 
     def set_kv_block_size(self, block_size: int) -> None:
         """Positions per KV block; only while no block is held."""

@@ -43,7 +43,8 @@ def gated_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: B
     rd = cfg.rope.dim
     q = torch.cat([rope.apply(q[..., :rd], cos, sin), q[..., rd:]], dim=-1)
     k = torch.cat([rope.apply(k[..., :rd], cos, sin), k[..., rd:]], dim=-1)
-    out = gqa_attend(cfg, q, k, v, batch, layer).reshape(T, nh * hd) * torch.sigmoid(gate)
+    slot = cfg.layer_types[:layer].count("full_attention")                  # this layer's KV slot (cache_layers)
+    out = gqa_attend(cfg, q, k, v, batch, slot).reshape(T, nh * hd) * torch.sigmoid(gate)
     return linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
 
 
@@ -55,4 +56,9 @@ def attention(cfg, w, p, x, batch, layer, rope, cos, sin):
     return gated_attention(cfg, w, p, x, batch, layer, rope, cos, sin)
 
 
-cache_widths = gqa_cache_widths    # full-attention layers' k and v (the linear layers' blocks stay unused)
+cache_widths = gqa_cache_widths    # full-attention layers' k and v
+
+
+def cache_layers(cfg) -> int:
+    """KV blocks only for the full-attention layers (the DeltaNet layers keep SeqCache.recurrent instead)."""
+    return cfg.layer_types.count("full_attention")
