@@ -15,6 +15,13 @@ from ktlayouts.gpu_formats import dequantize_named, quantized_linears
 from safetensors import safe_open
 
 
+def to_numpy(t) -> np.ndarray:
+    """A torch tensor read by safetensors -> numpy; bfloat16 as its uint16 bit patterns (numpy has no bfloat16)."""
+    import torch
+
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
 class ConvertedDir:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -70,7 +77,7 @@ class ConvertedDir:
         for p in PROJECTIONS:
             geom = geo.matrix_geometry(p, shard)
             q = f.get_slice(expert_tensor(p, "qweight"))[expert: expert + 1][0].numpy()
-            s = None if geo.bits == 16 else f.get_slice(expert_tensor(p, "scales"))[expert: expert + 1][0].numpy()
+            s = None if geo.bits == 16 else to_numpy(f.get_slice(expert_tensor(p, "scales"))[expert: expert + 1][0])
             out[p] = unpack_expert_matrix(q, s, geom)
         return out
 
@@ -110,10 +117,11 @@ def unit_piece(packed: dict[str, np.ndarray | None], proj: str, geo: ExpertGeome
     q, s = packed["qweight"], packed.get("scales")
     if proj != "down":
         b0, b1 = u0 * unit // TILE_N, u1 * unit // TILE_N
-        return q[b0:b1], None if s is None else s[b0:b1], MatrixGeometry(rows, geo.hidden, geo.bits, geo.group_size)
+        return q[b0:b1], None if s is None else s[b0:b1], MatrixGeometry(rows, geo.hidden, geo.bits, geo.group_size,
+                                                                          geo.scale_dtype)
     k_per_tile = TILE_ROWS * VNNI_BF16 if geo.bits == 16 else TILE_K
     t0, t1 = u0 * unit // k_per_tile, u1 * unit // k_per_tile
-    geom = MatrixGeometry(geo.hidden, rows, geo.bits, geo.group_size)
+    geom = MatrixGeometry(geo.hidden, rows, geo.bits, geo.group_size, geo.scale_dtype)
     if s is not None and geo.group_size > 0:
         s = s[:, u0 * unit // geo.group_size: u1 * unit // geo.group_size]
     return q[:, t0:t1], s, geom

@@ -102,6 +102,7 @@ def build_manifest(src, opts, plan, journal, side_files: list[str]) -> dict:
         "group_size": opts.group_size,
         "numa_nodes": opts.numa_nodes,
         "gpu_method": opts.gpu_method,
+        "expert_quantizer": getattr(opts, "expert_quantizer", "rtn"),
         "experts": plan.geometry.to_json(),
         "files": dict(sorted(files.items())),
     }

@@ -17,15 +17,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from ktlayouts.constants import FORMAT_VERSION, METHOD_TO_LAYOUT, ZERO_POINT
+from ktlayouts.constants import DEFAULT_SCALE_DTYPE, FORMAT_VERSION, METHOD_TO_LAYOUT, SCALE_DTYPES, ZERO_POINT
 from ktlayouts.converted_dir import MANIFEST_NAME, PROJECTIONS, ExpertGeometry, expert_tensor
-from ktlayouts.cpu_expert import pack_expert_codes, pack_expert_matrix
+from ktlayouts.cpu_expert import pack_expert_codes
+from ktlayouts.cpu_expert import pack_expert_matrix as reference_pack
 from tqdm import tqdm
 
 from ktconvert.convert_plan import ConvertError, ConvertPlan, FileJob, make_plan
 from ktconvert.gpu import GPU_OPTION_FIELDS, dense_encoder_for
 from ktconvert.manifest import copy_side_files, write_manifest
 from ktconvert.progress import Journal, prepare_output
+from ktconvert.quantizers import make_expert_quantizer
 from ktconvert.sources import open_source
 from ktconvert.writer import AlignedWriter
 
@@ -43,6 +45,10 @@ class ConvertOptions:
     calib: str | None = None
     quantize_head: bool = False
     gpu_act_order: bool = False
+    calib_tokens: int = 2048       # calibration tokens (GPTQ Hessians, importance) for GPU layers and experts
+    expert_quantizer: str = "auto"  # auto | gptq | search | rtn (ktconvert.quantizers.experts)
+    expert_gptq_min_tokens: int = 0   # routed tokens an expert needs for GPTQ (0: K/2 of the matrix)
+    scale_dtype: str = DEFAULT_SCALE_DTYPE   # expert scales: f16 (layout version 2), bf16, or f32 (version 1)
     workers: int = 2
 
     def __post_init__(self):
@@ -52,6 +58,8 @@ class ConvertOptions:
             raise ConvertError(f"--numa-nodes must be >= 1, got {self.numa_nodes}")
         if self.workers < 1:
             raise ConvertError(f"--workers must be >= 1, got {self.workers}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ConvertError(f"--scale-dtype {self.scale_dtype!r}: choose one of {', '.join(SCALE_DTYPES)}")
 
 
 class _KillHook:
@@ -95,8 +103,10 @@ def _pad_to(a: np.ndarray, shape: tuple, fill) -> np.ndarray:
 
 
 def _is_exact_int8(src, names: dict[str, str], geo: ExpertGeometry) -> bool:
-    """Whether these source tensors are blocks that are exactly int8 group-32 codes (GGUF Q8_0): dtypes only."""
-    return (geo.bits == 8 and geo.group_size == 32 and hasattr(src, "read_int8_groups")
+    """Whether these source tensors are blocks that are exactly int8 group-32 codes (GGUF Q8_0, float16 scales, which
+    float16 and float32 layout scales hold exactly): dtypes only."""
+    return (geo.bits == 8 and geo.group_size == 32 and geo.scale_dtype in ("f16", "f32")
+            and hasattr(src, "read_int8_groups")
             and all(src.info(n).dtype == "Q8_0" for n in names.values()))
 
 
@@ -123,19 +133,35 @@ def _shard_codes(exact: dict, geo: ExpertGeometry, shard: int) -> dict[str, tupl
     return out
 
 
+def pack_expert_matrix(w: np.ndarray, geom, quantizer=None, proj: str = "", stats=None,
+                       k_range: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, np.ndarray | None]:
+    """One expert matrix (N, K) -> (qweight, scales) with the conversion's quantizer (None or mode rtn: the
+    layout's reference rule, ktlayouts.cpu_expert.pack_expert_matrix)."""
+    if quantizer is None or quantizer.mode == "rtn" or geom.bits == 16:
+        return reference_pack(w, geom)
+    return quantizer.pack(proj, w, geom, stats, k_range)
+
+
 def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int,
-                 shards: list[int]) -> list[dict[str, np.ndarray]]:
-    """Read expert e of `layer` and pack it for the given shards -> per shard {tensor name: array}."""
+                 shards: list[int], quantizer=None) -> list[dict[str, np.ndarray]]:
+    """Read expert e of `layer` and pack it for the given shards -> per shard {tensor name: array}.
+    quantizer: a ktconvert.quantizers.experts.ExpertQuantizer (None or mode rtn: the layout's reference rule)."""
     names = {p: adapter.expert_tensor_name(layer, e, p) for p in PROJECTIONS}
     exact = _exact_int8(src, names, geo)
     w = None if exact else {p: src.read(n).numpy() for p, n in names.items()}
+    custom = quantizer is not None and quantizer.mode != "rtn" and not exact and geo.bits != 16
+    stats = quantizer.expert_stats(layer, e, w) if custom else None
     per_shard = []
     for s in shards:
         mats = _shard_codes(exact, geo, s) if exact else _shard_matrices(w, geo, s)
         packed = {}
         for p in PROJECTIONS:
             geom = geo.matrix_geometry(p, s)
-            qweight, scales = pack_expert_codes(*mats[p], geom) if exact else pack_expert_matrix(mats[p], geom)
+            if exact:
+                qweight, scales = pack_expert_codes(*mats[p], geom)
+            else:
+                qweight, scales = pack_expert_matrix(mats[p], geom, quantizer if custom else None, p, stats,
+                                                     geo.shard_plan.shard_range(s))
             packed[expert_tensor(p, "qweight")] = qweight
             if scales is not None:
                 packed[expert_tensor(p, "scales")] = scales
@@ -145,9 +171,9 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int,
 
 class Converter:
     def __init__(self, src, out_dir: Path, opts: ConvertOptions, plan: ConvertPlan, journal: Journal, encoder, bar,
-                 kill):
+                 kill, quantizer=None):
         self.src, self.out_dir, self.opts, self.plan, self.journal = src, out_dir, opts, plan, journal
-        self.encoder, self.bar, self.kill = encoder, bar, kill
+        self.encoder, self.bar, self.kill, self.quantizer = encoder, bar, kill, quantizer
 
     def _commit(self, writer: AlignedWriter, rel: str) -> None:
         size, sha = writer.commit()
@@ -176,13 +202,17 @@ class Converter:
             for job in jobs:
                 writers.append(AlignedWriter(self.out_dir / job.rel, job.specs, job.metadata))
             per_expert = group_nbytes // geo.n_experts
+            if self.quantizer is not None:
+                self.quantizer.begin_layer(layer)       # calibration of this layer, on this (the main) thread
             window: deque = deque()
             for e in range(geo.n_experts):
-                window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e, shards)))
+                window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e, shards, self.quantizer)))
                 if len(window) > self.opts.workers:
                     self._drain_one(window, writers, per_expert)
             while window:
                 self._drain_one(window, writers, per_expert)
+            if self.quantizer is not None:
+                self.quantizer.layer_done(layer)
             for w, job in zip(writers, jobs):
                 self._commit(w, job.rel)
         except BaseException:
@@ -205,8 +235,11 @@ def conversion_params(src, opts: ConvertOptions) -> dict:
     return {"format_version": FORMAT_VERSION, "source": str(Path(src.path).resolve()),
             "source_files": [list(x) for x in shard_files], "method": opts.method,
             "group_size": opts.group_size, "numa_nodes": opts.numa_nodes, "gpu_method": opts.gpu_method,
+            **({} if opts.scale_dtype == "f32" else {"scale_dtype": opts.scale_dtype}),
             **({} if opts.gpu_method == "bf16" else
-               {k: getattr(opts, k) for k in ("gpu_group_size", "gpu_format", "quantize_head", "gpu_act_order")})}
+               {k: getattr(opts, k) for k in ("gpu_group_size", "gpu_format", "quantize_head", "gpu_act_order")}),
+            **({} if opts.expert_quantizer in ("rtn", "none") else
+               {k: getattr(opts, k) for k in ("expert_quantizer", "expert_gptq_min_tokens", "calib", "calib_tokens")})}
 
 
 def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, resume: bool = False,
@@ -216,8 +249,10 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
     kill = _KillHook()
     with open_source(src_path) as src:
         encoder = dense_encoder_for(src, **{k: getattr(opts, k) for k in GPU_OPTION_FIELDS})
-        opts = replace(opts, gpu_method=encoder.name)     # "auto" resolved (the log says which)
-        plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder)
+        quantizer = make_expert_quantizer(src, opts, encoder)
+        opts = replace(opts, gpu_method=encoder.name,     # "auto" resolved (the log says which)
+                       expert_quantizer=quantizer.mode if quantizer else "rtn" if opts.method != "bf16" else "none")
+        plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder, opts.scale_dtype)
         params = conversion_params(src, opts)
         journal = prepare_output(out_dir, params, resume=resume, force=force)
         done = sum(j.source_nbytes for g in plan.jobs for j in g if all(journal.is_done(x.rel) for x in g))
@@ -228,7 +263,7 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                                      plan.geometry):
             tqdm.write("experts: GGUF Q8_0 blocks taken over exactly as int8 group-32 codes and scales "
                        "(no float round trip)", file=sys.stderr)
-        conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill)
+        conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill, quantizer)
         try:
             with ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="ktconvert") as pool:
                 for group in plan.jobs:

@@ -31,7 +31,7 @@ from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor
 from ktlayouts.cpu_expert import LayoutError, MatrixGeometry, unpack_codes, unpack_scales
 from ktlayouts.gptq import GptqGeometry, gptq_pack
 
-from ktconvert.converted_reader import ConvertedDir
+from ktconvert.converted_reader import ConvertedDir, to_numpy
 
 EXPORT_STEPS = (128, 64, 32)           # the group lengths (besides per-row) vLLM's Marlin kernels take
 CHANNEL = -1                           # step meaning one scale per output row
@@ -109,7 +109,7 @@ def expert_codes(conv: ConvertedDir, layer: int, expert: int, proj: str, step: i
     for p in shard_pieces(conv, proj):
         f = conv.open(expert_file(layer, p.shard, conv.geometry.numa_nodes))
         q = f.get_slice(expert_tensor(proj, "qweight"))[expert: expert + 1][0].numpy()
-        s = f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0].numpy()
+        s = to_numpy(f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0])
         c, sc = unpack_codes(q, p.geom), unpack_scales(s, p.geom)          # (N_pad, K_pad), (N_pad, n_groups)
         n1, k1 = min(n, p.n0 + p.geom.n), min(k, p.k0 + p.geom.k)
         codes[p.n0:n1, p.k0:k1] = c[: n1 - p.n0, : k1 - p.k0]

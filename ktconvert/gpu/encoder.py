@@ -27,7 +27,7 @@ from ktlayouts.marlin import marlin_pack, marlin_padded_shape
 from ktconvert.gpu.dense import Bf16Encoder, DenseOutput
 from ktconvert.gpu.gptq import GptqConfig, gptq_quantize
 from ktconvert.gpu.options import GPU_FORMATS, GPU_METHODS
-from ktconvert.gpu.rtn import QuantizedLinear, quantize_rtn
+from ktconvert.gpu.rtn import QuantizedLinear, quantize_rtn, quantize_search
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,19 @@ def resolve_method(opts: GpuLayerOptions, src=None) -> tuple[str, str]:
     return "gptq-int4", f"default, calibration text {path}"
 
 
+def calibration_available(opts: GpuLayerOptions, src) -> bool:
+    from ktconvert.gpu.calib import CalibrationError, read_calibration_text, tokenizer_for
+    try:
+        read_calibration_text(opts.calib)
+        tokenizer_for(src)
+    except CalibrationError as e:
+        if opts.calib is not None:
+            raise
+        log.info("no calibration for the GPU layers' importance (%s): uniform weights", e)
+        return False
+    return True
+
+
 class GpuLayerEncoder:
     """DenseEncoder (ktconvert.gpu.dense) writing quantized GPU layers; `src` is needed for GPTQ only."""
 
@@ -108,7 +121,11 @@ class GpuLayerEncoder:
         self.algo, self.bits = algo if algo else (None, 16)
         if self.algo == "gptq" and src is None:
             raise GpuLayerError("--gpu-method gptq-int4 needs the source checkpoint for calibration")
+        # search-int*: importance from calibration when text and tokenizer are there, else uniform weights
+        self.calibrated = self.algo == "gptq" or (self.algo == "search" and src is not None
+                                                  and calibration_available(opts, src))
         self.quantized_names: list[str] = []
+        self.capture_experts = False     # set by the pipeline when the routed-expert quantizer shares calibration
 
     # --- which tensors, which shapes -------------------------------------------------------------------------
     def quantizes(self, name: str, shape: tuple[int, ...], role) -> bool:
@@ -162,26 +179,39 @@ class GpuLayerEncoder:
         q, _ = gptq_quantize(wp, h, cfg, name=name)
         return q
 
-    def _calibrated(self, name: str, role) -> QuantizedLinear:
-        if self._calibrator is None:
-            from ktconvert.gpu.calib import LayerwiseGptq, calibration_tokens, read_calibration_text
-            text, path = read_calibration_text(self.opts.calib)
-            tokens = calibration_tokens(self.src, text, self.opts.calib_tokens, self.opts.seq_len, self.opts.seed)
-            log.info("GPTQ calibration: %d sequences x %d tokens from %s", tokens.shape[0], tokens.shape[1], path)
+    def calibrator(self, create: bool = True):
+        """The layer-by-layer calibration driver (shared with the routed-expert quantizer), created on first use;
+        None when this encoder does not calibrate (no calibration text for search-int*)."""
+        if self._calibrator is None and create and self.calibrated:
+            from ktconvert.gpu.calib import make_calibrator
 
             def is_target(hub: str) -> bool:
                 info = self.src.info(hub)
                 return self.quantizes(hub, tuple(info.shape), self.src.arch.classify(hub))
-            self._calibrator = LayerwiseGptq(self.src, tokens, self.quantize_with_hessian, is_target,
-                                             self.opts.quantize_head)
-        return self._calibrator.result(name, role.layer if role.kind != "head" else None)
+            self._calibrator = make_calibrator(self.src, self.opts.calib, self.opts.calib_tokens, self.opts.seq_len,
+                                               self.opts.seed, self.quantize_calibrated, is_target,
+                                               self.opts.quantize_head, capture_experts=self.capture_experts)
+        return self._calibrator
+
+    def quantize_calibrated(self, name: str, w: torch.Tensor, h: torch.Tensor) -> QuantizedLinear:
+        if self.algo == "gptq":
+            return self.quantize_with_hessian(name, w, h)
+        wp, g = self._pad(name, w.to(torch.float32))
+        imp = torch.zeros(g.k)
+        imp[: h.shape[0]] = torch.diag(h)
+        return quantize_search(wp, self.bits, self.opts.group_size, importance=imp)
+
+    def _calibrated(self, name: str, role) -> QuantizedLinear:
+        return self.calibrator().result(name, role.layer if role.kind != "head" else None)
 
     def encode(self, name, tensor, role) -> dict[str, np.ndarray]:
         t = torch.as_tensor(np.ascontiguousarray(tensor, dtype=np.float32))
         if not self.quantizes(name, tuple(t.shape), role):
             return self.bf16.encode(name, tensor, role)
-        if self.algo == "gptq":
+        if self.calibrated:
             q = self._calibrated(name, role)
+        elif self.algo == "search":
+            q = quantize_search(self._pad(name, t)[0], self.bits, self.opts.group_size)
         else:
             wp, _ = self._pad(name, t)
             q = quantize_rtn(wp, self.bits, self.opts.group_size)
