@@ -36,11 +36,14 @@ SCALE_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 # version of a default conversion; f16 (version 2, 0.5 bit/weight less at group 32) is chosen with --scale-dtype f16.
 DEFAULT_SCALE_DTYPE = "f32"
 CPU_EXPERT_LAYOUT_VERSIONS = (1, 2)
+SCALE_DTYPES_OF_VERSION = {1: ("f32",), 2: ("f16", "bf16")}      # int layouts: what each version stores
 
 
 def scale_layout_version(scale_dtype: str) -> int:
     """Layout version of int expert files with these scales: 1 for float32, 2 for 16-bit."""
     return 1 if scale_dtype == "f32" else 2
+
+
 METHOD_TO_LAYOUT = {"int8-amx": "cpu-expert-int8", "int4-amx": "cpu-expert-int4", "bf16": "cpu-expert-bf16"}
 
 # Weight codes are unsigned with a fixed zero point (uint8b128 / uint4b8): value = (code - ZERO) * scale.

@@ -108,10 +108,10 @@ def perplexity(model_dir, text_file, ctx, chunks, base_out, reference, batch, de
       ktrun perplexity converted-int4/ --text wiki.test.raw --ctx 512 --chunks 32
     """
     import torch
+    from ktlayouts.families import ConfigError
     from ktlayouts.logprobs import LogprobsError
 
     from .loader import LoadError
-    from .models.config import ConfigError
     from .perplexity import PerplexityError
     from .tokenizer import TokenizerError
 

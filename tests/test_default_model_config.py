@@ -80,7 +80,7 @@ def test_transformers_reads_the_hub_spellings(config):
 
 
 def test_ktrun_parses_sigmoid_noaux_tc_routing():
-    from ktrun.models.config import load_config
+    from ktlayouts.families import load_config
 
     c = load_config(MODEL_DIR / "config.json")
     assert (c.scoring, c.topk_method, c.n_group, c.topk_group) == ("sigmoid", "noaux_tc", 4, 2)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ktconvert.gpu.rtn import quantize_rtn, quantize_search
-from ktconvert.quantizers.scales import codes_for, round_scales, search_scales
+from ktconvert.scale_search import codes_for, round_scales, search_scales
 
 
 def _groups(dist: str, r: int = 300, length: int = 32, seed: int = 0) -> torch.Tensor:

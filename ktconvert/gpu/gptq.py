@@ -5,7 +5,7 @@ Hessian H = 2 X^T X / T (K, K). Columns are quantized in order (or in order of d
 the rounding error of each column is spread over the columns not yet quantized through the upper Cholesky factor
 U of H^-1. Updates inside a block of 128 columns are applied at once ("lazy batch"), the rest once per block.
 Group scales are computed when the first column of a group is reached, from the weights as updated so far: by
-default (scale_rule "search") the scale of ktconvert.quantizers.scales.search_scales minimizing the group's
+default (scale_rule "search") the scale of ktconvert.scale_search.search_scales minimizing the group's
 squared error weighted by diag(H) (each input channel's activation energy), never worse than the largest magnitude
 onto the most negative code; scale_rule "vllm" keeps the reference rule max|w| / ((2^b - 1) / 2).
 Quantization is symmetric with the rounding of ktconvert.gpu.rtn, so RTN and GPTQ results share one layout.
@@ -159,7 +159,7 @@ def group_scales(w_group: torch.Tensor, importance: torch.Tensor, cfg: GptqConfi
     """w_group (N, L) columns of one group, importance (L,) -> (N,) scales, representable in cfg.scale_dtype."""
     if cfg.scale_rule == "vllm":
         return scales_for(w_group, cfg.bits)
-    from ktconvert.quantizers.scales import search_scales
+    from ktconvert.scale_search import search_scales
     return search_scales(w_group, importance, cfg.bits, cfg.scale_dtype)[0]
 
 

@@ -3,12 +3,14 @@
 Light to import (no torch): the CLI imports it to build its options."""
 from __future__ import annotations
 
+from ktlayouts.gpu_formats import format_families
+
 # method -> (algorithm, bits); bf16 leaves the non-expert tensors unquantized
 # rtn: vLLM's reference rule (scale max|w| / ((2^b - 1) / 2)); search: per-group scale search minimizing the squared
-# error weighted by calibration importance (ktconvert.quantizers.scales); gptq: GPTQ with that scale search
+# error weighted by calibration importance (ktconvert.scale_search); gptq: GPTQ with that scale search
 GPU_METHODS = {"gptq-int4": ("gptq", 4), "search-int4": ("search", 4), "search-int8": ("search", 8),
                "rtn-int4": ("rtn", 4), "rtn-int8": ("rtn", 8), "bf16": None}
-GPU_FORMATS = ("marlin", "gptq", "compressed-tensors")
+GPU_FORMATS = format_families()          # the registered GPU Linear formats: marlin, gptq, compressed-tensors
 GPU_METHOD_CHOICES = ("auto", *GPU_METHODS)
 # ConvertOptions fields that select and configure the non-expert encoder (the arguments of dense_encoder_for)
 GPU_OPTION_FIELDS = ("gpu_method", "gpu_group_size", "gpu_format", "calib", "quantize_head", "gpu_act_order",

@@ -65,9 +65,9 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedL
 def quantize_search(weight: torch.Tensor, bits: int, group_size: int, importance: torch.Tensor | None = None,
                     scale_dtype: str = "f16") -> QuantizedLinear:
     """weight (N, K) -> QuantizedLinear: round to nearest with each group's scale chosen by
-    ktconvert.quantizers.scales.search_scales (squared error weighted by `importance` (K,), the input channels'
+    ktconvert.scale_search.search_scales (squared error weighted by `importance` (K,), the input channels'
     activation energy diag(H), or uniform; never worse than the largest magnitude onto the most negative code)."""
-    from ktconvert.quantizers.scales import search_scales
+    from ktconvert.scale_search import search_scales
 
     w = weight.detach().to(torch.float32)
     n, k = w.shape

@@ -7,7 +7,7 @@ from its float weights. Modes (`ktconvert quantize --expert-quantizer`):
 
   rtn     the layout's reference rule (ktlayouts.cpu_expert.quantize: largest magnitude onto the most negative code),
           no calibration;
-  search  per-group scale search (ktconvert.quantizers.scales) minimizing the squared error weighted by each input
+  search  per-group scale search (ktconvert.scale_search) minimizing the squared error weighted by each input
           channel's importance, mean(x_k^2) over the expert's routed tokens (gate/up: X_e, down: A_e), shrunk toward
           the mean over all tokens of the layer for experts with few tokens:
           imp = (sum_routed x^2 + PRIOR_TOKENS * mean_all x^2) / (n_e + PRIOR_TOKENS); uniform without calibration;
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ktlayouts.constants import ZERO_POINT
 from ktlayouts.cpu_expert import MatrixGeometry, pack_codes, pack_expert_matrix, pack_scales, pad_weight
 
-from ktconvert.quantizers.scales import search_scales
+from ktconvert.scale_search import search_scales
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +117,19 @@ class ExpertQuantizer:
 
     # --- one matrix ------------------------------------------------------------------------------------------
     def pack(self, proj: str, mat: np.ndarray, geom: MatrixGeometry, stats: ExpertStats | None,
-             k_range: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+             k_range: tuple[int, int], bf16_scales: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """mat (N, K) float (this shard's rows of gate/up, columns of down) -> (qweight, packed scales).
-        k_range: for down, this shard's [i0, i1) of the padded intermediate size (its K); ignored otherwise."""
+        k_range: for down, this shard's [i0, i1) of the padded intermediate size (its K); ignored otherwise.
+        bf16_scales (--bf16-scales): the searched scales are bfloat16 values whatever the stored dtype. Stored as
+        float32 (layout version 1) they are float16 values: the GPU formats' float16 scales (Marlin hot experts, the
+        gptq / compressed-tensors exports) then hold them exactly, at no measurable cost (bench/README.md)."""
         if self.mode == "rtn":
-            return pack_expert_matrix(mat, geom)
+            return pack_expert_matrix(mat, geom, bf16_scales)
+        sd = "bf16" if bf16_scales else "f16" if self.scale_dtype == "f32" else self.scale_dtype
         wp = torch.from_numpy(pad_weight(np.asarray(mat, np.float32), geom).copy())     # (N_pad, K_pad)
         imp, h = self._importance(proj, stats, geom, k_range)
         use_gptq = self.mode == "gptq" and stats is not None and stats.n_tokens >= self._gptq_tokens(geom)
-        codes, scales = self._gptq(wp, h, geom) if use_gptq else self._search(wp, imp, geom)
+        codes, scales = self._gptq(wp, h, geom, sd) if use_gptq else self._search(wp, imp, geom, sd)
         if self._layer is not None:
             with self._lock:
                 rep = self.reports[self._layer[0]]
@@ -156,21 +160,21 @@ class ExpertQuantizer:
             rows[:, :take] = acts[:, sl]
         return imp, rows
 
-    def _search(self, wp: torch.Tensor, imp: torch.Tensor | None, geom: MatrixGeometry):
+    def _search(self, wp: torch.Tensor, imp: torch.Tensor | None, geom: MatrixGeometry, scale_dtype: str):
         n, g = geom.n_pad, geom.group
         groups = wp.reshape(n * geom.n_groups, g)
         w = None if imp is None else imp.reshape(1, geom.n_groups, g).expand(n, -1, -1).reshape(-1, g)
-        s, q = search_scales(groups, w, geom.bits, self.scale_dtype)
+        s, q = search_scales(groups, w, geom.bits, scale_dtype)
         codes = (q + ZERO_POINT[geom.bits]).to(torch.uint8).reshape(geom.n_pad, geom.k_pad).numpy()
         return codes, s.reshape(n, geom.n_groups).numpy().astype(np.float32)
 
-    def _gptq(self, wp: torch.Tensor, rows: torch.Tensor, geom: MatrixGeometry):
+    def _gptq(self, wp: torch.Tensor, rows: torch.Tensor, geom: MatrixGeometry, scale_dtype: str):
         from ktconvert.gpu.gptq import GptqConfig, gptq_quantize
 
         h = 2.0 * rows.T @ rows / max(1, rows.shape[0])
         group = -1 if geom.group == geom.k_pad and geom.group_size == -1 else geom.group
         cfg = GptqConfig(bits=geom.bits, group_size=group, percdamp=self.percdamp, block=max(128, geom.group),
-                         scale_dtype=self.scale_dtype)
+                         scale_dtype=scale_dtype)
         q, _ = gptq_quantize(wp, h, cfg, name="routed expert")
         codes = np.ascontiguousarray(q.codes_kn.T)                                   # (N_pad, K_pad), zero point Z
         scales = np.ascontiguousarray(q.scales_gn.astype(np.float32).T)              # (N_pad, n_groups)
