@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 import torch
 
+from .decode_bytes import read_bandwidth, weight_bytes_per_token
 from .generate import decode_one_token, prefill
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
@@ -120,6 +121,18 @@ def decode_breakdown(parts: list[dict], tg: int) -> dict[str, float]:
             "loop_overhead_ms": 1e3 * (step - fwd), "cpu_expert_compute_ms": 1e3 * tot.get("expert_compute_s", 0.0) / n}
 
 
+def roofline_lines(read: dict[str, int], step_s: float, bandwidth: float) -> str:
+    """Weight bytes per decoded token and the achieved read rate of a decode step vs the measured bandwidth."""
+    mb = {k: v / 1e6 for k, v in read.items()}
+    achieved = read["total"] / step_s / 1e9 if step_s > 0 else 0.0
+    out = (f"\nweights_read_per_token: {mb['total']:.3f} MB (experts {mb['experts']:.3f} MB, dense "
+           f"{mb['dense']:.3f} MB, head {mb['head']:.3f} MB)\ndecode_weight_read: {achieved:.2f} GB/s")
+    if bandwidth > 0:
+        out += (f"\nread_bandwidth_measured: {bandwidth / 1e9:.2f} GB/s\n"
+                f"decode_fraction_of_bandwidth: {achieved * 1e9 / bandwidth:.3f}")
+    return out
+
+
 @click.command("bench")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--pp", default=None, type=click.IntRange(0),
@@ -173,6 +186,8 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
         backend = f"{conv.device.type} {str(conv.dtype)[6:]} dense + {type(m.experts).__name__}"
         hot_line = describe(m.experts)
         res = run_bench(m, pp, tg, reps, seed, prompt_ids=prompt_ids)
+        read = weight_bytes_per_token(m, conv) if tg else None
+        bandwidth = read_bandwidth(m.experts) if tg and conv.device.type == "cpu" else 0.0
     click.echo(f"quantized GPU layers: {conv.gpu_weights}")
     click.echo(hot_line + "\n")
     for line in summary:
@@ -190,6 +205,7 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
                    f"head/norms/embedding {b['head_norm_embed_ms']:.2f} ms, loop overhead {b['loop_overhead_ms']:.2f} ms")
         click.echo(f"CPU routed-expert compute {b['cpu_expert_compute_ms']:.2f} ms per step "
                    f"(runs while the shared experts compute)")
+        click.echo(roofline_lines(read, b["step_ms"] / 1e3, bandwidth))
     lines = hit_ratio_lines(res["hits"], per_layer)
     if lines:
         click.echo("")

@@ -16,7 +16,13 @@ from .cpu_moe import ExpertShard, MoEKernels
 class KernelExperts:
     def __init__(self, converted, n_threads: int | None = None, backend: str | None = None):
         geo = converted.geometry
-        self.moe = MoEKernels(n_threads=n_threads, backend=backend)
+        # the pool the loader made for the quantized Linears (--gpu-weights kernels), if any: one set of threads
+        # runs both, so they never fight over the cores
+        shared = getattr(converted, "kernels", None)
+        if shared is not None and n_threads is None and backend is None:
+            self.moe = shared
+        else:
+            self.moe = MoEKernels(n_threads=n_threads, backend=backend)
         plan = geo.shard_plan
         for layer, shards in converted.experts.items():
             pieces = []

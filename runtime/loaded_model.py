@@ -43,6 +43,7 @@ class LoadedModel(contextlib.AbstractContextManager):
         close = getattr(self.model.experts, "close", None)
         if close:
             close()
+        self.converted.close()       # the kernel pool of the quantized Linears, if any (closing twice is a no-op)
 
     def __exit__(self, *exc) -> None:
         self.close()
