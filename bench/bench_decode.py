@@ -24,9 +24,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP thre
 import numpy as np
 import torch
 from ktlayouts.converted_dir import ExpertGeometry
+from ktlayouts.families import parse_config
 from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
 from ktrun.kernel_experts import KernelExperts
-from ktrun.models.config import parse_config
 from ktrun.models.model import MoEModel
 
 H, I, TOP_K, VOCAB = 7168, 2048, 8, 4096

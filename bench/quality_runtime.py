@@ -1,5 +1,5 @@
 """bench_quality's second path: the real product. Convert the default model with `ktconvert` (pipeline.convert) and
-score the held-out windows with `ktrun`'s model (Engine; CPU kernels when the library loads, which adds int8
+score the held-out windows with `ktrun`'s model (load_model; CPU kernels when the library loads, which adds int8
 activation quantization), against the same BF16 transformers reference log-probs."""
 from __future__ import annotations
 
@@ -17,25 +17,22 @@ RUNTIME_CONFIGS = [("int8-amx", 128, "bf16"), ("int8-amx", -1, "bf16"), ("int4-a
 @torch.no_grad()
 def runtime_scores(conv_dir: Path, windows: torch.Tensor, ref_logp: list, batch: int) -> tuple[float, float, str]:
     """-> (perplexity, mean KL(ref || ktrun), expert backend name) over the windows (n, SEQ_LEN+1)."""
-    from ktrun.engine import Engine
+    from ktrun.loaded_model import load_model
     from ktrun.models.kv_cache import Batch
 
-    eng = Engine(conv_dir, ctx=windows.shape[1] + 8)
-    try:
+    with load_model(conv_dir) as lm:
         nll, kl, count = 0.0, 0.0, 0
         for j, i in enumerate(range(0, len(windows), batch)):
             for r, row in enumerate(windows[i:i + batch]):
                 ids = row[:-1].tolist()
-                logits = eng.model.forward(Batch.build([(eng.model.new_cache(len(ids) + 8), ids)], "cpu"),
-                                           all_logits=True)  # (T, V)
+                logits = lm.model.forward(Batch.build([(lm.model.new_cache(len(ids) + 8), ids)], "cpu"),
+                                          all_logits=True)  # (T, V)
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 nll -= float(logp.gather(-1, row[1:, None]).sum())
                 ref = ref_logp[j][r]
                 kl += float((ref.exp() * (ref - logp)).sum())
                 count += len(ids)
-        return math.exp(nll / count), kl / count, eng.stats["expert_backend"]
-    finally:
-        eng.close()
+        return math.exp(nll / count), kl / count, type(lm.model.experts).__name__
 
 
 def runtime_rows(model_dir: Path, windows: torch.Tensor, ref_logp: list, batch: int) -> list[tuple]:

@@ -7,12 +7,7 @@ import sys
 import click
 
 from .gpu_weights_option import gpu_weights_option
-
-
-def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
-    """The text before the first occurrence of any stop string (OpenAI semantics: the stop string is not returned)."""
-    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
-    return text[: min(hits)] if hits else text
+from .hot_experts_option import hot_experts_from, hot_experts_options
 
 
 @click.command("generate")
@@ -38,8 +33,9 @@ def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
 @click.option("--numa-prefault", is_flag=True,
               help="Fault each NUMA node's expert shards in from a thread bound to that node (reads them at start).")
 @gpu_weights_option
+@hot_experts_options()
 def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, top_k, seed, ctx, stop, ignore_eos,
-             as_json, verify, dense_dtype, device, reference_experts, numa_prefault, gpu_weights):
+             as_json, verify, dense_dtype, device, reference_experts, numa_prefault, gpu_weights, **hot):
     """Generate a continuation of --prompt with the converted model in MODEL_DIR.
 
     \b
@@ -48,24 +44,26 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
       ktrun generate converted/ --chat --prompt "Why is the sky blue?" --temperature 0.7 --seed 1
       ktrun generate converted/ --prompt "Hello" --json      # {"prompt_token_ids": [...], "token_ids": [...], ...}
       ktrun generate converted/ --prompt "1, 2, 3," --stop "10" --ctx 2048
+      ktrun generate converted/ --profile profile.json --gpu-experts 8 --prompt "def f(x):"   # hot experts on GPU
     """
     import torch
+    from ktlayouts.families import ConfigError
 
-    from .engine import Engine
     from .generate import generate as run_generate
+    from .loaded_model import load_model
     from .loader import LoadError
-    from .models.config import ConfigError
     from .sampling import SamplingParams
-    from .serve_text import TextStream
     from .tokenizer import TokenizerError
 
+    hot_opts = hot_experts_from(hot)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=list(stop), ignore_eos=ignore_eos)
-        eng = Engine(model_dir, ctx=ctx, max_batch=1, device=device, verify=verify,
-                     use_kernels=False if reference_experts else None, quiet=as_json, numa_prefault=numa_prefault,
-                     dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype), gpu_weights=gpu_weights)
-        tok = eng.tokenizer
+        lm = load_model(model_dir, device=device, verify=verify, use_kernels=False if reference_experts else None,
+                        quiet=as_json, numa_prefault=numa_prefault, gpu_weights=gpu_weights,
+                        dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype), hot_experts=hot_opts,
+                        kv_tokens=ctx)
+        tok = lm.tokenizer
         if chat:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             prompt_ids = tok.apply_chat_template(msgs)
@@ -73,23 +71,21 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
             prompt_ids = tok.encode(prompt)
     except (LoadError, ConfigError, TokenizerError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    if len(prompt_ids) >= ctx:
-        raise click.ClickException(f"--prompt is {len(prompt_ids)} tokens, longer than --ctx {ctx} allows (the "
-                                   "context holds the prompt and the generated tokens: at least 1)")
-    # streamed text: incremental decoding that holds back incomplete characters and possible stop-string starts
-    stream = TextStream(tok.decode, stop, prompt_ids)
-    streamer = None if as_json else (lambda token: (sys.stdout.write(stream.push(token)), sys.stdout.flush()))
-    out = run_generate(eng.model, prompt_ids, params, ctx, eng.eos_ids, decode_text=tok.decode, callback=streamer)
-    eng.close()
-    text = cut_at_stop(tok.decode(out.tokens), stop)
+    # streamed text: never an incomplete character or the start of a possible stop string (ktrun.text_stream)
+    streamer = None if as_json else (lambda delta: (sys.stdout.write(delta), sys.stdout.flush()))
+    if hot_opts is not None and not as_json:
+        from .hot_experts import describe
+        click.echo(describe(lm.model.experts), err=True)
+    with lm:
+        if len(prompt_ids) >= ctx:
+            raise click.ClickException(f"--prompt is {len(prompt_ids)} tokens, longer than --ctx {ctx} allows (the "
+                                       "context holds the prompt and the generated tokens: at least 1)")
+        out = run_generate(lm.model, prompt_ids, params, ctx, lm.eos_ids, decode_text=tok.decode, on_text=streamer)
     if as_json:
-        click.echo(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out.tokens, "text": text,
+        click.echo(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out.tokens, "text": out.text,
                                "finish_reason": out.finish_reason, "prefill_s": round(out.prefill_s, 6),
                                "decode_s": round(out.decode_s, 6)}))
     else:
-        sys.stdout.write(stream.finish())
-        if len(text) > len(stream.text) and text.startswith(stream.text):   # a tail the windowed decode held
-            sys.stdout.write(text[len(stream.text):])
         sys.stdout.write("\n")
         rate = (len(out.tokens) - 1) / out.decode_s if out.decode_s > 0 and len(out.tokens) > 1 else 0.0
         click.echo(f"[{len(prompt_ids)} prompt tokens in {out.prefill_s:.2f} s, {len(out.tokens)} generated, "

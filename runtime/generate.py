@@ -1,5 +1,6 @@
 """The decode loop, on one screen: prefill the prompt, then decode one token at a time until EOS, a stop string,
-max_tokens or the context limit. One request; the Engine (engine.py) batches many with the same model calls."""
+max_tokens or the context limit. One request; the Engine (engine.py) batches many with the same pieces: `prefill`,
+`decode` and a Sequence (sequence.py) per request, which holds the finish rule and the text (stop strings)."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .models.kv_cache import Batch, SeqCache
-from .sampling import SamplingParams, make_generator, sample_token
+from .sampling import SamplingParams
+from .sequence import Sequence
 
 PREFILL_CHUNK = 512   # prompt tokens per forward: bounds the (heads, chunk, context) attention scores in memory
 
@@ -22,26 +24,20 @@ def prefill(model, cache: SeqCache, prompt_ids: list[int], chunk: int = PREFILL_
     return logits[0]
 
 
+def decode(model, steps: list[tuple[SeqCache, int]]) -> torch.Tensor:
+    """One batched decode forward: each (cache, last token) goes one token further; -> logits (B, V)."""
+    return model.forward(Batch.build([(cache, [token]) for cache, token in steps], model.device))
+
+
 def decode_one_token(model, cache: SeqCache, token: int) -> torch.Tensor:
-    return model.forward(Batch.build([(cache, [token])], model.device))[0]
-
-
-def finish_reason(token: int, n_generated: int, cache_len: int, ctx: int, params: SamplingParams,
-                  eos_ids: set[int], text: Callable[[], str] | None = None) -> str | None:
-    """Why generation stops after `token` (already counted in n_generated), or None to go on."""
-    if token in eos_ids and not params.ignore_eos:
-        return "stop"
-    if params.stop and text is not None and any(s in text() for s in params.stop):
-        return "stop"
-    if n_generated >= params.max_tokens or cache_len + 1 >= ctx:   # prompt + generated tokens fill the context
-        return "length"
-    return None
+    return decode(model, [(cache, token)])[0]
 
 
 @dataclass
 class Generation:
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
+    text: str = ""                 # with decode_text: the completion, ending before a stop string
     finish_reason: str | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -49,23 +45,19 @@ class Generation:
 
 def generate(model, prompt_ids: list[int], params: SamplingParams, ctx: int, eos_ids: set[int],
              decode_text: Callable[[list[int]], str] | None = None,
-             callback: Callable[[int], None] | None = None) -> Generation:
-    """Greedy/sampled continuation of prompt_ids; callback(token) is called for every new token as it appears."""
-    cache, gen = model.new_cache(ctx), make_generator(params.seed)
-    out = Generation(list(prompt_ids))
+             on_text: Callable[[str], None] | None = None) -> Generation:
+    """Greedy/sampled continuation of prompt_ids. With decode_text (ids -> str) the text is decoded as it grows and
+    stop strings end it; on_text(delta) gets each piece of text as soon as it may be shown."""
+    seq = Sequence(prompt_ids, params, model.new_cache(ctx), ctx, eos_ids, decode_text)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, prompt_ids)
-    out.prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    logits = prefill(model, seq.cache, seq.prompt_ids)
+    t1 = time.perf_counter()
     while True:
-        token = sample_token(logits, params, gen)
-        out.tokens.append(token)
-        if callback is not None:
-            callback(token)
-        text = (lambda: decode_text(out.tokens)) if decode_text else None
-        out.finish_reason = finish_reason(token, len(out.tokens), cache.length, ctx, params, eos_ids, text)
-        if out.finish_reason:
+        delta = seq.append(seq.sample(logits)[0])
+        if delta and on_text is not None:
+            on_text(delta)
+        if seq.finish_reason:
             break
-        logits = decode_one_token(model, cache, token)
-    out.decode_s = time.perf_counter() - t0
-    return out
+        logits = decode_one_token(model, seq.cache, seq.tokens[-1])
+    return Generation(seq.prompt_ids, seq.tokens, seq.text.text if seq.text else "", seq.finish_reason,
+                      prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)

@@ -14,7 +14,7 @@
 """
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass, field
@@ -36,9 +36,11 @@ from ktlayouts.converted_dir import (
     node_unit_ranges,
     safe_relpath,
 )
+from ktlayouts.expert_shards import unit_piece
+from ktlayouts.families import MODEL_TYPE_ALIASES, ModelConfig, get_family, load_config
+from ktlayouts.files import sha256_file
 
 from .dense_placement import PlacementError, place_quantized
-from .models.config import ModelConfig, load_config
 
 _NP_DTYPES = {"U8": np.uint8, "F32": np.float32, "BF16": np.uint16, "F16": np.float16, "I32": np.int32,
               "I64": np.int64, "I16": np.int16, "F8_E4M3": np.uint8}
@@ -54,16 +56,6 @@ def read_safetensors_header(path: Path) -> tuple[int, dict]:
         return converted_dir.read_safetensors_header(path)
     except ManifestError as e:
         raise LoadError(str(e)) from None
-
-
-def sha256_file(path: Path, progress=None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            if progress is not None:
-                progress.update(len(chunk))
-    return h.hexdigest()
 
 
 def numa_nodes() -> list[list[int]]:
@@ -188,19 +180,12 @@ def _load_dense(root: Path, manifest: dict, device, dtype, gpu_weights: str) -> 
 
 
 def piece_arrays(shard: dict, u0: int, u1: int, unit: int) -> list[np.ndarray]:
-    """Views of the bytes a node needs for units [u0, u1) of one shard: gate/up column blocks (axis 1: 16 rows
-    each) and down K tiles (axis 2) and scale groups (axis 2; per-row scales are shared by all units)."""
+    """Views of the bytes a node needs for units [u0, u1) of one shard (ktlayouts.expert_shards.unit_piece on the
+    stacked (E, ...) tensors): gate/up column blocks, down K tiles and scale groups."""
     out = []
-    for proj, (qw, sc, g) in shard.items():
-        if proj == "down":
-            kpt = 64 if g.bits != 16 else 32
-            out.append(qw[:, :, u0 * unit // kpt: u1 * unit // kpt])
-            if sc is not None:
-                out.append(sc if g.group == g.k_pad else sc[:, :, u0 * unit // g.group: u1 * unit // g.group])
-        else:
-            out.append(qw[:, u0 * unit // 16: u1 * unit // 16])
-            if sc is not None:
-                out.append(sc[:, u0 * unit // 16: u1 * unit // 16])
+    for proj, (qw, sc, geom) in shard.items():
+        q, s, _ = unit_piece(qw, sc, proj, geom, unit, u0, u1, stacked=True)
+        out += [q] if s is None else [q, s]
     return out
 
 
@@ -224,6 +209,42 @@ def prefault_numa(model: ConvertedModel, nodes: list[list[int]]) -> list[threadi
     return threads
 
 
+def _config_for(root: Path, manifest: dict, geo: ExpertGeometry) -> ModelConfig:
+    """config.json's ModelConfig, with the MoE layers the converter wrote into manifest.json (experts.moe_layers):
+    the manifest says which layers the files hold experts for. What config.json and the manifest both record
+    (family, layer count, expert count and sizes) must agree."""
+    cfg = load_config(root / "config.json")
+    arch = (cfg.raw.get("architectures") or [None])[0]
+    if arch and manifest.get("architecture") and arch != manifest["architecture"]:
+        raise LoadError(f"{root}: config.json architecture {arch} != manifest.json architecture "
+                        f"{manifest['architecture']}")
+    if MODEL_TYPE_ALIASES.get(manifest["model_type"], manifest["model_type"]) != cfg.model_type:
+        raise LoadError(f"{root}: config.json is model_type {cfg.model_type}, manifest.json model_type is "
+                        f"{manifest['model_type']}")
+    agree = [("num_layers", manifest.get("num_layers", cfg.num_layers), cfg.num_layers, "num_hidden_layers"),
+             ("experts.n_experts", geo.n_experts, cfg.num_experts, "routed experts"),
+             ("experts.hidden", geo.hidden, cfg.hidden_size, "hidden_size"),
+             ("experts.intermediate", geo.intermediate, cfg.moe_intermediate_size, "expert intermediate size")]
+    for key, theirs, ours, what in agree:
+        if theirs != ours:
+            raise LoadError(f"{root}: manifest.json {key}={theirs} but config.json says {what}={ours}")
+    outside = [layer for layer in geo.moe_layers if not 0 <= layer < cfg.num_layers]
+    if outside:
+        raise LoadError(f"{root}: manifest.json experts.moe_layers lists layer {outside[0]}, but config.json has "
+                        f"{cfg.num_layers} layers")
+    return dataclasses.replace(cfg, moe_layers=tuple(geo.moe_layers))
+
+
+def _check_routers(root: Path, cfg: ModelConfig, dense: dict) -> None:
+    """Every MoE layer of the manifest has its router among the dense tensors (else the forward would fail later)."""
+    prefixes = dict.fromkeys((get_family(cfg.model_type).names.moe_prefix, "mlp.", "block_sparse_moe."))
+    for layer in cfg.moe_layers:
+        candidates = [f"model.layers.{layer}.{p}gate.weight" for p in prefixes]
+        if not any(c in dense for c in candidates):
+            raise LoadError(f"{root}: manifest.json lists MoE layer {layer}, but no dense file holds its router "
+                            f"{candidates[0]}")
+
+
 def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool = False, quiet: bool = True,
                    numa_prefault: bool = False, gpu_weights: str = "auto") -> ConvertedModel:
     root = Path(model_dir)
@@ -233,17 +254,13 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
         manifest, geo = load_manifest(root)
     except ManifestError as e:
         raise LoadError(f"{root}: {e}") from None
-    cfg = load_config(root / "config.json")
-    arch = (cfg.raw.get("architectures") or [None])[0]
-    if arch and manifest.get("architecture") and arch != manifest["architecture"]:
-        raise LoadError(f"{root}: config.json architecture {arch} != manifest.json architecture {manifest['architecture']}")
-    if tuple(cfg.moe_layers) != tuple(geo.moe_layers):
-        raise LoadError(f"{root}: config.json MoE layers {cfg.moe_layers} != manifest experts.moe_layers {geo.moe_layers}")
+    cfg = _config_for(root, manifest, geo)
     _check_files(root, manifest, verify, quiet)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     experts, nbytes = _map_experts(root, manifest, geo)
     dense, how = _load_dense(root, manifest, device, dtype, gpu_weights)
+    _check_routers(root, cfg, dense)
     nodes = numa_nodes()
     model = ConvertedModel(root, manifest, geo, cfg, dense, experts, device, dtype,
                            numa_plan=node_unit_ranges(geo.shard_plan, len(nodes)), mapped_bytes=nbytes,

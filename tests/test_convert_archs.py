@@ -13,6 +13,7 @@ from safetensors import safe_open
 from ktconvert.cli import main
 from ktconvert.converted_reader import ConvertedDir
 from ktconvert.sources import open_source
+from ktconvert.testing import ARCHS
 
 
 def run_cli(*args):
@@ -48,7 +49,7 @@ def check_files_aligned_and_readable(out):
     return n_tensors
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v3_fp8", "qwen3_moe", "mixtral", "deepseek_v2"])
+@pytest.mark.parametrize("arch", [*ARCHS, "deepseek_v3_fp8"])   # every registered family, and DeepSeek FP8
 def test_convert_and_verify_against_source(arch, ckpt_dir, fp8_ckpt, tmp_path):
     src = fp8_ckpt if arch == "deepseek_v3_fp8" else ckpt_dir(arch)
     out = quantize(src, tmp_path / "out")

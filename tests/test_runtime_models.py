@@ -18,7 +18,8 @@ from runtime_helpers import (
     transformers_tokenizer,
 )
 
-ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")
+from ktconvert.testing import ARCHS  # every registered family (tests/test_families.py)
+
 # Reference experts: both sides compute in float32 from identical bf16 weights (observed max |diff| ~3e-6).
 # Kernel experts: the bf16 kernel rounds activations to bf16 before vdpbf16ps (observed max |diff| ~6e-3).
 LOGIT_ATOL = {"reference": 1e-4, "kernels": 3e-2}

@@ -12,7 +12,8 @@ from ktrun.experts import kernels_available
 from ktrun.models.kv_cache import Batch
 from runtime_helpers import KTRUN, PROMPT, converted, kl
 
-ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")
+from ktconvert.testing import ARCHS  # every registered family (tests/test_families.py)
+
 TEXT = PROMPT + " and then some more words to average over"
 # KL(bf16 || quantized) in nats over every prompt position. Observed with the reference executor: int8 mean <= 4e-5,
 # max <= 2e-3; int4 (group 128) mean <= 4e-3, max <= 3e-2. With the kernels (int8 activations too) DeepSeek-V3

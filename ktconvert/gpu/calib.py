@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ktlayouts.bf16 import bf16_bits_to_f32
 from torch import nn
 
 from ktconvert.gpu.rtn import QuantizedLinear
@@ -30,7 +31,6 @@ DEFAULT_CALIB = Path(__file__).resolve().parents[1] / "data" / "calib.txt"
 EMBED_NAME = "model.embed_tokens.weight"
 NORM_NAME = "model.norm.weight"
 HEAD_NAME = "lm_head.weight"
-_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 _DROP_CONFIG_KEYS = ("quantization_config", "auto_map", "architectures", "model_type", "transformers_version")
 
 # (name, W (N, K), H (K, K)) -> the quantized weight, or None to keep the float weight (reference runs)
@@ -100,16 +100,17 @@ def embedding_rows(src, ids: torch.Tensor) -> torch.Tensor:
     uniq, inv = np.unique(ids.numpy(), return_inverse=True)
     rows = np.asarray(table[uniq])
     if info.dtype == "BF16":
-        rows = (rows.astype(np.uint32) << 16).view(np.float32)
+        rows = bf16_bits_to_f32(rows)
     rows = torch.from_numpy(rows.astype(np.float32))
     return rows[torch.from_numpy(inv.reshape(ids.shape))]
 
 
 def hf_config(config: dict, model_type: str):
+    """The transformers config of a checkpoint; model_type is its family's name (ktlayouts.families: aliases such as
+    kimi_k2 are already resolved), which is also the transformers model_type."""
     from transformers import CONFIG_MAPPING
 
-    mt = _MODEL_TYPE_ALIASES.get(model_type, model_type)
-    cfg = CONFIG_MAPPING[mt](**{k: v for k, v in config.items() if k not in _DROP_CONFIG_KEYS})
+    cfg = CONFIG_MAPPING[model_type](**{k: v for k, v in config.items() if k not in _DROP_CONFIG_KEYS})
     cfg._attn_implementation = "sdpa"
     return cfg
 

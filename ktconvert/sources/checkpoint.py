@@ -13,13 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ktlayouts.bf16 import bf16_bits_to_f32
 
 from ktconvert.sources.base import SourceBase
-from ktconvert.sources.fp8 import bf16_bits_to_f32, dequant_fp8_block, fp8_e4m3_to_f32
+from ktconvert.sources.fp8 import dequant_fp8_block, fp8_e4m3_to_f32
+from ktconvert.sources.quantized import QuantTensorInfo, scheme_for
 from ktconvert.sources.roles import ArchAdapter, SourceError, adapter_for
 from ktconvert.sources.st_header import DTYPE_SIZES, TensorInfo, parse_shard
 
 INDEX_NAME = "model.safetensors.index.json"
+_INT_DTYPES = ("I8", "U8", "I16", "I32", "I64")
+_NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8, "I8": np.int8, "U8": np.uint8,
+                 "I16": np.int16, "I32": np.int32, "I64": np.int64}
 SINGLE_NAME = "model.safetensors"
 
 
@@ -41,9 +46,11 @@ class Source(SourceBase):
             self.config: dict = json.loads(cfg_path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SourceError(f"{cfg_path}: invalid JSON: {e}") from e
-        self.arch: ArchAdapter = adapter_for(self.config)
+        self.arch: ArchAdapter = adapter_for(self.config, str(cfg_path))
         qc = self.config.get("quantization_config") or {}
-        if qc and (qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3"):
+        # already-quantized Linears (compressed-tensors, GPTQ, AWQ, FP8 per channel, MX): ktconvert.sources.quantized
+        self.quant = scheme_for(qc, str(cfg_path))
+        if qc and self.quant is None and (qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3"):
             raise SourceError(f"{cfg_path}: unsupported quantization_config (quant_method={qc.get('quant_method')!r}, "
                               f"fmt={qc.get('fmt')!r}); supported: unquantized BF16/F16/F32 and fp8 e4m3 block "
                               f"scales (DeepSeek-V3 / Kimi-K2 release format)")
@@ -51,6 +58,8 @@ class Source(SourceBase):
         self._infos: dict[str, TensorInfo] = {}
         self._names: list[str] = []
         self._load_index()
+        if self.quant is not None:      # stored parts (X.weight_packed, X.qweight, ...) -> one logical X.weight each
+            self._infos, self._names = self.quant.logical_tensors(self._infos, self._names, self.read_stored)
         self._validate_tensors()
 
     # --- open-time validation ---------------------------------------------------------------------------
@@ -98,6 +107,10 @@ class Source(SourceBase):
             info = self._infos[name]
             if info.dtype == "F8_E4M3":
                 self._check_fp8_scale(info)
+            elif info.dtype in _INT_DTYPES:
+                raise SourceError(f"{info.file}: tensor {name}: dtype {info.dtype} is not a weight dtype here "
+                                  f"(integer tensors belong to a quantized Linear that quantization_config "
+                                  f"describes)")
         a = self.arch
         h, i = a.hidden_size, a.moe_intermediate_size
         want = {"gate": (i, h), "up": (i, h), "down": (h, i)}
@@ -162,13 +175,39 @@ class Source(SourceBase):
             out = raw.view(np.float16).astype(np.float32)
         elif info.dtype == "F32":
             out = raw.view(np.float32).copy()
-        else:
+        elif info.dtype == "F8_E4M3":
             out = fp8_e4m3_to_f32(raw)
+        else:
+            raise SourceError(f"{info.file}: tensor {name}: {info.dtype} is not a float tensor")
         return out.reshape(info.shape)
+
+    def read_stored(self, info: TensorInfo) -> np.ndarray:
+        """One stored tensor in its own dtype (BF16 widened to float32 exactly, F8_E4M3 as its uint8 bits)."""
+        raw = self._raw(info)
+        out = bf16_bits_to_f32(raw.view(np.uint16)) if info.dtype == "BF16" else raw.view(_NUMPY_DTYPES[info.dtype])
+        return out.reshape(info.shape)
+
+    def int_grid(self, name: str):
+        """A quantized Linear's integer grid (ktconvert.sources.quantized.IntGrid), or None (not quantized, or
+        not an integer format): what the converter takes over exactly where a layout holds it."""
+        info = self.info(name)
+        if not isinstance(info, QuantTensorInfo):
+            return None
+        got = self.quant.decode(info, self.read_stored)
+        return got if not isinstance(got, np.ndarray) else None
+
+    def quant_format(self, name: str):
+        """The WeightFormat of a quantized Linear, or None (stored as plain floats)."""
+        info = self.info(name)
+        return info.fmt if isinstance(info, QuantTensorInfo) else None
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor as float32 (FP8 weights dequantized with their block scales); NaN/Inf -> SourceError."""
         info = self.info(name)
+        if isinstance(info, QuantTensorInfo):
+            got = self.quant.decode(info, self.read_stored)
+            out = got if isinstance(got, np.ndarray) else got.dequantize()
+            return torch.from_numpy(self._check_finite(info, np.ascontiguousarray(out, dtype=np.float32)))
         if info.dtype == "F8_E4M3":
             scale_name = name + "_scale_inv"
             scale = self._check_finite(self.info(scale_name), self.read_raw(scale_name))
@@ -184,8 +223,9 @@ class Source(SourceBase):
             i = int(np.flatnonzero(bad)[0])
             what = "NaN" if np.isnan(values.flat[i]) else "Inf"
             where = tuple(int(x) for x in np.unravel_index(i, info.shape))
-            raise SourceError(f"{info.file}: tensor {info.name}: {what} at element {where} "
-                              f"(byte offset {info.offset + i * DTYPE_SIZES[info.dtype]}); "
+            at = (f"byte offset {info.offset + i * DTYPE_SIZES[info.dtype]}" if info.dtype in DTYPE_SIZES else
+                  f"dequantized from {', '.join(sorted(p.name for p in info.parts.values()))}")
+            raise SourceError(f"{info.file}: tensor {info.name}: {what} at element {where} ({at}); "
                               f"{int(bad.sum())} non-finite values")
         return values
 

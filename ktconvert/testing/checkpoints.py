@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ktconvert.testing.families import ARCHS, FIXTURES
 from ktconvert.testing.files import (
     F32_TENSORS,
     FP8_QUANTIZATION_CONFIG,
@@ -26,36 +27,11 @@ from ktconvert.testing.files import (
 )
 from ktconvert.testing.tokenizer import write_tokenizer
 
-ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral", "deepseek_v2")
 DEFAULT_MAX_SHARD_BYTES = 512 * 1024
 VOCAB_SIZE = 320  # tokenizer has 300 entries; the model's vocab is padded past it, as on the hub
+TINY_CONFIGS = {arch: f.config for arch, f in FIXTURES.items()}   # tiny dimensions (ktconvert.testing.families)
 
-# Tiny dimensions that still exercise padding: expert sizes not multiples of 64, FP8 dims > 128 and not
-# multiples of 128 (partial blocks), dense layers before MoE layers, shared experts.
-TINY_CONFIGS = {
-    "deepseek_v3": {
-        "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 160, "n_routed_experts": 16,
-        "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
-        "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
-        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 1,
-        "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 1},
-    "qwen3_moe": {
-        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 80, "num_experts": 8,
-        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "norm_topk_prob": True, "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2},
-    "mixtral": {
-        "hidden_size": 96, "intermediate_size": 160, "num_local_experts": 8, "num_experts_per_tok": 2,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
-        "bos_token_id": 1, "eos_token_id": 2},
-    "deepseek_v2": {
-        "hidden_size": 128, "intermediate_size": 224, "moe_intermediate_size": 80, "n_routed_experts": 8,
-        "num_experts_per_tok": 3, "n_group": 1, "topk_group": 1, "topk_method": "greedy", "n_shared_experts": 2,
-        "first_k_dense_replace": 1, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
-        "routed_scaling_factor": 1.0, "norm_topk_prob": False, "max_position_embeddings": 1024, "bos_token_id": 0,
-        "eos_token_id": 1},
-}
+
 def _check_arch(arch: str) -> None:
     if arch not in ARCHS:
         raise ValueError(f"unknown fixture arch {arch!r}; choose from {', '.join(ARCHS)}")
@@ -103,13 +79,13 @@ def make_model(arch: str, *, num_layers: int | None = None, seed: int = 0, init_
 
 
 def _expert_name(arch: str, prefix: str, expert: int, proj: str) -> str:
-    if arch == "mixtral":
-        return f"{prefix}.block_sparse_moe.experts.{expert}.{ {'gate': 'w1', 'up': 'w3', 'down': 'w2'}[proj] }.weight"
-    return f"{prefix}.mlp.experts.{expert}.{proj}_proj.weight"
+    f = FIXTURES[arch]
+    return f"{prefix}.{f.moe_block}.experts.{expert}.{f.expert_projs[proj]}.weight"
 
 
 def hub_state_dict(model, arch: str) -> dict[str, torch.Tensor]:
-    """The model's tensors under hub names, in module order: fused experts split per expert, Mixtral renamed."""
+    """The model's tensors under hub names, in module order: fused experts split per expert, the MoE block renamed
+    where the hub names it otherwise (Mixtral's block_sparse_moe)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         m = re.match(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
@@ -124,8 +100,9 @@ def hub_state_dict(model, arch: str) -> dict[str, torch.Tensor]:
                 for e in range(t.shape[0]):
                     out[_expert_name(arch, prefix, e, "down")] = t[e]
             continue
-        if arch == "mixtral":
-            name = re.sub(r"^(model\.layers\.\d+)\.mlp\.gate\.weight$", r"\1.block_sparse_moe.gate.weight", name)
+        if FIXTURES[arch].moe_block != "mlp":
+            name = re.sub(r"^(model\.layers\.\d+)\.mlp\.gate\.weight$", rf"\1.{FIXTURES[arch].moe_block}.gate.weight",
+                          name)
         out[name] = t
     return out
 
@@ -152,7 +129,8 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
                     **config_overrides) -> Path:
     """Write a tiny random `arch` checkpoint to out_dir, laid out as the hub ships it; returns out_dir.
 
-    fp8=True (deepseek_v3 only) writes DeepSeek's FP8 release format. deepseek_v3 always gets its MTP layer.
+    fp8=True (deepseek_v3 only) writes DeepSeek's FP8 release format. Families with MTP (deepseek_v3) always get
+    their MTP layer.
     The weights equal make_model(arch, num_layers=..., seed=..., init_scale=..., **config_overrides)
     (FP8: their block-quantized version). num_layers counts main layers (without MTP); config_overrides go to
     the transformers config class (e.g. hidden_size=256, moe_intermediate_size=320, initializer_range=0.1);
@@ -160,14 +138,15 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
     config.json is written last, so its presence means the checkpoint is complete.
     """
     _check_arch(arch)
-    if fp8 and arch != "deepseek_v3":
-        raise ValueError("fp8=True is DeepSeek-V3's release format; only arch='deepseek_v3' ships it")
+    if fp8 and not FIXTURES[arch].fp8:
+        ships = ", ".join(f"arch={a!r}" for a, f in FIXTURES.items() if f.fp8)
+        raise ValueError(f"fp8=True is DeepSeek-V3's release format; only {ships} ships it")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = make_model(arch, num_layers=num_layers, seed=seed, init_scale=init_scale, **config_overrides)
     config = model.config
     named = hub_state_dict(model, arch)
-    if arch == "deepseek_v3":
+    if FIXTURES[arch].mtp:
         named.update(_mtp_state_dict(arch, num_layers, seed, config_overrides))
     block = FP8_QUANTIZATION_CONFIG["weight_block_size"]
     tensors: dict[str, torch.Tensor] = {}

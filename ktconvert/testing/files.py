@@ -7,12 +7,8 @@ from pathlib import Path
 
 import torch
 
-# config.json keys the hub files carry that the transformers classes do not write (kept for fidelity).
-HUB_EXTRA_KEYS = {
-    "deepseek_v3": {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1},
-    "deepseek_v2": {"moe_layer_freq": 1, "scoring_func": "softmax", "ep_size": 1, "aux_loss_alpha": 0.001},
-    "qwen3_moe": {}, "mixtral": {},
-}
+from ktconvert.testing.families import FIXTURES
+
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                            "weight_block_size": [128, 128]}
 # Linear weights DeepSeek ships as FP8 (everything else stays BF16; e_score_correction_bias stays F32).
@@ -27,15 +23,16 @@ def hub_config(config, arch: str, fp8: bool) -> dict:
     for k in ("output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label",
               "label2id", "problem_type", "_name_or_path", "output_attentions", "dtype", "qk_head_dim"):
         d.pop(k, None)
-    if arch in ("deepseek_v3", "deepseek_v2"):
-        d.pop("head_dim", None)  # derived; the hub's DeepSeek configs do not carry it
+    fixture = FIXTURES[arch]
+    for k in fixture.hub_drop_keys:   # e.g. DeepSeek's head_dim: derived, the hub's configs do not carry it
+        d.pop(k, None)
     rope = d.pop("rope_parameters", None) or {}
     d["rope_theta"] = rope.get("rope_theta", 10000.0)
     if rope.get("rope_type", "default") != "default":
         d["rope_scaling"] = {("type" if k == "rope_type" else k): v for k, v in rope.items() if k != "rope_theta"}
-    if arch == "qwen3_moe":
-        d["num_experts"] = d.pop("num_local_experts")
-    d.update(HUB_EXTRA_KEYS[arch])
+    for ours, hub in fixture.hub_key_renames.items():
+        d[hub] = d.pop(ours)
+    d.update(fixture.hub_extra_keys)
     d["architectures"] = [type(config).__name__.replace("Config", "ForCausalLM")]
     d["torch_dtype"] = "bfloat16"
     if fp8:

@@ -1,12 +1,14 @@
 """Tiny deterministic tokenizers for the fixture checkpoints (byte-level BPE trained on a fixed text, no download).
 
-Each architecture gets the special tokens and a chat template shaped like its hub tokenizer's, with the special
+Each family gets (by its fixture entry's tokenizer style) the special tokens and a chat template shaped like its hub tokenizer's, with the special
 tokens at the ids its config names (bos/eos).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from ktconvert.testing.families import FIXTURES
 
 TOKENIZER_VOCAB = 300  # the model vocab (checkpoints.VOCAB_SIZE) is larger: padded, as on the hub
 
@@ -21,16 +23,15 @@ _DEEPSEEK = {
         "{% else %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"),
 }
-SPECIALS = {
-    "deepseek_v3": _DEEPSEEK,
-    "deepseek_v2": _DEEPSEEK,
-    "qwen3_moe": {
+STYLES = {   # ktconvert.testing.families.FixtureFamily.tokenizer
+    "deepseek": _DEEPSEEK,
+    "chatml": {
         "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "unk": None,
         "chat_template": (
             "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")},
-    "mixtral": {
+    "mistral": {
         "special": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
         "bos": "<s>", "eos": "</s>", "pad": None, "unk": "<unk>",
         "chat_template": (
@@ -53,7 +54,7 @@ def build_tokenizer(arch: str):
     """A `tokenizers.Tokenizer` for `arch` (deterministic: same arch -> same bytes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    spec = SPECIALS[arch]
+    spec = STYLES[FIXTURES[arch].tokenizer]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -69,7 +70,7 @@ def build_tokenizer(arch: str):
 
 def write_tokenizer(arch: str, out_dir, model_max_length: int = 1024) -> None:
     """tokenizer.json + tokenizer_config.json (with chat template) into out_dir."""
-    spec = SPECIALS[arch]
+    spec = STYLES[FIXTURES[arch].tokenizer]
     out_dir = Path(out_dir)
     build_tokenizer(arch).save(str(out_dir / "tokenizer.json"))
     cfg = {

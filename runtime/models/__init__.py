@@ -1,13 +1,13 @@
-"""Model forwards (torch) for the architectures ktrun serves: one module per architecture with its attention,
-router and weight-name prefixes; `model.MoEModel` runs any of them over per-request caches."""
+"""Model forwards (torch) for the families ktrun serves: one module per attention + routing combination with its
+attention, router and cache widths; `model.MoEModel` runs any of them over per-request caches. Which module runs
+which family is the family's `runtime_module` in the registry (ktlayouts.families)."""
 from __future__ import annotations
 
 import importlib
 
-ARCH_MODULES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")
+from ktlayouts.families import get_family
 
 
 def arch_module(model_type: str):
-    if model_type not in ARCH_MODULES:
-        raise ValueError(f"model_type {model_type!r} is not supported; ktrun runs {list(ARCH_MODULES)}")
-    return importlib.import_module(f"{__name__}.{model_type}")
+    """The forward module of a family (model_type: its name or an alias); ConfigError for an unknown one."""
+    return importlib.import_module(f"{__name__}.{get_family(model_type).runtime_module}")

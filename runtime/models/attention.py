@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from ktlayouts.families import ModelConfig
 
 from ..packed_linear import dense_weight, linear
-from .config import ModelConfig
 from .kv_cache import Batch, causal_scores_mask
 from .layers import Rope, rms_norm
 

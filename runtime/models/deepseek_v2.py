@@ -12,5 +12,3 @@ def route(cfg, w: dict, p: str, x):
 
 attention = mla_attention
 cache_widths = mla_cache_widths
-MOE_PREFIX = "mlp."
-SHARED_PREFIX = "mlp.shared_experts."

@@ -9,9 +9,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from ktlayouts.families import RopeConfig, yarn_mscale
 
 from ..packed_linear import linear
-from .config import RopeConfig, yarn_mscale
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

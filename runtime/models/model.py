@@ -10,10 +10,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+from ktlayouts.families import ModelConfig, get_family
 
 from ..packed_linear import linear
 from . import arch_module
-from .config import ModelConfig
 from .kv_cache import Batch, SeqCache
 from .layers import Rope, rms_norm, swiglu_mlp
 
@@ -23,6 +23,7 @@ class MoEModel:
         self.cfg, self.w, self.experts = cfg, weights, experts
         self.device, self.dtype = torch.device(device), dtype
         self.arch = arch_module(cfg.model_type)
+        self.names = get_family(cfg.model_type).names    # hub names: where the MoE block and shared experts live
         self.rope = Rope(cfg.rope, self.device)
         self.moe_layers = set(cfg.moe_layers)
         self.moe_prefix = [self._moe_prefix(i) for i in range(cfg.num_layers)]
@@ -36,10 +37,10 @@ class MoEModel:
 
     def _moe_prefix(self, i: int) -> str:
         p = f"model.layers.{i}."
-        for cand in (self.arch.MOE_PREFIX, "mlp.", "block_sparse_moe."):
+        for cand in (self.names.moe_prefix, "mlp.", "block_sparse_moe."):
             if p + cand + "gate.weight" in self.w:
                 return p + cand
-        return p + self.arch.MOE_PREFIX
+        return p + self.names.moe_prefix
 
     def new_cache(self, ctx: int) -> SeqCache:
         return SeqCache(self.cfg.num_layers, self.arch.cache_widths(self.cfg), ctx, self.dtype, self.device)
@@ -50,8 +51,8 @@ class MoEModel:
         out = torch.empty_like(h)
         self.experts.submit(i, h, ids, wts, out)                             # CPU works on routed experts...
         shared = None
-        if self.arch.SHARED_PREFIX and self.cfg.n_shared_experts:            # ...while we do the shared ones
-            sp = f"model.layers.{i}." + self.arch.SHARED_PREFIX
+        if self.names.shared_prefix and self.cfg.n_shared_experts:           # ...while we do the shared ones
+            sp = f"model.layers.{i}." + self.names.shared_prefix
             shared = swiglu_mlp(h, self.w[sp + "gate_proj.weight"], self.w[sp + "up_proj.weight"],
                                 self.w[sp + "down_proj.weight"])
         t0 = time.perf_counter()

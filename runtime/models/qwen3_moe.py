@@ -15,5 +15,3 @@ def attention(cfg, w, p, x, batch, layer, rope, cos, sin):
 
 
 cache_widths = gqa_cache_widths
-MOE_PREFIX = "mlp."
-SHARED_PREFIX = None

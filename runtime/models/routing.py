@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from .config import ModelConfig
+from ktlayouts.families import ModelConfig
 
 
 def _group_mask(choice: torch.Tensor, group_scores: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""Generated token ids -> text deltas for `ktrun serve`: incremental detokenization and stop strings.
+"""Generated token ids -> text, and the one stop-string rule of ktrun: `generate()`, the Engine and `ktrun serve`'s
+streaming all decide "a stop string was generated" and "this text may be shown now" with a TextStream.
 
 Decoding token by token breaks multi-byte characters and word-initial spaces, so a delta is the difference between
 decoding a short window of ids with and without the new tokens (the window starts a few prompt tokens back, so the
 first generated token decodes with its left context). Text that ends in an incomplete character (U+FFFD) waits for
-the next token. A stop string ends the text before it; text that could be the start of a stop string is held back
-until it is known not to be one, so a streamed client never sees part of a stop string.
+the next token. A stop string ends the text before it (OpenAI semantics: the stop string is not returned); text that
+could be the start of a stop string is held back until it is known not to be one, so a streamed client never sees
+part of a stop string. Torch-free: the server's handler threads and its test fakes use it.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ PROMPT_CONTEXT_TOKENS = 4  # prompt tokens kept as left context for decoding the
 
 
 class TextStream:
+    """Per request: push(token) -> text to show now; finish() (or push(token, last=True)) -> the rest; `stopped`:
+    a stop string was generated (the text ends before it and nothing more comes out)."""
+
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (),
                  prompt_ids: Sequence[int] = ()):
         self._decode = decode
@@ -30,17 +35,24 @@ class TextStream:
         """Text handed out so far (after `finish()`: the whole completion)."""
         return self._text[: self._sent]
 
-    def push(self, token: int) -> str:
-        """Add one generated token; return the text that can be sent now (maybe empty)."""
+    def push(self, token: int, last: bool = False) -> str:
+        """Add one generated token; return the text that can be sent now (maybe empty). last: no token follows
+        (EOS, max_tokens, context full): the rest of the text goes out too, as finish() hands it out."""
         if self.stopped:
             return ""
+        if last:
+            delta = self.push(token)
+            return delta + self.finish()
         self._ids.append(int(token))
         before = self._decode(self._ids[self._prefix: self._read])
         after = self._decode(self._ids[self._prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._text += after[len(before):]
+        new = after[len(before):]
+        if new and not after.endswith("\ufffd"):
+            self._text += new
             self._prefix, self._read = self._read, len(self._ids)
-        return self._release(final=False)
+            new = ""
+        # an incomplete character at the end waits for the next token, but the stop strings see it already
+        return self._release(final=False, pending=new)
 
     def finish(self) -> str:
         """End of generation: flush held-back text (incomplete characters included); return the last delta."""
@@ -51,14 +63,17 @@ class TextStream:
             self._read = len(self._ids)
         return self._release(final=True)
 
-    def _release(self, final: bool) -> str:
+    def _release(self, final: bool, pending: str = "") -> str:
+        """Find stop strings in the text + `pending` (decoded ids that end in an incomplete character); hand out
+        the text that cannot be part of a stop string (all of it when final or stopped)."""
         if self.stopped:
             return ""
         if self._stop:
-            start = max(0, self._sent - max(map(len, self._stop)))
-            hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
+            text = self._text + pending
+            start = max(0, self._sent - max(map(len, self._stop)))   # older text was checked (and sent) already
+            hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
             if hits:
-                self._text = self._text[: min(hits)]
+                self._text = text[: min(hits)]
                 self.stopped = True
                 final = True
         end = len(self._text) if final else len(self._text) - self._held_back()

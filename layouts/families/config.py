@@ -1,0 +1,212 @@
+"""ModelConfig: one dataclass for what a family's config.json says, read by the converter and the runtime alike.
+
+Each family file turns a config.json dict into a ModelConfig with a `Fields` reader. Three kinds of field:
+- `need`: decides the converted files (layers, hidden size, experts, top-k, expert size); missing -> ConfigError,
+  always. A silent default here would write a different model.
+- `run`: needed only to run the forward (vocab, attention sizes, dense MLP size); missing -> ConfigError when
+  parsing for the runtime, None when parsing for conversion (`for_runtime=False`), which never uses them.
+- `get`: everything else takes the default of the family's transformers config class when absent (or null), e.g.
+  DeepseekV3Config.first_k_dense_replace = 3, DeepseekV2Config's 0 (checked against transformers by
+  tests/test_families.py). Token ids are the exception: absent stays None, since a made-up EOS id would cut
+  generations short; generation_config.json and the tokenizer supply them.
+Accepts both spellings seen in the wild: the hub's `rope_scaling` + `rope_theta` and transformers 5's
+`rope_parameters`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    dim: int                              # rotary dims per head
+    kind: str = "default"                 # "default" | "yarn"
+    factor: float = 1.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+    interleaved: bool = False             # rotate (x0, x1), (x2, x3) pairs (DeepSeek) instead of halves
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str                       # the family's name (an alias such as kimi_k2 reads as deepseek_v3)
+    num_layers: int                       # main decoder layers (multi-token-prediction layers not counted)
+    hidden_size: int
+    num_experts: int                      # routed experts per MoE layer
+    top_k: int
+    moe_intermediate_size: int            # one routed expert's intermediate size
+    moe_layers: tuple[int, ...]           # which layers have routed experts (the rest are dense MLPs)
+    attention: str                        # "mla" (DeepSeek latent attention) | "gqa"
+    # needed only by the forward: None when parsed with for_runtime=False and config.json lacks them
+    vocab_size: int | None
+    num_heads: int | None
+    num_kv_heads: int | None
+    head_dim: int | None                  # GQA head dim (qwen3 / mixtral); MLA: qk_rope_head_dim
+    intermediate_size: int | None         # dense MLP
+    rope: RopeConfig | None
+    rms_norm_eps: float = 1e-6
+    max_position: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False                 # RMSNorm over each head's q and k before RoPE (Qwen3)
+    sliding_window: int | None = None
+    # MoE
+    n_shared_experts: int = 0
+    first_k_dense: int = 0                # deepseek: layers < this are dense MLP
+    n_mtp_layers: int = 0                 # multi-token-prediction layers after the main ones (skipped)
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    scoring: str = "softmax"              # "softmax" | "sigmoid"
+    topk_method: str = "greedy"           # "greedy" | "group_limited_greedy" | "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    # MLA (deepseek)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention == "mla"
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention logit scale, YaRN's mscale(factor, mscale_all_dim)^2 folded in as transformers does."""
+        d = self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+        s = d ** -0.5
+        r = self.rope
+        if r.kind != "default" and r.mscale_all_dim:
+            m = yarn_mscale(r.factor, r.mscale_all_dim)
+            s = s * m * m
+        return s
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class Fields:
+    """One config.json dict as a family's parse function reads it: every error names the file and the field."""
+
+    def __init__(self, raw: dict, where: str, model_type: str, for_runtime: bool = True):
+        self.raw, self.where, self.model_type, self.for_runtime = raw, where, model_type, for_runtime
+
+    def error(self, message: str) -> ConfigError:
+        return ConfigError(f"{self.where}: {message} for model_type {self.model_type}")
+
+    def _cast(self, key: str, value, cast):
+        if cast is None or value is None:
+            return value
+        if cast in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise self.error(f"field {key!r} = {value!r} is not a number")
+        if cast is int and value != int(value):
+            raise self.error(f"field {key!r} = {value!r} is not an integer")
+        return cast(value)
+
+    def need(self, key: str, *alternatives: str, cast=int):
+        """A required field (the first of key, *alternatives that is present and not null)."""
+        for k in (key, *alternatives):
+            if self.raw.get(k) is not None:
+                return self._cast(k, self.raw[k], cast)
+        alts = f" (or {', '.join(repr(a) for a in alternatives)})" if alternatives else ""
+        raise self.error(f"missing required field {key!r}{alts}")
+
+    def run(self, key: str, *alternatives: str, cast=int):
+        """A field only the forward needs: required for the runtime, None for conversion when absent."""
+        if self.for_runtime:
+            return self.need(key, *alternatives, cast=cast)
+        for k in (key, *alternatives):
+            if self.raw.get(k) is not None:
+                return self._cast(k, self.raw[k], cast)
+        return None
+
+    def get(self, key: str, default, cast=None, keep_null: bool = False):
+        """An optional field: the transformers default when absent; null also reads as the default unless
+        keep_null (fields where null means something, such as q_lora_rank: null = no q LoRA)."""
+        value = self.raw.get(key, _ABSENT)
+        if value is _ABSENT or (value is None and not keep_null):
+            return default
+        return self._cast(key, value, cast)
+
+    def check(self, ok: bool, message: str) -> None:
+        """An inconsistency between fields -> ConfigError naming them."""
+        if not ok:
+            raise self.error(message)
+
+
+def token_ids(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def parse_rope(f: Fields, dim: int | None, default_theta: float, max_position: int,
+               interleaved: bool = False) -> RopeConfig | None:
+    """rope_parameters / rope_scaling + rope_theta -> RopeConfig (None when parsing for conversion)."""
+    if not f.for_runtime:
+        return None
+    raw = f.raw
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    theta = default_theta if theta is None else theta
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "yarn"):
+        raise ConfigError(f"{f.where}: rope type {kind!r} is not supported (default, yarn)")
+    if kind == "default":
+        return RopeConfig(theta=float(theta), dim=dim, interleaved=interleaved)
+    original = params.get("original_max_position_embeddings")
+    factor = params.get("factor")
+    if not factor:
+        f.check(bool(original), "missing required field 'rope_scaling.factor' (or "
+                                "'rope_scaling.original_max_position_embeddings')")
+        factor = max_position / original
+    return RopeConfig(
+        theta=float(theta), dim=dim, kind="yarn", factor=float(factor),
+        original_max_position=int(original or max_position),
+        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+        attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
+        interleaved=interleaved)
+
+
+def check_routing(f: Fields, n_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
+                  grouped: bool = False, experts_key: str = "n_routed_experts") -> None:
+    """Expert count, top-k and group counts agree (before any weight is read)."""
+    f.check(n_experts >= 0, f"{experts_key}={n_experts} is negative")
+    if n_experts == 0:
+        return
+    f.check(1 <= top_k <= n_experts, f"num_experts_per_tok={top_k} must be in 1..{experts_key}={n_experts}")
+    if not grouped:
+        return
+    f.check(n_group >= 1 and n_experts % n_group == 0,
+            f"{experts_key}={n_experts} is not a multiple of n_group={n_group}")
+    f.check(1 <= topk_group <= n_group, f"topk_group={topk_group} must be in 1..n_group={n_group}")
+    f.check(top_k <= topk_group * (n_experts // n_group),
+            f"num_experts_per_tok={top_k} > topk_group={topk_group} groups x {n_experts // n_group} experts each")
+
+
+def gqa_heads(f: Fields, hidden: int, kv_heads_default: int | None) -> tuple[int | None, int | None, int | None]:
+    """(num_heads, num_kv_heads, head_dim) of a GQA family; kv heads default to the family's transformers default
+    (None: as many as query heads), head_dim to hidden / heads."""
+    nh = f.run("num_attention_heads")
+    if nh is None:
+        return None, None, None
+    nkv = f.get("num_key_value_heads", kv_heads_default or nh, cast=int)
+    f.check(nh % nkv == 0, f"num_attention_heads={nh} is not a multiple of num_key_value_heads={nkv}")
+    return nh, nkv, f.get("head_dim", hidden // nh, cast=int)

@@ -1,0 +1,28 @@
+"""Family: everything on-disk about one model family, in one object (each lives in its own file beside this one)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .config import Fields, ModelConfig
+from .gguf_names import GGUFArch
+from .hub_names import HubNames
+
+ATTENTION_KINDS = ("mla", "gqa")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                                 # canonical model_type, e.g. "deepseek_v3"
+    title: str                                # for people: "DeepSeek-V3 / R1, Kimi-K2"
+    architectures: tuple[str, ...]            # config.json "architectures" class names of this family
+    parse: Callable[[Fields], ModelConfig]    # config.json fields -> ModelConfig (errors name the field)
+    names: HubNames                           # hub tensor names and roles
+    runtime_module: str                       # ktrun.models.<runtime_module> runs it (a name: ktlayouts never
+                                              # imports ktrun)
+    aliases: tuple[str, ...] = ()             # other model_type values read as this family (same tensors, math)
+    gguf: GGUFArch | None = None              # llama.cpp's architecture for it, when llama.cpp converts it
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)

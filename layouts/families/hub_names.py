@@ -1,0 +1,89 @@
+"""Hub tensor names -> roles, as data tables per family (the names the checkpoint's safetensors files use).
+
+A table row is (regex, kind, proj map). Groups named `layer`, `expert` and `proj` are captured; `proj` is mapped
+through the row's proj map (Mixtral's w1/w3/w2 -> gate/up/down). The first matching row wins, so specific rows
+(norms inside attention) come before general ones (the rest of attention). Layers at index >= num_hidden_layers are
+multi-token-prediction (MTP) layers where the family has them (every tensor skipped), an error otherwise.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .config import ModelConfig
+from .errors import TensorNameError
+
+KINDS = ("expert", "router", "router_bias", "shared_expert", "attention", "dense_mlp",
+         "norm", "embedding", "head", "skip")
+PROJS = ("gate", "up", "down")
+
+LAYER = r"model\.layers\.(?P<layer>\d+)\."
+GATE_UP_DOWN = {"gate": "gate", "up": "up", "down": "down"}
+
+# Rows shared by every table: things that never become part of the converted model's math, and the globals.
+COMMON_ROWS = [
+    (r".*\.weight_scale_inv$", "skip", None),   # FP8 block scales, consumed when their weight is read
+    (r".*rotary_emb\.inv_freq$", "skip", None),  # rotary buffers some old checkpoints carry
+    (r"model\.embed_tokens\.weight$", "embedding", None),
+    (r"model\.norm\.weight$", "norm", None),
+    (r"lm_head\.weight$", "head", None),
+    (LAYER + r"(input_layernorm|post_attention_layernorm)\.weight$", "norm", None),
+]
+
+
+@dataclass(frozen=True)
+class TensorRole:
+    kind: str
+    layer: int | None = None
+    expert: int | None = None
+    proj: str | None = None
+
+
+@dataclass(frozen=True)
+class HubNames:
+    """Everything about one family's hub tensor names, as data."""
+    rows: list                              # (regex, kind, proj map), first match wins
+    expert_name: str                        # format string with {layer} {expert} {proj}
+    expert_projs: dict                      # our proj -> the name's proj token
+    moe_prefix: str = "mlp."                # the MoE block inside a layer: router at <moe_prefix>gate.weight
+    shared_prefix: str | None = None        # shared experts inside a layer, or None
+    mtp: bool = False                       # layers at index >= num_hidden_layers are MTP layers, skipped
+    layer_re: str = r"model\.layers\.(\d+)\."
+    compiled: list = field(default_factory=list, compare=False, repr=False)
+
+    def __post_init__(self):
+        for p, kind, _pm in self.rows:
+            if kind not in KINDS:
+                raise ValueError(f"hub name row {p!r}: kind {kind!r} is not one of {KINDS}")
+        self.compiled.extend((re.compile(p), kind, pm) for p, kind, pm in self.rows)
+
+    def expert_tensor_name(self, layer: int, expert: int, proj: str) -> str:
+        if proj not in PROJS:
+            raise ValueError(f"proj must be one of {PROJS}, got {proj!r}")
+        return self.expert_name.format(layer=layer, expert=expert, proj=self.expert_projs[proj])
+
+    def classify(self, name: str, cfg: ModelConfig) -> TensorRole:
+        """The role of one hub tensor under this config; TensorNameError naming the tensor when it has none."""
+        layer_m = re.match(self.layer_re, name)
+        if layer_m and int(layer_m.group(1)) >= cfg.num_layers:
+            layer = int(layer_m.group(1))
+            if self.mtp and layer < cfg.num_layers + max(cfg.n_mtp_layers, 1):
+                return TensorRole("skip", layer)  # multi-token-prediction layer: not part of the main model
+            raise TensorNameError(f"tensor {name}: layer {layer} is beyond num_hidden_layers={cfg.num_layers} "
+                                  f"({cfg.model_type})")
+        for rx, kind, proj_map in self.compiled:
+            m = rx.match(name)
+            if not m:
+                continue
+            g = m.groupdict()
+            role = TensorRole(kind, int(g["layer"]) if g.get("layer") is not None else None,
+                              int(g["expert"]) if g.get("expert") is not None else None,
+                              proj_map[g["proj"]] if proj_map and g.get("proj") else None)
+            if kind == "expert":
+                if role.layer not in cfg.moe_layers:
+                    raise TensorNameError(f"tensor {name}: routed expert in layer {role.layer}, which the config "
+                                          f"makes dense")
+                if role.expert >= cfg.num_experts:
+                    raise TensorNameError(f"tensor {name}: expert {role.expert} >= n_experts={cfg.num_experts}")
+            return role
+        raise TensorNameError(f"tensor {name}: unknown tensor name for model_type {cfg.model_type}")

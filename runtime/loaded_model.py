@@ -1,0 +1,79 @@
+"""load_model(dir): a converted directory ready to run, for everything that runs it (`ktrun generate`, `ktrun bench`,
+the Engine behind `ktrun serve`): the model forward, its tokenizer, its EOS token ids and the converted directory.
+
+    lm = load_model("converted/")                  # device=None: cuda if available; verify=True: sha256 first
+    out = generate(lm.model, lm.tokenizer.encode("Hello"), SamplingParams(max_tokens=32), 4096, lm.eos_ids,
+                   decode_text=lm.tokenizer.decode)
+    lm.close()                                     # stops the expert executor's threads
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # effective only if torch is not loaded yet (see cli.py)
+
+import torch
+
+from .experts import make_executor
+from .hot_experts import HotExpertOptions, build_hot_executor
+from .loader import ConvertedModel, load_converted
+from .models.model import MoEModel
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel(contextlib.AbstractContextManager):
+    """`with load_model(...) as lm:` closes it at the end."""
+
+    model: MoEModel                 # forward over a Batch; model.experts is the routed-expert executor
+    tokenizer: Tokenizer
+    eos_ids: set[int]               # any of these ends a generation (unless ignore_eos)
+    converted: ConvertedModel       # the mapped directory: manifest, geometry, device, dtype, GPU-layer placement
+
+    @property
+    def name(self) -> str:
+        """The model's name as served: the converted directory's name."""
+        return self.converted.root.resolve().name
+
+    def close(self) -> None:
+        close = getattr(self.model.experts, "close", None)
+        if close:
+            close()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def eos_ids_of(model_dir: Path, cfg, tokenizer: Tokenizer) -> set[int]:
+    """config.json's eos_token_id(s), generation_config.json's, and the tokenizer's eos_token."""
+    ids = set(cfg.eos_token_ids)
+    gc = model_dir / "generation_config.json"
+    if gc.is_file():
+        v = json.loads(gc.read_text()).get("eos_token_id")
+        ids |= set(v if isinstance(v, list) else [] if v is None else [v])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = None, verify: bool = False,
+               quiet: bool = True, numa_prefault: bool = False, gpu_weights: str = "auto",
+               use_kernels: bool | None = None, hot_experts: HotExpertOptions | None = None,
+               kv_tokens: int = 4096) -> LoadedModel:
+    """Open MODEL_DIR (ktrun.loader.load_converted: validated, experts mapped, dense layers placed), build the
+    routed-expert executor (kernels when available; use_kernels=False: the torch reference) and the model forward.
+    hot_experts: which experts run on the GPU (ktrun.hot_experts; None: the conversion's own placement, if any);
+    kv_tokens: the KV budget a --gpu-mem plan leaves room for, unless it states one.
+    dtype of the dense part: None = bfloat16 on CUDA, float32 on the CPU. Raises LoadError / ConfigError /
+    TokenizerError (all ValueErrors) naming the file at fault."""
+    root = Path(model_dir)
+    converted = load_converted(root, device=device, dtype=dtype, verify=verify, quiet=quiet,
+                               numa_prefault=numa_prefault, gpu_weights=gpu_weights)
+    experts = build_hot_executor(converted, make_executor(converted, use_kernels=use_kernels), hot_experts, kv_tokens)
+    model = MoEModel(converted.config, converted.dense, experts, converted.device, converted.dtype)
+    tokenizer = Tokenizer(root)
+    return LoadedModel(model, tokenizer, eos_ids_of(root, converted.config, tokenizer), converted)
