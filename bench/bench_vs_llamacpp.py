@@ -245,11 +245,13 @@ class Ours:
         bench_tg(self.model, min(tg, 4), tg + 2, self.gen)
 
     def round(self, tg: int, pps: list[int]) -> dict[str, float]:
-        from ktrun.cmd_bench import bench_pp, bench_tg
+        from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
 
         ctx = max([tg + 1, *pps]) + 1
-        wall, _ = bench_tg(self.model, tg, ctx, self.gen)
+        wall, parts = bench_tg(self.model, tg, ctx, self.gen)
         res = {f"tg{tg}": tg / wall, "step_s": wall / tg}
+        res.update({k: v for k, v in decode_breakdown([{**parts, "wall_s": wall}], tg).items()
+                    if k != "step_ms"})
         for pp in pps:
             res[f"pp{pp}"] = pp / bench_pp(self.model, pp, ctx, self.gen)
         return res
@@ -376,6 +378,8 @@ def main(argv=None) -> None:
             step = statistics.fmean(res[name]["step_s"])
             print(f"{name}_decode_step: {step * 1e3:.2f} ms")
             print(f"{name}_roofline_over_step: {o.bytes_per_token / bw / step:.3f} ratio")
+            for part in ("experts_wait", "attention", "router_shared_dense_mlp", "head_norm_embed", "loop_overhead"):
+                print(f"{name}_step_{part}: {statistics.fmean(res[name][part + '_ms']):.2f} ms")
         if peer:
             pb = peer_bytes_per_token(ggufs[p.name], cfg.top_k, cfg.num_experts)
             pstep = 1 / statistics.fmean(res[peer_name][f"tg{args.tg}"])
