@@ -48,7 +48,7 @@ def source_shape(conv: ConvertedDir, proj: str) -> tuple[int, int]:
 def exact_steps(conv: ConvertedDir) -> list[int]:
     """Every group length in EXPORT_STEPS that writes the experts exactly (divides K of every projection, and every
     step-long run of columns lies inside one CPU scale group), longest first."""
-    groups = [column_groups(conv, p) for p in PROJECTIONS]
+    groups = [expert_gpu.column_groups(conv.geometry, p) for p in PROJECTIONS]
     return [step for step in EXPORT_STEPS
             if all(len(g) % step == 0 and np.all(g.reshape(-1, step) == g.reshape(-1, step)[:, :1]) for g in groups)]
 

@@ -2,7 +2,9 @@
 
 Inputs are a flattened varlen batch: x (T, H) holds the new tokens of several requests; each request's queries see
 only its own cache (plus its own new tokens, causally). Projections run once over all T rows; the score/softmax
-part loops over requests (cheap next to the experts; no request can read another's cache).
+part loops over requests (cheap next to the experts; no request can read another's cache). A request's cached
+positions come as a few runs of views into the KV block pool (kv_cache.py): scores are computed per run and
+concatenated, one softmax spans them all, and the output sums each run's share (one run: a single matmul each).
 """
 from __future__ import annotations
 
@@ -31,6 +33,25 @@ def _mask(s, device, window: int | None) -> torch.Tensor | None:
     return causal_scores_mask(s.n, s.start, s.start + s.n, device, window)
 
 
+def _cat_scores(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _attend_runs(probs: torch.Tensor, values: list[torch.Tensor], apply) -> torch.Tensor:
+    """sum over runs r of apply(probs[..., run r's positions], values[r]): the output of one softmax over runs."""
+    if len(values) == 1:
+        return apply(probs, values[0])
+    out, off = None, 0
+    for v in values:
+        part = apply(probs[..., off:off + v.shape[0]], v)
+        out, off = part if out is None else out + part, off + v.shape[0]
+    return out
+
+
 def gqa_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
     return [(cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)]
 
@@ -52,14 +73,14 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     qg = (q * scale).view(T, nkv, rep, hd).permute(1, 2, 0, 3)
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
-        k_all, v_all = s.cache.write(layer, s.start, [k[rows], v[rows]])      # (S, nkv, hd) each
-        # Each kv head's (S, hd) keys are read in place from the cache (strided views: no per-step copy or
-        # repeat of the cache, so a step's cost beyond the matmuls does not grow with S); its rep query heads
-        # and n tokens are the rows of one GEMM.
+        runs = s.cache.write(layer, s.start, [k[rows], v[rows]])             # [(k_r, v_r) (S_r, nkv, hd)], sum S_r = S
+        # Each kv head's (S_r, hd) keys and values are read in place from the cache views (strided: no per-step
+        # copy or per-head repeat of the cache); its rep query heads and n tokens are the rows of one GEMM.
         qs = qg[:, :, rows].reshape(nkv, rep * s.n, hd)                          # (nkv, rep*n, hd)
-        scores = torch.matmul(qs, k_all.permute(1, 2, 0))                        # (nkv, rep*n, S)
+        scores = _cat_scores([torch.matmul(qs, kr.permute(1, 2, 0)) for kr, _ in runs])   # (nkv, rep*n, S)
         probs = _softmax_attend(scores.view(nh, s.n, -1), _mask(s, x.device, cfg.sliding_window))
-        o = torch.matmul(probs.view(nkv, rep * s.n, -1), v_all.transpose(0, 1))  # (nkv, rep*n, hd)
+        o = _attend_runs(probs.view(nkv, rep * s.n, -1), [vr for _, vr in runs],
+                         lambda p, vr: torch.matmul(p, vr.transpose(0, 1)))      # (nkv, rep*n, hd)
         out[rows] = o.view(nh, s.n, hd).transpose(0, 1)
     return linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
 
@@ -117,11 +138,12 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     absorbed = []                                     # (request, its latent cache) in the absorbed form
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
-        (lat_all,) = s.cache.write(layer, s.start, [latent[rows]])                           # (S, R + dr)
-        S = lat_all.shape[0]
+        lats = [lat for (lat,) in s.cache.write(layer, s.start, [latent[rows]])]             # [(S_r, R + dr)]
+        S = s.start + s.n
         if not _naive_is_cheaper(s.n, S, dn, dr, dv, R):
-            absorbed.append((s, lat_all))
+            absorbed.append((s, lats))
             continue
+        lat_all = _cat_rows(lats)                                                             # (S, R + dr)
         kv = linear(lat_all[:, :R], w[p + "kv_b_proj.weight"]).view(S, nh, dn + dv)           # (S, nh, dn + dv)
         k = torch.cat([kv[..., :dn], lat_all[:, None, R:].expand(S, nh, dr)], dim=-1)        # (S, nh, dn + dr)
         qh = torch.cat([q_nope[rows], q_rot[rows]], dim=-1).transpose(0, 1) * scale          # (nh, n, dn + dr)
@@ -138,13 +160,13 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         q_cat = torch.cat([q_lat.transpose(1, 2).to(x.dtype), q_rot[idx].transpose(0, 1)], dim=-1) * scale
         out_lat = torch.empty((nh, R, m), dtype=torch.float32, device=x.device)              # (nh, R, m)
         j = 0
-        for s, lat_all in absorbed:
-            # All heads and tokens of the request are the M rows of two GEMMs over its cache, read in place: the
-            # per-step work besides them is a fixed number of small ops, whatever S is.
+        for s, lats in absorbed:
+            # All heads and tokens of the request are the M rows of two GEMMs per cache run, read in place: the
+            # per-step work besides them is a fixed number of small ops per run, whatever S is.
             qs = q_cat[:, j:j + s.n].reshape(nh * s.n, R + dr)                                # (nh*n, R + dr)
-            scores = torch.matmul(qs, lat_all.t()).view(nh, s.n, -1)                         # (nh, n, S)
-            probs = _softmax_attend(scores, _mask(s, x.device, None))
-            lat_o = torch.matmul(probs.view(nh * s.n, -1), lat_all[:, :R]).view(nh, s.n, R)
+            scores = _cat_scores([torch.matmul(qs, lat.t()) for lat in lats]).view(nh, s.n, -1)  # (nh, n, S)
+            probs = _softmax_attend(scores, _mask(s, x.device, None)).view(nh * s.n, -1)
+            lat_o = _attend_runs(probs, [lat[:, :R] for lat in lats], torch.matmul).view(nh, s.n, R)
             out_lat[:, :, j:j + s.n] = lat_o.transpose(1, 2)
             j += s.n
         o[idx] = torch.matmul(w_uv, out_lat).permute(2, 0, 1).to(x.dtype)                    # (m, nh, dv)
