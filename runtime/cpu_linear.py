@@ -85,6 +85,11 @@ class LinearKernels:
     def n_threads(self) -> int:
         return self.kernels.n_threads
 
+    @property
+    def n_linears(self) -> int:
+        """How many Linears are registered (the next free id when ids are 0, 1, ...)."""
+        return len(self._linears)
+
     def geometry(self, linear_id: int) -> MatrixGeometry:
         if linear_id not in self._linears:
             raise KeyError(f"linear {linear_id} was not added")
