@@ -228,21 +228,34 @@ class Ours:
         self.model = self.lm.model
         cfg, conv = self.model.cfg, self.lm.converted
         # Bytes one decode step reads: top_k experts per MoE layer, the dense part as held in memory (tensors or
-        # packed Linears), not the embedding table (one row).
+        # packed Linears), not the embedding table (one row); counted after the warm-up (measure_bytes).
         expert_bytes = sum(_nbytes(shard[p][:2]) for shards in conv.experts.values() for shard in shards
                            for p in shard)
-        n_moe = len(conv.experts)
-        self.expert_bytes_per_token = expert_bytes * cfg.top_k / cfg.num_experts if n_moe else 0
-        self.dense_bytes_per_token = sum(_nbytes(v) for k, v in conv.dense.items()
-                                         if not k.endswith("embed_tokens.weight"))
-        self.bytes_per_token = self.expert_bytes_per_token + self.dense_bytes_per_token
+        self.expert_bytes_per_token = expert_bytes * cfg.top_k / cfg.num_experts if conv.experts else 0
+        self.measure_bytes()
         self.gen = torch.Generator().manual_seed(0)
+
+    def measure_bytes(self) -> None:
+        """Dense bytes a decode step reads. MLA decode reads kv_b_proj as the absorbed copy attention derives from
+        it on first use (ktrun.models.attention._absorbed, "kv_b_proj.absorbed" beside the weights), not as
+        stored: once that copy exists, it is what is counted."""
+        w = self.model.w
+        total = 0
+        for k, v in w.items():
+            if k.endswith("embed_tokens.weight"):
+                continue
+            if k.endswith("kv_b_proj.weight") and k.replace(".weight", ".absorbed") in w:
+                continue
+            total += _nbytes(v)
+        self.dense_bytes_per_token = total
+        self.bytes_per_token = self.expert_bytes_per_token + self.dense_bytes_per_token
 
     def warm_up(self, tg: int, pp: int) -> None:
         from ktrun.cmd_bench import bench_pp, bench_tg
 
         bench_pp(self.model, min(pp, 16), pp + 1, self.gen)
         bench_tg(self.model, min(tg, 4), tg + 2, self.gen)
+        self.measure_bytes()
 
     def round(self, tg: int, pps: list[int]) -> dict[str, float]:
         from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
