@@ -23,6 +23,32 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
+# quantization_config of the FP8 block-scaled releases: DeepSeek-V3 / R1 / V3.1 / V3.2 and Kimi-K2 write fmt "e4m3",
+# MiniMax-M2 "float8_e4m3fn" (the same format); V3.1+ add scale_fmt "ue8m0" (power-of-two scales, still stored as
+# F32 weight_scale_inv, read the same way); MiniMax lists modules_to_not_convert (they are simply BF16 tensors).
+FP8_FMTS = ("e4m3", "float8_e4m3fn")
+FP8_SCALE_FMTS = (None, "ue8m0")
+
+
+def fp8_block_size(config: dict, where) -> tuple[int, int]:
+    """(rows, cols) of the FP8 weight blocks the text model's quantization_config names ((128, 128) when there is
+    none); SourceError naming the field for any other quantization."""
+    qc = config.get("quantization_config") or {}
+    if not qc:
+        return (128, 128)
+    method, fmt, scale_fmt = qc.get("quant_method"), qc.get("fmt", "e4m3"), qc.get("scale_fmt")
+    if method != "fp8" or fmt not in FP8_FMTS or scale_fmt not in FP8_SCALE_FMTS:
+        raise SourceError(f"{where}: unsupported quantization_config (quant_method={method!r}, fmt={fmt!r}"
+                          f"{f', scale_fmt={scale_fmt!r}' if scale_fmt else ''}); supported: unquantized BF16/F16/F32 "
+                          f"and fp8 e4m3 128x128 block scales (the DeepSeek-V3 / V3.2, Kimi-K2 and MiniMax-M2 "
+                          f"release format)")
+    block = qc.get("weight_block_size") or (128, 128)
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise SourceError(f"{where}: quantization_config.weight_block_size = {block!r} is not two positive integers")
+    return tuple(block)
+
+
 def _safe_shard_path(root: Path, shard: str, where: str) -> Path:
     if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
         raise SourceError(f"{where}: shard name {shard!r} is not a plain file name inside {root}")
@@ -42,12 +68,7 @@ class Source(SourceBase):
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SourceError(f"{cfg_path}: invalid JSON: {e}") from e
         self.arch: ArchAdapter = adapter_for(self.config, str(cfg_path))
-        qc = self.config.get("quantization_config") or {}
-        if qc and (qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3"):
-            raise SourceError(f"{cfg_path}: unsupported quantization_config (quant_method={qc.get('quant_method')!r}, "
-                              f"fmt={qc.get('fmt')!r}); supported: unquantized BF16/F16/F32 and fp8 e4m3 block "
-                              f"scales (DeepSeek-V3 / Kimi-K2 release format)")
-        self.fp8_block: tuple[int, int] = tuple(qc.get("weight_block_size") or (128, 128))
+        self.fp8_block: tuple[int, int] = fp8_block_size(self.arch.family.text_config(self.config), cfg_path)
         self._infos: dict[str, TensorInfo] = {}
         self._names: list[str] = []
         self._load_index()

@@ -1,4 +1,5 @@
-"""Attention over per-request caches: GQA (Qwen3-MoE, Mixtral) and MLA with a compressed-latent cache (DeepSeek).
+"""Attention over per-request caches: GQA (Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2) and MLA with a compressed-latent
+cache (DeepSeek), optionally sparsified by DeepSeek-V3.2's lightning indexer (indexer.py).
 
 Inputs are a flattened varlen batch: x (T, H) holds the new tokens of several requests; each request's queries see
 only its own cache (plus its own new tokens, causally). Projections run once over all T rows; the score/softmax
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
 
 from ..packed_linear import dense_weight, linear
+from . import indexer as lightning
 from .kv_cache import Batch, causal_scores_mask
 from .layers import Rope, rms_norm
 
@@ -36,13 +38,19 @@ def gqa_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
 
 
 def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
-                  cos: torch.Tensor, sin: torch.Tensor, qk_norm: bool) -> torch.Tensor:
-    """x: (T, H) -> (T, H). p: weight-name prefix of this layer's self_attn, e.g. 'model.layers.3.self_attn.'."""
+                  cos: torch.Tensor, sin: torch.Tensor, qk_norm: str | None) -> torch.Tensor:
+    """x: (T, H) -> (T, H). p: weight-name prefix of this layer's self_attn, e.g. 'model.layers.3.self_attn.'.
+    qk_norm: None, "head" (RMSNorm over each head's dims: Qwen3, GLM) or "projection" (over the whole q / k
+    projection, all heads at once: MiniMax-M2), before RoPE. RoPE covers the first rope.dim dims of each head."""
     T, nh, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(T, nh, hd)
-    k = linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(T, nkv, hd)
+    q = linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias"))                          # (T, nh*hd)
+    k = linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias"))                          # (T, nkv*hd)
     v = linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(T, nkv, hd)
-    if qk_norm:   # Qwen3: RMSNorm over each head's dims before RoPE
+    if qk_norm == "projection":
+        q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
+    q, k = q.view(T, nh, hd), k.view(T, nkv, hd)
+    if qk_norm == "head":
         q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
@@ -59,8 +67,9 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     return linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
 
 
-def mla_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
-    return [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,)]
+def mla_cache_widths(cfg: ModelConfig, indexed: bool = False) -> list[tuple[int, ...]]:
+    """The compressed latent (and, with the indexer, its keys) per position."""
+    return [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,)] + ([lightning.cache_width(cfg)] if indexed else [])
 
 
 def _absorbed(w: dict, p: str, nh: int, dn: int, dv: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,17 +83,22 @@ def _absorbed(w: dict, p: str, nh: int, dn: int, dv: int, R: int) -> tuple[torch
 
 
 def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
-                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, indexed: bool = False) -> torch.Tensor:
     """Multi-head latent attention. The cache holds c_kv = norm(W_dkv x) (R) and the roped shared key (r) per
     position; kv_b_proj is absorbed: q_nope is mapped into latent space and the latent output is mapped to values,
-    so keys/values are never expanded per head.  x: (T, H) -> (T, H)."""
+    so keys/values are never expanded per head. indexed (DeepSeek-V3.2): the lightning indexer's keys are cached
+    too and each query attends only to the keys it selects.  x: (T, H) -> (T, H)."""
     T, nh = x.shape[0], cfg.num_heads
     dn, dr, dv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    idx = None
     if cfg.q_lora_rank is None:
         q = linear(x, w[p + "q_proj.weight"])
     else:
         qa = linear(x, w[p + "q_a_proj.weight"], w.get(p + "q_a_proj.bias"))
-        q = linear(rms_norm(qa, w[p + "q_a_layernorm.weight"], LORA_NORM_EPS), w[p + "q_b_proj.weight"])
+        q_resid = rms_norm(qa, w[p + "q_a_layernorm.weight"], LORA_NORM_EPS)                 # (T, q_lora_rank)
+        q = linear(q_resid, w[p + "q_b_proj.weight"])
+        if indexed:
+            idx = lightning.project(cfg, w, p, x, q_resid, rope, cos, sin)
     q = q.view(T, nh, dn + dr)
     q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
     ckv = linear(x, w[p + "kv_a_proj_with_mqa.weight"], w.get(p + "kv_a_proj_with_mqa.bias"))   # (T, R + dr)
@@ -98,10 +112,13 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     latent = torch.cat([c, k_rot], dim=-1)                                                    # (T, R + dr)
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
-        (lat_all,) = s.cache.write(layer, s.start, [latent[rows]])                           # (S, R + dr)
+        cached = s.cache.write(layer, s.start, [latent[rows]] + ([idx.k[rows]] if idx is not None else []))
+        lat_all = cached[0]                                                                   # (S, R + dr)
         c_all, kr_all = lat_all[:, :R], lat_all[:, R:]
         scores = (torch.matmul(q_lat[:, rows], c_all.t()) + torch.matmul(q_rot[:, rows], kr_all.t())) * scale
         mask = _mask(s, x.device, None)                                                       # scores: (nh, n, S)
+        if idx is not None:
+            mask = lightning.select(cfg, idx.q[rows], cached[1], idx.weights[rows], mask)
         out_lat[:, rows] = torch.matmul(_softmax_attend(scores, mask), c_all)
     o = torch.matmul(out_lat, w_uv_t).transpose(0, 1)                                         # (T, nh, dv)
     return linear(o.reshape(T, nh * dv), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
