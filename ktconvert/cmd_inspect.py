@@ -48,10 +48,13 @@ def inspect_source(path: Path, group_size: int) -> dict:
     with open_source(path) as src:
         a = src.arch
         params: dict[str, int] = defaultdict(int)
+        skipped: dict[str, int] = defaultdict(int)
         gpu_bytes = 0
         for name in src.tensor_names():
             role = a.classify(name)
             if role.kind == "skip":
+                if role.reason:
+                    skipped[role.reason] += math.prod(src.info(name).shape)
                 continue
             n = math.prod(src.info(name).shape)
             params[role.kind] += n
@@ -63,7 +66,7 @@ def inspect_source(path: Path, group_size: int) -> dict:
         return {"kind": "source", "model_type": a.model_type, "layers": a.num_layers, "params": dict(params),
                 "n_experts": a.n_experts, "top_k": a.top_k, "moe_layers": a.moe_layers(),
                 "shared_experts": a.n_shared_experts, "gpu": {m: gpu_bytes for m in cpu}, "cpu": cpu,
-                "source_bytes": src.source_nbytes()}
+                "source_bytes": src.source_nbytes(), "skipped": dict(skipped)}
 
 
 def _converted_adapter(path: Path):
@@ -148,6 +151,8 @@ def inspect(path, gpu_mem, cpu_mem, group_size):
     click.echo(f"parameters: {total / 1e9:.3f} B total")
     for kind, n in sorted(info["params"].items(), key=lambda kv: -kv[1]):
         click.echo(f"  {kind:<14} {n:>16,d}  ({100 * n / max(total, 1):.1f}%)")
+    for reason, n in sorted(info.get("skipped", {}).items()):
+        click.echo(f"not converted: {n:,d} parameters of the {reason}")
     verdicts = []
     for method in info["cpu"]:
         g, c = info["gpu"][method], info["cpu"][method]

@@ -199,6 +199,16 @@ class Converter:
         self.kill("expert")
 
 
+def skipped_parts(src, names: list[str]) -> dict[str, int]:
+    """{what they are: how many} of the skipped tensors whose role says (MTP layers, a vision tower)."""
+    out: dict[str, int] = {}
+    for name in names:
+        reason = src.arch.classify(name).reason
+        if reason:
+            out[reason] = out.get(reason, 0) + 1
+    return out
+
+
 def conversion_params(src, opts: ConvertOptions) -> dict:
     """What makes two runs produce the same output (the resume journal compares these)."""
     shard_files = sorted({(i.file.name, i.file.stat().st_size) for i in map(src.info, src.tensor_names())})
@@ -228,6 +238,8 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                                      plan.geometry):
             tqdm.write("experts: GGUF Q8_0 blocks taken over exactly as int8 group-32 codes and scales "
                        "(no float round trip)", file=sys.stderr)
+        for reason, n in skipped_parts(src, plan.skipped).items():
+            tqdm.write(f"skipped {n} tensors: {reason}", file=sys.stderr)
         conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill)
         try:
             with ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="ktconvert") as pool:

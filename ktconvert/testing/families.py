@@ -80,8 +80,8 @@ FIXTURES = {
             "first_k_dense_replace": 1, "num_hidden_layers": 3, "num_attention_heads": 5, "num_key_value_heads": 1,
             "head_dim": 32, "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True,
             "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 1,
-            "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1},
-        tokenizer="chatml", partial_rotary_key="partial_rotary_factor", mtp=True),
+            "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "pad_token_id": 0, "eos_token_id": 0},
+        tokenizer="glm", partial_rotary_key="partial_rotary_factor", mtp=True),
     # MiniMax-M2: every layer MoE, q/k norm over the whole projection, rotary_dim 16 of head_dim 32, FP8 release.
     "minimax_m2": FixtureFamily(
         config={
@@ -114,7 +114,7 @@ FIXTURES = {
             "text_config": {
                 "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 80, "n_routed_experts": 8,
                 "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
-                "first_k_dense_replace": 1, "num_hidden_layers": 2, "num_attention_heads": 3,
+                "first_k_dense_replace": 1, "num_hidden_layers": 3, "num_attention_heads": 3,
                 "num_key_value_heads": 3, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16,
                 "qk_nope_head_dim": 32, "v_head_dim": 32, "routed_scaling_factor": 2.827, "norm_topk_prob": True,
                 "num_nextn_predict_layers": 0, "max_position_embeddings": 1024},

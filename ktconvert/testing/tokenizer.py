@@ -36,6 +36,13 @@ STYLES = {   # ktconvert.testing.families.FixtureFamily.tokenizer
         "chat_template": (
             "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")},
+    "glm": {     # GLM-4.5: [gMASK]<sop> prefix, <|role|> headers, <|endoftext|> (id 0) ends text
+        "special": ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+                    "<|assistant|>", "<|observation|>"],
+        "bos": None, "eos": "<|endoftext|>", "pad": "<|endoftext|>", "unk": None,
+        "chat_template": (
+            "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")},
     "mistral": {
         "special": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
         "bos": "<s>", "eos": "</s>", "pad": None, "unk": "<unk>",

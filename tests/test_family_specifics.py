@@ -1,0 +1,276 @@
+"""What GLM-4.5, MiniMax-M2, DeepSeek-V3.2 and Kimi-K2 / K2.5 add beyond the registry's generic checks (those run on
+every family through ktconvert.testing.ARCHS: conversion + verify, ktrun logits and 32-token greedy decoding against
+transformers, quantized KL): the V3.2 indexer at prompts and decodes longer than index_topk with its keys in the
+KV cache, the FP8 releases of MiniMax-M2 and V3.2, K2.5's vision tower skipped and said so, Kimi-K2 served with its
+tiktoken tokenizer, `inspect`, `pull`, and config errors that name the field before any weight is read."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fake_hub import FakeHub, FakeRepo
+from ktlayouts.families import ConfigError, parse_config
+from ktrun.engine import Engine, SamplingParams
+from ktrun.models.kv_cache import Batch
+from runtime_helpers import (
+    INIT_SCALE,
+    KTRUN,
+    PROMPT,
+    KimiReferenceTokenizer,
+    build_checkpoint,
+    build_conversion,
+    converted,
+    greedy_gaps,
+    kl,
+    reference_logits,
+    shared_root,
+    transformers_model,
+)
+
+from ktconvert.sources import SourceError, open_source
+from ktconvert.sources.roles import adapter_for
+from ktconvert.testing import FIXTURES, make_checkpoint
+from ktconvert.testing.tokenizer import KIMI_BASE_VOCAB, _write_kimi
+
+KTCONVERT = [sys.executable, "-m", "ktconvert"]
+NEW = ("glm4_moe", "minimax_m2", "deepseek_v32", "kimi_k25")
+LOGIT_ATOL, GREEDY_GAP = 1e-4, 1e-3        # reference experts, bf16 weights, float32 on both sides
+
+
+def _quantize(src: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    r = subprocess.run([*KTCONVERT, "quantize", str(src), "-o", str(out), *args], capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+# --- DeepSeek-V3.2: the lightning indexer ------------------------------------------------------------------------
+
+def test_v32_indexer_sparsifies_long_prompts_and_caches_its_keys(tmp_path_factory):
+    """A 40-token prompt (index_topk 8) in one prefill, then 24 decode steps: logits equal transformers' at every
+    position, the indexer really drops keys (a dense run differs), and the per-request cache holds the indexer's
+    keys exactly as transformers' cache does."""
+    src = build_checkpoint(shared_root(tmp_path_factory), "deepseek_v32")
+    conv = converted(tmp_path_factory, "deepseek_v32", "bf16")
+    eng = Engine(conv, ctx=256, use_kernels=False)
+    cfg = eng.model.cfg
+    assert (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == (8, 8, 32)
+    ids = eng.tokenizer.encode(PROMPT + " and then it jumps over the quick brown fox again and again")
+    assert len(ids) > 4 * cfg.index_topk
+    ref = transformers_model(src)
+    cache = eng.model.new_cache(256)
+    got = eng.model.forward(Batch.build([(cache, ids)], "cpu"), all_logits=True)
+    with torch.no_grad():
+        out = ref(torch.tensor([ids]), use_cache=True)
+    assert (got - out.logits[0]).abs().max() < LOGIT_ATOL
+    assert cache.widths == [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,), (cfg.index_head_dim,)]
+    for layer in range(cfg.num_layers):
+        ours = cache.layers[layer][1][: len(ids)]
+        theirs = out.past_key_values.layers[layer].indexer_keys[0]
+        assert torch.allclose(ours, theirs, atol=1e-5), layer
+    dense = Engine(conv, ctx=256, use_kernels=False)
+    dense.model.cfg = type(cfg)(**{**cfg.__dict__, "index_topk": 10_000})
+    full = dense.model.forward(Batch.build([(dense.model.new_cache(256), ids)], "cpu"), all_logits=True)
+    assert (full - got).abs().max() > 1e-2, "the indexer selected every key: the test would not see sparsity"
+    eng.add_request("long", ids, SamplingParams(max_tokens=24, ignore_eos=True))
+    gen = []
+    while eng.has_work():
+        gen += [t for _r, t, _f in eng.step()]
+    assert max(greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)) <= GREEDY_GAP
+
+
+# --- FP8 releases -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["minimax_m2", "deepseek_v32"])
+def test_fp8_release_converts_and_runs_close_to_bf16(tmp_path_factory, arch):
+    """MiniMax-M2's FP8 release (quantization_config fmt float8_e4m3fn, modules_to_not_convert) and V3.2's (scale_fmt
+    ue8m0: power-of-two block scales): read by the FP8 reader, every dense tensor equal to the FP8 dequantization,
+    and the model close to the bf16 release."""
+    src = build_checkpoint(shared_root(tmp_path_factory), arch, fp8=True)
+    qc = json.loads((src / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "fp8" and all(qc[k] == v for k, v in FIXTURES[arch].fp8_config.items())
+    with open_source(src) as s:
+        fp8 = [n for n in s.tensor_names() if s.info(n).dtype == "F8_E4M3"]
+        assert any(".experts." in n for n in fp8) and any("self_attn" in n for n in fp8)
+        if arch == "deepseek_v32":
+            scale = s.read_raw(fp8[0] + "_scale_inv")
+            assert torch.equal(torch.from_numpy(scale).log2(), torch.from_numpy(scale).log2().round())
+    conv = converted(tmp_path_factory, arch, "bf16", fp8=True)
+    ref = converted(tmp_path_factory, arch, "bf16")
+    logits = []
+    for d in (ref, conv):
+        eng = Engine(d, ctx=256, use_kernels=False)
+        ids = eng.tokenizer.encode(PROMPT)
+        logits.append(eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True))
+        eng.close()
+    d = kl(*logits)
+    assert d.mean() < 2e-2 and d.max() < 1e-1, f"{arch} FP8 vs bf16: KL mean {d.mean():.2e} max {d.max():.2e}"
+
+
+# --- Kimi-K2.5 and Kimi-K2 ----------------------------------------------------------------------------------------
+
+def test_kimi_k25_converts_its_language_model_and_says_the_vision_tower_is_skipped(tmp_path_factory, tmp_path):
+    src = build_checkpoint(shared_root(tmp_path_factory), "kimi_k25")
+    r = _quantize(src, tmp_path / "out", "--method", "int4-amx", "--gpu-method", "bf16", "--quiet")
+    with open_source(src) as s:
+        vision = [n for n in s.tensor_names() if n.startswith(("vision_tower.", "mm_projector.", "model.mm_"))]
+    assert vision and f"skipped {len(vision)} tensors: vision tower and multimodal projector" in r.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    dense = {n for f in manifest["files"].values() for n in f.get("tensors", {}) if f["kind"] in ("dense", "globals")}
+    assert dense and all(n.startswith("language_model.") for n in dense)
+    assert manifest["model_type"] == "kimi_k25" and manifest["experts"]["moe_layers"] == [1, 2]
+    out = subprocess.run([*KTRUN, "generate", str(tmp_path / "out"), "--chat", "--prompt", "北京在哪里？",
+                          "--max-tokens", "6", "--ignore-eos", "--json"], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    ref = KimiReferenceTokenizer(src)
+    want = ref.apply_chat_template([{"role": "user", "content": "北京在哪里？"}], add_generation_prompt=True)
+    assert res["prompt_token_ids"] == want and len(res["token_ids"]) == 6
+
+
+def test_kimi_k2_with_its_tiktoken_tokenizer_is_served(tmp_path_factory):
+    """Kimi-K2 (model_type kimi_k2: DeepSeek-V3's tensors and math) as the hub ships it, tiktoken.model and no
+    tokenizer.json: converted, tokenized as tiktoken does, greedy tokens = transformers' argmax."""
+    root = shared_root(tmp_path_factory) / "kimi_k2"
+    src = root / "src"
+    if not (src / "config.json").exists():
+        make_checkpoint("deepseek_v3", src, init_scale=INIT_SCALE, vocab_size=KIMI_BASE_VOCAB + 272,
+                        bos_token_id=KIMI_BASE_VOCAB, eos_token_id=KIMI_BASE_VOCAB + 1, n_group=1, topk_group=1)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (src / f).unlink()
+        _write_kimi(src, 1024)
+        cfg = json.loads((src / "config.json").read_text())
+        cfg.update(model_type="kimi_k2", auto_map={"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+        (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    eng = Engine(build_conversion(src, root / "conv"), ctx=256, use_kernels=False)
+    tok = KimiReferenceTokenizer(src)
+    text = "Kimi: 混合专家 🚀 def f(x): return x"
+    ids = eng.tokenizer.encode(text)
+    assert ids == tok.encode(text) and eng.model.cfg.model_type == "deepseek_v3"
+    assert eng.tokenizer.eos_token_id == KIMI_BASE_VOCAB + 1
+    ref = transformers_model(src)
+    eng.add_request("k2", ids, SamplingParams(max_tokens=16, ignore_eos=True))
+    gen = []
+    while eng.has_work():
+        gen += [t for _r, t, _f in eng.step()]
+    assert max(greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)) <= GREEDY_GAP
+
+
+def test_pull_takes_tiktoken_and_leaves_remote_code(ckpt_dir, tmp_path):
+    """`ktconvert pull` of a Kimi-K2.5-shaped repo: weights, configs, tiktoken.model, tokenizer_config.json and the
+    chat template come; the tokenizer's and model's Python code, docs and images do not; then it converts."""
+    src = ckpt_dir("kimi_k25")
+    files = {p.name: p.read_bytes() for p in sorted(src.iterdir()) if p.is_file()}
+    files["chat_template.jinja"] = json.loads(files["tokenizer_config.json"])["chat_template"].encode()
+    remote = {"tokenization_kimi.py": b"import tiktoken\n", "modeling_kimi_k25.py": b"import torch\n",
+              "configuration_kimi_k25.py": b"class C: pass\n", "kimi_k25_vision_processing.py": b"x = 1\n",
+              "README.md": b"# Kimi-K2.5 tiny\n", "figures/kimi-logo.png": b"\x89PNG\r\n", "docs/deploy.md": b"# d\n"}
+    repo, commit = "moonshotai/Kimi-K2.5-tiny", "b" * 40
+    hub = FakeHub(repos={repo: FakeRepo(repo, {commit: {**files, **remote}}, {"main": commit})}).start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE", "KTCONVERT"))}
+        env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), KTCONVERT_HOME=str(tmp_path / "kt"),
+                   HF_HUB_DISABLE_TELEMETRY="1")
+        r = subprocess.run([*KTCONVERT, "pull", repo], env=env, capture_output=True, text=True, timeout=120,
+                           check=False)
+        assert r.returncode == 0, r.stderr
+    finally:
+        hub.stop()
+    local = Path(r.stdout.strip())
+    got = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file() and ".ktconvert" not in str(p)}
+    assert got == set(files)
+    assert "tiktoken.model" in got and not got & set(remote)
+    _quantize(local, tmp_path / "conv", "--method", "int8-amx", "--gpu-method", "bf16", "--quiet")
+
+
+# --- inspect ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", NEW)
+def test_inspect_reports_parameters_by_role(ckpt_dir, arch):
+    src = ckpt_dir(arch)
+    r = subprocess.run([*KTCONVERT, "inspect", str(src), "--gpu-mem", "1GB", "--cpu-mem", "1GB"], capture_output=True,
+                       text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    with open_source(src) as s:
+        a = s.arch
+        by_role: dict[str, int] = {}
+        for n in s.tensor_names():
+            role = a.classify(n)
+            if role.kind != "skip":
+                by_role[role.kind] = by_role.get(role.kind, 0) + int(torch.Size(s.info(n).shape).numel())
+    assert f"architecture: {arch}, {a.num_layers} layers, {len(a.moe_layers())} MoE layers, {a.n_experts} routed " \
+           f"experts (top {a.top_k})" in r.stdout
+    for kind, n in by_role.items():
+        assert f"  {kind:<14} {n:>16,d}" in r.stdout, (kind, r.stdout)
+    assert "router_bias" in by_role and ("shared_expert" in by_role) == (arch != "minimax_m2")
+    assert ("not converted" in r.stdout) == (arch != "minimax_m2")       # MTP layer / vision tower
+    assert "GPU fits" in r.stdout and "CPU fits" in r.stdout
+
+
+# --- config errors: the field is named, before any weight is read --------------------------------------------------
+
+def _hub_config(ckpt_dir, arch: str) -> dict:
+    return json.loads((ckpt_dir(arch) / "config.json").read_text())
+
+
+@pytest.mark.parametrize("arch, change, field", [
+    ("glm4_moe", {"n_routed_experts": None}, "'n_routed_experts'"),
+    ("glm4_moe", {"n_group": 3}, "n_routed_experts=8 is not a multiple of n_group=3"),
+    ("glm4_moe", {"topk_group": 3}, "topk_group=3 must be in 1..n_group=2"),
+    ("glm4_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+    ("glm4_moe", {"partial_rotary_factor": 0}, "'partial_rotary_factor' = 0"),
+    ("glm4_moe", {"num_key_value_heads": 2}, "num_attention_heads=5 is not a multiple of num_key_value_heads=2"),
+    ("minimax_m2", {"num_local_experts": None}, "'num_local_experts'"),
+    ("minimax_m2", {"num_experts_per_tok": 0}, "num_experts_per_tok=0"),
+    ("minimax_m2", {"shared_intermediate_size": 64}, "shared_intermediate_size=64"),
+    ("minimax_m2", {"attn_type_list": [0, 1]}, "attn_type_list"),
+    ("minimax_m2", {"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+    ("minimax_m2", {"rotary_dim": 33}, "'rotary_dim' gives 33"),
+    ("deepseek_v32", {"q_lora_rank": None}, "q_lora_rank is null"),
+    ("deepseek_v32", {"index_topk": 0}, "index_topk=0"),
+    ("deepseek_v32", {"n_group": 8}, "n_group=8 leaves fewer than 2"),
+    ("deepseek_v32", {"mlp_layer_types": ["dense", "sparse"]}, "mlp_layer_types"),
+    ("kimi_k25", {"text_config": None}, "'text_config'"),
+    ("kimi_k25", {"text_config": {"model_type": "qwen3_moe"}}, "text_config.model_type 'qwen3_moe'"),
+    ("kimi_k25", {"text_config.num_experts_per_tok": 99}, "text_config: num_experts_per_tok=99"),
+])
+def test_config_errors_name_the_field(ckpt_dir, arch, change, field):
+    raw = _hub_config(ckpt_dir, arch)
+    for k, v in change.items():
+        where = raw
+        if "." in k:
+            outer, k = k.split(".")
+            where = raw[outer]
+        if v is None:
+            where.pop(k, None)
+        else:
+            where[k] = v
+    if arch == "deepseek_v32" and "q_lora_rank" in change:
+        raw["q_lora_rank"] = None          # null (not absent): the field is present and says "no q LoRA"
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("(", r"\(")):
+        parse_config(raw)
+    with pytest.raises(SourceError, match=field.replace("[", r"\[").replace("(", r"\(")):
+        adapter_for(raw)
+
+
+def test_bad_config_fails_the_cli_before_reading_weights(ckpt_dir, tmp_path):
+    src = shutil.copytree(ckpt_dir("minimax_m2"), tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_local_experts"] = 6          # the checkpoint holds 8 experts per layer: config and router disagree
+    (src / "config.json").write_text(json.dumps(cfg))
+    for shard in src.glob("*.safetensors"):  # any weight read would now fail differently (zeroed data)
+        raw = bytearray(shard.read_bytes())
+        n = int.from_bytes(raw[:8], "little") + 8
+        shard.write_bytes(bytes(raw[:n]) + b"\xff" * (len(raw) - n))
+    r = subprocess.run([*KTCONVERT, "quantize", str(src), "-o", str(tmp_path / "out")], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "expert 6 >= n_experts=6" in r.stderr and "block_sparse_moe.experts.6" in r.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
