@@ -60,12 +60,12 @@ def read_ranks(path: Path) -> dict[bytes, int]:
         if len(parts) != 2 or token in ranks:
             raise TiktokenError(f"{path}: line {n}: {'duplicate token' if token in ranks else 'extra fields'}")
         ranks[token] = rank
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise TiktokenError(f"{path}: ranks are not 0..{len(ranks) - 1} without gaps or repeats")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         raise TiktokenError(f"{path}: single byte {missing[0]:#04x} has no rank ({len(missing)} bytes missing): "
                             f"not a byte-level BPE")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TiktokenError(f"{path}: ranks are not 0..{len(ranks) - 1} without gaps or repeats")
     return ranks
 
 
