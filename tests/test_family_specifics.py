@@ -297,3 +297,85 @@ def test_bad_config_fails_the_cli_before_reading_weights(ckpt_dir, tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "expert 6 >= n_experts=6" in r.stderr and "block_sparse_moe.experts.6" in r.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+# --- release-shaped config.json files (the fields each release writes; no weights) -------------------------------
+
+_GLM45 = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+          "head_dim": 128, "hidden_size": 5120, "intermediate_size": 12288, "max_position_embeddings": 131072,
+          "moe_intermediate_size": 1536, "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1,
+          "topk_group": 1, "n_routed_experts": 160, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+          "num_experts_per_tok": 8, "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8,
+          "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 1000000,
+          "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "use_qk_norm": True, "vocab_size": 151552,
+          "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329, "hidden_act": "silu"}
+_MINIMAX_M2 = {"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "head_dim": 128,
+               "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608,
+               "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
+               "num_local_experts": 256, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-6, "rope_theta": 5000000,
+               "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0, "use_qk_norm": True,
+               "use_routing_bias": True, "use_mtp": True, "num_mtp_modules": 3, "attn_type_list": [1] * 62,
+               "vocab_size": 200064, "tie_word_embeddings": False,
+               "quantization_config": {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                                       "weight_block_size": [128, 128],
+                                       "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}}
+_DSV3 = {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+         "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+         "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+         "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+         "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+         "scoring_func": "sigmoid", "num_nextn_predict_layers": 1, "max_position_embeddings": 163840,
+         "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 4096, "type": "yarn"},
+         "rope_theta": 10000, "rms_norm_eps": 1e-6, "vocab_size": 129280, "bos_token_id": 0, "eos_token_id": 1}
+_DSV32 = {**_DSV3, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_head_dim": 128,
+          "index_n_heads": 64, "index_topk": 2048,
+          "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
+_KIMI_K2 = {**_DSV3, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "n_routed_experts": 384,
+            "num_attention_heads": 64, "num_key_value_heads": 64, "n_group": 1, "topk_group": 1,
+            "first_k_dense_replace": 1, "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0,
+            "max_position_embeddings": 262144, "vocab_size": 163840, "bos_token_id": 163584, "eos_token_id": 163585,
+            "rope_scaling": {**_DSV3["rope_scaling"], "factor": 64.0}}
+_KIMI_K25 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+             "text_config": {k: v for k, v in _KIMI_K2.items() if k != "architectures"},
+             "vision_config": {"patch_size": 14, "hidden_size": 1152}, "media_placeholder_token_id": 163605}
+
+
+@pytest.mark.parametrize("raw, want", [
+    (_GLM45, {"model_type": "glm4_moe", "num_layers": 92, "num_experts": 160, "moe_layers": tuple(range(3, 92)),
+                  "n_mtp_layers": 1, "head_dim": 128, "num_kv_heads": 8, "qk_norm": True, "attention_bias": True,
+                  "routed_scaling_factor": 2.5, "scoring": "sigmoid", "rope_dims": 64, "rope_theta": 1e6}),
+    ({**_GLM45, "hidden_size": 4096, "num_hidden_layers": 46, "n_routed_experts": 128, "first_k_dense_replace": 1,
+      "use_qk_norm": False, "routed_scaling_factor": 1.0},                                       # GLM-4.5-Air
+     {"num_layers": 46, "num_experts": 128, "moe_layers": tuple(range(1, 46)), "qk_norm": False,
+      "routed_scaling_factor": 1.0}),
+    ({**_GLM45, "max_position_embeddings": 202752}, {"max_position": 202752}),                 # GLM-4.6 / 4.7
+    (_MINIMAX_M2, {"model_type": "minimax_m2", "num_layers": 62, "num_experts": 256, "top_k": 8,
+                   "moe_layers": tuple(range(62)), "moe_intermediate_size": 1536, "n_shared_experts": 0,
+                   "qk_norm_scope": "projection", "rope_dims": 64, "rope_theta": 5e6, "norm_topk_prob": True,
+                   "n_mtp_layers": 3}),
+    (_DSV32, {"model_type": "deepseek_v32", "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128,
+              "moe_layers": tuple(range(3, 61)), "rope_kind": "yarn", "n_mtp_layers": 1}),
+    (_KIMI_K2, {"model_type": "deepseek_v3", "num_experts": 384, "n_group": 1, "moe_layers": tuple(range(1, 61)),
+                    "routed_scaling_factor": 2.827, "rope_kind": "yarn"}),
+    (_KIMI_K25, {"model_type": "kimi_k25", "num_experts": 384, "moe_layers": tuple(range(1, 61)), "num_heads": 64}),
+])
+def test_release_shaped_configs_parse(raw, want):
+    cfg = parse_config(raw)
+    got = {k: getattr(cfg, k) for k in want if hasattr(cfg, k)}
+    got.update({k: v for k, v in (("rope_dims", cfg.rope.dim), ("rope_theta", cfg.rope.theta),
+                                  ("rope_kind", cfg.rope.kind)) if k in want})
+    assert got == want
+    assert adapter_for(raw).moe_layers() == list(cfg.moe_layers)      # the converter reads it the same way
+
+
+def test_glm45_air_without_qk_norm_and_bias_matches_transformers(tmp_path_factory):
+    """GLM-4.5-Air's attention: no q/k norm, no q/k/v bias (the fixture has both, as GLM-4.5 / 4.6)."""
+    root = shared_root(tmp_path_factory) / "glm_air"
+    src = make_checkpoint("glm4_moe", root / "src", init_scale=INIT_SCALE, use_qk_norm=False, attention_bias=False)
+    eng = Engine(build_conversion(src, root / "conv"), ctx=256, use_kernels=False)
+    assert not eng.model.cfg.qk_norm and not eng.model.cfg.attention_bias
+    ids = eng.tokenizer.encode(PROMPT)
+    got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+    assert (got - reference_logits(transformers_model(src), ids)).abs().max() < LOGIT_ATOL
