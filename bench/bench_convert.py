@@ -1,7 +1,9 @@
 """Conversion throughput (source GB/s) and peak RSS at 2, 4 and 8 layers (must stay flat), and the relative error of
 int4/int8 with group 128 vs per-row scales on the same weights. Prints `name: value unit` lines.
 
-Fixture: qwen3_moe with hidden 1024, expert intermediate 512, 32 experts -> ~100 MB of BF16 experts per layer.
+Fixture: qwen3_moe with hidden 1024, expert intermediate 512, 32 experts -> ~100 MB of BF16 experts per layer; at 2
+and 8 layers also the same checkpoint as compressed-tensors int4 group 32 (an already-quantized source), converted
+exactly and re-quantized: its peak RSS must stay flat like the BF16 source's.
 Each conversion runs in its own subprocess so ru_maxrss is that conversion's peak. Limits measured in this run:
 memory copy bandwidth (the ceiling for any streaming pass) and the same conversion with 1 worker (the peer).
 """
@@ -19,6 +21,7 @@ import numpy as np
 DIMS = {"hidden_size": 1024, "moe_intermediate_size": 512, "num_experts": 32, "intermediate_size": 1024,
             "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128}
 LAYERS = (2, 4, 8)
+QUANTIZED_LAYERS = (2, 8)   # a compressed-tensors int4 source of the same checkpoint, exact and re-quantized
 
 # VmHWM (peak RSS of this process image) rather than ru_maxrss, which Linux carries over from the forking parent.
 CHILD = r"""
@@ -26,10 +29,10 @@ import json, re, sys, time
 from ktconvert.pipeline import ConvertOptions, convert
 def hwm_kb():
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
-src, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+src, out, workers, method, group = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 base = hwm_kb()
 t, c = time.perf_counter(), time.process_time()
-convert(src, out, ConvertOptions(method="int4-amx", group_size=128, workers=workers), show_progress=False)
+convert(src, out, ConvertOptions(method=method, group_size=group, workers=workers), show_progress=False)
 dt = time.perf_counter() - t
 print(json.dumps({"seconds": dt, "cpu_seconds": time.process_time() - c, "peak_kb": hwm_kb(), "base_kb": base}))
 """
@@ -47,8 +50,9 @@ def copy_bandwidth_gbs() -> float:
     return best
 
 
-def run_convert(src: Path, out: Path, workers: int) -> dict:
-    r = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), str(workers)], capture_output=True, text=True, check=False)
+def run_convert(src: Path, out: Path, workers: int, method: str = "int4-amx", group: int = 128) -> dict:
+    r = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), str(workers), method, str(group)],
+                       capture_output=True, text=True, check=False)
     if r.returncode:
         raise SystemExit(r.stderr)
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -82,6 +86,25 @@ def quant_errors(src: Path) -> dict[str, float]:
     return out
 
 
+def quantized_source(src: Path, tmp: Path, n_layers: int, peaks: dict) -> None:
+    """The same checkpoint as compressed-tensors int4 group 32 (written by the compressed-tensors library): converted
+    exactly (int4-amx group 32, codes and scales taken over) and re-quantized (int4-amx group 128, each expert
+    dequantized to float32 first); peak RSS must stay flat in the number of layers as for the BF16 source."""
+    from ktconvert.testing.quantized import compressed_tensors_checkpoint
+
+    ct = compressed_tensors_checkpoint(src, tmp / f"ct{n_layers}", "W4A16", group_size=32)
+    nbytes = sum(p.stat().st_size for p in ct.glob("*.safetensors"))
+    for tag, group in (("ct", 32), ("ctre", 128)):
+        res = run_convert(ct, tmp / f"{tag}_out{n_layers}", 2, "int4-amx", group)
+        peaks[f"{tag}{n_layers}"] = res["peak_kb"] / 1024
+        what = "exact_int4_g32" if tag == "ct" else "requantized_int4_g128"
+        print(f"convert_compressed_tensors_{n_layers}_layers_{what}_throughput: {nbytes / res['seconds'] / 1e9:.3f} "
+              f"GB/s (of {nbytes / 1e6:.1f} MB stored)")
+        print(f"convert_compressed_tensors_{n_layers}_layers_{what}_peak_rss: {res['peak_kb'] / 1024:.0f} MB")
+        subprocess.run(["rm", "-rf", str(tmp / f"{tag}_out{n_layers}")], check=True)
+    subprocess.run(["rm", "-rf", str(ct)], check=True)
+
+
 def main() -> None:
     from ktconvert.testing import checkpoint_nbytes, make_checkpoint
 
@@ -109,10 +132,18 @@ def main() -> None:
                 print(f"convert_{n_layers}_layers_throughput_1_worker: {nbytes / one['seconds'] / 1e9:.3f} GB/s")
                 print(f"convert_{n_layers}_layers_cpu_per_wall_1_worker: {one['cpu_seconds'] / one['seconds']:.2f} cores")
                 print(f"convert_{n_layers}_layers_speedup_2_workers_vs_1: {one['seconds'] / res['seconds']:.2f} x")
+            if n_layers in QUANTIZED_LAYERS:
+                quantized_source(src, tmp, n_layers, peaks)
             if n_layers != LAYERS[0]:
                 for p in (tmp / f"src{n_layers}", tmp / f"out{n_layers}"):
                     subprocess.run(["rm", "-rf", str(p)], check=True)
         print(f"convert_peak_rss_8_vs_2_layers: {peaks[LAYERS[-1]] / peaks[LAYERS[0]]:.3f} ratio")
+        a, b = (peaks[f"ct{n}"] for n in QUANTIZED_LAYERS)
+        print(f"convert_compressed_tensors_peak_rss_{QUANTIZED_LAYERS[1]}_vs_{QUANTIZED_LAYERS[0]}_layers: "
+              f"{b / a:.3f} ratio")
+        a, b = (peaks[f"ctre{n}"] for n in QUANTIZED_LAYERS)
+        print(f"convert_compressed_tensors_requantized_peak_rss_{QUANTIZED_LAYERS[1]}_vs_{QUANTIZED_LAYERS[0]}_layers: "
+              f"{b / a:.3f} ratio")
         for name, v in quant_errors(tmp / f"src{LAYERS[0]}").items():
             print(f"{name}: {v:.5f} relative")
 

@@ -7,16 +7,27 @@ Clients are closed-loop: each of the `c` streams sends its next request when the
 
     .venv/bin/python bench/bench_serve.py                       # tiny DeepSeek-V3 fixture, converted int4
     .venv/bin/python bench/bench_serve.py --model-dir converted/ --max-tokens 64
+    .venv/bin/python bench/bench_serve.py --baseline 870c4c0 --rounds 3   # vs the server of another commit
+
+--baseline REV starts the `ktrun serve` of git revision REV (its runtime/, layouts/ and ktconvert/ exported to a
+temporary folder, this checkout's kernel library copied in) and this checkout's side by side on the same converted
+model, runs each level on one then the other, A B B A ... for --rounds rounds, and prints each one's median per
+level plus the ratios (ours / baseline); the exit code is 1 when ours is more than --max-regression slower in
+output tokens/s or median TTFT.
 """
 from __future__ import annotations
 
 import argparse
 import http.client
+import io
 import json
+import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -37,9 +48,31 @@ def build_fixture(work: Path, arch: str) -> Path:
     return out
 
 
-def start_server(model_dir: Path, ctx: int, max_batch: int):
-    proc = subprocess.Popen([str(BIN / "ktrun"), "serve", str(model_dir), "--port", "0", "--ctx",
-                             str(ctx), "--max-batch", str(max_batch)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+def export_revision(rev: str, work: Path) -> Path:
+    """The packages of git revision `rev` as an import folder (ktrun, ktlayouts, ktconvert), with this checkout's
+    compiled kernel library: PYTHONPATH=<folder> runs that revision's server."""
+    tree = work / f"rev-{rev}"
+    data = subprocess.run(["git", "-C", str(REPO), "archive", rev, "runtime", "layouts", "ktconvert"],
+                          check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(tree, filter="data")
+    for lib in (REPO / "runtime").glob("libktkernels*.so"):
+        shutil.copy2(lib, tree / "runtime" / lib.name)
+    pkgs = work / f"pkgs-{rev}"
+    pkgs.mkdir()
+    for name, folder in (("ktrun", "runtime"), ("ktlayouts", "layouts"), ("ktconvert", "ktconvert")):
+        (pkgs / name).symlink_to(tree / folder)
+    return pkgs
+
+
+def start_server(model_dir: Path, ctx: int, max_batch: int, pythonpath: Path | None = None):
+    """`ktrun serve` of this checkout, or (pythonpath) of an exported revision."""
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from ktrun.cli import main; sys.exit(main())",
+                             "serve", str(model_dir), "--port", "0", "--ctx", str(ctx), "--max-batch",
+                             str(max_batch)], cwd=REPO, stderr=subprocess.PIPE, text=True, env=env)
     port = None
     for line in proc.stderr:
         m = re.search(r"listening on http://[\d.]+:(\d+)", line)
@@ -130,11 +163,106 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
-def summary(name: str, values_s: list[float]) -> list[str]:
-    v = sorted(values_s)
-    p99 = v[min(len(v) - 1, round(0.99 * (len(v) - 1)))]
-    return [f"{name}_mean: {statistics.fmean(v) * 1e3:.2f} ms", f"{name}_median: {statistics.median(v) * 1e3:.2f} ms",
-            f"{name}_p99: {p99 * 1e3:.2f} ms"]
+def level_results(port: int, model: str, c: int, a) -> dict[str, float]:
+    """One level (c closed-loop streams): the `name: value` results (value in the unit printed)."""
+    res: dict[str, float] = {}
+    n = max(a.min_requests, a.requests_per_stream * c)
+    m0 = scrape(port)
+    results, wall = run_level(port, model, c, n, a.max_tokens, a.level_seconds)
+    m1 = scrape(port)
+    d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in ("ktrun_generation_tokens_total", "ktrun_engine_steps_total",
+                                                      "ktrun_engine_step_seconds_total",
+                                                      "ktrun_cpu_expert_seconds_total",
+                                                      "ktrun_time_to_first_token_seconds_sum",
+                                                      "ktrun_time_to_first_token_seconds_count",
+                                                      "ktrun_time_per_output_token_seconds_sum",
+                                                      "ktrun_time_per_output_token_seconds_count")}
+    tokens = sum(r["tokens"] for r in results)
+    res[f"c{c}_requests"] = len(results)
+    res[f"c{c}_requests_per_s"] = len(results) / wall
+    res[f"c{c}_output_tokens_per_s"] = tokens / wall
+    steps = max(d["ktrun_engine_steps_total"], 1)
+    res[f"c{c}_tokens_per_engine_step"] = d["ktrun_generation_tokens_total"] / steps
+    res[f"c{c}_engine_step_time_share"] = d["ktrun_engine_step_seconds_total"] / wall
+    res[f"c{c}_cpu_expert_time_share"] = d["ktrun_cpu_expert_seconds_total"] / wall
+    for what, vals in (("ttft", [r["ttft"] for r in results]), ("tpot", [r["tpot"] for r in results])):
+        v = sorted(vals)
+        res[f"c{c}_{what}_mean"] = statistics.fmean(v) * 1e3
+        res[f"c{c}_{what}_median"] = statistics.median(v) * 1e3
+        res[f"c{c}_{what}_p99"] = v[min(len(v) - 1, round(0.99 * (len(v) - 1)))] * 1e3
+    for what, key in (("ttft", "time_to_first_token"), ("tpot", "time_per_output_token")):
+        s_, n_ = d[f"ktrun_{key}_seconds_sum"], d[f"ktrun_{key}_seconds_count"]
+        res[f"c{c}_server_{what}_mean"] = s_ / max(n_, 1) * 1e3
+    return res
+
+
+def bench_levels(port: int, model: str, a) -> dict[str, float]:
+    res: dict[str, float] = {}
+    for c in LEVELS:
+        res.update(level_results(port, model, c, a))
+    res["c16_vs_c1_output_tokens_per_s_ratio"] = res["c16_output_tokens_per_s"] / res["c1_output_tokens_per_s"]
+    return res
+
+
+UNITS = {"requests": "requests", "requests_per_s": "req/s", "output_tokens_per_s": "tok/s",
+         "tokens_per_engine_step": "tokens", "engine_step_time_share": "of wall", "cpu_expert_time_share": "of wall",
+         "ratio": "x"}
+
+
+def unit(name: str) -> str:
+    for suffix, u in UNITS.items():
+        if name.endswith(suffix):
+            return u
+    return "ms"
+
+
+def ready_server(model_dir: Path, a, pythonpath: Path | None = None):
+    """A started and warmed-up server -> (process, port, model id)."""
+    proc, port = start_server(model_dir, a.ctx, max(LEVELS), pythonpath)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/v1/models")
+    model = json.loads(conn.getresponse().read())["data"][0]["id"]
+    one_request(port, model, "warm up", 4)
+    return proc, port, model
+
+
+def stop(proc) -> None:
+    proc.terminate()
+    proc.wait(30)
+
+
+def compare(model_dir: Path, a, base_path: Path) -> int:
+    """Both servers up at once (the idle one waits on its socket), every level run on each in turn, A B B A ...,
+    so load from elsewhere on the machine falls on both alike; medians over the rounds."""
+    servers = {"baseline": ready_server(model_dir, a, base_path), "ours": ready_server(model_dir, a)}
+    try:
+        runs: dict[str, dict[int, list[dict]]] = {w: {c: [] for c in LEVELS} for w in servers}
+        for c in LEVELS:
+            for r in range(a.rounds):
+                for who in (("baseline", "ours") if r % 2 == 0 else ("ours", "baseline")):
+                    _, port, model = servers[who]
+                    res = level_results(port, model, c, a)
+                    runs[who][c].append(res)
+                    print(f"round{r}_{who}_c{c}_output_tokens_per_s: {res[f'c{c}_output_tokens_per_s']:.1f} tok/s",
+                          flush=True)
+    finally:
+        for proc, _, _ in servers.values():
+            stop(proc)
+    print(f"baseline: {a.baseline}")
+    print(f"rounds: {a.rounds} per level, alternated")
+    worst = 1.0
+    for c in LEVELS:
+        med = {w: {k: statistics.median(x[k] for x in runs[w][c]) for k in runs[w][c][0]} for w in runs}
+        for k in med["ours"]:
+            for w in ("baseline", "ours"):
+                print(f"{w}_{k}: {med[w][k]:.2f} {unit(k)}")
+        tps = med["ours"][f"c{c}_output_tokens_per_s"] / med["baseline"][f"c{c}_output_tokens_per_s"]
+        ttft = med["ours"][f"c{c}_ttft_median"] / med["baseline"][f"c{c}_ttft_median"]
+        print(f"c{c}_output_tokens_per_s_ours_vs_baseline: {tps:.3f} x")
+        print(f"c{c}_ttft_median_ours_vs_baseline: {ttft:.3f} x")
+        worst = min(worst, tps, 1 / ttft)
+    print(f"worst_ratio_ours_vs_baseline: {worst:.3f} x (limit {1 - a.max_regression:.2f})")
+    return 0 if worst >= 1 - a.max_regression else 1
 
 
 def main() -> int:
@@ -146,52 +274,25 @@ def main() -> int:
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--level-seconds", type=float, default=60.0, help="stop starting requests after this long")
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--baseline", help="git revision whose server to compare against (alternated with ours)")
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each server")
+    ap.add_argument("--max-regression", type=float, default=0.05,
+                    help="with --baseline: allowed slowdown in output tokens/s and TTFT (fraction)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
         model_dir = a.model_dir or build_fixture(Path(tmp), a.arch)
-        proc, port = start_server(model_dir, a.ctx, max(LEVELS))
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-            conn.request("GET", "/v1/models")
-            model = json.loads(conn.getresponse().read())["data"][0]["id"]
-            one_request(port, model, "warm up", 4)
-            print(f"model: {model}")
-            print(f"max_tokens_per_request: {a.max_tokens} tokens")
-            rates = {}
-            for c in LEVELS:
-                n = max(a.min_requests, a.requests_per_stream * c)
-                m0 = scrape(port)
-                results, wall = run_level(port, model, c, n, a.max_tokens, a.level_seconds)
-                m1 = scrape(port)
-                d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in ("ktrun_generation_tokens_total",
-                                                                  "ktrun_engine_steps_total",
-                                                                  "ktrun_engine_step_seconds_total",
-                                                                  "ktrun_cpu_expert_seconds_total",
-                                                                  "ktrun_time_to_first_token_seconds_sum",
-                                                                  "ktrun_time_to_first_token_seconds_count",
-                                                                  "ktrun_time_per_output_token_seconds_sum",
-                                                                  "ktrun_time_per_output_token_seconds_count")}
-                tokens = sum(r["tokens"] for r in results)
-                rates[c] = tokens / wall
-                print(f"c{c}_requests: {len(results)} requests")
-                print(f"c{c}_requests_per_s: {len(results) / wall:.3f} req/s")
-                print(f"c{c}_output_tokens_per_s: {rates[c]:.1f} tok/s")
-                steps = max(d["ktrun_engine_steps_total"], 1)
-                print(f"c{c}_tokens_per_engine_step: {d['ktrun_generation_tokens_total'] / steps:.2f} tokens")
-                print(f"c{c}_engine_step_time_share: {d['ktrun_engine_step_seconds_total'] / wall:.2f} of wall")
-                print(f"c{c}_cpu_expert_time_share: {d['ktrun_cpu_expert_seconds_total'] / wall:.2f} of wall")
-                for line in summary(f"c{c}_ttft", [r["ttft"] for r in results]) + \
-                        summary(f"c{c}_tpot", [r["tpot"] for r in results]):
-                    print(line)
-                for what, key in (("ttft", "time_to_first_token"), ("tpot", "time_per_output_token")):
-                    s, n = d[f"ktrun_{key}_seconds_sum"], d[f"ktrun_{key}_seconds_count"]
-                    print(f"c{c}_server_{what}_mean: {s / max(n, 1) * 1e3:.2f} ms")
-            ratio = rates[16] / rates[1]
-            print(f"c16_vs_c1_output_tokens_per_s_ratio: {ratio:.2f} x")
-            return 0 if ratio > 1.0 else 1
-        finally:
-            proc.terminate()
-            proc.wait(30)
+        print(f"max_tokens_per_request: {a.max_tokens} tokens")
+        if a.baseline is None:
+            proc, port, model = ready_server(model_dir, a)
+            try:
+                print(f"model: {model}")
+                res = bench_levels(port, model, a)
+            finally:
+                stop(proc)
+            for k, v in res.items():
+                print(f"{k}: {v:.2f} {unit(k)}" if unit(k) != "requests" else f"{k}: {v:.0f} {unit(k)}")
+            return 0 if res["c16_vs_c1_output_tokens_per_s_ratio"] > 1.0 else 1
+        return compare(model_dir, a, export_revision(a.baseline, Path(tmp)))
 
 
 if __name__ == "__main__":

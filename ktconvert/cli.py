@@ -11,6 +11,7 @@ COMMANDS = {
     "inspect": "ktconvert.cmd_inspect:inspect",
     "verify": "ktconvert.cmd_verify:verify",
     "export": "ktconvert.cmd_export:export",
+    "profile": "ktconvert.cmd_profile:profile",
 }
 
 
@@ -25,4 +26,5 @@ def main():
       ktconvert quantize ./DeepSeek-V3 --method int4-amx -o converted/
       ktconvert inspect ./DeepSeek-V3 --gpu-mem 24GB --cpu-mem 512GB
       ktconvert verify converted/ --against ./DeepSeek-V3
+      ktconvert profile converted/ --prompts my_domain.txt -o profile.json
     """

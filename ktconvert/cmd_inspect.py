@@ -3,32 +3,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import defaultdict
 from pathlib import Path
 
 import click
 from ktlayouts.constants import METHOD_TO_LAYOUT
 from ktlayouts.converted_dir import MANIFEST_NAME, ExpertGeometry, ManifestError
-
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
-          "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(text: str, flag: str) -> int:
-    """'24GB' -> 24e9, '24GiB' -> 24 * 2^30, '512G' -> 512e9, '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text or "")
-    if not m or m.group(2).upper() not in _UNITS:
-        raise click.BadParameter(f"{text!r} is not a size like 24GB, 24GiB or 512G", param_hint=flag)
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n}"
+from ktrun.byte_sizes import human, parse_bytes
 
 
 def expert_bytes_per_method(geo_args: dict, group_size: int) -> dict[str, int]:
@@ -43,12 +24,14 @@ def expert_bytes_per_method(geo_args: dict, group_size: int) -> dict[str, int]:
 
 
 def inspect_source(path: Path, group_size: int) -> dict:
+    from ktconvert.exact_paths import choose_method, quant_format
     from ktconvert.sources import open_source
 
     with open_source(path) as src:
         a = src.arch
         params: dict[str, int] = defaultdict(int)
-        skipped: dict[str, int] = defaultdict(int)
+        skipped: dict[str, int] = defaultdict(int)     # skip reason -> parameters (vision tower, MTP layers)
+        formats: dict[str, list[int]] = {}      # stored format -> [tensors, bytes] (quantized: all their parts)
         gpu_bytes = 0
         for name in src.tensor_names():
             role = a.classify(name)
@@ -56,14 +39,23 @@ def inspect_source(path: Path, group_size: int) -> dict:
                 if role.reason:
                     skipped[role.reason] += math.prod(src.info(name).shape)
                 continue
-            n = math.prod(src.info(name).shape)
+            info = src.info(name)
+            fmt = quant_format(src, name)
+            entry = formats.setdefault(fmt.label if fmt is not None else str(info.dtype), [0, 0])
+            entry[0] += 1
+            entry[1] += info.nbytes
+            n = math.prod(info.shape)
             params[role.kind] += n
             if role.kind != "expert":
                 gpu_bytes += n * (4 if role.kind == "router_bias" else 2)
         geo_args = {"n_experts": a.n_experts, "hidden": a.hidden_size, "intermediate": a.moe_intermediate_size,
                         "moe_layers": tuple(a.moe_layers())}
         cpu = expert_bytes_per_method(geo_args, group_size)
+        method, group, why = choose_method(src)
         return {"kind": "source", "model_type": a.model_type, "layers": a.num_layers, "params": dict(params),
+                "formats": formats, "auto": {"method": method, "group_size": group, "why": why},
+                "quantized": getattr(src, "quant", None) is not None,   # a hub checkpoint with a quantization_config
+                "geo_args": geo_args, "group_size": group_size, "config": dict(src.config),
                 "n_experts": a.n_experts, "top_k": a.top_k, "moe_layers": a.moe_layers(),
                 "shared_experts": a.n_shared_experts, "gpu": {m: gpu_bytes for m in cpu}, "cpu": cpu,
                 "source_bytes": src.source_nbytes(), "skipped": dict(skipped)}
@@ -106,7 +98,14 @@ def inspect_converted(path: Path) -> dict:
             for name, t in f["tensors"].items():
                 params[_role_kind(adapter, name)] += math.prod(t["shape"])
     params["expert"] = 3 * geo.hidden * geo.intermediate * geo.n_experts * len(geo.moe_layers)
+    geo_args = {"n_experts": geo.n_experts, "hidden": geo.hidden, "intermediate": geo.intermediate,
+                "moe_layers": tuple(geo.moe_layers)}
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
     return {"kind": "converted", "model_type": m["model_type"], "layers": m.get("num_layers"), "params": dict(params),
+            "geo_args": geo_args, "group_size": geo.group_size, "config": config, "numa": geo.numa_nodes,
             "n_experts": geo.n_experts, "top_k": adapter.top_k if adapter else None, "moe_layers": list(geo.moe_layers),
             "shared_experts": adapter.n_shared_experts if adapter else None,
             "gpu": {geo.method: gpu}, "cpu": {geo.method: cpu}, "method": geo.method, "numa_nodes": geo.numa_nodes}
@@ -117,7 +116,12 @@ def inspect_converted(path: Path) -> dict:
 @click.option("--gpu-mem", default=None, help="GPU memory to check against, e.g. 24GB or 80GiB.")
 @click.option("--cpu-mem", default=None, help="CPU memory (RAM) to check against, e.g. 512GB.")
 @click.option("--group-size", type=int, default=128, show_default=True, help="Group size for the int4/int8 sizes.")
-def inspect(path, gpu_mem, cpu_mem, group_size):
+@click.option("--kv-mem", default=None, metavar="SIZE",
+              help="KV-cache budget the hot-expert plan leaves free (default: 4096 tokens of one sequence).")
+@click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Expert activation profile (ktconvert profile): print its summary and, with --gpu-mem, the hit "
+                   "ratio each placement strategy gets on it.")
+def inspect(path, gpu_mem, cpu_mem, group_size, kv_mem, profile_path):
     """Show the architecture, parameter counts by role, experts, and the bytes each --method puts on the GPU
     (non-expert layers, BF16) and on the CPU (routed experts) for PATH (a checkpoint directory, a GGUF file or the
     first part of a split set, or a converted directory),
@@ -129,6 +133,10 @@ def inspect(path, gpu_mem, cpu_mem, group_size):
       ktconvert inspect ./DeepSeek-V3 --gpu-mem 24GB --cpu-mem 512GB
       ktconvert inspect ./DeepSeek-V3-Q4_K_M-00001-of-00009.gguf --cpu-mem 512GB
       ktconvert inspect converted/ --gpu-mem 24GB --cpu-mem 512GB
+      ktconvert inspect converted/ --gpu-mem 24GB --kv-mem 4GB --profile profile.json   # hot experts that fit
+
+    With --gpu-mem, the memory plan also says how many routed experts fit on the GPU next to the dense layers, the
+    KV budget and a 5% reserve, held as Marlin int codes or bf16 (ktrun --gpu-mem uses the same plan).
     """
     from ktconvert.cmd_quantize import resolve_source_arg
     from ktconvert.sources.roles import SourceError
@@ -147,6 +155,12 @@ def inspect(path, gpu_mem, cpu_mem, group_size):
                + (f", {info['shared_experts']} shared" if info["shared_experts"] else ""))
     if info["kind"] == "converted":
         click.echo(f"method: {info['method']}, {info['numa_nodes']} NUMA shard(s)")
+    elif info["quantized"]:
+        click.echo("stored as:")
+        for label, (count, nbytes) in sorted(info["formats"].items(), key=lambda kv: -kv[1][1]):
+            click.echo(f"  {label:<34} {count:>7,d} tensors  {human(nbytes):>10}")
+        auto = info["auto"]
+        click.echo(f"--method auto: {auto['method']} --group-size {auto['group_size']} ({auto['why']})")
     total = sum(info["params"].values())
     click.echo(f"parameters: {total / 1e9:.3f} B total")
     for kind, n in sorted(info["params"].items(), key=lambda kv: -kv[1]):
@@ -166,3 +180,58 @@ def inspect(path, gpu_mem, cpu_mem, group_size):
     click.echo("bytes (weights):")
     for v in verdicts:
         click.echo("  " + v)
+    prof = None
+    if profile_path:
+        from ktlayouts.expert_profile import ExpertProfile, ProfileError, summary_lines
+        try:
+            prof = ExpertProfile.load(profile_path)
+            prof.check_model(info["model_type"], info["n_experts"], tuple(info["moe_layers"]), what=profile_path)
+        except ProfileError as e:
+            raise click.ClickException(str(e)) from None
+        for line in summary_lines(prof):
+            click.echo(line)
+    if gpu_limit is not None:
+        for line in hot_expert_plan(info, gpu_limit, parse_bytes(kv_mem, "--kv-mem") if kv_mem else None, prof):
+            click.echo(line)
+
+
+def hot_expert_plan(info: dict, gpu_mem: int, kv_mem: int | None, prof) -> list[str]:
+    """Lines: per --method and hot-expert format, how many routed experts fit on the GPU after the dense bytes, the
+    KV budget and the reserve (ktlayouts.expert_placement.fit_hot_experts); with a profile, the hit ratio each
+    strategy's placement gets on the profile's own text (in-sample: rank and count on the same tokens)."""
+    from ktlayouts.expert_gpu import HOT_FORMATS, hot_expert_nbytes, hot_format_ok
+    from ktlayouts.expert_placement import STRATEGIES, fit_hot_experts
+
+    if info.get("config") is None:
+        return ["hot experts: config.json unreadable, no KV budget"]
+    if kv_mem is None:
+        import torch
+        from ktlayouts.families import parse_config
+        from ktrun.hot_experts import kv_bytes_per_token
+
+        from ktconvert.hot_placement import KV_TOKENS
+        kv_mem = KV_TOKENS * kv_bytes_per_token(parse_config(info["config"]), torch.bfloat16)
+        kv_what = f"{human(kv_mem)} ({KV_TOKENS} tokens)"
+    else:
+        kv_what = human(kv_mem)
+    n_layers, E = len(info["moe_layers"]), info["n_experts"]
+    lines = [f"hot experts on a {human(gpu_mem)} GPU (after the dense layers, KV {kv_what}, 5% reserve):"]
+    for method in info["cpu"]:
+        geo = ExpertGeometry(method=method, group_size=info["group_size"], numa_nodes=info.get("numa", 1),
+                             **info["geo_args"])
+        for fmt in HOT_FORMATS:
+            if hot_format_ok(geo, fmt):
+                continue
+            n, plan = fit_hot_experts(gpu_mem, info["gpu"][method], kv_mem, hot_expert_nbytes(geo, fmt))
+            n = min(n, E * n_layers)
+            line = (f"  {method:<9} {fmt:<6} {human(plan['per_expert_bytes'])} each: {n} of {E * n_layers} experts "
+                    f"({100 * n / max(1, E * n_layers):.1f}%, {n / max(1, n_layers):.1f} per MoE layer)")
+            if prof is not None and n:
+                from ktrun.expert_placement import Budget, hit_ratio, plan_placement
+                hits = []
+                for strategy in STRATEGIES:
+                    pl = plan_placement(prof, E, info["moe_layers"], Budget(ratio=n / (E * n_layers)), strategy)
+                    hits.append(f"{strategy} {hit_ratio(prof.counts(), pl.experts):.3f}")
+                line += "; hit ratio on the profile (in-sample): " + ", ".join(hits)
+            lines.append(line)
+    return lines

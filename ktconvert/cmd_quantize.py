@@ -7,6 +7,8 @@ import click
 from ktlayouts.constants import DEFAULT_GROUP_SIZE, METHOD_TO_LAYOUT
 from ktlayouts.converted_dir import ManifestError
 from ktlayouts.cpu_expert import LayoutError
+from ktrun.byte_sizes import parse_bytes
+from ktrun.hot_experts_option import hot_experts_options
 
 from ktconvert.convert_plan import ConvertError
 from ktconvert.gpu import gpu_errors
@@ -15,6 +17,23 @@ from ktconvert.progress import OutputDirError
 from ktconvert.sources.roles import SourceError
 
 CONVERT_ERRORS = (ConvertError, SourceError, OutputDirError, LayoutError, ManifestError)
+
+
+def hot_placement_from(kw: dict):
+    """Pop the hot-expert options -> HotPlacementOptions, or None when no placement was asked for."""
+    from ktconvert.hot_placement import HotPlacementOptions
+
+    profile, n, ratio = kw.pop("hot_profile", None), kw.pop("hot_per_layer", None), kw.pop("hot_ratio", None)
+    gpu_mem, kv_mem = kw.pop("hot_gpu_mem", None), kw.pop("hot_kv_mem", None)
+    strategy, fmt = kw.pop("hot_strategy"), kw.pop("hot_format")
+    given = [x is not None for x in (n, ratio, gpu_mem)]
+    if profile is None and not any(given):
+        return None
+    if profile is None or sum(given) != 1:
+        raise click.UsageError("a placement written into the conversion needs --profile P and one of --gpu-experts, "
+                               "--gpu-experts-ratio and --gpu-mem")
+    return HotPlacementOptions(profile, n, ratio, parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem else None,
+                               parse_bytes(kv_mem, "--kv-mem") if kv_mem else None, strategy, fmt)
 
 
 def resolve_source_arg(src: str | None):
@@ -27,18 +46,25 @@ def resolve_source_arg(src: str | None):
 @click.argument("src", required=False)
 @click.option("-o", "--output", "out_dir", default="converted", show_default=True, type=click.Path(file_okay=False),
               help="Output directory.")
-@click.option("--method", type=click.Choice(list(METHOD_TO_LAYOUT)), default="int4-amx", show_default=True,
-              help="Routed-expert format for the CPU kernels.")
-@click.option("--group-size", type=int, default=DEFAULT_GROUP_SIZE, show_default=True,
-              help="Input channels per scale: 32, a multiple of 64, or -1 for one scale per row.")
+@click.option("--method", type=click.Choice([*METHOD_TO_LAYOUT, "auto"]), default="int4-amx", show_default=True,
+              help="Routed-expert format for the CPU kernels; auto: the layout that holds an already-quantized "
+                   "source's experts exactly (its codes and scales copied), else int4-amx.")
+@click.option("--group-size", type=int, default=None,
+              help=f"Input channels per scale: 32, a multiple of 64, or -1 for one scale per row (default "
+                   f"{DEFAULT_GROUP_SIZE}; with --method auto, the source's).")
 @click.option("--numa-nodes", type=int, default=1, show_default=True,
               help="Split every expert into this many shards (one file per node); servable on any node count.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion in the output directory.")
 @click.option("--force", is_flag=True, help="Discard a previous conversion in the output directory and start over.")
 @click.option("--workers", type=int, default=2, show_default=True, help="Threads quantizing experts.")
+@click.option("--bf16-scales", is_flag=True,
+              help="Round every expert scale to bfloat16 before quantizing (codes computed against the rounded "
+                   "scale), so formats with bf16 scales take them over exactly: `ktconvert export --for sglang-kt "
+                   "--kt-method RAWINT4` needs it.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @gpu_click_options
-def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, workers, quiet, **gpu):
+@hot_experts_options(dynamic=False)
+def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, workers, quiet, bf16_scales, **gpu):
     """Convert the checkpoint SRC into OUTPUT.
 
     SRC is a local checkpoint directory (safetensors shards + config.json), a GGUF file (or the first part of a
@@ -48,6 +74,8 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
     Linears (attention, shared experts, dense MLPs; lm_head with --quantize-head) become GPTQ or RTN INT4/INT8 GPU
     layers in dense/ (Marlin layout, or gptq / compressed-tensors for vLLM), calibrated layer by layer on the
     shipped text (or --calib FILE); embeddings, norms and routers stay BF16/F32; config and tokenizer files are copied;
+    already-quantized sources (compressed-tensors, GPTQ, AWQ, FP8, MXFP4/MXFP8) keep their codes where a layout holds
+    them exactly, and the log says which tensors were re-quantized and with what error;
     manifest.json (written last) lists every file with size and sha256. Memory stays at about one expert;
     a killed run continues with --resume and yields byte-identical output.
 
@@ -57,17 +85,26 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
       ktconvert quantize deepseek-ai/DeepSeek-V3 --method int4-amx      # pull, then convert
       ktconvert quantize --method int4-amx                               # the most recent pull
       ktconvert quantize ./DeepSeek-V3-Q8_0-00001-of-00016.gguf -o dsv3/  # GGUF input
+      ktconvert quantize ./Kimi-K2-Thinking --method auto -o kimi/       # int4 g32 experts taken over exactly
       ktconvert quantize ./Qwen3-30B-A3B --method int8-amx --group-size 64 --numa-nodes 2 -o q3/
       ktconvert quantize ./DeepSeek-V3 -o converted/ --resume     # after an interruption
       ktconvert quantize ./Mixtral-8x7B --method bf16 -o mixtral-ref/ --force
       ktconvert quantize ./DeepSeek-V3 --gpu-method rtn-int8 --gpu-group-size -1 -o dsv3-int8/
       ktconvert quantize ./Qwen3-30B-A3B --gpu-format compressed-tensors --calib my_text.txt -o q3-ct/
+      ktconvert quantize ./Qwen3-30B-A3B --group-size 32 --bf16-scales --gpu-format compressed-tensors -o q3-raw/
+      ktconvert quantize ./DeepSeek-V3 -o converted/ --profile profile.json --gpu-mem 24GB --placement per-layer
+
+    With --profile (from `ktconvert profile`) and a budget (--gpu-experts N per MoE layer, --gpu-experts-ratio R,
+    or --gpu-mem SIZE after the dense layers and --kv-mem), the hot experts are chosen by --placement and written
+    to gpu_experts.json; ktrun keeps them on the GPU.
     """
     from ktconvert.pipeline import ConvertOptions, convert
 
+    hot = hot_placement_from(gpu)
     try:
         logging.basicConfig(level=logging.INFO, format="ktconvert: %(message)s")
-        opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers, **gpu)
+        opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers,
+                              bf16_scales=bf16_scales, hot_experts=hot, **gpu)
         src_path = resolve_source_arg(src)
         manifest = convert(src_path, out_dir, opts, resume=resume, force=force, show_progress=not quiet)
     except (*CONVERT_ERRORS, *gpu_errors()) as e:

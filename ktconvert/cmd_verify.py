@@ -23,7 +23,7 @@ DENSE_MAX_REL_ERROR = 0.01     # BF16 rounding of non-expert tensors
 
 def check_structure(root: Path, manifest: dict) -> list[str]:
     """Problems with files, sizes, sha256, headers and alignment (empty list = all good)."""
-    from ktconvert.writer import file_sha256
+    from ktlayouts.files import sha256_file
 
     problems = []
     leftovers = [p.name for p in root.rglob(f"*{PARTIAL_SUFFIX}")] + \
@@ -38,7 +38,7 @@ def check_structure(root: Path, manifest: dict) -> list[str]:
         if path.stat().st_size != f["size"]:
             problems.append(f"{rel}: size {path.stat().st_size}, manifest says {f['size']}")
             continue
-        if file_sha256(path) != f["sha256"]:
+        if sha256_file(path) != f["sha256"]:
             problems.append(f"{rel}: sha256 differs from the manifest (corrupted or modified)")
             continue
         if "tensors" not in f:
@@ -66,7 +66,7 @@ def check_structure(root: Path, manifest: dict) -> list[str]:
 def compare_to_source(conv, src_path: str, per_expert: bool = False) -> list[tuple[str, float, float, bool]]:
     """Per-tensor relative errors [(what, error, limit, is_expert)]: every dense tensor, and every routed expert tensor
     (per_expert) or the worst expert per (layer, proj)."""
-    from ktlayouts.gpu_formats import max_rel_error
+    from ktlayouts.gpu_formats import is_gpu_layout, max_rel_error
     from tqdm import tqdm
 
     from ktconvert.converted_reader import relative_error
@@ -79,7 +79,7 @@ def compare_to_source(conv, src_path: str, per_expert: bool = False) -> list[tup
         adapter = src.arch
         for name in conv.dense_names():
             layout = conv.dense_layout(name)
-            dense_limit = max_rel_error(layout) if layout.startswith("gpu-") else DENSE_MAX_REL_ERROR
+            dense_limit = max_rel_error(layout) if is_gpu_layout(layout) else DENSE_MAX_REL_ERROR
             rows.append((name, relative_error(conv.read_dense(name), src.read(name).numpy()), dense_limit, False))
         bar = tqdm(total=len(geo.moe_layers) * geo.n_experts, desc="comparing experts", unit="expert",
                    disable=None)
@@ -102,7 +102,9 @@ def compare_to_source(conv, src_path: str, per_expert: bool = False) -> list[tup
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
-@click.option("--against", "src", default=None, help="Source checkpoint directory to compare dequantized weights to.")
+@click.option("--against", "src", default=None,
+              help="Source checkpoint (directory or GGUF) to compare dequantized weights to; a quantized source is "
+                   "compared with its own dequantization.")
 @click.option("--max-rel-error", type=float, default=None,
               help="Fail above this relative error for experts (default: int4 0.15, int8 0.01, bf16 0.005).")
 @click.option("--per-expert", is_flag=True, help="With --against: one line per routed expert tensor, not per layer.")
@@ -146,7 +148,9 @@ def verify(directory, src, max_rel_error, per_expert, quiet):
             bad += not ok
             if not quiet or not ok:
                 click.echo(f"{'ok  ' if ok else 'FAIL'} {what}: relative error {err:.3e} (limit {limit:g})")
-        click.echo(f"against {src}: {len(rows)} tensors compared, {bad} above the limit")
+        exact = sum(1 for _w, err, _l, _e in rows if err == 0)
+        click.echo(f"against {src}: {len(rows)} tensors compared, {exact} equal to the source's own dequantized "
+                   f"values (error 0), {bad} above the limit")
         if bad:
             sys.exit(1)
     click.echo("verify: OK")

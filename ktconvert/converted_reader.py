@@ -9,8 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ktlayouts import expert_shards
+from ktlayouts.bf16 import bf16_bits_to_f32
 from ktlayouts.converted_dir import PROJECTIONS, ExpertGeometry, expert_file, expert_tensor, load_manifest, safe_relpath
-from ktlayouts.cpu_expert import bf16_bits_to_f32, unpack_expert_matrix
+from ktlayouts.cpu_expert import unpack_expert_matrix
 from ktlayouts.gpu_formats import dequantize_named, quantized_linears
 from safetensors import safe_open
 
@@ -83,10 +85,8 @@ class ConvertedDir:
 
 
 def assemble_shards(shards: list[dict[str, np.ndarray]], geo: ExpertGeometry) -> dict[str, np.ndarray]:
-    i = geo.intermediate
-    return {"gate": np.concatenate([s["gate"] for s in shards], axis=0)[:i],
-            "up": np.concatenate([s["up"] for s in shards], axis=0)[:i],
-            "down": np.concatenate([s["down"] for s in shards], axis=1)[:, :i]}
+    """Per-shard matrices (padded coordinates) -> the source-shaped gate/up (I, H) and down (H, I)."""
+    return expert_shards.join_shards(shards, geo.intermediate)
 
 
 def relative_error(approx: np.ndarray, ref: np.ndarray) -> float:
@@ -98,24 +98,8 @@ def relative_error(approx: np.ndarray, ref: np.ndarray) -> float:
 
 
 def unit_piece(packed: dict[str, np.ndarray | None], proj: str, geo: ExpertGeometry, shard: int, u0: int, u1: int):
-    """Units [u0, u1) of one expert's shard (counted inside the shard), cut straight from the packed bytes.
-
-    packed: {"qweight": (NB, KT, TB), "scales": (NB, G, 16) or None} of `proj` as stored for one expert.
-    Returns (qweight, scales, MatrixGeometry) of the piece: gate/up keep whole 16-row blocks, down keeps whole
-    K tiles and groups (a unit is a multiple of both), so no repacking is needed -- this is how files written
-    for S NUMA nodes serve on more nodes (see expert_shards.nodes_for_shards).
-    """
-    from ktlayouts.constants import TILE_K, TILE_N, TILE_ROWS, VNNI_BF16
-    from ktlayouts.cpu_expert import MatrixGeometry
-
-    unit, rows = geo.shard_plan.unit, (u1 - u0) * geo.shard_plan.unit
-    q, s = packed["qweight"], packed.get("scales")
-    if proj != "down":
-        b0, b1 = u0 * unit // TILE_N, u1 * unit // TILE_N
-        return q[b0:b1], None if s is None else s[b0:b1], MatrixGeometry(rows, geo.hidden, geo.bits, geo.group_size)
-    k_per_tile = TILE_ROWS * VNNI_BF16 if geo.bits == 16 else TILE_K
-    t0, t1 = u0 * unit // k_per_tile, u1 * unit // k_per_tile
-    geom = MatrixGeometry(geo.hidden, rows, geo.bits, geo.group_size)
-    if s is not None and geo.group_size > 0:
-        s = s[:, u0 * unit // geo.group_size: u1 * unit // geo.group_size]
-    return q[:, t0:t1], s, geom
+    """Units [u0, u1) of one expert's shard (counted inside the shard), cut straight from the packed bytes
+    (ktlayouts.expert_shards.unit_piece). packed: {"qweight": (NB, KT, TB), "scales": (NB, G, 16) or None} of
+    `proj` as stored for one expert -> (qweight, scales, MatrixGeometry) of the piece."""
+    return expert_shards.unit_piece(packed["qweight"], packed.get("scales"), proj, geo.matrix_geometry(proj, shard),
+                                    geo.shard_plan.unit, u0, u1)

@@ -12,10 +12,12 @@ from pathlib import Path
 from ktlayouts import tiktoken_bpe
 from ktlayouts.constants import FORMAT_VERSION
 from ktlayouts.converted_dir import MANIFEST_NAME, SOURCE_RECORD_NAME, is_pad_tensor, validate_manifest
+from ktlayouts.expert_placement import PLACEMENT_KIND
+from ktlayouts.files import sha256_file
 
 from ktconvert import __version__
 from ktconvert.gpu import converted_config_json
-from ktconvert.writer import atomic_write_bytes, build_header, file_sha256
+from ktconvert.writer import atomic_write_bytes, build_header
 
 # Top-level source files copied verbatim (config.json is rewritten: see _converted_config).
 SIDE_FILE_RE = re.compile(r"^(config\.json|generation_config\.json|tokenizer[\w.-]*|special_tokens_map\.json|"
@@ -56,7 +58,7 @@ def copy_side_files(src, out_dir: Path, journal, encoder=None) -> list[str]:
         if name == "config.json":
             raw = _converted_config(raw) if encoder is None else converted_config_json(raw, encoder)
         atomic_write_bytes(out_dir / name, raw)
-        journal.record(name, len(raw), file_sha256(out_dir / name))
+        journal.record(name, len(raw), sha256_file(out_dir / name))
     return names
 
 
@@ -86,7 +88,7 @@ def _file_entry(job, journal) -> dict:
     return entry
 
 
-def build_manifest(src, opts, plan, journal, side_files: list[str]) -> dict:
+def build_manifest(src, opts, plan, journal, side_files: list[str], placement: str | None = None) -> dict:
     cfg = src.config
     adapter = src.arch
     files = {}
@@ -95,6 +97,8 @@ def build_manifest(src, opts, plan, journal, side_files: list[str]) -> dict:
             files[job.rel] = _file_entry(job, journal)
     for name in side_files:
         files[name] = {"kind": "config", **journal.files[name]}
+    if placement is not None:                    # gpu_experts.json (quantize --profile)
+        files[placement] = {"kind": PLACEMENT_KIND, **journal.files[placement]}
     return {
         "format_version": FORMAT_VERSION,
         "producer": f"ktconvert {__version__}",
@@ -108,12 +112,14 @@ def build_manifest(src, opts, plan, journal, side_files: list[str]) -> dict:
         "numa_nodes": opts.numa_nodes,
         "gpu_method": opts.gpu_method,
         "experts": plan.geometry.to_json(),
+        **({"expert_scales": "bf16"} if getattr(opts, "bf16_scales", False) else {}),
         "files": dict(sorted(files.items())),
     }
 
 
-def write_manifest(src, out_dir: Path, opts, plan, journal, side_files: list[str]) -> Path:
-    m = build_manifest(src, opts, plan, journal, side_files)
+def write_manifest(src, out_dir: Path, opts, plan, journal, side_files: list[str], placement: str | None = None
+                   ) -> Path:
+    m = build_manifest(src, opts, plan, journal, side_files, placement)
     validate_manifest(m)
     path = Path(out_dir) / MANIFEST_NAME
     atomic_write_bytes(path, (json.dumps(m, indent=1, sort_keys=True) + "\n").encode())

@@ -8,6 +8,7 @@ GIL in their large operations.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import sys
@@ -17,25 +18,29 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from ktlayouts.constants import FORMAT_VERSION, METHOD_TO_LAYOUT, ZERO_POINT
+from ktlayouts.constants import DEFAULT_GROUP_SIZE, FORMAT_VERSION, METHOD_TO_LAYOUT
 from ktlayouts.converted_dir import MANIFEST_NAME, PROJECTIONS, ExpertGeometry, expert_tensor
-from ktlayouts.cpu_expert import pack_expert_codes, pack_expert_matrix
+from ktlayouts.cpu_expert import pack_expert_codes, pack_expert_matrix, unpack_expert_matrix
+from ktlayouts.expert_shards import shard_codes, shard_matrices
 from tqdm import tqdm
 
 from ktconvert.convert_plan import ConvertError, ConvertPlan, FileJob, make_plan
+from ktconvert.exact_paths import PathLog, choose_method, expert_codes, quant_format, relative_error
 from ktconvert.gpu import GPU_OPTION_FIELDS, dense_encoder_for
+from ktconvert.hot_placement import load_checked_profile, write_placement
 from ktconvert.manifest import copy_side_files, write_manifest
 from ktconvert.progress import Journal, prepare_output
 from ktconvert.sources import open_source
 from ktconvert.writer import AlignedWriter
 
+log = logging.getLogger("ktconvert")
 TEST_KILL_ENV = "KTCONVERT_TEST_KILL_AT"   # "event:n": SIGKILL self at the n-th event (dense|expert|commit|file); tests only
 
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    method: str = "int4-amx"
-    group_size: int = 128
+    method: str = "int4-amx"       # or "auto": the exact target of an already-quantized source (exact_paths)
+    group_size: int | None = 128   # None: 128, or the source's group with method "auto"
     numa_nodes: int = 1
     gpu_method: str = "bf16"       # encoder of non-expert tensors: bf16 | auto | gptq-int4 | rtn-int4 | rtn-int8
     gpu_group_size: int = 128      # GPU-layer options (ktconvert.gpu.encoder.GpuLayerOptions)
@@ -44,14 +49,18 @@ class ConvertOptions:
     quantize_head: bool = False
     gpu_act_order: bool = False
     workers: int = 2
+    bf16_scales: bool = False      # expert scales rounded to bf16 before quantizing (exact in bf16-scale formats)
+    hot_experts: object = None     # ktconvert.hot_placement.HotPlacementOptions: write gpu_experts.json
 
     def __post_init__(self):
-        if self.method not in METHOD_TO_LAYOUT:
-            raise ConvertError(f"--method {self.method!r}: choose one of {', '.join(METHOD_TO_LAYOUT)}")
+        if self.method not in METHOD_TO_LAYOUT and self.method != "auto":
+            raise ConvertError(f"--method {self.method!r}: choose one of auto, {', '.join(METHOD_TO_LAYOUT)}")
         if self.numa_nodes < 1:
             raise ConvertError(f"--numa-nodes must be >= 1, got {self.numa_nodes}")
         if self.workers < 1:
             raise ConvertError(f"--workers must be >= 1, got {self.workers}")
+        if self.bf16_scales and self.method == "bf16":
+            raise ConvertError("--bf16-scales rounds the scales of quantized experts; --method bf16 has none")
 
 
 class _KillHook:
@@ -69,78 +78,47 @@ class _KillHook:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _shard_matrices(w: dict[str, np.ndarray], geo: ExpertGeometry, shard: int) -> dict[str, np.ndarray]:
-    """One expert's gate/up (I, H) and down (H, I) -> the shard's slices, zero-padded to the unit boundary."""
-    i0, i1 = geo.shard_plan.shard_range(shard)
-    take = max(0, min(i1, geo.intermediate) - i0)
-    out = {}
-    for p in PROJECTIONS:
-        if take == i1 - i0:      # no padding rows in this shard: a view, pack_expert_matrix copies anyway
-            out[p] = w[p][:, i0:i1] if p == "down" else w[p][i0:i1]
-            continue
-        if p == "down":
-            m = np.zeros((geo.hidden, i1 - i0), np.float32)
-            m[:, :take] = w[p][:, i0:i0 + take]
-        else:
-            m = np.zeros((i1 - i0, geo.hidden), np.float32)
-            m[:take] = w[p][i0:i0 + take]
-        out[p] = m
-    return out
-
-
-def _pad_to(a: np.ndarray, shape: tuple, fill) -> np.ndarray:
-    out = np.full(shape, fill, dtype=a.dtype)
-    out[: a.shape[0], : a.shape[1]] = a
-    return out
-
-
-def _is_exact_int8(src, names: dict[str, str], geo: ExpertGeometry) -> bool:
-    """Whether these source tensors are blocks that are exactly int8 group-32 codes (GGUF Q8_0): dtypes only."""
-    return (geo.bits == 8 and geo.group_size == 32 and hasattr(src, "read_int8_groups")
-            and all(src.info(n).dtype == "Q8_0" for n in names.values()))
-
-
-def _exact_int8(src, names: dict[str, str], geo: ExpertGeometry) -> dict | None:
-    """{proj: (codes, scales)} taken over from the source when _is_exact_int8, else None."""
-    if not _is_exact_int8(src, names, geo):
-        return None
-    exact = {p: src.read_int8_groups(n) for p, n in names.items()}
-    return exact if all(v is not None for v in exact.values()) else None
-
-
-def _shard_codes(exact: dict, geo: ExpertGeometry, shard: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The shard's slice of exact int8 codes/scales, padded like _shard_matrices (code ZERO, scale 0)."""
-    i0, i1 = geo.shard_plan.shard_range(shard)
-    take, z, g = max(0, min(i1, geo.intermediate) - i0), ZERO_POINT[8], geo.group_size
-    out = {}
-    for p, (c, s) in exact.items():
-        if p == "down":
-            out[p] = (_pad_to(c[:, i0:i0 + take], (geo.hidden, i1 - i0), z),
-                      _pad_to(s[:, i0 // g:(i0 + take) // g], (geo.hidden, (i1 - i0) // g), 0.0))
-        else:
-            out[p] = (_pad_to(c[i0:i0 + take], (i1 - i0, geo.hidden), z),
-                      _pad_to(s[i0:i0 + take], (i1 - i0, s.shape[1]), 0.0))
-    return out
-
-
-def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int,
-                 shards: list[int]) -> list[dict[str, np.ndarray]]:
-    """Read expert e of `layer` and pack it for the given shards -> per shard {tensor name: array}."""
+def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: list[int],
+                 paths: PathLog | None = None, bf16_scales: bool = False) -> list[dict[str, np.ndarray]]:
+    """Read expert e of `layer` and pack it for the given shards -> per shard {tensor name: array}. Codes and
+    scales of an already-quantized source are taken over where they fit the layout (ktconvert.exact_paths).
+    bf16_scales: quantize against bf16-rounded scales (a source's own scales are then not taken over)."""
     names = {p: adapter.expert_tensor_name(layer, e, p) for p in PROJECTIONS}
-    exact = _exact_int8(src, names, geo)
+    exact, why, what = expert_codes(src, names, geo.bits, geo.group_size)
+    if bf16_scales and exact:
+        exact, why = None, "--bf16-scales re-fits the scales"
     w = None if exact else {p: src.read(n).numpy() for p, n in names.items()}
     per_shard = []
     for s in shards:
-        mats = _shard_codes(exact, geo, s) if exact else _shard_matrices(w, geo, s)
+        mats = shard_codes(exact, geo.shard_plan, s) if exact else shard_matrices(w, geo.shard_plan, s)
         packed = {}
         for p in PROJECTIONS:
             geom = geo.matrix_geometry(p, s)
-            qweight, scales = pack_expert_codes(*mats[p], geom) if exact else pack_expert_matrix(mats[p], geom)
+            qweight, scales = pack_expert_codes(*mats[p], geom) if exact else \
+                pack_expert_matrix(mats[p], geom, bf16_scales)
             packed[expert_tensor(p, "qweight")] = qweight
             if scales is not None:
                 packed[expert_tensor(p, "scales")] = scales
         per_shard.append(packed)
+    if paths is not None and what:                 # a quantized source: say which path, and what it cost
+        for p, n in names.items():
+            if exact:
+                paths.exact("experts", layer, n, what)
+            else:
+                paths.requantized("experts", layer, n, what, why, _shards_error(w[p], p, per_shard, shards, geo))
     return per_shard
+
+
+def _shards_error(w: np.ndarray, proj: str, per_shard: list[dict], shards: list[int], geo: ExpertGeometry) -> float:
+    """||W_out - W|| / ||W|| of one projection over the shards packed (padding is zero on both sides)."""
+    num = den = 0.0
+    for s, packed in zip(shards, per_shard):
+        ref = shard_matrices({proj: w}, geo.shard_plan, s)[proj]
+        out = unpack_expert_matrix(packed[expert_tensor(proj, "qweight")], packed.get(expert_tensor(proj, "scales")),
+                                   geo.matrix_geometry(proj, s))
+        num += float(np.sum((out.astype(np.float64) - ref) ** 2))
+        den += float(np.sum(np.asarray(ref, dtype=np.float64) ** 2))
+    return (num / den) ** 0.5 if den else (0.0 if num == 0 else float("inf"))
 
 
 class Converter:
@@ -148,6 +126,7 @@ class Converter:
                  kill):
         self.src, self.out_dir, self.opts, self.plan, self.journal = src, out_dir, opts, plan, journal
         self.encoder, self.bar, self.kill = encoder, bar, kill
+        self.paths = PathLog()          # which tensors of an already-quantized source took which path
 
     def _commit(self, writer: AlignedWriter, rel: str) -> None:
         size, sha = writer.commit()
@@ -159,11 +138,32 @@ class Converter:
         with AlignedWriter(self.out_dir / job.rel, job.specs, job.metadata) as w:
             for name, role in job.sources:
                 tensor = self.src.read(name).numpy()
-                for out_name, arr in self.encoder.encode(name, tensor, role).items():
+                out = self.encoder.encode(name, tensor, role)
+                self._dense_path(job, name, role, tensor, out)
+                for out_name, arr in out.items():
                     w.write(out_name, arr)
                 self.bar.update(self.src.info(name).nbytes)
                 self.kill("dense")
             self._commit(w, job.rel)
+
+    def _dense_path(self, job: FileJob, name: str, role, tensor: np.ndarray, out: dict) -> None:
+        """Log the path of a quantized source Linear: codes taken over (the encoder says), or the error that its
+        encoding introduced against the source's own dequantization."""
+        fmt = quant_format(self.src, name)
+        if fmt is None:
+            return
+        path = getattr(self.encoder, "path_of", lambda _n: None)(name)
+        if path is not None and path[0]:
+            self.paths.exact("GPU layers", role.layer, name, fmt.label)
+            return
+        from ktlayouts.bf16 import bf16_bits_to_f32
+        from ktlayouts.gpu_formats import dequantize_named, is_gpu_layout
+
+        layout = next((job.layouts[o] for o in out), "")
+        got = (dequantize_named(layout, out, name) if is_gpu_layout(layout) else
+               bf16_bits_to_f32(out[name]) if out[name].dtype == np.uint16 else out[name])
+        why = path[1] if path is not None else f"written as {layout}"
+        self.paths.requantized("GPU layers", role.layer, name, fmt.label, why, relative_error(got, tensor))
 
     def write_experts(self, jobs: list[FileJob], pool: ThreadPoolExecutor, group_nbytes: int) -> None:
         """Write the expert shard files `jobs` of one layer (on resume: only the shards not done yet);
@@ -178,17 +178,25 @@ class Converter:
             per_expert = group_nbytes // geo.n_experts
             window: deque = deque()
             for e in range(geo.n_experts):
-                window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e, shards)))
+                window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e, shards, self.paths,
+                                                     self.opts.bf16_scales)))
                 if len(window) > self.opts.workers:
                     self._drain_one(window, writers, per_expert)
             while window:
                 self._drain_one(window, writers, per_expert)
             for w, job in zip(writers, jobs):
                 self._commit(w, job.rel)
+            line = self.paths.layer_line("experts", layer, self.target())
+            if line:
+                log.info(line)
         except BaseException:
             for w in writers:
                 w.abort()
             raise
+
+    def target(self) -> str:
+        g = self.plan.geometry
+        return g.method if g.bits == 16 else f"{g.method} group {g.group_size}"
 
     def _drain_one(self, window, writers, per_expert) -> None:
         e, fut = window.popleft()
@@ -209,6 +217,17 @@ def skipped_parts(src, names: list[str]) -> dict[str, int]:
     return out
 
 
+def resolve_method(src, opts: ConvertOptions) -> ConvertOptions:
+    """--method auto -> the exact target of the source's routed experts (or int4-amx); a group size left open
+    (None) -> the chosen one (auto) or 128. The log says which and why."""
+    if opts.method != "auto":
+        return opts if opts.group_size is not None else replace(opts, group_size=DEFAULT_GROUP_SIZE)
+    method, group, why = choose_method(src)
+    group = group if opts.group_size is None else opts.group_size
+    log.info("--method auto: %s --group-size %d (%s)", method, group, why)
+    return replace(opts, method=method, group_size=group)
+
+
 def conversion_params(src, opts: ConvertOptions) -> dict:
     """What makes two runs produce the same output (the resume journal compares these)."""
     shard_files = sorted({(i.file.name, i.file.stat().st_size) for i in map(src.info, src.tensor_names())})
@@ -216,7 +235,9 @@ def conversion_params(src, opts: ConvertOptions) -> dict:
             "source_files": [list(x) for x in shard_files], "method": opts.method,
             "group_size": opts.group_size, "numa_nodes": opts.numa_nodes, "gpu_method": opts.gpu_method,
             **({} if opts.gpu_method == "bf16" else
-               {k: getattr(opts, k) for k in ("gpu_group_size", "gpu_format", "quantize_head", "gpu_act_order")})}
+               {k: getattr(opts, k) for k in ("gpu_group_size", "gpu_format", "quantize_head", "gpu_act_order")}),
+            **({"bf16_scales": True} if opts.bf16_scales else {}),
+            **({} if opts.hot_experts is None else {"hot_experts": opts.hot_experts.params()})}
 
 
 def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, resume: bool = False,
@@ -225,19 +246,17 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
     out_dir = Path(out_dir)
     kill = _KillHook()
     with open_source(src_path) as src:
+        opts = resolve_method(src, opts)
         encoder = dense_encoder_for(src, **{k: getattr(opts, k) for k in GPU_OPTION_FIELDS})
         opts = replace(opts, gpu_method=encoder.name)     # "auto" resolved (the log says which)
         plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder)
+        if opts.hot_experts is not None:
+            load_checked_profile(opts.hot_experts, src)   # a profile of another model fails before any work
         params = conversion_params(src, opts)
         journal = prepare_output(out_dir, params, resume=resume, force=force)
         done = sum(j.source_nbytes for g in plan.jobs for j in g if all(journal.is_done(x.rel) for x in g))
         bar = tqdm(total=plan.source_nbytes, initial=done, unit="B", unit_scale=True, unit_divisor=1000,
                    desc="converting", disable=not show_progress, dynamic_ncols=True)
-        layers = src.arch.moe_layers()
-        if layers and _is_exact_int8(src, {p: src.arch.expert_tensor_name(layers[0], 0, p) for p in PROJECTIONS},
-                                     plan.geometry):
-            tqdm.write("experts: GGUF Q8_0 blocks taken over exactly as int8 group-32 codes and scales "
-                       "(no float round trip)", file=sys.stderr)
         for reason, n in skipped_parts(src, plan.skipped).items():
             tqdm.write(f"skipped {n} tensors: {reason}", file=sys.stderr)
         conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill)
@@ -254,8 +273,12 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                     if todo:
                         conv.write_experts(todo, pool, sum(j.source_nbytes for j in experts))
                     src.close()   # unmap the shards read so far: mapped pages would count as RSS for the whole run
+            for line in conv.paths.summary({"experts": conv.target(), "GPU layers": encoder.name}):
+                tqdm.write(f"ktconvert: {line}", file=sys.stderr)
             side = copy_side_files(src, out_dir, journal, encoder)
-            manifest = write_manifest(src, out_dir, opts, plan, journal, side)
+            placement = None if opts.hot_experts is None else write_placement(
+                src, out_dir, opts.hot_experts, plan.geometry, journal)
+            manifest = write_manifest(src, out_dir, opts, plan, journal, side, placement)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                 raise ConvertError(f"disk full while writing into {out_dir} ({os.strerror(e.errno)}"

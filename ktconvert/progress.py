@@ -12,8 +12,9 @@ import shutil
 from pathlib import Path
 
 from ktlayouts.converted_dir import DENSE_DIR, EXPERT_DIR, MANIFEST_NAME, PARTIAL_SUFFIX, PROGRESS_NAME, safe_relpath
+from ktlayouts.files import sha256_file
 
-from ktconvert.writer import atomic_write_bytes, file_sha256
+from ktconvert.writer import atomic_write_bytes
 
 JOURNAL_VERSION = 1
 
@@ -61,7 +62,7 @@ class Journal:
         dropped = []
         for rel, rec in sorted(self.files.items()):
             p = safe_relpath(self.out_dir, rel)
-            if not p.is_file() or p.stat().st_size != rec["size"] or file_sha256(p) != rec["sha256"]:
+            if not p.is_file() or p.stat().st_size != rec["size"] or sha256_file(p) != rec["sha256"]:
                 dropped.append(rel)
                 del self.files[rel]
         if dropped:

@@ -10,7 +10,6 @@ is padded with spaces so the data buffer starts at a multiple of 64.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from ktlayouts.constants import FILE_ALIGN
 from ktlayouts.converted_dir import PAD_PREFIX, PARTIAL_SUFFIX
+from ktlayouts.files import sha256_file
 
 DTYPE_SIZE = {"U8": 1, "I8": 1, "BF16": 2, "F16": 2, "I16": 2, "U16": 2, "F32": 4, "I32": 4, "F64": 8, "I64": 8}
 
@@ -70,14 +70,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while (b := f.read(chunk)):
-            h.update(b)
-    return h.hexdigest()
 
 
 class AlignedWriter:
@@ -134,7 +126,7 @@ class AlignedWriter:
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = None
-        sha = file_sha256(self.partial)
+        sha = sha256_file(self.partial)
         os.replace(self.partial, self.path)
         fsync_dir(self.path.parent)
         return self.size, sha

@@ -12,26 +12,28 @@ from __future__ import annotations
 import numpy as np
 
 from .cpu_expert import LayoutError
-from .gptq import GptqGeometry, pack_cols, unpack_cols
+from .gptq import GptqGeometry, pack_cols, stored_scales, unpack_cols
 
 
-def ct_pack(codes_kn: np.ndarray, scales_gn: np.ndarray, geom: GptqGeometry) -> dict[str, np.ndarray]:
-    """codes (K, N) uint8, scales (n_groups, N) -> {weight_packed, weight_scale, weight_shape}."""
+def ct_pack(codes_kn: np.ndarray, scales_gn: np.ndarray, geom: GptqGeometry, scale_dtype=np.float16
+            ) -> dict[str, np.ndarray]:
+    """codes (K, N) uint8, scales (n_groups, N) -> {weight_packed, weight_scale, weight_shape}.
+    scale_dtype: float16 as llm-compressor writes them, or float32 to keep them exact."""
     if codes_kn.shape != (geom.k, geom.n) or scales_gn.shape != geom.scales_shape:
         raise LayoutError(f"codes {codes_kn.shape} / scales {scales_gn.shape} do not match {geom}")
     return {
         "weight_packed": pack_cols(np.ascontiguousarray(codes_kn.T), geom.bits),
-        "weight_scale": np.ascontiguousarray(np.asarray(scales_gn, dtype=np.float16).T),
+        "weight_scale": np.ascontiguousarray(np.asarray(scales_gn, dtype=scale_dtype).T),
         "weight_shape": np.array([geom.n, geom.k], dtype=np.int64),
     }
 
 
 def ct_unpack(tensors: dict[str, np.ndarray], geom: GptqGeometry) -> tuple[np.ndarray, np.ndarray]:
-    """-> codes (K, N) uint8, scales (n_groups, N) float16."""
+    """-> codes (K, N) uint8, scales (n_groups, N) float16 (float32 if so stored)."""
     shape = tensors.get("weight_shape")
     if shape is not None and tuple(int(x) for x in shape) != (geom.n, geom.k):
         raise LayoutError(f"weight_shape {list(shape)} != [N, K] = {[geom.n, geom.k]}")
     codes = unpack_cols(tensors["weight_packed"], geom.bits)
     if codes.shape != (geom.n, geom.k):
         raise LayoutError(f"weight_packed {tensors['weight_packed'].shape} does not match N={geom.n}, K={geom.k}")
-    return np.ascontiguousarray(codes.T), np.ascontiguousarray(np.asarray(tensors["weight_scale"], np.float16).T)
+    return np.ascontiguousarray(codes.T), np.ascontiguousarray(stored_scales(tensors["weight_scale"]).T)

@@ -18,6 +18,7 @@ from math import lcm
 
 import numpy as np
 
+from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits, round_to_bf16
 from .constants import (
     ACT_QMAX,
     GROUP_PER_ROW,
@@ -88,9 +89,14 @@ class MatrixGeometry:
         return self.n_pad // TILE_N
 
     @property
+    def k_per_tile(self) -> int:
+        """Input channels per tile: 64 for int tiles, 32 for bf16 tiles."""
+        return TILE_K if self.bits != 16 else TILE_ROWS * VNNI_BF16
+
+    @property
     def k_tiles(self) -> int:
         """Tiles along K: K/64 for int tiles, K/32 for bf16 tiles."""
-        return self.k_pad // (TILE_K if self.bits != 16 else TILE_ROWS * VNNI_BF16)
+        return self.k_pad // self.k_per_tile
 
     @property
     def tile_bytes(self) -> int:
@@ -126,12 +132,14 @@ def pad_weight(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     return out
 
 
-def quantize(w: np.ndarray, geom: MatrixGeometry) -> tuple[np.ndarray, np.ndarray]:
+def quantize(w: np.ndarray, geom: MatrixGeometry, bf16_scales: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-group quantization. w: (N, K) -> codes (N_pad, K_pad) uint8, scales (N_pad, n_groups) f32.
 
     The scale maps the group's largest-magnitude value (the positive one on a tie) onto the most negative code
     (-2^(b-1)), so all 2^b levels are used (as llama.cpp's Q4_0/Q8_0 do); a scale may therefore be negative.
-    An all-zero group gets scale 0.
+    An all-zero group gets scale 0. bf16_scales: the scale is rounded to bfloat16 first and the codes are computed
+    against the rounded scale (clipped to the code range), so the stored scales are exact in bf16 (formats with
+    bf16 scales, e.g. kt-kernel's RAWINT4, then take them over without rounding).
     """
     if geom.bits == 16:
         raise LayoutError("bf16 is not quantized; use pack_bf16")
@@ -140,6 +148,8 @@ def quantize(w: np.ndarray, geom: MatrixGeometry) -> tuple[np.ndarray, np.ndarra
     hi, lo = wp.max(axis=2), wp.min(axis=2)
     peak = np.where(hi >= -lo, hi, lo)                                  # (N_pad, n_groups) signed
     scale = (peak / np.float32(qmin)).astype(np.float32)
+    if bf16_scales:
+        scale = round_to_bf16(scale)
     inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
     q = wp * inv[..., None]                                             # one pass each, in place
     np.rint(q, out=q)
@@ -202,16 +212,6 @@ def unpack_scales(packed: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
         geom.n_pad, geom.n_groups)
 
 
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even float32 -> bf16 bit patterns (uint16). Inputs must be finite."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
 def pack_bf16(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     """w (N, K) float -> (NB, K_pad/32, 1024) uint8: bf16 tiles, 2 consecutive K per 32-bit word."""
     bits = f32_to_bf16_bits(pad_weight(w, geom))
@@ -226,11 +226,13 @@ def unpack_bf16(qweight: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     return bf16_bits_to_f32(_from_tiles(t, geom))
 
 
-def pack_expert_matrix(w: np.ndarray, geom: MatrixGeometry) -> tuple[np.ndarray, np.ndarray | None]:
-    """w (N, K) float -> (qweight, packed scales or None for bf16). The converter's single entry point."""
+def pack_expert_matrix(w: np.ndarray, geom: MatrixGeometry,
+                       bf16_scales: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """w (N, K) float -> (qweight, packed scales or None for bf16). The converter's single entry point.
+    bf16_scales: scales rounded to bfloat16 before the codes are computed (see quantize)."""
     if geom.bits == 16:
         return pack_bf16(w, geom), None
-    codes, scales = quantize(w, geom)
+    codes, scales = quantize(w, geom, bf16_scales)
     return pack_codes(codes, geom), pack_scales(scales, geom)
 
 

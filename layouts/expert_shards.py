@@ -8,11 +8,19 @@ zeros to I_pad = round_up(I, U); padded rows give silu(0) * 0 = 0 and contribute
 Serving files written for S shards on M NUMA nodes (see README.md): M == S one shard per node; M < S node m takes the
 shards s with s * M // S == m; M > S a shard's unit range [u0, u1) can be split further between nodes, because every
 unit is self-contained (whole gate/up tiles, whole down tiles and groups), addressed with the shard's strides.
+
+Cutting, in one place: `cut_shard` / `paste_shard` take a shard's rows (gate/up) or columns (down) out of, or back
+into, a source-shaped matrix (float weights, codes, scales), padding to the unit boundary; `shard_matrices` and
+`shard_codes` do it for a whole expert, `join_shards` undoes it for dequantized shards; `unit_piece` cuts units
+[u0, u1) of a shard straight from the packed bytes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from .constants import GROUP_PER_ROW, TILE_N, ZERO_POINT
 from .cpu_expert import LayoutError, MatrixGeometry, check_group_size, group_unit, round_up
 
 
@@ -79,3 +87,105 @@ def nodes_for_shards(n_shards: int, n_nodes: int) -> list[list[tuple[int, float,
         count = sum(1 for j in range(n_nodes) if j * n_shards // n_nodes == s)
         out.append([(s, (m - first) / count, (m - first + 1) / count)])
     return out
+
+
+# --- cutting a shard out of an expert (and back) ------------------------------------------------------------------
+
+def _split_axis(proj: str) -> int:
+    """The axis of a (N, K) projection that runs over I: rows of gate/up (N = I), columns of down (K = I)."""
+    return 1 if proj == "down" else 0
+
+
+def _extent(plan: ShardPlan, shard: int, per: int, what: str) -> tuple[int, int, int]:
+    """(first entry, entries in the shard, entries that exist in the source) along I, in units of `per` positions."""
+    i0, i1 = plan.shard_range(shard)
+    take = max(0, min(i1, plan.intermediate) - i0)
+    if i0 % per or (i1 - i0) % per or take % per:
+        raise LayoutError(f"{what}: shard {shard} [{i0}, {i1}) of I={plan.intermediate} is not whole entries of {per}")
+    return i0 // per, (i1 - i0) // per, take // per
+
+
+def cut_shard(a: np.ndarray, proj: str, plan: ShardPlan, shard: int, fill=0, per: int = 1) -> np.ndarray:
+    """The shard's part of one source-shaped expert projection, padded with `fill` past the source's I.
+
+    a: gate/up (I / per, X) -> rows of the shard (width / per, X); down (X, I / per) -> columns (X, width / per).
+    per: I positions per entry along that axis (1 for weights and codes, G for down's scales (H, I / G)).
+    No padding needed: a view (the packers copy anyway).
+    """
+    axis = _split_axis(proj)
+    first, width, take = _extent(plan, shard, per, proj)
+    idx = [slice(None)] * 2
+    idx[axis] = slice(first, first + take)
+    if take == width:
+        return a[tuple(idx)]
+    shape = list(a.shape)
+    shape[axis] = width
+    out = np.full(shape, fill, dtype=a.dtype)
+    dst = [slice(None)] * 2
+    dst[axis] = slice(0, take)
+    out[tuple(dst)] = a[tuple(idx)]
+    return out
+
+
+def paste_shard(piece: np.ndarray, proj: str, plan: ShardPlan, shard: int, out: np.ndarray, per: int = 1) -> None:
+    """Inverse of cut_shard: the source part of a shard-shaped `piece` (padding dropped, and anything past `out`'s
+    other dimension, e.g. padded tile rows) written into the source-shaped `out`."""
+    axis = _split_axis(proj)
+    first, _width, take = _extent(plan, shard, per, proj)
+    other = out.shape[1 - axis]
+    src, dst = [slice(None)] * 2, [slice(None)] * 2
+    src[axis], dst[axis] = slice(0, take), slice(first, first + take)
+    src[1 - axis] = dst[1 - axis] = slice(0, other)
+    out[tuple(dst)] = piece[tuple(src)]
+
+
+def join_shards(per_shard: list[dict[str, np.ndarray]], intermediate: int) -> dict[str, np.ndarray]:
+    """Every shard's dequantized matrices (shard order; padded coordinates) -> the source-shaped expert: gate/up
+    (I, H), down (H, I). Shards are consecutive ranges of I, so they concatenate; the padding past I is dropped."""
+    out = {}
+    for p in per_shard[0]:
+        axis = _split_axis(p)
+        m = np.concatenate([s[p] for s in per_shard], axis=axis)
+        out[p] = m[:, :intermediate] if axis else m[:intermediate]
+    return out
+
+
+def shard_matrices(w: dict[str, np.ndarray], plan: ShardPlan, shard: int) -> dict[str, np.ndarray]:
+    """One expert's float gate/up (I, H) and down (H, I) -> the shard's matrices, zero-padded to the unit boundary."""
+    return {p: cut_shard(m, p, plan, shard, fill=0) for p, m in w.items()}
+
+
+def shard_codes(exact: dict[str, tuple[np.ndarray, np.ndarray]], plan: ShardPlan, shard: int
+                ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """One expert's already-quantized {proj: (codes (N, K) uint8, scales (N, K / G))} in source shape -> the shard's,
+    padded with code ZERO and scale 0 (weight 0)."""
+    if plan.bits == 16 or plan.group_size == GROUP_PER_ROW:
+        raise LayoutError(f"already-quantized codes need int groups, not bits={plan.bits} group {plan.group_size}")
+    z = ZERO_POINT[plan.bits]
+    out = {}
+    for p, (codes, scales) in exact.items():
+        per = plan.group_size if p == "down" else 1        # down's scales run over I in groups of G
+        out[p] = (cut_shard(codes, p, plan, shard, fill=z), cut_shard(scales, p, plan, shard, fill=0.0, per=per))
+    return out
+
+
+def unit_piece(qweight: np.ndarray, scales: np.ndarray | None, proj: str, shard_geom: MatrixGeometry, unit: int,
+               u0: int, u1: int, stacked: bool = False) -> tuple[np.ndarray, np.ndarray | None, MatrixGeometry]:
+    """Units [u0, u1) (counted inside the shard) of one shard's packed projection, cut from the bytes (views).
+
+    qweight (NB, KT, TB) and scales (NB, n_groups, 16) or None (bf16) as stored for one expert, shard_geom their
+    MatrixGeometry, unit = ShardPlan.unit; stacked: with the leading expert axis of the files (E, ...). gate/up keep
+    whole 16-row column blocks, down whole K tiles and scale groups (a unit is a multiple of both; per-row scales
+    are the shard's, shared by all its units), so nothing is repacked: this is how files written for S NUMA nodes
+    serve on more nodes. -> (qweight, scales, MatrixGeometry of the piece).
+    """
+    g, rows = shard_geom, (u1 - u0) * unit
+    lead = (slice(None),) if stacked else ()
+    if proj != "down":
+        blocks = lead + (slice(u0 * unit // TILE_N, u1 * unit // TILE_N),)
+        return (qweight[blocks], None if scales is None else scales[blocks],
+                MatrixGeometry(rows, g.k, g.bits, g.group_size))
+    q = qweight[lead + (slice(None), slice(u0 * unit // g.k_per_tile, u1 * unit // g.k_per_tile))]
+    if scales is not None and g.group_size != GROUP_PER_ROW:
+        scales = scales[lead + (slice(None), slice(u0 * unit // g.group, u1 * unit // g.group))]
+    return q, scales, MatrixGeometry(g.n, rows, g.bits, g.group_size)

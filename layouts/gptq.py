@@ -89,6 +89,13 @@ class GptqGeometry:
         return (np.arange(self.k) // self.group).astype(np.int32)
 
 
+def group_size_for(k: int, n_groups: int, what: str = "weight") -> int:
+    """The group size of K input channels stored with `n_groups` scale groups (-1 for one group)."""
+    if n_groups <= 0 or k % n_groups:
+        raise LayoutError(f"{what}: {n_groups} scale groups do not divide K={k}")
+    return -1 if n_groups == 1 else k // n_groups
+
+
 def pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
     """(R, C) unsigned codes -> (R*bits/32, C) int32: word [r, c] holds rows r*f .. r*f+f-1, LSB first."""
     f = pack_factor(bits)
@@ -120,9 +127,16 @@ def unpack_cols(words: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(unpack_rows(np.ascontiguousarray(np.asarray(words).T), bits).T)
 
 
+def stored_scales(scales: np.ndarray) -> np.ndarray:
+    """Scales as read: float16 (the formats' dtype), or float32 where they were stored so (exact expert export)."""
+    s = np.asarray(scales)
+    return s if s.dtype == np.float32 else s.astype(np.float16, copy=False)
+
+
 def gptq_pack(codes_kn: np.ndarray, scales_gn: np.ndarray, geom: GptqGeometry,
-              g_idx: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """codes (K, N) uint8, scales (n_groups, N) -> {qweight, qzeros, scales, g_idx} in the GPTQ v1 layout."""
+              g_idx: np.ndarray | None = None, scale_dtype=np.float16) -> dict[str, np.ndarray]:
+    """codes (K, N) uint8, scales (n_groups, N) -> {qweight, qzeros, scales, g_idx} in the GPTQ v1 layout.
+    scale_dtype: float16 as GPTQ checkpoints store them, or float32 to keep them exact."""
     if codes_kn.shape != (geom.k, geom.n):
         raise LayoutError(f"codes shape {codes_kn.shape} != (K, N) = {(geom.k, geom.n)}")
     if scales_gn.shape != geom.scales_shape:
@@ -134,19 +148,20 @@ def gptq_pack(codes_kn: np.ndarray, scales_gn: np.ndarray, geom: GptqGeometry,
     return {
         "qweight": pack_rows(codes_kn, geom.bits),
         "qzeros": pack_cols(zeros, geom.bits),
-        "scales": np.asarray(scales_gn, dtype=np.float16),
+        "scales": np.ascontiguousarray(scales_gn, dtype=scale_dtype),
         "g_idx": g,
     }
 
 
 def gptq_unpack(tensors: dict[str, np.ndarray], geom: GptqGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """-> codes (K, N) uint8, scales (n_groups, N) float16, g_idx (K,) int32. Checks the zero points."""
+    """-> codes (K, N) uint8, scales (n_groups, N) float16 (float32 if so stored), g_idx (K,) int32. Checks the
+    zero points."""
     zeros = unpack_cols(tensors["qzeros"], geom.bits).astype(np.int32) + 1
     if zeros.shape != (geom.n_groups, geom.n) or np.any(zeros != zero_point(geom.bits)):
         raise LayoutError(f"qzeros are not the symmetric v1 zero point {zero_point(geom.bits) - 1}")
     g = tensors.get("g_idx")
     g = geom.default_g_idx() if g is None else np.asarray(g, dtype=np.int32)
-    return unpack_rows(tensors["qweight"], geom.bits), np.asarray(tensors["scales"], dtype=np.float16), g
+    return unpack_rows(tensors["qweight"], geom.bits), stored_scales(tensors["scales"]), g
 
 
 def dequantize_kn(codes_kn: np.ndarray, scales_gn: np.ndarray, g_idx: np.ndarray, bits: int) -> np.ndarray:

@@ -108,9 +108,14 @@ def unpack_weight(qweight: np.ndarray, k: int, n: int, bits: int) -> np.ndarray:
     return inv.reshape(k // 16, n // 16, 16, 16).transpose(0, 2, 1, 3).reshape(k, n)
 
 
+def grouped_scales(k: int, group_size: int) -> bool:
+    """Whether scales of a K-deep Linear use `scale_perm` (several groups) rather than `scale_perm_single`."""
+    return group_size != -1 and group_size < k
+
+
 def _scale_perm_for(k: int, group_size: int) -> np.ndarray:
     grouped, single = scale_perms()
-    return grouped if group_size != -1 and group_size < k else single
+    return grouped if grouped_scales(k, group_size) else single
 
 
 def pack_scales(scales_gn: np.ndarray, k: int, group_size: int) -> np.ndarray:

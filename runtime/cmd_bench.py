@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import click
 import torch
 
 from .generate import decode_one_token, prefill
 from .gpu_weights_option import gpu_weights_option
+from .hot_experts_option import hot_experts_from, hot_experts_options
 
 PARTS = ("expert_wait_s", "attention_s", "mlp_s", "forward_s")
 
@@ -20,9 +22,9 @@ def _snapshot(model) -> dict:
     return t
 
 
-def bench_pp(model, n: int, ctx: int, gen: torch.Generator) -> float:
-    """Seconds to prefill n random tokens into an empty cache."""
-    ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist()
+def bench_pp(model, n: int, ctx: int, gen: torch.Generator, prompt_ids: list[int] | None = None) -> float:
+    """Seconds to prefill n random tokens (or the first n of prompt_ids) into an empty cache."""
+    ids = prompt_ids[:n] if prompt_ids is not None else torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist()
     cache = model.new_cache(ctx)
     t0 = time.perf_counter()
     prefill(model, cache, ids)
@@ -42,21 +44,63 @@ def bench_tg(model, n: int, ctx: int, gen: torch.Generator) -> tuple[float, dict
     return wall, {k: after[k] - before.get(k, 0.0) for k in after if k.endswith("_s")}
 
 
-def run_bench(model, pp: int, tg: int, reps: int, seed: int = 0, warmup: bool = True) -> dict:
+class _Hits:
+    """GPU hit counts of the timed runs, by phase, when the executor keeps them (ktrun.hybrid_experts)."""
+
+    def __init__(self, experts):
+        self.read = getattr(experts, "hit_counts", None)
+        self.by_phase: dict[str, tuple[dict, dict]] = {}
+
+    def measure(self, phase: str, fn, *args):
+        before = self.read() if self.read else None
+        out = fn(*args)
+        if before is not None:
+            after = self.read()
+            hits, calls = self.by_phase.setdefault(phase, ({}, {}))
+            for L in after[1]:
+                hits[L] = hits.get(L, 0) + after[0][L] - before[0].get(L, 0)
+                calls[L] = calls.get(L, 0) + after[1][L] - before[1].get(L, 0)
+        return out
+
+
+def run_bench(model, pp: int, tg: int, reps: int, seed: int = 0, warmup: bool = True,
+              prompt_ids: list[int] | None = None) -> dict:
     gen = torch.Generator().manual_seed(seed)
     ctx = max(pp, tg + 1) + 1
     if warmup:
-        bench_pp(model, pp or 8, ctx, gen)        # also fills lazily built expert caches
+        bench_pp(model, pp or 8, ctx, gen, prompt_ids)        # also fills lazily built expert caches
         bench_tg(model, 2, ctx, gen)
     res = {"pp": [], "tg": [], "tg_parts": []}
+    hits = _Hits(model.experts)
     for _ in range(reps):
         if pp:
-            res["pp"].append(pp / bench_pp(model, pp, ctx, gen))
+            res["pp"].append(pp / hits.measure("pp", bench_pp, model, pp, ctx, gen, prompt_ids))
         if tg:
-            wall, parts = bench_tg(model, tg, ctx, gen)
+            wall, parts = hits.measure("tg", bench_tg, model, tg, ctx, gen)
             res["tg"].append(tg / wall)
             res["tg_parts"].append({**parts, "wall_s": wall})
+    res["hits"] = hits.by_phase                   # phase -> (GPU-served calls, routed calls) per layer
     return res
+
+
+def hit_ratio_lines(by_phase: dict, per_layer: bool) -> list[str]:
+    """`gpu_hit_ratio: X` (all timed runs), per phase, and per layer on request."""
+    if not by_phase:
+        return []
+    tot_h, tot_c = {}, {}
+    for hits, calls in by_phase.values():
+        for L in calls:
+            tot_h[L] = tot_h.get(L, 0) + hits[L]
+            tot_c[L] = tot_c.get(L, 0) + calls[L]
+
+    def ratio(h, c):
+        return sum(h.values()) / sum(c.values()) if sum(c.values()) else 0.0
+
+    lines = [f"gpu_hit_ratio: {ratio(tot_h, tot_c):.4f}"]
+    lines += [f"gpu_hit_ratio_{phase}: {ratio(h, c):.4f}" for phase, (h, c) in by_phase.items()]
+    if per_layer:
+        lines += [f"gpu_hit_ratio_layer_{L}: {tot_h[L] / tot_c[L] if tot_c[L] else 0.0:.4f}" for L in sorted(tot_c)]
+    return lines
 
 
 def mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -78,7 +122,12 @@ def decode_breakdown(parts: list[dict], tg: int) -> dict[str, float]:
 
 @click.command("bench")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--pp", default=512, show_default=True, type=click.IntRange(0), help="Prompt tokens per pp test.")
+@click.option("--pp", default=None, type=click.IntRange(0),
+              help="Prompt tokens per pp test [default: 512; with --prompt-file the whole file].")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Take the pp test's prompt tokens from this text file (e.g. held-out text of the served domain) "
+                   "instead of random tokens.")
+@click.option("--per-layer", is_flag=True, help="Also print the GPU hit ratio of every MoE layer.")
 @click.option("--tg", default=128, show_default=True, type=click.IntRange(0), help="Generated tokens per tg test.")
 @click.option("--reps", "-r", default=3, show_default=True, type=click.IntRange(1), help="Repetitions.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random prompt tokens.")
@@ -87,28 +136,47 @@ def decode_breakdown(parts: list[dict], tg: int) -> dict[str, float]:
 @click.option("--device", default=None, help="torch device for the dense layers (default: cuda if available).")
 @click.option("--reference-experts", is_flag=True, help="Time the torch reference experts instead of the kernels.")
 @gpu_weights_option
-def bench(model_dir, pp, tg, reps, seed, dense_dtype, device, reference_experts, gpu_weights):
-    """Benchmark prompt processing and token generation of the converted model in MODEL_DIR.
+@hot_experts_options()
+def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, device, reference_experts, gpu_weights,
+          **hot):
+    """Benchmark prompt processing and token generation of the converted model in MODEL_DIR; with hot experts on
+    the GPU, also the GPU hit ratio (share of routed expert calls served on the GPU).
 
     \b
     Examples:
       ktrun bench converted/                       # pp512 and tg128, 3 repetitions
       ktrun bench converted/ --pp 64 --tg 16 --reps 2
+      ktrun bench converted/ --profile profile.json --gpu-experts 8 --prompt-file heldout.txt --per-layer
     """
+    from ktlayouts.expert_profile import ExpertProfile, ProfileError, summary_lines
+
+    from .hot_experts import describe
     from .loaded_model import load_model
     from .loader import LoadError
 
+    hot_opts = hot_experts_from(hot)
     try:
         lm = load_model(model_dir, device=device, use_kernels=False if reference_experts else None,
-                        gpu_weights=gpu_weights, dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype))
-    except (LoadError, ValueError) as e:
+                        gpu_weights=gpu_weights, dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype),
+                        hot_experts=hot_opts)
+        summary = summary_lines(ExpertProfile.load(hot_opts.profile)) if hot_opts and hot_opts.profile else []
+    except (LoadError, ProfileError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     with lm:
         m, conv = lm.model, lm.converted
+        prompt_ids = None
+        if prompt_file:
+            prompt_ids = lm.tokenizer.encode(Path(prompt_file).read_text(encoding="utf-8", errors="replace"))
+            pp = len(prompt_ids) if pp is None else min(pp, len(prompt_ids))
+        pp = 512 if pp is None else pp
         name = f"{m.cfg.model_type} {conv.geometry.method} experts"
         backend = f"{conv.device.type} {str(conv.dtype)[6:]} dense + {type(m.experts).__name__}"
-        res = run_bench(m, pp, tg, reps, seed)
-    click.echo(f"quantized GPU layers: {conv.gpu_weights}\n")
+        hot_line = describe(m.experts)
+        res = run_bench(m, pp, tg, reps, seed, prompt_ids=prompt_ids)
+    click.echo(f"quantized GPU layers: {conv.gpu_weights}")
+    click.echo(hot_line + "\n")
+    for line in summary:
+        click.echo(line)
     click.echo(f"| {'model':<28} | {'backend':<36} | {'test':>6} | {'t/s':>20} |")
     click.echo(f"| {'-' * 28} | {'-' * 36} | {'-' * 6}:| {'-' * 20}:|")
     for key, n in (("pp", pp), ("tg", tg)):
@@ -122,3 +190,8 @@ def bench(model_dir, pp, tg, reps, seed, dense_dtype, device, reference_experts,
                    f"head/norms/embedding {b['head_norm_embed_ms']:.2f} ms, loop overhead {b['loop_overhead_ms']:.2f} ms")
         click.echo(f"CPU routed-expert compute {b['cpu_expert_compute_ms']:.2f} ms per step "
                    f"(runs while the shared experts compute)")
+    lines = hit_ratio_lines(res["hits"], per_layer)
+    if lines:
+        click.echo("")
+        for line in lines:
+            click.echo(line)

@@ -7,6 +7,7 @@ import sys
 import click
 
 from .gpu_weights_option import gpu_weights_option
+from .hot_experts_option import hot_experts_from, hot_experts_options
 
 
 @click.command("generate")
@@ -32,8 +33,9 @@ from .gpu_weights_option import gpu_weights_option
 @click.option("--numa-prefault", is_flag=True,
               help="Fault each NUMA node's expert shards in from a thread bound to that node (reads them at start).")
 @gpu_weights_option
+@hot_experts_options()
 def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, top_k, seed, ctx, stop, ignore_eos,
-             as_json, verify, dense_dtype, device, reference_experts, numa_prefault, gpu_weights):
+             as_json, verify, dense_dtype, device, reference_experts, numa_prefault, gpu_weights, **hot):
     """Generate a continuation of --prompt with the converted model in MODEL_DIR.
 
     \b
@@ -42,6 +44,7 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
       ktrun generate converted/ --chat --prompt "Why is the sky blue?" --temperature 0.7 --seed 1
       ktrun generate converted/ --prompt "Hello" --json      # {"prompt_token_ids": [...], "token_ids": [...], ...}
       ktrun generate converted/ --prompt "1, 2, 3," --stop "10" --ctx 2048
+      ktrun generate converted/ --profile profile.json --gpu-experts 8 --prompt "def f(x):"   # hot experts on GPU
     """
     import torch
     from ktlayouts.families import ConfigError
@@ -52,12 +55,14 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
     from .sampling import SamplingParams
     from .tokenizer import TokenizerError
 
+    hot_opts = hot_experts_from(hot)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=list(stop), ignore_eos=ignore_eos)
         lm = load_model(model_dir, device=device, verify=verify, use_kernels=False if reference_experts else None,
                         quiet=as_json, numa_prefault=numa_prefault, gpu_weights=gpu_weights,
-                        dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype))
+                        dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype), hot_experts=hot_opts,
+                        kv_tokens=ctx)
         tok = lm.tokenizer
         if chat:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -68,6 +73,9 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
         raise click.ClickException(str(e)) from None
     # streamed text: never an incomplete character or the start of a possible stop string (ktrun.text_stream)
     streamer = None if as_json else (lambda delta: (sys.stdout.write(delta), sys.stdout.flush()))
+    if hot_opts is not None and not as_json:
+        from .hot_experts import describe
+        click.echo(describe(lm.model.experts), err=True)
     with lm:
         if len(prompt_ids) >= ctx:
             raise click.ClickException(f"--prompt is {len(prompt_ids)} tokens, longer than --ctx {ctx} allows (the "

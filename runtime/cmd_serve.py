@@ -8,6 +8,7 @@ import click
 from ktrun.serve import DEFAULT_MAX_BODY_BYTES, run_server
 
 from .gpu_weights_option import gpu_weights_option
+from .hot_experts_option import hot_experts_from, hot_experts_options
 
 
 @click.command("serve")
@@ -27,30 +28,51 @@ from .gpu_weights_option import gpu_weights_option
 @click.option("--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
               help="Largest request body accepted (larger: 413).")
 @click.option("--log-requests", is_flag=True, help="Print an access log line per HTTP request on stderr.")
+@click.option("--tool-call-parser", default="auto", show_default=True,
+              type=click.Choice(["auto", "none", "deepseek_v3", "deepseek_v31", "hermes", "glm45", "kimi_k2"]),
+              help="How tool calls are found in the generated text (auto: from the model's vocabulary and chat "
+                   "template; hermes is Qwen2.5/Qwen3's <tool_call> JSON).")
+@click.option("--reasoning-parser", default="auto", show_default=True, type=click.Choice(["auto", "think", "none"]),
+              help="Split <think>...</think> text into reasoning_content (auto: when the model has think tokens or "
+                   "its template writes them).")
+@click.option("--reasoning-inline", is_flag=True,
+              help="Keep reasoning text inline in content by default (a request's separate_reasoning overrides).")
+@click.option("--no-timings-log", is_flag=True, help="No per-request timing line on stderr.")
 @gpu_weights_option
-def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests, gpu_weights):
+@hot_experts_options()
+def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests,
+          tool_call_parser, reasoning_parser, reasoning_inline, no_timings_log, gpu_weights,
+          **hot):
     """Serve MODEL_DIR (a `ktconvert quantize` output) over the OpenAI API.
 
     Endpoints: GET /health (503 while loading, 200 when ready), GET /v1/models, POST /v1/completions,
     POST /v1/chat/completions (both with "stream": true for server-sent events), POST /tokenize,
-    POST /detokenize, GET /metrics (Prometheus text).
+    POST /detokenize, GET /tokenizer_info, GET /metrics (Prometheus text), GET /docs (OpenAPI).
 
     \b
     Examples:
       ktrun serve converted/ --port 8000
       ktrun serve converted/ --ctx 8192 --max-batch 32 --api-key "$(cat key.txt)"
+      ktrun serve converted/ --profile profile.json --gpu-mem 24GB --dynamic-experts   # hot experts, kept fresh
+      ktrun serve qwen3-converted/ --tool-call-parser hermes --reasoning-inline
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "converted", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+
+    Requests take OpenAI's fields plus vLLM's extras (top_k, min_p, repetition_penalty, stop_token_ids,
+    ignore_eos, chat_template_kwargs): logprobs, n, penalties, logit_bias, tools (parsed per model family),
+    reasoning_content, response_format json_object / json_schema (grammar-enforced). README: what is refused.
     """
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"ktrun serve: warning: listening on {host} without --api-key: anyone who can reach this port "
                    "can use the model", err=True)
 
+    hot_opts = hot_experts_from(hot)
+
     def load_engine():  # runs after the socket is bound, so /health answers 503 during the (torch) import too
         from ktrun.engine import Engine
 
         return Engine(str(model_dir), ctx=ctx, max_batch=max_batch, device=device, verify=verify,
-                      gpu_weights=gpu_weights)
+                      gpu_weights=gpu_weights, hot_experts=hot_opts)
 
     def sampling_params(**kw):
         from ktrun.engine import SamplingParams
@@ -58,4 +80,6 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
         return SamplingParams(**kw)
 
     sys.exit(run_server(load_engine, sampling_params, host=host, port=port, api_key=api_key, max_batch=max_batch,
-                        max_body_bytes=max_body_bytes, log_requests=log_requests))
+                        max_body_bytes=max_body_bytes, log_requests=log_requests, tool_call_parser=tool_call_parser,
+                        reasoning_parser=reasoning_parser, separate_reasoning=not reasoning_inline,
+                        log_timings=not no_timings_log))

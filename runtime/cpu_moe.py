@@ -22,7 +22,9 @@ Usage (the decode loop)::
   `ktlayouts.converted_dir.node_unit_ranges` (M < S: a pool takes whole shards; M > S: pools split a shard's units).
 - x, ids, weights and out may be numpy arrays or CPU torch tensors (passed by pointer; this object keeps them alive
   until sync). x: float32 or bfloat16 (torch) / uint16 bf16 bit patterns (numpy). ids < 0 are skipped.
-  `accumulate=True` adds into out instead of overwriting it.
+  `accumulate=True` adds into out instead of overwriting it. `skip=` (n_experts,) uint8: experts marked nonzero
+  are computed elsewhere (GPU-resident) and left out here exactly as ids < 0 would be; the mask is read during
+  submit() only (the ids are not copied or rewritten), so it may change between submits.
 - Backend: `backend=` or env KT_KERNEL_BACKEND = scalar | avx2 | avx512 | amx (error if this CPU lacks it);
   default the best one. Threads: `n_threads=` (default all CPUs of the process), `numa_pools=` (default env
   KT_NUMA_POOLS, else one per NUMA node; more pools than nodes splits the CPUs, to simulate NUMA).
@@ -42,7 +44,7 @@ from ktlayouts.converted_dir import node_unit_ranges
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.expert_shards import ShardPlan
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 BACKENDS = ("scalar", "avx2", "avx512", "amx")
 
 
@@ -86,6 +88,7 @@ def load_library() -> ctypes.CDLL:
         "kt_thread_cpu": (c_int, [c_p, c_int]), "kt_thread_pool": (c_int, [c_p, c_int]),
         "kt_add_layer": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_int, ctypes.POINTER(_Piece)]),
         "kt_submit": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int]),
+        "kt_submit_masked": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int, c_p]),
         "kt_sync": (c_int, [c_p]),
         "kt_profile": (c_int, [c_p, ctypes.POINTER(ctypes.c_double), c_int]),
         "kt_measure_read_bandwidth": (ctypes.c_double, [c_p, ctypes.c_size_t, c_int]),
@@ -245,11 +248,17 @@ class MoEKernels:
             raise KernelError(_err(self._lib))
         self._layers[layer_id] = ({"hidden": hidden, "n_experts": n_experts}, list(shards))
 
-    def submit(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any = None, accumulate: bool = False):
-        """Start the layer on the pool and return at once (out, allocated if None). Call sync() before using out."""
+    def submit(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any = None, accumulate: bool = False,
+               skip: np.ndarray | None = None):
+        """Start the layer on the pool and return at once (out, allocated if None). Call sync() before using out.
+        skip: (n_experts,) uint8 mask of experts to leave out (computed elsewhere), or None."""
         if layer_id not in self._layers:
             raise KeyError(f"layer {layer_id} was not added")
-        hidden = self._layers[layer_id][0]["hidden"]
+        hidden, n_experts = self._layers[layer_id][0]["hidden"], self._layers[layer_id][0]["n_experts"]
+        if skip is not None and (not isinstance(skip, np.ndarray) or skip.dtype != np.uint8
+                                 or skip.shape != (n_experts,) or not skip.flags.c_contiguous):
+            raise ValueError(f"skip: expected a contiguous uint8 numpy array of shape ({n_experts},), got "
+                             f"{getattr(skip, 'dtype', type(skip).__name__)} {getattr(skip, 'shape', '')}")
         x_dtype, x_ptr, x_stride, T = self._activation(x, hidden)
         ids_np = np.ascontiguousarray(ids.cpu().numpy() if hasattr(ids, "cpu") else ids)
         w_np = np.ascontiguousarray(weights.detach().cpu().float().numpy() if hasattr(weights, "cpu") else weights,
@@ -265,8 +274,9 @@ class MoEKernels:
             raise ValueError(f"out: dtype {out.dtype}, expected float32")
         out_ptr = _pointer(out, "out")
         self.sync()
-        rc = self._lib.kt_submit(self._ctx, layer_id, T, x_ptr, x_dtype, x_stride, ids32.shape[1], ids32.ctypes.data,
-                                 w_np.ctypes.data, out_ptr, hidden, int(accumulate))
+        args = (self._ctx, layer_id, T, x_ptr, x_dtype, x_stride, ids32.shape[1], ids32.ctypes.data, w_np.ctypes.data,
+                out_ptr, hidden, int(accumulate))
+        rc = self._lib.kt_submit(*args) if skip is None else self._lib.kt_submit_masked(*args, skip.ctypes.data)
         if rc != 0:
             raise KernelError(_err(self._lib))
         self._inflight = (x, ids32, w_np, out)   # alive until sync
@@ -280,8 +290,9 @@ class MoEKernels:
         if rc != 0:
             raise KernelError(_err(self._lib))
 
-    def forward(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any = None, accumulate: bool = False):
-        out = self.submit(layer_id, x, ids, weights, out, accumulate)
+    def forward(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any = None, accumulate: bool = False,
+                skip: np.ndarray | None = None):
+        out = self.submit(layer_id, x, ids, weights, out, accumulate, skip)
         self.sync()
         return out
 

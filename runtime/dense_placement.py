@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from ktlayouts.marlin import qweight_kn
+from ktlayouts.cpu_expert import LayoutError
+from ktlayouts.gpu_formats import GpuLinearFormat, dequantize_named, gpu_format, linear_parts, quantized_linears
 
 from .gpu_weights_option import POLICIES
 from .marlin_kernel import find_marlin_kernel
@@ -25,9 +26,6 @@ class PlacementError(ValueError):
 
 def _dequantized(group: dict, where: str) -> dict[str, torch.Tensor]:
     """Quantized tensors of one file {name: (array, manifest entry)} -> {hub weight name: float32 (N, K) tensor}."""
-    from ktlayouts.cpu_expert import LayoutError
-    from ktlayouts.gpu_formats import dequantize_named, quantized_linears
-
     arrays = {n: np.asarray(a) for n, (a, _t) in group.items()}
     layouts = {n: t["layout"] for n, (_a, t) in group.items()}
     linears = quantized_linears(arrays, layouts)
@@ -45,34 +43,33 @@ def _dequantized(group: dict, where: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _marlin_parts(group: dict) -> dict[str, tuple[int, dict[str, np.ndarray]]]:
-    """{hub weight name: (bits, {qweight, scales, weight_shape})} of the Marlin-layout Linears of one file."""
-    from ktlayouts.gpu_formats import FORMAT_PARTS, parse_layout, quantized_linears
-
+def _marlin_parts(group: dict) -> dict[str, tuple[GpuLinearFormat, dict[str, np.ndarray]]]:
+    """{hub weight name: (format, {suffix: array})} of the Linears of one file whose format a Marlin GEMM reads in
+    place (GpuLinearFormat.kernel == "marlin")."""
     linears = quantized_linears(group, {n: t["layout"] for n, (_a, t) in group.items()})
-    out = {}
-    for weight, layout in linears.items():
-        fmt, bits = parse_layout(layout)
-        if fmt == "marlin":
-            base = weight.removesuffix(".weight")
-            out[weight] = (bits, {p: np.asarray(group[f"{base}.{p}"][0]) for p in FORMAT_PARTS[fmt]
-                                  if f"{base}.{p}" in group})
-    return out
+    arrays = {n: a for n, (a, _t) in group.items()}
+    return {weight: (gpu_format(layout), {p: np.asarray(a) for p, a in linear_parts(layout, arrays, weight).items()})
+            for weight, layout in linears.items() if gpu_format(layout).kernel == "marlin"}
 
 
-def _packed(weight: str, bits: int, parts: dict, device, dtype, kernel, where: str) -> MarlinLinear:
+def _stored(weight: str, fmt: GpuLinearFormat, parts: dict, where: str):
+    """(stored GptqGeometry, logical (N, K)) of a Marlin Linear from its parts' shapes; PlacementError naming it."""
     qw, sc = parts.get("qweight"), parts.get("scales")
     if qw is None or sc is None:
-        raise PlacementError(f"{where}: {weight} (gpu-marlin-int{bits}) needs qweight and scales")
-    k_pad, n_pad = qweight_kn(qw.shape, bits)
-    n, k = (int(v) for v in parts["weight_shape"]) if "weight_shape" in parts else (n_pad, k_pad)
-    if sc.shape[1] != n_pad or k_pad % sc.shape[0] or n > n_pad or k > k_pad:
+        raise PlacementError(f"{where}: {weight} ({fmt.name}) needs qweight and scales")
+    try:
+        return fmt.stored_geometry(parts, weight)
+    except LayoutError as e:
         raise PlacementError(f"{where}: {weight}: qweight {list(qw.shape)}, scales {list(sc.shape)} and "
-                             f"weight_shape {[n, k]} do not fit together")
-    group = -1 if sc.shape[0] == 1 else k_pad // sc.shape[0]
-    use = kernel if kernel is not None and kernel.supports(bits, group, dtype) else None
+                             f"weight_shape do not fit together: {e}") from None
+
+
+def _packed(weight: str, fmt: GpuLinearFormat, parts: dict, device, dtype, kernel, where: str) -> MarlinLinear:
+    qw, sc = parts["qweight"], parts["scales"]
+    geom, (n, k) = _stored(weight, fmt, parts, where)
+    use = kernel if kernel is not None and kernel.supports(fmt.bits, geom.group_size, dtype) else None
     return MarlinLinear(weight, torch.from_numpy(np.array(qw)).to(device), torch.from_numpy(np.array(sc)).to(device),
-                        bits, n, k, dtype, kernel=use)
+                        fmt.bits, n, k, dtype, kernel=use)
 
 
 def choose_policy(policy: str, device: torch.device, dequantized_bytes: int) -> tuple[str, object]:
@@ -94,10 +91,10 @@ def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: tor
                     ) -> tuple[dict[str, object], str]:
     """quantized: {file (for errors): {name: (array, manifest entry)}} -> ({hub weight name: tensor or
     MarlinLinear}, a one-line description of what was done, for logs and `ktrun bench`)."""
-    marlin = {w: (where, bits, parts) for where, group in quantized.items()
-              for w, (bits, parts) in _marlin_parts(group).items()}
-    nbytes = sum(np.prod(qweight_kn(p["qweight"].shape, bits)) for _w, bits, p in marlin.values()) \
-        * torch.finfo(dtype).bits // 8
+    marlin = {w: (where, fmt, parts) for where, group in quantized.items()
+              for w, (fmt, parts) in _marlin_parts(group).items()}
+    stored = [_stored(w, fmt, p, where)[0] for w, (where, fmt, p) in marlin.items()]
+    nbytes = sum(g.n * g.k for g in stored) * torch.finfo(dtype).bits // 8
     mode, kernel = choose_policy(policy, device, nbytes)
     out: dict[str, object] = {}
     for where, group in quantized.items():
@@ -107,8 +104,8 @@ def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: tor
             for name, t in _dequantized(rest, where).items():
                 out[name] = t.to(device=device, dtype=dtype)
         for w in packed_here:
-            _where, bits, parts = marlin[w]
-            out[w] = _packed(w, bits, parts, device, dtype, kernel, where)
+            _where, fmt, parts = marlin[w]
+            out[w] = _packed(w, fmt, parts, device, dtype, kernel, where)
     packed = [v for v in out.values() if isinstance(v, MarlinLinear)]
     if not packed:
         return out, "dequantized at load" if out else "none quantized"

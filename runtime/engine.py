@@ -11,6 +11,11 @@ decode forward over the requests that were already running: their new tokens go 
 expert submission per layer for all of them), while attention reads each request's own cache only. Each request is
 a Sequence (sequence.py) that decides when it finishes, with the same rule and the same prefill / decode functions
 as `generate()` (generate.py): for the same prompt, parameters and seed both give the same tokens.
+
+A request with params.n > 1 holds n sequences (choices) that share its prompt's prefill: the prompt runs once, the
+other choices start from a copy of its cache. step() returns StepOutput tuples (req_id, token, finish_reason) with
+.index (the choice), .logprobs (TokenLogprobs when params.logprobs is set) and, with a choice's first token,
+.prompt_logprobs (params.prompt_logprobs: one TokenLogprobs per prompt token after the first).
 """
 from __future__ import annotations
 
@@ -22,13 +27,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # effective only if torch 
 
 import torch
 
-from .generate import decode, prefill
+from .generate import PREFILL_CHUNK, decode, prefill
 from .loaded_model import load_model
-from .models.kv_cache import Batch
-from .sampling import SamplingParams, sample_token
+from .models.kv_cache import Batch, SeqCache
+from .sampling import SamplingParams, TokenLogprobs, prompt_logprobs
 from .sequence import Sequence
 
-__all__ = ["Engine", "RequestError", "SamplingParams"]
+__all__ = ["Engine", "RequestError", "SamplingParams", "StepOutput"]
 
 
 PREFILL_BATCH_TOKENS = 512   # new prompts up to this many tokens in all are prefilled together in one forward
@@ -38,30 +43,52 @@ class RequestError(ValueError):
     """A request the engine refuses (prompt longer than ctx, duplicate id, batch full, bad token ids)."""
 
 
+class StepOutput(tuple):
+    """(req_id, token, finish_reason), as step() has always yielded, plus .index (which of the request's n choices),
+    .logprobs (TokenLogprobs | None) and .prompt_logprobs (list[TokenLogprobs] | None: with a choice's first token
+    when params.prompt_logprobs is set)."""
+
+    def __new__(cls, req_id: str, token: int, finish_reason: str | None, index: int = 0,
+                logprobs: TokenLogprobs | None = None, prompt_logprobs: list[TokenLogprobs] | None = None):
+        out = super().__new__(cls, (req_id, token, finish_reason))
+        out.index, out.logprobs, out.prompt_logprobs = index, logprobs, prompt_logprobs
+        return out
+
+
+def fork_cache(src: SeqCache) -> SeqCache:
+    """A copy of a sequence's cache (n > 1: the other choices start from the prompt's prefill)."""
+    dst = SeqCache(len(src.layers), src.widths, src.ctx, src.dtype, src.device)
+    dst.layers = [None if bufs is None else [t.clone() for t in bufs] for bufs in src.layers]
+    dst.length = src.length
+    return dst
+
+
 class Engine:
     def __init__(self, model_dir, ctx: int = 4096, max_batch: int = 16, device=None, verify: bool = False,
                  use_kernels: bool | None = None, quiet: bool = True, numa_prefault: bool = False,
-                 dtype: torch.dtype | None = None, gpu_weights: str = "auto"):
-        """Loads MODEL_DIR with ktrun.loaded_model.load_model (the same options); ctx: tokens per request (prompt +
-        generated); max_batch: requests held at once."""
+                 dtype: torch.dtype | None = None, gpu_weights: str = "auto", hot_experts=None):
+        """Loads MODEL_DIR with ktrun.loaded_model.load_model (the same options; hot_experts: ktrun.hot_experts.
+        HotExpertOptions, a --gpu-mem plan leaving room for ctx * max_batch tokens of KV cache); ctx: tokens per
+        request (prompt + generated); max_batch: requests held at once."""
         self.model_dir = Path(model_dir)
         t0 = time.perf_counter()
         self.loaded = load_model(self.model_dir, device=device, dtype=dtype, verify=verify, quiet=quiet,
-                                 numa_prefault=numa_prefault, gpu_weights=gpu_weights, use_kernels=use_kernels)
+                                 numa_prefault=numa_prefault, gpu_weights=gpu_weights, use_kernels=use_kernels,
+                                 hot_experts=hot_experts, kv_tokens=int(ctx) * int(max_batch))
         self.converted, self.model, self.tokenizer = self.loaded.converted, self.loaded.model, self.loaded.tokenizer
         self.experts, self.eos_ids, self.model_name = self.model.experts, self.loaded.eos_ids, self.loaded.name
         self.ctx, self.max_batch = int(ctx), int(max_batch)
         if self.ctx < 1 or self.max_batch < 1:
             raise ValueError(f"ctx and max_batch must be >= 1 (got ctx={ctx}, max_batch={max_batch})")
         self._new: list[Sequence] = []
-        self._running: dict[str, Sequence] = {}
+        self._running: dict[tuple[str, int], Sequence] = {}    # (req_id, choice index) -> its sequence
         self.stats = {"load_s": time.perf_counter() - t0, "prompt_tokens": 0, "generated_tokens": 0,
                       "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "requests_finished": 0,
                       "expert_backend": type(self.experts).__name__}
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if req_id in self._running or any(r.req_id == req_id for r in self._new):
+        if any(k[0] == req_id for k in self._running) or any(r.req_id == req_id for r in self._new):
             raise RequestError(f"request id {req_id!r} is already active")
         if not prompt_ids:
             raise RequestError("prompt is empty")
@@ -71,15 +98,29 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= int(t) < V]
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {V})")
-        if len(self._running) + len(self._new) >= self.max_batch:
-            raise RequestError(f"engine is full: max_batch {self.max_batch} requests already running")
+        n = max(1, int(getattr(params, "n", 1)))
+        if self._n_sequences() + n > self.max_batch:
+            raise RequestError(f"engine is full: max_batch {self.max_batch} sequences (n={n} asked for)")
         # the text is decoded only for stop strings (`ktrun serve` matches them itself and sends none)
-        self._new.append(Sequence(prompt_ids, params, self.model.new_cache(self.ctx), self.ctx, self.eos_ids,
-                                  self.tokenizer.decode if params.stop else None, req_id=req_id))
+        decode_text = self.tokenizer.decode if params.stop else None
+        choices = [Sequence(prompt_ids, params, self.model.new_cache(self.ctx) if i == 0 else None, self.ctx,
+                            self.eos_ids, decode_text, req_id=req_id, index=i) for i in range(n)]
+        choices[0].followers = choices[1:]         # they get a copy of choice 0's cache after its prefill
+        self._new.append(choices[0])
 
-    def abort(self, req_id: str) -> None:
-        self._running.pop(req_id, None)            # its SeqCache is dropped with it
-        self._new = [r for r in self._new if r.req_id != req_id]
+    def abort(self, req_id: str, index: int | None = None) -> None:
+        """Drop a request (all its choices, or only choice `index`); its caches go with it."""
+        for key in [k for k in self._running if k[0] == req_id and (index is None or k[1] == index)]:
+            del self._running[key]
+        if index is None:
+            self._new = [r for r in self._new if r.req_id != req_id]
+        else:
+            for r in self._new:
+                if r.req_id == req_id:
+                    r.followers = [f for f in r.followers if f.index != index]
+
+    def _n_sequences(self) -> int:
+        return len(self._running) + sum(1 + len(r.followers) for r in self._new)
 
     def kv_cache_bytes(self) -> int:
         """KV-cache bytes held by the requests in the engine (read by /metrics from another thread: list() of a
@@ -90,31 +131,59 @@ class Engine:
         return bool(self._new or self._running)
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def _emit(self, seqs: list[Sequence], logits: torch.Tensor, out: list) -> None:
-        """logits: (len(seqs), V): sample each sequence's next token; finished ones leave the batch."""
+    def _emit(self, seqs: list[Sequence], logits: torch.Tensor, out: list, first: dict | None = None) -> None:
+        """logits: (len(seqs), V): sample each sequence's next token; finished ones leave the batch.
+        first: id(sequence) -> its prompt logprobs, sent with its first token."""
         for s, row in zip(seqs, logits):
-            s.append(sample_token(row, s.params, s.gen))
-            out.append((s.req_id, s.tokens[-1], s.finish_reason))
+            token, lp = s.sample(row)
+            s.append(token)
+            out.append(StepOutput(s.req_id, s.tokens[-1], s.finish_reason, s.index, lp,
+                                  first.get(id(s)) if first else None))
             if s.finish_reason:
-                self._running.pop(s.req_id, None)
+                self._running.pop((s.req_id, s.index), None)
                 self.stats["requests_finished"] += 1
             else:
-                self._running[s.req_id] = s
+                self._running[s.req_id, s.index] = s
         self.stats["generated_tokens"] += len(seqs)
 
-    def step(self) -> list[tuple[str, int, str | None]]:
-        out: list[tuple[str, int, str | None]] = []
+    def _prefill_with_logprobs(self, r: Sequence) -> tuple[torch.Tensor, list[TokenLogprobs]]:
+        """Prefill one prompt in chunks keeping every position's logits long enough to score the prompt token that
+        follows it -> (logits (V,) after the prompt, prompt logprobs for tokens 1..T-1)."""
+        ids, scored = r.prompt_ids, []
+        for i in range(0, len(ids), PREFILL_CHUNK):
+            logits = self.model.forward(Batch.build([(r.cache, ids[i:i + PREFILL_CHUNK])], self.model.device),
+                                        all_logits=True)                                    # (chunk, V)
+            nxt = ids[i + 1:i + 1 + PREFILL_CHUNK]                                          # what each row predicts
+            scored += prompt_logprobs(logits[:len(nxt)], nxt, r.params.prompt_logprobs)
+        return logits[-1], scored
+
+    def step(self) -> list[StepOutput]:
+        out: list[StepOutput] = []
         decoding = list(self._running.values())
         if self._new:
             new, self._new = self._new, []
             t0 = time.perf_counter()
-            if sum(len(r.prompt_ids) for r in new) <= PREFILL_BATCH_TOKENS:     # short prompts: one forward
-                logits = self.model.forward(Batch.build([(r.cache, r.prompt_ids) for r in new], self.model.device))
-            else:                                                               # long ones: chunked, one by one
-                logits = torch.stack([prefill(self.model, r.cache, r.prompt_ids) for r in new])
+            plain = [r for r in new if r.params.prompt_logprobs is None]
+            scored = [r for r in new if r.params.prompt_logprobs is not None]
+            rows: dict[int, torch.Tensor] = {}
+            first: dict[int, list[TokenLogprobs]] = {}
+            if plain and sum(len(r.prompt_ids) for r in plain) <= PREFILL_BATCH_TOKENS:   # short prompts: one forward
+                logits = self.model.forward(Batch.build([(r.cache, r.prompt_ids) for r in plain], self.model.device))
+                rows.update({id(r): row for r, row in zip(plain, logits)})
+            else:                                                                   # long ones: chunked, one by one
+                rows.update({id(r): prefill(self.model, r.cache, r.prompt_ids) for r in plain})
+            for r in scored:
+                rows[id(r)], first[id(r)] = self._prefill_with_logprobs(r)
             self.stats["prefill_s"] += time.perf_counter() - t0
             self.stats["prompt_tokens"] += sum(len(r.prompt_ids) for r in new)
-            self._emit(new, logits, out)
+            seqs, logits = [], []
+            for r in new:                    # choices 1..n-1 start from a copy of choice 0's prefilled cache
+                for f in r.followers:
+                    f.cache = fork_cache(r.cache)
+                    first[id(f)] = first.get(id(r))
+                seqs += [r, *r.followers]
+                logits += [rows[id(r)]] * (1 + len(r.followers))
+            self._emit(seqs, torch.stack(logits), out, first)
         if decoding:
             t0 = time.perf_counter()
             logits = decode(self.model, [(s.cache, s.tokens[-1]) for s in decoding])

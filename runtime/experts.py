@@ -3,6 +3,7 @@
     ex.submit(layer, x, ids, weights, out)   # x: (T, H); ids, weights: (T, k); out: (T, H) written by sync()
     ... other work (shared experts) ...
     ex.sync()                                # waits; out now holds sum_k weights[t, k] * expert_{ids[t, k]}(x[t])
+    ex.submit(layer, x, ids, weights, out, skip=mask)   # mask (E,) uint8: experts computed elsewhere (GPU) left out
 
 - TorchExperts: the reference. Expert matrices come from an ExpertSource (packed tiles dequantized with ktlayouts,
   or plain float tensors), are cached per expert as float32 and applied with torch. Always correct, not fast.
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from ktlayouts.cpu_expert import unpack_expert_matrix
+from ktlayouts.expert_shards import join_shards
 
 
 class PackedExpertSource:
@@ -29,13 +31,10 @@ class PackedExpertSource:
 
     def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """-> gate (I, H), up (I, H), down (H, I) float32 for expert e, shards concatenated along I."""
-        parts = {p: [] for p in ("gate", "up", "down")}
-        for shard in self.layers[layer]:
-            for p, (qw, sc, geom) in shard.items():
-                parts[p].append(unpack_expert_matrix(qw[e], None if sc is None else sc[e], geom))
-        i = self.intermediate
-        return (np.concatenate(parts["gate"], 0)[:i], np.concatenate(parts["up"], 0)[:i],
-                np.concatenate(parts["down"], 1)[:, :i])
+        per_shard = [{p: unpack_expert_matrix(qw[e], None if sc is None else sc[e], geom)
+                      for p, (qw, sc, geom) in shard.items()} for shard in self.layers[layer]]
+        m = join_shards(per_shard, self.intermediate)
+        return m["gate"], m["up"], m["down"]
 
 
 class DenseExpertSource:
@@ -52,8 +51,10 @@ class DenseExpertSource:
 class TorchExperts:
     """Reference executor: dequantized float32 experts (cached on first use), torch matmuls, one worker thread."""
 
-    def __init__(self, source, device="cpu", asynchronous: bool = True):
-        self.source, self.device = source, torch.device(device)
+    def __init__(self, source, device="cpu", asynchronous: bool = True, cache: bool = True):
+        """cache=False: read each expert from the source on every use (memory stays at one expert; profiling a
+        checkpoint that does not fit in RAM as float32)."""
+        self.source, self.device, self.cache = source, torch.device(device), cache
         self._cache: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ktrun-experts") if asynchronous else None
@@ -67,8 +68,9 @@ class TorchExperts:
         if w is None:
             w = tuple(torch.as_tensor(np.asarray(m, dtype=np.float32) if not torch.is_tensor(m) else m)
                       .to(self.device, torch.float32) for m in self.source.expert(layer, e))
-            with self._lock:
-                self._cache[key] = w
+            if self.cache:
+                with self._lock:
+                    self._cache[key] = w
         return w
 
     @torch.inference_mode()
@@ -78,6 +80,8 @@ class TorchExperts:
         acc = torch.zeros(out.shape, dtype=torch.float32, device=dev)
         xf, ids, weights = x.float().to(dev), ids.to(dev), weights.to(dev)
         for e in torch.unique(ids).tolist():
+            if e < 0:                               # skipped (computed elsewhere)
+                continue
             tok, kpos = torch.where(ids == e)
             g, u, d = self._weights(layer, e)
             xe = xf[tok]
@@ -88,9 +92,12 @@ class TorchExperts:
         self.stats["expert_calls"] += 1
         self.stats["expert_token_slots"] += ids.numel()
 
-    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+               skip: np.ndarray | None = None):
         if self._pending is not None:
             raise RuntimeError("submit() called twice without sync()")
+        if skip is not None:                        # as the kernels: masked experts count as ids < 0
+            ids = torch.where(torch.from_numpy(skip.astype(bool))[ids.cpu()].to(ids.device), -1, ids)
         if self._pool is None:
             self._run(layer, x, ids, weights, out)
         else:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .models.kv_cache import Batch, SeqCache
-from .sampling import SamplingParams, sample_token
+from .sampling import SamplingParams
 from .sequence import Sequence
 
 PREFILL_CHUNK = 512   # prompt tokens per forward: bounds the (heads, chunk, context) attention scores in memory
@@ -53,7 +53,7 @@ def generate(model, prompt_ids: list[int], params: SamplingParams, ctx: int, eos
     logits = prefill(model, seq.cache, seq.prompt_ids)
     t1 = time.perf_counter()
     while True:
-        delta = seq.append(sample_token(logits, params, seq.gen))
+        delta = seq.append(seq.sample(logits)[0])
         if delta and on_text is not None:
             on_text(delta)
         if seq.finish_reason:

@@ -30,7 +30,9 @@ class KernelExperts:
         self.stats = {"expert_compute_s": 0.0, "expert_calls": 0, "expert_token_slots": 0,
                       "kernel_backend": self.moe.backend}
 
-    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+               skip=None):
+        """skip: (E,) uint8 mask of experts computed elsewhere (GPU-resident), handed to the kernels as is."""
         if self._pending is not None:
             raise RuntimeError("submit() called twice without sync()")
         t0 = time.perf_counter()
@@ -38,7 +40,7 @@ class KernelExperts:
             else x.detach().float().cpu().contiguous()
         direct = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
         buf = out if direct else torch.empty(out.shape, dtype=torch.float32)
-        self.moe.submit(layer, xc, ids.cpu(), weights.float().cpu(), buf)
+        self.moe.submit(layer, xc, ids.cpu(), weights.float().cpu(), buf, skip=skip)
         self._pending = (t0, xc, buf, out, direct)
         self.stats["expert_token_slots"] += ids.numel()
 

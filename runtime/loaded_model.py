@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # effective only if torch 
 import torch
 
 from .experts import make_executor
+from .hot_experts import HotExpertOptions, build_hot_executor
 from .loader import ConvertedModel, load_converted
 from .models.model import MoEModel
 from .tokenizer import Tokenizer
@@ -61,15 +62,18 @@ def eos_ids_of(model_dir: Path, cfg, tokenizer: Tokenizer) -> set[int]:
 
 def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = None, verify: bool = False,
                quiet: bool = True, numa_prefault: bool = False, gpu_weights: str = "auto",
-               use_kernels: bool | None = None) -> LoadedModel:
+               use_kernels: bool | None = None, hot_experts: HotExpertOptions | None = None,
+               kv_tokens: int = 4096) -> LoadedModel:
     """Open MODEL_DIR (ktrun.loader.load_converted: validated, experts mapped, dense layers placed), build the
     routed-expert executor (kernels when available; use_kernels=False: the torch reference) and the model forward.
+    hot_experts: which experts run on the GPU (ktrun.hot_experts; None: the conversion's own placement, if any);
+    kv_tokens: the KV budget a --gpu-mem plan leaves room for, unless it states one.
     dtype of the dense part: None = bfloat16 on CUDA, float32 on the CPU. Raises LoadError / ConfigError /
     TokenizerError (all ValueErrors) naming the file at fault."""
     root = Path(model_dir)
     converted = load_converted(root, device=device, dtype=dtype, verify=verify, quiet=quiet,
                                numa_prefault=numa_prefault, gpu_weights=gpu_weights)
-    experts = make_executor(converted, use_kernels=use_kernels)
+    experts = build_hot_executor(converted, make_executor(converted, use_kernels=use_kernels), hot_experts, kv_tokens)
     model = MoEModel(converted.config, converted.dense, experts, converted.device, converted.dtype)
     tokenizer = Tokenizer(root)
     return LoadedModel(model, tokenizer, eos_ids_of(root, converted.config, tokenizer), converted)

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import threading
 from dataclasses import dataclass, field
@@ -37,7 +36,9 @@ from ktlayouts.converted_dir import (
     node_unit_ranges,
     safe_relpath,
 )
+from ktlayouts.expert_shards import unit_piece
 from ktlayouts.families import MODEL_TYPE_ALIASES, ModelConfig, get_family, load_config
+from ktlayouts.files import sha256_file
 
 from .dense_placement import PlacementError, place_quantized
 
@@ -55,16 +56,6 @@ def read_safetensors_header(path: Path) -> tuple[int, dict]:
         return converted_dir.read_safetensors_header(path)
     except ManifestError as e:
         raise LoadError(str(e)) from None
-
-
-def sha256_file(path: Path, progress=None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            if progress is not None:
-                progress.update(len(chunk))
-    return h.hexdigest()
 
 
 def numa_nodes() -> list[list[int]]:
@@ -190,19 +181,12 @@ def _load_dense(root: Path, manifest: dict, device, dtype, gpu_weights: str) -> 
 
 
 def piece_arrays(shard: dict, u0: int, u1: int, unit: int) -> list[np.ndarray]:
-    """Views of the bytes a node needs for units [u0, u1) of one shard: gate/up column blocks (axis 1: 16 rows
-    each) and down K tiles (axis 2) and scale groups (axis 2; per-row scales are shared by all units)."""
+    """Views of the bytes a node needs for units [u0, u1) of one shard (ktlayouts.expert_shards.unit_piece on the
+    stacked (E, ...) tensors): gate/up column blocks, down K tiles and scale groups."""
     out = []
-    for proj, (qw, sc, g) in shard.items():
-        if proj == "down":
-            kpt = 64 if g.bits != 16 else 32
-            out.append(qw[:, :, u0 * unit // kpt: u1 * unit // kpt])
-            if sc is not None:
-                out.append(sc if g.group == g.k_pad else sc[:, :, u0 * unit // g.group: u1 * unit // g.group])
-        else:
-            out.append(qw[:, u0 * unit // 16: u1 * unit // 16])
-            if sc is not None:
-                out.append(sc[:, u0 * unit // 16: u1 * unit // 16])
+    for proj, (qw, sc, geom) in shard.items():
+        q, s, _ = unit_piece(qw, sc, proj, geom, unit, u0, u1, stacked=True)
+        out += [q] if s is None else [q, s]
     return out
 
 

@@ -17,8 +17,8 @@ from functools import cache
 import numpy as np
 import torch
 import torch.nn.functional as F
-from ktlayouts.gptq import zero_point
-from ktlayouts.marlin import qweight_kn, scale_perms, weight_perm
+from ktlayouts.gptq import group_size_for, zero_point
+from ktlayouts.marlin import MARLIN_TILE, grouped_scales, qweight_kn, scale_perms, weight_perm
 
 
 @cache
@@ -40,10 +40,11 @@ def unpack_cols(qw: torch.Tensor, bits: int) -> torch.Tensor:
 def marlin_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """qweight (K/16, N*16*bits/32) int32 -> codes (K, N) uint8 (the inverse of ktlayouts.marlin.pack_weight)."""
     t = unpack_cols(qweight, bits)                          # (K/16, 16 N): 16x16 tiles, fragment order
-    k, n = qweight.shape[0] * 16, t.shape[1] // 16
+    k, n = qweight_kn(qweight.shape, bits)
     inv, _, _ = _inverse_perms(bits, str(qweight.device))
     t = t.reshape(-1, inv.numel())[:, inv]                  # back to four row-major 16x16 tiles per 1024 values
-    return t.reshape(k // 16, n // 16, 16, 16).transpose(1, 2).reshape(k, n)
+    tile = MARLIN_TILE
+    return t.reshape(k // tile, n // tile, tile, tile).transpose(1, 2).reshape(k, n)
 
 
 def marlin_scales(scales: torch.Tensor, grouped: bool) -> torch.Tensor:
@@ -61,8 +62,7 @@ class MarlinLinear:
         self.name, self.bits, self.n, self.k, self.dtype = name, bits, n, k, dtype
         self.qweight = qweight                                      # (K_pad/16, N_pad*16*bits/32) int32
         self.k_pad, self.n_pad = qweight_kn(qweight.shape, bits)
-        n_groups = scales.shape[0]
-        self.group_size = -1 if n_groups == 1 else self.k_pad // n_groups
+        self.group_size = group_size_for(self.k_pad, scales.shape[0], name)
         # (n_groups, N_pad), Marlin column order: float16 as stored; the kernel wants the activation dtype (as vLLM)
         self.scales = scales.to(dtype) if kernel is not None else scales
         self.kernel = kernel                                        # ktrun.marlin_kernel.MarlinKernel or None
@@ -79,7 +79,7 @@ class MarlinLinear:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> W (N, K) on the layer's device: (code - 2^(bits-1)) * scale in float32, then cast once."""
         codes = marlin_codes(self.qweight, self.bits)                               # (K_pad, N_pad) uint8
-        s = marlin_scales(self.scales.float(), grouped=self.group_size != -1 and self.group_size < self.k_pad)
+        s = marlin_scales(self.scales.float(), grouped=grouped_scales(self.k_pad, self.group_size))
         w = codes.float().sub_(zero_point(self.bits)).view(s.shape[0], -1, self.n_pad)  # (n_groups, G, N_pad)
         w = w.mul_(s[:, None, :]).view(self.k_pad, self.n_pad)[: self.k, : self.n]
         return w.t().to(dtype or self.dtype).contiguous()

@@ -1,11 +1,16 @@
-"""Next-token sampling: greedy (temperature 0), temperature, top-k, top-p, per-request seeded generators."""
+"""Next-token sampling: greedy (temperature 0), temperature, top-k, top-p, min-p, per-request seeded generators; the
+logits shaping before it (presence/frequency/repetition penalties, logit_bias, per-request logits processors such as
+a grammar); log-probabilities of the model's own distribution (before any shaping) for `logprobs`."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from .sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "make_generator", "sample_token"]
+__all__ = ["Sampler", "SamplingParams", "TokenLogprobs", "make_generator", "prompt_logprobs", "sample_token",
+           "token_logprobs"]
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -13,15 +18,51 @@ def make_generator(seed: int | None) -> torch.Generator:
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(int(seed))
+        g.manual_seed(int(seed) % (1 << 64))
     return g
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: (V,) float32, already divided by the temperature. Tokens outside top-k / the top-p nucleus -> -inf."""
+@dataclass
+class TokenLogprobs:
+    """One position: the token there, its log-probability under the model, and the top alternatives
+    [(token id, logprob)] best first (the raw model distribution: no temperature, penalties or grammar)."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
+    """logits: (V,) raw model logits -> the TokenLogprobs of `token` with `top_n` alternatives."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = []
+    if top_n:
+        vals, ids = torch.topk(lp, top_n)
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprobs(int(token), float(lp[token]), top)
+
+
+def prompt_logprobs(logits: torch.Tensor, ids: list[int], top_n: int) -> list[TokenLogprobs]:
+    """logits: (T, V) for positions 0..T-1 of a chunk; ids: the T tokens that FOLLOW each position ->
+    one TokenLogprobs per position (log P(ids[i] | everything up to position i))."""
+    lp = torch.log_softmax(logits.float(), dim=-1)                                  # (T, V)
+    idx = torch.tensor(ids, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, idx[:, None])[:, 0].tolist()
+    tops = [[] for _ in ids]
+    if top_n:
+        vals, tids = torch.topk(lp, top_n, dim=-1)
+        tops = [list(zip(a, b)) for a, b in zip(tids.tolist(), vals.tolist())]
+    return [TokenLogprobs(int(t), c, tp) for t, c, tp in zip(ids, chosen, tops)]
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """logits: (V,) float32, already divided by the temperature. Tokens outside top-k / the top-p nucleus / below
+    min_p x the top probability -> -inf."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
+        logits = logits.masked_fill(logits < logits.max() + torch.log(torch.tensor(min_p)), float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
@@ -33,10 +74,59 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """logits: (V,) -> one token id."""
+    """logits: (V,) (already shaped) -> one token id."""
     logits = logits.float().cpu()
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+class Sampler:
+    """One sequence's sampling: its generator (seed + choice index, so choice 0 of n equals an n=1 request with the
+    same seed), its own logits processors, and the token counts the penalties need."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], index: int = 0):
+        self.params = params
+        self.gen = make_generator(None if params.seed is None else params.seed + index)
+        self.processors = [make() for make in params.logits_processors]
+        self._prompt_ids = prompt_ids
+        self._seen: torch.Tensor | None = None      # (V,) bool: in prompt or output (repetition penalty)
+        self._counts: torch.Tensor | None = None    # (V,) float: times generated (presence/frequency)
+        self._counted = 0                           # output tokens already in _counts/_seen
+
+    def shape(self, logits: torch.Tensor, output_ids: list[int]) -> torch.Tensor:
+        """logits: (V,) raw -> penalised, biased, processed logits (float32, CPU)."""
+        p = self.params
+        logits = logits.float().cpu().clone()
+        V = logits.shape[0]
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            if self._counts is None:
+                self._counts = torch.zeros(V)
+                self._seen = torch.zeros(V, dtype=torch.bool)
+                self._seen[torch.tensor([t for t in self._prompt_ids if 0 <= t < V], dtype=torch.long)] = True
+            new = [t for t in output_ids[self._counted:] if 0 <= t < V]
+            if new:
+                idx = torch.tensor(new, dtype=torch.long)
+                self._counts.index_add_(0, idx, torch.ones(len(new)))
+                self._seen[idx] = True
+            self._counted = len(output_ids)
+            if p.repetition_penalty != 1.0:
+                rp = p.repetition_penalty
+                hit = logits[self._seen]
+                logits[self._seen] = torch.where(hit > 0, hit / rp, hit * rp)
+            if p.frequency_penalty or p.presence_penalty:
+                logits -= p.frequency_penalty * self._counts + p.presence_penalty * (self._counts > 0).float()
+        for tok, bias in p.logit_bias.items():
+            if 0 <= tok < V:
+                logits[tok] += bias
+        for proc in self.processors:
+            logits = proc(output_ids, logits)
+        return logits
+
+    def sample(self, logits: torch.Tensor, output_ids: list[int]) -> tuple[int, TokenLogprobs | None]:
+        """logits: (V,) raw model logits -> (token, its TokenLogprobs if params.logprobs is set)."""
+        p = self.params
+        token = sample_token(self.shape(logits, output_ids) if p.shapes_logits else logits, p, self.gen)
+        return token, (None if p.logprobs is None else token_logprobs(logits, token, p.logprobs))

@@ -27,6 +27,21 @@ class TokenizerError(ValueError):
     pass
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's scheme): printable Latin-1 bytes stand for
+    themselves, the other 68 are shifted to U+0100 onward in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out, shift = {chr(b): b for b in keep}, 0
+    for b in range(256):
+        if b not in keep:
+            out[chr(256 + shift)] = b
+            shift += 1
+    return out
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+
+
 def _token_str(v) -> str | None:
     if v is None:
         return None
@@ -81,6 +96,8 @@ class Tokenizer:
             if builtin:
                 self.chat_template_source, self.chat_template = f"built-in {builtin[0]}", builtin[1]
         self._compiled = None
+        self._byte_level: bool | None = None
+        self._added = set(self._tok.get_added_tokens_decoder())
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -97,6 +114,33 @@ class Tokenizer:
         return t
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object (for libraries that build on it, e.g. the grammar of structured output)."""
+        return self._tok
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE piece can be part of a character)."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if self._byte_level is None:
+            dec = json.loads(self._tok.to_str()).get("decoder") or {}
+            kinds = {dec.get("type")} | {d.get("type") for d in dec.get("decoders", []) or []}
+            self._byte_level = "ByteLevel" in kinds
+        if self._byte_level and self._tok.token_to_id(piece) not in self._added:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:
+                pass
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:   # sentencepiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
@@ -106,14 +150,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **kwargs) -> str:
+        """The conversation as the model's template writes it; `tools` (OpenAI tool definitions) go to the template
+        as transformers passes them; other keyword arguments are template variables (e.g. enable_thinking)."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template (tokenizer_config.json 'chat_template'); "
                                  "use a plain prompt instead of --chat")
         if self._compiled is None:
             self._compiled = _compile_template(self.chat_template)
         ctx = {**self.special_tokens, **kwargs}
-        return self._compiled.render(messages=messages, tools=None, documents=None,
+        return self._compiled.render(messages=messages, tools=tools or None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **ctx)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

@@ -36,6 +36,22 @@ def fp8_ckpt(tmp_path_factory) -> Path:
     return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ckpt_deepseek_v3_fp8"), fp8=True)
 
 
+@pytest.fixture(scope="session")
+def default_converted(tmp_path_factory) -> Path:
+    """The shipped default model (ktconvert/data/default_model) converted once per session by `ktconvert quantize`
+    (int4 experts, RTN int4 GPU layers: no calibration, fast). Do not modify it."""
+    import subprocess
+    import sys
+
+    import ktconvert
+
+    src = Path(ktconvert.__file__).resolve().parent / "data" / "default_model"
+    out = tmp_path_factory.mktemp("default_converted") / "default-model"
+    subprocess.run([str(Path(sys.executable).parent / "ktconvert"), "quantize", str(src), "-o", str(out),
+                    "--gpu-method", "rtn-int4", "--quiet"], check=True, capture_output=True)
+    return out
+
+
 @pytest.fixture
 def ckpt_copy(ckpt_dir, fp8_ckpt, tmp_path):
     """Callable arch -> a private copy (in tmp_path) of the session checkpoint, safe to corrupt. 'deepseek_v3_fp8'

@@ -78,7 +78,8 @@ class ServerProcess:
 
 
 def request(server, method: str, path: str, body=None, headers=None, timeout: float = 60.0):
-    """Raw HTTP: returns (status, parsed JSON or text, headers). `body`: dict (sent as JSON), bytes or str."""
+    """Raw HTTP: returns (status, parsed JSON or text, headers). `body`: dict (sent as JSON), bytes or str.
+    headers: the response's header mapping, case-insensitive as HTTP header names are."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=timeout)
     try:
         if isinstance(body, (dict, list)):
@@ -91,7 +92,7 @@ def request(server, method: str, path: str, body=None, headers=None, timeout: fl
             parsed = json.loads(data)
         except json.JSONDecodeError:
             parsed = data
-        return resp.status, parsed, dict(resp.getheaders())
+        return resp.status, parsed, resp.headers
     finally:
         conn.close()
 

@@ -125,7 +125,7 @@ def _error(server, path, body, status, code=None, headers=None):
     ({"model": MODEL, "prompt": "x", "seed": "s"}, "seed"),
     ({"model": MODEL, "prompt": "x", "stop": 5}, "stop"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, "stream"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, "n"),  # n > 1 is served since issue 19; n < 1 is still refused
     ({"model": MODEL, "prompt": 7}, "prompt"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
     ({"model": MODEL, "prompt": [1, -2]}, "prompt"),

@@ -12,7 +12,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 2
+#define KT_ABI_VERSION 3   /* 3: kt_submit_masked */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -61,6 +61,12 @@ int kt_add_layer(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int inter
  * A submit while another is in flight waits for it first. */
 int kt_submit(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
               const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate);
+/* kt_submit, leaving out the experts marked in skip (n_experts bytes of this layer; skip[e] != 0: expert e is
+ * computed elsewhere, e.g. resident on the GPU): their (token, slot) entries count as ids < 0, nothing is copied.
+ * skip is read during this call only, so the caller may change it as soon as the call returns; NULL skips none. */
+int kt_submit_masked(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
+                     const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate,
+                     const uint8_t* skip);
 int kt_sync(kt_ctx* ctx);
 
 /* Where the last job's time went: 9 doubles (seconds) per worker thread: x quantization (0 when the submitting

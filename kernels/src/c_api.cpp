@@ -76,7 +76,17 @@ int kt_add_layer(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int inter
 int kt_submit(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
               const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate) {
     return guarded([&] {
-        ctx->engine.submit(layer_id, n_tokens, x, x_dtype, x_stride, k, ids, weights, out, out_stride, accumulate != 0);
+        ctx->engine.submit(layer_id, n_tokens, x, x_dtype, x_stride, k, ids, weights, out, out_stride, accumulate != 0,
+                           nullptr);
+    });
+}
+
+int kt_submit_masked(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
+                     const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate,
+                     const uint8_t* skip) {
+    return guarded([&] {
+        ctx->engine.submit(layer_id, n_tokens, x, x_dtype, x_stride, k, ids, weights, out, out_stride, accumulate != 0,
+                           skip);
     });
 }
 

@@ -56,7 +56,8 @@ public:
     void add_layer(int id, int n_experts, int hidden, int inter_pad, int bits, int group, int n_pieces,
                    const kt_shard_piece* pieces);   // throws std::invalid_argument
     void submit(int id, int T, const void* x, int x_dtype, int64_t x_stride, int k, const int32_t* ids,
-                const float* weights, float* out, int64_t out_stride, bool accumulate);
+                const float* weights, float* out, int64_t out_stride, bool accumulate,
+                const uint8_t* skip);   // skip: (n_experts) experts left out (computed elsewhere), or null
     void sync() { pool_->wait(); }
     // Seconds each worker spent in each phase of the last job (kProfilePhases per worker, see ktkernels.h).
     static constexpr int kProfilePhases = 9;

@@ -18,7 +18,8 @@ double now_s() {
 }  // namespace
 
 void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stride, int k, const int32_t* ids,
-                       const float* weights, float* out, int64_t out_stride, bool accumulate) {
+                       const float* weights, float* out, int64_t out_stride, bool accumulate,
+                       const uint8_t* skip) {
     auto it = layers_.find(id);
     if (it == layers_.end()) throw std::invalid_argument("layer " + std::to_string(id) + " was not added");
     const Layer& L = it->second;
@@ -37,9 +38,11 @@ void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stri
     accumulate_ = accumulate;
     if (T == 0) return;
 
-    // Routing: rows grouped by expert (counting sort), in (expert, token, slot) order.
+    // Routing: rows grouped by expert (counting sort), in (expert, token, slot) order. Experts marked in skip are
+    // computed elsewhere (GPU-resident): their entries are left out here, exactly like ids < 0.
+    auto routed = [&](int64_t i) { return ids[i] >= 0 && !(skip && skip[ids[i]]); };
     std::vector<int> count(L.n_experts + 1, 0);
-    for (int64_t i = 0; i < (int64_t)T * k; ++i) if (ids[i] >= 0) ++count[ids[i] + 1];
+    for (int64_t i = 0; i < (int64_t)T * k; ++i) if (routed(i)) ++count[ids[i] + 1];
     std::partial_sum(count.begin(), count.end(), count.begin());
     const int R = count[L.n_experts];
     tok_.assign(R, 0);
@@ -54,7 +57,7 @@ void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stri
     {
         std::vector<int> fill(count.begin(), count.end() - 1);
         for (int64_t i = 0; i < (int64_t)T * k; ++i)
-            if (ids[i] >= 0) { const int r = fill[ids[i]]++; tok_[r] = (int)(i / k); wt_[r] = weights[i]; }
+            if (routed(i)) { const int r = fill[ids[i]]++; tok_[r] = (int)(i / k); wt_[r] = weights[i]; }
     }
 
     const bool bf16 = L.bits == 16;

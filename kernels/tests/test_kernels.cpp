@@ -42,7 +42,8 @@ RandomLayer make_layer(int E, int H, int I, int bits, int G, std::mt19937& rng) 
 }
 
 std::vector<float> run(const char* backend, const RandomLayer& L, int T, int k, const std::vector<float>& x,
-                       const std::vector<int32_t>& ids, const std::vector<float>& w, int threads, int pools) {
+                       const std::vector<int32_t>& ids, const std::vector<float>& w, int threads, int pools,
+                       const uint8_t* skip = nullptr) {
     kt_ctx* ctx = kt_create(threads, pools, backend);
     if (!ctx) { std::printf("create %s: %s\n", backend, kt_last_error()); return {}; }
     const bool int_layout = L.bits != 16;
@@ -50,7 +51,8 @@ std::vector<float> run(const char* backend, const RandomLayer& L, int T, int k, 
                      L.dq.data(), int_layout ? L.ds.data() : nullptr, 0, L.I, 0, L.I, 0};
     std::vector<float> out((size_t)T * L.H, 0.0f);
     if (kt_add_layer(ctx, 0, L.E, L.H, L.I, L.bits, L.G, 1, &p) != 0 ||
-        kt_submit(ctx, 0, T, x.data(), KT_F32, L.H, k, ids.data(), w.data(), out.data(), L.H, 0) != 0 ||
+        (skip ? kt_submit_masked(ctx, 0, T, x.data(), KT_F32, L.H, k, ids.data(), w.data(), out.data(), L.H, 0, skip)
+              : kt_submit(ctx, 0, T, x.data(), KT_F32, L.H, k, ids.data(), w.data(), out.data(), L.H, 0)) != 0 ||
         kt_sync(ctx) != 0) {
         std::printf("%s: %s\n", backend, kt_last_error());
         out.clear();
@@ -89,6 +91,31 @@ int main() {
             const bool ok = got.size() == ref.size() && !ref.empty() && err <= 2e-3 * mag;
             std::printf("%s %s bits=%d G=%d T=%d k=%d max_err=%.3g (max |ref| %.3g)\n", ok ? "ok  " : "FAIL", b,
                         c.bits, c.G, c.T, c.k, err, mag);
+            failures += !ok;
+        }
+    }
+    // The expert mask (kt_submit_masked): skipped experts count exactly as ids of -1, bit for bit, on every backend
+    // (all of them, scalar included); a mask skipping every routed expert leaves out = 0.
+    for (const Case& c : {Case{4, 32, 5, 3}, Case{8, -1, 12, 4}, Case{16, -1, 3, 2}}) {
+        const int E = 6, H = 96, I = 128;
+        RandomLayer L = make_layer(E, H, I, c.bits, c.G, rng);
+        std::vector<float> x((size_t)c.T * H), w((size_t)c.T * c.k);
+        std::vector<int32_t> ids((size_t)c.T * c.k);
+        std::normal_distribution<float> nd;
+        for (auto& v : x) v = nd(rng);
+        for (auto& v : w) v = std::fabs(nd(rng));
+        for (auto& v : ids) v = (int32_t)(rng() % E);
+        const uint8_t skip[E] = {1, 0, 0, 1, 0, 1}, all[E] = {1, 1, 1, 1, 1, 1};
+        std::vector<int32_t> cut = ids;
+        for (auto& v : cut) if (skip[v]) v = -1;
+        for (const char* b : {"scalar", "avx2", "avx512", "amx"}) {
+            if (!kt_backend_supported(b)) { std::printf("SKIP mask %s: not supported by this CPU\n", b); continue; }
+            const std::vector<float> want = run(b, L, c.T, c.k, x, cut, w, 2, 1);
+            const std::vector<float> got = run(b, L, c.T, c.k, x, ids, w, 2, 1, skip);
+            const std::vector<float> none = run(b, L, c.T, c.k, x, ids, w, 2, 1, all);
+            bool ok = !want.empty() && got == want && none.size() == want.size();
+            for (float v : none) ok = ok && v == 0.0f;
+            std::printf("%s mask %s bits=%d G=%d T=%d k=%d\n", ok ? "ok  " : "FAIL", b, c.bits, c.G, c.T, c.k);
             failures += !ok;
         }
     }

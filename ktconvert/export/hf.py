@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from ktlayouts.converted_dir import safe_relpath
+from ktlayouts.gpu_formats import GpuLinearFormat, families_where, gpu_format, gpu_format_for, is_gpu_layout
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -35,10 +36,13 @@ from ktconvert.sources.roles import PROJS, adapter_for
 
 DEFAULT_SHARD_BYTES = 4 << 30                       # 4 GiB per shard, as the hub's big checkpoints use
 EXPERT_MODES = ("quantized", "bf16")
-# Routed experts stay BF16. The patterns match both the per-expert Linears (model.layers.N.mlp.experts.E.gate_proj,
+# Routed experts stay BF16. The pattern matches both the per-expert Linears (model.layers.N.mlp.experts.E.gate_proj,
 # Mixtral's block_sparse_moe.experts.E.w1) and the fused MoE module engines name ...mlp.experts; not shared_experts.
-EXPERT_IGNORE_REGEX = r"re:.*\.experts($|\..*)"     # compressed-tensors `ignore` entry (re.match)
-EXPERT_SKIP_DYNAMIC = r"-:.*\.experts($|\..*)"      # gptq `dynamic` negative match (vLLM / GPTQModel)
+EXPERT_MODULES = r".*\.experts($|\..*)"
+# as each format's quantization_config spells it: compressed-tensors `ignore` entry (re.match), gptq `dynamic`
+# negative match (vLLM / GPTQModel)
+EXPERT_IGNORE_REGEX = gpu_format_for("compressed-tensors", 4).module_pattern(EXPERT_MODULES, quantized=False)
+EXPERT_SKIP_DYNAMIC = gpu_format_for("gptq", 4).module_pattern(EXPERT_MODULES, quantized=False)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 
@@ -47,37 +51,24 @@ class ExportError(ValueError):
     """A converted directory that cannot be exported, or an output path that is in the way."""
 
 
-def gpu_format(conv: ConvertedDir) -> str | None:
-    """'compressed-tensors', 'gptq', 'marlin' or None (no GPU-quantized Linear) from the dense layouts."""
-    fmts = {lay.split("-int")[0][len("gpu-"):] for lay in (conv.dense_layout(n) for n in conv.dense_names())
-            if lay.startswith("gpu-")}
+def gpu_format_of(conv: ConvertedDir) -> GpuLinearFormat | None:
+    """The registered format of the GPU-quantized Linears (ktlayouts.gpu_formats), None when there is none."""
+    layouts = {lay for lay in (conv.dense_layout(n) for n in conv.dense_names()) if is_gpu_layout(lay)}
+    fmts = {gpu_format(lay).family for lay in layouts}
     if len(fmts) > 1:
         raise ExportError(f"{conv.root}: GPU layers in several formats {sorted(fmts)}; cannot export")
-    return next(iter(fmts), None)
+    return gpu_format(min(layouts)) if layouts else None
 
 
-def export_quantization_config(qc: dict | None, fmt: str | None, unquantized_linears: list[str],
+def export_quantization_config(qc: dict | None, fmt: GpuLinearFormat | None, unquantized_linears: list[str],
                                ignore_experts: bool = True) -> dict | None:
     """The conversion's quantization_config with unquantized Linears (such as router gates), and the routed experts
     when `ignore_experts` (BF16 experts), marked as not quantized."""
     if qc is None:
         return None
-    qc = json.loads(json.dumps(qc))                     # deep copy
-    if fmt == "compressed-tensors":
-        ignore = list(qc.get("ignore") or [])
-        for entry in [EXPERT_IGNORE_REGEX] * ignore_experts + unquantized_linears:
-            if entry not in ignore:
-                ignore.append(entry)
-        qc["ignore"] = ignore
-    elif fmt == "gptq":
-        dynamic = dict(qc.get("dynamic") or {})
-        if ignore_experts:
-            dynamic.setdefault(EXPERT_SKIP_DYNAMIC, {})
-        for name in unquantized_linears:
-            if name != "lm_head":
-                dynamic.setdefault("-:" + name.replace(".", r"\.") + "$", {})
-        qc["dynamic"] = dynamic
-    return qc
+    if fmt is None or fmt.quant_method is None:
+        return json.loads(json.dumps(qc))               # deep copy
+    return fmt.with_unquantized(qc, unquantized_linears, [EXPERT_MODULES] * ignore_experts)
 
 
 class ShardWriter:
@@ -142,10 +133,15 @@ def expert_tensors(conv: ConvertedDir, adapter) -> Iterator[tuple[str, torch.Ten
 
 
 def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
-              progress=None, experts: str = "quantized") -> list[str]:
+              progress=None, experts: str = "quantized", expert_step: int | None = None,
+              expert_scale_dtype: torch.dtype = torch.float32, before_rename=None) -> list[str]:
     """Write the hub-layout checkpoint of `converted` to `out` (must not exist). Returns the shard file names.
     experts: "quantized" (the CPU codes and scales in the GPU format, lossless) or "bf16" (dequantized).
-    `progress(nbytes)` is called after each tensor is queued (for a progress bar)."""
+    `progress(nbytes)` is called after each tensor is queued (for a progress bar).
+    For export targets (export.targets): expert_step forces the experts' group length (one of
+    hf_experts.exact_steps), expert_scale_dtype stores their scales in another dtype (the caller checks that the
+    values are exact in it), before_rename(tmp_dir, conv) writes more files into the export before it is renamed
+    into place."""
     src, out = Path(converted), Path(out)
     if experts not in EXPERT_MODES:
         raise ExportError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
@@ -154,11 +150,13 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
     if not (src / "config.json").is_file():
         raise ExportError(f"{src}: no config.json (not a converted directory?)")
     conv = ConvertedDir(src)
-    fmt = gpu_format(conv)
-    if fmt == "marlin":
-        raise ExportError(f"{src} holds GPU layers in the Marlin layout (--gpu-format marlin), which only ktrun "
-                          "reads; reconvert with `ktconvert quantize ... --gpu-format compressed-tensors` "
-                          "(or --gpu-format gptq) to export for transformers / vLLM")
+    fmt = gpu_format_of(conv)
+    if fmt is not None and fmt.quant_method is None:
+        # formats with a quantization_config, compressed-tensors (registered last) first: transformers loads it
+        readable = [f"--gpu-format {f}" for f in families_where("quant_method")][::-1]
+        raise ExportError(f"{src} holds GPU layers in the {fmt.title} layout (--gpu-format {fmt.family}), which only "
+                          f"ktrun reads; reconvert with `ktconvert quantize ... {readable[0]}` "
+                          f"(or {' or '.join(readable[1:])}) to export for transformers / vLLM")
     config = json.loads((src / "config.json").read_text())
     adapter = adapter_for(config)
     layouts = {n: conv.dense_layout(n) for n in conv.dense_names()}
@@ -171,12 +169,13 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
             raise ExportError(f"{src} has no GPU-quantized layers (--gpu-method bf16), so no quantization_config "
                               "to put the routed experts in; export with --experts bf16")
         try:
-            step = export_step(conv)
+            step = export_step(conv) if expert_step is None else expert_step
         except ExpertExportError as e:
             raise ExportError(str(e)) from None
         config["quantization_config"] = export_quantization_config(
             add_expert_scheme(qc, fmt, conv.geometry.bits, step), fmt, unquantized, ignore_experts=False)
-        expert_iter = ((n, torch.from_numpy(a)) for n, a in quantized_expert_tensors(conv, adapter, fmt))
+        expert_iter = ((n, _scale_as(n, torch.from_numpy(a), fmt, expert_scale_dtype))
+                       for n, a in quantized_expert_tensors(conv, adapter, fmt, step))
     else:
         if qc is not None:
             config["quantization_config"] = export_quantization_config(qc, fmt, unquantized)
@@ -199,6 +198,8 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
         for fname in TOKENIZER_FILES:
             if (src / fname).is_file():
                 shutil.copyfile(src / fname, tmp / fname)
+        if before_rename is not None:
+            before_rename(tmp, conv)
         if out.exists():
             raise ExportError(f"output {out} appeared while exporting; not overwriting it")
         os.rename(tmp, out)
@@ -208,6 +209,11 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
     finally:
         conv.close()
     return shards
+
+
+def _scale_as(name: str, t: torch.Tensor, fmt: GpuLinearFormat, dtype: torch.dtype) -> torch.Tensor:
+    """The format's scale part in `dtype` (numpy has no bfloat16, so the cast happens here); other parts as they are."""
+    return t.to(dtype) if name.endswith("." + fmt.scale_part) and t.dtype != dtype else t
 
 
 def conv_ndim(conv: ConvertedDir, name: str) -> int:

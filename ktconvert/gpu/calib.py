@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from ktlayouts import tiktoken_bpe
+from ktlayouts.bf16 import bf16_bits_to_f32
 from torch import nn
 
 from ktconvert.gpu.rtn import QuantizedLinear
@@ -101,7 +102,7 @@ def embedding_rows(src, ids: torch.Tensor) -> torch.Tensor:
     uniq, inv = np.unique(ids.numpy(), return_inverse=True)
     rows = np.asarray(table[uniq])
     if info.dtype == "BF16":
-        rows = (rows.astype(np.uint32) << 16).view(np.float32)
+        rows = bf16_bits_to_f32(rows)
     rows = torch.from_numpy(rows.astype(np.float32))
     return rows[torch.from_numpy(inv.reshape(ids.shape))]
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from ktlayouts.bf16 import f32_to_bf16_bits
 from ktlayouts.converted_dir import DENSE_LAYOUT_BF16, DENSE_LAYOUT_F32
-from ktlayouts.cpu_expert import f32_to_bf16_bits
 
 
 @dataclass(frozen=True)

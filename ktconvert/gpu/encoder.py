@@ -1,16 +1,12 @@
-"""GPU-layer encoders: every non-expert Linear as GPTQ or RTN INT4/INT8 in the Marlin, GPTQ or compressed-tensors
-layout (ktlayouts.marlin / .gptq / .compressed_tensors); everything else as the bf16 encoder writes it.
+"""GPU-layer encoders: every non-expert Linear as GPTQ or RTN INT4/INT8 in a registered GPU format (Marlin, GPTQ
+or compressed-tensors: ktlayouts.gpu_formats); everything else as the bf16 encoder writes it.
 
 Quantized: attention projections (DeepSeek MLA: q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; or
 q_proj), shared experts, dense MLPs, and lm_head with --quantize-head. Embeddings, norms, router gates,
 e_score_correction_bias and biases stay in full precision. Routed experts are not handled here (CPU files).
 
-Output tensors of a Linear `X.weight` (N, K):
-  marlin:              X.qweight (K_pad/16, N_pad*16*b/32) I32, X.scales (n_groups, N_pad) F16, X.weight_shape (2,) I64
-                       zero padding: N_pad = round_up(N, 64), K_pad = round_up(K, 128) (codes Z, i.e. weight 0)
-  gptq:                X.qweight (K*b/32, N) I32, X.qzeros (n_groups, N*b/32) I32, X.scales (n_groups, N) F16,
-                       X.g_idx (K,) I32
-  compressed-tensors:  X.weight_packed (N, K*b/32) I32, X.weight_scale (N, n_groups) F16, X.weight_shape (2,) I64
+Output tensors of a Linear `X.weight` (N, K): `X.<part>` for the parts, dtypes and shapes the format registers
+(GpuLinearFormat.part_shapes), e.g. marlin: X.qweight, X.scales, X.weight_shape, zero-padded to its tiles.
 """
 from __future__ import annotations
 
@@ -19,10 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from ktlayouts.compressed_tensors import ct_pack
 from ktlayouts.cpu_expert import LayoutError
-from ktlayouts.gptq import GPU_GROUP_SIZES, GptqGeometry, gptq_pack
-from ktlayouts.marlin import marlin_pack, marlin_padded_shape
+from ktlayouts.gptq import GPU_GROUP_SIZES, GptqGeometry
+from ktlayouts.gpu_formats import GpuLinearFormat, families_where, gpu_format_for
 
 from ktconvert.gpu.dense import Bf16Encoder, DenseOutput
 from ktconvert.gpu.gptq import GptqConfig, gptq_quantize
@@ -36,10 +31,6 @@ QUANTIZED_KINDS = ("attention", "shared_expert", "dense_mlp")
 
 class GpuLayerError(ValueError):
     """A GPU-layer option or tensor that cannot be encoded; the message names the flag or tensor."""
-
-
-def layout_name(fmt: str, bits: int) -> str:
-    return f"gpu-{fmt}-int{bits}"
 
 
 @dataclass(frozen=True)
@@ -62,9 +53,11 @@ class GpuLayerOptions:
             raise GpuLayerError(f"--gpu-group-size {self.group_size}: choose one of {GPU_GROUP_SIZES}")
         if self.fmt not in GPU_FORMATS:
             raise GpuLayerError(f"--gpu-format {self.fmt!r}: choose one of {', '.join(GPU_FORMATS)}")
-        if self.act_order and self.group_size != -1 and self.fmt != "gptq":
-            raise GpuLayerError("--gpu-act-order with grouped scales needs --gpu-format gptq (g_idx); "
-                                "use --gpu-group-size -1 for marlin/compressed-tensors")
+        with_g_idx = families_where("stores_g_idx")
+        if self.act_order and self.group_size != -1 and self.fmt not in with_g_idx:
+            raise GpuLayerError(f"--gpu-act-order with grouped scales needs --gpu-format {' or '.join(with_g_idx)} "
+                                "(g_idx); use --gpu-group-size -1 for "
+                                f"{'/'.join(f for f in GPU_FORMATS if f not in with_g_idx)}")
         if self.calib_tokens < 1 or self.seq_len < 1:
             raise GpuLayerError("calibration token counts must be positive")
 
@@ -109,6 +102,7 @@ class GpuLayerEncoder:
         if self.algo == "gptq" and src is None:
             raise GpuLayerError("--gpu-method gptq-int4 needs the source checkpoint for calibration")
         self.quantized_names: list[str] = []
+        self._paths: dict[str, tuple[bool, str]] = {}     # quantized source Linears: (taken over exactly, why not)
 
     # --- which tensors, which shapes -------------------------------------------------------------------------
     def quantizes(self, name: str, shape: tuple[int, ...], role) -> bool:
@@ -116,32 +110,27 @@ class GpuLayerEncoder:
             return False
         return role.kind in QUANTIZED_KINDS or (role.kind == "head" and self.opts.quantize_head)
 
+    @property
+    def format(self) -> GpuLinearFormat:
+        """The registered GPU format the quantized Linears are written in (--gpu-format at this method's bits)."""
+        return gpu_format_for(self.opts.fmt, self.bits)
+
     def geometry(self, name: str, shape: tuple[int, ...]) -> GptqGeometry:
         n, k = shape
         try:
-            if self.opts.fmt == "marlin":
-                n, k = marlin_padded_shape(n, k, self.opts.group_size)
-            return GptqGeometry(n, k, self.bits, self.opts.group_size)
+            return self.format.storage_geometry(n, k, self.opts.group_size)
         except LayoutError as e:
+            padding = " or ".join(f"--gpu-format {f}" for f in families_where("pads"))
             raise GpuLayerError(f"tensor {name} of shape (N={shape[0]}, K={shape[1]}) cannot be stored as "
                                 f"--gpu-format {self.opts.fmt} with --gpu-group-size {self.opts.group_size}: {e} "
-                                f"(--gpu-format marlin zero-pads such shapes)") from None
+                                f"({padding} zero-pads such shapes)") from None
 
     def plan(self, name, src_dtype, shape, role) -> list[DenseOutput]:
         if not self.quantizes(name, tuple(shape), role):
             return self.bf16.plan(name, src_dtype, shape, role)
-        g = self.geometry(name, tuple(shape))
-        base, lay = name[: -len(".weight")], layout_name(self.opts.fmt, self.bits)
-        if self.opts.fmt == "marlin":
-            outs = [("qweight", "I32", (g.k // 16, g.n * 16 * g.bits // 32)), ("scales", "F16", g.scales_shape),
-                    ("weight_shape", "I64", (2,))]
-        elif self.opts.fmt == "gptq":
-            outs = [("qweight", "I32", g.qweight_shape), ("qzeros", "I32", g.qzeros_shape),
-                    ("scales", "F16", g.scales_shape), ("g_idx", "I32", (g.k,))]
-        else:
-            outs = [("weight_packed", "I32", (g.n, g.k * g.bits // 32)), ("weight_scale", "F16", g.scales_shape[::-1]),
-                    ("weight_shape", "I64", (2,))]
-        return [DenseOutput(f"{base}.{part}", dt, tuple(s), lay) for part, dt, s in outs]
+        g, fmt = self.geometry(name, tuple(shape)), self.format
+        base = name[: -len(".weight")]
+        return [DenseOutput(f"{base}.{part}", dt, tuple(s), fmt.name) for part, dt, s in fmt.part_shapes(g)]
 
     # --- encoding --------------------------------------------------------------------------------------------
     def _pad(self, name: str, w: torch.Tensor) -> tuple[torch.Tensor, GptqGeometry]:
@@ -150,8 +139,34 @@ class GpuLayerEncoder:
             w = torch.nn.functional.pad(w, (0, g.k - w.shape[1], 0, g.n - w.shape[0]))
         return w, g
 
+    def exact(self, name: str, shape: tuple[int, int]) -> QuantizedLinear | None:
+        """An already-quantized source Linear whose integer grid this format holds exactly: its codes and scales,
+        unchanged (ktconvert.exact_paths.gpu_codes); None otherwise (then it is quantized from its dequantized
+        float32 values, and the log gives the error)."""
+        from ktconvert.exact_paths import gpu_codes, int_grid, quant_format
+
+        fmt = quant_format(self.src, name) if self.src is not None else None
+        if fmt is None:
+            return None
+        grid = int_grid(self.src, name) if fmt.kind in ("int", "mxfp4") else None
+        if grid is None:
+            self._paths[name] = (False, "not an integer grid")
+            return None
+        geom = self.geometry(name, shape)
+        got, why = gpu_codes(grid, self.format, geom, self.opts.group_size, keep_g_idx=self.opts.act_order)
+        self._paths[name] = (got is not None, why)
+        return None if got is None else QuantizedLinear(*got, geom)
+
+    def path_of(self, name: str) -> tuple[bool, str] | None:
+        """(taken over exactly, why not) of a quantized source Linear this encoder wrote; None if not one."""
+        return self._paths.get(name)
+
     def quantize_with_hessian(self, name: str, w: torch.Tensor, h: torch.Tensor) -> QuantizedLinear:
-        """GPTQ of one weight (N, K) with its Hessian (K, K), zero-padded to the layout's geometry."""
+        """GPTQ of one weight (N, K) with its Hessian (K, K), zero-padded to the layout's geometry (or the source's
+        own codes where they fit exactly: no GPTQ then)."""
+        exact = self.exact(name, tuple(w.shape))
+        if exact is not None:
+            return exact
         wp, g = self._pad(name, w.to(torch.float32))
         if g.k != h.shape[0]:
             hp = torch.zeros(g.k, g.k, dtype=torch.float32)
@@ -183,8 +198,10 @@ class GpuLayerEncoder:
         if self.algo == "gptq":
             q = self._calibrated(name, role)
         else:
-            wp, _ = self._pad(name, t)
-            q = quantize_rtn(wp, self.bits, self.opts.group_size)
+            q = self.exact(name, tuple(t.shape))
+            if q is None:
+                wp, _ = self._pad(name, t)
+                q = quantize_rtn(wp, self.bits, self.opts.group_size)
         self.quantized_names.append(name)
         return pack_quantized(name, q, self.opts.fmt, tuple(t.shape))
 
@@ -195,32 +212,17 @@ class GpuLayerEncoder:
 
 
 def pack_quantized(name: str, q: QuantizedLinear, fmt: str, logical_shape: tuple[int, int]) -> dict[str, np.ndarray]:
+    """One quantized Linear `name` ('X.weight', logical (N, K)) in --gpu-format `fmt` -> {'X.<part>': array}."""
     base = name[: -len(".weight")]
-    shape = np.array(logical_shape, dtype=np.int64)
-    if fmt == "marlin":
-        t = marlin_pack(q.codes_kn, q.scales_gn, q.geom, name=name)
-        return {f"{base}.qweight": t["qweight"], f"{base}.scales": t["scales"], f"{base}.weight_shape": shape}
-    if fmt == "gptq":
-        return {f"{base}.{k}": v for k, v in gptq_pack(q.codes_kn, q.scales_gn, q.geom, q.g_idx).items()}
-    return {f"{base}.{k}": v for k, v in ct_pack(q.codes_kn, q.scales_gn, q.geom).items()}
+    parts = gpu_format_for(fmt, q.geom.bits).pack(q.codes_kn, q.scales_gn, q.geom, g_idx=q.g_idx,
+                                                   shape=logical_shape, name=name)
+    return {f"{base}.{k}": v for k, v in parts.items()}
 
 
 def quantization_config(fmt: str, bits: int, group_size: int, act_order: bool, quantize_head: bool,
                         percdamp: float) -> dict | None:
     """The quantization_config vLLM and transformers recognise for a checkpoint in `fmt` (marlin: ours, None)."""
-    if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": True,
-                "damp_percent": percdamp, "true_sequential": False, "static_groups": False,
-                "checkpoint_format": "gptq", "lm_head": quantize_head}
-    if fmt == "compressed-tensors":
-        weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False, "observer": "minmax",
-                   "strategy": "channel" if group_size == -1 else "group",
-                   "group_size": None if group_size == -1 else group_size, "actorder": None, "block_structure": None}
-        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                              "output_activations": None, "format": "pack-quantized"}},
-                "ignore": [] if quantize_head else ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}}
-    return None
+    return gpu_format_for(fmt, bits).quantization_config(group_size, act_order, quantize_head, percdamp)
 
 
 def make_gpu_encoder(method: str = "auto", src=None, **options) -> GpuLayerEncoder | Bf16Encoder:

@@ -3,9 +3,11 @@
 Light to import (no torch): the CLI imports it to build its options."""
 from __future__ import annotations
 
+from ktlayouts.gpu_formats import format_families
+
 # method -> (algorithm, bits); bf16 leaves the non-expert tensors unquantized
 GPU_METHODS = {"gptq-int4": ("gptq", 4), "rtn-int4": ("rtn", 4), "rtn-int8": ("rtn", 8), "bf16": None}
-GPU_FORMATS = ("marlin", "gptq", "compressed-tensors")
+GPU_FORMATS = format_families()          # the registered GPU Linear formats: marlin, gptq, compressed-tensors
 GPU_METHOD_CHOICES = ("auto", *GPU_METHODS)
 # ConvertOptions fields that select and configure the non-expert encoder (the arguments of dense_encoder_for)
 GPU_OPTION_FIELDS = ("gpu_method", "gpu_group_size", "gpu_format", "calib", "quantize_head", "gpu_act_order")

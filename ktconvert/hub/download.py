@@ -13,10 +13,11 @@ from pathlib import Path
 
 import click
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+from ktlayouts.files import sha256_file
 from tqdm.auto import tqdm
 
 from ktconvert.hub import record as rec_io
-from ktconvert.hub.fetch import PARTIAL_DIR, Cancelled, VerifyError, check_content, fetch_file, sha256_file
+from ktconvert.hub.fetch import PARTIAL_DIR, Cancelled, VerifyError, check_content, fetch_file
 from ktconvert.hub.plan import (
     PullError,
     PullPlan,

@@ -18,6 +18,7 @@ from urllib.parse import quote
 from huggingface_hub import hf_hub_url
 from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers
+from ktlayouts.files import sha256_file
 
 PARTIAL_DIR = ".ktconvert-partial"
 HASH_BLOCK = 8 << 20  # bytes read per hashing step
@@ -39,14 +40,6 @@ class RemoteFile:
 
 class VerifyError(Exception):
     """A downloaded file does not match the hub's metadata."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def git_blob_oid(path: Path) -> str:

@@ -1,5 +1,6 @@
-"""Conversion sources: a hub checkpoint directory (safetensors, BF16/F16/F32 or DeepSeek FP8) or a GGUF file,
-each validated at open and read lazily one tensor at a time under hub tensor names."""
+"""Conversion sources: a hub checkpoint directory (safetensors, BF16/F16/F32, DeepSeek FP8, or an already-quantized
+release: compressed-tensors, GPTQ, AWQ, FP8 per channel, MX formats, in `quantized/`) or a GGUF file, each validated
+at open and read lazily one tensor at a time under hub tensor names."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -13,27 +13,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ktlayouts.bf16 import bf16_bits_to_f32
 
 from ktconvert.sources.base import SourceBase
-from ktconvert.sources.fp8 import bf16_bits_to_f32, dequant_fp8_block, fp8_e4m3_to_f32
+from ktconvert.sources.fp8 import FP8_FMTS, FP8_SCALE_FMTS, dequant_fp8_block, fp8_e4m3_to_f32
+from ktconvert.sources.quantized import QuantTensorInfo, scheme_for
 from ktconvert.sources.roles import ArchAdapter, SourceError, adapter_for
 from ktconvert.sources.st_header import DTYPE_SIZES, TensorInfo, parse_shard
 
 INDEX_NAME = "model.safetensors.index.json"
+_INT_DTYPES = ("I8", "U8", "I16", "I32", "I64")
+_NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8, "I8": np.int8, "U8": np.uint8,
+                 "I16": np.int16, "I32": np.int32, "I64": np.int64}
 SINGLE_NAME = "model.safetensors"
 
 
-# quantization_config of the FP8 block-scaled releases: DeepSeek-V3 / R1 / V3.1 / V3.2 and Kimi-K2 write fmt "e4m3",
-# MiniMax-M2 "float8_e4m3fn" (the same format); V3.1+ add scale_fmt "ue8m0" (power-of-two scales, still stored as
-# F32 weight_scale_inv, read the same way); MiniMax lists modules_to_not_convert (they are simply BF16 tensors).
-FP8_FMTS = ("e4m3", "float8_e4m3fn")
-FP8_SCALE_FMTS = (None, "ue8m0")
 
-
-def fp8_block_size(config: dict, where) -> tuple[int, int]:
-    """(rows, cols) of the FP8 weight blocks the text model's quantization_config names ((128, 128) when there is
-    none); SourceError naming the field for any other quantization."""
-    qc = config.get("quantization_config") or {}
+def fp8_block_size(qc: dict, where) -> tuple[int, int]:
+    """(rows, cols) of the FP8 weight blocks a quantization_config names ((128, 128) when there is none);
+    SourceError naming the field for any other quantization."""
     if not qc:
         return (128, 128)
     method, fmt, scale_fmt = qc.get("quant_method"), qc.get("fmt", "e4m3"), qc.get("scale_fmt")
@@ -68,10 +66,18 @@ class Source(SourceBase):
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SourceError(f"{cfg_path}: invalid JSON: {e}") from e
         self.arch: ArchAdapter = adapter_for(self.config, str(cfg_path))
-        self.fp8_block: tuple[int, int] = fp8_block_size(self.arch.family.text_config(self.config), cfg_path)
+        # a wrapped checkpoint (Kimi-K2.5) may keep its quantization_config in the text model's config
+        qc = (self.config.get("quantization_config")
+              or self.arch.family.text_config(self.config).get("quantization_config") or {})
+        # already-quantized Linears (compressed-tensors, GPTQ, AWQ, FP8 per channel, MX): ktconvert.sources.quantized
+        self.quant = scheme_for(qc, str(cfg_path))
+        # DeepSeek-style FP8 blocks (DeepSeek-V3 / V3.2, Kimi-K2, MiniMax-M2): read here
+        self.fp8_block: tuple[int, int] = fp8_block_size(qc if self.quant is None else {}, cfg_path)
         self._infos: dict[str, TensorInfo] = {}
         self._names: list[str] = []
         self._load_index()
+        if self.quant is not None:      # stored parts (X.weight_packed, X.qweight, ...) -> one logical X.weight each
+            self._infos, self._names = self.quant.logical_tensors(self._infos, self._names, self.read_stored)
         self._validate_tensors()
 
     # --- open-time validation ---------------------------------------------------------------------------
@@ -119,6 +125,10 @@ class Source(SourceBase):
             info = self._infos[name]
             if info.dtype == "F8_E4M3":
                 self._check_fp8_scale(info)
+            elif info.dtype in _INT_DTYPES:
+                raise SourceError(f"{info.file}: tensor {name}: dtype {info.dtype} is not a weight dtype here "
+                                  f"(integer tensors belong to a quantized Linear that quantization_config "
+                                  f"describes)")
         a = self.arch
         h, i = a.hidden_size, a.moe_intermediate_size
         want = {"gate": (i, h), "up": (i, h), "down": (h, i)}
@@ -183,13 +193,39 @@ class Source(SourceBase):
             out = raw.view(np.float16).astype(np.float32)
         elif info.dtype == "F32":
             out = raw.view(np.float32).copy()
-        else:
+        elif info.dtype == "F8_E4M3":
             out = fp8_e4m3_to_f32(raw)
+        else:
+            raise SourceError(f"{info.file}: tensor {name}: {info.dtype} is not a float tensor")
         return out.reshape(info.shape)
+
+    def read_stored(self, info: TensorInfo) -> np.ndarray:
+        """One stored tensor in its own dtype (BF16 widened to float32 exactly, F8_E4M3 as its uint8 bits)."""
+        raw = self._raw(info)
+        out = bf16_bits_to_f32(raw.view(np.uint16)) if info.dtype == "BF16" else raw.view(_NUMPY_DTYPES[info.dtype])
+        return out.reshape(info.shape)
+
+    def int_grid(self, name: str):
+        """A quantized Linear's integer grid (ktconvert.sources.quantized.IntGrid), or None (not quantized, or
+        not an integer format): what the converter takes over exactly where a layout holds it."""
+        info = self.info(name)
+        if not isinstance(info, QuantTensorInfo):
+            return None
+        got = self.quant.decode(info, self.read_stored)
+        return got if not isinstance(got, np.ndarray) else None
+
+    def quant_format(self, name: str):
+        """The WeightFormat of a quantized Linear, or None (stored as plain floats)."""
+        info = self.info(name)
+        return info.fmt if isinstance(info, QuantTensorInfo) else None
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor as float32 (FP8 weights dequantized with their block scales); NaN/Inf -> SourceError."""
         info = self.info(name)
+        if isinstance(info, QuantTensorInfo):
+            got = self.quant.decode(info, self.read_stored)
+            out = got if isinstance(got, np.ndarray) else got.dequantize()
+            return torch.from_numpy(self._check_finite(info, np.ascontiguousarray(out, dtype=np.float32)))
         if info.dtype == "F8_E4M3":
             scale_name = name + "_scale_inv"
             scale = self._check_finite(self.info(scale_name), self.read_raw(scale_name))
@@ -205,8 +241,9 @@ class Source(SourceBase):
             i = int(np.flatnonzero(bad)[0])
             what = "NaN" if np.isnan(values.flat[i]) else "Inf"
             where = tuple(int(x) for x in np.unravel_index(i, info.shape))
-            raise SourceError(f"{info.file}: tensor {info.name}: {what} at element {where} "
-                              f"(byte offset {info.offset + i * DTYPE_SIZES[info.dtype]}); "
+            at = (f"byte offset {info.offset + i * DTYPE_SIZES[info.dtype]}" if info.dtype in DTYPE_SIZES else
+                  f"dequantized from {', '.join(sorted(p.name for p in info.parts.values()))}")
+            raise SourceError(f"{info.file}: tensor {info.name}: {what} at element {where} ({at}); "
                               f"{int(bad.sum())} non-finite values")
         return values
 

@@ -9,6 +9,13 @@ DeepSeek's own fp8 -> bf16 cast produces.
 from __future__ import annotations
 
 import numpy as np
+from ktlayouts.bf16 import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: F401  (the one bf16 rounding; re-exported)
+
+# quantization_config of the FP8 releases: DeepSeek-V3 / R1 / V3.1 / V3.2 and Kimi-K2 write fmt "e4m3", MiniMax-M2
+# "float8_e4m3fn" (the same format); V3.1+ add scale_fmt "ue8m0" (power-of-two scales, still stored as F32
+# weight_scale_inv, read the same way); MiniMax lists modules_to_not_convert (they are simply BF16 tensors).
+FP8_FMTS = ("e4m3", "float8_e4m3fn")
+FP8_SCALE_FMTS = (None, "ue8m0")
 
 
 def _e4m3fn_table() -> np.ndarray:
@@ -55,21 +62,6 @@ def dequant_fp8_block(w_fp8_bits: np.ndarray, scale_inv: np.ndarray, block=(128,
     scales = expand_block_scales(np.asarray(scale_inv), w.shape, block)
     out = fp8_e4m3_to_f32(w)
     return np.multiply(out, scales, out=out)  # f32 * f32 -> f32, one IEEE rounding
-
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round f32 to bf16 (nearest, ties to even); returns the bf16 bit patterns as uint16. NaN stays NaN."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    nan = np.isnan(x)
-    if nan.any():
-        rounded[nan] = ((u[nan] >> 16) | 0x0040).astype(np.uint16)  # quiet NaN, keep sign
-    return rounded
-
-
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16/int16) -> f32 (exact)."""
-    return (np.asarray(bits).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def dequant_fp8_block_bf16_bits(w_fp8_bits: np.ndarray, scale_inv: np.ndarray, block=(128, 128)) -> np.ndarray:

@@ -3,8 +3,9 @@
 Presents the same interface as ktconvert.sources.Source, under hub tensor names, so the pipeline runs unchanged:
 metadata becomes config.json, `tokenizer.ggml.*` becomes tokenizer files, llama.cpp's stacked expert tensors
 (`blk.N.ffn_{gate,up,down}_exps`, shape (E, rows, cols)) become one hub tensor per expert, read one expert slice at a
-time from the memory-mapped file and dequantized with gguf-py (any ggml type it knows). Q8_0 experts can be taken
-over exactly into the int8 group-32 layout (`read_int8_groups`), without a float round trip.
+time from the memory-mapped file and dequantized with gguf-py (any ggml type it knows). Q8_0 and Q4_0 blocks are
+integer grids (`int_grid`): the converter takes them over exactly into int8 / int4 group 32, without a float round
+trip (ktconvert.exact_paths).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ktconvert.sources.gguf_meta import Meta, config_from_gguf
 from ktconvert.sources.gguf_tokenizer import tokenizer_files
 from ktconvert.sources.roles import SourceError, adapter_for, as_source_error
 
+EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4}        # ggml types that are integers times one f16 scale per 32 values
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
@@ -161,18 +163,45 @@ class GGUFSource(SourceBase):
                               f"{np.unravel_index(i, out.shape)} (tensor data at byte offset {info.offset})")
         return torch.from_numpy(np.array(out, dtype=np.float32, order="C"))
 
-    def read_int8_groups(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """Q8_0 weights as (codes uint8 (N, K) with zero point 128, scales f32 (N, K/32)), exactly; else None."""
-        info = self.info(name)
-        if info.dtype != "Q8_0" or info.gguf_name.endswith(("attn_q.weight", "attn_k.weight", "attn_k_b.weight")):
-            return None
+    def _blocks(self, info: GGUFTensorInfo) -> np.ndarray:
         t, _ = self._tensors[info.gguf_name]
-        raw = np.asarray(t.data if info.expert is None else t.data[info.expert])
+        return np.asarray(t.data if info.expert is None else t.data[info.expert])
+
+    def quant_format(self, name: str):
+        """The WeightFormat of a quantized ggml type (Q8_0 and Q4_0 are integer grids), None for float types."""
+        from ktconvert.sources.quantized import WeightFormat
+
+        info = self.info(name)
+        if info.dtype in ("F32", "F16", "BF16"):
+            return None
+        if info.dtype in EXACT_TYPES and not self._permuted(info):
+            return WeightFormat("gguf", "int", EXACT_TYPES[info.dtype], 32, name=f"GGUF {info.dtype}")
+        return WeightFormat("gguf", info.dtype, 0, 0, name=f"GGUF {info.dtype}")
+
+    def _permuted(self, info: GGUFTensorInfo) -> bool:
+        """Rows llama.cpp permuted (q/k for rope) or split (kv_b): read through the float path only."""
+        return info.gguf_name.endswith(("attn_q.weight", "attn_k.weight", "attn_k_b.weight"))
+
+    def int_grid(self, name: str):
+        """Q8_0 / Q4_0 weights as their integer grid (ktconvert.sources.quantized.IntGrid), exactly; else None.
+        Q8_0 block (34 bytes): f16 scale d, 32 int8 q; Q4_0 block (18 bytes): f16 d, 16 bytes whose low nibbles are
+        elements 0-15 and high nibbles 16-31, W = (nibble - 8) * d."""
+        from ktconvert.sources.quantized import IntGrid
+        from ktconvert.sources.quantized.grid import contiguous_g_idx
+
+        info = self.info(name)
+        if info.dtype not in EXACT_TYPES or self._permuted(info):
+            return None
         n, k = info.shape
-        blocks = raw.reshape(n, k // 32, 34)                   # Q8_0 block: f16 scale, 32 x int8
+        size = {"Q8_0": 34, "Q4_0": 18}[info.dtype]
+        blocks = self._blocks(info).reshape(n, k // 32, size)
         scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k)
-        return codes, scales
+        if info.dtype == "Q8_0":
+            q = blocks[..., 2:].view(np.int8).astype(np.int16)
+        else:
+            qs = blocks[..., 2:]
+            q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16) - 8
+        return IntGrid(q.reshape(n, k), scales, contiguous_g_idx(k, 32), f"GGUF {info.dtype}")
 
     def side_files(self) -> dict[str, bytes]:
         """config.json and tokenizer files, built from the GGUF metadata."""

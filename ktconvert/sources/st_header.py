@@ -12,14 +12,15 @@ from pathlib import Path
 
 from ktconvert.sources.roles import SourceError
 
-DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1,
+               "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8}      # integers: parts of quantized Linears only
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    dtype: str            # safetensors dtype string: BF16, F16, F32, F8_E4M3
+    dtype: str            # safetensors dtype string: BF16, F16, F32, F8_E4M3, I8 ... I64
     shape: tuple
     file: Path
     offset: int           # absolute byte offset of the data in `file`

@@ -1,10 +1,17 @@
-"""`ktrun serve`: the OpenAI-compatible HTTP server around an Engine (torch-free until the engine loads).
+"""`ktrun serve`: the OpenAI-compatible HTTP server around an Engine, on FastAPI + uvicorn (torch-free until the
+engine loads).
 
-    app.py            the HTTP server: state, request plumbing (body limits, API key, errors), run_server
-    routes.py         the endpoints: /health, /v1/models, /metrics, /tokenize, /detokenize, the generation routes
-    protocol.py       the OpenAI wire format: request validation, responses, SSE chunks, the error envelope
+    app.py            the FastAPI app and run_server: state, API key, error envelope, bind-then-load, uvicorn
+    routes.py         the endpoints: /health, /v1/models, /metrics, /tokenize, /detokenize, /tokenizer_info, and the
+                      generation routes (request body limits and strict JSON in KtrunRequest)
+    protocol.py       request models (pydantic), the strict JSON reader, ApiError and the error envelope
+    responses.py      response and stream-chunk models (pydantic), SSE framing
+    generation.py     one request: engine tokens -> text -> reasoning / content / tool calls, logprobs, timings
     engine_thread.py  EngineThread: the one thread that drives engine.step() for every request
-    metrics.py        Prometheus text for /metrics
+    tool_parsers.py   tool calls in generated text, per model family (DeepSeek-V3/V3.1, Hermes/Qwen3, GLM-4.5, Kimi-K2)
+    reasoning.py      <think> ... </think> split into reasoning_content
+    structured.py     response_format json_object / json_schema enforced by xgrammar
+    metrics.py        /metrics with prometheus_client (vLLM's metric names under ktrun_)
 
 The CLI entry is ktrun.cmd_serve; text and stop strings come from ktrun.text_stream (the rule generate() and the
 Engine use too).

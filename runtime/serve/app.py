@@ -1,59 +1,73 @@
-"""HTTP app of `ktrun serve` on the standard library's `ThreadingHTTPServer` (one thread per connection).
+"""HTTP app of `ktrun serve`: FastAPI on uvicorn (OpenAPI at /docs), one asyncio event loop for every connection,
+and the single EngineThread (engine_thread.py) that runs the model.
 
-Why the stdlib: SSE is chunked writes on the socket, a body size limit is a Content-Length check before reading,
-and a vanished client shows up either as a failed write (streaming) or as an end-of-file peek on the socket while
-the handler waits for tokens (non-streaming): all three need no framework. Generation itself runs on the single
-`EngineThread` (engine_thread.py); handler threads only validate, tokenize, wait on their queue and write. The
-endpoints are in routes.py, the OpenAI wire format in protocol.py, /metrics in metrics.py.
+    create_app(state)  the FastAPI app: routes (routes.py), API-key check and request counting (ASGI middleware),
+                       every error as the OpenAI envelope (pydantic's 422 becomes a 400 naming the field)
+    run_server(...)    bind the socket first (and print it), then serve; the model loads in a background thread
+                       meanwhile (/health answers 503 until it is ready); SIGINT/SIGTERM stop it with exit code 0
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import re
+import socket
 import sys
 import threading
 import time
 import traceback
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import protocol as proto
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
 from .engine_thread import EngineThread
 from .metrics import ServeMetrics
-from .protocol import ApiError
-from .routes import Routes
+from .protocol import ApiError, error_param
+from .reasoning import uses_thinking
+from .responses import error_body, now
+from .routes import router
+from .tool_parsers import PARSERS, detect
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
-DRAIN_LIMIT_BYTES = 64 << 20
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")   # need the API key when one is set
 
 
 class ServerState:
-    """What every handler shares: the engine (None until loaded), its engine thread, metrics and settings."""
+    """What every request shares: the engine (None until loaded), its engine thread, metrics and settings."""
 
     def __init__(self, engine_factory, sampling_params_cls, api_key: str | None, max_body_bytes: int,
-                 max_batch: int):
+                 max_batch: int, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
+                 separate_reasoning: bool = True, log_timings: bool = True):
         self.engine_factory, self.sampling_params_cls = engine_factory, sampling_params_cls
         self.api_key, self.max_body_bytes, self.max_batch = api_key, max_body_bytes, max_batch
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        self.separate_reasoning, self.log_timings = separate_reasoning, log_timings
         self.engine = None
         self.engine_thread: EngineThread | None = None
         self.load_error: BaseException | None = None
-        self.created = proto.now()
-        self.metrics = ServeMetrics()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.created = now()
+        self.metrics = ServeMetrics(lambda: dict(getattr(self.engine, "stats", None) or {}))
+        self._detected: dict[str, object] = {}
         m = self.metrics
-        m.add_gauge("ktrun_num_requests_running", "Requests holding an engine slot (decoded together each step).",
-                    lambda: self.engine_thread.num_running if self.engine_thread else 0)
-        m.add_gauge("ktrun_num_requests_waiting", "Requests waiting for a free slot.",
-                    lambda: self.engine_thread.num_waiting if self.engine_thread else 0)
+        et = lambda attr, default=0: lambda: getattr(self.engine_thread, attr) if self.engine_thread else default
+        m.add_gauge("ktrun_num_requests_running", "Requests holding engine slots (decoded together each step).",
+                    et("num_running"))
+        m.add_gauge("ktrun_num_requests_waiting", "Requests waiting for a free slot.", et("num_waiting"))
         m.add_gauge("ktrun_kv_cache_bytes", "KV-cache bytes held by requests in the engine (freed on finish/abort).",
                     self._kv_cache_bytes)
-        m.add_gauge("ktrun_max_batch", "Engine slots (max requests decoded together).", lambda: self.max_batch)
+        m.add_gauge("ktrun_max_batch", "Engine slots (max sequences decoded together).", lambda: self.max_batch)
         m.add_gauge("ktrun_engine_ready", "1 once the model is loaded.", lambda: float(self.engine is not None))
-        m.add_gauge("ktrun_slots_freed_by_abort_total", "Running requests stopped early (client gone, stop string).",
-                    lambda: self.engine_thread.aborted if self.engine_thread else 0, kind="counter")
-        m.add_gauge("ktrun_engine_steps_total", "engine.step() calls (each: prefill new requests + 1 batched decode).",
-                    lambda: self.engine_thread.steps if self.engine_thread else 0, kind="counter")
-        m.add_gauge("ktrun_engine_step_seconds_total", "Wall time inside engine.step().",
-                    lambda: self.engine_thread.step_seconds if self.engine_thread else 0.0, kind="counter")
-        m.add_gauge("ktrun_cpu_expert_seconds_total", "CPU time in routed-expert kernels (from Engine.stats).",
+        m.add_gauge("ktrun_slots_freed_by_abort", "Running requests stopped early (client gone, stop string).",
+                    et("aborted"), kind="counter")
+        m.add_gauge("ktrun_engine_steps", "engine.step() calls (each: prefill new requests + 1 batched decode).",
+                    et("steps"), kind="counter")
+        m.add_gauge("ktrun_engine_step_seconds", "Wall time inside engine.step().", et("step_seconds", 0.0),
+                    kind="counter")
+        m.add_gauge("ktrun_cpu_expert_seconds", "CPU time in routed-expert kernels (from Engine.stats).",
                     self._cpu_expert_seconds, kind="counter")
 
     def _kv_cache_bytes(self) -> float:
@@ -67,15 +81,44 @@ class ServerState:
                 return float(stats[key])
         return 0.0
 
+    # -- per-model choices, made once -------------------------------------------------------------------------
+    def _vocab_and_template(self, tok):
+        vocab = getattr(tok, "vocab", None)
+        return (vocab if isinstance(vocab, dict) else {}), getattr(tok, "chat_template", None)
+
+    def tool_parser_for(self, tok) -> str | None:
+        if "tool" not in self._detected:
+            name = self.tool_call_parser
+            self._detected["tool"] = (detect(*self._vocab_and_template(tok)) if name == "auto"
+                                      else None if name == "none" else name)
+        return self._detected["tool"]
+
+    def reasoning_for(self, tok) -> bool:
+        if "reasoning" not in self._detected:
+            mode = self.reasoning_parser
+            self._detected["reasoning"] = (uses_thinking(*self._vocab_and_template(tok)) if mode == "auto"
+                                           else mode != "none")
+        return bool(self._detected["reasoning"])
+
+    # -- loading ------------------------------------------------------------------------------------------------
+    def publish(self, batch) -> None:
+        """Engine thread -> event loop: one wake-up per engine step for everything it produced."""
+        try:
+            self.loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:   # the loop has closed (shutting down): nobody is waiting for these
+            pass
+
     def load(self, on_failure) -> None:
         """Runs in a background thread after the socket is bound: /health says 503 until this finishes."""
         try:
             t0 = time.perf_counter()
             engine = self.engine_factory()
-            self.engine_thread = EngineThread(engine, self.max_batch)
+            self.engine_thread = EngineThread(engine, self.max_batch, self.publish)
             self.engine = engine
+            tool = self.tool_parser_for(engine.tokenizer)
             print(f"ktrun serve: model {engine.model_name!r} loaded in {time.perf_counter() - t0:.1f} s "
-                  f"(ctx {engine.ctx}, max batch {self.max_batch}); ready", file=sys.stderr, flush=True)
+                  f"(ctx {engine.ctx}, max batch {self.max_batch}, tool calls: {tool or 'off'}, reasoning split: "
+                  f"{'on' if self.reasoning_for(engine.tokenizer) else 'off'}); ready", file=sys.stderr, flush=True)
         except BaseException as e:  # noqa: BLE001 -- report, then stop: a server that cannot load must not linger
             self.load_error = e
             if not isinstance(e, (ValueError, OSError)):  # bad input gets its message only (printed on exit)
@@ -89,160 +132,157 @@ class ServerState:
         return self.engine
 
 
-class Handler(Routes, BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "ktrun"
-    timeout = 300  # seconds a client may stall while sending a request or reading our response
+def _deliver(batch) -> None:
+    for handle, items in batch:
+        if handle.sink is not None:
+            handle.sink.put_nowait(items)
+        else:
+            for item in items:
+                handle.out.put(item)
 
-    @property
-    def state(self) -> ServerState:
-        return self.server.state
 
-    def log_message(self, format, *args):  # access log off by default (--log-requests turns it on)
-        if getattr(self.server, "log_requests", False):
-            super().log_message(format, *args)
+# -- ASGI middleware: API key, request counting -----------------------------------------------------------------
+def _error_response(status: int, message: str, type_: str, code: str | None, param: str | None = None,
+                    headers=None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, code, param), status_code=status, headers=headers)
 
-    def do_GET(self):
-        self._dispatch("GET")
 
-    def do_POST(self):
-        self._dispatch("POST")
+class ApiKeyAndCounting:
+    """Outermost layer: counts every answer by endpoint and status (ktrun_requests_total) and refuses protected
+    paths without the right `Authorization: Bearer KEY` before anything reads the body."""
 
-    def do_PUT(self):
-        self._dispatch("PUT")
+    def __init__(self, app, state: ServerState, known_paths: set[str]):
+        self.app, self.state, self.known = app, state, known_paths
 
-    def do_DELETE(self):
-        self._dispatch("DELETE")
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in self.known else "other"
+        status = [499]  # client closed the connection before an answer
 
-    def do_PATCH(self):
-        self._dispatch("PATCH")
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
 
-    def _dispatch(self, method: str) -> None:
-        path = self.path.split("?", 1)[0]
-        name = self.ROUTES.get((method, path))
-        self._endpoint = path if name else "other"
-        self._status = 500
         try:
-            if name is None:
-                if any(p == path for _, p in self.ROUTES):
-                    raise ApiError(405, f"method {method} not allowed on {path}", code="method_not_allowed")
-                raise ApiError(404, f"no route {method} {path}", "not_found_error", "not_found")
-            if self.state.api_key is not None and path.startswith(self.PROTECTED):
-                self._check_api_key()
-            getattr(self, "route_" + name)()
-        except ApiError as e:
-            self._send_error(e)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-            self._status = 499  # client closed the connection
-        except Exception as e:  # noqa: BLE001 -- a bug answers 500 with the reason; the server keeps running
-            traceback.print_exc()
-            self._send_error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error", "internal"))
-        self.state.metrics.requests.inc(1, self._endpoint, str(self._status))
-
-    def _check_api_key(self) -> None:
-        got = self.headers.get("Authorization", "")
-        token = got[7:].strip() if got[:7].lower() == "bearer " else ""
-        if not token or not hmac.compare_digest(token.encode(), self.state.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           "authentication_error", "invalid_api_key")
-
-    def read_json(self) -> dict:
-        """The request body as a JSON object, refusing bodies over the limit before reading them."""
-        length = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked" or length is None:
-            self.close_connection = True
-            raise ApiError(411, "a Content-Length header is required", code="length_required")
-        try:
-            n = int(length)
-            if n < 0:
-                raise ValueError
-        except ValueError:
-            self.close_connection = True
-            raise ApiError(400, f"bad Content-Length {length!r}", code="invalid_header") from None
-        if n > self.state.max_body_bytes:
-            self.close_connection = True
-            self._discard_body(n)
-            raise ApiError(413, f"request body is {n} bytes, over the limit of {self.state.max_body_bytes} bytes",
-                           code="body_too_large")
-        raw = self.rfile.read(n)
-        if len(raw) != n:
-            self.close_connection = True
-            raise ApiError(400, f"request body ended after {len(raw)} of {n} bytes", code="invalid_json")
-        return proto.parse_json_body(raw)
-
-    def _discard_body(self, n: int) -> None:
-        """Read and drop a refused body (up to DRAIN_LIMIT_BYTES) so the client, still sending, gets our 413
-        instead of a reset connection; beyond that the connection is just closed."""
-        if n > DRAIN_LIMIT_BYTES:
-            return
-        while n > 0:
-            chunk = self.rfile.read(min(n, 1 << 16))
-            if not chunk:
+            if self.state.api_key is not None and path.startswith(PROTECTED) and not self._key_ok(scope):
+                await _error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                      "authentication_error", "invalid_api_key")(scope, receive, counting_send)
                 return
-            n -= len(chunk)
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
 
-    def send_json(self, status: int, obj, content_type: str = "application/json") -> None:
-        data = obj.encode() if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False).encode("utf-8")
-        self._status = status
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _send_error(self, e: ApiError) -> None:
-        try:
-            self.send_json(e.status, e.body())
-        except OSError:
-            self.close_connection = True
+    def _key_ok(self, scope) -> bool:
+        got = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        token = got[7:].strip() if got[:7].lower() == "bearer " else ""
+        return bool(token) and hmac.compare_digest(token.encode(), self.state.api_key.encode())
 
 
-class KtrunHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True        # a stuck client never blocks shutdown
-    request_queue_size = 256     # listen backlog: bursts of concurrent clients connect without SYN retries
+# -- the app ------------------------------------------------------------------------------------------------------
+_QUOTED = re.compile(r"'([a-z_]+)'")
 
-    def __init__(self, addr, state: ServerState, log_requests: bool = False):
-        super().__init__(addr, Handler)
-        self.state, self.log_requests = state, log_requests
 
-    def handle_error(self, request, client_address):
-        """A client that resets or stalls its connection is routine, not a server error worth a traceback."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):
-            return
-        super().handle_error(request, client_address)
+def create_app(state: ServerState) -> FastAPI:
+    async def lifespan(app):
+        state.loop = asyncio.get_running_loop()
+        yield
+
+    app = FastAPI(title="ktrun serve", version="1", lifespan=lifespan,
+                  description="OpenAI-compatible API of ktrun (MoE models on one GPU plus CPU experts).")
+    app.state.ktrun = state
+    app.include_router(router)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        """pydantic's 422 -> the OpenAI 400 envelope naming the first bad field."""
+        errs = list(e.errors()) or [{"loc": (), "msg": "invalid request"}]
+        err = next((x for x in errs if x.get("type") == "value_error"), errs[0])   # our own checks say most
+        msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
+        param = error_param(err.get("loc", ()))
+        if param is None:                      # a check on the whole body names its field in quotes
+            m = _QUOTED.search(msg)
+            param = m.group(1) if m else None
+        if err.get("type") == "json_invalid":
+            return _error_response(400, f"request body is not valid JSON: {msg}", "invalid_request_error",
+                                   "invalid_json")
+        got = err.get("input")
+        shown = "" if isinstance(got, dict) else f", got {json.dumps(got, default=str)[:100]}"
+        return _error_response(400, f"{param or 'request'}: {msg}{shown}", "invalid_request_error",
+                               "invalid_parameter", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return _error_response(404, f"no route {request.method} {request.url.path}", "not_found_error",
+                                   "not_found")
+        if e.status_code == 405:
+            return _error_response(405, f"method {request.method} not allowed on {request.url.path}",
+                                   "invalid_request_error", "method_not_allowed")
+        return _error_response(e.status_code, str(e.detail), "invalid_request_error", None, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def bug(request, e: Exception):  # a bug answers 500 with the reason; the server keeps running
+        traceback.print_exception(e)
+        return _error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error", "internal")
+
+    known = {r.path for r in router.routes} | {"/docs", "/openapi.json"}
+    app.add_middleware(ApiKeyAndCounting, state=state, known_paths=known)
+    return app
 
 
 def run_server(engine_factory, sampling_params_cls, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, max_batch: int = 16, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               log_requests: bool = False) -> int:
+               log_requests: bool = False, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
+               separate_reasoning: bool = True, log_timings: bool = True) -> int:
     """Bind, print the address, load the engine in the background, serve until SIGINT/SIGTERM. Returns an exit code."""
     import signal
 
-    state = ServerState(engine_factory, sampling_params_cls, api_key, max_body_bytes, max_batch)
+    import uvicorn
+
+    if tool_call_parser not in ("auto", "none", *PARSERS):
+        print(f"ktrun serve: error: unknown --tool-call-parser {tool_call_parser!r} (choose auto, none, "
+              f"{', '.join(PARSERS)})", file=sys.stderr, flush=True)
+        return 2
+    state = ServerState(engine_factory, sampling_params_cls, api_key, max_body_bytes, max_batch, tool_call_parser,
+                        reasoning_parser, separate_reasoning, log_timings)
     try:
-        httpd = KtrunHTTPServer((host, port), state, log_requests)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # accepted connections inherit it: each SSE event goes out at once (no Nagle wait for the previous ACK)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        sock.listen(256)   # listen backlog: bursts of concurrent clients connect without SYN retries
     except OSError as e:
         print(f"ktrun serve: error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr, flush=True)
         return 2
-    bound_host, bound_port = httpd.server_address[:2]
+    bound_host, bound_port = sock.getsockname()[:2]
     print(f"ktrun serve: listening on http://{bound_host}:{bound_port} (loading model...)", file=sys.stderr,
           flush=True)
+    config = uvicorn.Config(create_app(state), log_level="warning", access_log=log_requests,
+                            timeout_keep_alive=30, timeout_graceful_shutdown=5, lifespan="on")
+    server = uvicorn.Server(config)
 
     def stop_serving():
-        threading.Thread(target=httpd.shutdown, daemon=True).start()
+        server.should_exit = True
 
-    signal.signal(signal.SIGTERM, lambda *_: stop_serving())
+    # uvicorn re-raises the signal that stopped it once it has shut down: these handlers make that a clean exit 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
     threading.Thread(target=state.load, args=(stop_serving,), name="ktrun-load", daemon=True).start()
     try:
-        httpd.serve_forever(poll_interval=0.2)
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
-        httpd.server_close()
+        sock.close()
         if state.engine_thread is not None:
             state.engine_thread.shutdown()
     if state.load_error is not None:

@@ -1,146 +1,115 @@
-"""Prometheus text exposition (format 0.0.4) for `ktrun serve`: counters, gauges and histograms, thread-safe.
+"""`GET /metrics` of `ktrun serve`, on the official Prometheus client (prometheus_client), in its own registry.
 
-No client library: the format is a few lines per metric, and the server's needs are small.
+Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `ktrun_time_to_first_token_seconds`, the same for
+e2e_request_latency_seconds, time_per_output_token_seconds, inter_token_latency_seconds, request_queue_time_seconds,
+request_prefill_time_seconds, request_decode_time_seconds, request_prompt_tokens, request_generation_tokens,
+prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}, num_requests_running,
+num_requests_waiting); ours where vLLM has none: CPU expert time, KV-cache bytes, finish reasons with aborts and
+errors, engine steps, and every numeric Engine.stats entry as `ktrun_engine_<key>` (the GPU hit ratio among them
+when the engine reports one).
 """
 from __future__ import annotations
 
-import bisect
-import math
-import threading
 from collections.abc import Callable
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+try:  # no `_created` series next to every counter (prometheus_client >= 0.17)
+    from prometheus_client import disable_created_metrics
+    disable_created_metrics()
+except ImportError:  # pragma: no cover
+    pass
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Latency buckets in seconds: TTFT on a big MoE model spans ms (short prompt, warm) to tens of seconds (long prefill).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 
 
-def _fmt(v: float) -> str:
-    v = float(v)
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return str(int(v)) if v.is_integer() and abs(v) < 1e15 else repr(v)
+class _Callbacks:
+    """A collector of values read at scrape time (never stale): gauges and counters kept by the engine thread or
+    the engine, plus Engine.stats."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self.items: list[tuple[str, str, Callable[[], float], str]] = []
+        self.stats = stats
+
+    def collect(self):
+        for name, help_text, read, kind in self.items:
+            fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, help_text)
+            fam.add_metric([], float(read()))
+            yield fam
+        yield from engine_stat_families(self.stats() or {})
 
 
-def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _escape(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...] = ()):
-        self.name, self.help, self.labelnames = name, help_text, tuple(labelnames)
-        self._lock = threading.Lock()
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, name, help_text, labelnames=()):
-        super().__init__(name, help_text, labelnames)
-        self._values: dict[tuple[str, ...], float] = {} if labelnames else {(): 0.0}
-
-    def inc(self, amount: float = 1.0, *labels: str) -> None:
-        with self._lock:
-            self._values[labels] = self._values.get(labels, 0.0) + amount
-
-    def value(self, *labels: str) -> float:
-        return self._values.get(labels, 0.0)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_fmt(v)}" for k, v in items]
-
-
-class Gauge(_Metric):
-    """A value read from a callback at scrape time (never stale). kind="counter" for running totals kept
-    elsewhere (engine steps, seconds)."""
-
-    def __init__(self, name, help_text, read: Callable[[], float], kind: str = "gauge"):
-        super().__init__(name, help_text)
-        self.read, self.kind = read, kind
-
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name} {_fmt(float(self.read()))}"]
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(self, name, help_text, buckets=LATENCY_BUCKETS_S):
-        super().__init__(name, help_text)
-        self.buckets = tuple(buckets)
-        self._counts = [0] * (len(self.buckets) + 1)  # last = +Inf
-        self._sum = 0.0
-        self._n = 0
-
-    def observe(self, v: float) -> None:
-        with self._lock:
-            self._counts[bisect.bisect_left(self.buckets, v)] += 1
-            self._sum += v
-            self._n += 1
-
-    @property
-    def count(self) -> int:
-        return self._n
-
-    def render(self) -> list[str]:
-        with self._lock:
-            counts, total, n = list(self._counts), self._sum, self._n
-        lines, cum = self.header(), 0
-        for le, c in zip(self.buckets + (math.inf,), counts):
-            cum += c
-            lines.append(f'{self.name}_bucket{{le="{_fmt(le)}"}} {cum}')
-        return lines + [f"{self.name}_sum {_fmt(total)}", f"{self.name}_count {n}"]
-
-
-class ServeMetrics:
-    """Everything `GET /metrics` reports. Gauges that depend on the engine thread/engine read them through callbacks."""
-
-    def __init__(self):
-        self.requests = Counter("ktrun_requests_total", "HTTP requests answered, by endpoint and status code.",
-                                ("endpoint", "status"))
-        self.prompt_tokens = Counter("ktrun_prompt_tokens_total", "Prompt tokens of generation requests.")
-        self.generated_tokens = Counter("ktrun_generation_tokens_total", "Tokens generated and sent to clients.")
-        self.finished = Counter("ktrun_request_finished_total", "Generation requests finished, by reason "
-                                "(stop, length, abort = client went away, error).", ("reason",))
-        self.ttft = Histogram("ktrun_time_to_first_token_seconds", "Request arrival to first generated token.")
-        self.tpot = Histogram("ktrun_time_per_output_token_seconds",
-                              "Mean time between output tokens of a request (after the first).")
-        self.e2e = Histogram("ktrun_e2e_request_latency_seconds", "Request arrival to last token.")
-        self.gen_len = Histogram("ktrun_request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
-        self._gauges: list[Gauge] = []
-
-    def add_gauge(self, name: str, help_text: str, read: Callable[[], float], kind: str = "gauge") -> None:
-        self._gauges.append(Gauge(name, help_text, read, kind))
-
-    def render(self, engine_stats: dict | None = None) -> str:
-        lines: list[str] = []
-        for m in (self.requests, self.prompt_tokens, self.generated_tokens, self.finished,
-                  self.ttft, self.tpot, self.e2e, self.gen_len, *self._gauges):
-            lines += m.render()
-        lines += render_engine_stats(engine_stats or {})
-        return "\n".join(lines) + "\n"
+def engine_stat_families(stats: dict):
+    """Numeric entries of `Engine.stats` as gauges `ktrun_engine_<key>` (units as the engine names them); an entry
+    `<name>_by_layer` holding {layer: number} (e.g. gpu_hit_ratio_by_layer) as one gauge with a `layer` label."""
+    for key in sorted(stats):
+        v = stats[key]
+        name = "ktrun_engine_" + "".join(c if c.isalnum() else "_" for c in str(key)).strip("_").lower()
+        if str(key).endswith("_by_layer") and isinstance(v, dict) and all(_number(x) for x in v.values()):
+            fam = GaugeMetricFamily(name, f"Engine.stats[{key!r}], per MoE layer.", labels=("layer",))
+            for layer, x in sorted(v.items()):
+                fam.add_metric([str(layer)], float(x))
+            yield fam
+        elif _number(v):
+            fam = GaugeMetricFamily(name, f"Engine.stats[{key!r}].")
+            fam.add_metric([], float(v))
+            yield fam
 
 
 def render_engine_stats(stats: dict) -> list[str]:
-    """Numeric entries of `Engine.stats` as gauges `ktrun_engine_<key>` (units as the engine names them)."""
-    lines = []
-    for key in sorted(stats):
-        v = stats[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        name = "ktrun_engine_" + "".join(c if c.isalnum() else "_" for c in str(key)).strip("_").lower()
-        lines += [f"# HELP {name} Engine.stats[{key!r}].", f"# TYPE {name} gauge", f"{name} {_fmt(v)}"]
-    return lines
+    """The exposition lines of engine_stat_families(stats) alone (what /metrics shows of these stats)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Callbacks(lambda: stats))
+    return generate_latest(registry).decode().splitlines()
+
+
+class ServeMetrics:
+    """Everything `GET /metrics` reports. Values kept elsewhere are read through callbacks (add_gauge)."""
+
+    def __init__(self, engine_stats: Callable[[], dict] = dict):
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("ktrun_requests", "HTTP requests answered, by endpoint and status code.",
+                                ("endpoint", "status"), registry=r)
+        self.prompt_tokens = Counter("ktrun_prompt_tokens", "Prompt tokens of generation requests.", registry=r)
+        self.generated_tokens = Counter("ktrun_generation_tokens", "Tokens generated and sent to clients.",
+                                        registry=r)
+        self.finished = Counter("ktrun_request_finished", "Generation requests finished, by reason (stop, length, "
+                                "abort = client went away, error).", ("reason",), registry=r)
+        self.success = Counter("ktrun_request_success", "Requests finished normally, by finish reason (as vLLM's).",
+                               ("finished_reason",), registry=r)
+        self.ttft = Histogram("ktrun_time_to_first_token_seconds", "Request arrival to first generated token.",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("ktrun_time_per_output_token_seconds",
+                              "Mean time between output tokens of a request (after the first).",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("ktrun_inter_token_latency_seconds", "Time between two output tokens of a request.",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("ktrun_e2e_request_latency_seconds", "Request arrival to last token.",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.queue = Histogram("ktrun_request_queue_time_seconds", "Waiting for an engine slot.",
+                               buckets=LATENCY_BUCKETS_S, registry=r)
+        self.prefill = Histogram("ktrun_request_prefill_time_seconds", "Engine slot to first token (prefill).",
+                                 buckets=LATENCY_BUCKETS_S, registry=r)
+        self.decode = Histogram("ktrun_request_decode_time_seconds", "First token to last token.",
+                                buckets=LATENCY_BUCKETS_S, registry=r)
+        self.prompt_len = Histogram("ktrun_request_prompt_tokens", "Prompt tokens per request.",
+                                    buckets=TOKEN_BUCKETS, registry=r)
+        self.gen_len = Histogram("ktrun_request_generation_tokens", "Generated tokens per request.",
+                                 buckets=TOKEN_BUCKETS, registry=r)
+        self._callbacks = _Callbacks(engine_stats)
+        r.register(self._callbacks)
+
+    def add_gauge(self, name: str, help_text: str, read: Callable[[], float], kind: str = "gauge") -> None:
+        """A value read at scrape time; kind="counter" for running totals kept elsewhere (name without _total)."""
+        self._callbacks.items.append((name, help_text, read, kind))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,26 +1,31 @@
-"""OpenAI API wire format for `ktrun serve`: request validation into typed requests, response and SSE chunk
-builders, and the error envelope `{"error": {"message", "type", "param", "code"}}`.
+"""OpenAI API requests of `ktrun serve` as pydantic models (FastAPI validates bodies with them and shows them at
+/docs), the strict JSON body reader, and the error envelope `{"error": {"message", "type", "param", "code"}}`.
 
-Nothing here touches the engine: the server tokenizes, checks lengths against the context and runs requests.
+Models are strict (a JSON "10" is not an integer, `true` is not a number) and finite (no inf/NaN); unknown fields
+are ignored, as OpenAI clients send many. Checks that need the engine (context length, token ids in the vocabulary,
+n <= --max-batch, the grammar of a json_schema) are made by the routes. Responses are in responses.py.
 """
 from __future__ import annotations
 
 import json
-import math
-import time
-import uuid
-from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from fastapi import HTTPException
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
 
 
-class ApiError(Exception):
-    """An error answered to the client: HTTP status + OpenAI-style envelope."""
+class ApiError(HTTPException):
+    """An error answered to the client: HTTP status + OpenAI-style envelope. An HTTPException, so FastAPI passes it
+    through its body reading untouched (routes.KtrunRequest raises it for bad JSON and oversized bodies)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
-        super().__init__(message)
+                 code: str | None = None, param: str | None = None, close: bool = False):
+        super().__init__(status, message, {"Connection": "close"} if close else None)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
 
     def body(self) -> dict:
@@ -31,30 +36,11 @@ def bad_param(param: str, message: str) -> ApiError:
     return ApiError(400, message, "invalid_request_error", "invalid_parameter", param)
 
 
-@dataclass
-class GenerationRequest:
-    """A validated /v1/completions or /v1/chat/completions request."""
-
-    kind: str                              # "chat" | "completion"
-    model: str
-    prompt: str | list[int] | None = None  # completion: text or token ids
-    messages: list[dict] | None = None     # chat: [{"role", "content": str}], content already flattened to text
-    max_tokens: int | None = None          # None: the server fills in its default
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                         # 0 = off
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    stream: bool = False
-    include_usage: bool = False
-    echo: bool = False
-
-
 def parse_json_body(raw: bytes) -> dict:
+    """A request body as a JSON object. Stricter than json.loads: the text must be UTF-8 and every string valid
+    Unicode (a lone surrogate escape like "\\ud800" is not)."""
     try:
         body = json.loads(raw.decode("utf-8"))
-        # strings must be valid Unicode all the way through (a lone surrogate escape like "\ud800" is not)
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except (ValueError, RecursionError) as e:  # bad UTF-8 / JSON, a 5000-digit integer, nesting too deep
         raise ApiError(400, f"request body is not valid JSON: {type(e).__name__}: {str(e)[:200]}",
@@ -64,204 +50,264 @@ def parse_json_body(raw: bytes) -> dict:
     return body
 
 
-# -- field validators: `bool` is an `int` in Python, so every numeric check excludes it explicitly -----------------
-def _number(body: dict, name: str, default, lo: float, hi: float):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-        raise bad_param(name, f"'{name}' must be a number in [{lo}, {hi}], got {json.dumps(v)}")
-    return float(v)
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function"}
 
 
-def _integer(body: dict, name: str, default, lo: int, hi: int):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise bad_param(name, f"'{name}' must be an integer in [{lo}, {hi}], got {json.dumps(v)}")
-    return v
+def error_param(loc) -> str | None:
+    """pydantic's error location (('body', 'messages', 0, 'content', 'str'), ...) -> 'messages[0].content'
+    (union member tags such as 'str' or 'list[int]' dropped)."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _TYPE_TAGS or not str(part).replace("_", "").isalnum():
+            break
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
 
 
-def _boolean(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_param(name, f"'{name}' must be true or false, got {json.dumps(v)}")
-    return v
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
-def _top_p(body: dict) -> float:
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p <= 0.0:
-        raise bad_param("top_p", "'top_p' must be in (0, 1]")
-    return top_p
+# -- pieces -----------------------------------------------------------------------------------------------------
+class StreamOptions(Strict):
+    include_usage: bool = False
 
 
-def _stop(body: dict) -> list[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    stops = [v] if isinstance(v, str) else v
-    if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
-            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
-        raise bad_param("stop", f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "
-                                f"non-empty strings of at most {MAX_STOP_CHARS} characters")
-    return list(stops)
+class JsonSchemaFormat(Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
 
 
-def _unsupported(body: dict) -> None:
-    n = body.get("n", 1)
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise bad_param("n", f"only n=1 is supported, got n={json.dumps(n)}")
-    best_of = body.get("best_of")
-    if best_of not in (None, 1):
-        raise bad_param("best_of", "only best_of=1 is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise bad_param(name, f"'{name}' is not supported (only 0)")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise bad_param("logprobs", "logprobs are not supported")
-    if body.get("tools") or body.get("functions"):
-        raise bad_param("tools", "tool calls are not supported")
+class ResponseFormat(Strict):
+    """`json_object`: any JSON object; `json_schema`: JSON valid under json_schema.schema. Both are enforced by a
+    grammar on the logits of every step (xgrammar), not just asked for in the prompt."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format type 'json_schema' needs a 'json_schema' object with a 'schema'")
+        return self
 
 
-def _common(body: dict, kind: str) -> GenerationRequest:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_param("model", "'model' is required and must be a string")
-    _unsupported(body)
-    max_tokens = _integer(body, "max_tokens", None, 1, 2**31 - 1)
-    if kind == "chat":
-        max_tokens = _integer(body, "max_completion_tokens", max_tokens, 1, 2**31 - 1)
-    top_k = _integer(body, "top_k", 0, -1, 2**31 - 1)
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise bad_param("stream_options", "'stream_options' must be an object")
-    stream = _boolean(body, "stream", False)
-    include_usage = _boolean(stream_options or {}, "include_usage", False)
-    if stream_options is not None and not stream:
-        raise bad_param("stream_options", "'stream_options' is only allowed when 'stream' is true")
-    return GenerationRequest(
-        kind=kind, model=model, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_top_p(body),
-        top_k=max(top_k, 0), seed=_integer(body, "seed", None, -(2**63), 2**64 - 1),
-        stop=_stop(body), ignore_eos=_boolean(body, "ignore_eos", False),
-        stream=stream, include_usage=include_usage)
+class FunctionDefinition(Strict):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
-def parse_completion(body: dict) -> GenerationRequest:
-    req = _common(body, "completion")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if min(prompt) < 0:
-            raise bad_param("prompt", "token ids in 'prompt' must be non-negative")
-    elif not isinstance(prompt, str):
-        raise bad_param("prompt", "'prompt' must be a string, a list of token ids, or a list of one of those "
-                                  "(batched prompts are not supported: send one request per prompt)")
-    req.prompt = prompt
-    req.echo = _boolean(body, "echo", False)
-    if req.echo and req.stream:
-        raise bad_param("echo", "'echo' is not supported with 'stream'")
-    if body.get("suffix"):
-        raise bad_param("suffix", "'suffix' is not supported")
-    return req
+class Tool(Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
-def _content_text(content, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad_param(f"messages[{i}].content", "only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    if content is None:
-        return ""
-    raise bad_param(f"messages[{i}].content", "message content must be a string or a list of text parts")
+class NamedFunction(Strict):
+    name: str
 
 
-def parse_chat(body: dict) -> GenerationRequest:
-    req = _common(body, "chat")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_param("messages", "'messages' must be a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_param(f"messages[{i}]", "each message must be an object with a string 'role'")
-        if m["role"] not in ("system", "user", "assistant", "developer", "tool"):
-            raise bad_param(f"messages[{i}].role", f"unknown role {m['role']!r}")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"],
-                    "content": _content_text(m.get("content"), i)})
-    req.messages = out
-    return req
+class NamedToolChoice(Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
-# -- responses ---------------------------------------------------------------------------------------------------
-def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+class FunctionCall(Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+class ToolCallIn(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
-def full_response(req: GenerationRequest, rid: str, created: int, text: str, finish_reason: str,
-                  use: dict) -> dict:
-    if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice], "usage": use}
+class ContentPart(Strict):
+    type: str
+    text: str = ""
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"only text content parts are supported, got a {v!r} part")
+        return v
 
 
-def chunk(req: GenerationRequest, rid: str, created: int, *, text: str | None = None, role: bool = False,
-          finish_reason: str | None = None) -> dict:
-    """One streamed event. Chat: `delta` carries the role (first chunk) or content; completion: `text`."""
-    if req.kind == "chat":
-        delta: dict = {}
-        if role:
-            delta["role"] = "assistant"
-            delta["content"] = ""
-        if text:
-            delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    out = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
-    if req.include_usage:
-        out["usage"] = None
-    return out
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: content as text, 'developer' as 'system', tool-call arguments as
+        an object (templates write them with tojson) when they are valid JSON."""
+        m: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        for k in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, k) is not None:
+                m[k] = getattr(self, k)
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                args = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        pass
+                calls.append({"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": args}})
+            m["tool_calls"] = calls
+        return m
 
 
-def usage_chunk(req: GenerationRequest, rid: str, created: int, use: dict) -> dict:
-    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [], "usage": use}
+# -- the two generation requests --------------------------------------------------------------------------------
+class SamplingFields(Strict):
+    """Fields /v1/completions and /v1/chat/completions share (vLLM's extra sampling fields included)."""
+
+    model: str = Field(min_length=1, description="the served model's id (GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
+                                   description="default: 16 for completions, the rest of the context for chat")
+    temperature: float | None = Field(None, ge=0, le=2, description="default 1.0; 0 = greedy")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="0 or -1 = off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit")
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: list[str] | None = Field(None, description="a string or up to 16; the text ends before the first one")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=128, description="choices generated from the prompt (one shared prefill)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
+            raise ValueError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty "
+                             f"strings of at most {MAX_STOP_CHARS} characters")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v):
+        if v is not None and not all(k.isdigit() for k in v):
+            raise ValueError("'logit_bias' keys must be token ids (as strings)")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
-def sse(obj) -> bytes:
-    """One server-sent event: `data: {json}` (or `data: [DONE]`) and a blank line."""
-    payload = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
+def _completion_prompt(v):
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # a batch of one
+    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        if min(v) < 0:
+            raise ValueError("token ids in 'prompt' must be non-negative")
+        return v
+    if isinstance(v, str):
+        return v
+    raise ValueError("'prompt' must be a string, a list of token ids, or a list of one of those (batched prompts "
+                     "are not supported: send one request per prompt)")
 
 
-def models_list(model_name: str, created: int, ctx: int) -> dict:
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                        "owned_by": "ktrun", "max_model_len": ctx}]}
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] = Field(description="a string, token ids, or a list of one of those")
+    echo: bool = Field(False, description="return the prompt before the completion (and its logprobs)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="log-probability of each token and this many top alternatives")
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v):
+        return _completion_prompt(v)
+
+    @model_validator(mode="after")
+    def _refused(self):
+        if self.echo and self.stream:
+            raise ValueError("'echo' is not supported with 'stream'")
+        if self.suffix:
+            raise ValueError("'suffix' (insertion) is not supported")
+        if self.best_of not in (None, 1, self.n):
+            raise ValueError("'best_of' must equal 'n' (ranking choices by likelihood is not supported)")
+        return self
 
 
-def now() -> int:
-    return int(time.time())
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra variables for the chat template (e.g. enable_thinking)")
+    separate_reasoning: bool | None = Field(
+        None, description="reasoning text as message.reasoning_content (default) or inline in content")
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("'tool_choice' needs 'tools'")
+        return self
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if self.prompt is None and self.messages is None:
+            raise ValueError("send 'prompt' (a string) or 'messages'")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]

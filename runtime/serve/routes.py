@@ -1,27 +1,115 @@
-"""The endpoints of `ktrun serve`, mixed into the HTTP handler (app.py): the route table, /health, /v1/models,
-/metrics, /tokenize, /detokenize, and the generation routes (/v1/completions, /v1/chat/completions):
-validate -> tokenize -> length checks -> submit to the engine thread -> stream or collect the text."""
+"""The endpoints of `ktrun serve` (FastAPI): /health, /v1/models, /metrics, /tokenize, /detokenize,
+/tokenizer_info, and the generation routes /v1/completions and /v1/chat/completions:
+validate (pydantic) -> tokenize / render the chat template -> length checks -> plan -> submit -> stream or collect.
+
+Request bodies are read by KtrunRequest: at most --max-body-bytes (413 before reading more; a refused body is
+drained so the client sees the 413), strict JSON (protocol.parse_json_body)."""
 from __future__ import annotations
 
-import queue
-import select
-import socket
-import time
-from typing import ClassVar
+from fastapi import APIRouter
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..text_stream import TextStream
-from . import protocol as proto
-from .protocol import ApiError, GenerationRequest, bad_param
+from . import responses as R
+from .generation import ClientGone, Generation, Plan, decode
+from .protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_param,
+    parse_json_body,
+)
+from .reasoning import prompt_opens_thinking
+from .structured import compile_response_format, processor_factory
+from .tool_parsers import PARSERS
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-DISCONNECT_POLL_S = 0.05
+DRAIN_LIMIT_BYTES = 64 << 20
+ERRORS = {s: {"model": R.ErrorResponse} for s in (400, 401, 404, 413, 500, 503)}
 
 
-class ClientGone(Exception):
-    """The client closed its connection while its request was generating."""
+class KtrunRequest(Request):
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            limit = self.app.state.ktrun.max_body_bytes
+            length = self.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                await self._drain(int(length))
+                raise ApiError(413, f"request body is {length} bytes, over the limit of {limit} bytes",
+                               code="body_too_large", close=True)
+            chunks, n = [], 0
+            async for chunk in self.stream():
+                n += len(chunk)
+                if n > limit:
+                    raise ApiError(413, f"request body is over the limit of {limit} bytes", code="body_too_large",
+                                   close=True)
+                chunks.append(chunk)
+            self._body = b"".join(chunks)
+            if not self._body:
+                raise ApiError(400, "request body is empty: send a JSON object", code="invalid_json")
+        return self._body
+
+    async def _drain(self, n: int) -> None:
+        """Read and drop a refused body (up to DRAIN_LIMIT_BYTES) so the client, still sending, gets our 413
+        instead of a reset connection; beyond that the connection is just closed."""
+        if n > DRAIN_LIMIT_BYTES:
+            return
+        async for _ in self.stream():
+            pass
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            self._json = parse_json_body(await self.body())
+        return self._json
 
 
-# -- tokenizer adapters: accept a `tokenizers`-style or a transformers-style tokenizer --------------------------------
+class KtrunRoute(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(KtrunRequest(request.scope, request.receive))
+
+        return route
+
+
+router = APIRouter(route_class=KtrunRoute)
+
+
+def _json(obj: R.Out) -> JSONResponse:
+    """The response model on the wire as responses.py serializes it (fields the server did not set left out)."""
+    return JSONResponse(obj.dump())
+
+
+def _state(request: Request):
+    return request.app.state.ktrun
+
+
+def _check_model(engine, model, optional=False) -> None:
+    if model is None and optional:
+        return
+    if model != engine.model_name:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {engine.model_name!r}",
+                       "not_found_error", "model_not_found", "model")
+
+
+def _vocab(engine, model_vocab: bool = True) -> int | None:
+    model_cfg = getattr(getattr(engine, "model", None), "cfg", None)
+    vocab = getattr(model_cfg, "vocab_size", None) if model_vocab else None
+    return vocab or getattr(engine.tokenizer, "vocab_size", None)
+
+
+def _check_ids(engine, ids, param: str, model_vocab: bool = True) -> None:
+    """Token ids in range: the model's vocabulary for prompts, the tokenizer's for /detokenize."""
+    vocab = _vocab(engine, model_vocab)
+    if isinstance(vocab, int) and any(not 0 <= t < vocab for t in ids):
+        raise bad_param(param, f"token ids must be in [0, {vocab})")
+
+
 def encode(tok, text: str, special: bool = True) -> list[int]:
     try:
         out = tok.encode(text, add_special_tokens=special)
@@ -30,240 +118,184 @@ def encode(tok, text: str, special: bool = True) -> list[int]:
     return list(getattr(out, "ids", out))
 
 
-def decode(tok, ids: list[int]) -> str:
-    return tok.decode(list(ids))
-
-
-def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
+def render_chat(tok, messages: list[dict], tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
+    """The conversation as the model's own chat template writes it (with the tool definitions, if any)."""
+    extra = dict(kwargs or {})
+    if tools:
+        extra["tools"] = tools
     try:
-        out = tok.apply_chat_template(messages, add_generation_prompt=True)
+        try:
+            return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        except TypeError:
+            return tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except Exception as e:  # no template, or the template refused these messages (raise_exception / bad roles)
         if not isinstance(e, ValueError) and "jinja2" not in type(e).__module__:
             raise
         raise ApiError(400, f"the chat template cannot render these messages: {e}", code="chat_template_error",
                        param="messages") from None
-    if isinstance(out, str):  # rendered text: the template already holds the BOS text, so add no special tokens
-        return encode(tok, out, special=False)
-    return list(getattr(out, "ids", out))
 
 
-class Routes:
-    """route_<name> methods for ROUTES; the handler (app.Handler) supplies state, read_json and send_json."""
+def chat_prompt(tok, req) -> tuple[str, list[int]]:
+    text = render_chat(tok, [m.for_template() for m in req.messages],
+                       [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none"
+                       else None, req.chat_template_kwargs)
+    return text, encode(tok, text, special=False)   # the template already holds the BOS text
 
-    ROUTES: ClassVar[dict[tuple[str, str], str]] = {
-        ("GET", "/health"): "health", ("GET", "/v1/models"): "models", ("GET", "/metrics"): "metrics",
-        ("POST", "/v1/completions"): "completions", ("POST", "/v1/chat/completions"): "chat_completions",
-        ("POST", "/tokenize"): "tokenize", ("POST", "/detokenize"): "detokenize",
-    }
-    PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # need the API key when one is set
 
-    # -- simple routes --------------------------------------------------------------------------------------------
-    def route_health(self) -> None:
-        self.state.require_ready()
-        self.send_json(200, {"status": "ok"})
+# -- simple routes ------------------------------------------------------------------------------------------------
+@router.get("/health", response_model=R.HealthResponse, responses=ERRORS)
+async def health(request: Request):
+    _state(request).require_ready()
+    return _json(R.HealthResponse())
 
-    def route_models(self) -> None:
-        engine = self.state.require_ready()
-        self.send_json(200, proto.models_list(engine.model_name, self.state.created, engine.ctx))
 
-    def route_metrics(self) -> None:
-        stats = dict(getattr(self.state.engine, "stats", None) or {})
-        self.send_json(200, self.state.metrics.render(stats), "text/plain; version=0.0.4; charset=utf-8")
+@router.get("/v1/models", response_model=R.ModelList, responses=ERRORS)
+async def models(request: Request):
+    state = _state(request)
+    engine = state.require_ready()
+    return _json(R.ModelList(data=[R.ModelCard(id=engine.model_name, created=state.created,
+                                               max_model_len=engine.ctx)]))
 
-    # -- /tokenize, /detokenize (vLLM-compatible shapes) ------------------------------------------------------------
-    def route_tokenize(self) -> None:
-        body = self.read_json()
-        engine = self.state.require_ready()
-        self._check_model(engine, body.get("model"), optional=True)
-        if "messages" in body:
-            ids = chat_prompt_ids(engine.tokenizer, proto.parse_chat({**body, "model": engine.model_name}).messages)
-        elif isinstance(body.get("prompt"), str):
-            special = body.get("add_special_tokens", True)
-            if not isinstance(special, bool):
-                raise bad_param("add_special_tokens", "'add_special_tokens' must be true or false")
-            ids = encode(engine.tokenizer, body["prompt"], special)
-        else:
-            raise bad_param("prompt", "send 'prompt' (a string) or 'messages'")
-        self.send_json(200, {"tokens": ids, "count": len(ids), "max_model_len": engine.ctx})
 
-    def route_detokenize(self) -> None:
-        body = self.read_json()
-        engine = self.state.require_ready()
-        self._check_model(engine, body.get("model"), optional=True)
-        ids = body.get("tokens")
-        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-            raise bad_param("tokens", "'tokens' must be a list of integer token ids")
-        self._check_ids(engine, ids, "tokens", model_vocab=False)
-        self.send_json(200, {"prompt": decode(engine.tokenizer, ids)})
+@router.get("/metrics", response_class=Response)
+async def metrics(request: Request):
+    from .metrics import CONTENT_TYPE
 
-    def _check_model(self, engine, model, optional=False) -> None:
-        if model is None and optional:
-            return
-        if model != engine.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {engine.model_name!r}",
-                           "not_found_error", "model_not_found", "model")
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
-    def _check_ids(self, engine, ids, param: str, model_vocab: bool = True) -> None:
-        """Token ids in range: the model's vocabulary for prompts, the tokenizer's for /detokenize."""
-        model_cfg = getattr(getattr(engine, "model", None), "cfg", None)
-        vocab = getattr(model_cfg, "vocab_size", None) if model_vocab else None
-        vocab = vocab or getattr(engine.tokenizer, "vocab_size", None)
-        if isinstance(vocab, int) and any(not 0 <= t < vocab for t in ids):
-            raise bad_param(param, f"token ids must be in [0, {vocab})")
 
-    # -- /v1/completions, /v1/chat/completions ----------------------------------------------------------------------
-    def route_completions(self) -> None:
-        self._generate("completion")
+@router.post("/tokenize", response_model=R.TokenizeResponse, responses=ERRORS)
+async def tokenize(body: TokenizeRequest, request: Request):
+    engine = _state(request).require_ready()
+    _check_model(engine, body.model, optional=True)
+    if body.messages is not None:
+        ids = chat_prompt(engine.tokenizer, ChatCompletionRequest(
+            model=engine.model_name, messages=body.messages, tools=body.tools,
+            chat_template_kwargs=body.chat_template_kwargs))[1]
+    else:
+        ids = encode(engine.tokenizer, body.prompt, body.add_special_tokens)
+    return _json(R.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.ctx))
 
-    def route_chat_completions(self) -> None:
-        self._generate("chat")
 
-    def _generate(self, kind: str) -> None:
-        t_arrival = time.perf_counter()
-        body = self.read_json()
-        engine = self.state.require_ready()
-        req = proto.parse_chat(body) if kind == "chat" else proto.parse_completion(body)
-        self._check_model(engine, req.model)
-        tok = engine.tokenizer
-        if req.messages is not None:
-            prompt_ids = chat_prompt_ids(tok, req.messages)
-        elif isinstance(req.prompt, str):
-            prompt_ids = encode(tok, req.prompt)
-        else:
-            self._check_ids(engine, req.prompt, "prompt")
-            prompt_ids = list(req.prompt)
-        max_tokens = self._check_lengths(req, len(prompt_ids), engine.ctx)
-        try:  # stop strings are matched here (TextStream), on the text sent, so the engine gets none
-            params = self.state.sampling_params_cls(
-                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                seed=req.seed, stop=[], ignore_eos=req.ignore_eos)
-        except ValueError as e:
-            raise ApiError(400, f"invalid sampling parameters: {e}", code="invalid_parameter") from None
-        rid = proto.new_id(kind)
-        metrics = self.state.metrics
-        metrics.prompt_tokens.inc(len(prompt_ids))
-        handle = self.state.engine_thread.submit(rid, prompt_ids, params)
-        text = TextStream(lambda ids: decode(tok, ids), req.stop, prompt_ids)
-        try:
-            if req.stream:
-                self._stream(req, rid, handle, text, len(prompt_ids), t_arrival)
-            else:
-                finish, n = self._drive(req, handle, text, t_arrival, on_delta=None)
-                out = text.text
-                if req.echo:
-                    out = (req.prompt if isinstance(req.prompt, str) else decode(tok, prompt_ids)) + out
-                self.send_json(200, proto.full_response(req, rid, proto.now(), out, finish,
-                                                        proto.usage(len(prompt_ids), n)))
-        except (ClientGone, BrokenPipeError, ConnectionResetError):
-            self.state.engine_thread.abort(rid)  # frees the slot on the engine thread's next turn
-            self.state.metrics.finished.inc(1, "abort")
-            self.close_connection = True
-            self._status = 499
+@router.post("/detokenize", response_model=R.DetokenizeResponse, responses=ERRORS)
+async def detokenize(body: DetokenizeRequest, request: Request):
+    engine = _state(request).require_ready()
+    _check_model(engine, body.model, optional=True)
+    _check_ids(engine, body.tokens, "tokens", model_vocab=False)
+    return _json(R.DetokenizeResponse(prompt=decode(engine.tokenizer, body.tokens)))
 
-    def _check_lengths(self, req: GenerationRequest, n_prompt: int, ctx: int) -> int:
-        if n_prompt == 0:
-            raise bad_param("prompt", "the prompt is empty (0 tokens)")
-        if n_prompt >= ctx:
-            raise ApiError(400, f"the prompt is {n_prompt} tokens, over the context limit of {ctx} tokens "
-                                f"(the prompt must leave room for at least 1 generated token)",
-                           code="context_length_exceeded", param="messages" if req.kind == "chat" else "prompt")
-        if req.max_tokens is None:
-            return min(DEFAULT_COMPLETION_MAX_TOKENS, ctx - n_prompt) if req.kind == "completion" else ctx - n_prompt
-        if n_prompt + req.max_tokens > ctx:
-            raise ApiError(400, f"max_tokens={req.max_tokens} plus the prompt's {n_prompt} tokens is "
-                                f"{n_prompt + req.max_tokens} tokens, over the context limit of {ctx} tokens",
-                           code="context_length_exceeded", param="max_tokens")
-        return req.max_tokens
 
-    def _stream(self, req, rid, handle, text, n_prompt, t_arrival) -> None:
-        created = proto.now()
-        self._status = 200
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        if req.kind == "chat":  # the role goes out at once, before the first token
-            self._write_event(proto.sse(proto.chunk(req, rid, created, role=True)))
+@router.get("/tokenizer_info", response_model=R.TokenizerInfo, responses=ERRORS)
+async def tokenizer_info(request: Request):
+    engine = _state(request).require_ready()
+    tok = engine.tokenizer
+    special = getattr(tok, "special_tokens", {}) or {}
+    return _json(R.TokenizerInfo(eos_token=special.get("eos_token"), bos_token=special.get("bos_token"),
+                                 pad_token=special.get("pad_token"), chat_template=getattr(tok, "chat_template", None),
+                                 model_max_length=engine.ctx))
 
-        def on_delta(delta):
-            self._write_event(proto.sse(proto.chunk(req, rid, created, text=delta)))
 
-        try:
-            finish, n = self._drive(req, handle, text, t_arrival, on_delta)
-        except ApiError as e:  # headers are out: report the error as an event, then end the stream
-            self._write_event(proto.sse(e.body()) + proto.sse("[DONE]"))
-            self.wfile.write(b"0\r\n\r\n")
-            return
-        events = proto.sse(proto.chunk(req, rid, created, finish_reason=finish))
-        if req.include_usage:
-            events += proto.sse(proto.usage_chunk(req, rid, created, proto.usage(n_prompt, n)))
-        self._write_event(events + proto.sse("[DONE]"))
-        self.wfile.write(b"0\r\n\r\n")  # end of the chunked body; the connection stays usable
+# -- generation ---------------------------------------------------------------------------------------------------
+@router.post("/v1/completions", response_model=R.CompletionResponse, responses=ERRORS)
+async def completions(body: CompletionRequest, request: Request):
+    return await _generate(request, body, "completion")
 
-    def _write_event(self, data: bytes) -> None:
-        """One HTTP chunk holding whole SSE events (the socket writer is unbuffered: it goes out now)."""
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
-    def _drive(self, req, handle, text: TextStream, t_arrival: float, on_delta) -> tuple[str, int]:
-        """Consume the request's tokens until it finishes; returns (finish_reason, completion tokens)."""
-        metrics = self.state.metrics
-        n, t_first, t_last, finish = 0, None, None, None
-        for token, engine_finish in self._tokens(handle):
-            t_last = time.perf_counter()
-            if t_first is None:
-                t_first = t_last
-                metrics.ttft.observe(t_first - t_arrival)
-            n += 1
-            metrics.generated_tokens.inc()
-            delta = text.push(token, last=engine_finish is not None)
-            if text.stopped:
-                finish = "stop"
-                if engine_finish is None:
-                    self.state.engine_thread.abort(handle.req_id)
-            else:
-                finish = engine_finish
-            if delta and on_delta is not None:
-                on_delta(delta)
-            if finish is not None:
-                break
-        metrics.finished.inc(1, finish)
-        metrics.e2e.observe(t_last - t_arrival)
-        metrics.gen_len.observe(n)
-        if n > 1:
-            metrics.tpot.observe((t_last - t_first) / (n - 1))
-        return finish, n
+@router.post("/v1/chat/completions", response_model=R.ChatCompletionResponse, responses=ERRORS)
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    return await _generate(request, body, "chat")
 
-    def _tokens(self, handle):
-        """Yield (token, finish_reason | None) from the engine thread; raise ClientGone when the peer hung up."""
-        last_check = time.perf_counter()
-        while True:
-            try:
-                item = handle.out.get(timeout=DISCONNECT_POLL_S)
-            except queue.Empty:
-                item = None
-            if item is None or time.perf_counter() - last_check > DISCONNECT_POLL_S:
-                last_check = time.perf_counter()
-                if self._peer_closed():
-                    raise ClientGone()
-            if item is None:
-                continue
-            if isinstance(item, BaseException):
-                self.state.metrics.finished.inc(1, "error")
-                if isinstance(item, ValueError):  # the engine refused the request (e.g. over its context)
-                    raise ApiError(400, str(item), code="invalid_request")
-                raise ApiError(500, str(item), "server_error", "engine_error")
-            yield item
-            if item[1] is not None:
-                return
 
-    def _peer_closed(self) -> bool:
-        """True when the client closed its end: the socket reads as end-of-file (data waiting is not a close)."""
-        sock = self.connection
-        try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            if not readable:
-                return False
-            return sock.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
+def _check_lengths(req, kind: str, n_prompt: int, ctx: int) -> int:
+    if n_prompt == 0:
+        raise bad_param("prompt", "the prompt is empty (0 tokens)")
+    if n_prompt >= ctx:
+        raise ApiError(400, f"the prompt is {n_prompt} tokens, over the context limit of {ctx} tokens "
+                            f"(the prompt must leave room for at least 1 generated token)",
+                       code="context_length_exceeded", param="messages" if kind == "chat" else "prompt")
+    if req.max_tokens is None:
+        return min(DEFAULT_COMPLETION_MAX_TOKENS, ctx - n_prompt) if kind == "completion" else ctx - n_prompt
+    if n_prompt + req.max_tokens > ctx:
+        raise ApiError(400, f"max_tokens={req.max_tokens} plus the prompt's {n_prompt} tokens is "
+                            f"{n_prompt + req.max_tokens} tokens, over the context limit of {ctx} tokens",
+                       code="context_length_exceeded", param="max_tokens")
+    return req.max_tokens
+
+
+async def _generate(request: Request, req, kind: str):
+    state = _state(request)
+    plan = Plan(kind=kind, model=req.model, prompt_ids=[], params=None, stream=req.stream,
+                include_usage=req.include_usage, stop=list(req.stop or []))
+    engine = state.require_ready()
+    _check_model(engine, req.model)
+    tok = engine.tokenizer
+    prompt_text = None
+    if kind == "chat":
+        prompt_text, prompt_ids = chat_prompt(tok, req)
+    elif isinstance(req.prompt, str):
+        prompt_ids = encode(tok, req.prompt)
+    else:
+        _check_ids(engine, req.prompt, "prompt")
+        prompt_ids = list(req.prompt)
+    plan.prompt_ids = prompt_ids
+    max_tokens = _check_lengths(req, kind, len(prompt_ids), engine.ctx)
+    vocab = _vocab(engine)
+    eos_ids = set(getattr(engine, "eos_ids", ()) or ())
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    for what, ids in (("logit_bias", list(bias)), ("stop_token_ids", req.stop_token_ids or [])):
+        _check_ids(engine, ids, what)
+    if req.n > state.max_batch:
+        raise bad_param("n", f"n={req.n} is more than this server's --max-batch {state.max_batch}")
+    plan.stop_ids = eos_ids | set(req.stop_token_ids or [])
+
+    # what the text pipeline does: logprobs, echo, tools, reasoning
+    if kind == "completion":
+        plan.logprobs = req.logprobs
+        plan.prompt_logprobs = req.echo and req.logprobs is not None
+        if req.echo:
+            plan.echo_text = req.prompt if isinstance(req.prompt, str) else decode(tok, prompt_ids)
+    else:
+        plan.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.tools and req.tool_choice not in (None, "none", "auto"):
+            raise bad_param("tool_choice", "tool_choice 'required' or a named function is not supported: the call "
+                            "markers differ per model and are not grammar-enforced here; use 'auto' (or 'none')")
+        if req.tools and req.tool_choice != "none":
+            plan.tool_parser = PARSERS.get(state.tool_parser_for(tok))
+            if plan.tool_parser is None:
+                raise bad_param("tools", "this model has no known tool-call format; start ktrun serve with "
+                                f"--tool-call-parser ({', '.join(PARSERS)})")
+            plan.tools = [t.model_dump(exclude_none=True) for t in req.tools]
+            plan.parallel_tool_calls = req.parallel_tool_calls
+        if state.reasoning_for(tok):
+            separate = state.separate_reasoning if req.separate_reasoning is None else req.separate_reasoning
+            plan.reasoning = separate
+            plan.in_reasoning = separate and prompt_opens_thinking(prompt_text or "")
+        plan.skip_special = plan.tool_parser is None and not plan.reasoning
+
+    processors = []
+    if req.response_format is not None and req.response_format.type != "text":
+        if req.ignore_eos:
+            raise bad_param("ignore_eos", "'ignore_eos' cannot be combined with 'response_format' (the grammar "
+                                          "ends the output with EOS)")
+        compiled = await run_in_threadpool(compile_response_format, req.response_format, tok, vocab or 0,
+                                           sorted(eos_ids))
+        processors.append(processor_factory(compiled))
+    try:  # stop strings are matched here (TextStream), on the text sent, so the engine gets none
+        plan.params = state.sampling_params_cls(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed, stop=[],
+            ignore_eos=req.ignore_eos, min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=bias, stop_token_ids=list(req.stop_token_ids or []), n=req.n, logprobs=plan.logprobs,
+            prompt_logprobs=(plan.logprobs or 0) if plan.prompt_logprobs else None, logits_processors=processors)
+    except ValueError as e:
+        raise ApiError(400, f"invalid sampling parameters: {e}", code="invalid_parameter") from None
+
+    gen = Generation(state, plan, request)   # it submits to the engine once its response has started
+    if req.stream:
+        return StreamingResponse(gen.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        return _json(await gen.collect())
+    except ClientGone:   # nobody to answer; the request is aborted and counted (499: client closed the request)
+        return Response(status_code=499)

@@ -1,0 +1,105 @@
+"""Hot experts on a real GPU (skipped, visibly, without CUDA; bench/device_check.sh runs them on a CUDA machine):
+the store's experts on the device equal the CPU stand-in's, a model with dense layers and hot experts on the GPU stays
+within the bound of its all-CPU-experts run, dynamic swaps (copies on a side stream, flipped between steps) change no
+output against their synchronous replay, and an installed Marlin GEMM computes Marlin hot experts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ktrun.expert_placement import Budget, HotExpertOptions
+from ktrun.hot_expert_store import HotExpertStore
+from ktrun.loaded_model import load_model
+from ktrun.marlin_kernel import find_marlin_kernel
+from ktrun.models.kv_cache import Batch
+from test_hot_experts_runtime import PROMPTS, run_batch
+
+from ktconvert.pipeline import ConvertOptions, convert
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (hot experts on the GPU)")]
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "ktconvert" / "data" / "default_model"
+TEXT = (DEFAULT_MODEL / "heldout_eval.txt").read_text()[5000:9000]
+
+
+@pytest.fixture(scope="module")
+def conv(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hotcuda") / "dm-int4"
+    convert(DEFAULT_MODEL, out, ConvertOptions(method="int4-amx", gpu_method="bf16"), show_progress=False)
+    return out
+
+
+def forced(lm, ids) -> torch.Tensor:
+    return lm.model.forward(Batch.build([(lm.model.new_cache(len(ids) + 1), ids)], lm.model.device),
+                            all_logits=True).float().cpu()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "marlin"])
+def test_cuda_store_equals_the_cpu_stand_in(conv, fmt):
+    with load_model(conv, device="cpu") as lm:
+        c = lm.converted
+        cpu = HotExpertStore(c, {2: 3}, fmt, device="cpu", dtype=torch.float32)
+        gpu = HotExpertStore(c, {2: 3}, fmt, device="cuda", dtype=torch.bfloat16)
+        for slot, e in enumerate((1, 7, 12)):
+            cpu.load(2, slot, e)
+            gpu.load(2, slot, e)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(9, 256, generator=g)
+        ids = np.array([[1, 7, 3, 4], [12, 1, 5, 6], [0, 2, 7, 9]] * 3)
+        w = torch.rand(9, 4, generator=g)
+        slot_of = np.full(16, -1, np.int32)
+        slot_of[[1, 7, 12]] = [0, 1, 2]
+        hit = slot_of[ids] >= 0
+        want = cpu.compute(2, x, ids, w, hit, slot_of)
+        got = gpu.compute(2, x.cuda().bfloat16(), ids, w.cuda(), hit, slot_of)
+        assert got.device.type == "cuda"
+        assert (got.cpu() - want).abs().max() / want.abs().max() < 3e-2
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "marlin"])
+def test_cuda_hybrid_model_within_the_bound(conv, fmt):
+    """Dense layers and hot experts on the GPU (bf16) against the same with every expert on the CPU kernels."""
+    with load_model(conv, device="cuda") as lm:
+        ids = lm.tokenizer.encode(TEXT)[:160]
+        base = forced(lm, ids)
+    with load_model(conv, device="cuda", use_kernels=False) as lm:
+        exact = forced(lm, ids)
+    opts = HotExpertOptions(budget=Budget(per_layer=8), strategy="uniform", gpu_format=fmt)
+    with load_model(conv, device="cuda", hot_experts=opts) as lm:
+        ex = lm.model.experts
+        assert ex.store.device.type == "cuda" and ex.store.format == fmt
+        got = forced(lm, ids)
+        assert ex.stats["gpu_hit_ratio"] > 0.3
+    # bf16 activations on the GPU side instead of the kernels' int8: about the kernels' own error, twice at most
+    assert (got - base).abs().mean() <= 2.0 * (exact - base).abs().mean() + 1e-3
+
+
+def test_cuda_dynamic_swaps_change_no_output(conv):
+    """Copies on a side stream, each waiting for the last reader of its slot, flipped between steps: the batch's
+    outputs equal a synchronous replay of the same placements, bit for bit."""
+    opts = HotExpertOptions(budget=Budget(per_layer=3), strategy="uniform", dynamic=True, window=24,
+                            hysteresis=0.0, min_gap=0.0)
+    toks, logits, ex, _ = run_batch(conv, opts, device="cuda")
+    assert ex.store.device.type == "cuda" and ex.dynamic._stream is not None and ex.dynamic.swaps >= 3
+    toks2, logits2, _, _ = run_batch(conv, opts, replay_log=ex.dynamic.log, device="cuda")
+    assert toks2 == toks and len(toks) == len(PROMPTS)
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits2))
+
+
+def test_cuda_marlin_kernel_runs_marlin_hot_experts(conv):
+    if find_marlin_kernel(torch.device("cuda")) is None:
+        pytest.skip("no Marlin kernel installed (vllm or sglang)")
+    opts = HotExpertOptions(budget=Budget(per_layer=4), strategy="uniform", gpu_format="auto")
+    with load_model(conv, device="cuda", hot_experts=opts) as lm:
+        ex = lm.model.experts
+        assert ex.store.format == "marlin" and all(lin.kernel is not None for lin in ex.store.slots[1][0])
+        e = ex.residency.on_gpu(1)[0]
+        x = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
+        got = ex.store.expert_forward(1, int(ex.residency.slot[1][e]), x.cuda().bfloat16()).float().cpu()
+        cpu = HotExpertStore(lm.converted, {1: 1}, "marlin", device="cpu", dtype=torch.float32)
+        cpu.load(1, 0, e)
+        want = cpu.expert_forward(1, 0, x)
+    assert (got - want).abs().max() / want.abs().max() < 3e-2

@@ -1,0 +1,156 @@
+"""Golden bytes of our own CPU expert layouts (layouts/golden/, written once by layouts/write_golden.py):
+today's pack must reproduce them byte for byte, unpack must read them back, they follow layouts/README.md's tile
+formula (an independent loop here, not the packer), and every layout's current version must have them -- so a
+change to pack and unpack together cannot keep the layout version and silently break every file on disk."""
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ktlayouts.bf16 import bf16_bits_to_f32
+from ktlayouts.constants import CPU_EXPERT_LAYOUTS, ZERO_POINT
+from ktlayouts.cpu_expert import (
+    MatrixGeometry,
+    pack_codes,
+    pack_expert_matrix,
+    pack_scales,
+    quantize,
+    unpack_codes,
+    unpack_expert_matrix,
+    unpack_scales,
+)
+
+GOLDEN = Path(__file__).resolve().parents[1] / "layouts" / "golden"
+INDEX = json.loads((GOLDEN / "index.json").read_text())["files"]
+CURRENT = [e for e in INDEX if CPU_EXPERT_LAYOUTS.get(e["layout"], (None, None))[1] == e["layout_version"]]
+INT = [e for e in CURRENT if e["bits"] != 16]
+BF16 = [e for e in CURRENT if e["bits"] == 16]
+
+
+def _ids(e):
+    return e["file"]
+
+
+def _load(e):
+    return np.load(GOLDEN / e["file"]), MatrixGeometry(e["n"], e["k"], e["bits"], e["group_size"])
+
+
+def test_index_lists_existing_files_with_their_sha256_and_they_stay_small():
+    listed = {e["file"] for e in INDEX}
+    on_disk = {p.name for p in GOLDEN.glob("*.npz")}
+    assert listed == on_disk
+    for e in INDEX:
+        assert hashlib.sha256((GOLDEN / e["file"]).read_bytes()).hexdigest() == e["sha256"], e["file"]
+    assert sum((GOLDEN / f).stat().st_size for f in listed) < 1 << 20
+
+
+@pytest.mark.parametrize("layout", sorted(CPU_EXPERT_LAYOUTS))
+def test_every_current_layout_version_has_golden_files(layout):
+    """Bumping a version in ktlayouts.constants.CPU_EXPERT_LAYOUTS needs new golden files for it."""
+    bits, version = CPU_EXPERT_LAYOUTS[layout]
+    mine = [e for e in CURRENT if e["layout"] == layout]
+    assert mine, (f"{layout} version {version} has no golden files in {GOLDEN}: run "
+                  "layouts/write_golden.py once for the new version (see layouts/README.md)")
+    assert all(e["bits"] == bits for e in mine)
+    geoms = [MatrixGeometry(e["n"], e["k"], bits, e["group_size"]) for e in mine]
+    assert any(g.n_pad != g.n for g in geoms) and any(g.k_pad != g.k for g in geoms), "a padded shape is missing"
+    if bits != 16:
+        assert {e["group_size"] for e in mine} == {32, 64, 128, -1}
+
+
+@pytest.mark.parametrize("entry", INT, ids=_ids)
+def test_bf16_scales_off_is_the_golden_path_and_on_rounds_only_the_scales(entry):
+    """quantize(..., bf16_scales) (`ktconvert quantize --bf16-scales`): off reproduces the golden bytes; on, every
+    scale is the bf16 rounding of the golden one and the codes stay within one step of it."""
+    d, geom = _load(entry)
+    w = d["weight"].astype(np.float32)
+    qweight, packed = pack_expert_matrix(w, geom, bf16_scales=False)
+    assert qweight.tobytes() == d["qweight"].tobytes() and packed.tobytes() == d["packed_scales"].tobytes()
+    codes, scales = quantize(w, geom, bf16_scales=True)
+    want = torch.from_numpy(d["scales"]).to(torch.bfloat16).float().numpy()      # torch's rounding, not ours
+    assert np.array_equal(scales, want)
+    assert np.abs(codes.astype(np.int16) - d["codes"].astype(np.int16)).max() <= 1
+
+
+@pytest.mark.parametrize("entry", INT, ids=_ids)
+def test_int_pack_reproduces_the_golden_bytes(entry):
+    d, geom = _load(entry)
+    codes, scales = quantize(d["weight"].astype(np.float32), geom)
+    assert codes.tobytes() == d["codes"].tobytes() and scales.tobytes() == d["scales"].tobytes()
+    qweight, packed = pack_expert_matrix(d["weight"].astype(np.float32), geom)
+    assert qweight.shape == geom.qweight_shape and qweight.dtype == np.uint8
+    assert qweight.tobytes() == d["qweight"].tobytes()
+    assert packed.tobytes() == d["packed_scales"].tobytes()
+    assert pack_codes(d["codes"], geom).tobytes() == d["qweight"].tobytes()
+    assert pack_scales(d["scales"], geom).tobytes() == d["packed_scales"].tobytes()
+
+
+@pytest.mark.parametrize("entry", INT, ids=_ids)
+def test_int_unpack_reads_the_golden_bytes(entry):
+    d, geom = _load(entry)
+    assert np.array_equal(unpack_codes(d["qweight"], geom), d["codes"])
+    assert np.array_equal(unpack_scales(d["packed_scales"], geom), d["scales"])
+    # W[n, k] = (code[n, k] - Z) * scale[n, k // G]  (README), cropped to the logical (N, K)
+    want = (d["codes"].astype(np.float32) - ZERO_POINT[geom.bits]) * np.repeat(d["scales"], geom.group, axis=1)
+    got = unpack_expert_matrix(d["qweight"], d["packed_scales"], geom)
+    assert np.array_equal(got, want[: geom.n, : geom.k])
+    # and the codes are a faithful quantization of the stored weight: within half a step (one step where the
+    # opposite of the group's peak clips to the top code), padding is weight 0
+    step = np.abs(np.repeat(d["scales"], geom.group, axis=1))[: geom.n, : geom.k]
+    err = np.abs(got - d["weight"].astype(np.float32))
+    assert np.all(err <= step * (1 + 1e-6)) and np.mean(err <= 0.5 * step * (1 + 1e-6)) > 0.99
+    assert np.all(want[geom.n:] == 0) and np.all(want[:, geom.k:] == 0)
+
+
+@pytest.mark.parametrize("entry", BF16, ids=_ids)
+def test_bf16_pack_and_unpack_reproduce_the_golden_bytes(entry):
+    d, geom = _load(entry)
+    q, scales = pack_expert_matrix(d["weight"], geom)
+    assert scales is None and q.shape == geom.qweight_shape and q.tobytes() == d["qweight"].tobytes()
+    full = bf16_bits_to_f32(d["bits"])
+    assert np.array_equal(unpack_expert_matrix(d["qweight"], None, geom), full[: geom.n, : geom.k], equal_nan=True)
+    # the stored rounding is torch's float32 -> bfloat16 (round to nearest, ties to even)
+    ref = torch.from_numpy(d["weight"]).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(d["bits"][: geom.n, : geom.k], ref)
+    assert np.all(d["bits"][geom.n:] == 0) and np.all(d["bits"][:, geom.k:] == 0)
+
+
+def _spec_int_tiles(codes: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    """README: tile[nb, kt] row r, byte 4*n + j = code[16*nb + n, 64*kt + 4*r + j]; int4 packs rows 2c (low
+    nibble) and 2c+1 (high nibble) into chunk c of 64 bytes."""
+    out = np.zeros(geom.qweight_shape, dtype=np.uint8)
+    for nb in range(geom.n_blocks):
+        for kt in range(geom.k_tiles):
+            rows = np.zeros((16, 64), dtype=np.uint8)
+            for r in range(16):
+                for n in range(16):
+                    for j in range(4):
+                        rows[r, 4 * n + j] = codes[16 * nb + n, 64 * kt + 4 * r + j]
+            out[nb, kt] = (rows if geom.bits == 8 else rows[0::2] | (rows[1::2] << 4)).reshape(-1)
+    return out
+
+
+def _spec_bf16_tiles(bits: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    """README: each tile 16 rows x 16 columns x 2 consecutive K values: element (r, n, j) = bf16[16nb + n,
+    32kt + 2r + j], little-endian."""
+    out = np.zeros((geom.n_blocks, geom.k_tiles, 16, 16, 2), dtype="<u2")
+    for nb in range(geom.n_blocks):
+        for kt in range(geom.k_tiles):
+            for r in range(16):
+                for n in range(16):
+                    out[nb, kt, r, n] = bits[16 * nb + n, 32 * kt + 2 * r: 32 * kt + 2 * r + 2]
+    return out.view(np.uint8).reshape(geom.qweight_shape)
+
+
+@pytest.mark.parametrize("entry", CURRENT, ids=_ids)
+def test_golden_bytes_follow_the_readme_tile_formula(entry):
+    d, geom = _load(entry)
+    if geom.bits == 16:
+        assert d["qweight"].tobytes() == _spec_bf16_tiles(d["bits"], geom).tobytes()
+        return
+    assert d["qweight"].tobytes() == _spec_int_tiles(d["codes"], geom).tobytes()
+    # scales: (NB, n_groups, 16), the 16 scales of a column block for one group together
+    want = np.stack([d["scales"][16 * nb: 16 * nb + 16].T for nb in range(geom.n_blocks)])
+    assert d["packed_scales"].tobytes() == want.astype(np.float32).tobytes()
