@@ -45,7 +45,7 @@ from ktlayouts.kt_kernel import (
 )
 
 from ktconvert.converted_reader import ConvertedDir
-from ktconvert.export.hf_experts import exact_steps, shard_pieces, source_shape
+from ktconvert.export.hf_experts import exact_steps, source_shape
 from ktconvert.writer import AlignedWriter, TensorSpec
 
 KT_EXPERT_DIR = "kt-experts"            # AMX methods: kt-weight-path inside the export
@@ -165,14 +165,16 @@ def source_codes(conv: ConvertedDir, layer: int, expert: int, proj: str) -> tupl
     n, k = source_shape(conv, proj)
     codes = np.empty((n, k), dtype=np.uint8)
     scales = np.empty((n, k), dtype=np.float32)
-    for p in shard_pieces(conv, proj):
-        f = conv.open(expert_file(layer, p.shard, conv.geometry.numa_nodes))
+    geo = conv.geometry
+    for shard in range(geo.numa_nodes):
+        geom = geo.matrix_geometry(proj, shard)                            # the shard's (padded) tile geometry
+        f = conv.open(expert_file(layer, shard, geo.numa_nodes))
         q = f.get_slice(expert_tensor(proj, "qweight"))[expert: expert + 1][0].numpy()
         s = f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0].numpy()
-        c, sc = unpack_codes(q, p.geom), unpack_scales(s, p.geom)          # (N_pad, K_pad), (N_pad, n_groups)
-        col_sc = sc[:, np.arange(c.shape[1]) // p.geom.group]              # (N_pad, K_pad): each column's scale
-        paste_shard(c, proj, conv.geometry.shard_plan, p.shard, codes)
-        paste_shard(col_sc, proj, conv.geometry.shard_plan, p.shard, scales)
+        c, sc = unpack_codes(q, geom), unpack_scales(s, geom)              # (N_pad, K_pad), (N_pad, n_groups)
+        col_sc = sc[:, np.arange(c.shape[1]) // geom.group]                # (N_pad, K_pad): each column's scale
+        paste_shard(c, proj, geo.shard_plan, shard, codes)
+        paste_shard(col_sc, proj, geo.shard_plan, shard, scales)
     return codes, scales
 
 
