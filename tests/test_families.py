@@ -67,6 +67,17 @@ def test_gguf_rows_are_llama_cpp_names(arch):
     assert any(f.gguf is GGUF_ARCHS[arch] for f in FAMILIES.values())
 
 
+def test_deepseek_v32_has_no_gguf_because_llama_cpp_has_no_indexer_there():
+    """README: DeepSeek-V3.2 has no GGUF input. gguf-py (llama.cpp's constants) knows lightning-indexer tensors, but
+    only for glm-dsa, not for deepseek2, which V3 / Kimi GGUFs use: a deepseek2 GGUF cannot carry V3.2's indexer, so
+    reading one as V3.2 would silently run dense attention. Should gguf-py add them there, this fails and the family
+    gets GGUF rows."""
+    assert FAMILIES["deepseek_v32"].gguf is None
+    indexer = {t for t in gguf.MODEL_TENSOR if t.name.startswith("INDEXER")}
+    assert indexer and indexer <= set(gguf.MODEL_TENSORS[gguf.MODEL_ARCH.GLM_DSA])
+    assert not indexer & set(gguf.MODEL_TENSORS[gguf.MODEL_ARCH.DEEPSEEK2])
+
+
 def test_registry_is_torch_free():
     code = ("import sys, ktlayouts.families; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'ktconvert', 'ktrun', 'transformers', 'gguf')); assert not bad, bad")

@@ -2,7 +2,8 @@
 every family through ktconvert.testing.ARCHS: conversion + verify, ktrun logits and 32-token greedy decoding against
 transformers, quantized KL): the V3.2 indexer at prompts and decodes longer than index_topk with its keys in the
 KV cache, the FP8 releases of MiniMax-M2 and V3.2, K2.5's vision tower skipped and said so, Kimi-K2 served with its
-tiktoken tokenizer, `inspect`, `pull`, and config errors that name the field before any weight is read."""
+tiktoken tokenizer, K2.5's compressed-tensors int4 release taken over exactly, `inspect`, `pull`, and config errors
+that name the field before any weight is read."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,14 +29,17 @@ from runtime_helpers import (
     build_conversion,
     converted,
     greedy_gaps,
+    kl,
     reference_logits,
     shared_root,
     transformers_model,
 )
 
+from ktconvert.converted_reader import ConvertedDir
 from ktconvert.sources import SourceError, open_source
 from ktconvert.sources.roles import adapter_for
 from ktconvert.testing import FIXTURES, make_checkpoint, make_model
+from ktconvert.testing.quantized import EXPERTS_ONLY, compressed_tensors_checkpoint
 from ktconvert.testing.tokenizer import KIMI_BASE_VOCAB, _write_kimi
 
 KTCONVERT = [sys.executable, "-m", "ktconvert"]
@@ -379,3 +383,51 @@ def test_glm45_air_without_qk_norm_and_bias_matches_transformers(tmp_path_factor
     ids = eng.tokenizer.encode(PROMPT)
     got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
     assert (got - reference_logits(transformers_model(src), ids)).abs().max() < LOGIT_ATOL
+
+
+# --- Kimi-K2.5's release format: compressed-tensors int4 experts under language_model. ----------------------------
+
+@pytest.mark.parametrize("nested", [False, True], ids=["top-level", "in-text_config"])
+def test_kimi_k25_compressed_tensors_int4_release_is_taken_over_exactly(tmp_path_factory, tmp_path, nested):
+    """Kimi-K2.5 (like K2-Thinking) ships its routed experts as compressed-tensors pack-quantized int4, group 32,
+    the rest BF16, all under language_model.; the quantization_config may sit at the top level or in text_config.
+    Written here by the compressed-tensors library itself (ktconvert.testing.quantized): --method auto takes the
+    codes over exactly, the vision tower is skipped, and ktrun follows transformers on the same checkpoint
+    (transformers decompresses with the library; its experts are ours rounded once to bf16)."""
+    root = shared_root(tmp_path_factory) / "kimi_k25_ct"
+    bf16 = root / "bf16"
+    if not (bf16 / "config.json").exists():      # moe_intermediate_size 96: group 32 divides every expert K
+        make_checkpoint("kimi_k25", bf16, init_scale=INIT_SCALE, moe_intermediate_size=96)
+    src = compressed_tensors_checkpoint(bf16, tmp_path / "ct", "W4A16", group_size=32, targets=(EXPERTS_ONLY,))
+    if nested:
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["text_config"]["quantization_config"] = cfg.pop("quantization_config")
+        (src / "config.json").write_text(json.dumps(cfg))
+    r = _quantize(src, tmp_path / "out", "--method", "auto", "--gpu-method", "bf16")
+    assert "--method auto: int4-amx --group-size 32 (exact target of compressed-tensors int4 g32)" in r.stderr
+    assert "experts: 48 taken over exactly from compressed-tensors int4 g32" in r.stderr, r.stderr
+    assert "skipped 23 tensors: vision tower and multimodal projector" in r.stderr
+    eng = Engine(tmp_path / "out", ctx=256, use_kernels=False)
+    ids = eng.tokenizer.encode(PROMPT)
+    got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+    ref = transformers_model(src)
+    for p in ref.parameters():               # decompressed in the scales' bf16: compute in float32 as ktrun does
+        if p.is_floating_point():
+            p.data = p.data.float()
+    conv = ConvertedDir(tmp_path / "out")
+    ours = conv.read_expert(1, 5)
+    sd = ref.state_dict()
+    conv.close()
+    assert torch.equal(sd["model.language_model.layers.1.mlp.experts.down_proj"][5],
+                       torch.from_numpy(ours["down"]).bfloat16().float())
+    want = reference_logits(ref, ids)
+    d = kl(want, got)
+    assert d.mean() < 1e-4 and (got - want).abs().max() < 3e-2, f"KL mean {d.mean():.2e}, max |diff| " \
+                                                               f"{(got - want).abs().max():.3g}"
+    eng.add_request("k25", ids, SamplingParams(max_tokens=32, ignore_eos=True))
+    gen = []
+    while eng.has_work():
+        gen += [t for _r, t, _f in eng.step()]
+    gaps = greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)
+    assert len(gen) == 32 and max(gaps) <= 3e-2, gaps
+    eng.close()
