@@ -82,11 +82,12 @@ FIXTURES = {
             "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 1,
             "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "pad_token_id": 0, "eos_token_id": 0},
         tokenizer="glm", partial_rotary_key="partial_rotary_factor", mtp=True),
-    # MiniMax-M2: every layer MoE, q/k norm over the whole projection, rotary_dim 16 of head_dim 32, FP8 release.
+    # MiniMax-M2: every layer MoE, 7 query heads sharing 1 KV head, q/k norm over the whole projection, rotary_dim 16 of
+    # head_dim 32, FP8 release.
     "minimax_m2": FixtureFamily(
         config={
             "hidden_size": 96, "intermediate_size": 80, "num_local_experts": 8, "num_experts_per_tok": 3,
-            "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 7, "num_key_value_heads": 1, "head_dim": 32,
             "partial_rotary_factor": 0.5, "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2},
         tokenizer="chatml", moe_block="block_sparse_moe", expert_projs={"gate": "w1", "up": "w3", "down": "w2"},
         partial_rotary_key="rotary_dim", fp8=True,
