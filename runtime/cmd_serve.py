@@ -7,8 +7,14 @@ from pathlib import Path
 import click
 from ktrun.serve import DEFAULT_MAX_BODY_BYTES, run_server
 
+from .byte_sizes import parse_bytes
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
+
+
+def _size(ctx, param, value):
+    """A byte-size option ('4GiB', '512MB', '16G', '0') -> bytes, or None when not given."""
+    return None if value is None else parse_bytes(str(value), param.opts[0])
 
 
 @click.command("serve")
@@ -38,16 +44,31 @@ from .hot_experts_option import hot_experts_from, hot_experts_options
 @click.option("--reasoning-inline", is_flag=True,
               help="Keep reasoning text inline in content by default (a request's separate_reasoning overrides).")
 @click.option("--no-timings-log", is_flag=True, help="No per-request timing line on stderr.")
+@click.option("--no-prefix-cache", is_flag=True,
+              help="Prefill every prompt in full (no KV blocks are kept between requests).")
+@click.option("--prefix-cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of the disk tier of the prefix cache (kept across restarts; one server per folder).")
+@click.option("--prefix-cache-disk", metavar="SIZE", callback=_size, default="16GiB", show_default=True,
+              help="Byte budget of the disk tier.")
+@click.option("--prefix-cache-ram", metavar="SIZE", callback=_size, default="4GiB", show_default=True,
+              help="Byte budget of the CPU RAM tier (blocks evicted from the device; 0: none).")
+@click.option("--prefix-cache-device", metavar="SIZE", callback=_size, default=None,
+              help="Bytes of cached blocks no request uses kept on the compute device (default: what the KV pool "
+                   "has room for; it never grows for them).")
 @gpu_weights_option
 @hot_experts_options()
 def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests,
-          tool_call_parser, reasoning_parser, reasoning_inline, no_timings_log, gpu_weights,
-          **hot):
+          tool_call_parser, reasoning_parser, reasoning_inline, no_timings_log, no_prefix_cache, prefix_cache_dir,
+          prefix_cache_disk, prefix_cache_ram, prefix_cache_device, gpu_weights, **hot):
     """Serve MODEL_DIR (a `ktconvert quantize` output) over the OpenAI API.
 
     Endpoints: GET /health (503 while loading, 200 when ready), GET /v1/models, POST /v1/completions,
     POST /v1/chat/completions (both with "stream": true for server-sent events), POST /tokenize,
     POST /detokenize, GET /tokenizer_info, GET /metrics (Prometheus text), GET /docs (OpenAPI).
+
+    Prefix cache (on unless --no-prefix-cache): the KV blocks of earlier prompts are reused by later requests
+    with the same prefix (system prompt, conversation so far), from the device, the RAM tier or the disk tier;
+    usage.prompt_tokens_details.cached_tokens says how many prompt tokens were not prefilled.
 
     \b
     Examples:
@@ -55,6 +76,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
       ktrun serve converted/ --ctx 8192 --max-batch 32 --api-key "$(cat key.txt)"
       ktrun serve converted/ --profile profile.json --gpu-mem 24GB --dynamic-experts   # hot experts, kept fresh
       ktrun serve qwen3-converted/ --tool-call-parser hermes --reasoning-inline
+      ktrun serve converted/ --prefix-cache-dir /nvme/ktrun-cache --prefix-cache-disk 200GB --prefix-cache-ram 32GiB
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "converted", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
 
@@ -69,10 +91,13 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
     hot_opts = hot_experts_from(hot)
 
     def load_engine():  # runs after the socket is bound, so /health answers 503 during the (torch) import too
-        from ktrun.engine import Engine
+        from ktrun.engine import Engine, PrefixCacheConfig
 
+        prefix = False if no_prefix_cache else PrefixCacheConfig(
+            device_bytes=prefix_cache_device, ram_bytes=prefix_cache_ram, disk_dir=prefix_cache_dir,
+            disk_bytes=prefix_cache_disk)
         return Engine(str(model_dir), ctx=ctx, max_batch=max_batch, device=device, verify=verify,
-                      gpu_weights=gpu_weights, hot_experts=hot_opts)
+                      gpu_weights=gpu_weights, hot_experts=hot_opts, prefix_cache=prefix)
 
     def sampling_params(**kw):
         from ktrun.engine import SamplingParams

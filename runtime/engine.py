@@ -16,9 +16,17 @@ A request with params.n > 1 holds n sequences (choices) that share its prompt's 
 other choices start from a copy of its cache. step() returns StepOutput tuples (req_id, token, finish_reason) with
 .index (the choice), .logprobs (TokenLogprobs when params.logprobs is set) and, with a choice's first token,
 .prompt_logprobs (params.prompt_logprobs: one TokenLogprobs per prompt token after the first).
+
+Prefix cache (ktrun.prefix_cache, on by default): before a new request is prefilled, the longest prefix of its prompt
+held in full cached KV blocks (left by earlier requests, on the device, in RAM or on disk) is attached to its cache
+and only the rest is prefilled; `engine.cached_tokens[req_id]` says how many prompt tokens that saved, for the
+requests the latest step() prefilled. A new request whose next block an earlier request of the same step is about to
+compute waits one step and reuses it. Every full block a request completes (prompt or generated) is kept for later
+requests when it ends; its partial last block is freed.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -29,11 +37,12 @@ import torch
 
 from .generate import PREFILL_CHUNK, decode, prefill
 from .loaded_model import load_model
-from .models.kv_cache import Batch, SeqCache
+from .models.kv_cache import KV_BLOCK_SIZE, Batch
+from .prefix_cache import PrefixCache, PrefixCacheConfig
 from .sampling import SamplingParams, TokenLogprobs, prompt_logprobs
 from .sequence import Sequence
 
-__all__ = ["Engine", "RequestError", "SamplingParams", "StepOutput"]
+__all__ = ["Engine", "PrefixCacheConfig", "RequestError", "SamplingParams", "StepOutput"]
 
 
 PREFILL_BATCH_TOKENS = 512   # new prompts up to this many tokens in all are prefilled together in one forward
@@ -55,21 +64,16 @@ class StepOutput(tuple):
         return out
 
 
-def fork_cache(src: SeqCache) -> SeqCache:
-    """A copy of a sequence's cache (n > 1: the other choices start from the prompt's prefill)."""
-    dst = SeqCache(len(src.layers), src.widths, src.ctx, src.dtype, src.device)
-    dst.layers = [None if bufs is None else [t.clone() for t in bufs] for bufs in src.layers]
-    dst.length = src.length
-    return dst
-
-
 class Engine:
     def __init__(self, model_dir, ctx: int = 4096, max_batch: int = 16, device=None, verify: bool = False,
                  use_kernels: bool | None = None, quiet: bool = True, numa_prefault: bool = False,
-                 dtype: torch.dtype | None = None, gpu_weights: str = "auto", hot_experts=None):
+                 dtype: torch.dtype | None = None, gpu_weights: str = "auto", hot_experts=None,
+                 prefix_cache: PrefixCacheConfig | bool = True, kv_block_size: int = KV_BLOCK_SIZE):
         """Loads MODEL_DIR with ktrun.loaded_model.load_model (the same options; hot_experts: ktrun.hot_experts.
         HotExpertOptions, a --gpu-mem plan leaving room for ctx * max_batch tokens of KV cache); ctx: tokens per
-        request (prompt + generated); max_batch: requests held at once."""
+        request (prompt + generated); max_batch: requests held at once; prefix_cache: True (default tiers: device +
+        4 GiB RAM), a PrefixCacheConfig (budgets, disk folder) or False (every prompt prefilled in full);
+        kv_block_size: positions per KV block (the granularity of prefix reuse)."""
         self.model_dir = Path(model_dir)
         t0 = time.perf_counter()
         self.loaded = load_model(self.model_dir, device=device, dtype=dtype, verify=verify, quiet=quiet,
@@ -80,6 +84,16 @@ class Engine:
         self.ctx, self.max_batch = int(ctx), int(max_batch)
         if self.ctx < 1 or self.max_batch < 1:
             raise ValueError(f"ctx and max_batch must be >= 1 (got ctx={ctx}, max_batch={max_batch})")
+        self.model.set_kv_block_size(kv_block_size)
+        if prefix_cache is True:
+            prefix_cache = PrefixCacheConfig()
+        try:
+            self.prefix_cache = PrefixCache(self.model.kv_pool, self._cache_identity(), prefix_cache) \
+                if prefix_cache else None
+        except BaseException:              # e.g. the disk tier's folder is in use: stop the expert threads first
+            self.loaded.close()
+            raise
+        self.cached_tokens: dict[str, int] = {}    # req_id -> prompt tokens taken from the cache, latest step()
         self._new: list[Sequence] = []
         self._running: dict[tuple[str, int], Sequence] = {}    # (req_id, choice index) -> its sequence
         self.stats = {"load_s": time.perf_counter() - t0, "prompt_tokens": 0, "generated_tokens": 0,
@@ -109,10 +123,14 @@ class Engine:
         self._new.append(choices[0])
 
     def abort(self, req_id: str, index: int | None = None) -> None:
-        """Drop a request (all its choices, or only choice `index`); its caches go with it."""
+        """Drop a request (all its choices, or only choice `index`); its blocks go back to the pool (the full ones
+        the prefix cache keys stay cached)."""
         for key in [k for k in self._running if k[0] == req_id and (index is None or k[1] == index)]:
-            del self._running[key]
+            self._running.pop(key).cache.release()
         if index is None:
+            for r in self._new:
+                if r.req_id == req_id:
+                    r.cache.release()
             self._new = [r for r in self._new if r.req_id != req_id]
         else:
             for r in self._new:
@@ -123,9 +141,33 @@ class Engine:
         return len(self._running) + sum(1 + len(r.followers) for r in self._new)
 
     def kv_cache_bytes(self) -> int:
-        """KV-cache bytes held by the requests in the engine (read by /metrics from another thread: list() of a
-        dict's values is one step under the GIL)."""
-        return sum(r.cache.nbytes() for r in list(self._running.values()) + list(self._new))
+        """KV-cache bytes of the blocks requests hold (a block shared by several counts once; cached blocks no
+        request holds are in prefix_cache_stats()). Read by /metrics from another thread: one int."""
+        pool = self.model.kv_pool
+        return pool.used * pool.block_bytes
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Plain numbers for /metrics: hit/miss prompt tokens (hits by tier), bytes and blocks per tier, budgets."""
+        if self.prefix_cache is None:
+            return {"enabled": 0, "hit_tokens": 0, "miss_tokens": self.stats["prompt_tokens"]}
+        return {"enabled": 1, **self.prefix_cache.stats()}
+
+    def flush_prefix_cache(self) -> int:
+        """Write every cached block to the disk tier (if there is one): what a restart starts warm with."""
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
+
+    def _cache_identity(self) -> dict[str, str]:
+        """What a cached block's values depend on besides its tokens: a block made under any other is never used."""
+        manifest = hashlib.sha256((self.converted.root / "manifest.json").read_bytes()).hexdigest()
+        backend = getattr(self.experts, "stats", {}).get("kernel_backend", "")
+        ident = {"manifest_sha256": manifest, "kv_dtype": str(self.model.dtype), "device": self.model.device.type,
+                 "experts": f"{type(self.experts).__name__}:{backend}", "gpu_weights": str(self.converted.gpu_weights)}
+        residency = getattr(self.experts, "residency", None)
+        if residency is not None:        # hot experts (HybridExperts) compute on the GPU in their own format
+            placed = hashlib.sha256(b"".join(residency.skip[L].tobytes() for L in sorted(residency.skip)))
+            mode = "dynamic" if getattr(self.experts, "dynamic", None) is not None else "static"
+            ident["hot_experts"] = f"{getattr(self.experts.store, 'format', '')}:{mode}:{placed.hexdigest()}"
+        return ident
 
     def has_work(self) -> bool:
         return bool(self._new or self._running)
@@ -141,10 +183,40 @@ class Engine:
                                   first.get(id(s)) if first else None))
             if s.finish_reason:
                 self._running.pop((s.req_id, s.index), None)
+                s.cache.release()
                 self.stats["requests_finished"] += 1
             else:
                 self._running[s.req_id, s.index] = s
         self.stats["generated_tokens"] += len(seqs)
+
+    def _match_prefixes(self, new: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """Attach each new request's cached prefix; -> (requests to prefill now, requests that wait one step because
+        an earlier one in this step computes their next block). A request asking for prompt logprobs prefills its
+        whole prompt (the cache holds KV, not the logits that score each prompt token)."""
+        pc = self.prefix_cache
+        if pc is None:
+            return new, []
+        producing: set[bytes] = set()
+        ready, wait = [], []
+        for r in new:
+            keys = pc.prompt_keys(r.prompt_ids)
+            if r.params.prompt_logprobs is not None:
+                producing.update(keys)
+                ready.append(r)
+                continue
+            n = pc.cached_prefix_blocks(keys)
+            if n < len(keys) and keys[n] in producing:
+                wait.append(r)
+                continue
+            r.cached_tokens = pc.match(r.cache, r.prompt_ids, keys)
+            producing.update(keys[r.cached_tokens // pc.block_size:])
+            ready.append(r)
+        return ready, wait
+
+    def _publish(self, seqs: list[Sequence]) -> None:
+        if self.prefix_cache is not None:
+            for s in seqs:
+                self.prefix_cache.publish(s.cache)
 
     def _prefill_with_logprobs(self, r: Sequence) -> tuple[torch.Tensor, list[TokenLogprobs]]:
         """Prefill one prompt in chunks keeping every position's logits long enough to score the prompt token that
@@ -160,26 +232,31 @@ class Engine:
     def step(self) -> list[StepOutput]:
         out: list[StepOutput] = []
         decoding = list(self._running.values())
-        if self._new:
-            new, self._new = self._new, []
+        self.cached_tokens = {}
+        new, self._new = self._match_prefixes(self._new) if self._new else ([], [])
+        if new:
             t0 = time.perf_counter()
             plain = [r for r in new if r.params.prompt_logprobs is None]
             scored = [r for r in new if r.params.prompt_logprobs is not None]
             rows: dict[int, torch.Tensor] = {}
             first: dict[int, list[TokenLogprobs]] = {}
-            if plain and sum(len(r.prompt_ids) for r in plain) <= PREFILL_BATCH_TOKENS:   # short prompts: one forward
-                logits = self.model.forward(Batch.build([(r.cache, r.prompt_ids) for r in plain], self.model.device))
+            todo = [(r.cache, r.prompt_ids[r.cached_tokens:]) for r in plain]   # what the cache does not hold
+            if plain and sum(len(ids) for _, ids in todo) <= PREFILL_BATCH_TOKENS:   # short prompts: one forward
+                logits = self.model.forward(Batch.build(todo, self.model.device))
                 rows.update({id(r): row for r, row in zip(plain, logits)})
             else:                                                                   # long ones: chunked, one by one
-                rows.update({id(r): prefill(self.model, r.cache, r.prompt_ids) for r in plain})
+                rows.update({id(r): prefill(self.model, cache, ids) for r, (cache, ids) in zip(plain, todo)})
             for r in scored:
                 rows[id(r)], first[id(r)] = self._prefill_with_logprobs(r)
             self.stats["prefill_s"] += time.perf_counter() - t0
             self.stats["prompt_tokens"] += sum(len(r.prompt_ids) for r in new)
+            self.cached_tokens = {r.req_id: r.cached_tokens for r in new}
+            self._publish(new)
             seqs, logits = [], []
-            for r in new:                    # choices 1..n-1 start from a copy of choice 0's prefilled cache
+            for r in new:                    # choices 1..n-1 start from a fork of choice 0's prefilled cache
                 for f in r.followers:
-                    f.cache = fork_cache(r.cache)
+                    f.cache = r.cache.fork()
+                    f.cached_tokens = r.cached_tokens
                     first[id(f)] = first.get(id(r))
                 seqs += [r, *r.followers]
                 logits += [rows[id(r)]] * (1 + len(r.followers))
@@ -189,10 +266,17 @@ class Engine:
             logits = decode(self.model, [(s.cache, s.tokens[-1]) for s in decoding])
             self.stats["decode_s"] += time.perf_counter() - t0
             self.stats["decode_steps"] += 1
+            self._publish(decoding)
             self._emit(decoding, logits, out)
         self.stats.update(self.experts.stats)
         self.stats["expert_wait_s"] = self.model.timing["expert_wait_s"]
         return out
 
     def close(self) -> None:
+        """Abort what is left, write the cached blocks to the disk tier, stop the expert threads."""
+        for req_id in {*(k[0] for k in self._running), *(r.req_id for r in self._new)}:
+            self.abort(req_id)
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+            self.prefix_cache.close()
         self.loaded.close()

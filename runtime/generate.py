@@ -50,14 +50,17 @@ def generate(model, prompt_ids: list[int], params: SamplingParams, ctx: int, eos
     stop strings end it; on_text(delta) gets each piece of text as soon as it may be shown."""
     seq = Sequence(prompt_ids, params, model.new_cache(ctx), ctx, eos_ids, decode_text)
     t0 = time.perf_counter()
-    logits = prefill(model, seq.cache, seq.prompt_ids)
-    t1 = time.perf_counter()
-    while True:
-        delta = seq.append(seq.sample(logits)[0])
-        if delta and on_text is not None:
-            on_text(delta)
-        if seq.finish_reason:
-            break
-        logits = decode_one_token(model, seq.cache, seq.tokens[-1])
+    try:
+        logits = prefill(model, seq.cache, seq.prompt_ids)
+        t1 = time.perf_counter()
+        while True:
+            delta = seq.append(seq.sample(logits)[0])
+            if delta and on_text is not None:
+                on_text(delta)
+            if seq.finish_reason:
+                break
+            logits = decode_one_token(model, seq.cache, seq.tokens[-1])
+    finally:
+        seq.cache.release()                        # its KV blocks go back to the model's pool
     return Generation(seq.prompt_ids, seq.tokens, seq.text.text if seq.text else "", seq.finish_reason,
                       prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)

@@ -28,6 +28,7 @@ class Sequence:
         self.tokens: list[int] = []
         self.text = TextStream(decode, params.stop, self.prompt_ids) if decode is not None else None
         self.finish_reason: str | None = None
+        self.cached_tokens = 0                     # prompt tokens the prefix cache supplied (never prefilled)
         self.followers: list[Sequence] = []   # Engine, n > 1: the other choices, prefilled by copying this cache
 
     def sample(self, logits) -> tuple[int, TokenLogprobs | None]:

@@ -73,9 +73,10 @@ def test_v32_indexer_sparsifies_long_prompts_and_caches_its_keys(tmp_path_factor
     with torch.no_grad():
         out = ref(torch.tensor([ids]), use_cache=True)
     assert (got - out.logits[0]).abs().max() < LOGIT_ATOL
-    assert cache.widths == [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,), (cfg.index_head_dim,)]
+    pool = cache.pool                 # the request's KV blocks: per token kind (layers, blocks, block size, *width)
+    assert pool.layout.token_shapes == ((cfg.kv_lora_rank + cfg.qk_rope_head_dim,), (cfg.index_head_dim,))
     for layer in range(cfg.num_layers):
-        ours = cache.layers[layer][1][: len(ids)]
+        ours = pool.tokens[1][layer][cache.blocks].reshape(-1, cfg.index_head_dim)[: len(ids)]
         theirs = out.past_key_values.layers[layer].indexer_keys[0]
         assert torch.allclose(ours, theirs, atol=1e-5), layer
     dense = Engine(conv, ctx=256, use_kernels=False)

@@ -301,3 +301,43 @@ def test_build_refuses_what_it_cannot_do_and_fits_gpu_mem(conv, profile_path, tm
             gpu_mem=int((dense + kv + 10.5 * per) / 0.95), kv_mem=kv), gpu_format="marlin", strategy="per-layer"))
         assert isinstance(ex, HybridExperts) and ex.residency.n_resident() == 10
         assert ex.placement.budget["plan"]["dense_bytes"] == dense
+
+
+def test_prefix_cache_blocks_are_keyed_by_the_hot_expert_placement(conv, tmp_path):
+    """Hot experts compute in another format than the CPU kernels, so KV blocks made with one placement are never
+    reused under another (the placement is part of the prefix cache's identity): a disk tier written by an engine
+    with 3 hot experts per layer is cold for one with 2, which then reuses its own blocks (same greedy tokens as
+    its uncached run)."""
+    from ktrun.engine import PrefixCacheConfig
+
+    cfg = PrefixCacheConfig(disk_dir=tmp_path / "kv")
+    hot = HotExpertOptions(budget=Budget(per_layer=2), strategy="uniform")
+
+    conv_ids: list[int] = []
+
+    def once(eng, rid):
+        eng.add_request(rid, conv_ids, SamplingParams(max_tokens=6, ignore_eos=True))
+        toks = []
+        cached = None
+        while eng.has_work():
+            toks += [t for _, t, _ in eng.step()]
+            cached = eng.cached_tokens.get(rid, cached)
+        return toks, cached
+
+    other = Engine(conv, ctx=256, max_batch=2, hot_experts=HotExpertOptions(budget=Budget(per_layer=3),
+                                                                           strategy="uniform"), prefix_cache=cfg)
+    conv_ids = other.tokenizer.encode(HELDOUT[:400])[:80]
+    _, cached = once(other, "a")
+    assert cached == 0 and once(other, "b")[1] == 64                 # (80 - 1) // 16 full blocks
+    other.close()                                                    # written to the disk tier
+    assert len(list((tmp_path / "kv").rglob("*.kvblock"))) >= 4
+
+    plain = Engine(conv, ctx=256, max_batch=2, hot_experts=hot, prefix_cache=False)
+    want, _ = once(plain, "w")
+    plain.close()
+    hybrid = Engine(conv, ctx=256, max_batch=2, hot_experts=hot, prefix_cache=cfg)
+    assert isinstance(hybrid.model.experts, HybridExperts)
+    assert once(hybrid, "c") == (want, 0)                            # the other placement's blocks are not its own
+    assert once(hybrid, "d") == (want, 64)
+    assert hybrid.prefix_cache_stats()["hit_tokens_disk"] == 0
+    hybrid.close()

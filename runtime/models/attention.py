@@ -3,7 +3,9 @@ cache (DeepSeek), optionally sparsified by DeepSeek-V3.2's lightning indexer (in
 
 Inputs are a flattened varlen batch: x (T, H) holds the new tokens of several requests; each request's queries see
 only its own cache (plus its own new tokens, causally). Projections run once over all T rows; the score/softmax
-part loops over requests (cheap next to the experts; no request can read another's cache).
+part loops over requests (cheap next to the experts; no request can read another's cache). A request's cached
+positions come as a few runs of views into the KV block pool (kv_cache.py): scores are computed per run and
+concatenated, one softmax spans them all, and the output sums each run's share (one run: a single matmul each).
 """
 from __future__ import annotations
 
@@ -33,6 +35,21 @@ def _mask(s, device, window: int | None) -> torch.Tensor | None:
     return causal_scores_mask(s.n, s.start, s.start + s.n, device, window)
 
 
+def _cat_scores(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _attend_runs(probs: torch.Tensor, values: list[torch.Tensor], apply) -> torch.Tensor:
+    """sum over runs r of apply(probs[..., run r's positions], values[r]): the output of one softmax over runs."""
+    if len(values) == 1:
+        return apply(probs, values[0])
+    out, off = None, 0
+    for v in values:
+        part = apply(probs[..., off:off + v.shape[0]], v)
+        out, off = part if out is None else out + part, off + v.shape[0]
+    return out
+
+
 def gqa_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
     return [(cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)]
 
@@ -58,12 +75,12 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     rep, scale = nh // nkv, cfg.softmax_scale
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
-        k_all, v_all = s.cache.write(layer, s.start, [k[rows], v[rows]])      # (S, nkv, hd) each
-        k_all = k_all.repeat_interleave(rep, dim=1)
-        v_all = v_all.repeat_interleave(rep, dim=1)
-        scores = torch.einsum("thd,shd->hts", q[rows], k_all) * scale            # (nh, n, S)
+        runs = s.cache.write(layer, s.start, [k[rows], v[rows]])             # [(k_r, v_r) (S_r, nkv, hd)], sum S_r = S
+        ks = [kr.repeat_interleave(rep, dim=1) for kr, _ in runs]
+        vs = [vr.repeat_interleave(rep, dim=1) for _, vr in runs]
+        scores = _cat_scores([torch.einsum("thd,shd->hts", q[rows], kr) for kr in ks]) * scale   # (nh, n, S)
         mask = _mask(s, x.device, cfg.sliding_window)
-        out[rows] = torch.einsum("hts,shd->thd", _softmax_attend(scores, mask), v_all)
+        out[rows] = _attend_runs(_softmax_attend(scores, mask), vs, lambda p, vr: torch.einsum("hts,shd->thd", p, vr))
     return linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
 
 
@@ -112,13 +129,14 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     latent = torch.cat([c, k_rot], dim=-1)                                                    # (T, R + dr)
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
-        cached = s.cache.write(layer, s.start, [latent[rows]] + ([idx.k[rows]] if idx is not None else []))
-        lat_all = cached[0]                                                                   # (S, R + dr)
-        c_all, kr_all = lat_all[:, :R], lat_all[:, R:]
-        scores = (torch.matmul(q_lat[:, rows], c_all.t()) + torch.matmul(q_rot[:, rows], kr_all.t())) * scale
-        mask = _mask(s, x.device, None)                                                       # scores: (nh, n, S)
-        if idx is not None:
-            mask = lightning.select(cfg, idx.q[rows], cached[1], idx.weights[rows], mask)
-        out_lat[:, rows] = torch.matmul(_softmax_attend(scores, mask), c_all)
+        runs = s.cache.write(layer, s.start, [latent[rows]] + ([idx.k[rows]] if idx is not None else []))
+        lats = [r[0] for r in runs]                                                           # [(S_r, R + dr)]
+        scores = _cat_scores([torch.matmul(q_lat[:, rows], lat[:, :R].t()) + torch.matmul(q_rot[:, rows], lat[:, R:].t())
+                              for lat in lats]) * scale                                       # (nh, n, S)
+        mask = _mask(s, x.device, None)
+        if idx is not None:                    # the indexer's top-k over every cached key: (S, d_index) in one piece
+            keys = runs[0][1] if len(runs) == 1 else torch.cat([r[1] for r in runs])
+            mask = lightning.select(cfg, idx.q[rows], keys, idx.weights[rows], mask)
+        out_lat[:, rows] = _attend_runs(_softmax_attend(scores, mask), [lat[:, :R] for lat in lats], torch.matmul)
     o = torch.matmul(out_lat, w_uv_t).transpose(0, 1)                                         # (T, nh, dv)
     return linear(o.reshape(T, nh * dv), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))

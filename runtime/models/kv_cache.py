@@ -1,53 +1,274 @@
-"""Per-request KV caches and the varlen batch description the model forwards take.
+"""Per-request KV caches in fixed-size blocks, and the varlen batch description the model forwards take.
 
-Each request owns one SeqCache: per layer, a list of tensors whose first dim is the token position (MLA keeps one
-compressed-latent tensor (S, kv_lora_rank + rope_dim); GQA keeps k and v (S, kv_heads, head_dim)). Storage grows by
-doubling up to the context limit, so a short request never holds a full --ctx worth of memory. A request reads only
-its own cache: batching never mixes caches.
+Storage is one BlockPool per model on the compute device. For each cached tensor kind of the architecture (MLA: the
+compressed latent + roped shared key (kv_lora_rank + rope_dim); GQA: k and v (kv_heads, head_dim)) the pool holds one
+tensor (layers, blocks, B, *width): block b of layer l is `pool.tokens[kind][l, b]`, B consecutive positions. A
+request's SeqCache is a block table (the pool block holding its positions [i*B, (i+1)*B)) plus its length; blocks are
+taken as the request grows (so it wastes at most B-1 positions) and are reference counted, so one full block can be
+read by several requests at once (ktrun.prefix_cache decides which; a request only ever writes positions at or past
+its own length, so a shared full block is never written). A request reads only the blocks of its own table.
+
+Attention reads a request's positions [0, S) as a few runs: each run is a view of the layer's slab over blocks that
+are consecutive in the pool, so nothing is copied. The pool hands a growing request the block after its last one
+when that is free, so a request alone has one run (exactly the contiguous cache of before) and a request continuing
+a shared prefix typically two (the prefix's, then its own); attention computes scores per run and one softmax over
+all of them. A table broken into more than MAX_RUNS runs is gathered into one tensor instead (one index_select).
+
+Per-block state snapshots, for layers whose cache is a recurrent state rather than one row per position (linear
+attention: the state after a block's last token is what a request continuing from that block needs), are declared in
+`BlockLayout.state_shapes`; the pool stores them as (layers, blocks, *shape) and every tier moves them with the token
+tensors. No family here has one yet: the forward that writes and reads them belongs to such a family.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
+import math
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+
+KV_BLOCK_SIZE = 16   # positions per block: the granularity of prefix sharing (a prefix reuses its full blocks)
+MAX_RUNS = 4         # runs of consecutive blocks attention reads as views; more are gathered into one copy
 
 
 class ContextFull(RuntimeError):
     """The request would exceed its context limit (--ctx)."""
 
 
-class SeqCache:
-    def __init__(self, num_layers: int, widths: list[tuple[int, ...]], ctx: int, dtype, device):
-        self.ctx, self.dtype, self.device = ctx, dtype, device
-        self.widths = widths                     # per cached tensor: trailing shape, e.g. (576,) or (8, 128)
-        self.layers: list[list[torch.Tensor] | None] = [None] * num_layers
-        self.length = 0                          # tokens committed (all layers written)
+@dataclass(frozen=True)
+class BlockLayout:
+    """What one block holds: for each token kind (layers, block_size, *shape), for each state kind (layers, *shape)."""
 
-    def _ensure(self, layer: int, need: int) -> list[torch.Tensor]:
-        bufs = self.layers[layer]
-        cap = 0 if bufs is None else bufs[0].shape[0]
-        if need <= cap:
-            return bufs
-        if need > self.ctx:
-            raise ContextFull(f"sequence of {need} tokens exceeds the context limit --ctx {self.ctx}")
-        new_cap = min(self.ctx, max(need, 2 * cap, 64))
-        new = [torch.zeros((new_cap, *w), dtype=self.dtype, device=self.device) for w in self.widths]
-        if bufs is not None:
-            for n, o in zip(new, bufs):
-                n[:cap] = o
-        self.layers[layer] = new
-        return new
+    num_layers: int
+    token_shapes: tuple[tuple[int, ...], ...]     # per position, e.g. ((576,),) for MLA, ((8, 128), (8, 128)) for GQA
+    block_size: int = KV_BLOCK_SIZE
+    state_shapes: tuple[tuple[int, ...], ...] = ()
 
-    def write(self, layer: int, start: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Store values (n, *w) at positions [start, start+n); return views of positions [0, start+n)."""
-        n = values[0].shape[0]
-        bufs = self._ensure(layer, start + n)
-        for b, v in zip(bufs, values):
-            b[start:start + n] = v
-        return [b[: start + n] for b in bufs]
+    def block_shapes(self) -> list[tuple[int, ...]]:
+        L, B = self.num_layers, self.block_size
+        return [(L, B, *w) for w in self.token_shapes] + [(L, *s) for s in self.state_shapes]
+
+    def block_numel(self) -> int:
+        return sum(math.prod(s) for s in self.block_shapes())
+
+    def describe(self) -> str:
+        """A stable text form (part of a block's cache key: blocks of another layout never match)."""
+        return f"L{self.num_layers}.B{self.block_size}.tok{list(self.token_shapes)}.state{list(self.state_shapes)}"
+
+
+class BlockPool:
+    """The compute device's KV blocks: storage, reference counts and the free list.
+
+    A block is free (in no table, not cached), in use (ref > 0: in the tables of that many requests) or cached
+    (ref 0, kept for a later request by the prefix cache). Two hooks let a prefix cache take part:
+    `on_unused(b) -> bool` is called when b's last reference goes (True: the cache keeps or has freed it), and
+    `reclaim() -> int | None` is asked for a cached block to reuse before the pool grows.
+    Capacity grows by doubling (old blocks are copied) and is kept: it is the high-water mark of blocks held."""
+
+    def __init__(self, layout: BlockLayout, dtype: torch.dtype, device):
+        self.layout, self.dtype, self.device = layout, dtype, torch.device(device)
+        self.block_size = layout.block_size
+        self.capacity = 0
+        self.tokens = [torch.zeros((layout.num_layers, 0, layout.block_size, *w), dtype=dtype, device=self.device)
+                       for w in layout.token_shapes]
+        self.states = [torch.zeros((layout.num_layers, 0, *s), dtype=dtype, device=self.device)
+                       for s in layout.state_shapes]
+        self.ref: list[int] = []
+        self._free: list[int] = []                 # min-heap of free ids (entries not in _free_set are stale)
+        self._free_set: set[int] = set()
+        self.used = 0                              # blocks with ref > 0
+        self.block_bytes = layout.block_numel() * torch.empty((), dtype=dtype).element_size()
+        self.on_unused: Callable[[int], bool] | None = None
+        self.reclaim: Callable[[], int | None] | None = None
+
+    # -- allocation ------------------------------------------------------------------------------------------------
+    def allocate(self, prefer: int | None = None) -> int:
+        """A block for one request (ref 1): `prefer` if it is free (the block after the request's last, keeping
+        its blocks consecutive), else the lowest free one, else one the prefix cache gives back, else a new one."""
+        if prefer is not None and prefer in self._free_set:
+            b = prefer
+        else:
+            b = self._pop_free()
+            if b is None:
+                b = self.reclaim() if self.reclaim is not None else None
+                if b is None:
+                    self._grow(self.capacity + 1)
+                    b = self._pop_free()
+        self._free_set.discard(b)
+        self.ref[b] = 1
+        self.used += 1
+        return b
+
+    def _pop_free(self) -> int | None:
+        while self._free:
+            b = heapq.heappop(self._free)
+            if b in self._free_set:
+                return b
+        return None
+
+    def _push_free(self, b: int) -> None:
+        self._free_set.add(b)
+        heapq.heappush(self._free, b)
+
+    def retain(self, b: int) -> None:
+        if self.ref[b] == 0:
+            self.used += 1
+        self.ref[b] += 1
+
+    def release(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self.used -= 1
+            if self.on_unused is None or not self.on_unused(b):
+                self._push_free(b)
+
+    def free(self, b: int) -> None:
+        """A cached block (ref 0) the prefix cache no longer keeps."""
+        self._push_free(b)
+
+    def _grow(self, need: int) -> None:
+        new_cap = max(need, 2 * self.capacity, 16)
+        grown = []
+        for t in self.tokens + self.states:
+            g = torch.zeros((t.shape[0], new_cap, *t.shape[2:]), dtype=self.dtype, device=self.device)
+            g[:, : self.capacity] = t
+            grown.append(g)
+        self.tokens, self.states = grown[: len(self.tokens)], grown[len(self.tokens):]
+        self.ref.extend([0] * (new_cap - self.capacity))
+        for b in range(self.capacity, new_cap):
+            self._push_free(b)
+        self.capacity = new_cap
+
+    # -- whole blocks (moving between tiers) -----------------------------------------------------------------------
+    def block_views(self, b: int) -> list[torch.Tensor]:
+        """Views of block b per kind, in BlockLayout.block_shapes() order."""
+        return [t[:, b] for t in self.tokens + self.states]
+
+    def load_block(self, b: int, data: list[torch.Tensor]) -> None:
+        for view, d in zip(self.block_views(b), data):
+            view.copy_(d, non_blocking=True)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for bufs in self.layers if bufs for t in bufs)
+        """Device bytes of the pool (its capacity, held or not)."""
+        return self.capacity * self.block_bytes
+
+
+def _release_blocks(pool: BlockPool, blocks: list[int]) -> None:
+    for b in blocks:
+        pool.release(b)
+    blocks.clear()
+
+
+class SeqCache:
+    """One request's cache: a block table over the model's BlockPool and the tokens committed to it."""
+
+    def __init__(self, pool: BlockPool, ctx: int):
+        self.pool, self.ctx = pool, int(ctx)
+        self.dtype, self.device = pool.dtype, pool.device
+        self.blocks: list[int] = []                # pool block of positions [i*B, (i+1)*B)
+        self.length = 0                            # tokens committed (all layers written)
+        self.tokens: list[int] = []                # the committed token ids (positions [0, length))
+        self.block_hashes: list[bytes] = []        # cache keys of the leading full blocks (set by the prefix cache)
+        self._runs: list[list[int]] = []           # [first block, block count] of each run of consecutive blocks
+        self._table: torch.Tensor | None = None    # blocks as a device tensor, for index_select
+        self._slots: tuple[int, int, torch.Tensor] | None = None
+        # a cache dropped without release() (one-off forwards in tests, `ktrun bench`) gives its blocks back
+        self._finalizer = weakref.finalize(self, _release_blocks, pool, self.blocks)
+
+    def _append(self, b: int) -> None:
+        if self._runs and b == self.blocks[-1] + 1:
+            self._runs[-1][1] += 1
+        else:
+            self._runs.append([b, 1])
+        self.blocks.append(b)
+        self._table = None
+
+    def adopt(self, blocks: list[int], tokens: list[int], hashes: list[bytes]) -> None:
+        """Start an empty cache with shared full blocks (already retained for it) holding these tokens."""
+        assert not self.blocks and len(tokens) == len(blocks) * self.pool.block_size
+        for b in blocks:
+            self._append(b)
+        self.tokens.extend(tokens)
+        self.block_hashes.extend(hashes)
+        self.length = len(tokens)
+
+    def fork(self) -> SeqCache:
+        """A second cache holding the same tokens (n > 1: the other choices start from the prompt's prefill): the
+        full blocks are shared (retained: neither writes them again), the partial last block is copied."""
+        dst = SeqCache(self.pool, self.ctx)
+        full = self.length // self.pool.block_size
+        for b in self.blocks[:full]:
+            self.pool.retain(b)
+            dst._append(b)
+        if full < len(self.blocks) and self.length > full * self.pool.block_size:
+            b = self.pool.allocate(dst.blocks[-1] + 1 if dst.blocks else None)
+            self.pool.load_block(b, self.pool.block_views(self.blocks[full]))   # views taken after any growth
+            dst._append(b)
+        dst.tokens.extend(self.tokens)
+        dst.block_hashes.extend(self.block_hashes)
+        dst.length = self.length
+        return dst
+
+    def reserve(self, total: int) -> None:
+        """Hold blocks for positions [0, total) (before a forward, so a forward never allocates)."""
+        if total > self.ctx:
+            raise ContextFull(f"sequence of {total} tokens exceeds the context limit --ctx {self.ctx}")
+        need = -(-total // self.pool.block_size)
+        while len(self.blocks) < need:
+            self._append(self.pool.allocate(self.blocks[-1] + 1 if self.blocks else None))
+
+    def release(self) -> None:
+        """Give every block back (the prefix cache keeps the full blocks it knows); the cache is empty after."""
+        _release_blocks(self.pool, self.blocks)
+        self.tokens.clear()
+        self.block_hashes.clear()
+        self.length, self._table, self._slots = 0, None, None
+        self._runs.clear()
+
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.pool.block_bytes
+
+    # -- the attention's read/write --------------------------------------------------------------------------------
+    def write(self, layer: int, start: int, values: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Store values (n, *w) per token kind at positions [start, start+n); return positions [0, start+n) as
+        runs, in order: each run is one (run_len, *w) view per kind (or, past MAX_RUNS runs, one gathered copy)."""
+        n, B = values[0].shape[0], self.pool.block_size
+        slabs = [t[layer] for t in self.pool.tokens]                          # (capacity, B, *w) each
+        i, off = divmod(start, B)
+        if off + n <= B:                                                      # one block (every decode step)
+            b = self.blocks[i]
+            for s, v in zip(slabs, values):
+                s[b, off:off + n] = v
+        else:
+            idx = self._slot_index(start, n)
+            for s, v in zip(slabs, values):
+                s.view(-1, *s.shape[2:]).index_copy_(0, idx, v)
+        end = start + n
+        nb = -(-end // B)
+        runs, left = [], end
+        for b0, count in self._runs:
+            if left <= 0:
+                break
+            k = min(count, -(-left // B))
+            runs.append((b0, k, min(left, k * B)))
+            left -= k * B
+        if len(runs) <= MAX_RUNS:
+            return [[s[b0:b0 + k].view(k * B, *s.shape[2:])[:m] for s in slabs] for b0, k, m in runs]
+        if self._table is None:
+            self._table = torch.tensor(self.blocks, dtype=torch.long, device=self.device)
+        table = self._table[:nb]
+        return [[s.index_select(0, table).view(nb * B, *s.shape[2:])[:end] for s in slabs]]
+
+    def _slot_index(self, start: int, n: int) -> torch.Tensor:
+        """Flat pool rows (block * B + offset) of positions [start, start+n); reused by every layer of a forward."""
+        if self._slots is None or self._slots[:2] != (start, n):
+            B = self.pool.block_size
+            pos = torch.arange(start, start + n)
+            table = torch.tensor(self.blocks, dtype=torch.long)
+            self._slots = (start, n, (table[pos // B] * B + pos % B).to(self.device))
+        return self._slots[2]
 
 
 @dataclass
@@ -57,6 +278,7 @@ class SeqSlice:
     start: int
     n: int
     offset: int
+    ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -71,9 +293,10 @@ class Batch:
         for cache, ids in items:
             if cache.length + len(ids) > cache.ctx:
                 raise ContextFull(f"{cache.length + len(ids)} tokens exceed the context limit --ctx {cache.ctx}")
+            cache.reserve(cache.length + len(ids))
             toks.extend(ids)
             pos.extend(range(cache.length, cache.length + len(ids)))
-            seqs.append(SeqSlice(cache, cache.length, len(ids), off))
+            seqs.append(SeqSlice(cache, cache.length, len(ids), off, [int(t) for t in ids]))
             off += len(ids)
         return Batch(torch.tensor(toks, dtype=torch.long, device=device),
                      torch.tensor(pos, dtype=torch.long, device=device), seqs)
@@ -81,6 +304,7 @@ class Batch:
     def commit(self) -> None:
         for s in self.seqs:
             s.cache.length = s.start + s.n
+            s.cache.tokens.extend(s.ids)
 
     def last_token_rows(self) -> torch.Tensor:
         """Index of each request's last token in the flattened batch: (B,)."""

@@ -15,7 +15,7 @@ from ktlayouts.families import ModelConfig, get_family
 
 from ..packed_linear import linear
 from . import arch_module
-from .kv_cache import Batch, SeqCache
+from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache
 from .layers import Rope, rms_norm, swiglu_mlp
 
 
@@ -35,6 +35,7 @@ class MoEModel:
             self.lm_head = weights[self.names.embed]
         # wall seconds by part (CPU clock; on CUDA these are launch times unless synchronized)
         self.timing = {"expert_wait_s": 0.0, "attention_s": 0.0, "mlp_s": 0.0, "forward_s": 0.0, "forwards": 0}
+        self.kv_pool = BlockPool(self.cache_layout(), dtype, self.device)   # every request's KV blocks
 
     def _moe_prefix(self, i: int) -> str:
         p = self.names.layer(i)
@@ -43,8 +44,18 @@ class MoEModel:
                 return p + cand
         return p + self.names.moe_prefix
 
+    def cache_layout(self, block_size: int = KV_BLOCK_SIZE) -> BlockLayout:
+        return BlockLayout(self.cfg.num_layers, tuple(tuple(w) for w in self.arch.cache_widths(self.cfg)), block_size)
+
+    def set_kv_block_size(self, block_size: int) -> None:
+        """Positions per KV block; only while no block is held."""
+        if block_size != self.kv_pool.block_size:
+            if self.kv_pool.used:
+                raise RuntimeError("the KV block size cannot change while requests hold blocks")
+            self.kv_pool = BlockPool(self.cache_layout(int(block_size)), self.dtype, self.device)
+
     def new_cache(self, ctx: int) -> SeqCache:
-        return SeqCache(self.cfg.num_layers, self.arch.cache_widths(self.cfg), ctx, self.dtype, self.device)
+        return SeqCache(self.kv_pool, ctx)
 
     def _moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
         p = self.moe_prefix[i]

@@ -50,7 +50,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = now()
-        self.metrics = ServeMetrics(lambda: dict(getattr(self.engine, "stats", None) or {}))
+        self.metrics = ServeMetrics(lambda: dict(getattr(self.engine, "stats", None) or {}), self._prefix_cache_stats)
         self._detected: dict[str, object] = {}
         m = self.metrics
         et = lambda attr, default=0: lambda: getattr(self.engine_thread, attr) if self.engine_thread else default
@@ -69,6 +69,10 @@ class ServerState:
                     kind="counter")
         m.add_gauge("ktrun_cpu_expert_seconds", "CPU time in routed-expert kernels (from Engine.stats).",
                     self._cpu_expert_seconds, kind="counter")
+
+    def _prefix_cache_stats(self) -> dict:
+        read = getattr(self.engine, "prefix_cache_stats", None)   # None while loading (and for engines without one)
+        return read() if read is not None else {}
 
     def _kv_cache_bytes(self) -> float:
         read = getattr(self.engine, "kv_cache_bytes", None)

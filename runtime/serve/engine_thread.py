@@ -46,6 +46,7 @@ class RequestHandle:
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None     # got its engine slot(s)
     open_choices: set = field(default_factory=set)   # choice indices still generating (engine thread)
+    cached_tokens: int = 0               # prompt tokens the prefix cache supplied (set before its first token goes out)
 
 
 def _queue_publish(batch) -> None:
@@ -87,7 +88,8 @@ class EngineThread:
             self._aborts.append((req_id, index))
             self._cond.notify()
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; it aborts what runs and writes the prefix cache to its disk tier first (hence the wait)."""
         with self._cond:
             self._stop = True
             self._cond.notify()
@@ -128,6 +130,16 @@ class EngineThread:
                 self._step()
         for req_id in list(self._running):
             self._abort_running(req_id)
+        self._flush_prefix_cache()
+
+    def _flush_prefix_cache(self) -> None:
+        """At shutdown, on this thread (the engine's only one): cached KV blocks to the disk tier, for a warm restart."""
+        flush = getattr(self.engine, "flush_prefix_cache", None)
+        if flush is not None:
+            try:
+                flush()
+            except Exception:  # noqa: BLE001 -- a cache that cannot be saved must not turn a shutdown into a crash
+                traceback.print_exc()
 
     def _abort_running(self, req_id: str, index: int | None = None, count: bool = True) -> None:
         handle = self._running.get(req_id)
@@ -172,11 +184,14 @@ class EngineThread:
         self.step_seconds += t1 - t0
         self.steps += 1
         per_handle: dict[str, tuple[RequestHandle, list]] = {}
+        cached = getattr(self.engine, "cached_tokens", None) or {}  # requests this step prefilled
         for out in outputs:
             req_id, token, finish_reason = out
             handle = self._running.get(req_id)
             if handle is None:
                 continue  # aborted while this step ran
+            if req_id in cached:
+                handle.cached_tokens = int(cached[req_id])
             item = Token(int(token), finish_reason, getattr(out, "index", 0), getattr(out, "logprobs", None),
                          getattr(out, "prompt_logprobs", None), t1)
             per_handle.setdefault(req_id, (handle, []))[1].append(item)

@@ -248,7 +248,10 @@ class Generation:
         return t
 
     def usage(self) -> R.Usage:
-        return R.usage(len(self.plan.prompt_ids), sum(c.n_tokens for c in self.choices))
+        """OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache supplied (not
+        prefilled; set by the engine thread before the request's first token went out)."""
+        cached = self.handle.cached_tokens if self.handle is not None else 0
+        return R.usage(len(self.plan.prompt_ids), sum(c.n_tokens for c in self.choices), cached)
 
     # -- non-streaming ----------------------------------------------------------------------------------------
     async def collect(self):

@@ -5,8 +5,9 @@ e2e_request_latency_seconds, time_per_output_token_seconds, inter_token_latency_
 request_prefill_time_seconds, request_decode_time_seconds, request_prompt_tokens, request_generation_tokens,
 prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}, num_requests_running,
 num_requests_waiting); ours where vLLM has none: CPU expert time, KV-cache bytes, finish reasons with aborts and
-errors, engine steps, and every numeric Engine.stats entry as `ktrun_engine_<key>` (the GPU hit ratio among them
-when the engine reports one).
+errors, engine steps, every numeric Engine.stats entry as `ktrun_engine_<key>` (the GPU hit ratio among them
+when the engine reports one), and the prefix cache's `ktrun_prefix_cache_*` from Engine.prefix_cache_stats() (hit and
+miss prompt tokens, hits/bytes/blocks by tier, budgets, evictions, corrupt disk blocks).
 """
 from __future__ import annotations
 
@@ -71,10 +72,54 @@ def render_engine_stats(stats: dict) -> list[str]:
     return generate_latest(registry).decode().splitlines()
 
 
+# (name, kind, help, label name or None, [(label value, Engine.prefix_cache_stats() key)]); counters get "_total"
+TIERS = ("device", "ram", "disk")
+PREFIX_CACHE_METRICS = (
+    ("ktrun_prefix_cache_enabled", "gauge", "1 when the prefix cache is on (--no-prefix-cache: 0).", None,
+     [("", "enabled")]),
+    ("ktrun_prefix_cache_hit_tokens", "counter", "Prompt tokens taken from the prefix cache (not prefilled).", None,
+     [("", "hit_tokens")]),
+    ("ktrun_prefix_cache_miss_tokens", "counter", "Prompt tokens prefilled (not in the prefix cache).", None,
+     [("", "miss_tokens")]),
+    ("ktrun_prefix_cache_tier_hit_tokens", "counter",
+     "Prompt tokens taken from the prefix cache, by the tier their block was found in.", "tier",
+     [(t, f"hit_tokens_{t}") for t in TIERS]),
+    ("ktrun_prefix_cache_bytes", "gauge",
+     "Bytes of cached KV blocks by tier (device: keyed blocks in the KV pool, in use or not).", "tier",
+     [(t, f"{t}_bytes") for t in TIERS]),
+    ("ktrun_prefix_cache_blocks", "gauge", "Cached KV blocks, by tier.", "tier", [(t, f"{t}_blocks") for t in TIERS]),
+    ("ktrun_prefix_cache_budget_bytes", "gauge", "Byte budget of the RAM and disk tiers.", "tier",
+     [(t, f"{t}_budget_bytes") for t in ("ram", "disk")]),
+    ("ktrun_prefix_cache_evicted_blocks", "counter", "Blocks moved down from a tier (device->RAM, RAM->disk).", "tier",
+     [("device", "evicted_blocks_device"), ("ram", "evicted_blocks_ram")]),
+    ("ktrun_prefix_cache_corrupt_blocks", "counter", "Disk blocks that failed their checks (deleted, recomputed).",
+     None, [("", "disk_corrupt_blocks")]),
+)
+
+
+class _PrefixCache:
+    """A collector of Engine.prefix_cache_stats() (plain numbers), read at scrape time; absent keys are left out."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats() or {}
+        for name, kind, help_text, label, samples in PREFIX_CACHE_METRICS:
+            present = [(v, stats[key]) for v, key in samples if _number(stats.get(key))]
+            if not present:
+                continue
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            fam = cls(name, help_text, labels=(label,) if label else None)
+            for v, x in present:
+                fam.add_metric([v] if label else [], float(x))
+            yield fam
+
+
 class ServeMetrics:
     """Everything `GET /metrics` reports. Values kept elsewhere are read through callbacks (add_gauge)."""
 
-    def __init__(self, engine_stats: Callable[[], dict] = dict):
+    def __init__(self, engine_stats: Callable[[], dict] = dict, prefix_cache_stats: Callable[[], dict] = dict):
         self.registry = r = CollectorRegistry(auto_describe=False)
         self.requests = Counter("ktrun_requests", "HTTP requests answered, by endpoint and status code.",
                                 ("endpoint", "status"), registry=r)
@@ -106,6 +151,7 @@ class ServeMetrics:
                                  buckets=TOKEN_BUCKETS, registry=r)
         self._callbacks = _Callbacks(engine_stats)
         r.register(self._callbacks)
+        r.register(_PrefixCache(prefix_cache_stats))
 
     def add_gauge(self, name: str, help_text: str, read: Callable[[], float], kind: str = "gauge") -> None:
         """A value read at scrape time; kind="counter" for running totals kept elsewhere (name without _total)."""
