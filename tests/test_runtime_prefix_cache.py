@@ -17,7 +17,8 @@ from ktrun.generate import generate
 from ktrun.models.kv_cache import MAX_RUNS, Batch
 from runtime_helpers import converted
 
-ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")
+from ktconvert.testing import ARCHS  # every registered family (tests/test_families.py)
+
 B = 8            # positions per KV block in these tests
 CTX = 160
 N_GEN = 10
