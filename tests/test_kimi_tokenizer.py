@@ -117,3 +117,35 @@ def test_bad_tiktoken_files_are_named(kimi, tmp_path):
     with pytest.raises(TokenizerError, match="tokenizer_class 'SomeOtherTikToken'.*remote code, which is never run"):
         Tokenizer(d)
     assert tiktoken_bpe.KNOWN_CLASSES == {"TikTokenTokenizer": tiktoken_bpe.KIMI_PATTERN}
+
+
+def test_a_vocabulary_trained_by_tiktoken_itself_converts_exactly(tmp_path):
+    """The fixture's ranks come from a `tokenizers` trainer; here tiktoken's own BPE trainer (its educational
+    bpe_train, with Kimi's regex) learns a vocabulary of 700 on code, prose, CJK, emoji and fuzz text, so tokens that
+    several merge orders reach are its, not ours. The converted tokenizer.json gives tiktoken's ids on unseen text
+    (other fuzz, a whole Python source file) and on the training text."""
+    import base64
+    import inspect
+
+    import tiktoken
+    from runtime_helpers import KIMI_PAT_STR
+    from tiktoken._educational import bpe_train
+    from tokenizers import Tokenizer as HFTokenizer
+
+    train = "\n".join(CORPUS * 2 + _fuzz(150, seed=1)) + inspect.getsource(tiktoken.core)[:6000]
+    ranks = bpe_train(train, 700, KIMI_PAT_STR, visualise=None)
+    assert sorted(ranks.values()) == list(range(700))
+    (tmp_path / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n"
+                                                     for t, r in sorted(ranks.items(), key=lambda x: x[1])))
+    cfg = {"tokenizer_class": "TikTokenTokenizer",
+           "added_tokens_decoder": {"700": {"content": "[BOS]", "special": True},
+                                    "702": {"content": "<|im_end|>", "special": True}}}
+    ours = HFTokenizer.from_str(tiktoken_bpe.tokenizer_json(tmp_path / "tiktoken.model", cfg))
+    names = {i: f"<|reserved_token_{i}|>" for i in range(700, 700 + 256)} | {700: "[BOS]", 702: "<|im_end|>"}
+    special = {c: i for i, c in names.items()}       # as Kimi's class: 256 reserved tokens after the vocabulary
+    ref = tiktoken.Encoding(name="kimi-like", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=special)
+    texts = [train, inspect.getsource(tiktoken_bpe), *CORPUS, *_fuzz(1000, seed=7)]
+    bad = [t for t in texts if ours.encode(t, add_special_tokens=False).ids != ref.encode(t, allowed_special="all")]
+    assert not bad, [(t[:60], ours.encode(t, add_special_tokens=False).ids[:12],
+                      ref.encode(t, allowed_special="all")[:12]) for t in bad[:3]]
+    assert max(len(t) for t in ranks) >= 6            # the vocabulary really merges (long tokens exist)
