@@ -15,12 +15,14 @@ RUNTIME_CONFIGS = [("int8-amx", 128, "bf16"), ("int8-amx", -1, "bf16"), ("int4-a
 
 
 @torch.no_grad()
-def runtime_scores(conv_dir: Path, windows: torch.Tensor, ref_logp: list, batch: int) -> tuple[float, float, str]:
-    """-> (perplexity, mean KL(ref || ktrun), expert backend name) over the windows (n, SEQ_LEN+1)."""
+def runtime_scores(conv_dir: Path, windows: torch.Tensor, ref_logp: list, batch: int, gpu_weights: str = "auto"
+                   ) -> tuple[float, float, str]:
+    """-> (perplexity, mean KL(ref || ktrun), expert backend name) over the windows (n, SEQ_LEN+1).
+    gpu_weights: ktrun's --gpu-weights (auto on the CPU: the quantized GPU layers on the kernels' Linear op)."""
     from ktrun.loaded_model import load_model
     from ktrun.models.kv_cache import Batch
 
-    with load_model(conv_dir) as lm:
+    with load_model(conv_dir, gpu_weights=gpu_weights) as lm:
         nll, kl, count = 0.0, 0.0, 0
         for j, i in enumerate(range(0, len(windows), batch)):
             for r, row in enumerate(windows[i:i + batch]):
@@ -45,7 +47,11 @@ def runtime_rows(model_dir: Path, windows: torch.Tensor, ref_logp: list, batch: 
             out = Path(tmp) / f"{method}_g{group}_{gpu}"
             convert(model_dir, out, ConvertOptions(method=method, group_size=group, gpu_method=gpu),
                     show_progress=False)
-            ppl, kl, backend = runtime_scores(out, windows, ref_logp, batch)
             experts = f"{method.split('-')[0]}-{'per-row' if group == -1 else f'g{group}'}"
-            rows.append((experts, gpu, ppl, kl, backend))
+            # quantized GPU layers: the CPU default (the kernels' Linear op) and the dequantized-at-load path
+            for gw in ("auto",) if gpu == "bf16" else ("auto", "dequant"):
+                ppl, kl, backend = runtime_scores(out, windows, ref_logp, batch, gw)
+                dense = "" if gpu == "bf16" else ", GPU layers dequantized" if gw == "dequant" else \
+                    ", GPU layers on the Linear op"
+                rows.append((experts, gpu, ppl, kl, backend + dense))
     return rows

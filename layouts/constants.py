@@ -39,3 +39,13 @@ GROUP_PER_ROW = -1     # --group-size -1 (or K): one scale per output row, kt-ke
 # Activation quantization used by the int kernels (documented in README.md): int8, symmetric,
 # one scale per token per weight group, scale = max|x_g| / 127, round half to even.
 ACT_QMAX = 127
+
+# --- CPU dense Linear layouts (non-expert Linears on the CPU: libktkernels' linear op, cpu_linear.py) ----------
+# One (N, K) Linear in exactly the tiles and float32 group scales of ONE cpu-expert-int4/int8 matrix (same
+# MatrixGeometry); quantization as the GPU layers' (symmetric, zero point 2^(bits-1), G = 32/64/128/-1), so GPU codes
+# repack into it without requantization.
+CPU_LINEAR_LAYOUTS = {
+    # name: (bits, layout version)
+    "cpu-linear-int8": (8, 1),
+    "cpu-linear-int4": (4, 1),
+}

@@ -9,6 +9,8 @@ from pathlib import Path
 import click
 import torch
 
+from .decode_bytes import read_bandwidth, weight_bytes_per_token
+from .expert_ram_option import expert_ram_from, expert_ram_options
 from .generate import decode_one_token, prefill
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
@@ -70,15 +72,18 @@ def run_bench(model, pp: int, tg: int, reps: int, seed: int = 0, warmup: bool = 
     if warmup:
         bench_pp(model, pp or 8, ctx, gen, prompt_ids)        # also fills lazily built expert caches
         bench_tg(model, 2, ctx, gen)
-    res = {"pp": [], "tg": [], "tg_parts": []}
+    res = {"pp": [], "tg": [], "tg_parts": [], "tier": []}
     hits = _Hits(model.experts)
+    stats = (lambda: dict(getattr(model.experts, "stats", {})))
     for _ in range(reps):
         if pp:
             res["pp"].append(pp / hits.measure("pp", bench_pp, model, pp, ctx, gen, prompt_ids))
         if tg:
+            before = stats()
             wall, parts = hits.measure("tg", bench_tg, model, tg, ctx, gen)
             res["tg"].append(tg / wall)
             res["tg_parts"].append({**parts, "wall_s": wall})
+            res["tier"].append((before, stats()))    # RAM-tier counters around the tg run (ktrun.tiered_experts)
     res["hits"] = hits.by_phase                   # phase -> (GPU-served calls, routed calls) per layer
     return res
 
@@ -120,6 +125,18 @@ def decode_breakdown(parts: list[dict], tg: int) -> dict[str, float]:
             "loop_overhead_ms": 1e3 * (step - fwd), "cpu_expert_compute_ms": 1e3 * tot.get("expert_compute_s", 0.0) / n}
 
 
+def roofline_lines(read: dict[str, int], step_s: float, bandwidth: float) -> str:
+    """Weight bytes per decoded token and the achieved read rate of a decode step vs the measured bandwidth."""
+    mb = {k: v / 1e6 for k, v in read.items()}
+    achieved = read["total"] / step_s / 1e9 if step_s > 0 else 0.0
+    out = (f"\nweights_read_per_token: {mb['total']:.3f} MB (experts {mb['experts']:.3f} MB, dense "
+           f"{mb['dense']:.3f} MB, head {mb['head']:.3f} MB)\ndecode_weight_read: {achieved:.2f} GB/s")
+    if bandwidth > 0:
+        out += (f"\nread_bandwidth_measured: {bandwidth / 1e9:.2f} GB/s\n"
+                f"decode_fraction_of_bandwidth: {achieved * 1e9 / bandwidth:.3f}")
+    return out
+
+
 @click.command("bench")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--pp", default=None, type=click.IntRange(0),
@@ -137,16 +154,19 @@ def decode_breakdown(parts: list[dict], tg: int) -> dict[str, float]:
 @click.option("--reference-experts", is_flag=True, help="Time the torch reference experts instead of the kernels.")
 @gpu_weights_option
 @hot_experts_options()
+@expert_ram_options
 def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, device, reference_experts, gpu_weights,
           **hot):
     """Benchmark prompt processing and token generation of the converted model in MODEL_DIR; with hot experts on
-    the GPU, also the GPU hit ratio (share of routed expert calls served on the GPU).
+    the GPU, also the GPU hit ratio (share of routed expert calls served on the GPU); with --expert-ram, the RAM
+    tier's disk bytes per token, disk read rate, tier and prefetch hit ratios over the tg runs.
 
     \b
     Examples:
       ktrun bench converted/                       # pp512 and tg128, 3 repetitions
       ktrun bench converted/ --pp 64 --tg 16 --reps 2
       ktrun bench converted/ --profile profile.json --gpu-experts 8 --prompt-file heldout.txt --per-layer
+      ktrun bench converted/ --expert-ram 64GB --pp 0 --tg 32    # experts beyond 64 GB read from disk
     """
     from ktlayouts.expert_profile import ExpertProfile, ProfileError, summary_lines
 
@@ -154,11 +174,12 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
     from .loaded_model import load_model
     from .loader import LoadError
 
+    ram_opts = expert_ram_from(hot)
     hot_opts = hot_experts_from(hot)
     try:
         lm = load_model(model_dir, device=device, use_kernels=False if reference_experts else None,
                         gpu_weights=gpu_weights, dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype),
-                        hot_experts=hot_opts)
+                        hot_experts=hot_opts, expert_ram=ram_opts)
         summary = summary_lines(ExpertProfile.load(hot_opts.profile)) if hot_opts and hot_opts.profile else []
     except (LoadError, ProfileError, ValueError) as e:
         raise click.ClickException(str(e)) from None
@@ -173,6 +194,11 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
         backend = f"{conv.device.type} {str(conv.dtype)[6:]} dense + {type(m.experts).__name__}"
         hot_line = describe(m.experts)
         res = run_bench(m, pp, tg, reps, seed, prompt_ids=prompt_ids)
+        read = weight_bytes_per_token(m, conv) if tg else None
+        bandwidth = read_bandwidth(m.experts) if tg and conv.device.type == "cpu" else 0.0
+        from .tiered_experts import find_tier
+        tier = find_tier(m.experts)
+        measured = tier.measured_resident_bytes() if tier is not None else None
     click.echo(f"quantized GPU layers: {conv.gpu_weights}")
     click.echo(hot_line + "\n")
     for line in summary:
@@ -190,7 +216,15 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
                    f"head/norms/embedding {b['head_norm_embed_ms']:.2f} ms, loop overhead {b['loop_overhead_ms']:.2f} ms")
         click.echo(f"CPU routed-expert compute {b['cpu_expert_compute_ms']:.2f} ms per step "
                    f"(runs while the shared experts compute)")
+        click.echo(roofline_lines(read, b["step_ms"] / 1e3, bandwidth))
     lines = hit_ratio_lines(res["hits"], per_layer)
+    if res["tier"]:
+        from .tiered_experts import tier_lines
+        tier = tier_lines(res["tier"][0][0], res["tier"][-1][1], tg * len(res["tier"]), measured)
+        if tier:
+            click.echo("")
+            for line in tier:
+                click.echo(line)
     if lines:
         click.echo("")
         for line in lines:

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
 
@@ -34,6 +35,7 @@ from .hot_experts_option import hot_experts_from, hot_experts_options
               help="Fault each NUMA node's expert shards in from a thread bound to that node (reads them at start).")
 @gpu_weights_option
 @hot_experts_options()
+@expert_ram_options
 def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, top_k, seed, ctx, stop, ignore_eos,
              as_json, verify, dense_dtype, device, reference_experts, numa_prefault, gpu_weights, **hot):
     """Generate a continuation of --prompt with the converted model in MODEL_DIR.
@@ -45,6 +47,7 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
       ktrun generate converted/ --prompt "Hello" --json      # {"prompt_token_ids": [...], "token_ids": [...], ...}
       ktrun generate converted/ --prompt "1, 2, 3," --stop "10" --ctx 2048
       ktrun generate converted/ --profile profile.json --gpu-experts 8 --prompt "def f(x):"   # hot experts on GPU
+      ktrun generate converted/ --expert-ram 200GB --prompt "Hello"    # experts beyond 200 GB read from disk
     """
     import torch
     from ktlayouts.families import ConfigError
@@ -55,6 +58,7 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
     from .sampling import SamplingParams
     from .tokenizer import TokenizerError
 
+    ram_opts = expert_ram_from(hot)
     hot_opts = hot_experts_from(hot)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -62,7 +66,7 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
         lm = load_model(model_dir, device=device, verify=verify, use_kernels=False if reference_experts else None,
                         quiet=as_json, numa_prefault=numa_prefault, gpu_weights=gpu_weights,
                         dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype), hot_experts=hot_opts,
-                        kv_tokens=ctx)
+                        kv_tokens=ctx, expert_ram=ram_opts)
         tok = lm.tokenizer
         if chat:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

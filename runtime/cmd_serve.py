@@ -8,6 +8,7 @@ import click
 from ktrun.serve import DEFAULT_MAX_BODY_BYTES, run_server
 
 from .byte_sizes import parse_bytes
+from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
 
@@ -57,6 +58,7 @@ def _size(ctx, param, value):
                    "has room for; it never grows for them).")
 @gpu_weights_option
 @hot_experts_options()
+@expert_ram_options
 def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests,
           tool_call_parser, reasoning_parser, reasoning_inline, no_timings_log, no_prefix_cache, prefix_cache_dir,
           prefix_cache_disk, prefix_cache_ram, prefix_cache_device, gpu_weights, **hot):
@@ -75,6 +77,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
       ktrun serve converted/ --port 8000
       ktrun serve converted/ --ctx 8192 --max-batch 32 --api-key "$(cat key.txt)"
       ktrun serve converted/ --profile profile.json --gpu-mem 24GB --dynamic-experts   # hot experts, kept fresh
+      ktrun serve converted/ --expert-ram 200GB          # experts beyond 200 GB of RAM read from disk
       ktrun serve qwen3-converted/ --tool-call-parser hermes --reasoning-inline
       ktrun serve converted/ --prefix-cache-dir /nvme/ktrun-cache --prefix-cache-disk 200GB --prefix-cache-ram 32GiB
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -88,6 +91,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
         click.echo(f"ktrun serve: warning: listening on {host} without --api-key: anyone who can reach this port "
                    "can use the model", err=True)
 
+    ram_opts = expert_ram_from(hot)
     hot_opts = hot_experts_from(hot)
 
     def load_engine():  # runs after the socket is bound, so /health answers 503 during the (torch) import too
@@ -97,7 +101,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
             device_bytes=prefix_cache_device, ram_bytes=prefix_cache_ram, disk_dir=prefix_cache_dir,
             disk_bytes=prefix_cache_disk)
         return Engine(str(model_dir), ctx=ctx, max_batch=max_batch, device=device, verify=verify,
-                      gpu_weights=gpu_weights, hot_experts=hot_opts, prefix_cache=prefix)
+                      gpu_weights=gpu_weights, hot_experts=hot_opts, prefix_cache=prefix, expert_ram=ram_opts)
 
     def sampling_params(**kw):
         from ktrun.engine import SamplingParams

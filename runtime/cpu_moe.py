@@ -44,7 +44,7 @@ from ktlayouts.converted_dir import node_unit_ranges
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.expert_shards import ShardPlan
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 BACKENDS = ("scalar", "avx2", "avx512", "amx")
 
 
@@ -93,6 +93,11 @@ def load_library() -> ctypes.CDLL:
         "kt_profile": (c_int, [c_p, ctypes.POINTER(ctypes.c_double), c_int]),
         "kt_measure_read_bandwidth": (ctypes.c_double, [c_p, ctypes.c_size_t, c_int]),
         "kt_measure_int8_peak": (ctypes.c_double, [c_p, ctypes.c_double]),
+        # the dense Linear op (ktrun.cpu_linear)
+        "kt_add_linear": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
+        "kt_linear_submit": (c_int, [c_p, c_int, c_p, c_int, c_p, c_int, c_i64, c_p, c_p]),
+        "kt_linear_repack": (c_int, [c_p, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64, c_p, c_i64, c_i64,
+                                     c_p, c_p]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -190,6 +195,13 @@ class MoEKernels:
 
     def __exit__(self, *exc):
         self.close()
+
+    @property
+    def handle(self) -> int:
+        """The kt_ctx pointer (for ktrun.cpu_linear, which runs on this context's pool)."""
+        if not getattr(self, "_ctx", None):
+            raise KernelError("the kernel context is closed")
+        return self._ctx
 
     @property
     def backend(self) -> str:

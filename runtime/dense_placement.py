@@ -5,8 +5,12 @@
   packed   Marlin-layout Linears stay packed on the device as ktrun.packed_linear.MarlinLinear: an installed
            Marlin GEMM (ktrun.marlin_kernel) reads them in place; without one each layer dequantizes itself per
            call. gptq / compressed-tensors layouts (written for other engines) are dequantized at load.
-  auto     CPU: dequant.  CUDA: packed when a Marlin kernel is installed; otherwise dequant if the dequantized
-           weights take at most half of the free device memory, else packed (dequantized per call).
+  kernels  CPU only: every quantized Linear is repacked once at load into cpu-linear tiles and run by libktkernels'
+           dense Linear op on the experts' thread pool (ktrun.kernel_linear): int4/int8 weights read per token, no
+           float copy. Linears the op cannot hold exactly (act-order g_idx) are dequantized at load.
+  auto     CPU: kernels when libktkernels loads, else dequant.  CUDA: packed when a Marlin kernel is installed;
+           otherwise dequant if the dequantized weights take at most half of the free device memory, else packed
+           (dequantized per call).
 """
 from __future__ import annotations
 
@@ -72,10 +76,30 @@ def _packed(weight: str, fmt: GpuLinearFormat, parts: dict, device, dtype, kerne
                         fmt.bits, n, k, dtype, kernel=use)
 
 
-def choose_policy(policy: str, device: torch.device, dequantized_bytes: int) -> tuple[str, object]:
-    """-> ('packed' | 'dequant', MarlinKernel or None) for this device."""
+def use_cpu_kernels(policy: str, device: torch.device) -> bool:
+    """Whether the quantized Linears go to the CPU dense Linear op (ktrun.kernel_linear) under this policy."""
     if policy not in POLICIES:
         raise PlacementError(f"--gpu-weights {policy!r}: expected one of {', '.join(POLICIES)}")
+    if policy == "kernels":
+        if device.type != "cpu":
+            raise PlacementError(f"--gpu-weights kernels runs the Linears on the CPU kernels, but the device is "
+                                 f"{device}: use --device cpu, or packed / dequant")
+        from .experts import kernels_available
+        if not kernels_available():
+            raise PlacementError("--gpu-weights kernels: libktkernels does not load here (run `make kernels`)")
+        return True
+    if policy == "auto" and device.type == "cpu":
+        from .experts import kernels_available
+        return kernels_available()
+    return False
+
+
+def choose_policy(policy: str, device: torch.device, dequantized_bytes: int) -> tuple[str, object]:
+    """-> ('packed' | 'dequant', MarlinKernel or None) for this device, for the Linears not on the CPU kernels."""
+    if policy not in POLICIES:
+        raise PlacementError(f"--gpu-weights {policy!r}: expected one of {', '.join(POLICIES)}")
+    if policy == "kernels":
+        return "dequant", None
     kernel = find_marlin_kernel(device)
     if policy != "auto":
         return policy, kernel
@@ -87,10 +111,21 @@ def choose_policy(policy: str, device: torch.device, dequantized_bytes: int) -> 
     return ("dequant" if dequantized_bytes <= free // 2 else "packed"), None
 
 
-def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: torch.dtype, policy: str = "auto"
-                    ) -> tuple[dict[str, object], str]:
-    """quantized: {file (for errors): {name: (array, manifest entry)}} -> ({hub weight name: tensor or
-    MarlinLinear}, a one-line description of what was done, for logs and `ktrun bench`)."""
+def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: torch.dtype, policy: str = "auto",
+                    linear_kernels=None) -> tuple[dict[str, object], str]:
+    """quantized: {file (for errors): {name: (array, manifest entry)}} -> ({hub weight name: tensor, MarlinLinear or
+    KernelLinear}, a one-line description of what was done, for logs and `ktrun bench`).
+    linear_kernels: a ktrun.cpu_linear.LinearKernels when use_cpu_kernels(policy, device) (the loader makes it)."""
+    if linear_kernels is not None:
+        from .kernel_linear import place_on_kernels
+        try:
+            on_kernels, quantized, st = place_on_kernels(quantized, linear_kernels, dtype)
+        except LayoutError as e:
+            raise PlacementError(str(e)) from None
+        rest, _how = place_quantized(quantized, device, dtype, "dequant") if quantized else ({}, "")
+        how = (f"{st['linears']} Linears on the CPU kernels ({linear_kernels.backend}, {st['bytes'] / 1e6:.1f} MB "
+               f"repacked in {st['seconds']:.2f} s)" + (f", {len(rest)} dequantized at load" if rest else ""))
+        return {**rest, **on_kernels}, how if on_kernels or rest else "none quantized"
     marlin = {w: (where, fmt, parts) for where, group in quantized.items()
               for w, (fmt, parts) in _marlin_parts(group).items()}
     stored = [_stored(w, fmt, p, where)[0] for w, (where, fmt, p) in marlin.items()]

@@ -68,17 +68,20 @@ class Engine:
     def __init__(self, model_dir, ctx: int = 4096, max_batch: int = 16, device=None, verify: bool = False,
                  use_kernels: bool | None = None, quiet: bool = True, numa_prefault: bool = False,
                  dtype: torch.dtype | None = None, gpu_weights: str = "auto", hot_experts=None,
-                 prefix_cache: PrefixCacheConfig | bool = True, kv_block_size: int = KV_BLOCK_SIZE):
+                 prefix_cache: PrefixCacheConfig | bool = True, kv_block_size: int = KV_BLOCK_SIZE,
+                 expert_ram=None):
         """Loads MODEL_DIR with ktrun.loaded_model.load_model (the same options; hot_experts: ktrun.hot_experts.
-        HotExpertOptions, a --gpu-mem plan leaving room for ctx * max_batch tokens of KV cache); ctx: tokens per
-        request (prompt + generated); max_batch: requests held at once; prefix_cache: True (default tiers: device +
-        4 GiB RAM), a PrefixCacheConfig (budgets, disk folder) or False (every prompt prefilled in full);
-        kv_block_size: positions per KV block (the granularity of prefix reuse)."""
+        HotExpertOptions, a --gpu-mem plan leaving room for ctx * max_batch tokens of KV cache; expert_ram:
+        ktrun.expert_ram_option.ExpertRamOptions, the routed experts' RAM tier); ctx: tokens per request (prompt +
+        generated); max_batch: requests held at once; prefix_cache: True (default tiers: device + 4 GiB RAM), a
+        PrefixCacheConfig (budgets, disk folder) or False (every prompt prefilled in full); kv_block_size: positions
+        per KV block (the granularity of prefix reuse)."""
         self.model_dir = Path(model_dir)
         t0 = time.perf_counter()
         self.loaded = load_model(self.model_dir, device=device, dtype=dtype, verify=verify, quiet=quiet,
                                  numa_prefault=numa_prefault, gpu_weights=gpu_weights, use_kernels=use_kernels,
-                                 hot_experts=hot_experts, kv_tokens=int(ctx) * int(max_batch))
+                                 hot_experts=hot_experts, kv_tokens=int(ctx) * int(max_batch),
+                                 expert_ram=expert_ram)
         self.converted, self.model, self.tokenizer = self.loaded.converted, self.loaded.model, self.loaded.tokenizer
         self.experts, self.eos_ids, self.model_name = self.model.experts, self.loaded.eos_ids, self.loaded.name
         self.ctx, self.max_batch = int(ctx), int(max_batch)

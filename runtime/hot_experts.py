@@ -27,7 +27,6 @@ from .expert_residency import ExpertResidency
 from .hot_expert_store import HotExpertError, HotExpertStore, resolve_format
 from .hybrid_experts import HybridExperts
 from .models import arch_module
-from .packed_linear import MarlinLinear
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
@@ -37,10 +36,10 @@ def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
 
 
 def dense_device_bytes(converted) -> int:
-    """Bytes of the dense (non-expert) weights as placed on the device."""
+    """Bytes of the dense (non-expert) weights as placed (tensors; packed Linears: MarlinLinear, KernelLinear)."""
     n = 0
     for v in converted.dense.values():
-        n += v.nbytes if isinstance(v, MarlinLinear) else v.numel() * v.element_size()
+        n += v.numel() * v.element_size() if isinstance(v, torch.Tensor) else v.nbytes
     return n
 
 

@@ -14,11 +14,19 @@ from .cpu_moe import ExpertShard, MoEKernels
 
 
 class KernelExperts:
-    def __init__(self, converted, n_threads: int | None = None, backend: str | None = None):
+    def __init__(self, converted, n_threads: int | None = None, backend: str | None = None, layers=None):
+        """layers: the expert arrays to read (default converted.experts, the file maps; the RAM tier passes its
+        mirrors, ktrun.expert_tier)."""
         geo = converted.geometry
-        self.moe = MoEKernels(n_threads=n_threads, backend=backend)
+        # the pool the loader made for the quantized Linears (--gpu-weights kernels), if any: one set of threads
+        # runs both, so they never fight over the cores
+        shared = getattr(converted, "kernels", None)
+        if shared is not None and n_threads is None and backend is None:
+            self.moe = shared
+        else:
+            self.moe = MoEKernels(n_threads=n_threads, backend=backend)
         plan = geo.shard_plan
-        for layer, shards in converted.experts.items():
+        for layer, shards in (converted.experts if layers is None else layers).items():
             pieces = []
             for s, shard in enumerate(shards):
                 i0, i1 = plan.shard_range(s)

@@ -43,6 +43,7 @@ class LoadedModel(contextlib.AbstractContextManager):
         close = getattr(self.model.experts, "close", None)
         if close:
             close()
+        self.converted.close()       # the kernel pool of the quantized Linears, if any (closing twice is a no-op)
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -60,20 +61,46 @@ def eos_ids_of(model_dir: Path, cfg, tokenizer: Tokenizer) -> set[int]:
     return ids
 
 
+def _tiered_executor(converted, opts, use_kernels, hot_experts):
+    """The RAM tier's executor (kernels on the tier's mirrors); its eviction counts start from --profile if given."""
+    from ktlayouts.expert_profile import ExpertProfile
+
+    from .experts import kernels_available
+    from .tiered_experts import build_tiered_executor
+    if use_kernels is False or not kernels_available():
+        raise ValueError("--expert-ram needs the CPU kernels (libktkernels: run `make kernels`); the torch reference "
+                         "experts keep dequantized copies outside any budget")
+    counts = None
+    if hot_experts is not None and hot_experts.profile:
+        prof = ExpertProfile.load(hot_experts.profile)
+        prof.check_model(converted.config.model_type, converted.geometry.n_experts, converted.geometry.moe_layers)
+        counts = prof.counts()
+    return build_tiered_executor(converted, opts.budget_bytes, predict=opts.predict, io=opts.io,
+                                 io_threads=opts.io_threads, extra=opts.extra, profile_counts=counts)
+
+
 def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = None, verify: bool = False,
                quiet: bool = True, numa_prefault: bool = False, gpu_weights: str = "auto",
                use_kernels: bool | None = None, hot_experts: HotExpertOptions | None = None,
-               kv_tokens: int = 4096) -> LoadedModel:
+               kv_tokens: int = 4096, expert_ram=None) -> LoadedModel:
     """Open MODEL_DIR (ktrun.loader.load_converted: validated, experts mapped, dense layers placed), build the
     routed-expert executor (kernels when available; use_kernels=False: the torch reference) and the model forward.
     hot_experts: which experts run on the GPU (ktrun.hot_experts; None: the conversion's own placement, if any);
     kv_tokens: the KV budget a --gpu-mem plan leaves room for, unless it states one.
+    expert_ram: ktrun.expert_ram_option.ExpertRamOptions: routed experts in a RAM tier of that budget, the rest read
+    from the expert files on demand (ktrun.expert_tier; needs the kernels).
     dtype of the dense part: None = bfloat16 on CUDA, float32 on the CPU. Raises LoadError / ConfigError /
     TokenizerError (all ValueErrors) naming the file at fault."""
     root = Path(model_dir)
     converted = load_converted(root, device=device, dtype=dtype, verify=verify, quiet=quiet,
                                numa_prefault=numa_prefault, gpu_weights=gpu_weights)
-    experts = build_hot_executor(converted, make_executor(converted, use_kernels=use_kernels), hot_experts, kv_tokens)
+    if expert_ram is None:
+        cpu = make_executor(converted, use_kernels=use_kernels)
+    else:
+        cpu = _tiered_executor(converted, expert_ram, use_kernels, hot_experts)
+        if hot_experts is not None and not (hot_experts.budget.given or hot_experts.dynamic):
+            hot_experts = None            # --profile alone with --expert-ram: it seeds the tier, places nothing
+    experts = build_hot_executor(converted, cpu, hot_experts, kv_tokens)
     model = MoEModel(converted.config, converted.dense, experts, converted.device, converted.dtype)
     tokenizer = Tokenizer(root)
     return LoadedModel(model, tokenizer, eos_ids_of(root, converted.config, tokenizer), converted)

@@ -7,8 +7,9 @@
   read at start-up, so start-up time does not grow with expert bytes. Each tensor's offset in the file header must
   equal the manifest's.
 - Dense tensors (hub names) are read and placed on CUDA when available, else the CPU; GPU-quantized Linears are
-  placed by ktrun.dense_placement (`gpu_weights`): dequantized at load, or kept packed in the Marlin layout and run
-  by an installed Marlin kernel (else dequantized per call).
+  placed by ktrun.dense_placement (`gpu_weights`): on the CPU repacked once for the kernels' quantized Linear op
+  (ktrun.kernel_linear, the default), or dequantized at load, or kept packed in the Marlin layout and run by an
+  installed Marlin kernel (else dequantized per call).
 - NUMA: files written for S shards are assigned to this machine's M nodes (ktlayouts nodes_for_shards); with
   `numa_prefault=True` a thread bound to each node's CPUs faults that node's pieces in (page cache lands on the node).
 """
@@ -39,8 +40,9 @@ from ktlayouts.converted_dir import (
 from ktlayouts.expert_shards import unit_piece
 from ktlayouts.families import MODEL_TYPE_ALIASES, ModelConfig, get_family, load_config
 from ktlayouts.files import sha256_file
+from ktlayouts.gpu_formats import is_gpu_layout
 
-from .dense_placement import PlacementError, place_quantized
+from .dense_placement import PlacementError, place_quantized, use_cpu_kernels
 
 _NP_DTYPES = {"U8": np.uint8, "F32": np.float32, "BF16": np.uint16, "F16": np.float16, "I32": np.int32,
               "I64": np.int64, "I16": np.int16, "F8_E4M3": np.uint8}
@@ -88,6 +90,13 @@ class ConvertedModel:
     mapped_bytes: int = 0
     prefault_threads: list = field(default_factory=list)   # numa_prefault: join them to wait for the faulting
     gpu_weights: str = ""           # how the GPU-quantized Linears were placed (ktrun.dense_placement)
+    # the kernel context (ktrun.cpu_moe.MoEKernels) whose pool runs the quantized Linears on the CPU (--gpu-weights
+    # kernels); the routed-expert executor runs on the same pool (one set of threads). None: not on the kernels.
+    kernels: object = None
+
+    def close(self) -> None:
+        if self.kernels is not None:
+            self.kernels.close()
 
 
 def _check_files(root: Path, manifest: dict, verify: bool, quiet: bool) -> None:
@@ -156,7 +165,8 @@ def _to_torch(name: str, a: np.ndarray, dtype_name: str) -> torch.Tensor:
     raise LoadError(f"dense tensor {name!r}: dtype {dtype_name} is not a float layout")
 
 
-def _load_dense(root: Path, manifest: dict, device, dtype, gpu_weights: str) -> tuple[dict, str]:
+def _load_dense(root: Path, manifest: dict, device, dtype, gpu_weights: str, linear_kernels=None
+                ) -> tuple[dict, str]:
     dense, quantized = {}, {}
     for rel, f in manifest["files"].items():
         if f["kind"] not in ("dense", "globals"):
@@ -173,7 +183,7 @@ def _load_dense(root: Path, manifest: dict, device, dtype, gpu_weights: str) -> 
             else:
                 quantized.setdefault(str(safe_relpath(root, rel)), {})[name] = (a, f["tensors"][name])
     try:
-        placed, how = place_quantized(quantized, device, dtype, gpu_weights)
+        placed, how = place_quantized(quantized, device, dtype, gpu_weights, linear_kernels)
     except PlacementError as e:
         raise LoadError(str(e)) from None
     dense.update(placed)
@@ -261,12 +271,28 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     experts, nbytes = _map_experts(root, manifest, geo)
-    dense, how = _load_dense(root, manifest, device, dtype, gpu_weights)
-    _check_routers(root, cfg, dense)
+    try:
+        on_kernels = use_cpu_kernels(gpu_weights, device)
+    except PlacementError as e:
+        raise LoadError(str(e)) from None
+    kernels = lin = None
+    if on_kernels and any(is_gpu_layout(t["layout"]) for f in manifest["files"].values()
+                          if f["kind"] in ("dense", "globals") for t in f.get("tensors", {}).values()):
+        from .cpu_linear import LinearKernels
+        from .cpu_moe import MoEKernels
+        kernels = MoEKernels()
+        lin = LinearKernels(kernels)
+    try:
+        dense, how = _load_dense(root, manifest, device, dtype, gpu_weights, lin)
+        _check_routers(root, cfg, dense)
+    except BaseException:
+        if kernels is not None:
+            kernels.close()
+        raise
     nodes = numa_nodes()
     model = ConvertedModel(root, manifest, geo, cfg, dense, experts, device, dtype,
                            numa_plan=node_unit_ranges(geo.shard_plan, len(nodes)), mapped_bytes=nbytes,
-                           gpu_weights=how)
+                           gpu_weights=how, kernels=kernels)
     if numa_prefault:
         model.prefault_threads = prefault_numa(model, nodes)
     return model

@@ -1,4 +1,5 @@
-/* ktkernels: CPU MoE routed-expert kernels on the packed cpu-expert layouts (layouts/README.md), C ABI.
+/* ktkernels: CPU kernels on the packed layouts of layouts/README.md, C ABI: the routed-expert part of MoE layers
+ * (cpu-expert-int4/int8/bf16) and dense quantized Linears (cpu-linear-int4/int8), on one persistent thread pool.
  *
  * All weights are read in place (pointers into the mmapped files); nothing here parses files or copies weights.
  * Errors: functions return a negative value (or NULL) and kt_last_error() gives the message (per thread). */
@@ -12,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 3   /* 3: kt_submit_masked */
+#define KT_ABI_VERSION 4   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -69,7 +70,40 @@ int kt_submit_masked(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int
                      const uint8_t* skip);
 int kt_sync(kt_ctx* ctx);
 
-/* Where the last job's time went: 9 doubles (seconds) per worker thread: x quantization (0 when the submitting
+/* --- dense Linears: y = x W^T on cpu-linear-int4/int8 (one cpu-expert matrix: layouts/README.md) ---------------
+ * Registered once (weights read in place, never copied), run asynchronously on the same pool as the MoE layers:
+ * a submit of either kind waits for the job in flight first, kt_sync waits for the last one. Linear ids are their
+ * own namespace (not MoE layer ids). */
+
+/* qweight (round_up(n,16)/16, K_pad/64, tile_bytes) u8, scales (round_up(n,16)/16, n_groups, 16) f32, where
+ * K_pad = round_up(k, lcm(64, G)) (64 for G = -1), n_groups = K_pad / G (1 for G = -1), tile_bytes 512 (int4) or
+ * 1024 (int8). bits 4 or 8; group_size 32, 64m or -1 (per row). Re-adding an id replaces it. */
+int kt_add_linear(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_size, const void* qweight,
+                  const float* scales);
+
+/* outs[i][t, :N_i] = x[t] W_i^T for the n_linears linears ids[i], which share the input x (same K and group size:
+ * x is quantized once and their work shares one queue; e.g. q_a + kv_a, gate + up).
+ * x: (T, K) f32 or bf16 with row stride x_stride elements; outs[i]: (T, N_i) f32 with row stride out_strides[i],
+ * overwritten. Returns at once: x and the outputs must stay valid until kt_sync (ids/outs/out_strides are copied). */
+int kt_linear_submit(kt_ctx* ctx, int n_linears, const int32_t* ids, int n_tokens, const void* x, int x_dtype,
+                     int64_t x_stride, float* const* outs, const int64_t* out_strides);
+
+enum { KT_CODES_U8 = 0, KT_CODES_PACKED_K = 1 };
+
+/* GPU codes -> cpu-linear tiles (bit-exact; ktlayouts.cpu_linear.repack_gpu_codes is the reference), synchronous,
+ * on the context's threads. Codes of the logical (K, N) matrix, unsigned with zero point 2^(bits-1):
+ *   KT_CODES_U8:       code(k, n) = ((const uint8_t*)codes)[k * code_stride_k + n * code_stride_n]   (one per byte)
+ *   KT_CODES_PACKED_K: 32/bits codes per little-endian 32-bit word along K, least significant bits first:
+ *                      word (k / (32/bits)) * code_stride_k + n * code_stride_n   (strides in words; gptq qweight:
+ *                      (N, 1), compressed-tensors weight_packed: (1, K*bits/32))
+ * scales: float16 bits, scale(g, n) = scales[g * scale_stride_g + n * scale_stride_n], g < K / G (1 group for -1).
+ * Writes qweight and scales_out as kt_add_linear takes them (padding: codes 2^(bits-1), scales 0).
+ * K must be a multiple of G. Fails (after writing) if a KT_CODES_U8 int4 code is above 15. */
+int kt_linear_repack(kt_ctx* ctx, int n, int k, int bits, int group_size, const void* codes, int codes_kind,
+                     int64_t code_stride_k, int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g,
+                     int64_t scale_stride_n, void* qweight, float* scales_out);
+
+/* Where the last MoE job's time went: 9 doubles (seconds) per worker thread: x quantization (0 when the submitting
  * thread did it: few tokens), barrier wait, gate/up (+ silu + h quantization), barrier wait, down, barrier wait and
  * partial-sum reduction (the last two only with n_pools > 1), delay from submit to the worker starting, and the
  * CPU time the worker got during the job (less than its wall time when other processes share the cores).

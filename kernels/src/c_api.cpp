@@ -9,11 +9,15 @@
 
 #include "../include/ktkernels.h"
 #include "cpu_features.h"
+#include "linear_engine.h"
 #include "moe_engine.h"
 
+// One pool and one backend table for both ops (the MoE engine owns them; the linear engine borrows them).
 struct kt_ctx {
     kt::MoEEngine engine;
-    kt_ctx(int n_threads, int n_pools, const std::string& backend) : engine(n_threads, n_pools, backend) {}
+    kt::LinearEngine linear;
+    kt_ctx(int n_threads, int n_pools, const std::string& backend)
+        : engine(n_threads, n_pools, backend), linear(engine.pool(), engine.table()) {}
 };
 
 namespace {
@@ -92,6 +96,28 @@ int kt_submit_masked(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int
 
 int kt_sync(kt_ctx* ctx) {
     return guarded([&] { ctx->engine.sync(); });
+}
+
+int kt_add_linear(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_size, const void* qweight,
+                  const float* scales) {
+    return guarded([&] { ctx->linear.add(linear_id, n, k, bits, group_size, qweight, scales); });
+}
+
+int kt_linear_submit(kt_ctx* ctx, int n_linears, const int32_t* ids, int n_tokens, const void* x, int x_dtype,
+                     int64_t x_stride, float* const* outs, const int64_t* out_strides) {
+    return guarded([&] {
+        static_assert(sizeof(int32_t) == sizeof(int), "linear ids are int32");
+        ctx->linear.submit(n_linears, (const int*)ids, n_tokens, x, x_dtype, x_stride, outs, out_strides);
+    });
+}
+
+int kt_linear_repack(kt_ctx* ctx, int n, int k, int bits, int group_size, const void* codes, int codes_kind,
+                     int64_t code_stride_k, int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g,
+                     int64_t scale_stride_n, void* qweight, float* scales_out) {
+    return guarded([&] {
+        ctx->linear.repack(n, k, bits, group_size, codes, codes_kind, code_stride_k, code_stride_n, scales,
+                           scale_stride_g, scale_stride_n, (uint8_t*)qweight, scales_out);
+    });
 }
 
 int kt_profile(kt_ctx* ctx, double* out, int capacity) {

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.families import RopeConfig, yarn_mscale
 
+from ..kernel_linear import KernelLinear, run_together
 from ..packed_linear import linear
 
 
@@ -23,8 +24,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def swiglu_mlp(x: torch.Tensor, gate, up, down) -> torch.Tensor:
-    """x: (T, H); gate/up: (I, H); down: (H, I) (tensors or packed Linears)."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    """x: (T, H); gate/up: (I, H); down: (H, I) (tensors or packed Linears). On the CPU kernels gate and up run
+    in one submission (x quantized once)."""
+    if isinstance(gate, KernelLinear) and gate.shares_input_with(up):
+        g, u = run_together([gate, up], x)
+    else:
+        g, u = linear(x, gate), linear(x, up)
+    return linear(F.silu(g) * u, down)
 
 
 # --- RoPE -----------------------------------------------------------------------------------------

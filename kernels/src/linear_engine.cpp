@@ -1,0 +1,174 @@
+#include "linear_engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "../include/ktkernels.h"
+
+namespace kt {
+
+namespace {
+
+int round_up(int x, int m) { return (x + m - 1) / m * m; }
+int lcm64(int g) { return g % 64 == 0 ? g : 64; }   // lcm(64, G) for G = 32 or a multiple of 64
+
+float bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// Work items per thread the queue aims at: enough that a worker losing its core to another process (this machine
+// is shared) costs little, few enough that the per-item cost (an atomic, a call) stays well under 1%.
+constexpr int kItemsPerThread = 8;
+constexpr int kMaxChunkBlocks = 8;   // column blocks (of 16) per item: 8 x 16 x K codes, one linear byte stream
+
+}  // namespace
+
+LinearEngine::LinearEngine(ThreadPool& pool, const KernelTable& table)
+    : pool_(pool), table_(table), scratch_(pool.n_threads()) {}
+
+LinearEngine::~LinearEngine() { pool_.wait(); }
+
+void LinearEngine::add(int id, int n, int k, int bits, int group, const void* qweight, const float* scales) {
+    auto bad = [&](const std::string& m) { throw std::invalid_argument("linear " + std::to_string(id) + ": " + m); };
+    if (n < 1 || k < 1) bad("n and k must be >= 1, got (" + std::to_string(n) + ", " + std::to_string(k) + ")");
+    if (bits != 4 && bits != 8) bad("bits must be 4 or 8 (cpu-linear-int4/int8), got " + std::to_string(bits));
+    if (!(group == -1 || group == 32 || (group > 0 && group % 64 == 0)))
+        bad("group size " + std::to_string(group) + " is not supported: use 32, a multiple of 64, or -1 (per row)");
+    if (!qweight || !scales) bad("missing qweight or scales pointer");
+    if (pool_.busy()) pool_.wait();   // a job in flight may read the entry being replaced
+    Linear L;
+    L.n = n; L.k = k; L.bits = bits; L.group = group;
+    L.kx = round_up(k, group == -1 ? 64 : lcm64(group));
+    L.glen = group == -1 ? L.kx : group;
+    L.n_blocks = round_up(n, 16) / 16;
+    L.q = (const uint8_t*)qweight;
+    L.s = scales;
+    L.q_block_stride = (size_t)(L.kx / 64) * (bits == 4 ? 512 : 1024);
+    L.s_block_stride = (size_t)(L.kx / L.glen) * 16;
+    linears_[id] = L;
+}
+
+void LinearEngine::submit(int n_linears, const int* ids, int T, const void* x, int x_dtype, int64_t x_stride,
+                          float* const* outs, const int64_t* out_strides) {
+    if (n_linears < 1 || !ids || !outs || !out_strides) throw std::invalid_argument("no linears to run");
+    std::vector<const Linear*> job(n_linears);
+    for (int i = 0; i < n_linears; ++i) {
+        auto it = linears_.find(ids[i]);
+        if (it == linears_.end()) throw std::invalid_argument("linear " + std::to_string(ids[i]) + " was not added");
+        job[i] = &it->second;
+        const Linear& L = *job[i];
+        if (L.k != job[0]->k || L.group != job[0]->group)
+            throw std::invalid_argument("linears sharing one input must have the same K and group size: linear " +
+                                        std::to_string(ids[i]) + " has K=" + std::to_string(L.k) + " G=" +
+                                        std::to_string(L.group) + ", linear " + std::to_string(ids[0]) + " K=" +
+                                        std::to_string(job[0]->k) + " G=" + std::to_string(job[0]->group));
+        if (T > 0 && (!outs[i] || out_strides[i] < L.n || out_strides[i] > (1 << 30)))
+            throw std::invalid_argument("output " + std::to_string(i) + " of linear " + std::to_string(ids[i]) +
+                                        ": null or row stride " + std::to_string(out_strides[i]) + " < N (" +
+                                        std::to_string(L.n) + ")");
+    }
+    if (T < 0) throw std::invalid_argument("n_tokens must be >= 0");
+    if (x_dtype != KT_F32 && x_dtype != KT_BF16) throw std::invalid_argument("x dtype must be f32 or bf16");
+    if (T > 0 && (!x || x_stride < job[0]->k))
+        throw std::invalid_argument("null x or row stride " + std::to_string(x_stride) + " < K (" +
+                                    std::to_string(job[0]->k) + ")");
+    pool_.wait();   // the previous job (this op's or the MoE op's) may still use the buffers below
+    if (T == 0) return;
+    job_ = std::move(job);
+    outs_.assign(outs, outs + n_linears);
+    out_strides_.assign(out_strides, out_strides + n_linears);
+    T_ = T; x_ = x; x_dtype_ = x_dtype; x_stride_ = x_stride;
+    k_ = job_[0]->k; kx_ = job_[0]->kx; glen_ = job_[0]->glen;
+    const int ng = kx_ / glen_;
+    xq_.resize((size_t)T * kx_); xs_.resize((size_t)T * ng); xsum_.resize((size_t)T * ng);
+    xq_rows_.resize(T); xs_rows_.resize(T); xsum_rows_.resize(T);
+    for (int t = 0; t < T; ++t) {
+        xq_rows_[t] = xq_.data() + (size_t)t * kx_;
+        xs_rows_[t] = xs_.data() + (size_t)t * ng;
+        xsum_rows_[t] = xsum_.data() + (size_t)t * ng;
+    }
+
+    // Work items. Columns are split in chunks of column blocks (decode: each chunk is one weight stream read once
+    // for all T rows; prefill: block pairs of the register tile, reused from L2 by every row tile). With few column
+    // chunks for the threads (small N, many tokens) the rows are split as well: the weights of such a Linear are
+    // small, so reading them once per row chunk costs L2/L3 bandwidth, not memory bandwidth.
+    const int nt = pool_.n_threads();
+    int total_blocks = 0;
+    for (const Linear* L : job_) total_blocks += L->n_blocks;
+    const bool prefill = T > kDecodeMaxRows;
+    int chunk = std::max(1, std::min(kMaxChunkBlocks, total_blocks / (nt * kItemsPerThread)));
+    if (prefill) chunk = std::max(2, chunk & ~1);   // whole block pairs (Isa::NRP)
+    int col_items = 0;
+    for (const Linear* L : job_) col_items += (L->n_blocks + chunk - 1) / chunk;
+    int t_chunk = T;
+    if (prefill && col_items < nt * kItemsPerThread / 2) {
+        const int want = (nt * kItemsPerThread / 2 + col_items - 1) / col_items;   // row chunks per column chunk
+        t_chunk = std::max(2 * kDecodeMaxRows, round_up((T + want - 1) / want, kDecodeMaxRows));
+    }
+    items_.clear();
+    for (int li = 0; li < n_linears; ++li)
+        for (int nb = 0; nb < job_[li]->n_blocks; nb += chunk)
+            for (int t0 = 0; t0 < T; t0 += t_chunk)
+                items_.push_back(Item{li, nb, std::min(chunk, job_[li]->n_blocks - nb), t0, std::min(t_chunk, T - t0)});
+    next_ = 0;
+    const size_t need = std::max((size_t)k_, (size_t)t_chunk * chunk * 16);
+    for (auto& s : scratch_) if (s.size() < need) s.resize(need);
+    // a few rows: quantize here, so the workers start on the weights at once (no phase 0, no barrier)
+    x_ready_ = T <= kDecodeMaxRows;
+    if (x_ready_) for (int t = 0; t < T; ++t) quantize_x(t, 0);
+    pool_.launch([this](const WorkerInfo& w) { run(w); });
+}
+
+void LinearEngine::run(const WorkerInfo& w) {
+    if (!x_ready_) {
+        const int n = w.n_threads;
+        for (int t = (int)((int64_t)T_ * w.index / n); t < (int)((int64_t)T_ * (w.index + 1) / n); ++t)
+            quantize_x(t, w.index);
+        pool_.global_barrier();
+    }
+    for (int i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < (int)items_.size();) compute(items_[i], w.index);
+}
+
+void LinearEngine::quantize_x(int t, int worker) {
+    const char* row = (const char*)x_ + (size_t)t * x_stride_ * (x_dtype_ == KT_F32 ? 4 : 2);
+    const float* v = (const float*)row;
+    if (x_dtype_ == KT_BF16) {
+        float* tmp = scratch_[worker].data();
+        for (int k = 0; k < k_; ++k) tmp[k] = bf16_to_f32(((const uint16_t*)row)[k]);
+        v = tmp;
+    }
+    const int ng = kx_ / glen_;
+    table_.quantize_row(v, k_, kx_, glen_, xq_.data() + (size_t)t * kx_, xs_.data() + (size_t)t * ng,
+                        xsum_.data() + (size_t)t * ng);
+}
+
+void LinearEngine::compute(const Item& it, int worker) {
+    const Linear& L = *job_[it.lin];
+    QView v;
+    v.q = L.q + (size_t)it.nb0 * L.q_block_stride;
+    v.s = L.s + (size_t)it.nb0 * L.s_block_stride;
+    v.q_block_stride = L.q_block_stride;
+    v.s_block_stride = L.s_block_stride;
+    v.n_rows4 = L.kx / 4;
+    v.group_rows = L.glen / 4;
+    const ActRows a{xq_rows_.data() + it.t0, xs_rows_.data() + it.t0, xsum_rows_.data() + it.t0};
+    const QGemmFn fn = L.bits == 8 ? table_.qgemm8 : table_.qgemm4;
+    const int64_t ld = out_strides_[it.lin];
+    float* out = outs_[it.lin] + it.t0 * ld + it.nb0 * 16;
+    const int c0 = it.nb0 * 16, width = it.nbn * 16;
+    if (c0 + width <= L.n) {   // whole blocks: straight into the output rows
+        fn(v, it.nbn, a, it.tm, out, (int)ld);
+        return;
+    }
+    float* y = scratch_[worker].data();   // the chunk with the partial last block: padded columns are dropped
+    fn(v, it.nbn, a, it.tm, y, width);
+    const int nc = L.n - c0;
+    for (int i = 0; i < it.tm; ++i) memcpy(out + i * ld, y + (size_t)i * width, sizeof(float) * nc);
+}
+
+}  // namespace kt

@@ -1,0 +1,85 @@
+// Dense quantized Linears y = x W^T on the cpu-linear-int4/int8 layouts (one cpu-expert matrix each,
+// layouts/README.md "CPU dense Linears"), run on the kernel context's ThreadPool, async like the MoE op.
+// linear_engine.cpp: registration, submit, the worker phases; linear_repack.cpp: GPU codes -> tiles.
+//
+// One submit = one job on every worker (the MoE job and this one never overlap: the pool runs one job at a time):
+//   0 (all workers, T > kDecodeMaxRows)  x -> int8 per token and group; for fewer tokens the submitting thread does
+//                                        it and the workers start on the weights at once (no barrier)
+//   1 (all workers)                      items (linear, column-block chunk, row chunk) taken dynamically; each runs
+//                                        the shared qgemm of kernel_body.inc (the MoE kernels' inner loops):
+//                                        T <= 8 streams each weight block once for all rows (decode, bandwidth-bound),
+//                                        more rows use the register-tiled loop on block pairs reused from L2
+//                                        (prefill, compute-bound)
+// Several Linears sharing one input (q_a/kv_a, gate/up) go in one submit: x is quantized once and their items
+// share one queue.
+#pragma once
+#include <atomic>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "kernel_types.h"
+#include "thread_pool.h"
+
+namespace kt {
+
+struct Linear {
+    int n, k, bits, group;     // logical (N, K); group as registered: 32, 64m, or -1 (per row)
+    int kx;                    // K_pad
+    int glen;                  // group length along K_pad (kx for per row)
+    int n_blocks;              // N_pad / 16
+    const uint8_t* q;          // (n_blocks, kx / 64, tile_bytes)
+    const float* s;            // (n_blocks, kx / glen, 16)
+    size_t q_block_stride;     // bytes
+    size_t s_block_stride;     // floats
+};
+
+class LinearEngine {
+public:
+    LinearEngine(ThreadPool& pool, const KernelTable& table);
+    ~LinearEngine();
+
+    void add(int id, int n, int k, int bits, int group, const void* qweight, const float* scales);  // throws
+    // outs[i]: (T, N_i) f32 with row stride out_strides[i] (elements), overwritten.
+    void submit(int n_linears, const int* ids, int T, const void* x, int x_dtype, int64_t x_stride,
+                float* const* outs, const int64_t* out_strides);
+    void sync() { pool_.wait(); }
+
+    // GPU codes -> tiles + f32 scales (ktkernels.h kt_linear_repack), on the pool; synchronous.
+    void repack(int n, int k, int bits, int group, const void* codes, int codes_kind, int64_t code_stride_k,
+                int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g, int64_t scale_stride_n,
+                uint8_t* qweight, float* scales_out);
+
+private:
+    struct Item { int lin, nb0, nbn, t0, tm; };   // linear (index into job), column blocks, token rows
+
+    void run(const WorkerInfo& w);
+    void quantize_x(int t, int worker);
+    void compute(const Item& it, int worker);
+
+    ThreadPool& pool_;
+    const KernelTable& table_;
+    std::map<int, Linear> linears_;
+
+    // the job in flight
+    std::vector<const Linear*> job_;
+    std::vector<float*> outs_;
+    std::vector<int64_t> out_strides_;
+    int T_ = 0;
+    const void* x_ = nullptr;
+    int x_dtype_ = 0;
+    int64_t x_stride_ = 0;
+    int kx_ = 0, glen_ = 0, k_ = 0;
+    bool x_ready_ = false;
+    std::vector<int8_t> xq_;      // (T, kx)
+    std::vector<float> xs_;       // (T, kx / glen)
+    std::vector<int32_t> xsum_;
+    std::vector<const int8_t*> xq_rows_;
+    std::vector<const float*> xs_rows_;
+    std::vector<const int32_t*> xsum_rows_;
+    std::vector<Item> items_;
+    std::atomic<int> next_{0};
+    std::vector<std::vector<float>> scratch_;   // per worker: bf16 rows as f32, outputs of a partial last block
+};
+
+}  // namespace kt

@@ -1,0 +1,226 @@
+"""ktrun.cpu_linear: dense quantized Linears y = x W^T on the CPU, computed by libktkernels on the cpu-linear-int4/int8
+tiles (layouts/README.md "CPU dense Linears": one cpu-expert matrix per Linear) in place, on the same persistent
+thread pool as the routed experts (a ktrun.cpu_moe.MoEKernels context).
+
+Usage::
+
+    from ktrun.cpu_linear import LinearKernels
+    lin = LinearKernels(moe)                 # moe: a MoEKernels (its pool and backend); or LinearKernels(n_threads=2)
+    lin.add(0, qweight, scales, n=1536, k=7168, bits=4, group_size=128)    # arrays kept referenced, never copied
+    lin.add_gpu(1, codes_kn, scales_gn, bits=4, group_size=128)            # GPU codes: repacked once (C++)
+    y = lin.forward(0, x)                    # x (T, K) float32/bfloat16 -> y (T, N) float32
+    lin.submit(0, x, out); ...; lin.sync()   # async: returns at once, torch work overlaps until sync()
+    q, kv = lin.forward([0, 1], x)           # Linears sharing one input (same K and G) in one submission
+
+- qweight (N_pad/16, K_pad/64, tile_bytes) uint8 and scales (N_pad/16, n_groups, 16) float32, as
+  ktlayouts.cpu_linear.linear_geometry(n, k, bits, group_size) says (numpy arrays, memmaps of converted files, or
+  CPU torch tensors; C-contiguous).
+- x: numpy float32 / uint16 (bf16 bit patterns) or CPU torch float32 / bfloat16, rows contiguous (a row stride is
+  fine). out: float32 (T, N), rows contiguous, e.g. a column slice of a wider buffer; overwritten.
+- T = 1..8 tokens stream each weight once at the memory-bandwidth limit; more tokens use the compute-bound
+  register-tiled loop (kernels/README.md "Dense Linears").
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from ktlayouts.cpu_expert import MatrixGeometry
+from ktlayouts.cpu_linear import gpu_group_count, linear_geometry
+
+from .cpu_moe import KernelError, MoEKernels, _dtype_name, _err, _pointer, _shape, load_library
+
+CODES_U8, CODES_PACKED_K = 0, 1   # ktkernels.h KT_CODES_U8 / KT_CODES_PACKED_K
+
+
+def _numpy(a: Any, what: str) -> np.ndarray:
+    """A numpy view of a numpy array or CPU torch tensor (no copy)."""
+    if hasattr(a, "data_ptr"):
+        if a.device.type != "cpu":
+            raise ValueError(f"{what}: tensor is on {a.device}, the CPU kernels need CPU memory")
+        a = a.detach().numpy()
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{what}: expected a numpy array or torch tensor, got {type(a).__name__}")
+    return a
+
+
+def _strides(a: np.ndarray, what: str) -> tuple[int, int]:
+    """Element strides of a 2-D array (non-negative, whole elements)."""
+    if a.ndim != 2 or any(s < 0 or s % a.itemsize for s in a.strides):
+        raise ValueError(f"{what}: expected a 2-D array with non-negative strides, got shape {a.shape} strides "
+                         f"{a.strides}")
+    return a.strides[0] // a.itemsize, a.strides[1] // a.itemsize
+
+
+class LinearKernels:
+    """Registered quantized Linears on a kernel context's pool. See the module docstring."""
+
+    def __init__(self, kernels: MoEKernels | None = None, n_threads: int | None = None, numa_pools: int | None = None,
+                 backend: str | None = None):
+        self._owns = kernels is None
+        self.kernels = MoEKernels(n_threads, numa_pools, backend) if kernels is None else kernels
+        self._lib = load_library()
+        self._linears: dict[int, tuple[MatrixGeometry, Any, Any]] = {}
+        self._inflight: tuple | None = None
+        self._calls: dict = {}   # ids -> (id list, geometries, ctypes ids)
+
+    def close(self) -> None:
+        if getattr(self, "_owns", False) and getattr(self, "kernels", None) is not None:
+            self.kernels.close()
+        self._inflight = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def backend(self) -> str:
+        return self.kernels.backend
+
+    @property
+    def n_threads(self) -> int:
+        return self.kernels.n_threads
+
+    @property
+    def n_linears(self) -> int:
+        """How many Linears are registered (the next free id when ids are 0, 1, ...)."""
+        return len(self._linears)
+
+    def geometry(self, linear_id: int) -> MatrixGeometry:
+        if linear_id not in self._linears:
+            raise KeyError(f"linear {linear_id} was not added")
+        return self._linears[linear_id][0]
+
+    # --- registration ---------------------------------------------------------------------------
+
+    def add(self, linear_id: int, qweight: Any, scales: Any, n: int, k: int, bits: int, group_size: int
+            ) -> MatrixGeometry:
+        """Register one Linear's packed tensors (kept referenced, read in place)."""
+        geom = linear_geometry(n, k, bits, group_size)
+        what = f"linear {linear_id}"
+        if _shape(qweight) != geom.qweight_shape or _dtype_name(qweight) != "uint8":
+            raise ValueError(f"{what} qweight: {_dtype_name(qweight)} {_shape(qweight)}, expected uint8 "
+                             f"{geom.qweight_shape} for {geom}")
+        if _shape(scales) != geom.scales_shape or _dtype_name(scales) != "float32":
+            raise ValueError(f"{what} scales: {_dtype_name(scales)} {_shape(scales)}, expected float32 "
+                             f"{geom.scales_shape} for {geom}")
+        q_ptr, s_ptr = _pointer(qweight, f"{what} qweight"), _pointer(scales, f"{what} scales")
+        self.sync()
+        if self._lib.kt_add_linear(self.kernels.handle, linear_id, n, k, bits, group_size, q_ptr, s_ptr) != 0:
+            raise KernelError(_err(self._lib))
+        self._linears[linear_id] = (geom, qweight, scales)
+        self._calls.clear()
+        return geom
+
+    def repack(self, codes: Any, scales: Any, bits: int, group_size: int, packed: bool = False,
+               out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """GPU codes -> (qweight, scales) of cpu-linear-int{bits} (bit-exact; reference:
+        ktlayouts.cpu_linear.repack_gpu_codes), on this context's threads.
+
+        codes: (K, N) uint8 with zero point 2^(bits-1), any strides (a transposed (N, K) view works), or with
+        packed=True the codes packed along K, 32/bits per int32 word LSB first: (K*bits/32, N) words (gptq qweight
+        as stored; compressed-tensors weight_packed.T). scales: (n_groups, N) float16, any strides
+        (compressed-tensors weight_scale.T). out: preallocated (qweight, scales) to write into (e.g. a mapped file).
+        """
+        c = _numpy(codes, "codes")
+        s = _numpy(scales, "scales")
+        if packed:
+            if c.dtype not in (np.int32, np.uint32):
+                raise ValueError(f"packed codes: dtype {c.dtype}, expected int32 words")
+            k, n = c.shape[0] * 32 // bits if c.ndim == 2 else 0, c.shape[-1]
+        else:
+            if c.dtype != np.uint8:
+                raise ValueError(f"codes: dtype {c.dtype}, expected uint8 (one code per byte)")
+            k, n = c.shape if c.ndim == 2 else (0, 0)
+        csk, csn = _strides(c, "codes")
+        geom = linear_geometry(n, k, bits, group_size)
+        if s.dtype != np.float16 or s.shape != (gpu_group_count(geom), n):
+            raise ValueError(f"scales: {s.dtype} {s.shape}, expected float16 ({gpu_group_count(geom)}, {n})")
+        ssg, ssn = _strides(s, "scales")
+        if out is None:
+            qw, sc = np.empty(geom.qweight_shape, np.uint8), np.empty(geom.scales_shape, np.float32)
+        else:
+            qw, sc = out
+            if _shape(qw) != geom.qweight_shape or _shape(sc) != geom.scales_shape:
+                raise ValueError(f"out: shapes {_shape(qw)} / {_shape(sc)}, expected {geom.qweight_shape} / "
+                                 f"{geom.scales_shape}")
+        rc = self._lib.kt_linear_repack(self.kernels.handle, n, k, bits, group_size, c.ctypes.data,
+                                        CODES_PACKED_K if packed else CODES_U8, csk, csn, s.ctypes.data, ssg, ssn,
+                                        _pointer(qw, "out qweight", np.dtype(np.uint8)),
+                                        _pointer(sc, "out scales", np.dtype(np.float32)))
+        if rc != 0:
+            raise KernelError(_err(self._lib))
+        return qw, sc
+
+    def add_gpu(self, linear_id: int, codes: Any, scales: Any, bits: int, group_size: int, packed: bool = False
+                ) -> MatrixGeometry:
+        """repack() then add(): the repacked tiles are owned (and kept) here."""
+        qw, sc = self.repack(codes, scales, bits, group_size, packed=packed)
+        c = _numpy(codes, "codes")
+        k = c.shape[0] * 32 // bits if packed else c.shape[0]
+        return self.add(linear_id, qw, sc, n=c.shape[1], k=k, bits=bits, group_size=group_size)
+
+    # --- running --------------------------------------------------------------------------------
+
+    def submit(self, ids: int | Sequence[int], x: Any, out: Any = None):
+        """Start y = x W^T for one Linear id, or several sharing x (one list of outputs then), and return the
+        output(s) at once (allocated if out is None). Call sync() before reading them."""
+        single = isinstance(ids, (int, np.integer))
+        key = int(ids) if single else tuple(int(i) for i in ids)
+        call = self._calls.get(key)
+        if call is None:   # per id tuple, once: geometries and the ctypes id array (a decode step repeats them)
+            id_list = [key] if single else list(key)
+            if not id_list:
+                raise ValueError("no linear ids")
+            geoms = [self.geometry(i) for i in id_list]
+            call = self._calls[key] = (id_list, geoms, (ctypes.c_int32 * len(id_list))(*id_list))
+        id_list, geoms, ids_c = call
+        x_dtype, x_ptr, x_stride, T = MoEKernels._activation(x, geoms[0].k)
+        outs = [out] if single else (list(out) if out is not None else [None] * len(id_list))
+        if len(outs) != len(id_list):
+            raise ValueError(f"{len(id_list)} linears but {len(outs)} outputs")
+        ptrs, strides = (ctypes.c_void_p * len(outs))(), (ctypes.c_int64 * len(outs))()
+        for i, (g, o) in enumerate(zip(geoms, outs)):
+            if o is None:
+                o = outs[i] = np.empty((T, g.n), np.float32)
+            ptrs[i], strides[i] = self._output(o, T, g.n, id_list[i])
+        rc = self._lib.kt_linear_submit(self.kernels.handle, len(id_list), ids_c, T, x_ptr, x_dtype, x_stride,
+                                        ptrs, strides)
+        if rc != 0:
+            raise KernelError(_err(self._lib))
+        self._inflight = (x, outs)   # alive until sync (the C side has waited for any earlier job)
+        return outs[0] if single else outs
+
+    @staticmethod
+    def _output(o: Any, T: int, n: int, linear_id: int) -> tuple[int, int]:
+        """-> (pointer, row stride in elements) of a (T, N) float32 output with contiguous rows."""
+        if isinstance(o, np.ndarray):
+            ok = o.dtype == np.float32 and o.shape == (T, n)
+            row, col = (o.strides[0] // 4, o.strides[1] // 4) if ok else (0, 0)
+            ptr = o.ctypes.data
+        else:
+            ok = _dtype_name(o) == "float32" and _shape(o) == (T, n)
+            row, col = (o.stride(0), o.stride(1)) if ok else (0, 0)
+            ptr = _pointer(o, f"out of linear {linear_id}", contiguous=False)
+        if not ok:
+            raise ValueError(f"out of linear {linear_id}: {_dtype_name(o)} {_shape(o)}, expected float32 ({T}, {n})")
+        if T and n > 1 and col != 1:
+            raise ValueError(f"out of linear {linear_id}: rows must be contiguous")
+        return ptr, (row if T > 1 else n)
+
+    def sync(self) -> None:
+        if self._inflight is None:
+            return
+        rc = self._lib.kt_sync(self.kernels.handle)
+        self._inflight = None
+        if rc != 0:
+            raise KernelError(_err(self._lib))
+
+    def forward(self, ids: int | Sequence[int], x: Any, out: Any = None):
+        out = self.submit(ids, x, out)
+        self.sync()
+        return out

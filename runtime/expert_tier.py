@@ -1,0 +1,500 @@
+"""ExpertRamTier: routed experts held in RAM under an explicit byte budget, the rest read from the expert files on
+demand, whole experts at a time (`ktrun ... --expert-ram SIZE`, for models larger than RAM).
+
+How the kernels see it: each expert file gets a *mirror*, an anonymous private mapping of the file's size in which
+every byte sits at its file offset. The kernels are handed the same (E, ...) tensor views as with the file memmaps
+(ktrun.loader), only into the mirror: the same kernels read the same bytes, so outputs are bit-identical to the
+all-in-RAM run. A mirror costs address space only; RAM is spent on the pages of resident experts:
+
+  load(expert)   its byte ranges (gate/up/down qweight and scales, every NUMA shard) widened to whole 4 KiB pages,
+                 merged, and read straight into the mirror at the same offsets (pread into the mapping; with
+                 O_DIRECT when the file system allows, so the page cache does not hold a second copy). A widened
+                 page may cover a neighbour's bytes: the file's own bytes, so a resident neighbour is unchanged.
+  evict(expert)  madvise(MADV_DONTNEED) on the pages no other resident or loading expert touches (a per-page
+                 reference count): the pages go back to the kernel; they read as zeros until loaded again.
+  budget         resident + in-flight pages x 4 KiB <= budget_bytes, always (checked before each read is issued;
+                 `measured_resident_bytes()` asks the kernel which mirror pages are resident: mincore(2)).
+                 Transparent huge pages are disabled on the mirrors (a 2 MiB page would break page accounting).
+
+Which experts stay: eviction takes the unpinned resident expert with the lowest routed-call count (learned online,
+seeded from an activation profile if given), the least recently used first among equals. The experts of the layer
+being computed are pinned until its kernels are done; a layer's experts must fit the budget together (prefill can
+route to all of them), else TierError says how much is needed.
+
+Reads run on `io_threads` threads (several reads in flight; the GIL is released while reading). `ensure()` issues
+the missing experts of a layer and returns a waiter; `prefetch()` issues predicted experts without ever waiting
+for room (it evicts only what nobody pinned). Stats (bytes read, disk time, hits, prefetch use) are in `stats()`.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import heapq
+import itertools
+import mmap
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor, safe_relpath
+
+PAGE = mmap.PAGESIZE
+PREFETCH_WINDOW = 64                  # prefetch outcomes remembered
+PREFETCH_MIN_USE = 0.5                # below this share used, prefetch probes with one expert per call
+CHUNK_PAGES = 512                     # reads of at most 2 MiB: one expert is several reads in flight
+IO_MODES = ("direct", "pread")
+ABSENT, LOADING, RESIDENT = 0, 1, 2
+
+
+class TierError(ValueError):
+    """The RAM tier cannot do what was asked (a budget too small for one layer, an expert file that cannot be
+    read); the message names the flag or the file."""
+
+
+def _page_range(begin: int, end: int) -> tuple[int, int]:
+    return begin // PAGE, -(-end // PAGE)
+
+
+@dataclass
+class _Mirror:
+    """An expert file's anonymous mirror: buffer, reference count per page, file descriptors."""
+    path: Path
+    size: int
+    buf: mmap.mmap
+    refs: np.ndarray                  # (n_pages,) uint16: resident or loading experts touching the page
+    fd: int                           # the descriptor reads go through (O_DIRECT when available)
+    direct: bool
+    view: memoryview = field(init=False)
+
+    def __post_init__(self):
+        self.view = memoryview(self.buf)
+
+    @property
+    def address(self) -> int:
+        return np.frombuffer(self.buf, dtype=np.uint8, count=1).ctypes.data
+
+
+class ExpertRamTier:
+    def __init__(self, converted, budget_bytes: int, io: str = "direct", io_threads: int = 4,
+                 profile_counts: dict[int, np.ndarray] | None = None):
+        if io not in IO_MODES:
+            raise ValueError(f"io={io!r}: use one of {', '.join(IO_MODES)}")
+        geo, manifest, root = converted.geometry, converted.manifest, converted.root
+        self.geometry = geo
+        self.layers = list(geo.moe_layers)
+        self.n_experts = geo.n_experts
+        self._li = {L: i for i, L in enumerate(self.layers)}
+        self.budget_pages = int(budget_bytes) // PAGE
+        self.budget_bytes = self.budget_pages * PAGE
+        self.io = io
+        self._mirrors: list[_Mirror] = []
+        # per global expert g = layer_index * E + e: its page spans [(mirror, p0, p1)] (merged, sorted)
+        self._spans: list[list[tuple[int, int, int]]] = []
+        self.mirror_layers: dict[int, list[dict]] = {}     # the shape of ConvertedModel.experts, into the mirrors
+        E = geo.n_experts
+        for L in self.layers:
+            shards, spans_by_e = [], [[] for _ in range(E)]
+            for s in range(geo.numa_nodes):
+                rel = expert_file(L, s, geo.numa_nodes)
+                m = self._open_mirror(safe_relpath(root, rel), manifest["files"][rel]["size"], io)
+                mi = len(self._mirrors)
+                self._mirrors.append(m)
+                listed = manifest["files"][rel]["tensors"]
+                shard = {}
+                for p in PROJECTIONS:
+                    qw, sc, geom = converted.experts[L][s][p]
+                    views = []
+                    for a, name in ((qw, expert_tensor(p, "qweight")), (sc, expert_tensor(p, "scales"))):
+                        if a is None:
+                            views.append(None)
+                            continue
+                        t = listed[name]
+                        off, nbytes = int(t["offset"]), int(t["nbytes"])
+                        views.append(np.frombuffer(m.buf, dtype=np.uint8, count=nbytes, offset=off)
+                                     .view(a.dtype).reshape(a.shape))
+                        per = nbytes // E
+                        for e in range(E):
+                            spans_by_e[e].append((mi, *_page_range(off + e * per, off + (e + 1) * per)))
+                    shard[p] = (views[0], views[1], geom)
+                shards.append(shard)
+            self.mirror_layers[L] = shards
+            self._spans += [_merge(sp) for sp in spans_by_e]
+        n = len(self._spans)
+        self._state = np.zeros(n, dtype=np.uint8)
+        self._pins = np.zeros(n, dtype=np.int32)
+        self._freq = np.zeros(n, dtype=np.float64)
+        self._last = np.zeros(n, dtype=np.int64)
+        self._issued: dict[int, list[int]] = {}         # layer -> experts prefetched for its next call
+        self._outcomes: deque[bool] = deque(maxlen=PREFETCH_WINDOW)   # recent prefetches: used by their layer?
+        if profile_counts:
+            for L, c in profile_counts.items():
+                if L in self._li:
+                    self._freq[self._li[L] * E: (self._li[L] + 1) * E] = np.asarray(c, dtype=np.float64)[:E]
+        self.layer_pages = max(self._layer_pages(L) for L in self.layers)
+        if self.layer_pages > self.budget_pages:
+            for m in self._mirrors:
+                os.close(m.fd)
+            raise TierError(f"--expert-ram {self.budget_bytes} bytes cannot hold one MoE layer's routed experts "
+                            f"({self.layer_pages * PAGE} bytes, {E} experts: prefill can route to all of them); "
+                            f"give at least that")
+        self._futures: dict[int, Future] = {}     # loads in flight: done when the expert is resident
+        self._jobs: dict[int, _Job] = {}
+        self._cv = threading.Condition()
+        self._queue = _ReadQueue(max(1, io_threads), self._read_chunk)
+        self._tick = 0
+        self.resident_pages = 0
+        self.peak_pages = 0
+        self._inflight = 0
+        self._busy_since = 0.0
+        self.counters = dict.fromkeys(("bytes_read", "reads", "loads", "evictions", "demand_experts", "ram_hits",
+                                       "inflight_hits", "demand_loads", "prefetch_issued", "prefetch_used",
+                                       "prefetch_dropped", "prefetch_throttled"), 0)
+        self.disk_busy_s = 0.0          # wall time with at least one read in flight
+        self.wait_s = 0.0               # time callers waited on demand reads
+
+    # -- set-up ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _open_mirror(path: Path, size: int, io: str) -> _Mirror:
+        n_pages = -(-size // PAGE)
+        buf = mmap.mmap(-1, n_pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(mmap.MADV_NOHUGEPAGE)      # page accounting needs 4 KiB pages (THP may be "always")
+        fd, direct = -1, False
+        if io == "direct":
+            try:
+                fd, direct = os.open(path, os.O_RDONLY | os.O_DIRECT), True
+            except OSError:                     # a file system without O_DIRECT (tmpfs): buffered reads
+                fd = -1
+        if fd < 0:
+            fd = os.open(path, os.O_RDONLY)
+        return _Mirror(path, size, buf, np.zeros(n_pages, dtype=np.uint16), fd, direct)
+
+    def _layer_pages(self, L: int) -> int:
+        """Pages all of layer L's experts occupy together (shared pages counted once: the union of their spans)."""
+        E, i = self.n_experts, self._li[L]
+        return sum(p1 - p0 for _, p0, p1 in _merge([sp for g in range(i * E, (i + 1) * E) for sp in self._spans[g]]))
+
+    def g(self, layer: int, e: int) -> int:
+        return self._li[layer] * self.n_experts + int(e)
+
+    def expert_pages(self, layer: int, e: int) -> int:
+        return sum(p1 - p0 for _, p0, p1 in self._spans[self.g(layer, e)])
+
+    # -- state ----------------------------------------------------------------------------------------------
+    def is_resident(self, layer: int, e: int) -> bool:
+        return self._state[self.g(layer, e)] == RESIDENT
+
+    def resident(self, layer: int) -> list[int]:
+        i, E = self._li[layer], self.n_experts
+        return [int(e) for e in np.flatnonzero(self._state[i * E:(i + 1) * E] == RESIDENT)]
+
+    def _new_pages(self, g: int) -> int:
+        return sum(int((self._mirrors[mi].refs[p0:p1] == 0).sum()) for mi, p0, p1 in self._spans[g])
+
+    def _victim(self, exclude: set[int]) -> int | None:
+        ok = (self._state == RESIDENT) & (self._pins == 0)
+        if exclude:
+            ok[list(exclude)] = False
+        idx = np.flatnonzero(ok)
+        if idx.size == 0:
+            return None
+        f = self._freq[idx]
+        low = idx[f == f.min()]
+        return int(low[np.argmin(self._last[low])])
+
+    def _evict(self, g: int) -> None:
+        self._state[g] = ABSENT
+        self.counters["evictions"] += 1
+        for mi, p0, p1 in self._spans[g]:
+            m = self._mirrors[mi]
+            refs = m.refs[p0:p1]
+            refs -= 1
+            free = np.flatnonzero(refs == 0)
+            self.resident_pages -= int(free.size)
+            for a, b in _runs(free):
+                m.buf.madvise(mmap.MADV_DONTNEED, (p0 + a) * PAGE, (b - a) * PAGE)
+
+    def _admit(self, g: int, wait: bool, exclude: set[int], priority: int = 0) -> bool:
+        """Reserve g's pages (evicting as needed) and start its read; under the lock. False: no room (wait=False)."""
+        while True:
+            need = self._new_pages(g)
+            if self.resident_pages + need <= self.budget_pages:
+                break
+            v = self._victim(exclude)
+            if v is not None:
+                self._evict(v)
+                continue
+            if not wait:
+                return False
+            if not any(self._state[h] == LOADING and self._pins[h] == 0 for h in self._futures):
+                raise TierError(f"--expert-ram {self.budget_bytes} bytes: no room for expert {g % self.n_experts} "
+                                f"of layer {self.layers[g // self.n_experts]}: every resident expert is in use")
+            self._cv.wait()                     # an unpinned in-flight read finishes, then it can be evicted
+        for mi, p0, p1 in self._spans[g]:
+            refs = self._mirrors[mi].refs[p0:p1]
+            self.resident_pages += int((refs == 0).sum())
+            refs += 1
+        self.peak_pages = max(self.peak_pages, self.resident_pages)
+        self._state[g] = LOADING
+        if self._inflight == 0:
+            self._busy_since = time.perf_counter()
+        self._inflight += 1
+        job = _Job(g, self._chunks(g))
+        self._jobs[g], self._futures[g] = job, job.fut
+        self._queue.push(priority, job)
+        self.counters["loads"] += 1
+        return True
+
+    def _chunks(self, g: int) -> list[tuple[int, int, int]]:
+        """g's page spans cut into reads of at most CHUNK_PAGES: (mirror, first page, end page)."""
+        return [(mi, a, min(a + CHUNK_PAGES, p1)) for mi, p0, p1 in self._spans[g] for a in range(p0, p1, CHUNK_PAGES)]
+
+    def _read_chunk(self, job: _Job, k: int) -> None:
+        """One read of a load (on a reader thread); the last one to finish completes the load."""
+        mi, p0, p1 = job.chunks[k]
+        m = self._mirrors[mi]
+        nbytes = reads = 0
+        err = None
+        try:
+            pos, end = p0 * PAGE, p1 * PAGE
+            while pos < end:
+                n = os.preadv(m.fd, [m.view[pos:end]], pos)
+                reads += 1
+                if n <= 0:
+                    if pos < m.size:
+                        raise TierError(f"{m.path}: read at offset {pos} returned {n} (file is {m.size} bytes)")
+                    break
+                pos += n
+                nbytes += n
+            if not m.direct:                     # buffered read: leave no second copy in the page cache
+                os.posix_fadvise(m.fd, p0 * PAGE, (p1 - p0) * PAGE, os.POSIX_FADV_DONTNEED)
+        except OSError as e:
+            err = TierError(f"{m.path}: reading expert {job.g % self.n_experts} at offset {p0 * PAGE}: {e}")
+        except TierError as e:
+            err = e
+        g = job.g
+        with self._cv:
+            self.counters["bytes_read"] += nbytes
+            self.counters["reads"] += reads
+            job.err = job.err or err
+            job.left -= 1
+            if job.left:
+                return
+            self._inflight -= 1
+            if self._inflight == 0:
+                self.disk_busy_s += time.perf_counter() - self._busy_since
+            self._futures.pop(g, None)
+            self._jobs.pop(g, None)
+            self._state[g] = RESIDENT
+            if job.err is not None:               # give the pages back; the caller sees the error
+                self._evict(g)
+                self.counters["evictions"] -= 1
+            self._cv.notify_all()
+        if job.err is None:
+            job.fut.set_result(None)
+        else:
+            job.fut.set_exception(job.err)
+
+    # -- the two requests -----------------------------------------------------------------------------------
+    def ensure(self, layer: int, experts) -> tuple[list[int], list[Future]]:
+        """Pin `experts` of `layer` and start reading the missing ones. -> (their global ids, futures to wait on);
+        call release(ids) once the kernels are done with them."""
+        gs = [self.g(layer, e) for e in experts]
+        futs = []
+        with self._cv:
+            self._tick += 1
+            for g in gs:
+                self._pins[g] += 1
+                self._freq[g] += 1
+                self._last[g] = self._tick
+            self.counters["demand_experts"] += len(gs)
+            wanted = set(gs)
+            for g in self._issued.pop(layer, []):          # how the prefetches for this call turned out
+                used = g in wanted and self._state[g] != ABSENT
+                self._outcomes.append(used)
+                self.counters["prefetch_used"] += used
+            for g in gs:
+                st = self._state[g]
+                if st == RESIDENT:
+                    self.counters["ram_hits"] += 1
+                    continue
+                if st == LOADING:
+                    self.counters["inflight_hits"] += 1
+                    if g in self._jobs:                 # a queued prefetch is now wanted: ahead of other prefetches
+                        self._queue.push(0, self._jobs[g])
+                else:
+                    self.counters["demand_loads"] += 1
+                    self._admit(g, wait=True, exclude=set())
+                if g in self._futures:
+                    futs.append(self._futures[g])
+        return gs, futs
+
+    def prefetch_use(self) -> float:
+        """Share of the last PREFETCH_WINDOW prefetches their layer then used (1.0 until 16 are known)."""
+        if len(self._outcomes) < 16:
+            return 1.0
+        return sum(self._outcomes) / len(self._outcomes)
+
+    def wait(self, futs: list[Future]) -> None:
+        t0 = time.perf_counter()
+        for f in futs:
+            f.result()
+        self.wait_s += time.perf_counter() - t0
+
+    def release(self, gs: list[int]) -> None:
+        with self._cv:
+            for g in gs:
+                self._pins[g] -= 1
+            self._cv.notify_all()
+
+    def prefetch(self, layer: int, experts) -> int:
+        """Start reading predicted experts of `layer` (best first) that are not in RAM, as far as unpinned room
+        allows (never waits, never evicts a pinned or just-predicted expert). While the recent prefetches were used
+        less than PREFETCH_MIN_USE of the time, only the best-ranked one is read (a probe that keeps measuring):
+        a wrong prefetch costs a read and evicts an expert, which on a full budget and a busy disk is a loss.
+        -> reads issued."""
+        issued = 0
+        with self._cv:
+            gs = [self.g(layer, e) for e in experts]
+            keep = set(gs)
+            if self.prefetch_use() < PREFETCH_MIN_USE:
+                self.counters["prefetch_throttled"] += 1
+                gs = [g for g in gs if self._state[g] == ABSENT][:1]
+            for g in gs:
+                if self._state[g] != ABSENT:
+                    continue
+                self._last[g] = self._tick              # recently wanted: evicted after older equals
+                if not self._admit(g, wait=False, exclude=keep, priority=1):
+                    self.counters["prefetch_dropped"] += 1
+                    continue
+                self._issued.setdefault(layer, []).append(g)
+                issued += 1
+            self.counters["prefetch_issued"] += issued
+        return issued
+
+    def drain(self) -> None:
+        """Wait for every read in flight (before closing, or to measure a quiet state)."""
+        with self._cv:
+            futs = list(self._futures.values())
+        for f in futs:
+            try:
+                f.result()
+            except TierError:
+                pass
+
+    # -- statistics -----------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        c = dict(self.counters)
+        c.update({"budget_bytes": self.budget_bytes, "resident_bytes": self.resident_pages * PAGE,
+                  "peak_resident_bytes": self.peak_pages * PAGE, "disk_busy_s": self.disk_busy_s,
+                  "demand_wait_s": self.wait_s, "io": "direct" if all(m.direct for m in self._mirrors) else "pread",
+                  "ram_hit_ratio": c["ram_hits"] / c["demand_experts"] if c["demand_experts"] else 0.0,
+                  "disk_gbps": c["bytes_read"] / self.disk_busy_s / 1e9 if self.disk_busy_s else 0.0})
+        return c
+
+    def measured_resident_bytes(self) -> int:
+        """Resident bytes of the mirrors as the kernel reports them (mincore(2) on each mirror), not our own
+        accounting. (smaps cannot tell: the kernel merges the mirrors with neighbouring anonymous mappings.) Under
+        the tier's lock, so all mirrors are counted at one instant (no eviction or admission in between; reads in
+        flight only fill pages already reserved)."""
+        with self._cv:
+            return self._measure()
+
+    def _measure(self) -> int:
+        total = 0
+        for m in self._mirrors:
+            n = len(m.refs)
+            vec = (ctypes.c_ubyte * n)()
+            if _libc().mincore(ctypes.c_void_p(m.address), ctypes.c_size_t(n * PAGE), vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore on the mirror of {m.path}")
+            total += int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * PAGE
+        return total
+
+    def close(self) -> None:
+        self.drain()
+        self._queue.shutdown()
+        for m in self._mirrors:
+            if m.fd >= 0:
+                os.close(m.fd)
+                m.fd = -1
+
+
+class _Job:
+    """One expert's load: its reads (chunks), how many are left, the future its waiters hold."""
+
+    def __init__(self, g: int, chunks: list[tuple[int, int, int]]):
+        self.g, self.chunks, self.left, self.err = g, chunks, len(chunks), None
+        self.fut: Future = Future()
+        self.started: set[int] = set()
+
+
+class _ReadQueue:
+    """`n` reader threads taking reads by priority (0 = demand before 1 = prefetch), FIFO within one; every chunk
+    of a load is its own read, so even one expert keeps several reads in flight. (concurrent.futures' pool is
+    FIFO only: a demand read would wait behind every prefetch queued before it.) push() may queue a load again at a
+    better priority; each chunk still runs once."""
+
+    def __init__(self, n: int, fn):
+        self._fn, self._heap, self._cv = fn, [], threading.Condition()
+        self._seq, self._stop = itertools.count(), False
+        self._threads = [threading.Thread(target=self._work, name=f"ktrun-tier-io-{i}", daemon=True)
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def push(self, priority: int, job: _Job) -> None:
+        with self._cv:
+            for k in range(len(job.chunks)):
+                if k not in job.started:
+                    heapq.heappush(self._heap, (priority, next(self._seq), k, job))
+            self._cv.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._stop:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, k, job = heapq.heappop(self._heap)
+                if k in job.started:
+                    continue
+                job.started.add(k)
+            self._fn(job, k)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    return libc
+
+
+def _merge(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    out: list[list[int]] = []
+    for mi, p0, p1 in sorted(spans):
+        if out and out[-1][0] == mi and p0 <= out[-1][2]:
+            out[-1][2] = max(out[-1][2], p1)
+        else:
+            out.append([mi, p0, p1])
+    return [tuple(s) for s in out]
+
+
+def _runs(idx: np.ndarray):
+    """Sorted indices -> [a, b) runs of consecutive values."""
+    if idx.size == 0:
+        return []
+    cut = np.flatnonzero(np.diff(idx) != 1) + 1
+    return [(int(r[0]), int(r[-1]) + 1) for r in np.split(idx, cut)]

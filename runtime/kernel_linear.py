@@ -1,0 +1,201 @@
+"""GPU-quantized Linears run on the CPU by libktkernels' dense Linear op (`--gpu-weights kernels`, the CPU default).
+
+At load each quantized Linear of the conversion (Marlin, GPTQ, compressed-tensors; int4/int8; group 32, 64m or per
+row) has its codes read (gptq / compressed-tensors words straight from the file; Marlin's unpacked to (K, N) bytes
+first; no float weights) and repacked once, bit-exact, into cpu-linear-int4/int8 tiles (kt_linear_repack, layouts/README.md "CPU dense
+Linears"): the same symmetric codes and groups, so nothing is re-quantized and no dense float copy is made. The
+tiles are owned by the KernelLinear; the conversion's bytes are read once and released.
+
+Padding: Marlin stores K and N zero-padded to its tiles; the op gets the logical N and K rounded up to the group
+size (K_op <= stored K, the extra codes are the zero point, i.e. weight 0), so x is zero-padded to K_op when
+they differ and y is exactly (T, N).
+
+Not through the op (dequantized at load instead, said in the placement line): act-order GPTQ with a permuted g_idx,
+group sizes the tiles cannot hold (not 32 / a multiple of 64 / per row). MLA's kv_b_proj is a KernelLinear too, but
+attention uses it only through `dense_weight` (its absorbed per-head form contracts W_uk over kv_b's output rows,
+where the GPU scale groups do not run): it is dequantized once, on first use, into the absorbed pair.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from ktlayouts.constants import GROUP_PER_ROW
+from ktlayouts.cpu_expert import LayoutError, MatrixGeometry
+from ktlayouts.cpu_linear import linear_geometry, unpack_linear
+from ktlayouts.gptq import stored_scales, unpack_cols, zero_point
+from ktlayouts.gpu_formats import gpu_format, linear_parts, quantized_linears
+from ktlayouts.marlin import unpack_scales as marlin_unpack_scales
+from ktlayouts.marlin import weight_perm
+
+from .cpu_linear import LinearKernels
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+class KernelLinear:
+    """One quantized Linear y = x W^T (+ b), W (N, K), as cpu-linear tiles registered on a LinearKernels context."""
+
+    def __init__(self, name: str, lin: LinearKernels, linear_id: int, n: int, k: int, k_op: int,
+                 geom: MatrixGeometry, qweight: np.ndarray, scales: np.ndarray, dtype: torch.dtype):
+        self.name, self.lin, self.id = name, lin, linear_id
+        self.n, self.k, self.k_op, self.geom, self.dtype = n, k, k_op, geom, dtype
+        self.qweight, self.scales = qweight, scales      # (N_pad/16, K_pad/64, tile) u8, (N_pad/16, n_groups, 16) f32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def bits(self) -> int:
+        return self.geom.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.geom.group_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one pass over this Linear reads (tiles + scales)."""
+        return self.qweight.nbytes + self.scales.nbytes
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """-> W (N, K) from the tiles (for weights used other than as a matmul: MLA's absorbed kv_b)."""
+        w = unpack_linear(self.qweight, self.scales, self.geom)[: self.n, : self.k]
+        return torch.from_numpy(np.ascontiguousarray(w)).to(dtype or self.dtype)
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.k)
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.float()
+        if self.k_op != self.k:
+            x2 = F.pad(x2, (0, self.k_op - self.k))
+        return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (..., K) on the CPU -> (..., N) in x's dtype."""
+        x2 = self._input(x)
+        out = torch.empty((x2.shape[0], self.n), dtype=torch.float32)
+        if x2.shape[0]:
+            self.lin.forward(self.id, x2, out)
+        y = out.reshape(*x.shape[:-1], self.n)
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if bias is None else y + bias
+
+    def shares_input_with(self, other) -> bool:
+        return isinstance(other, KernelLinear) and other.lin is self.lin and other.k_op == self.k_op \
+            and other.k == self.k and other.group_size == self.group_size
+
+
+def run_together(linears: list[KernelLinear], x: torch.Tensor) -> list[torch.Tensor]:
+    """Several Linears on one input (shares_input_with each other) in one submission: x is quantized once and
+    their work shares one queue (gate + up of a SwiGLU MLP)."""
+    first = linears[0]
+    x2 = first._input(x)
+    outs = [torch.empty((x2.shape[0], li.n), dtype=torch.float32) for li in linears]
+    if x2.shape[0]:
+        first.lin.forward([li.id for li in linears], x2, outs)
+    return [o.reshape(*x.shape[:-1], li.n) if x.dtype == torch.float32 else o.reshape(*x.shape[:-1], li.n).to(x.dtype)
+            for o, li in zip(outs, linears)]
+
+
+def _supported(group_size: int) -> bool:
+    return group_size == GROUP_PER_ROW or group_size == 32 or (group_size > 0 and group_size % 64 == 0)
+
+
+def _marlin_codes(qweight: np.ndarray, k: int, n: int, bits: int) -> np.ndarray:
+    """Marlin qweight (K/16, N*16*bits/32) int32 -> codes (K, N) uint8: ktlayouts.marlin.unpack_weight's result
+    (tested equal through the tiles), ~20x faster: the words' bytes (and nibbles) in place of shifts, and a gather
+    with the inverse permutation in place of a scatter. K, N: stored (padded) sizes."""
+    b = np.ascontiguousarray(qweight).view(np.uint8)                    # little-endian: codes LSB first
+    if bits == 4:
+        t = np.empty((b.shape[0], b.shape[1] * 2), np.uint8)
+        np.bitwise_and(b, 15, out=t[:, 0::2])
+        np.right_shift(b, 4, out=t[:, 1::2])
+    else:
+        t = b
+    inv = np.argsort(weight_perm(bits))
+    t = np.take(t.reshape(-1, inv.size), inv, axis=1)                   # four row-major 16x16 tiles per row
+    return t.reshape(k // 16, n // 16, 16, 16).transpose(0, 2, 1, 3).reshape(k, n)
+
+
+def _gpu_codes(fmt, parts: dict, name: str):
+    """-> (codes, packed, scales (n_groups, N_s), g_idx or None, stored geometry, logical (N, K)) of one Linear,
+    without unpacking where the repack reads the stored words itself: gptq qweight (K*bits/32, N) and
+    compressed-tensors weight_packed (N, K*bits/32) are words packed along K; Marlin is unpacked to (K, N) bytes."""
+    parts = {p: np.asarray(a) for p, a in parts.items()}
+    if fmt.family == "gptq":
+        geom, shape = fmt.stored_geometry(parts, name)
+        zeros = unpack_cols(parts["qzeros"], fmt.bits).astype(np.int32) + 1
+        if np.any(zeros != zero_point(fmt.bits)):
+            raise LayoutError(f"{name}: qzeros are not the symmetric v1 zero point {zero_point(fmt.bits) - 1}")
+        return parts["qweight"], True, stored_scales(parts["scales"]), parts.get("g_idx"), geom, shape
+    if fmt.family == "compressed-tensors":
+        geom, shape = fmt.stored_geometry(parts, name)
+        return parts["weight_packed"].T, True, stored_scales(parts["weight_scale"]).T, None, geom, shape
+    if fmt.family == "marlin":
+        geom, shape = fmt.stored_geometry(parts, name)
+        return (_marlin_codes(parts["qweight"], geom.k, geom.n, fmt.bits), False,
+                marlin_unpack_scales(parts["scales"], geom.k, geom.group_size), None, geom, shape)
+    u = fmt.unpack(parts, name)
+    return u.codes_kn, False, u.scales_gn, u.g_idx, u.geom, u.shape
+
+
+def repack_linear(lin: LinearKernels, linear_id: int, name: str, layout: str, parts: dict, dtype: torch.dtype
+                  ) -> KernelLinear | None:
+    """One GPU Linear (its parts {suffix: array}) -> a registered KernelLinear; None when the op cannot hold it
+    exactly (act-order g_idx, unsupported group size): the caller dequantizes it instead."""
+    fmt = gpu_format(layout)
+    codes, packed, scales, g_idx, stored, (n, k) = _gpu_codes(fmt, parts, name)
+    g = stored.group_size
+    if not _supported(g) or (g_idx is not None and not np.array_equal(g_idx, stored.default_g_idx())):
+        return None
+    k_op = k if g == GROUP_PER_ROW else _round_up(k, g)          # <= stored K: the extra codes are zero points
+    n_groups = 1 if g == GROUP_PER_ROW else k_op // g
+    if packed and k_op != stored.k:    # words cannot be cropped along K (gptq / compressed-tensors never pad)
+        raise LayoutError(f"{name}: logical K={k} in a {stored.k}-deep {fmt.name} Linear")
+    codes = codes[:, :n] if packed else codes[:k_op, :n]
+    scales = scales[:n_groups, :n]
+    geom = linear_geometry(n, k_op, fmt.bits, g)
+    if scales.dtype == np.float16:
+        qw, sc = lin.repack(codes, scales, fmt.bits, g, packed=packed)
+    else:   # float32 scales (stored so by some sources): codes through the repack, scales placed here
+        qw, sc = lin.repack(codes, np.ones((n_groups, n), np.float16), fmt.bits, g, packed=packed)
+        s = np.zeros((geom.scales_shape[0] * 16, geom.scales_shape[1]), np.float32)   # (N_pad, n_groups)
+        s[:n, :n_groups] = scales.T.astype(np.float32)
+        sc[...] = s.reshape(geom.scales_shape[0], 16, geom.scales_shape[1]).transpose(0, 2, 1)
+    lin.add(linear_id, qw, sc, n=n, k=k_op, bits=fmt.bits, group_size=g)
+    return KernelLinear(name, lin, linear_id, n, k, k_op, geom, qw, sc, dtype)
+
+
+def place_on_kernels(quantized: dict[str, dict], lin: LinearKernels, dtype: torch.dtype
+                     ) -> tuple[dict[str, KernelLinear], dict[str, dict], dict]:
+    """quantized: {file: {name: (array, manifest entry)}} -> ({hub weight name: KernelLinear}, the tensors left to
+    dequantize {file: {name: ...}}, stats {linears, bytes, seconds, left})."""
+    t0 = time.perf_counter()
+    out: dict[str, KernelLinear] = {}
+    rest: dict[str, dict] = {}
+    for where, group in quantized.items():
+        arrays = {n: a for n, (a, _t) in group.items()}
+        layouts = {n: t["layout"] for n, (_a, t) in group.items()}
+        done: set[str] = set()
+        for weight, layout in quantized_linears(arrays, layouts).items():
+            parts = linear_parts(layout, arrays, weight)
+            try:
+                kl = repack_linear(lin, lin.n_linears, weight, layout, parts, dtype)
+            except LayoutError as e:
+                raise LayoutError(f"{where}: {e}") from None
+            if kl is not None:
+                out[weight] = kl
+                base = weight.removesuffix("weight")
+                done |= {n for n in group if n.startswith(base) and n[len(base):] in parts}
+        left = {n: v for n, v in group.items() if n not in done}
+        if left:
+            rest[where] = left
+    stats = {"linears": len(out), "bytes": sum(v.nbytes for v in out.values()),
+             "seconds": time.perf_counter() - t0, "left": sum(len(v) for v in rest.values())}
+    return out, rest, stats

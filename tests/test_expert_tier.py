@@ -1,0 +1,294 @@
+"""The RAM tier for routed experts (ktrun.expert_tier, ktrun.tiered_experts, `--expert-ram`): the kernels compute
+on experts read into a budgeted mirror of the expert files, and everything they return is bit-identical to the
+all-in-RAM run (the file maps). The budget is checked against the kernel's own count of resident pages (mincore),
+after every forward and while reads are in flight, at the smallest budget the tier accepts (one layer's experts),
+so experts are evicted and read back all the time.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+import torch
+from ktrun.engine import Engine, SamplingParams
+from ktrun.expert_placement import Budget, HotExpertOptions
+from ktrun.expert_ram_option import ExpertRamOptions
+from ktrun.expert_tier import PAGE, ExpertRamTier, TierError
+from ktrun.hybrid_experts import HybridExperts
+from ktrun.loaded_model import load_model
+from ktrun.models.kv_cache import Batch
+from ktrun.tiered_experts import TieredExperts, tier_lines
+
+from tests.runtime_helpers import KTRUN, PROMPT, converted
+
+PROMPT_IDS = [3, 17, 99, 5, 42, 7, 250, 31, 8, 64, 11, 120]
+DECODE = [9, 77, 1, 200, 13, 45, 88, 2]
+
+
+def logits_run(model) -> list[torch.Tensor]:
+    """Teacher-forced: the prompt in one prefill (all positions), then one token per step."""
+    cache = model.new_cache(64)
+    out = [model.forward(Batch.build([(cache, PROMPT_IDS)], model.device), all_logits=True).clone()]
+    for t in DECODE:
+        out.append(model.forward(Batch.build([(cache, [t])], model.device)).clone())
+    return out
+
+
+def min_budget(conv) -> int:
+    """The smallest budget the tier accepts for this conversion: one layer's experts."""
+    probe = ExpertRamTier(conv, 1 << 40)
+    try:
+        return probe.layer_pages * PAGE
+    finally:
+        probe.close()
+
+
+class BudgetWatch:
+    """Samples the mirrors' resident bytes (mincore) from a thread while the model runs."""
+
+    def __init__(self, tier):
+        self.tier, self.peak, self.samples = tier, 0, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.tier.measured_resident_bytes())
+            self.samples += 1
+            self._stop.wait(0.0005)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def check_identical(conv, budget: int, predict: bool, io: str = "direct"):
+    """-> (the tier executor's stats, whether its kernels were launched from the launcher thread)."""
+    with load_model(conv, device="cpu") as lm:
+        ref = logits_run(lm.model)
+    with load_model(conv, device="cpu", expert_ram=ExpertRamOptions(budget, predict=predict, io=io)) as lm:
+        ex = lm.model.experts
+        assert isinstance(ex, TieredExperts)
+        with BudgetWatch(ex.tier) as watch:
+            got = logits_run(lm.model)
+        s = ex.stats
+        measured = ex.tier.measured_resident_bytes()
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), f"step {i}: tier logits differ from the all-in-RAM run by {(a - b).abs().max()}"
+    assert s["ram_tier_evictions"] > 0 and s["ram_tier_demand_loads"] > 0     # the budget really bit
+    assert s["ram_tier_peak_resident_bytes"] <= budget
+    assert watch.samples > 0 and watch.peak <= budget, f"measured {watch.peak} resident bytes > budget {budget}"
+    assert measured <= budget
+    return s, ex.launch_thread
+
+
+@pytest.mark.parametrize("predict", [False, True], ids=["no-predict", "predict"])
+def test_default_model_bit_identical_under_budget(default_converted, predict):
+    s, threaded = check_identical(default_converted, min_budget_cached(default_converted), predict)
+    assert not threaded          # its int4 GPU layers run on the kernels' pool: kernels started in sync()
+    if predict:
+        assert s["ram_tier_prefetch_issued"] > 0 and s["ram_tier_pred_predicted"] > 0
+
+
+_MIN = {}
+
+
+def min_budget_cached(conv) -> int:
+    if conv not in _MIN:
+        lm = load_model(conv, device="cpu")
+        with lm:
+            _MIN[conv] = min_budget(lm.converted)
+    return _MIN[conv]
+
+
+@pytest.mark.parametrize("arch,method,kw", [
+    ("qwen3_moe", "int8-amx", {"numa_nodes": 2, "group_size": 32}),     # two shard files per layer
+    ("mixtral", "bf16", {}),                                             # the bf16 layout: no scales
+], ids=["qwen3-int8-2shards", "mixtral-bf16"])
+def test_fixture_bit_identical_under_budget(tmp_path_factory, arch, method, kw):
+    conv = converted(tmp_path_factory, arch, method, **kw)
+    _, threaded = check_identical(conv, min_budget_cached(conv), predict=True)
+    assert threaded              # bf16 GPU layers: a pool of its own, kernels started by the launcher thread
+
+
+def test_buffered_reads_bit_identical(default_converted):
+    s, _ = check_identical(default_converted, min_budget_cached(default_converted), predict=True, io="pread")
+    assert s["ram_tier_io"] == "pread"
+
+
+def test_mirror_holds_the_files_bytes_and_eviction_frees_them(default_converted):
+    lm = load_model(default_converted, device="cpu")
+    with lm:
+        c = lm.converted
+        tier = ExpertRamTier(c, 1 << 30)
+        try:
+            L = c.geometry.moe_layers[0]
+            gs, futs = tier.ensure(L, [0, 5])
+            tier.wait(futs)
+            for s, shard in enumerate(c.experts[L]):
+                for p, (qw, sc, _) in shard.items():
+                    mq, ms, _ = tier.mirror_layers[L][s][p]
+                    for e in (0, 5):
+                        assert np.array_equal(mq[e], qw[e]) and (sc is None or np.array_equal(ms[e], sc[e]))
+            held = tier.measured_resident_bytes()
+            assert 0 < held <= tier.stats()["resident_bytes"]
+            tier.release(gs)
+            with tier._cv:                       # evict both, as room for other experts would
+                for g in gs:
+                    tier._evict(g)
+            assert tier.measured_resident_bytes() == 0 and tier.stats()["resident_bytes"] == 0
+            assert tier.counters["bytes_read"] >= tier.expert_pages(L, 0) * PAGE
+        finally:
+            tier.close()
+
+
+def test_profile_seeds_what_stays(default_converted, tmp_path):
+    """--profile with --expert-ram seeds the eviction counts (and places nothing on the GPU): at the smallest budget,
+    reading another layer's experts evicts the profile's cold experts of a full layer and keeps its hot one."""
+    from ktlayouts.expert_profile import ExpertProfile
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+    geo = c.geometry
+    L, other = geo.moe_layers[0], geo.moe_layers[1]
+    prof = ExpertProfile.empty(c.config.model_type, geo.n_experts, c.config.top_k, geo.moe_layers)
+    prof.splits["fit"].counts[L][0] = 1000     # expert 0 of layer L: hot (without it, the first victim: ties go
+    #                                            to the least recently used, then the lowest index)
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    with load_model(default_converted, device="cpu", hot_experts=HotExpertOptions(profile=str(path)),
+                    expert_ram=ExpertRamOptions(min_budget_cached(default_converted), predict=False)) as lm:
+        tiered = lm.model.experts
+        assert isinstance(tiered, TieredExperts)                   # no GPU placement from a profile alone
+        tier = tiered.tier
+        gs, futs = tier.ensure(L, range(geo.n_experts))            # the whole layer: the budget is full
+        tier.wait(futs)
+        tier.release(gs)
+        gs, futs = tier.ensure(other, [0, 1, 2, 3])
+        tier.wait(futs)
+        tier.release(gs)
+        kept = tier.resident(L)
+        assert 0 in kept and len(kept) < geo.n_experts
+        assert tier.resident_pages * PAGE <= tier.budget_bytes
+
+
+def test_budget_below_one_layer_is_refused(default_converted):
+    lm = load_model(default_converted, device="cpu")
+    with lm:
+        need = min_budget(lm.converted)
+        with pytest.raises(TierError, match="--expert-ram .* one MoE layer"):
+            ExpertRamTier(lm.converted, need - PAGE)
+
+
+def test_gpu_hot_experts_bit_identical_and_never_read(default_converted):
+    """Under hot experts (ktrun.hybrid_experts) the tier is the CPU executor: the run equals the same hot placement
+    without the tier, bit for bit, and the skip mask keeps GPU-resident experts out of the tier's reads."""
+    hot = HotExpertOptions(budget=Budget(4), strategy="uniform")
+    budget = min_budget_cached(default_converted)
+    with load_model(default_converted, device="cpu", hot_experts=hot) as lm:
+        ref = logits_run(lm.model)
+    with load_model(default_converted, device="cpu", hot_experts=hot, expert_ram=ExpertRamOptions(budget)) as lm:
+        hybrid = lm.model.experts
+        assert isinstance(hybrid, HybridExperts) and isinstance(hybrid.cpu, TieredExperts)
+        got = logits_run(lm.model)
+        tier = hybrid.cpu.tier
+        on_gpu = {L: hybrid.residency.on_gpu(L) for L in tier.layers}
+        assert all(len(v) == 4 for v in on_gpu.values())
+        assert all(tier._freq[tier.g(L, e)] == 0 for L, es in on_gpu.items() for e in es)
+        assert tier.counters["demand_loads"] > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_engine_batch_with_expert_ram(default_converted):
+    """The batching engine behind `ktrun serve`: two requests decoded together give the same tokens with the tier
+    (at the minimum budget) as without."""
+    def run(**kw):
+        eng = Engine(str(default_converted), ctx=128, max_batch=2, device="cpu", **kw)
+        try:
+            for rid, text in (("a", PROMPT), ("b", "def fibonacci(n):")):
+                eng.add_request(rid, eng.tokenizer.encode(text), SamplingParams(max_tokens=10))
+            got: dict[str, list[int]] = {"a": [], "b": []}
+            while eng.has_work():
+                for rid, tok, *_ in eng.step():
+                    got[rid].append(tok)
+            return got, eng.experts.stats
+        finally:
+            eng.close()
+    plain, _ = run()
+    tiered, stats = run(expert_ram=ExpertRamOptions(min_budget_cached(default_converted)))
+    assert tiered == plain
+    assert stats["ram_tier_demand_loads"] > 0 and stats["ram_tier_peak_resident_bytes"] <= stats["ram_tier_budget_bytes"]
+
+
+def test_serve_with_expert_ram(default_converted):
+    """`ktrun serve --expert-ram` as a real subprocess, driven by the openai client: greedy completions equal the
+    Engine's without the tier, and /metrics carries the tier's gauges."""
+    import openai
+
+    from tests.serve_helpers import ServerProcess, metric
+    budget = min_budget_cached(default_converted)
+    prompts = [PROMPT, "def fibonacci(n):"]
+    eng = Engine(str(default_converted), ctx=256, max_batch=1, device="cpu")
+    try:
+        want = []
+        for i, text in enumerate(prompts):
+            eng.add_request(str(i), eng.tokenizer.encode(text), SamplingParams(max_tokens=8))
+            toks = []
+            while eng.has_work():
+                toks += [out[1] for out in eng.step()]
+            want.append(eng.tokenizer.decode(toks))
+    finally:
+        eng.close()
+    s = ServerProcess([*KTRUN, "serve", str(default_converted), "--port", "0", "--ctx", "256",
+                       "--expert-ram", str(budget)], timeout=180)
+    try:
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = [client.completions.create(model=default_converted.resolve().name, prompt=p, max_tokens=8, temperature=0).choices[0].text
+               for p in prompts]
+        assert got == want
+        assert metric(s, "ktrun_engine_ram_tier_budget_bytes") == budget
+        assert metric(s, "ktrun_engine_ram_tier_demand_loads") > 0
+    finally:
+        assert s.stop() == 0, s.stderr
+    assert "Traceback" not in s.stderr, s.stderr
+
+
+def test_tier_lines_report_the_issue_metrics():
+    before = {"ram_tier_budget_bytes": 100, "ram_tier_bytes_read": 0, "ram_tier_disk_busy_s": 0.0,
+              "ram_tier_demand_experts": 0, "ram_tier_ram_hits": 0}
+    after = dict(before, ram_tier_io="direct", ram_tier_peak_resident_bytes=90,
+                 ram_tier_bytes_read=4000, ram_tier_disk_busy_s=0.002, ram_tier_demand_experts=10, ram_tier_ram_hits=7,
+                 ram_tier_pred_predicted=8, ram_tier_pred_correct=6, ram_tier_pred_actual=10,
+                 ram_tier_prefetch_issued=4, ram_tier_prefetch_used=3)
+    lines = dict(line.split(": ", 1) for line in tier_lines(before, after, tokens=2, measured=80))
+    assert lines["ram_tier_measured_resident"] == "80 bytes"
+    assert lines["ram_tier_disk_bytes_per_token"] == "2000 bytes"
+    assert lines["ram_tier_disk_read_rate"] == "0.002 GB/s"
+    assert lines["ram_tier_hit_ratio"] == "0.7000"
+    assert lines["ram_tier_prefetch_hit_ratio"] == "0.7500"
+    assert lines["ram_tier_prediction_precision"] == "0.7500" and lines["ram_tier_prediction_recall"] == "0.6000"
+
+
+def test_cli_generate_and_bench_with_expert_ram(default_converted):
+    """Real subprocesses: the same greedy tokens with --expert-ram (at the minimum budget) as without; bench prints
+    the tier's lines; a budget below one layer fails naming the flag."""
+    budget = str(min_budget_cached(default_converted))
+    base = [*KTRUN, "generate", str(default_converted), "--prompt", PROMPT, "--max-tokens", "12", "--json"]
+    plain = json.loads(subprocess.run(base, check=True, capture_output=True, text=True).stdout)
+    tiered = json.loads(subprocess.run(base + ["--expert-ram", budget], check=True, capture_output=True,
+                                       text=True).stdout)
+    assert tiered["token_ids"] == plain["token_ids"]
+    bench = subprocess.run([*KTRUN, "bench", str(default_converted), "--pp", "8", "--tg", "4", "--reps", "1",
+                            "--expert-ram", budget], check=True, capture_output=True, text=True).stdout
+    for key in ("ram_tier_disk_bytes_per_token", "ram_tier_disk_read_rate", "ram_tier_hit_ratio",
+                "ram_tier_prefetch_hit_ratio", "ram_tier_budget"):
+        assert f"\n{key}: " in bench, bench
+    bad = subprocess.run(base + ["--expert-ram", "4KB"], check=False, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--expert-ram" in bad.stderr and "one MoE layer" in bad.stderr
