@@ -48,7 +48,8 @@ def project(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, q_resid: torch.T
                      K_NORM_EPS).to(x.dtype)
     q = rope.apply(q, cos, sin, interleaved=False)
     k = rope.apply(k[:, None], cos, sin, interleaved=False)[:, 0]
-    weights = linear(x.float(), w[ip + "weights_proj.weight"].float()) * hi ** -0.5
+    wp = w[ip + "weights_proj.weight"]          # a tensor (float32 math, as transformers) or a quantized Linear
+    weights = linear(x.float(), wp.float() if isinstance(wp, torch.Tensor) else wp).float() * hi ** -0.5
     return IndexerInputs(q.float(), k, weights)
 
 
