@@ -1,16 +1,19 @@
 """Benchmark: one DeepSeek-V3-shaped routed-expert layer on libktkernels (ktrun.cpu_moe).
 
-hidden 7168, expert intermediate 2048, top-8, group size 128, as many experts as fit in --budget-gb (default 4 GB
+hidden 7168, expert intermediate 2048, top-8, group size 128 (--group), as many experts as fit in --budget-gb (default 4 GB
 on this 24 GB box shared with other work; the issue asks ~8 GB where memory allows), random routing on every call
 so no expert stays in cache. For T = 1, 4, 16, 64, 512 tokens, int4 and int8, 1 and 2 threads it prints the time per
 layer (best of the reps), where it went (kt_profile phases, CPU share the workers got), the weight bytes read per
 second and that as a fraction of the memory read bandwidth measured in the same run (kt_measure_read_bandwidth, same
 threads, the better of the probes just before and just after that configuration); for T >= 64 also int8 GOP/s
 against the measured register-only vpdpbusd peak (kt_measure_int8_peak, same threads, same bracketing).
+Scale dtypes (--scales, default f32 = layout version 1 and f16 = version 2): one layer per dtype in the same pool,
+timed alternately call by call (best of the reps each), with a `..._f16_vs_f32` time ratio per configuration.
 Output lines are `name: value unit`.
 
     .venv/bin/python bench/bench_moe_kernels.py                       # everything (a few minutes)
     .venv/bin/python bench/bench_moe_kernels.py --tokens 1 --threads 2 --bits 4
+    .venv/bin/python bench/bench_moe_kernels.py --scales f32 f16 bf16 --bits 4
 """
 from __future__ import annotations
 
@@ -24,17 +27,20 @@ from ktrun.cpu_moe import ExpertShard, MoEKernels
 HIDDEN, INTER, TOP_K, GROUP = 7168, 2048, 8, 128
 
 
-def expert_bytes(bits: int) -> int:
-    gu = MatrixGeometry(n=INTER, k=HIDDEN, bits=bits, group_size=GROUP)
-    dn = MatrixGeometry(n=HIDDEN, k=INTER, bits=bits, group_size=GROUP)
+SCALE_NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+
+
+def expert_bytes(bits: int, scale_dtype: str = "f32") -> int:
+    gu = MatrixGeometry(n=INTER, k=HIDDEN, bits=bits, group_size=GROUP, scale_dtype=scale_dtype)
+    dn = MatrixGeometry(n=HIDDEN, k=INTER, bits=bits, group_size=GROUP, scale_dtype=scale_dtype)
     return 2 * (gu.qweight_nbytes + gu.scales_nbytes) + dn.qweight_nbytes + dn.scales_nbytes
 
 
-def packed_layer(bits: int, n_experts: int, rng: np.random.Generator) -> ExpertShard:
+def packed_layer(bits: int, n_experts: int, rng: np.random.Generator, scale_dtype: str = "f32") -> ExpertShard:
     """Random codes and scales straight into the packed arrays (only the addresses matter for speed). Every page is
     written, so no read can hit the shared zero page."""
-    gu = MatrixGeometry(n=INTER, k=HIDDEN, bits=bits, group_size=GROUP)
-    dn = MatrixGeometry(n=HIDDEN, k=INTER, bits=bits, group_size=GROUP)
+    gu = MatrixGeometry(n=INTER, k=HIDDEN, bits=bits, group_size=GROUP, scale_dtype=scale_dtype)
+    dn = MatrixGeometry(n=HIDDEN, k=INTER, bits=bits, group_size=GROUP, scale_dtype=scale_dtype)
     block = rng.integers(0, 256, size=1 << 20, dtype=np.uint8)
 
     def codes(geom):
@@ -47,7 +53,10 @@ def packed_layer(bits: int, n_experts: int, rng: np.random.Generator) -> ExpertS
         return a
 
     def scales(geom):
-        return (rng.standard_normal((n_experts, *geom.scales_shape)) * 1e-3).astype(np.float32)
+        s = (rng.standard_normal((n_experts, *geom.scales_shape)) * 1e-3).astype(np.float32)
+        if scale_dtype == "bf16":
+            return (s.view(np.uint32) >> 16).astype(np.uint16)
+        return s.astype(SCALE_NP[scale_dtype])
 
     return ExpertShard(codes(gu), scales(gu), codes(gu), scales(gu), codes(dn), scales(dn), 0, INTER)
 
@@ -57,21 +66,26 @@ def random_routing(rng: np.random.Generator, T: int, n_experts: int) -> tuple[np
     return ids, (rng.random((T, TOP_K)) / TOP_K).astype(np.float32)
 
 
-def time_layer(moe: MoEKernels, T: int, n_experts: int, reps: int, rng) -> tuple[float, float, list]:
-    """-> (best seconds per layer, mean distinct experts touched, per-worker phase profile of the best call)."""
+def time_layers(moe: MoEKernels, layer_ids: list[int], T: int, n_experts: int, reps: int, rng
+                ) -> list[tuple[float, float, list]]:
+    """Per layer: (best seconds per call, mean distinct experts touched, per-worker phase profile of the best call);
+    the layers are called alternately, each rep on the same fresh routing, so drift of this shared machine hits all."""
     x = rng.standard_normal((T, HIDDEN)).astype(np.float32)
     out = np.empty((T, HIDDEN), np.float32)
     routes = [random_routing(rng, T, n_experts) for _ in range(reps + 1)]
-    moe.forward(0, x, *routes[0], out)   # warm-up (page tables, buffers)
-    best, touched, prof = float("inf"), [], []
+    for lid in layer_ids:
+        moe.forward(lid, x, *routes[0], out)   # warm-up (page tables, buffers)
+    best = {lid: (float("inf"), []) for lid in layer_ids}
+    touched = []
     for ids, w in routes[1:]:
-        t0 = time.perf_counter()
-        moe.forward(0, x, ids, w, out)
-        sec = time.perf_counter() - t0
-        if sec < best:
-            best, prof = sec, moe.profile()
+        for lid in layer_ids:
+            t0 = time.perf_counter()
+            moe.forward(lid, x, ids, w, out)
+            sec = time.perf_counter() - t0
+            if sec < best[lid][0]:
+                best[lid] = (sec, moe.profile())
         touched.append(len(np.unique(ids)))
-    return best, float(np.mean(touched)), prof
+    return [(best[lid][0], float(np.mean(touched)), best[lid][1]) for lid in layer_ids]
 
 
 def probe(moe: MoEKernels) -> tuple[float, float]:
@@ -80,55 +94,74 @@ def probe(moe: MoEKernels) -> tuple[float, float]:
 
 
 def main() -> None:
+    global GROUP
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget-gb", type=float, default=4.0, help="memory for the packed experts of one layer")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--backend", default=None, help="scalar|avx2|avx512|amx (default: best of this CPU)")
+    ap.add_argument("--scales", nargs="+", default=["f32", "f16"], choices=["f32", "f16", "bf16"],
+                    help="scale dtypes to compare (one layer each, timed alternately)")
+    ap.add_argument("--group", type=int, default=128, help="scale group size (32, a multiple of 64, or -1)")
     args = ap.parse_args()
+    GROUP = args.group
     rng = np.random.default_rng(0)
 
     # This VM shares its cores and memory system with other work, so the limits drift: each configuration is
     # bracketed by probes with the same pool (just before and just after) and divided by the better of the two.
     for bits in args.bits:
-        per_expert = expert_bytes(bits)
-        n_experts = max(TOP_K, int(args.budget_gb * 1e9 // per_expert))
+        per_expert = {sd: expert_bytes(bits, sd) for sd in args.scales}
+        n_experts = max(TOP_K, int(args.budget_gb / len(args.scales) * 1e9 // max(per_expert.values())))
         t0 = time.perf_counter()
-        shard = packed_layer(bits, n_experts, rng)
-        print(f"int{bits}_layer: {n_experts} experts x {per_expert / 1e6:.1f} MB = "
-              f"{n_experts * per_expert / 1e9:.2f} GB (packed in {time.perf_counter() - t0:.1f} s)")
+        shards = {sd: packed_layer(bits, n_experts, rng, sd) for sd in args.scales}
+        for sd in args.scales:
+            print(f"int{bits}_{sd}_layer: {n_experts} experts x {per_expert[sd] / 1e6:.2f} MB = "
+                  f"{n_experts * per_expert[sd] / 1e9:.2f} GB")
+        print(f"# packed in {time.perf_counter() - t0:.1f} s")
         for nt in args.threads:
             with MoEKernels(n_threads=nt, backend=args.backend) as moe:
                 print(f"backend: {moe.backend_detail}, {nt} thread(s) pinned to CPUs "
                       f"{[cpu for _, cpu in moe.thread_cpus()]}")
-                moe.add_layer(0, [shard], n_experts=n_experts, hidden=HIDDEN, intermediate_pad=INTER, bits=bits,
-                              group_size=GROUP)
+                for lid, sd in enumerate(args.scales):
+                    moe.add_layer(lid, [shards[sd]], n_experts=n_experts, hidden=HIDDEN, intermediate_pad=INTER,
+                                  bits=bits, group_size=GROUP)
                 after = probe(moe)
                 for T in args.tokens:
                     before = after
                     reps = 20 if T <= 4 else 8 if T <= 64 else 2
-                    sec, touched, prof = time_layer(moe, T, n_experts, reps, rng)
+                    results = time_layers(moe, list(range(len(args.scales))), T, n_experts, reps, rng)
                     after = probe(moe)
                     bw, peak = max(before[0], after[0]), max(before[1], after[1])
-                    name = f"moe_int{bits}_T{T}_{nt}t"
-                    rate = touched * per_expert / sec
-                    print(f"{name}_time: {sec * 1e3:.2f} ms")
-                    # where the time went (kt_profile): per phase, the slowest worker
-                    phases = {k: max(p[k] for p in prof) for k in ("x_quant", "wait_x", "gate_up", "wait_h", "down")}
-                    print(f"{name}_phases: " + " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items()) + " ms")
-                    # CPU time the workers got / (wall time x threads): below 1 when other processes share the cores
-                    share = sum(p["cpu_time"] for p in prof) / (sec * nt)
-                    print(f"{name}_cpu_share: {share:.2f} of wall time x threads")
-                    print(f"{name}_read_bandwidth: {bw / 1e9:.2f} GB/s (probe, {nt} thread(s), best of before/after)")
-                    print(f"{name}_weight_read: {rate / 1e9:.2f} GB/s")
-                    print(f"{name}_bw_fraction: {rate / bw:.3f} of measured read bandwidth")
-                    if T >= 64:
-                        gops = 2.0 * T * TOP_K * 3 * HIDDEN * INTER / sec
-                        print(f"{name}_int8_peak: {peak / 1e9:.1f} GOP/s (probe, best of before/after)")
-                        print(f"{name}_compute: {gops / 1e9:.1f} GOP/s")
-                        print(f"{name}_peak_fraction: {gops / peak:.3f} of measured int8 vpdpbusd peak")
-        del shard
+                    for sd, (sec, touched, prof) in zip(args.scales, results):
+                        report(f"moe_int{bits}_{sd}_T{T}_{nt}t", sec, touched, prof, per_expert[sd], bw, peak, T, nt)
+                    if "f32" in args.scales:
+                        ref = results[args.scales.index("f32")][0]
+                        for sd, (sec, _, _) in zip(args.scales, results):
+                            if sd != "f32":
+                                print(f"moe_int{bits}_T{T}_{nt}t_{sd}_vs_f32: {sec / ref:.3f} x time (same run, "
+                                      f"alternating calls)")
+        del shards
+
+
+def report(name: str, sec: float, touched: float, prof: list, per_expert: int, bw: float, peak: float, T: int,
+           nt: int) -> None:
+    rate = touched * per_expert / sec
+    print(f"{name}_time: {sec * 1e3:.2f} ms")
+    # where the time went (kt_profile): per phase, the slowest worker
+    phases = {k: max(p[k] for p in prof) for k in ("x_quant", "wait_x", "gate_up", "wait_h", "down")}
+    print(f"{name}_phases: " + " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items()) + " ms")
+    # CPU time the workers got / (wall time x threads): below 1 when other processes share the cores
+    share = sum(p["cpu_time"] for p in prof) / (sec * nt)
+    print(f"{name}_cpu_share: {share:.2f} of wall time x threads")
+    print(f"{name}_read_bandwidth: {bw / 1e9:.2f} GB/s (probe, {nt} thread(s), best of before/after)")
+    print(f"{name}_weight_read: {rate / 1e9:.2f} GB/s")
+    print(f"{name}_bw_fraction: {rate / bw:.3f} of measured read bandwidth")
+    if T >= 64:
+        gops = 2.0 * T * TOP_K * 3 * HIDDEN * INTER / sec
+        print(f"{name}_int8_peak: {peak / 1e9:.1f} GOP/s (probe, best of before/after)")
+        print(f"{name}_compute: {gops / 1e9:.1f} GOP/s")
+        print(f"{name}_peak_fraction: {gops / peak:.3f} of measured int8 vpdpbusd peak")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 import click
-from ktlayouts.constants import DEFAULT_GROUP_SIZE, METHOD_TO_LAYOUT
+from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, METHOD_TO_LAYOUT
 from ktlayouts.converted_dir import ManifestError
 from ktlayouts.cpu_expert import LayoutError
 from ktrun.byte_sizes import parse_bytes
@@ -54,6 +54,19 @@ def resolve_source_arg(src: str | None):
                    f"{DEFAULT_GROUP_SIZE}; with --method auto, the source's).")
 @click.option("--numa-nodes", type=int, default=1, show_default=True,
               help="Split every expert into this many shards (one file per node); servable on any node count.")
+@click.option("--expert-quantizer", type=click.Choice(["auto", "gptq", "search", "rtn"]), default="auto",
+              show_default=True,
+              help="Routed experts: gptq on each expert's routed calibration tokens where it got enough of them, "
+                   "else importance-weighted scale search (auto: gptq with calibration text, else search); rtn: "
+                   "largest magnitude onto the most negative code, no calibration.")
+@click.option("--expert-gptq-min-tokens", type=click.IntRange(0), default=0, show_default=True,
+              help="Routed calibration tokens an expert needs for GPTQ (0: half the matrix's input size).")
+@click.option("--scale-dtype", type=click.Choice(["f32", "f16", "bf16"]), default=DEFAULT_SCALE_DTYPE, show_default=True,
+              help="Expert scales: f16 or bf16 (layout version 2: 16 bits per scale, 0.5 bit/weight less at group "
+                   "32), or f32 (version 1, readable by older ktrun).")
+@click.option("--report-kl", is_flag=True,
+              help="After converting, print the conversion's perplexity and KL divergence against the source (float32, "
+                   "layer by layer) on the held-out quarter of the calibration text (ktrun perplexity's protocol).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion in the output directory.")
 @click.option("--force", is_flag=True, help="Discard a previous conversion in the output directory and start over.")
 @click.option("--workers", type=int, default=2, show_default=True, help="Threads quantizing experts.")
@@ -64,7 +77,8 @@ def resolve_source_arg(src: str | None):
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @gpu_click_options
 @hot_experts_options(dynamic=False)
-def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, workers, quiet, bf16_scales, **gpu):
+def quantize(src, out_dir, method, group_size, numa_nodes, expert_quantizer, expert_gptq_min_tokens, scale_dtype,
+             report_kl, resume, force, workers, quiet, bf16_scales, **gpu):
     """Convert the checkpoint SRC into OUTPUT.
 
     SRC is a local checkpoint directory (safetensors shards + config.json), a GGUF file (or the first part of a
@@ -91,6 +105,8 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
       ktconvert quantize ./Mixtral-8x7B --method bf16 -o mixtral-ref/ --force
       ktconvert quantize ./DeepSeek-V3 --gpu-method rtn-int8 --gpu-group-size -1 -o dsv3-int8/
       ktconvert quantize ./Qwen3-30B-A3B --gpu-format compressed-tensors --calib my_text.txt -o q3-ct/
+      ktconvert quantize ./DeepSeek-V3 --calib domain.txt --calib-tokens 65536 -o dsv3/    # more experts get GPTQ
+      ktconvert quantize ./Qwen3-30B-A3B -o q3/ --report-kl     # then: ppl / kl_mean / kl_p99 / top1_agreement
       ktconvert quantize ./Qwen3-30B-A3B --group-size 32 --bf16-scales --gpu-format compressed-tensors -o q3-raw/
       ktconvert quantize ./DeepSeek-V3 -o converted/ --profile profile.json --gpu-mem 24GB --placement per-layer
 
@@ -104,10 +120,18 @@ def quantize(src, out_dir, method, group_size, numa_nodes, resume, force, worker
     try:
         logging.basicConfig(level=logging.INFO, format="ktconvert: %(message)s")
         opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers,
-                              bf16_scales=bf16_scales, hot_experts=hot, **gpu)
+                              expert_quantizer=expert_quantizer, expert_gptq_min_tokens=expert_gptq_min_tokens,
+                              scale_dtype=scale_dtype, bf16_scales=bf16_scales, hot_experts=hot, **gpu)
         src_path = resolve_source_arg(src)
         manifest = convert(src_path, out_dir, opts, resume=resume, force=force, show_progress=not quiet)
     except (*CONVERT_ERRORS, *gpu_errors()) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {manifest.parent} ({manifest.name} lists every file); check it with: "
                f"ktconvert verify {manifest.parent} --against {src_path}")
+    if report_kl:
+        from ktconvert.report_kl import ReportError
+        from ktconvert.report_kl import report_kl as run_report
+        try:
+            run_report(src_path, manifest.parent, gpu.get("calib"))
+        except (ReportError, *gpu_errors()) as e:
+            raise click.ClickException(str(e)) from None

@@ -9,7 +9,6 @@ import json
 from dataclasses import dataclass, field
 
 from ktlayouts.constants import (
-    CPU_EXPERT_LAYOUTS,
     FORMAT_VERSION,
     META_FORMAT_VERSION,
     META_LAYOUT,
@@ -56,7 +55,7 @@ def _expert_jobs(geo: ExpertGeometry, layer: int, src, adapter) -> list[FileJob]
         i0, i1 = plan.shard_range(s)
         shapes = geo.expert_tensor_shapes(s)
         specs = [TensorSpec(n, dt, tuple(shape)) for n, (shape, dt) in shapes.items()]
-        meta = {META_LAYOUT: layout, META_LAYOUT_VERSION: str(CPU_EXPERT_LAYOUTS[layout][1]),
+        meta = {META_LAYOUT: layout, META_LAYOUT_VERSION: str(geo.layout_version),
                 META_FORMAT_VERSION: str(FORMAT_VERSION),
                 META_GEOMETRY: json.dumps({"layer": layer, "shard": s, "n_shards": geo.numa_nodes, "i0": i0, "i1": i1,
                                            "n_experts": geo.n_experts, "hidden": geo.hidden,
@@ -84,7 +83,8 @@ def _check_expert_shapes(src, adapter, geo: ExpertGeometry, present: set[str]) -
                                        f"cannot tile it")
 
 
-def make_plan(src, adapter, method: str, group_size: int, numa_nodes: int, encoder) -> ConvertPlan:
+def make_plan(src, adapter, method: str, group_size: int, numa_nodes: int, encoder,
+              scale_dtype: str = "f32") -> ConvertPlan:
     if method != "bf16":
         try:
             check_group_size(group_size)
@@ -92,7 +92,7 @@ def make_plan(src, adapter, method: str, group_size: int, numa_nodes: int, encod
             raise ConvertError(f"--group-size: {e}") from None
     try:
         geo = ExpertGeometry(method, group_size, adapter.n_experts, adapter.hidden_size, adapter.moe_intermediate_size,
-                             numa_nodes, tuple(adapter.moe_layers()))
+                             numa_nodes, tuple(adapter.moe_layers()), scale_dtype=scale_dtype)
         geo.to_json()   # validates the shard plan (too many --numa-nodes, empty dims)
     except LayoutError as e:
         raise ConvertError(str(e)) from None

@@ -17,6 +17,13 @@ from ktlayouts.gpu_formats import dequantize_named, quantized_linears
 from safetensors import safe_open
 
 
+def to_numpy(t) -> np.ndarray:
+    """A torch tensor read by safetensors -> numpy; bfloat16 as its uint16 bit patterns (numpy has no bfloat16)."""
+    import torch
+
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
 class ConvertedDir:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -74,7 +81,7 @@ class ConvertedDir:
         for p in PROJECTIONS:
             geom = geo.matrix_geometry(p, shard)
             q = f.get_slice(expert_tensor(p, "qweight"))[expert: expert + 1][0].numpy()
-            s = None if geo.bits == 16 else f.get_slice(expert_tensor(p, "scales"))[expert: expert + 1][0].numpy()
+            s = None if geo.bits == 16 else to_numpy(f.get_slice(expert_tensor(p, "scales"))[expert: expert + 1][0])
             out[p] = unpack_expert_matrix(q, s, geom)
         return out
 

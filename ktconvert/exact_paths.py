@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from ktlayouts.constants import GROUP_PER_ROW
-from ktlayouts.cpu_expert import MatrixGeometry, pack_scales, unpack_scales
+from ktlayouts.cpu_expert import MatrixGeometry, pack_scales, scales_representable, unpack_scales
 
 from ktconvert.sources.quantized.grid import IntGrid, fits_bits, symmetric_codes, target_scales
 
@@ -40,17 +40,20 @@ def int_grid(src, name: str) -> IntGrid | None:
 
 # --- routed experts: the CPU layouts -----------------------------------------------------------------------------
 
-def cpu_scales_ok(scales: np.ndarray, bits: int, group_size: int) -> bool:
-    """Whether the CPU expert layout stores these scale values unchanged (its own pack/unpack of scales)."""
+def cpu_scales_ok(scales: np.ndarray, bits: int, group_size: int, scale_dtype: str = "f32") -> bool:
+    """Whether the CPU expert layout stores these scale values unchanged (its own pack/unpack of scales in
+    `scale_dtype`: f32 = layout version 1, f16 / bf16 = version 2)."""
     n, ng = scales.shape
-    geom = MatrixGeometry(n, ng * group_size, bits, group_size)
+    if scale_dtype != "f32" and not scales_representable(scales, scale_dtype):
+        return False              # pack_scales would round them (or, for float16, overflow)
+    geom = MatrixGeometry(n, ng * group_size, bits, group_size, scale_dtype)
     padded = np.zeros((geom.n_pad, geom.n_groups), dtype=np.float32)
     padded[:n, :ng] = scales
     back = unpack_scales(pack_scales(padded, geom), geom)[:n, :ng]
     return bool(np.array_equal(back, scales.astype(back.dtype)) and np.array_equal(back.astype(np.float32), scales))
 
 
-def expert_codes(src, names: dict[str, str], bits: int, group_size: int
+def expert_codes(src, names: dict[str, str], bits: int, group_size: int, scale_dtype: str = "f32"
                  ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]] | None, str, str]:
     """{proj: (codes (N, K) uint8, scales (N, K/G) float32)} of one expert taken over exactly into int`bits` with
     groups of `group_size`, or None; plus why not (empty when exact) and what the source format is."""
@@ -70,8 +73,9 @@ def expert_codes(src, names: dict[str, str], bits: int, group_size: int
         got, why = symmetric_codes(grid, bits, group_size)
         if got is None:
             return None, why, grid.what
-        if not cpu_scales_ok(got[1], bits, group_size):
-            return None, "the layout cannot store the source's scale values unchanged", grid.what
+        if not cpu_scales_ok(got[1], bits, group_size, scale_dtype):
+            return None, ("the layout cannot store the source's scale values unchanged"
+                          + ("" if scale_dtype == "f32" else f" as {scale_dtype} (--scale-dtype)")), grid.what
         out[p] = got
         what = grid.what
     return out, "", what

@@ -111,6 +111,7 @@ def build_manifest(src, opts, plan, journal, side_files: list[str], placement: s
         "group_size": opts.group_size,
         "numa_nodes": opts.numa_nodes,
         "gpu_method": opts.gpu_method,
+        "expert_quantizer": getattr(opts, "expert_quantizer", "rtn"),
         "experts": plan.geometry.to_json(),
         **({"expert_scales": "bf16"} if getattr(opts, "bf16_scales", False) else {}),
         "files": dict(sorted(files.items())),

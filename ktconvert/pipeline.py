@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from ktlayouts.constants import DEFAULT_GROUP_SIZE, FORMAT_VERSION, METHOD_TO_LAYOUT
+from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, FORMAT_VERSION, METHOD_TO_LAYOUT, SCALE_DTYPES
 from ktlayouts.converted_dir import MANIFEST_NAME, PROJECTIONS, ExpertGeometry, expert_tensor
-from ktlayouts.cpu_expert import pack_expert_codes, pack_expert_matrix, unpack_expert_matrix
+from ktlayouts.cpu_expert import pack_expert_codes, unpack_expert_matrix
+from ktlayouts.cpu_expert import pack_expert_matrix as reference_pack
 from ktlayouts.expert_shards import shard_codes, shard_matrices
 from tqdm import tqdm
 
@@ -30,6 +31,7 @@ from ktconvert.gpu import GPU_OPTION_FIELDS, dense_encoder_for
 from ktconvert.hot_placement import load_checked_profile, write_placement
 from ktconvert.manifest import copy_side_files, write_manifest
 from ktconvert.progress import Journal, prepare_output
+from ktconvert.quantizers import make_expert_quantizer
 from ktconvert.sources import open_source
 from ktconvert.writer import AlignedWriter
 
@@ -48,6 +50,10 @@ class ConvertOptions:
     calib: str | None = None
     quantize_head: bool = False
     gpu_act_order: bool = False
+    calib_tokens: int = 2048       # calibration tokens (GPTQ Hessians, importance) for GPU layers and experts
+    expert_quantizer: str = "auto"  # auto | gptq | search | rtn (ktconvert.quantizers.experts)
+    expert_gptq_min_tokens: int = 0   # routed tokens an expert needs for GPTQ (0: K/2 of the matrix)
+    scale_dtype: str = DEFAULT_SCALE_DTYPE   # expert scales: f16 (layout version 2), bf16, or f32 (version 1)
     workers: int = 2
     bf16_scales: bool = False      # expert scales rounded to bf16 before quantizing (exact in bf16-scale formats)
     hot_experts: object = None     # ktconvert.hot_placement.HotPlacementOptions: write gpu_experts.json
@@ -59,6 +65,8 @@ class ConvertOptions:
             raise ConvertError(f"--numa-nodes must be >= 1, got {self.numa_nodes}")
         if self.workers < 1:
             raise ConvertError(f"--workers must be >= 1, got {self.workers}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ConvertError(f"--scale-dtype {self.scale_dtype!r}: choose one of {', '.join(SCALE_DTYPES)}")
         if self.bf16_scales and self.method == "bf16":
             raise ConvertError("--bf16-scales rounds the scales of quantized experts; --method bf16 has none")
 
@@ -78,16 +86,30 @@ class _KillHook:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
+def pack_expert_matrix(w: np.ndarray, geom, quantizer=None, proj: str = "", stats=None,
+                       k_range: tuple[int, int] = (0, 0), bf16_scales: bool = False
+                       ) -> tuple[np.ndarray, np.ndarray | None]:
+    """One expert matrix (N, K) -> (qweight, scales) with the conversion's quantizer (None or mode rtn: the
+    layout's reference rule, ktlayouts.cpu_expert.pack_expert_matrix). bf16_scales: scales on the bf16 grid."""
+    if quantizer is None or quantizer.mode == "rtn" or geom.bits == 16:
+        return reference_pack(w, geom, bf16_scales)
+    return quantizer.pack(proj, w, geom, stats, k_range, bf16_scales=bf16_scales)
+
+
 def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: list[int],
-                 paths: PathLog | None = None, bf16_scales: bool = False) -> list[dict[str, np.ndarray]]:
+                 paths: PathLog | None = None, bf16_scales: bool = False, quantizer=None
+                 ) -> list[dict[str, np.ndarray]]:
     """Read expert e of `layer` and pack it for the given shards -> per shard {tensor name: array}. Codes and
     scales of an already-quantized source are taken over where they fit the layout (ktconvert.exact_paths).
-    bf16_scales: quantize against bf16-rounded scales (a source's own scales are then not taken over)."""
+    bf16_scales: quantize against bf16-rounded scales (a source's own scales are then not taken over).
+    quantizer: a ktconvert.quantizers.experts.ExpertQuantizer (None or mode rtn: the layout's reference rule)."""
     names = {p: adapter.expert_tensor_name(layer, e, p) for p in PROJECTIONS}
-    exact, why, what = expert_codes(src, names, geo.bits, geo.group_size)
+    exact, why, what = expert_codes(src, names, geo.bits, geo.group_size, geo.scale_dtype)
     if bf16_scales and exact:
         exact, why = None, "--bf16-scales re-fits the scales"
     w = None if exact else {p: src.read(n).numpy() for p, n in names.items()}
+    custom = quantizer is not None and quantizer.mode != "rtn" and not exact and geo.bits != 16
+    stats = quantizer.expert_stats(layer, e, w) if custom else None
     per_shard = []
     for s in shards:
         mats = shard_codes(exact, geo.shard_plan, s) if exact else shard_matrices(w, geo.shard_plan, s)
@@ -95,7 +117,8 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: 
         for p in PROJECTIONS:
             geom = geo.matrix_geometry(p, s)
             qweight, scales = pack_expert_codes(*mats[p], geom) if exact else \
-                pack_expert_matrix(mats[p], geom, bf16_scales)
+                pack_expert_matrix(mats[p], geom, quantizer if custom else None, p, stats,
+                                   geo.shard_plan.shard_range(s), bf16_scales)
             packed[expert_tensor(p, "qweight")] = qweight
             if scales is not None:
                 packed[expert_tensor(p, "scales")] = scales
@@ -123,9 +146,9 @@ def _shards_error(w: np.ndarray, proj: str, per_shard: list[dict], shards: list[
 
 class Converter:
     def __init__(self, src, out_dir: Path, opts: ConvertOptions, plan: ConvertPlan, journal: Journal, encoder, bar,
-                 kill):
+                 kill, quantizer=None):
         self.src, self.out_dir, self.opts, self.plan, self.journal = src, out_dir, opts, plan, journal
-        self.encoder, self.bar, self.kill = encoder, bar, kill
+        self.encoder, self.bar, self.kill, self.quantizer = encoder, bar, kill, quantizer
         self.paths = PathLog()          # which tensors of an already-quantized source took which path
 
     def _commit(self, writer: AlignedWriter, rel: str) -> None:
@@ -176,14 +199,18 @@ class Converter:
             for job in jobs:
                 writers.append(AlignedWriter(self.out_dir / job.rel, job.specs, job.metadata))
             per_expert = group_nbytes // geo.n_experts
+            if self.quantizer is not None:
+                self.quantizer.begin_layer(layer)       # calibration of this layer, on this (the main) thread
             window: deque = deque()
             for e in range(geo.n_experts):
                 window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e, shards, self.paths,
-                                                     self.opts.bf16_scales)))
+                                              self.opts.bf16_scales, self.quantizer)))
                 if len(window) > self.opts.workers:
                     self._drain_one(window, writers, per_expert)
             while window:
                 self._drain_one(window, writers, per_expert)
+            if self.quantizer is not None:
+                self.quantizer.layer_done(layer)
             for w, job in zip(writers, jobs):
                 self._commit(w, job.rel)
             line = self.paths.layer_line("experts", layer, self.target())
@@ -234,8 +261,11 @@ def conversion_params(src, opts: ConvertOptions) -> dict:
     return {"format_version": FORMAT_VERSION, "source": str(Path(src.path).resolve()),
             "source_files": [list(x) for x in shard_files], "method": opts.method,
             "group_size": opts.group_size, "numa_nodes": opts.numa_nodes, "gpu_method": opts.gpu_method,
+            **({} if opts.scale_dtype == "f32" else {"scale_dtype": opts.scale_dtype}),
             **({} if opts.gpu_method == "bf16" else
                {k: getattr(opts, k) for k in ("gpu_group_size", "gpu_format", "quantize_head", "gpu_act_order")}),
+            **({} if opts.expert_quantizer in ("rtn", "none") else
+               {k: getattr(opts, k) for k in ("expert_quantizer", "expert_gptq_min_tokens", "calib", "calib_tokens")}),
             **({"bf16_scales": True} if opts.bf16_scales else {}),
             **({} if opts.hot_experts is None else {"hot_experts": opts.hot_experts.params()})}
 
@@ -248,8 +278,10 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
     with open_source(src_path) as src:
         opts = resolve_method(src, opts)
         encoder = dense_encoder_for(src, **{k: getattr(opts, k) for k in GPU_OPTION_FIELDS})
-        opts = replace(opts, gpu_method=encoder.name)     # "auto" resolved (the log says which)
-        plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder)
+        quantizer = make_expert_quantizer(src, opts, encoder)
+        opts = replace(opts, gpu_method=encoder.name,     # "auto" resolved (the log says which)
+                       expert_quantizer=quantizer.mode if quantizer else "rtn" if opts.method != "bf16" else "none")
+        plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder, opts.scale_dtype)
         if opts.hot_experts is not None:
             load_checked_profile(opts.hot_experts, src)   # a profile of another model fails before any work
         params = conversion_params(src, opts)
@@ -259,7 +291,7 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                    desc="converting", disable=not show_progress, dynamic_ncols=True)
         for reason, n in skipped_parts(src, plan.skipped).items():
             tqdm.write(f"skipped {n} tensors: {reason}", file=sys.stderr)
-        conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill)
+        conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill, quantizer)
         try:
             with ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="ktconvert") as pool:
                 for group in plan.jobs:

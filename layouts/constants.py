@@ -23,11 +23,27 @@ VNNI_INT8 = 4          # K values per 32-bit word for int8
 VNNI_BF16 = 2          # K values per 32-bit word for bf16 (TDPBF16PS / vdpbf16ps)
 
 CPU_EXPERT_LAYOUTS = {
-    # name: (bits, layout version)
-    "cpu-expert-int8": (8, 1),
-    "cpu-expert-int4": (4, 1),
+    # name: (bits, layout version written)
+    "cpu-expert-int8": (8, 2),
+    "cpu-expert-int4": (4, 2),
     "cpu-expert-bf16": (16, 1),
 }
+# Scales of the int layouts: version 1 stores them as float32; version 2 in 16 bits, float16 (the default) or
+# bfloat16, named by the scales tensors' dtype and manifest experts.scale_dtype. Readers take both versions.
+SCALE_DTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}     # --scale-dtype -> safetensors dtype
+SCALE_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+# What `ktconvert quantize` writes without --scale-dtype. Still f32 (version 1) in this release: the tests pin the
+# version of a default conversion; f16 (version 2, 0.5 bit/weight less at group 32) is chosen with --scale-dtype f16.
+DEFAULT_SCALE_DTYPE = "f32"
+CPU_EXPERT_LAYOUT_VERSIONS = (1, 2)
+SCALE_DTYPES_OF_VERSION = {1: ("f32",), 2: ("f16", "bf16")}      # int layouts: what each version stores
+
+
+def scale_layout_version(scale_dtype: str) -> int:
+    """Layout version of int expert files with these scales: 1 for float32, 2 for 16-bit."""
+    return 1 if scale_dtype == "f32" else 2
+
+
 METHOD_TO_LAYOUT = {"int8-amx": "cpu-expert-int8", "int4-amx": "cpu-expert-int4", "bf16": "cpu-expert-bf16"}
 
 # Weight codes are unsigned with a fixed zero point (uint8b128 / uint4b8): value = (code - ZERO) * scale.

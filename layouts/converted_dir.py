@@ -4,7 +4,8 @@
       manifest.json                       written LAST: a directory without it is not a complete conversion
       config.json, tokenizer files        copied from the source (config.json without quantization_config)
       experts/layer-{L:04d}.shard-{s}-of-{S}.safetensors
-          gate.qweight (E, NB, KT, TB) U8   gate.scales (E, NB, G, 16) F32   (same for up, down; bf16: qweight only)
+          gate.qweight (E, NB, KT, TB) U8   gate.scales (E, NB, G, 16) F16 / BF16 (layout version 2) or F32
+          (version 1)   (same for up, down; bf16: qweight only)
       dense/layer-{L:04d}.safetensors     non-expert tensors of layer L under their hub names (BF16; router F32 ok)
       dense/globals.safetensors           embeddings, final norm, head
 
@@ -16,10 +17,18 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .constants import CPU_EXPERT_LAYOUTS, FILE_ALIGN, FORMAT_VERSION, METHOD_TO_LAYOUT
+from .constants import (
+    CPU_EXPERT_LAYOUT_VERSIONS,
+    CPU_EXPERT_LAYOUTS,
+    FILE_ALIGN,
+    FORMAT_VERSION,
+    METHOD_TO_LAYOUT,
+    SCALE_DTYPES,
+    scale_layout_version,
+)
 from .cpu_expert import LayoutError, MatrixGeometry
 from .expert_shards import ShardPlan
 
@@ -100,10 +109,15 @@ class ExpertGeometry:
     intermediate: int
     numa_nodes: int
     moe_layers: tuple[int, ...]
+    scale_dtype: str = "f32"      # f32 (layout version 1) | f16 | bf16 (version 2); unused by the bf16 method
 
     @property
     def layout(self) -> str:
         return METHOD_TO_LAYOUT[self.method]
+
+    @property
+    def layout_version(self) -> int:
+        return CPU_EXPERT_LAYOUTS[self.layout][1] if self.bits == 16 else scale_layout_version(self.scale_dtype)
 
     @property
     def bits(self) -> int:
@@ -115,13 +129,13 @@ class ExpertGeometry:
 
     def matrix_geometry(self, proj: str, shard: int) -> MatrixGeometry:
         plan = self.shard_plan
-        if proj == "down":
-            return plan.down_geometry(shard, self.hidden)
-        return plan.gate_up_geometry(shard, self.hidden)
+        g = plan.down_geometry(shard, self.hidden) if proj == "down" else plan.gate_up_geometry(shard, self.hidden)
+        return g if self.bits == 16 else replace(g, scale_dtype=self.scale_dtype)
 
     def to_json(self) -> dict:
         plan = self.shard_plan
-        return {"method": self.method, "layout": self.layout, "layout_version": CPU_EXPERT_LAYOUTS[self.layout][1],
+        return {"method": self.method, "layout": self.layout, "layout_version": self.layout_version,
+                **({} if self.bits == 16 else {"scale_dtype": self.scale_dtype}),
                 "bits": self.bits, "group_size": self.group_size, "n_experts": self.n_experts, "hidden": self.hidden,
                 "intermediate": self.intermediate, "intermediate_pad": plan.intermediate_pad, "unit": plan.unit,
                 "numa_nodes": self.numa_nodes, "shard_ranges": [list(r) for r in plan.shard_ranges()],
@@ -132,16 +146,22 @@ class ExpertGeometry:
         try:
             g = cls(method=d["method"], group_size=int(d["group_size"]), n_experts=int(d["n_experts"]),
                     hidden=int(d["hidden"]), intermediate=int(d["intermediate"]), numa_nodes=int(d["numa_nodes"]),
-                    moe_layers=tuple(int(x) for x in d["moe_layers"]))
+                    moe_layers=tuple(int(x) for x in d["moe_layers"]), scale_dtype=str(d.get("scale_dtype", "f32")))
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"manifest 'experts' section is malformed: {e!r}") from None
         if g.method not in METHOD_TO_LAYOUT:
             raise ManifestError(f"manifest 'experts.method' {g.method!r} is not one of {sorted(METHOD_TO_LAYOUT)}")
+        if g.scale_dtype not in SCALE_DTYPES:
+            raise ManifestError(f"manifest 'experts.scale_dtype' {g.scale_dtype!r} is not one of {sorted(SCALE_DTYPES)}")
+        version = d.get("layout_version", 1)
+        if version not in CPU_EXPERT_LAYOUT_VERSIONS:
+            raise ManifestError(f"manifest 'experts.layout_version' {version!r}: this reader knows versions "
+                                f"{list(CPU_EXPERT_LAYOUT_VERSIONS)}; upgrade ktconvert")
         try:
             want = cls.to_json(g)
         except LayoutError as e:
             raise ManifestError(f"manifest 'experts' geometry is invalid: {e}") from None
-        for key in ("intermediate_pad", "unit", "shard_ranges", "layout"):
+        for key in ("intermediate_pad", "unit", "shard_ranges", "layout", "layout_version"):
             if key in d and d[key] != want[key]:
                 raise ManifestError(f"manifest 'experts.{key}' = {d[key]!r} disagrees with the geometry ({want[key]!r})")
         return g
@@ -153,7 +173,7 @@ class ExpertGeometry:
             geom = self.matrix_geometry(proj, shard)
             out[expert_tensor(proj, "qweight")] = ([self.n_experts, *geom.qweight_shape], "U8")
             if self.bits != 16:
-                out[expert_tensor(proj, "scales")] = ([self.n_experts, *geom.scales_shape], "F32")
+                out[expert_tensor(proj, "scales")] = ([self.n_experts, *geom.scales_shape], SCALE_DTYPES[self.scale_dtype])
         return out
 
 

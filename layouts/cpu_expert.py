@@ -7,7 +7,7 @@ int8 / int4: symmetric per-group quantization along K, unsigned codes with zero 
     W[n, k] ~= (code[n, k] - ZERO) * scale[n, k // G]
 Codes are tiled as AMX B tiles of 16 output columns x 64 K (VNNI: 4 consecutive K per 32-bit word):
     qweight: (N_pad/16, K_pad/64, TILE_BYTES) uint8, TILE_BYTES = 1024 (int8) or 512 (int4)
-    scales:  (N_pad/16, n_groups, 16) float32
+    scales:  (N_pad/16, n_groups, 16) float32 (layout version 1) or float16 / bfloat16 (version 2)
 int4 packs tile rows in pairs: byte j of chunk c (64 bytes) = row 2c at bits 0-3, row 2c+1 at bits 4-7.
 bf16: (N_pad/16, K_pad/32, 1024) bytes, each tile 16 rows (K pairs) x 16 columns x 2 bf16 (TDPBF16PS B tile).
 """
@@ -22,6 +22,7 @@ from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits, round_to_bf16
 from .constants import (
     ACT_QMAX,
     GROUP_PER_ROW,
+    SCALE_DTYPE_BYTES,
     TILE_K,
     TILE_N,
     TILE_ROW_BYTES,
@@ -58,10 +59,13 @@ class MatrixGeometry:
     k: int
     bits: int          # 4, 8 or 16 (bf16)
     group_size: int    # as requested: 32, 64m, or -1 for per row
+    scale_dtype: str = "f32"   # f32 (layout version 1), f16 or bf16 (version 2)
 
     def __post_init__(self):
         if self.n <= 0 or self.k <= 0:
             raise LayoutError(f"cannot tile an empty matrix of shape ({self.n}, {self.k})")
+        if self.scale_dtype not in SCALE_DTYPE_BYTES:
+            raise LayoutError(f"scale dtype {self.scale_dtype!r} is not one of {sorted(SCALE_DTYPE_BYTES)}")
         if self.bits not in (4, 8, 16):
             raise LayoutError(f"bits must be 4, 8 or 16, got {self.bits}")
         if self.bits != 16:
@@ -116,7 +120,7 @@ class MatrixGeometry:
 
     @property
     def scales_nbytes(self) -> int:
-        return 0 if self.bits == 16 else self.n_blocks * self.n_groups * TILE_N * 4
+        return 0 if self.bits == 16 else self.n_blocks * self.n_groups * TILE_N * SCALE_DTYPE_BYTES[self.scale_dtype]
 
 
 # --- quantization -------------------------------------------------------------------------------
@@ -137,9 +141,11 @@ def quantize(w: np.ndarray, geom: MatrixGeometry, bf16_scales: bool = False) -> 
 
     The scale maps the group's largest-magnitude value (the positive one on a tie) onto the most negative code
     (-2^(b-1)), so all 2^b levels are used (as llama.cpp's Q4_0/Q8_0 do); a scale may therefore be negative.
-    An all-zero group gets scale 0. bf16_scales: the scale is rounded to bfloat16 first and the codes are computed
-    against the rounded scale (clipped to the code range), so the stored scales are exact in bf16 (formats with
-    bf16 scales, e.g. kt-kernel's RAWINT4, then take them over without rounding).
+    It is rounded to the stored dtype (16-bit scales, layout version 2) and the codes are computed against the
+    rounded value (clipped to the code range). An all-zero group gets scale 0. bf16_scales: the scale is rounded to
+    bfloat16 first (then to the stored dtype, which keeps a bf16 value exact for f32, bf16, and f16 within f16's
+    normal range), so the stored scales are exact in bf16 (formats with bf16 scales, e.g. kt-kernel's RAWINT4, then
+    take them over without rounding).
     """
     if geom.bits == 16:
         raise LayoutError("bf16 is not quantized; use pack_bf16")
@@ -150,6 +156,7 @@ def quantize(w: np.ndarray, geom: MatrixGeometry, bf16_scales: bool = False) -> 
     scale = (peak / np.float32(qmin)).astype(np.float32)
     if bf16_scales:
         scale = round_to_bf16(scale)
+    scale = round_scales(scale, geom.scale_dtype)
     inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
     q = wp * inv[..., None]                                             # one pass each, in place
     np.rint(q, out=q)
@@ -201,15 +208,50 @@ def unpack_codes(qweight: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     return _from_tiles(t, geom)
 
 
+def round_scales(s: np.ndarray, scale_dtype: str) -> np.ndarray:
+    """float32 values rounded to the stored scale dtype (round to nearest even), as float32."""
+    s = np.asarray(s, dtype=np.float32)
+    if scale_dtype == "f16":
+        if np.any(np.abs(s) > 65504):
+            raise LayoutError(f"a scale of {float(np.abs(s).max()):g} does not fit float16 (use --scale-dtype bf16)")
+        return s.astype(np.float16).astype(np.float32)
+    if scale_dtype == "bf16":
+        return bf16_bits_to_f32(f32_to_bf16_bits(s))
+    return s
+
+
+def scales_representable(s: np.ndarray, scale_dtype: str) -> bool:
+    """Whether float32 scales are stored exactly in scale_dtype (exact take-over of already-quantized sources)."""
+    s = np.asarray(s, dtype=np.float32)
+    if scale_dtype == "f16" and np.any(np.abs(s) > 65504):
+        return False
+    return bool(np.array_equal(round_scales(s, scale_dtype), s))
+
+
+def scales_to_f32(packed: np.ndarray, scale_dtype: str) -> np.ndarray:
+    """Stored scales (float32, float16, or bfloat16 bit patterns as uint16) -> float32, exactly."""
+    a = np.asarray(packed)
+    if scale_dtype == "bf16":
+        return bf16_bits_to_f32(a.view(np.uint16) if a.dtype != np.uint16 else a)
+    return a.astype(np.float32)
+
+
 def pack_scales(scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
-    """scales (N_pad, n_groups) -> (NB, n_groups, 16) float32: the 16 scales of a column block are one zmm."""
+    """scales (N_pad, n_groups) -> (NB, n_groups, 16) in the stored dtype (float32 / float16 / bfloat16 bits as
+    uint16): the 16 scales of a column block for one group are one vector. Values must already be representable."""
     s = np.asarray(scales, dtype=np.float32).reshape(geom.n_blocks, TILE_N, geom.n_groups)
-    return np.ascontiguousarray(s.transpose(0, 2, 1))
+    s = np.ascontiguousarray(s.transpose(0, 2, 1))
+    if geom.scale_dtype == "f16":
+        return s.astype(np.float16)
+    if geom.scale_dtype == "bf16":
+        return f32_to_bf16_bits(s).reshape(s.shape)
+    return s
 
 
 def unpack_scales(packed: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(packed).reshape(geom.scales_shape).transpose(0, 2, 1)).reshape(
-        geom.n_pad, geom.n_groups)
+    """Inverse of pack_scales -> (N_pad, n_groups) float32."""
+    s = scales_to_f32(np.asarray(packed).reshape(geom.scales_shape), geom.scale_dtype)
+    return np.ascontiguousarray(s.transpose(0, 2, 1)).reshape(geom.n_pad, geom.n_groups)
 
 
 def pack_bf16(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
@@ -239,10 +281,12 @@ def pack_expert_matrix(w: np.ndarray, geom: MatrixGeometry,
 def pack_expert_codes(codes: np.ndarray, scales: np.ndarray, geom: MatrixGeometry) -> tuple[np.ndarray, np.ndarray]:
     """Already-quantized weights (codes (N, K) uint8 with this layout's zero point, scales (N, K / G) float32) ->
     packed (qweight, scales), padding with code ZERO and scale 0. For sources whose blocks map exactly onto the
-    layout (GGUF Q8_0 -> int8 group 32): no float round trip."""
+    layout (GGUF Q8_0 -> int8 group 32): no float round trip. Scales the stored dtype cannot hold exactly raise."""
     if geom.bits == 16 or geom.group_size == GROUP_PER_ROW or codes.shape != (geom.n, geom.k) \
             or geom.k % geom.group or scales.shape != (geom.n, geom.k // geom.group):
         raise LayoutError(f"codes {codes.shape} / scales {scales.shape} do not fit {geom}")
+    if not scales_representable(scales, geom.scale_dtype):
+        raise LayoutError(f"scales are not exactly representable as {geom.scale_dtype}: no exact take-over")
     c = np.full((geom.n_pad, geom.k_pad), ZERO_POINT[geom.bits], dtype=np.uint8)
     c[: geom.n, : geom.k] = codes
     sc = np.zeros((geom.n_pad, geom.n_groups), dtype=np.float32)
@@ -302,7 +346,7 @@ def amx_reference_matmul(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
     a_q, a_s = quantize_activations(x, geom)
     z = ZERO_POINT[geom.bits]
     qw = np.asarray(qweight).reshape(geom.qweight_shape)
-    sw = np.asarray(scales, dtype=np.float32).reshape(geom.scales_shape)
+    sw = scales_to_f32(np.asarray(scales).reshape(geom.scales_shape), geom.scale_dtype)
     rows_per_group = geom.group // VNNI_INT8                  # 8 for G=32, 16 per 64 otherwise
     y = np.zeros((x.shape[0], geom.n_pad), dtype=np.float64)
     for nb in range(geom.n_blocks):

@@ -16,7 +16,7 @@ into, a source-shaped matrix (float weights, codes, scales), padding to the unit
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -184,8 +184,8 @@ def unit_piece(qweight: np.ndarray, scales: np.ndarray | None, proj: str, shard_
     if proj != "down":
         blocks = lead + (slice(u0 * unit // TILE_N, u1 * unit // TILE_N),)
         return (qweight[blocks], None if scales is None else scales[blocks],
-                MatrixGeometry(rows, g.k, g.bits, g.group_size))
+                replace(g, n=rows))
     q = qweight[lead + (slice(None), slice(u0 * unit // g.k_per_tile, u1 * unit // g.k_per_tile))]
     if scales is not None and g.group_size != GROUP_PER_ROW:
         scales = scales[lead + (slice(None), slice(u0 * unit // g.group, u1 * unit // g.group))]
-    return q, scales, MatrixGeometry(g.n, rows, g.bits, g.group_size)
+    return q, scales, replace(g, k=rows)

@@ -10,8 +10,10 @@ this script).
 
 Each file holds one (N, K) expert matrix:
   int layouts:  weight (N, K) float16 (packed as float32), codes (N_pad, K_pad) uint8, scales (N_pad, n_groups)
-                float32 (quantize's output), qweight (NB, KT, TB) uint8 and packed_scales (NB, n_groups, 16) float32
-                (what goes on disk)
+                float32 (quantize's output), qweight (NB, KT, TB) uint8 and packed_scales (NB, n_groups, 16) in the
+                version's stored dtype (what goes on disk): float32 for version 1; float16, or bfloat16 as its uint16
+                bits, for version 2 (one file per scale dtype, `scale_dtype` in the index). Every version uses the
+                same weights (same seeds), so the tests can check a 16-bit version against version 1's scales.
   bf16 layout:  weight (N, K) float32, bits (N_pad, K_pad) uint16 (the rounded, padded bf16 values), qweight
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 from ktlayouts.bf16 import f32_to_bf16_bits
-from ktlayouts.constants import CPU_EXPERT_LAYOUTS
+from ktlayouts.constants import CPU_EXPERT_LAYOUT_VERSIONS, CPU_EXPERT_LAYOUTS, SCALE_DTYPES_OF_VERSION
 from ktlayouts.cpu_expert import MatrixGeometry, pack_bf16, pack_codes, pack_scales, pad_weight, quantize
 
 HERE = Path(__file__).resolve().parent / "golden"
@@ -63,8 +65,9 @@ def cases(layout: str, bits: int):
                 yield n, k, g
 
 
-def write_case(layout: str, version: int, bits: int, n: int, k: int, g: int, seed: int) -> dict:
-    geom = MatrixGeometry(n, k, bits, g)
+def write_case(layout: str, version: int, bits: int, n: int, k: int, g: int, seed: int,
+               scale_dtype: str = "f32") -> dict:
+    geom = MatrixGeometry(n, k, bits, g, scale_dtype)
     if bits == 16:
         w = bf16_weight(n, k, seed)
         arrays = {"weight": w, "bits": f32_to_bf16_bits(pad_weight(w, geom)), "qweight": pack_bf16(w, geom)}
@@ -74,25 +77,38 @@ def write_case(layout: str, version: int, bits: int, n: int, k: int, g: int, see
         codes, scales = quantize(w.astype(np.float32), geom)
         arrays = {"weight": w, "codes": codes, "scales": scales, "qweight": pack_codes(codes, geom),
                   "packed_scales": pack_scales(scales, geom)}
-        name = f"{layout}.v{version}.n{n}_k{k}_g{g}.npz"
+        tag = "" if scale_dtype == "f32" else f".{scale_dtype}"
+        name = f"{layout}.v{version}{tag}.n{n}_k{k}_g{g}.npz"
     path = HERE / name
     if path.exists():
         raise SystemExit(f"{path} exists; golden files are written once (bump the layout version instead)")
     np.savez_compressed(path, **arrays)
     return {"file": name, "layout": layout, "layout_version": version, "bits": bits, "n": n, "k": k,
-            "group_size": g, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+            "group_size": g, **({} if bits == 16 or scale_dtype == "f32" else {"scale_dtype": scale_dtype}),
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def written_versions(layout: str) -> list[tuple[int, tuple[str, ...]]]:
+    """(version, scale dtypes) this code still writes for `layout`: every int layout version (version 1 for
+    float32 scales, version 2 for 16-bit ones), the current version of bf16."""
+    bits, current = CPU_EXPERT_LAYOUTS[layout]
+    if bits == 16:
+        return [(current, ("f32",))]
+    return [(v, SCALE_DTYPES_OF_VERSION[v]) for v in CPU_EXPERT_LAYOUT_VERSIONS]
 
 
 def main() -> None:
     index = json.loads(INDEX.read_text()) if INDEX.exists() else {"files": []}
     done = {(e["layout"], e["layout_version"]) for e in index["files"]}
     added = []
-    for layout, (bits, version) in CPU_EXPERT_LAYOUTS.items():
-        if (layout, version) in done:
-            print(f"{layout} v{version}: already in index.json, left as is")
-            continue
-        for i, (n, k, g) in enumerate(cases(layout, bits)):
-            added.append(write_case(layout, version, bits, n, k, g, seed=1000 * bits + i))
+    for layout, (bits, _current) in CPU_EXPERT_LAYOUTS.items():
+        for version, scale_dtypes in written_versions(layout):
+            if (layout, version) in done:
+                print(f"{layout} v{version}: already in index.json, left as is")
+                continue
+            for sd in scale_dtypes:
+                for i, (n, k, g) in enumerate(cases(layout, bits)):
+                    added.append(write_case(layout, version, bits, n, k, g, seed=1000 * bits + i, scale_dtype=sd))
     index["files"] += added
     INDEX.write_text(json.dumps(index, indent=1) + "\n")
     print(f"wrote {len(added)} golden files, {sum((HERE / e['file']).stat().st_size for e in added)} bytes")

@@ -15,6 +15,7 @@ COMMANDS = {
     "generate": "ktrun.cmd_generate:generate",
     "bench": "ktrun.cmd_bench:bench",
     "serve": "ktrun.cmd_serve:serve",
+    "perplexity": "ktrun.cmd_perplexity:perplexity",
 }
 
 
@@ -28,4 +29,5 @@ def main():
       ktrun generate converted/ --prompt "def fibonacci(n):" --max-tokens 64
       ktrun bench converted/
       ktrun serve converted/ --port 8000
+      ktrun perplexity converted/ --text heldout.txt --kl-divergence bf16.logprobs
     """

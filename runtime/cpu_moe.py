@@ -16,7 +16,8 @@ Usage (the decode loop)::
     y = moe.forward(3, x, ids, weights)      # submit + sync, returns a new (T, H) float32 array
 
 - Shard arrays stack all experts of one layer: gate_q (E, (i1-i0)/16, K_pad/64, tile_bytes) uint8,
-  gate_s (E, (i1-i0)/16, n_groups, 16) float32, up likewise, down_q (E, round_up(H,16)/16, (i1-i0)/64, tile_bytes),
+  gate_s (E, (i1-i0)/16, n_groups, 16) float32 (layout version 1) or float16 / bfloat16 (version 2; numpy holds bfloat16
+  as uint16 bit patterns: pass scale_dtype="bfloat16"), up likewise, down_q (E, round_up(H,16)/16, (i1-i0)/64, tile_bytes),
   down_s; bf16 layout (bits=16): scales are None. [i0, i1) are the shard's rows of the padded intermediate size
   (`ktlayouts.expert_shards.ShardPlan.shard_range`, checked). Shards are mapped to the sub-pools with
   `ktlayouts.converted_dir.node_unit_ranges` (M < S: a pool takes whole shards; M > S: pools split a shard's units).
@@ -44,7 +45,9 @@ from ktlayouts.converted_dir import node_unit_ranges
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.expert_shards import ShardPlan
 
-ABI_VERSION = 4
+ABI_VERSION = 5
+# scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16) -> the ABI's codes
+SCALE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 BACKENDS = ("scalar", "avx2", "avx512", "amx")
 
 
@@ -87,6 +90,8 @@ def load_library() -> ctypes.CDLL:
         "kt_n_threads": (c_int, [c_p]), "kt_n_pools": (c_int, [c_p]),
         "kt_thread_cpu": (c_int, [c_p, c_int]), "kt_thread_pool": (c_int, [c_p, c_int]),
         "kt_add_layer": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_int, ctypes.POINTER(_Piece)]),
+        "kt_add_layer_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_int,
+                                    ctypes.POINTER(_Piece)]),
         "kt_submit": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int]),
         "kt_submit_masked": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int, c_p]),
         "kt_sync": (c_int, [c_p]),
@@ -154,6 +159,16 @@ def _shape(a: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in a.shape)
 
 
+def _scale_dtype(a: Any, declared: str | None) -> str:
+    """float32 / float16 / bfloat16 of a scales array (numpy uint16 = bfloat16 bit patterns)."""
+    name = _dtype_name(a)
+    name = "bfloat16" if name == "uint16" else name
+    if name not in SCALE_DTYPE_CODES or (declared is not None and declared != name):
+        raise ValueError(f"scales dtype {name}{'' if declared is None else f' (declared {declared})'}: expected "
+                         f"float32, float16 or bfloat16")
+    return name
+
+
 def _check_matrix(q: Any, s: Any, geom: MatrixGeometry, n_experts: int, what: str) -> None:
     want_q = (n_experts, *geom.qweight_shape)
     if _shape(q) != want_q or _dtype_name(q) != "uint8":
@@ -164,7 +179,7 @@ def _check_matrix(q: Any, s: Any, geom: MatrixGeometry, n_experts: int, what: st
         return
     want_s = (n_experts, *geom.scales_shape)
     if s is None or _shape(s) != want_s:
-        raise ValueError(f"{what}.scales: shape {None if s is None else _shape(s)}, expected float32 {want_s}")
+        raise ValueError(f"{what}.scales: shape {None if s is None else _shape(s)}, expected {want_s}")
 
 
 class MoEKernels:
@@ -225,8 +240,9 @@ class MoEKernels:
                 for i in range(self.n_threads)]
 
     def add_layer(self, layer_id: int, shards: list[ExpertShard], n_experts: int, hidden: int, intermediate_pad: int,
-                  bits: int, group_size: int) -> None:
-        """Register one layer's experts (arrays are kept referenced, never copied)."""
+                  bits: int, group_size: int, scale_dtype: str | None = None) -> None:
+        """Register one layer's experts (arrays are kept referenced, never copied). scale_dtype: float32, float16 or
+        bfloat16 (default: from the scales arrays' dtype, numpy uint16 meaning bfloat16)."""
         if not shards:
             raise ValueError(f"layer {layer_id}: no shards")
         # shard -> sub-pool pieces: ktlayouts' integer unit ranges (M < S: whole shards, M > S: split units)
@@ -250,13 +266,20 @@ class MoEKernels:
                     (sh.gate_q, "gate.qweight"), (sh.gate_s, "gate.scales"), (sh.up_q, "up.qweight"),
                     (sh.up_s, "up.scales"), (sh.down_q, "down.qweight"), (sh.down_s, "down.scales"))]
                 pieces.append(_Piece(*ptrs, sh.i0, sh.i1, u0 * plan.unit, u1 * plan.unit, node))
+        dtypes = set()
         for sh in shards:
             for a in (sh.gate_s, sh.up_s, sh.down_s):
-                if a is not None and _dtype_name(a) != "float32":
-                    raise ValueError(f"layer {layer_id}: scales must be float32, got {a.dtype}")
+                if a is not None:
+                    try:
+                        dtypes.add(_scale_dtype(a, scale_dtype))
+                    except ValueError as e:
+                        raise ValueError(f"layer {layer_id}: {e}") from None
+        if len(dtypes) > 1:
+            raise ValueError(f"layer {layer_id}: scales of one layer must share a dtype, got {sorted(dtypes)}")
+        code = SCALE_DTYPE_CODES[dtypes.pop()] if dtypes else 0
         arr = (_Piece * len(pieces))(*pieces)
-        if self._lib.kt_add_layer(self._ctx, layer_id, n_experts, hidden, intermediate_pad, bits, group_size,
-                                  len(pieces), arr) != 0:
+        if self._lib.kt_add_layer_ex(self._ctx, layer_id, n_experts, hidden, intermediate_pad, bits, group_size, code,
+                                     len(pieces), arr) != 0:
             raise KernelError(_err(self._lib))
         self._layers[layer_id] = ({"hidden": hidden, "n_experts": n_experts}, list(shards))
 

@@ -2,6 +2,8 @@
 the routed-expert computation that follows layouts/README.md independently of libktkernels."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from ktlayouts.cpu_expert import (
@@ -28,7 +30,7 @@ class PackedLayer:
     """Random experts of one layer: float weights, their packed shards and the dequantized shards."""
 
     def __init__(self, rng: np.random.Generator, n_experts: int, hidden: int, inter: int, bits: int,
-                 group_size: int, n_shards: int = 1):
+                 group_size: int, n_shards: int = 1, scale_dtype: str = "f32"):
         self.E, self.H, self.I, self.bits, self.G = n_experts, hidden, inter, bits, group_size
         self.plan = ShardPlan(intermediate=inter, group_size=group_size, n_shards=n_shards, bits=bits)
         ip = self.plan.intermediate_pad
@@ -41,6 +43,8 @@ class PackedLayer:
         for s in range(n_shards):
             i0, i1 = self.plan.shard_range(s)
             gu, dn = self.plan.gate_up_geometry(s, hidden), self.plan.down_geometry(s, hidden)
+            if bits != 16:
+                gu, dn = replace(gu, scale_dtype=scale_dtype), replace(dn, scale_dtype=scale_dtype)
             packed, deq = {}, {}
             for name, full, geom in (("gate", gate[:, i0:i1], gu), ("up", up[:, i0:i1], gu),
                                      ("down", down[:, :, i0:i1], dn)):

@@ -21,11 +21,22 @@ from ktlayouts.cpu_expert import (
     unpack_expert_matrix,
     unpack_scales,
 )
+from ktlayouts.write_golden import written_versions
 
 GOLDEN = Path(__file__).resolve().parents[1] / "layouts" / "golden"
 INDEX = json.loads((GOLDEN / "index.json").read_text())["files"]
-CURRENT = [e for e in INDEX if CPU_EXPERT_LAYOUTS.get(e["layout"], (None, None))[1] == e["layout_version"]]
+
+
+def _scale_dtype(e):
+    return e.get("scale_dtype", "f32")      # version-1 entries predate the field: float32
+
+
+# every version this code still writes: int layouts version 1 (float32 scales) and 2 (float16 / bfloat16), bf16 its one
+CURRENT = [e for e in INDEX if e["layout"] in CPU_EXPERT_LAYOUTS
+           and any(e["layout_version"] == v for v, _ in written_versions(e["layout"]))]
 INT = [e for e in CURRENT if e["bits"] != 16]
+INT_F32 = [e for e in INT if _scale_dtype(e) == "f32"]
+INT_16 = [e for e in INT if _scale_dtype(e) != "f32"]
 BF16 = [e for e in CURRENT if e["bits"] == 16]
 
 
@@ -34,7 +45,8 @@ def _ids(e):
 
 
 def _load(e):
-    return np.load(GOLDEN / e["file"]), MatrixGeometry(e["n"], e["k"], e["bits"], e["group_size"])
+    return np.load(GOLDEN / e["file"]), MatrixGeometry(e["n"], e["k"], e["bits"], e["group_size"],
+                                                       _scale_dtype(e) if e["bits"] != 16 else "f32")
 
 
 def test_index_lists_existing_files_with_their_sha256_and_they_stay_small():
@@ -60,7 +72,7 @@ def test_every_current_layout_version_has_golden_files(layout):
         assert {e["group_size"] for e in mine} == {32, 64, 128, -1}
 
 
-@pytest.mark.parametrize("entry", INT, ids=_ids)
+@pytest.mark.parametrize("entry", INT_F32, ids=_ids)
 def test_bf16_scales_off_is_the_golden_path_and_on_rounds_only_the_scales(entry):
     """quantize(..., bf16_scales) (`ktconvert quantize --bf16-scales`): off reproduces the golden bytes; on, every
     scale is the bf16 rounding of the golden one and the codes stay within one step of it."""
@@ -151,6 +163,66 @@ def test_golden_bytes_follow_the_readme_tile_formula(entry):
         assert d["qweight"].tobytes() == _spec_bf16_tiles(d["bits"], geom).tobytes()
         return
     assert d["qweight"].tobytes() == _spec_int_tiles(d["codes"], geom).tobytes()
-    # scales: (NB, n_groups, 16), the 16 scales of a column block for one group together
+    # scales: (NB, n_groups, 16), the 16 scales of a column block for one group together, in the stored dtype
     want = np.stack([d["scales"][16 * nb: 16 * nb + 16].T for nb in range(geom.n_blocks)])
-    assert d["packed_scales"].tobytes() == want.astype(np.float32).tobytes()
+    assert d["packed_scales"].tobytes() == _torch_bytes(want, geom.scale_dtype)
+
+
+TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _torch_bytes(a: np.ndarray, scale_dtype: str) -> bytes:
+    """float32 values -> their bytes in `scale_dtype`, rounded by torch (not by ktlayouts)."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(TORCH_DTYPES[scale_dtype]).numpy(
+        ).tobytes() if scale_dtype != "bf16" else torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(
+        torch.bfloat16).view(torch.int16).numpy().tobytes()
+
+
+@pytest.mark.parametrize("layout", sorted(CPU_EXPERT_LAYOUTS))
+def test_every_written_version_and_scale_dtype_has_golden_files(layout):
+    """Version 1 (float32 scales) is still written next to version 2 (float16 / bfloat16): all keep golden files."""
+    for version, dtypes in written_versions(layout):
+        for sd in dtypes:
+            mine = [e for e in CURRENT if e["layout"] == layout and e["layout_version"] == version
+                    and (e["bits"] == 16 or _scale_dtype(e) == sd)]
+            assert mine, f"{layout} version {version} ({sd} scales) has no golden files: run python -m ktlayouts.write_golden"
+            if CPU_EXPERT_LAYOUTS[layout][0] != 16:
+                assert {e["group_size"] for e in mine} == {32, 64, 128, -1}
+
+
+def _v1_twin(e):
+    twin = [f for f in INDEX if f["layout"] == e["layout"] and f["layout_version"] == 1 and
+            (f["n"], f["k"], f["group_size"]) == (e["n"], e["k"], e["group_size"])]
+    assert len(twin) == 1, e["file"]
+    return np.load(GOLDEN / twin[0]["file"])
+
+
+@pytest.mark.parametrize("entry", INT_16, ids=_ids)
+def test_16bit_scales_are_the_rounded_reference_rule_and_codes_follow_them(entry):
+    """Version 2 against an independent reference: its scales are torch's rounding of version 1's float32 scales
+    (the reference rule, largest magnitude onto -2^(b-1), unchanged), and the codes are round-to-nearest of the
+    same weights against those rounded scales, clipped to the code range (layouts/README.md)."""
+    d, geom = _load(entry)
+    v1 = _v1_twin(entry)
+    assert np.array_equal(d["weight"], v1["weight"])
+    want = torch.from_numpy(v1["scales"]).to(TORCH_DTYPES[geom.scale_dtype]).float().numpy()
+    assert np.array_equal(d["scales"], want)
+    qmin, z = -(1 << (geom.bits - 1)), ZERO_POINT[geom.bits]
+    w = np.zeros((geom.n_pad, geom.k_pad), np.float64)
+    w[: geom.n, : geom.k] = d["weight"]
+    s = np.repeat(want.astype(np.float64), geom.group, axis=1)
+    q = np.clip(np.rint(np.divide(w, s, out=np.zeros_like(w), where=s != 0)), qmin, -qmin - 1) + z
+    # float32 1/scale in the packer vs float64 division here: a code may differ at an exact tie only
+    diff = np.abs(q - d["codes"].astype(np.float64))
+    assert diff.max() <= 1 and np.mean(diff == 0) > 0.999
+    assert np.abs(d["codes"].astype(np.int16) - v1["codes"].astype(np.int16)).max() <= 1
+    # what goes on disk: 2 bytes a scale
+    assert d["packed_scales"].nbytes == geom.scales_nbytes == geom.n_blocks * geom.n_groups * 16 * 2
+
+
+@pytest.mark.parametrize("entry", [e for e in INT_16 if _scale_dtype(e) == "bf16"], ids=_ids)
+def test_bf16_scales_on_bf16_storage_is_the_golden_path(entry):
+    """--bf16-scales with --scale-dtype bf16: the scales already are bf16 values, nothing changes."""
+    d, geom = _load(entry)
+    qweight, packed = pack_expert_matrix(d["weight"].astype(np.float32), geom, bf16_scales=True)
+    assert qweight.tobytes() == d["qweight"].tobytes() and packed.tobytes() == d["packed_scales"].tobytes()

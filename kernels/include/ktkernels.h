@@ -13,27 +13,28 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 4   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack) */
+#define KT_ABI_VERSION 5   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+                              5: kt_add_layer_ex (scale dtype of the int expert layouts) */
 
 typedef struct kt_ctx kt_ctx;
 
 /* One shard of a layer's experts (or a unit sub-range of it) computed by one sub-pool.
- * Arrays stack all experts: gate_q (E, (i1-i0)/16, K_pad(H)/64, tile_bytes) u8, gate_s (E, (i1-i0)/16, n_groups, 16) f32,
- * up likewise, down_q (E, round_up(H,16)/16, (i1-i0)/64, tile_bytes), down_s (E, round_up(H,16)/16, n_groups, 16).
- * bf16 layout: the scales are NULL and K tiles are 32 wide. */
+ * Arrays stack all experts: gate_q (E, (i1-i0)/16, K_pad(H)/64, tile_bytes) u8, gate_s (E, (i1-i0)/16, n_groups, 16)
+ * scales (f32, or f16 / bf16 with kt_add_layer_ex), up likewise, down_q (E, round_up(H,16)/16, (i1-i0)/64, tile_bytes),
+ * down_s (E, round_up(H,16)/16, n_groups, 16). bf16 layout: the scales are NULL and K tiles are 32 wide. */
 typedef struct {
     const void* gate_q;
-    const float* gate_s;
+    const void* gate_s;
     const void* up_q;
-    const float* up_s;
+    const void* up_s;
     const void* down_q;
-    const float* down_s;
+    const void* down_s;
     int32_t i0, i1;   /* the shard's rows of the padded intermediate dimension; strides follow i1 - i0 */
     int32_t r0, r1;   /* the part computed here, shard-local, on unit boundaries ([0, i1-i0) for all of it) */
     int32_t pool;     /* sub-pool (NUMA node) that computes this piece */
 } kt_shard_piece;
 
-enum { KT_F32 = 0, KT_BF16 = 1 };
+enum { KT_F32 = 0, KT_BF16 = 1, KT_F16 = 2 };   /* dtypes of activations (f32, bf16) and scales (all three) */
 
 int kt_abi_version(void);
 const char* kt_last_error(void);
@@ -55,6 +56,9 @@ int kt_thread_pool(const kt_ctx* ctx, int thread);
 /* bits: 4, 8 or 16 (bf16 layout); group_size: 32, 64m or -1 (per row), ignored for bf16. */
 int kt_add_layer(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int intermediate_pad, int bits,
                  int group_size, int n_pieces, const kt_shard_piece* pieces);
+/* The same with the scales' dtype: KT_F32 (layout version 1), KT_F16 or KT_BF16 (version 2). */
+int kt_add_layer_ex(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int intermediate_pad, int bits,
+                    int group_size, int scale_dtype, int n_pieces, const kt_shard_piece* pieces);
 
 /* out[t, :H] (=|+=) sum_j weights[t,j] * expert_{ids[t,j]}(x[t]) ; ids < 0 are skipped.
  * x: (T, H) f32 or bf16 with row stride x_stride elements; ids (T, k) int32; weights (T, k) f32;

@@ -72,8 +72,15 @@ int kt_thread_pool(const kt_ctx* ctx, int thread) {
 
 int kt_add_layer(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int intermediate_pad, int bits, int group_size,
                  int n_pieces, const kt_shard_piece* pieces) {
+    return kt_add_layer_ex(ctx, layer_id, n_experts, hidden, intermediate_pad, bits, group_size, KT_F32, n_pieces,
+                           pieces);
+}
+
+int kt_add_layer_ex(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int intermediate_pad, int bits,
+                    int group_size, int scale_dtype, int n_pieces, const kt_shard_piece* pieces) {
     return guarded([&] {
-        ctx->engine.add_layer(layer_id, n_experts, hidden, intermediate_pad, bits, group_size, n_pieces, pieces);
+        ctx->engine.add_layer(layer_id, n_experts, hidden, intermediate_pad, bits, group_size, n_pieces, pieces,
+                              scale_dtype);
     });
 }
 

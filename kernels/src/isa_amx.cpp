@@ -43,8 +43,8 @@ uint8_t* scratch(size_t n) {
     return t_abuf.p;
 }
 
-template <int BITS>
-void qgemm_amx(const QView& w, int n_blocks, const ActRows& a, int m, float* y, int ldy) {
+template <int BITS, typename ST>
+void qgemm_amx_st(const QView& w, int n_blocks, const ActRows& a, int m, float* y, int ldy) {
     constexpr int32_t Z = BITS == 8 ? 128 : 8;
     constexpr size_t TB = BITS == 8 ? 1024 : 512;
     const int K = w.n_rows4 * 4, glen = w.group_rows * 4, n_groups = K / glen;
@@ -82,12 +82,20 @@ void qgemm_amx(const QView& w, int n_blocks, const ActRows& a, int m, float* y, 
                     const __m512i c = _mm512_sub_epi32(_mm512_load_si512(cbuf + 16 * i),
                                                        _mm512_set1_epi32(Z * a.sum[i0 + i][g]));
                     Isa::finish(y + (size_t)(i0 + i) * ldy + nb * 16, c,
-                                w.s + (size_t)nb * w.s_block_stride + (size_t)g * 16, a.s[i0 + i][g]);
+                                Isa::load_scales((const ST*)w.s + (size_t)nb * w.s_block_stride + (size_t)g * 16),
+                                a.s[i0 + i][g]);
                 }
             }
         }
     }
     _tile_release();
+}
+
+template <int BITS>
+void qgemm_amx(const QView& w, int n_blocks, const ActRows& a, int m, float* y, int ldy) {
+    if (w.s_type == kScaleF16) qgemm_amx_st<BITS, ScaleF16>(w, n_blocks, a, m, y, ldy);
+    else if (w.s_type == kScaleBF16) qgemm_amx_st<BITS, ScaleBF16>(w, n_blocks, a, m, y, ldy);
+    else qgemm_amx_st<BITS, float>(w, n_blocks, a, m, y, ldy);
 }
 
 }  // namespace

@@ -29,7 +29,7 @@ void qgemm_ref(const QView& w, int n_blocks, const ActRows& a, int m, float* y, 
                 for (int g = 0; g < n_groups; ++g) {
                     int32_t acc = 0;
                     for (int k = g * glen; k < (g + 1) * glen; ++k) acc += (int32_t)a.q[i][k] * code_at<BITS>(w, nb, c, k);
-                    const float scale = w.s[(size_t)nb * w.s_block_stride + (size_t)g * 16 + c];
+                    const float scale = scale_to_f32(w.s, w.s_type, (size_t)nb * w.s_block_stride + (size_t)g * 16 + c);
                     acc_f = std::fma((float)(acc - Z * a.sum[i][g]), scale * a.s[i][g], acc_f);
                 }
                 y[(size_t)i * ldy + nb * 16 + c] = acc_f;

@@ -5,16 +5,19 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "scale_types.h"
+
 namespace kt {
 
 // A column-block range of one expert's packed int matrix (cpu-expert-int8/int4), possibly a K sub-range.
 struct QView {
     const uint8_t* q;        // tile (block 0, k-tile 0) of the view
-    const float* s;          // scales (block 0, group 0) of the view: 16 floats per (block, group)
+    const void* s;           // scales (block 0, group 0) of the view: 16 scales per (block, group), of s_type
     size_t q_block_stride;   // bytes between column blocks: K_tiles_full * tile_bytes
-    size_t s_block_stride;   // floats between column blocks: n_groups_full * 16
+    size_t s_block_stride;   // scales (elements, not bytes) between column blocks: n_groups_full * 16
     int n_rows4;             // K of the view / 4 (tile rows of 4 K values)
     int group_rows;          // rows per scale group: G / 4 (the whole view for per-row scales)
+    int s_type;              // ScaleType (scale_types.h): f32, bf16 or f16
 };
 
 // Quantized activations of m rows (tokens), each row indexed by the view's K (k = 0 at the view's first K).

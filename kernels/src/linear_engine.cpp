@@ -6,6 +6,7 @@
 #include <string>
 
 #include "../include/ktkernels.h"
+#include "scale_types.h"
 
 namespace kt {
 
@@ -156,6 +157,7 @@ void LinearEngine::compute(const Item& it, int worker) {
     v.s_block_stride = L.s_block_stride;
     v.n_rows4 = L.kx / 4;
     v.group_rows = L.glen / 4;
+    v.s_type = kScaleF32;   // dense Linears keep float32 scales (kt_add_linear)
     const ActRows a{xq_rows_.data() + it.t0, xs_rows_.data() + it.t0, xsum_rows_.data() + it.t0};
     const QGemmFn fn = L.bits == 8 ? table_.qgemm8 : table_.qgemm4;
     const int64_t ld = out_strides_[it.lin];

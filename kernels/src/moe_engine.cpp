@@ -62,10 +62,11 @@ MoEEngine::MoEEngine(int n_threads, int n_pools, const std::string& backend) {
 
 MoEEngine::~MoEEngine() { pool_->wait(); }
 
-QView MoEEngine::gate_view(const Piece& p, const uint8_t* q, const float* s, int e, int nb) const {
+QView MoEEngine::gate_view(const Piece& p, const uint8_t* q, const uint8_t* s, int e, int nb) const {
     QView v;
     v.q = q + e * p.g_expert_q + nb * p.g_block_q;
-    v.s = s + e * p.g_expert_s + nb * p.g_block_s;
+    v.s = s + (e * p.g_expert_s + nb * p.g_block_s) * L_->s_bytes;
+    v.s_type = L_->s_type;
     v.q_block_stride = p.g_block_q;
     v.s_block_stride = p.g_block_s;
     v.n_rows4 = L_->kx / 4;
@@ -206,7 +207,8 @@ void MoEEngine::down(const Item& it, int pool, int worker) {
             } else {
                 QView v;
                 v.q = P.dq + eq + (size_t)(P.r0 / 64) * (L.bits == 8 ? 1024 : 512);
-                v.s = P.ds + S.expert * P.d_expert_s + it.nb0 * P.d_block_s + (size_t)P.d_g0 * 16;
+                v.s = P.ds + (S.expert * P.d_expert_s + it.nb0 * P.d_block_s + (size_t)P.d_g0 * 16) * L.s_bytes;
+                v.s_type = L.s_type;
                 v.q_block_stride = P.d_block_q;
                 v.s_block_stride = P.d_block_s;
                 v.n_rows4 = P.cols() / 4;

@@ -26,11 +26,11 @@ namespace kt {
 
 struct Piece {
     const uint8_t *gq, *uq, *dq;
-    const float *gs, *us, *ds;
+    const uint8_t *gs, *us, *ds;   // scales, of the layer's s_type
     int width;        // i1 - i0 of the shard
     int r0, r1;       // shard-local rows computed here
     int pool;
-    size_t g_expert_q, g_block_q, g_expert_s, g_block_s;   // gate/up strides (bytes / floats)
+    size_t g_expert_q, g_block_q, g_expert_s, g_block_s;   // gate/up strides (bytes / scales)
     size_t d_expert_q, d_block_q, d_expert_s, d_block_s;   // down strides
     int d_glen, d_g0;  // down group length inside the piece and index of its first group
     int cols() const { return r1 - r0; }
@@ -38,6 +38,7 @@ struct Piece {
 
 struct Layer {
     int n_experts, hidden, inter_pad, bits, group;
+    int s_type = kScaleF32, s_bytes = 4;   // scale dtype (scale_types.h) and its size
     int kx;            // gate/up K_pad (hidden padded)
     int kx_glen;       // gate/up group length (G, or kx for per-row / bf16)
     int down_blocks;   // round_up(hidden, 16) / 16
@@ -54,7 +55,7 @@ public:
     ThreadPool& pool() { return *pool_; }
 
     void add_layer(int id, int n_experts, int hidden, int inter_pad, int bits, int group, int n_pieces,
-                   const kt_shard_piece* pieces);   // throws std::invalid_argument
+                   const kt_shard_piece* pieces, int scale_dtype = kScaleF32);   // throws std::invalid_argument
     void submit(int id, int T, const void* x, int x_dtype, int64_t x_stride, int k, const int32_t* ids,
                 const float* weights, float* out, int64_t out_stride, bool accumulate,
                 const uint8_t* skip);   // skip: (n_experts) experts left out (computed elsewhere), or null
@@ -82,7 +83,7 @@ private:
     void gate_up(const Item& it, int worker);
     void quantize_h(const Item& it);
     void down(const Item& it, int pool, int worker);
-    QView gate_view(const Piece& p, const uint8_t* q, const float* s, int e, int nb) const;
+    QView gate_view(const Piece& p, const uint8_t* q, const uint8_t* s, int e, int nb) const;
 
     const KernelTable* table_;
     std::unique_ptr<ThreadPool> pool_;

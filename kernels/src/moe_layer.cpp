@@ -13,7 +13,8 @@ namespace {
 int round_up(int x, int m) { return (x + m - 1) / m * m; }
 }  // namespace
 
-void MoEEngine::add_layer(int id, int E, int H, int I_pad, int bits, int G, int n_pieces, const kt_shard_piece* pcs) {
+void MoEEngine::add_layer(int id, int E, int H, int I_pad, int bits, int G, int n_pieces, const kt_shard_piece* pcs,
+                          int scale_dtype) {
     auto bad = [&](const std::string& m) { throw std::invalid_argument("layer " + std::to_string(id) + ": " + m); };
     if (pool_->busy()) pool_->wait();
     if (E < 1 || H < 1 || I_pad < 1) bad("n_experts, hidden and intermediate_pad must be >= 1");
@@ -24,8 +25,11 @@ void MoEEngine::add_layer(int id, int E, int H, int I_pad, int bits, int G, int 
     const int unit = per_row ? 64 : std::lcm(64, G);
     if (I_pad % unit) bad("intermediate_pad " + std::to_string(I_pad) + " is not a multiple of the unit " + std::to_string(unit));
     if (n_pieces < 1 || !pcs) bad("needs at least one shard piece");
+    if (scale_dtype != kScaleF32 && scale_dtype != kScaleF16 && scale_dtype != kScaleBF16)
+        bad("scale dtype " + std::to_string(scale_dtype) + " is not KT_F32, KT_F16 or KT_BF16");
     Layer L;
     L.n_experts = E; L.hidden = H; L.inter_pad = I_pad; L.bits = bits; L.group = G;
+    L.s_type = scale_dtype; L.s_bytes = scale_bytes(scale_dtype);
     L.kx = round_up(H, per_row ? 64 : unit);
     L.kx_glen = per_row ? L.kx : G;
     L.down_blocks = round_up(H, 16) / 16;
@@ -47,7 +51,7 @@ void MoEEngine::add_layer(int id, int E, int H, int I_pad, int bits, int G, int 
             bad(where + ": missing weight or scale pointer");
         Piece p;
         p.gq = (const uint8_t*)s.gate_q; p.uq = (const uint8_t*)s.up_q; p.dq = (const uint8_t*)s.down_q;
-        p.gs = s.gate_s; p.us = s.up_s; p.ds = s.down_s;
+        p.gs = (const uint8_t*)s.gate_s; p.us = (const uint8_t*)s.up_s; p.ds = (const uint8_t*)s.down_s;
         p.width = width; p.r0 = s.r0; p.r1 = s.r1; p.pool = s.pool;
         const int ngx = L.kx / L.kx_glen;
         p.g_block_q = (size_t)(L.kx / ktile) * TB;

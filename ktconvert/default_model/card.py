@@ -34,7 +34,10 @@ It writes Python-looking code; it is a test and demo model, not a useful assista
 qk_nope {c.qk_nope_head_dim}, qk_rope {c.qk_rope_head_dim} (interleaved), v {c.v_head_dim} |
 | MoE | {c.n_routed_experts} routed experts (intermediate {c.moe_intermediate_size}) + {c.n_shared_experts} shared, \
 top-{c.num_experts_per_tok}, sigmoid scores + `e_score_correction_bias`, {c.n_group} groups / topk_group \
-{c.topk_group}, routed_scaling_factor {c.routed_scaling_factor}, norm_topk_prob |
+{c.topk_group}, routed_scaling_factor {c.routed_scaling_factor}, norm_topk_prob (`scoring_func` sigmoid, \
+`topk_method` noaux_tc) |
+| rope | theta {(getattr(c, 'rope_parameters', None) or {}).get('rope_theta', 10000.0):g}, interleaved pairs, no scaling \
+(`config.json` writes it in DeepSeek-V3's form: `rope_scaling` YaRN with factor 1, which is plain rope) |
 | vocab | {c.vocab_size} (byte-level BPE), untied embeddings |
 | weights | BF16 (`e_score_correction_bias` FP32), hub per-expert names, sharded safetensors with index |
 

@@ -89,13 +89,50 @@ def write_tokenizer(out_dir: Path, tok) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
+def hub_config(c) -> dict:
+    """config.json in the form deepseek-ai/DeepSeek-V3 ships it, for this model's hyper-parameters: the hub's key set
+    and spellings (`rope_scaling` + `rope_theta`, `torch_dtype`, `scoring_func` / `topk_method`, `n_group` /
+    `topk_group`, `ep_size`, `moe_layer_freq`, ...) and no transformers-only keys (`rope_parameters`, `head_dim`,
+    `id2label`, `return_dict`, ...), so every reader that knows DeepSeek-V3 (llama.cpp's converter, vLLM, SGLang,
+    kt-kernel, ktrun, transformers) reads the routing and rope the model was trained with. Left out on purpose:
+    `auto_map` (remote code, never shipped or run) and `quantization_config` (the weights are BF16, not FP8).
+
+    The model was trained with plain rope; it is written as YaRN with factor 1 (original_max_position_embeddings =
+    max_position_embeddings), DeepSeek-V3's form, which every YaRN implementation reduces to plain rope (interpolated
+    and extrapolated frequencies coincide, mscale(1) = 1)."""
+    import transformers
+
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"hub_config: rope {rope} is not the plain rope the default model is trained with")
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": bool(c.attention_bias),
+        "attention_dropout": float(c.attention_dropout),
+        "aux_loss_alpha": 0.0, "seq_aux": False,     # no auxiliary loss: bias-based balancing only (train.py)
+        "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "ep_size": 1,
+        "first_k_dense_replace": c.first_k_dense_replace, "hidden_act": c.hidden_act, "hidden_size": c.hidden_size,
+        "initializer_range": c.initializer_range, "intermediate_size": c.intermediate_size,
+        "kv_lora_rank": c.kv_lora_rank, "max_position_embeddings": c.max_position_embeddings,
+        "model_type": "deepseek_v3", "moe_intermediate_size": c.moe_intermediate_size, "moe_layer_freq": 1,
+        "n_group": c.n_group, "n_routed_experts": c.n_routed_experts, "n_shared_experts": c.n_shared_experts,
+        "norm_topk_prob": bool(c.norm_topk_prob), "num_attention_heads": c.num_attention_heads,
+        "num_experts_per_tok": c.num_experts_per_tok, "num_hidden_layers": c.num_hidden_layers,
+        "num_key_value_heads": c.num_key_value_heads, "num_nextn_predict_layers": c.num_nextn_predict_layers,
+        "pretraining_tp": 1, "q_lora_rank": c.q_lora_rank, "qk_nope_head_dim": c.qk_nope_head_dim,
+        "qk_rope_head_dim": c.qk_rope_head_dim, "rms_norm_eps": c.rms_norm_eps,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": c.max_position_embeddings, "type": "yarn"},
+        "rope_theta": float(rope.get("rope_theta", 10000.0)), "routed_scaling_factor": c.routed_scaling_factor,
+        "scoring_func": "sigmoid", "tie_word_embeddings": bool(c.tie_word_embeddings), "topk_group": c.topk_group,
+        "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": transformers.__version__,
+        "use_cache": True, "v_head_dim": c.v_head_dim, "vocab_size": c.vocab_size,
+    }
+
+
 def write_configs(out_dir: Path, model) -> None:
     from transformers import GenerationConfig
 
-    cfg = model.config.to_dict()
-    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
-    cfg["dtype"] = "bfloat16"
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(hub_config(model.config), indent=2, sort_keys=True) + "\n")
     gen = GenerationConfig(bos_token_id=data.BOS_ID, eos_token_id=data.EOS_ID, pad_token_id=data.PAD_ID,
                            do_sample=True, temperature=0.6, top_p=0.95)
     gen.save_pretrained(str(out_dir))

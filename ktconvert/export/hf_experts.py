@@ -26,7 +26,7 @@ from ktlayouts.expert_gpu import GPU_STEPS
 from ktlayouts.gptq import GptqGeometry
 from ktlayouts.gpu_formats import GpuLinearFormat, gpu_format_for
 
-from ktconvert.converted_reader import ConvertedDir
+from ktconvert.converted_reader import ConvertedDir, to_numpy
 
 EXPORT_STEPS = GPU_STEPS               # the group lengths (besides per-row CHANNEL) vLLM's Marlin kernels take
 # The per-expert Linears (model.layers.N.mlp.experts.E.gate_proj, Mixtral's block_sparse_moe.experts.E.w1), not
@@ -72,7 +72,7 @@ def expert_codes(conv: ConvertedDir, layer: int, expert: int, proj: str, step: i
     for s in range(conv.geometry.numa_nodes):
         f = conv.open(expert_file(layer, s, conv.geometry.numa_nodes))
         shards.append((f.get_slice(expert_tensor(proj, "qweight"))[expert: expert + 1][0].numpy(),
-                       f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0].numpy()))
+                       to_numpy(f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0])))
     return expert_gpu.expert_codes(conv.geometry, proj, step, shards)
 
 

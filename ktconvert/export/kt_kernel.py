@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from ktlayouts.constants import ZERO_POINT
 from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor
-from ktlayouts.cpu_expert import LayoutError, unpack_codes, unpack_scales
+from ktlayouts.cpu_expert import LayoutError, scales_to_f32, unpack_codes, unpack_scales
 from ktlayouts.expert_shards import paste_shard
 from ktlayouts.gpu_formats import GpuLinearFormat
 from ktlayouts.kt_kernel import (
@@ -44,7 +44,7 @@ from ktlayouts.kt_kernel import (
     pack_amx,
 )
 
-from ktconvert.converted_reader import ConvertedDir
+from ktconvert.converted_reader import ConvertedDir, to_numpy
 from ktconvert.export.hf_experts import exact_steps, source_shape
 from ktconvert.writer import AlignedWriter, TensorSpec
 
@@ -148,13 +148,16 @@ def plan_kt_export(conv: ConvertedDir, config: dict, adapter, gpu_fmt: GpuLinear
 
 
 def non_bf16_scales(conv: ConvertedDir) -> int:
-    """How many stored expert scales are not exactly a bfloat16 value (checked on the float32 values)."""
+    """How many stored expert scales are not exactly a bfloat16 value (checked on their float32 values; none with
+    bf16-stored scales, layout version 2)."""
     geo, bad = conv.geometry, 0
+    if geo.scale_dtype == "bf16":
+        return 0
     for layer in geo.moe_layers:
         for s in range(geo.numa_nodes):
             f = conv.open(expert_file(layer, s, geo.numa_nodes))
             for p in PROJECTIONS:
-                scales = f.get_tensor(expert_tensor(p, "scales")).numpy()
+                scales = scales_to_f32(to_numpy(f.get_tensor(expert_tensor(p, "scales"))), geo.scale_dtype)
                 bad += int(np.count_nonzero(scales.view(np.uint32) & 0xFFFF))
     return bad
 
@@ -162,15 +165,15 @@ def non_bf16_scales(conv: ConvertedDir) -> int:
 def source_codes(conv: ConvertedDir, layer: int, expert: int, proj: str) -> tuple[np.ndarray, np.ndarray]:
     """codes (N, K) uint8 (zero point 2^(bits-1)) and per-column scales (N, K) float32 of one expert projection in
     source shape, from the stored tiles of every shard."""
+    geo = conv.geometry
     n, k = source_shape(conv, proj)
     codes = np.empty((n, k), dtype=np.uint8)
     scales = np.empty((n, k), dtype=np.float32)
-    geo = conv.geometry
     for shard in range(geo.numa_nodes):
-        geom = geo.matrix_geometry(proj, shard)                            # the shard's (padded) tile geometry
+        geom = geo.matrix_geometry(proj, shard)
         f = conv.open(expert_file(layer, shard, geo.numa_nodes))
         q = f.get_slice(expert_tensor(proj, "qweight"))[expert: expert + 1][0].numpy()
-        s = f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0].numpy()
+        s = to_numpy(f.get_slice(expert_tensor(proj, "scales"))[expert: expert + 1][0])
         c, sc = unpack_codes(q, geom), unpack_scales(s, geom)              # (N_pad, K_pad), (N_pad, n_groups)
         col_sc = sc[:, np.arange(c.shape[1]) // geom.group]                # (N_pad, K_pad): each column's scale
         paste_shard(c, proj, geo.shard_plan, shard, codes)

@@ -11,7 +11,8 @@ __all__ = ["GPU_OPTION_FIELDS", "converted_config_json", "dense_encoder_for", "g
 
 
 def dense_encoder_for(src, gpu_method: str = "bf16", gpu_group_size: int = 128, gpu_format: str = "marlin",
-                      calib: str | None = None, quantize_head: bool = False, gpu_act_order: bool = False):
+                      calib: str | None = None, quantize_head: bool = False, gpu_act_order: bool = False,
+                      calib_tokens: int = 2048):
     """The non-expert encoder of a conversion (ConvertOptions' gpu_* fields): bf16 or a GpuLayerEncoder."""
     from ktconvert.gpu.dense import DENSE_ENCODERS, dense_encoder
     from ktconvert.gpu.encoder import GpuLayerEncoder, GpuLayerOptions
@@ -19,7 +20,8 @@ def dense_encoder_for(src, gpu_method: str = "bf16", gpu_group_size: int = 128, 
     if gpu_method == "bf16" or (gpu_method in DENSE_ENCODERS and gpu_method not in GPU_METHOD_CHOICES):
         return dense_encoder(gpu_method)
     return GpuLayerEncoder(GpuLayerOptions(method=gpu_method, group_size=gpu_group_size, fmt=gpu_format, calib=calib,
-                                           quantize_head=quantize_head, act_order=gpu_act_order), src=src)
+                                           quantize_head=quantize_head, act_order=gpu_act_order,
+                                           calib_tokens=calib_tokens), src=src)
 
 
 def converted_config_json(raw: bytes, encoder) -> bytes:

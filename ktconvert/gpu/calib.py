@@ -7,8 +7,13 @@ from the source one expert at a time while they run, and only the hidden states 
   pass 1: forward with the layer's float weights, routed experts skipped (no quantized Linear consumes their
           output inside the layer); a pre-hook on every quantized Linear accumulates H = 2 X^T X / T;
   GPTQ:   each Linear is quantized with its Hessian and its weight replaced by the dequantized one;
-  pass 2: full forward (routed experts included) with the quantized weights -> the next layer's inputs.
+  pass 2: full forward (routed experts included) with the quantized weights -> the next layer's inputs; with
+          capture_experts, the MoE block's inputs (T, H) and routing (T, k) are kept for the routed-expert
+          quantizer (ktconvert.quantizers.experts), one layer at a time.
 The lm_head (opt-in) is quantized last, from the final norm of the last hidden states.
+
+The calibration text is split once (split_calibration_text): its last quarter is held out, never used for
+calibration, and `ktconvert quantize --report-kl` scores the conversion on it.
 """
 from __future__ import annotations
 
@@ -52,6 +57,18 @@ def read_calibration_text(path: str | Path | None) -> tuple[str, Path]:
     if not text.strip():
         raise CalibrationError(f"{flag}: calibration file {p} is empty")
     return text, p
+
+
+HELDOUT_FRACTION = 0.25
+
+
+def split_calibration_text(text: str) -> tuple[str, str]:
+    """(calibration part, held-out part): the held-out part is the last quarter of the text, cut at a line boundary
+    (at the character position when there is none)."""
+    at = int(len(text) * (1 - HELDOUT_FRACTION))
+    nl = text.rfind("\n", 0, at)
+    cut = nl + 1 if nl > 0 else at
+    return text[:cut], text[cut:]
 
 
 def tokenizer_for(src):
@@ -145,12 +162,15 @@ class StreamingExperts(nn.Module):
         super().__init__()
         self.src, self.layer, self.act_fn = src, layer, act_fn
         self.enabled = True
+        self.captured: list | None = None     # a list: (hidden_states, top_k_index) of every call are appended
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         # hidden_states: (T, H); top_k_index / top_k_weights: (T, top_k)
         out = torch.zeros_like(hidden_states)
         if not self.enabled:
             return out
+        if self.captured is not None:
+            self.captured.append((hidden_states.detach().clone(), top_k_index.detach().clone()))
         arch = self.src.arch
         for e in torch.unique(top_k_index).tolist():
             tok, pos = torch.where(top_k_index == e)
@@ -172,9 +192,10 @@ class LayerwiseGptq:
     """Quantizes the checkpoint's Linear weights chosen by `is_target(hub name)` layer by layer, on demand."""
 
     def __init__(self, src, tokens: torch.Tensor, quantize_fn: QuantizeFn, is_target: Callable[[str], bool],
-                 quantize_head: bool = False):
+                 quantize_head: bool = False, capture_experts: bool = False):
         self.src, self.tokens, self.quantize_fn, self.is_target = src, tokens, quantize_fn, is_target
-        self.quantize_head = quantize_head
+        self.quantize_head, self.capture_experts = quantize_head, capture_experts
+        self.expert_captures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> (X (T, H), ids (T, k))
         self.cfg = hf_config(*text_model_of(src))
         self.hub = src.arch.family.names                              # layer prefix, embed / norm / head names
         self.layer_cls, rotary_cls, self.norm_cls = _model_classes(self.cfg)
@@ -201,6 +222,22 @@ class LayerwiseGptq:
             raise CalibrationError(f"{name}: not a Linear that calibration quantizes")
         return self.results.pop(name)[1]
 
+    def expert_inputs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(X (T, H) float32 inputs of MoE layer `layer`'s routed experts, ids (T, k) the experts each token is
+        routed to) over all calibration tokens; runs layers as needed (capture_experts must be on)."""
+        if not self.capture_experts:
+            raise CalibrationError("expert inputs were not captured (capture_experts is off)")
+        for k in [k for k in self.expert_captures if k < layer]:
+            del self.expert_captures[k]
+        if layer not in self.expert_captures:
+            if layer < self.next_layer:
+                raise CalibrationError(f"MoE layer {layer} was calibrated already; quantize experts in layer order")
+            while self.next_layer <= layer:
+                self._run_layer(self.next_layer)
+        if layer not in self.expert_captures:
+            raise CalibrationError(f"layer {layer} has no routed experts to calibrate")
+        return self.expert_captures.pop(layer)
+
     @torch.no_grad()
     def _run_layer(self, li: int) -> None:
         t0 = time.perf_counter()
@@ -220,7 +257,8 @@ class LayerwiseGptq:
         experts = [m for m in layer.modules() if isinstance(m, StreamingExperts)]
         for e in experts:
             e.enabled = False
-        self._forward(layer, pos_emb)                                 # pass 1: Hessians
+        if linears:
+            self._forward(layer, pos_emb)                             # pass 1: Hessians
         for h in hooks:
             h.remove()
         for hub, mod in linears.items():
@@ -230,7 +268,13 @@ class LayerwiseGptq:
                 self.results[hub] = (li, q)
         for e in experts:
             e.enabled = True
+            e.captured = [] if self.capture_experts else None
         self.hidden = self._forward(layer, pos_emb)                   # pass 2: quantized layer -> next inputs
+        for e in experts:
+            if e.captured:
+                self.expert_captures[li] = (torch.cat([x for x, _ in e.captured]),
+                                            torch.cat([i for _, i in e.captured]))
+            e.captured = None
         del layer
         dt = time.perf_counter() - t0
         self.stats["layers"] += 1
@@ -275,3 +319,15 @@ class LayerwiseGptq:
             acc.add(norm(self.hidden))
             self.results[head] = (self.next_layer, self.quantize_fn(head, self.src.read(head), acc.h))
         self.next_layer += 1
+
+
+def make_calibrator(src, calib: str | None, n_tokens: int, seq_len: int, seed: int, quantize_fn: QuantizeFn,
+                    is_target: Callable[[str], bool], quantize_head: bool = False,
+                    capture_experts: bool = False) -> LayerwiseGptq:
+    """A LayerwiseGptq over the calibration part of the text (--calib FILE or the packaged one)."""
+    text, path = read_calibration_text(calib)
+    part, _ = split_calibration_text(text)
+    tokens = calibration_tokens(src, part, n_tokens, seq_len, seed)
+    log.info("calibration: %d sequences x %d tokens from %s (its last quarter held out for --report-kl)",
+             tokens.shape[0], tokens.shape[1], path)
+    return LayerwiseGptq(src, tokens, quantize_fn, is_target, quantize_head, capture_experts)

@@ -22,7 +22,7 @@ from ktlayouts.gpu_formats import GpuLinearFormat, families_where, gpu_format_fo
 from ktconvert.gpu.dense import Bf16Encoder, DenseOutput
 from ktconvert.gpu.gptq import GptqConfig, gptq_quantize
 from ktconvert.gpu.options import GPU_FORMATS, GPU_METHODS
-from ktconvert.gpu.rtn import QuantizedLinear, quantize_rtn
+from ktconvert.gpu.rtn import QuantizedLinear, quantize_rtn, quantize_search
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,19 @@ def resolve_method(opts: GpuLayerOptions, src=None) -> tuple[str, str]:
     return "gptq-int4", f"default, calibration text {path}"
 
 
+def calibration_available(opts: GpuLayerOptions, src) -> bool:
+    from ktconvert.gpu.calib import CalibrationError, read_calibration_text, tokenizer_for
+    try:
+        read_calibration_text(opts.calib)
+        tokenizer_for(src)
+    except CalibrationError as e:
+        if opts.calib is not None:
+            raise
+        log.info("no calibration for the GPU layers' importance (%s): uniform weights", e)
+        return False
+    return True
+
+
 class GpuLayerEncoder:
     """DenseEncoder (ktconvert.gpu.dense) writing quantized GPU layers; `src` is needed for GPTQ only."""
 
@@ -101,7 +114,11 @@ class GpuLayerEncoder:
         self.algo, self.bits = algo if algo else (None, 16)
         if self.algo == "gptq" and src is None:
             raise GpuLayerError("--gpu-method gptq-int4 needs the source checkpoint for calibration")
+        # search-int*: importance from calibration when text and tokenizer are there, else uniform weights
+        self.calibrated = self.algo == "gptq" or (self.algo == "search" and src is not None
+                                                  and calibration_available(opts, src))
         self.quantized_names: list[str] = []
+        self.capture_experts = False     # set by the pipeline when the routed-expert quantizer shares calibration
         self._paths: dict[str, tuple[bool, str]] = {}     # quantized source Linears: (taken over exactly, why not)
 
     # --- which tensors, which shapes -------------------------------------------------------------------------
@@ -177,31 +194,45 @@ class GpuLayerEncoder:
         q, _ = gptq_quantize(wp, h, cfg, name=name)
         return q
 
-    def _calibrated(self, name: str, role) -> QuantizedLinear:
-        if self._calibrator is None:
-            from ktconvert.gpu.calib import LayerwiseGptq, calibration_tokens, read_calibration_text
-            text, path = read_calibration_text(self.opts.calib)
-            tokens = calibration_tokens(self.src, text, self.opts.calib_tokens, self.opts.seq_len, self.opts.seed)
-            log.info("GPTQ calibration: %d sequences x %d tokens from %s", tokens.shape[0], tokens.shape[1], path)
+    def calibrator(self, create: bool = True):
+        """The layer-by-layer calibration driver (shared with the routed-expert quantizer), created on first use;
+        None when this encoder does not calibrate (no calibration text for search-int*)."""
+        if self._calibrator is None and create and self.calibrated:
+            from ktconvert.gpu.calib import make_calibrator
 
             def is_target(hub: str) -> bool:
                 info = self.src.info(hub)
                 return self.quantizes(hub, tuple(info.shape), self.src.arch.classify(hub))
-            self._calibrator = LayerwiseGptq(self.src, tokens, self.quantize_with_hessian, is_target,
-                                             self.opts.quantize_head)
-        return self._calibrator.result(name, role.layer if role.kind != "head" else None)
+            self._calibrator = make_calibrator(self.src, self.opts.calib, self.opts.calib_tokens, self.opts.seq_len,
+                                               self.opts.seed, self.quantize_calibrated, is_target,
+                                               self.opts.quantize_head, capture_experts=self.capture_experts)
+        return self._calibrator
+
+    def quantize_calibrated(self, name: str, w: torch.Tensor, h: torch.Tensor) -> QuantizedLinear:
+        if self.algo == "gptq":
+            return self.quantize_with_hessian(name, w, h)
+        exact = self.exact(name, tuple(w.shape))
+        if exact is not None:
+            return exact
+        wp, g = self._pad(name, w.to(torch.float32))
+        imp = torch.zeros(g.k)
+        imp[: h.shape[0]] = torch.diag(h)
+        return quantize_search(wp, self.bits, self.opts.group_size, importance=imp)
+
+    def _calibrated(self, name: str, role) -> QuantizedLinear:
+        return self.calibrator().result(name, role.layer if role.kind != "head" else None)
 
     def encode(self, name, tensor, role) -> dict[str, np.ndarray]:
         t = torch.as_tensor(np.ascontiguousarray(tensor, dtype=np.float32))
         if not self.quantizes(name, tuple(t.shape), role):
             return self.bf16.encode(name, tensor, role)
-        if self.algo == "gptq":
+        q = None if self.calibrated else self.exact(name, tuple(t.shape))
+        if self.calibrated:
             q = self._calibrated(name, role)
-        else:
-            q = self.exact(name, tuple(t.shape))
-            if q is None:
-                wp, _ = self._pad(name, t)
-                q = quantize_rtn(wp, self.bits, self.opts.group_size)
+        elif q is None and self.algo == "search":
+            q = quantize_search(self._pad(name, t)[0], self.bits, self.opts.group_size)
+        elif q is None:
+            q = quantize_rtn(self._pad(name, t)[0], self.bits, self.opts.group_size)
         self.quantized_names.append(name)
         return pack_quantized(name, q, self.opts.fmt, tuple(t.shape))
 

@@ -4,7 +4,10 @@ Given calibration inputs X (T, K) of a Linear with weight W (N, K), GPTQ minimis
 Hessian H = 2 X^T X / T (K, K). Columns are quantized in order (or in order of decreasing diag(H), act-order);
 the rounding error of each column is spread over the columns not yet quantized through the upper Cholesky factor
 U of H^-1. Updates inside a block of 128 columns are applied at once ("lazy batch"), the rest once per block.
-Group scales are computed when the first column of a group is reached, from the weights as updated so far.
+Group scales are computed when the first column of a group is reached, from the weights as updated so far: by
+default (scale_rule "search") the scale of ktconvert.scale_search.search_scales minimizing the group's
+squared error weighted by diag(H) (each input channel's activation energy), never worse than the largest magnitude
+onto the most negative code; scale_rule "vllm" keeps the reference rule max|w| / ((2^b - 1) / 2).
 Quantization is symmetric with the rounding of ktconvert.gpu.rtn, so RTN and GPTQ results share one layout.
 """
 from __future__ import annotations
@@ -36,8 +39,12 @@ class GptqConfig:
     percdamp: float = 0.01     # damping added to diag(H), as a fraction of its mean
     block: int = BLOCK
     act_order: bool = False
+    scale_rule: str = "search"  # "search": importance-weighted scale search; "vllm": max|w| / ((2^b - 1) / 2)
+    scale_dtype: str = "f16"    # dtype the scales are stored in (their rounding is part of the search)
 
     def __post_init__(self):
+        if self.scale_rule not in ("search", "vllm"):
+            raise ValueError(f"scale_rule must be 'search' or 'vllm', got {self.scale_rule!r}")
         if not 0 < self.percdamp <= 1:
             raise ValueError(f"percdamp must be in (0, 1], got {self.percdamp}")
         if self.block <= 0 or (self.group_size > 0 and self.block % self.group_size):
@@ -137,19 +144,29 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: st
     u, _ = _inverse_cholesky(h, cfg.percdamp, name)
 
     with _threads_for(n * cfg.block):
-        codes, scales, loss = _quantize_columns(w, u, geom, cfg)
+        codes, scales, loss = _quantize_columns(w, u, geom, cfg, torch.diag(h))
 
     inv = torch.argsort(perm)
     codes_kn = codes[:, inv].T.contiguous().to(torch.uint8).numpy()      # back to input-channel order
     g_idx = (inv // geom.group).to(torch.int32).numpy() if cfg.act_order else geom.default_g_idx()
-    q = QuantizedLinear(codes_kn, scales.to(torch.float16).numpy(), np.ascontiguousarray(g_idx), geom)
+    # float16 for the GPU layouts; other scale dtypes (CPU expert layouts) keep float32 holding their values
+    sdt = torch.float16 if cfg.scale_dtype == "f16" else torch.float32
+    q = QuantizedLinear(codes_kn, scales.to(sdt).numpy(), np.ascontiguousarray(g_idx), geom)
     return q, float(loss)
 
 
-def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg: GptqConfig
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GPTQ column loop: w (N, K) in processing order (updated in place), u (K, K) -> codes (N, K) float,
-    scales (n_groups, N), loss."""
+def group_scales(w_group: torch.Tensor, importance: torch.Tensor, cfg: GptqConfig) -> torch.Tensor:
+    """w_group (N, L) columns of one group, importance (L,) -> (N,) scales, representable in cfg.scale_dtype."""
+    if cfg.scale_rule == "vllm":
+        return scales_for(w_group, cfg.bits)
+    from ktconvert.scale_search import search_scales
+    return search_scales(w_group, importance, cfg.bits, cfg.scale_dtype)[0]
+
+
+def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg: GptqConfig,
+                      hdiag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GPTQ column loop: w (N, K) in processing order (updated in place), u (K, K), hdiag (K,) the Hessian's
+    diagonal in processing order -> codes (N, K) float, scales (n_groups, N), loss."""
     n, k = w.shape
     group = geom.group
     zero, maxq = float(1 << (cfg.bits - 1)), float((1 << cfg.bits) - 1)
@@ -157,7 +174,7 @@ def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg:
     scales = torch.zeros(geom.n_groups, n, dtype=torch.float32)
     loss = torch.zeros((), dtype=torch.float64)
     if cfg.group_size == -1:
-        scales[0] = scales_for(w, cfg.bits)
+        scales[0] = group_scales(w, hdiag, cfg)
     s = safe = scales[0]
     for i1 in range(0, k, cfg.block):
         i2 = min(i1 + cfg.block, k)
@@ -169,7 +186,7 @@ def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg:
             if col % group == 0:
                 if cfg.group_size != -1:
                     # group scale from the weights as updated so far: the group lies inside this block
-                    scales[col // group] = scales_for(w1[:, i:i + group], cfg.bits)
+                    scales[col // group] = group_scales(w1[:, i:i + group], hdiag[col:col + group], cfg)
                 s = scales[col // group]
                 safe = torch.where(s != 0, s, torch.ones_like(s))   # all-zero group: scale 0, any code
             c = torch.clamp_(torch.round_(w1[:, i] / safe).add_(zero), 0.0, maxq)   # same rounding as rtn

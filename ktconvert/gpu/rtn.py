@@ -60,3 +60,24 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedL
     codes = quantize_columns(groups.permute(1, 0, 2).reshape(geom.n_groups * n, geom.group), scale.reshape(-1), bits)
     codes_kn = codes.reshape(geom.n_groups, n, geom.group).permute(0, 2, 1).reshape(k, n)
     return QuantizedLinear(codes_kn.to(torch.uint8).numpy(), scale.to(torch.float16).numpy(), geom.default_g_idx(), geom)
+
+
+def quantize_search(weight: torch.Tensor, bits: int, group_size: int, importance: torch.Tensor | None = None,
+                    scale_dtype: str = "f16") -> QuantizedLinear:
+    """weight (N, K) -> QuantizedLinear: round to nearest with each group's scale chosen by
+    ktconvert.scale_search.search_scales (squared error weighted by `importance` (K,), the input channels'
+    activation energy diag(H), or uniform; never worse than the largest magnitude onto the most negative code)."""
+    from ktconvert.scale_search import search_scales
+
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    geom = GptqGeometry(n, k, bits, group_size)
+    groups = w.reshape(n * geom.n_groups, geom.group)                      # (N * G, L), row-major over (n, g)
+    imp = None if importance is None else importance.to(torch.float32).reshape(1, geom.n_groups, geom.group) \
+        .expand(n, -1, -1).reshape(n * geom.n_groups, geom.group)
+    scale, q = search_scales(groups, imp, bits, scale_dtype)
+    codes = (q + zero_point(bits)).reshape(n, geom.n_groups, geom.group)
+    codes_kn = codes.permute(1, 2, 0).reshape(k, n)
+    scales_gn = scale.reshape(n, geom.n_groups).T.contiguous()
+    return QuantizedLinear(codes_kn.to(torch.uint8).numpy(), scales_gn.to(torch.float16).numpy(),
+                           geom.default_g_idx(), geom)

@@ -39,6 +39,10 @@ def _cat_scores(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
 def _attend_runs(probs: torch.Tensor, values: list[torch.Tensor], apply) -> torch.Tensor:
     """sum over runs r of apply(probs[..., run r's positions], values[r]): the output of one softmax over runs."""
     if len(values) == 1:
@@ -73,14 +77,19 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     out = torch.empty((T, nh, hd), dtype=x.dtype, device=x.device)
     rep, scale = nh // nkv, cfg.softmax_scale
+    # Query heads grouped by the kv head they share: (nkv, rep, T, hd), scaled once (T rows, not S).
+    qg = (q * scale).view(T, nkv, rep, hd).permute(1, 2, 0, 3)
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
         runs = s.cache.write(layer, s.start, [k[rows], v[rows]])             # [(k_r, v_r) (S_r, nkv, hd)], sum S_r = S
-        ks = [kr.repeat_interleave(rep, dim=1) for kr, _ in runs]
-        vs = [vr.repeat_interleave(rep, dim=1) for _, vr in runs]
-        scores = _cat_scores([torch.einsum("thd,shd->hts", q[rows], kr) for kr in ks]) * scale   # (nh, n, S)
-        mask = _mask(s, x.device, cfg.sliding_window)
-        out[rows] = _attend_runs(_softmax_attend(scores, mask), vs, lambda p, vr: torch.einsum("hts,shd->thd", p, vr))
+        # Each kv head's (S_r, hd) keys and values are read in place from the cache views (strided: no per-step
+        # copy or per-head repeat of the cache); its rep query heads and n tokens are the rows of one GEMM.
+        qs = qg[:, :, rows].reshape(nkv, rep * s.n, hd)                          # (nkv, rep*n, hd)
+        scores = _cat_scores([torch.matmul(qs, kr.permute(1, 2, 0)) for kr, _ in runs])   # (nkv, rep*n, S)
+        probs = _softmax_attend(scores.view(nh, s.n, -1), _mask(s, x.device, cfg.sliding_window))
+        o = _attend_runs(probs.view(nkv, rep * s.n, -1), [vr for _, vr in runs],
+                         lambda p, vr: torch.matmul(p, vr.transpose(0, 1)))      # (nkv, rep*n, hd)
+        out[rows] = o.view(nh, s.n, hd).transpose(0, 1)
     return linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
 
 
@@ -90,24 +99,41 @@ def mla_cache_widths(cfg: ModelConfig, indexed: bool = False) -> list[tuple[int,
 
 
 def _absorbed(w: dict, p: str, nh: int, dn: int, dv: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_b_proj (nh*(dn+dv), R) split per head into W_uk (nh, dn, R) and W_uv^T (nh, R, dv), contiguous for bmm;
-    derived once per layer and kept next to the weights."""
+    """kv_b_proj (nh*(dn+dv), R) split per head into W_uk^T (nh, R, dn) and W_uv (nh, dv, R), float32, derived once
+    per layer and kept next to the weights. float32 whatever the model dtype (bf16 widens exactly): these are
+    batched matrix-vector products at decode, and torch's CPU bf16 bmm runs them 2-3x slower than float32 reads
+    twice the bytes (bench/README.md, "MLA decode"); the orientations are the fast ones (weight rows along the
+    contraction, the vector on the right)."""
     key = p + "kv_b_proj.absorbed"
     if key not in w:
-        wkv_b = dense_weight(w[p + "kv_b_proj.weight"]).view(nh, dn + dv, R)
-        w[key] = (wkv_b[:, :dn].contiguous(), wkv_b[:, dn:].transpose(1, 2).contiguous())
+        wkv_b = dense_weight(w[p + "kv_b_proj.weight"]).float().view(nh, dn + dv, R)
+        w[key] = (wkv_b[:, :dn].transpose(1, 2).contiguous(), wkv_b[:, dn:].contiguous())
     return w[key]
+
+
+def _naive_is_cheaper(n: int, S: int, dn: int, dr: int, dv: int, R: int) -> bool:
+    """Multiply-adds per head: absorbed (n query rows through W_uk, over S latent rows of R + dr and R, through
+    W_uv) vs expanded (S latent rows through kv_b into keys and values, then n x S attention of head dims)."""
+    absorbed = n * (dn * R + S * (2 * R + dr) + R * dv)
+    expanded = S * R * (dn + dv) + n * S * (dn + dr + dv)
+    return expanded < absorbed
 
 
 def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
                   cos: torch.Tensor, sin: torch.Tensor, indexed: bool = False) -> torch.Tensor:
     """Multi-head latent attention. The cache holds c_kv = norm(W_dkv x) (R) and the roped shared key (r) per
-    position; kv_b_proj is absorbed: q_nope is mapped into latent space and the latent output is mapped to values,
-    so keys/values are never expanded per head. indexed (DeepSeek-V3.2): the lightning indexer's keys are cached
-    too and each query attends only to the keys it selects.  x: (T, H) -> (T, H)."""
+    position. Per request, the cheaper of two exact forms:
+      absorbed (decode, short chunks): kv_b_proj is absorbed, q_nope is mapped into latent space and the latent
+        output is mapped to values, so keys/values are never expanded per head and a step reads the latent cache
+        once for all heads;
+      expanded (prefill): the latent rows go through kv_b_proj (the Linear as stored, quantized or not) into
+        per-head keys and values, then ordinary attention: fewer multiply-adds once n is large.
+    indexed (DeepSeek-V3.2): the lightning indexer's keys are cached too and each query attends only to the keys it
+    selects (the same mask in both forms).  x: (T, H) -> (T, H)."""
     T, nh = x.shape[0], cfg.num_heads
     dn, dr, dv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    idx = None
+    scale = cfg.softmax_scale
+    ix = None                                         # the lightning indexer's inputs (DeepSeek-V3.2)
     if cfg.q_lora_rank is None:
         q = linear(x, w[p + "q_proj.weight"])
     else:
@@ -115,28 +141,52 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         q_resid = rms_norm(qa, w[p + "q_a_layernorm.weight"], LORA_NORM_EPS)                 # (T, q_lora_rank)
         q = linear(q_resid, w[p + "q_b_proj.weight"])
         if indexed:
-            idx = lightning.project(cfg, w, p, x, q_resid, rope, cos, sin)
+            ix = lightning.project(cfg, w, p, x, q_resid, rope, cos, sin)
     q = q.view(T, nh, dn + dr)
     q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
     ckv = linear(x, w[p + "kv_a_proj_with_mqa.weight"], w.get(p + "kv_a_proj_with_mqa.bias"))   # (T, R + dr)
     c = rms_norm(ckv[:, :R], w[p + "kv_a_layernorm.weight"], LORA_NORM_EPS)
     k_rot = rope.apply(ckv[:, None, R:], cos, sin)[:, 0]                                       # (T, dr)
-    w_uk, w_uv_t = _absorbed(w, p, nh, dn, dv, R)
-    q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk)                                        # (nh, T, R)
-    q_rot = q_rot.transpose(0, 1)                                                             # (nh, T, dr)
-    out_lat = torch.empty((nh, T, R), dtype=x.dtype, device=x.device)
-    scale = cfg.softmax_scale
     latent = torch.cat([c, k_rot], dim=-1)                                                    # (T, R + dr)
+    o = torch.empty((T, nh, dv), dtype=x.dtype, device=x.device)
+    absorbed = []                                     # (request, its latent cache) in the absorbed form
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
-        runs = s.cache.write(layer, s.start, [latent[rows]] + ([idx.k[rows]] if idx is not None else []))
+        runs = s.cache.write(layer, s.start, [latent[rows]] + ([ix.k[rows]] if ix is not None else []))
         lats = [r[0] for r in runs]                                                           # [(S_r, R + dr)]
-        scores = _cat_scores([torch.matmul(q_lat[:, rows], lat[:, :R].t()) + torch.matmul(q_rot[:, rows], lat[:, R:].t())
-                              for lat in lats]) * scale                                       # (nh, n, S)
+        S = s.start + s.n
         mask = _mask(s, x.device, None)
-        if idx is not None:                    # the indexer's top-k over every cached key: (S, d_index) in one piece
+        if ix is not None:                     # the indexer's top-k over every cached key: (S, d_index) in one piece
             keys = runs[0][1] if len(runs) == 1 else torch.cat([r[1] for r in runs])
-            mask = lightning.select(cfg, idx.q[rows], keys, idx.weights[rows], mask)
-        out_lat[:, rows] = _attend_runs(_softmax_attend(scores, mask), [lat[:, :R] for lat in lats], torch.matmul)
-    o = torch.matmul(out_lat, w_uv_t).transpose(0, 1)                                         # (T, nh, dv)
+            mask = lightning.select(cfg, ix.q[rows], keys, ix.weights[rows], mask)
+        if not _naive_is_cheaper(s.n, S, dn, dr, dv, R):
+            absorbed.append((s, lats, mask))
+            continue
+        lat_all = _cat_rows(lats)                                                             # (S, R + dr)
+        kv = linear(lat_all[:, :R], w[p + "kv_b_proj.weight"]).view(S, nh, dn + dv)           # (S, nh, dn + dv)
+        k = torch.cat([kv[..., :dn], lat_all[:, None, R:].expand(S, nh, dr)], dim=-1)        # (S, nh, dn + dr)
+        qh = torch.cat([q_nope[rows], q_rot[rows]], dim=-1).transpose(0, 1) * scale          # (nh, n, dn + dr)
+        scores = torch.matmul(qh, k.permute(1, 2, 0))                                         # (nh, n, S)
+        probs = _softmax_attend(scores, mask)
+        o[rows] = torch.matmul(probs, kv[..., dn:].transpose(0, 1)).transpose(0, 1)           # (n, nh, dv)
+    if absorbed:
+        w_uk_t, w_uv = _absorbed(w, p, nh, dn, dv, R)
+        idx = torch.cat([torch.arange(s.offset, s.offset + s.n) for s, _, _ in absorbed]).to(x.device)
+        m = idx.numel()
+        # Absorbed query rows [q_nope W_uk | q_rot] * scale (the softmax scale folded into the m query rows, not
+        # the S keys), scored against the cached latent rows [c | k_rot] in one GEMM per request.
+        q_lat = torch.matmul(w_uk_t, q_nope[idx].permute(1, 2, 0).float())                   # (nh, R, m)
+        q_cat = torch.cat([q_lat.transpose(1, 2).to(x.dtype), q_rot[idx].transpose(0, 1)], dim=-1) * scale
+        out_lat = torch.empty((nh, R, m), dtype=torch.float32, device=x.device)              # (nh, R, m)
+        j = 0
+        for s, lats, mask in absorbed:
+            # All heads and tokens of the request are the M rows of two GEMMs per cache run, read in place: the
+            # per-step work besides them is a fixed number of small ops per run, whatever S is.
+            qs = q_cat[:, j:j + s.n].reshape(nh * s.n, R + dr)                                # (nh*n, R + dr)
+            scores = _cat_scores([torch.matmul(qs, lat.t()) for lat in lats]).view(nh, s.n, -1)  # (nh, n, S)
+            probs = _softmax_attend(scores, mask).view(nh * s.n, -1)
+            lat_o = _attend_runs(probs, [lat[:, :R] for lat in lats], torch.matmul).view(nh, s.n, R)
+            out_lat[:, :, j:j + s.n] = lat_o.transpose(1, 2)
+            j += s.n
+        o[idx] = torch.matmul(w_uv, out_lat).permute(2, 0, 1).to(x.dtype)                    # (m, nh, dv)
     return linear(o.reshape(T, nh * dv), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))

@@ -1,0 +1,199 @@
+"""Routed-expert quantization for the CPU tile layouts (cpu-expert-int4 / -int8), with calibration.
+
+Every expert sees only the tokens the router sends it: the calibration driver (ktconvert.gpu.calib.LayerwiseGptq
+with capture_experts) keeps each MoE layer's expert inputs X (T, H) and routing ids (T, k); expert e's routed tokens
+are X_e = X[tokens routed to e] (n_e of them), and its down_proj inputs are A_e = silu(X_e gate^T) * (X_e up^T)
+from its float weights. Modes (`ktconvert quantize --expert-quantizer`):
+
+  rtn     the layout's reference rule (ktlayouts.cpu_expert.quantize: largest magnitude onto the most negative code),
+          no calibration;
+  search  per-group scale search (ktconvert.scale_search) minimizing the squared error weighted by each input
+          channel's importance, mean(x_k^2) over the expert's routed tokens (gate/up: X_e, down: A_e), shrunk toward
+          the mean over all tokens of the layer for experts with few tokens:
+          imp = (sum_routed x^2 + PRIOR_TOKENS * mean_all x^2) / (n_e + PRIOR_TOKENS); uniform without calibration;
+  gptq    GPTQ (ktconvert.gpu.gptq, with the same scale search) on the Hessian of the routed tokens,
+          H = 2 X_e^T X_e / n_e, for every matrix whose expert got at least `min_tokens` routed tokens (default:
+          K / 2 of that matrix: below that GPTQ measured no better than `search`), `search` for the others;
+  auto    gptq when calibration text is available, else search with uniform weights.
+
+Memory: one layer's X (T, H) plus one expert's activations and Hessians per pack worker. Deterministic: the layer's
+calibration runs on the main thread before its experts are packed (it changes torch's process-wide thread count),
+so the workers' torch work always sees the same thread count and a resumed run packs the same bytes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from ktlayouts.constants import ZERO_POINT
+from ktlayouts.cpu_expert import MatrixGeometry, pack_codes, pack_expert_matrix, pack_scales, pad_weight
+
+from ktconvert.scale_search import search_scales
+
+log = logging.getLogger(__name__)
+
+EXPERT_QUANTIZERS = ("auto", "gptq", "search", "rtn")
+PRIOR_TOKENS = 16.0
+
+
+@dataclass
+class ExpertStats:
+    """Calibration statistics of one expert (full, unsharded matrices)."""
+    n_tokens: int
+    imp_in: torch.Tensor              # (H,) importance of gate/up input channels
+    imp_down: torch.Tensor            # (I,) importance of down input channels
+    x: torch.Tensor | None = None     # (n, H) routed inputs (kept only when GPTQ may use them)
+    a: torch.Tensor | None = None     # (n, I) down inputs
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    tokens: dict[int, int]                             # expert -> routed calibration tokens
+    methods: dict[str, int] = field(default_factory=dict)   # matrices per method (gptq / search)
+
+
+class ExpertQuantizer:
+    def __init__(self, mode: str, calibrator_fn=None, min_tokens: int = 0, scale_dtype: str = "f32",
+                 percdamp: float = 0.01):
+        """calibrator_fn: () -> LayerwiseGptq with capture_experts, or None when there is no calibration."""
+        if mode not in EXPERT_QUANTIZERS:
+            raise ValueError(f"--expert-quantizer {mode!r}: choose one of {', '.join(EXPERT_QUANTIZERS)}")
+        self.calibrator_fn = calibrator_fn if mode != "rtn" else None
+        self.mode = ("gptq" if calibrator_fn else "search") if mode == "auto" else mode
+        if self.mode == "gptq" and calibrator_fn is None:
+            raise ValueError("--expert-quantizer gptq needs calibration text and the checkpoint's tokenizer")
+        self.min_tokens, self.scale_dtype, self.percdamp = min_tokens, scale_dtype, percdamp
+        self._lock = threading.Lock()
+        self._layer: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self.reports: dict[int, LayerReport] = {}
+
+    @property
+    def calibrated(self) -> bool:
+        return self.calibrator_fn is not None
+
+    def describe(self) -> str:
+        if self.mode == "rtn":
+            return "rtn (largest magnitude onto the most negative code)"
+        if not self.calibrated:
+            return "search (uniform weights: no calibration)"
+        rule = f">= {self.min_tokens} routed tokens" if self.min_tokens else ">= K/2 routed tokens"
+        return ("gptq where an expert got " + rule + ", else importance search") if self.mode == "gptq" \
+            else "importance-weighted scale search"
+
+    # --- per layer (main thread) / per expert statistics (pack workers) ----------------------------------------
+    def begin_layer(self, layer: int) -> None:
+        """Fetch the layer's calibration inputs (runs the calibration driver up to this layer). Called on the main
+        thread before the layer's experts are packed: the driver's GPU-layer GPTQ changes torch's thread count."""
+        self.reports[layer] = LayerReport(layer, {})
+        if self.calibrated and self.mode != "rtn":
+            x, ids = self.calibrator_fn().expert_inputs(layer)
+            self._layer = (layer, x.float(), ids)
+
+    def expert_stats(self, layer: int, e: int, w: dict[str, np.ndarray]) -> ExpertStats | None:
+        if not self.calibrated:
+            return None
+        if self._layer is None or self._layer[0] != layer:
+            raise RuntimeError(f"layer {layer}: begin_layer was not called")
+        x_all, ids = self._layer[1], self._layer[2]
+        tok = (ids == e).any(dim=1)
+        xe = x_all[tok]
+        gate = torch.from_numpy(np.asarray(w["gate"], np.float32))
+        up = torch.from_numpy(np.asarray(w["up"], np.float32))
+        a_all = F.silu(x_all @ gate.T) * (x_all @ up.T)                   # (T, I): the prior, and the routed rows
+        ae = a_all[tok]
+        n = int(tok.sum())
+        with self._lock:
+            self.reports[layer].tokens[e] = n
+
+        def imp(sub, full):
+            return ((sub * sub).sum(0) + PRIOR_TOKENS * (full * full).mean(0)) / (n + PRIOR_TOKENS)
+        keep = self.mode == "gptq"
+        return ExpertStats(n, imp(xe, x_all), imp(ae, a_all), xe if keep else None, ae if keep else None)
+
+    # --- one matrix ------------------------------------------------------------------------------------------
+    def pack(self, proj: str, mat: np.ndarray, geom: MatrixGeometry, stats: ExpertStats | None,
+             k_range: tuple[int, int], bf16_scales: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """mat (N, K) float (this shard's rows of gate/up, columns of down) -> (qweight, packed scales).
+        k_range: for down, this shard's [i0, i1) of the padded intermediate size (its K); ignored otherwise.
+        bf16_scales (--bf16-scales): the searched scales are bfloat16 values whatever the stored dtype. Stored as
+        float32 (layout version 1) they are float16 values: the GPU formats' float16 scales (Marlin hot experts, the
+        gptq / compressed-tensors exports) then hold them exactly, at no measurable cost (bench/README.md)."""
+        if self.mode == "rtn":
+            return pack_expert_matrix(mat, geom, bf16_scales)
+        sd = "bf16" if bf16_scales else "f16" if self.scale_dtype == "f32" else self.scale_dtype
+        wp = torch.from_numpy(pad_weight(np.asarray(mat, np.float32), geom).copy())     # (N_pad, K_pad)
+        imp, h = self._importance(proj, stats, geom, k_range)
+        use_gptq = self.mode == "gptq" and stats is not None and stats.n_tokens >= self._gptq_tokens(geom)
+        codes, scales = self._gptq(wp, h, geom, sd) if use_gptq else self._search(wp, imp, geom, sd)
+        if self._layer is not None:
+            with self._lock:
+                rep = self.reports[self._layer[0]]
+                key = "gptq" if use_gptq else "search"
+                rep.methods[key] = rep.methods.get(key, 0) + 1
+        return pack_codes(codes, geom), pack_scales(scales, geom)
+
+    def _gptq_tokens(self, geom: MatrixGeometry) -> int:
+        return self.min_tokens if self.min_tokens > 0 else geom.k // 2
+
+    def _importance(self, proj, stats, geom, k_range):
+        """-> (importance (K_pad,) or None, Hessian source rows (n, K_pad) or None) for this shard's K."""
+        if stats is None:
+            return None, None
+        if proj == "down":
+            i0, i1 = k_range
+            full, acts = stats.imp_down, stats.a
+            take = max(0, min(i1, full.shape[0]) - i0)
+            sl = slice(i0, i0 + take)
+        else:
+            full, acts = stats.imp_in, stats.x
+            take, sl = full.shape[0], slice(0, full.shape[0])
+        imp = torch.zeros(geom.k_pad)
+        imp[:take] = full[sl]
+        rows = None
+        if acts is not None:
+            rows = torch.zeros(acts.shape[0], geom.k_pad)
+            rows[:, :take] = acts[:, sl]
+        return imp, rows
+
+    def _search(self, wp: torch.Tensor, imp: torch.Tensor | None, geom: MatrixGeometry, scale_dtype: str):
+        n, g = geom.n_pad, geom.group
+        groups = wp.reshape(n * geom.n_groups, g)
+        w = None if imp is None else imp.reshape(1, geom.n_groups, g).expand(n, -1, -1).reshape(-1, g)
+        s, q = search_scales(groups, w, geom.bits, scale_dtype)
+        codes = (q + ZERO_POINT[geom.bits]).to(torch.uint8).reshape(geom.n_pad, geom.k_pad).numpy()
+        return codes, s.reshape(n, geom.n_groups).numpy().astype(np.float32)
+
+    def _gptq(self, wp: torch.Tensor, rows: torch.Tensor, geom: MatrixGeometry, scale_dtype: str):
+        from ktconvert.gpu.gptq import GptqConfig, gptq_quantize
+
+        h = 2.0 * rows.T @ rows / max(1, rows.shape[0])
+        group = -1 if geom.group == geom.k_pad and geom.group_size == -1 else geom.group
+        cfg = GptqConfig(bits=geom.bits, group_size=group, percdamp=self.percdamp, block=max(128, geom.group),
+                         scale_dtype=scale_dtype)
+        q, _ = gptq_quantize(wp, h, cfg, name="routed expert")
+        codes = np.ascontiguousarray(q.codes_kn.T)                                   # (N_pad, K_pad), zero point Z
+        scales = np.ascontiguousarray(q.scales_gn.astype(np.float32).T)              # (N_pad, n_groups)
+        return codes, scales
+
+    def layer_done(self, layer: int) -> None:
+        rep = self.reports.get(layer)
+        if rep is None or not rep.tokens:
+            return
+        t = np.asarray(list(rep.tokens.values()))
+        log.info("experts of layer %d: %s; routed calibration tokens per expert min %d / median %d / max %d, "
+                 "%d experts got none; matrices: %s", layer, self.describe(), t.min(), int(np.median(t)), t.max(),
+                 int((t == 0).sum()), ", ".join(f"{k} {v}" for k, v in sorted(rep.methods.items())) or "-")
+        if self._layer is not None and self._layer[0] == layer:
+            self._layer = None
+
+    def manifest_entry(self) -> dict:
+        return {"quantizer": self.mode, "calibrated": self.calibrated, "scale_search": self.mode != "rtn",
+                "min_gptq_tokens": self.min_tokens or "K/2",
+                "layers": {str(k): {"routed_tokens": [r.tokens[e] for e in sorted(r.tokens)],
+                                    "matrices": dict(sorted(r.methods.items()))}
+                           for k, r in sorted(self.reports.items())}}

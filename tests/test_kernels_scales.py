@@ -1,0 +1,65 @@
+"""16-bit expert scales (layout version 2: float16, bfloat16) in every kernel backend: the same float32 numbers as
+the scalar twin bit for bit, and as numpy on the ktlayouts dequantization; float32 (version 1) files still run.
+
+Reference: numpy's own float16 -> float32 conversion and ktlayouts' bf16 bit patterns (independent of the kernels'
+conversions), through PackedLayer's reference of layouts/README.md."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ktlayouts.cpu_expert import MatrixGeometry, pack_scales, unpack_scales
+from ktrun.cpu_moe import MoEKernels
+from test_kernels_helpers import PackedLayer, assert_close, backend_params, routing
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("scale_dtype", ["f16", "bf16", "f32"])
+@pytest.mark.parametrize("bits,group,hidden,inter", [(4, 32, 96, 80), (8, 64, 100, 200), (4, -1, 96, 80),
+                                                     (8, 128, 96, 80)])
+def test_scale_dtypes_match_scalar_bit_for_bit_and_numpy(backend, scale_dtype, bits, group, hidden, inter):
+    rng = np.random.default_rng(bits * 100 + hidden)
+    layer = PackedLayer(rng, n_experts=6, hidden=hidden, inter=inter, bits=bits, group_size=group,
+                        scale_dtype=scale_dtype)
+    want = {"f16": np.float16, "bf16": np.uint16, "f32": np.float32}[scale_dtype]
+    assert layer.shards[0].gate_s.dtype == want and layer.shards[0].down_s.dtype == want
+    with MoEKernels(n_threads=2, backend=backend) as moe, MoEKernels(n_threads=2, backend="scalar") as ref:
+        layer.add_to(moe)
+        layer.add_to(ref)
+        for T, k in [(1, 2), (5, 3), (30, 4)]:               # decode (split chains) and prefill tiles
+            x = rng.standard_normal((T, hidden)).astype(np.float32)
+            ids, w = routing(rng, T, k, layer.E)
+            got = moe.forward(0, x, ids, w)
+            assert np.array_equal(got, ref.forward(0, x, ids, w)), f"{backend} != scalar, T={T}"
+            assert_close(got, layer.reference(x, ids, w), 2e-3, f"{backend} vs numpy T={T}")
+
+
+def test_scale_conversion_covers_subnormal_and_negative_float16():
+    """Scales at the edges of float16 (subnormal, negative, the largest) reach the kernels exactly."""
+    geom = MatrixGeometry(16, 64, 4, 32, scale_dtype="f16")
+    vals = np.array([6.1e-5, -6.1e-5, 3e-7, -5.96e-8, 65504.0, -1.5, 2.0 ** -14, 0.0] * 4, np.float32)
+    vals = vals.astype(np.float16).astype(np.float32).reshape(16, 2)
+    packed = pack_scales(vals, geom)
+    assert packed.dtype == np.float16 and np.array_equal(unpack_scales(packed, geom), vals)
+    rng = np.random.default_rng(3)
+    layer = PackedLayer(rng, n_experts=2, hidden=64, inter=64, bits=4, group_size=32, scale_dtype="f16")
+    for name in ("gate_s", "up_s", "down_s"):
+        a = getattr(layer.shards[0], name)
+        a.reshape(-1)[: vals.size] = vals.reshape(-1).astype(np.float16)    # edge values into the real arrays
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    ids, w = routing(rng, 3, 2, 2)
+    outs = []
+    for backend in ("scalar", "avx512", "avx2"):
+        from ktrun.cpu_moe import backend_supported
+        if backend_supported(backend):
+            with MoEKernels(n_threads=1, backend=backend) as moe:
+                layer.add_to(moe)
+                outs.append(moe.forward(0, x, ids, w))
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+
+
+def test_mixed_scale_dtypes_in_one_layer_are_refused():
+    rng = np.random.default_rng(5)
+    a = PackedLayer(rng, n_experts=2, hidden=64, inter=128, bits=4, group_size=32, n_shards=2, scale_dtype="f16")
+    b = PackedLayer(rng, n_experts=2, hidden=64, inter=128, bits=4, group_size=32, n_shards=2, scale_dtype="f32")
+    with MoEKernels(n_threads=1) as moe, pytest.raises(ValueError, match="share a dtype"):
+        a.add_to(moe, shards=[a.shards[0], b.shards[1]])
