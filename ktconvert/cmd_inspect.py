@@ -30,11 +30,14 @@ def inspect_source(path: Path, group_size: int) -> dict:
     with open_source(path) as src:
         a = src.arch
         params: dict[str, int] = defaultdict(int)
+        skipped: dict[str, int] = defaultdict(int)     # skip reason -> parameters (vision tower, MTP layers)
         formats: dict[str, list[int]] = {}      # stored format -> [tensors, bytes] (quantized: all their parts)
         gpu_bytes = 0
         for name in src.tensor_names():
             role = a.classify(name)
             if role.kind == "skip":
+                if role.reason:
+                    skipped[role.reason] += math.prod(src.info(name).shape)
                 continue
             info = src.info(name)
             fmt = quant_format(src, name)
@@ -55,7 +58,7 @@ def inspect_source(path: Path, group_size: int) -> dict:
                 "geo_args": geo_args, "group_size": group_size, "config": dict(src.config),
                 "n_experts": a.n_experts, "top_k": a.top_k, "moe_layers": a.moe_layers(),
                 "shared_experts": a.n_shared_experts, "gpu": {m: gpu_bytes for m in cpu}, "cpu": cpu,
-                "source_bytes": src.source_nbytes()}
+                "source_bytes": src.source_nbytes(), "skipped": dict(skipped)}
 
 
 def _converted_adapter(path: Path):
@@ -162,6 +165,8 @@ def inspect(path, gpu_mem, cpu_mem, group_size, kv_mem, profile_path):
     click.echo(f"parameters: {total / 1e9:.3f} B total")
     for kind, n in sorted(info["params"].items(), key=lambda kv: -kv[1]):
         click.echo(f"  {kind:<14} {n:>16,d}  ({100 * n / max(total, 1):.1f}%)")
+    for reason, n in sorted(info.get("skipped", {}).items()):
+        click.echo(f"not converted: {n:,d} parameters of the {reason}")
     verdicts = []
     for method in info["cpu"]:
         g, c = info["gpu"][method], info["cpu"][method]

@@ -48,7 +48,8 @@ class ConvertedDir:
 
     def dense_names(self) -> list[str]:
         """Non-expert tensors by hub name (a GPU-quantized Linear once, as its `.weight`)."""
-        parts = {n for w in self._gpu for n in self._dense_index if n.startswith(w[: -len("weight")])}
+        parts = {n for w in self._gpu for n in self._dense_index
+                 if n.startswith(w[: -len("weight")]) and n != w[: -len("weight")] + "bias"}
         return sorted((set(self._dense_index) - parts) | set(self._gpu))
 
     def dense_layout(self, name: str) -> str:
@@ -62,7 +63,8 @@ class ConvertedDir:
             rel, layout = self._gpu[name]
             f = self.open(rel)
             base = name[: -len("weight")]
-            parts = {n: f.get_tensor(n).numpy() for n in self.manifest["files"][rel]["tensors"] if n.startswith(base)}
+            parts = {n: f.get_tensor(n).numpy() for n in self.manifest["files"][rel]["tensors"]
+                     if n.startswith(base) and n != base + "bias"}     # the Linear's bias (GLM's q/k/v) stays BF16
             return dequantize_named(layout, parts, name)
         rel = self._dense_index[name]
         t = self.manifest["files"][rel]["tensors"][name]

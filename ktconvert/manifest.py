@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+from ktlayouts import tiktoken_bpe
 from ktlayouts.constants import FORMAT_VERSION
 from ktlayouts.converted_dir import MANIFEST_NAME, SOURCE_RECORD_NAME, is_pad_tensor, validate_manifest
 from ktlayouts.expert_placement import PLACEMENT_KIND
@@ -21,7 +22,7 @@ from ktconvert.writer import atomic_write_bytes, build_header
 # Top-level source files copied verbatim (config.json is rewritten: see _converted_config).
 SIDE_FILE_RE = re.compile(r"^(config\.json|generation_config\.json|tokenizer[\w.-]*|special_tokens_map\.json|"
                           r"added_tokens\.json|vocab[\w.-]*|merges\.txt|chat_template[\w.-]*|[\w.-]+\.tiktoken|"
-                          r"preprocessor_config\.json)$")
+                          r"tiktoken\.model|preprocessor_config\.json)$")
 
 
 def _converted_config(raw: bytes) -> bytes:
@@ -35,11 +36,15 @@ def _converted_config(raw: bytes) -> bytes:
 
 def _side_file_reader(src) -> dict:
     """{name: () -> bytes} of the source's config and tokenizer files: files beside the shards, or, for sources
-    that carry them inside (GGUF metadata), what the source's side_files() builds."""
+    that carry them inside (GGUF metadata), what the source's side_files() builds. A tiktoken tokenizer without
+    tokenizer.json (Kimi-K2 / K2.5) also gets the tokenizer.json converted from it (ktlayouts.tiktoken_bpe)."""
     if hasattr(src, "side_files"):
         return {name: (lambda raw=raw: raw) for name, raw in src.side_files().items()}
     root = Path(src.path)
-    return {p.name: p.read_bytes for p in root.iterdir() if p.is_file() and SIDE_FILE_RE.match(p.name)}
+    files = {p.name: p.read_bytes for p in root.iterdir() if p.is_file() and SIDE_FILE_RE.match(p.name)}
+    if "tokenizer.json" not in files and "tiktoken.model" in files:
+        files["tokenizer.json"] = lambda: tiktoken_bpe.tokenizer_files(root)["tokenizer.json"]
+    return files
 
 
 def copy_side_files(src, out_dir: Path, journal, encoder=None) -> list[str]:

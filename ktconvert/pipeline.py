@@ -234,6 +234,16 @@ class Converter:
         self.kill("expert")
 
 
+def skipped_parts(src, names: list[str]) -> dict[str, int]:
+    """{what they are: how many} of the skipped tensors whose role says (MTP layers, a vision tower)."""
+    out: dict[str, int] = {}
+    for name in names:
+        reason = src.arch.classify(name).reason
+        if reason:
+            out[reason] = out.get(reason, 0) + 1
+    return out
+
+
 def resolve_method(src, opts: ConvertOptions) -> ConvertOptions:
     """--method auto -> the exact target of the source's routed experts (or int4-amx); a group size left open
     (None) -> the chosen one (auto) or 128. The log says which and why."""
@@ -279,6 +289,8 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
         done = sum(j.source_nbytes for g in plan.jobs for j in g if all(journal.is_done(x.rel) for x in g))
         bar = tqdm(total=plan.source_nbytes, initial=done, unit="B", unit_scale=True, unit_divisor=1000,
                    desc="converting", disable=not show_progress, dynamic_ncols=True)
+        for reason, n in skipped_parts(src, plan.skipped).items():
+            tqdm.write(f"skipped {n} tensors: {reason}", file=sys.stderr)
         conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill, quantizer)
         try:
             with ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="ktconvert") as pool:

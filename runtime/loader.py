@@ -176,8 +176,9 @@ def _load_dense(root: Path, manifest: dict, device, dtype, gpu_weights: str, lin
             lay = f["tensors"][name]["layout"]
             if lay in (DENSE_LAYOUT_BF16, DENSE_LAYOUT_F32):
                 t = _to_torch(name, a, f["tensors"][name]["dtype"])
-                # router weights and score biases stay float32, as the reference keeps them
-                keep32 = name.endswith(("e_score_correction_bias", ".gate.weight"))
+                # router weights, score biases and DeepSeek-V3.2's indexer head weights stay float32, as the
+                # reference keeps them
+                keep32 = name.endswith(("e_score_correction_bias", ".gate.weight", "indexer.weights_proj.weight"))
                 dense[name] = t.to(device=device, dtype=torch.float32 if keep32 else dtype)
             else:
                 quantized.setdefault(str(safe_relpath(root, rel)), {})[name] = (a, f["tensors"][name])
@@ -247,9 +248,10 @@ def _config_for(root: Path, manifest: dict, geo: ExpertGeometry) -> ModelConfig:
 
 def _check_routers(root: Path, cfg: ModelConfig, dense: dict) -> None:
     """Every MoE layer of the manifest has its router among the dense tensors (else the forward would fail later)."""
-    prefixes = dict.fromkeys((get_family(cfg.model_type).names.moe_prefix, "mlp.", "block_sparse_moe."))
+    names = get_family(cfg.model_type).names
+    prefixes = dict.fromkeys((names.moe_prefix, "mlp.", "block_sparse_moe."))
     for layer in cfg.moe_layers:
-        candidates = [f"model.layers.{layer}.{p}gate.weight" for p in prefixes]
+        candidates = [f"{names.layer(layer)}{p}gate.weight" for p in prefixes]
         if not any(c in dense for c in candidates):
             raise LoadError(f"{root}: manifest.json lists MoE layer {layer}, but no dense file holds its router "
                             f"{candidates[0]}")

@@ -1,7 +1,8 @@
 """Tokenizer of a converted (or hub) directory: `tokenizer.json` through `tokenizers`, special tokens and the chat
 template from `tokenizer_config.json` (or `chat_template.jinja`), rendered with jinja2 the way transformers does.
 A directory without a chat template gets the built-in DeepSeek-V3 one when its vocabulary has DeepSeek's chat
-tokens (chat_templates.py).
+tokens (chat_templates.py). A directory with Kimi's `tiktoken.model` and no tokenizer.json (ktconvert writes one; a
+hand-copied directory may lack it) gets the exact `tokenizers` conversion of it (ktlayouts.tiktoken_bpe).
 
 BOS/EOS follow transformers (v5) loading a directory with tokenizer.json: add_bos_token / add_eos_token in
 tokenizer_config.json are dropped and tokenizer.json's post-processor alone decides (none = no special tokens).
@@ -14,6 +15,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from ktlayouts import tiktoken_bpe
 from tokenizers import Tokenizer as HFTokenizer
 
 from .chat_templates import builtin_template
@@ -68,9 +70,17 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path):
         d = Path(model_dir)
         tj = d / "tokenizer.json"
-        if not tj.is_file():
-            raise TokenizerError(f"{d}: tokenizer.json is missing (ktrun reads fast tokenizers only)")
-        self._tok = HFTokenizer.from_file(str(tj))
+        try:
+            converted = tiktoken_bpe.tokenizer_files(d)        # tiktoken.model only (Kimi): converted exactly
+        except tiktoken_bpe.TiktokenError as e:
+            raise TokenizerError(str(e)) from None
+        if converted:
+            self._tok = HFTokenizer.from_str(converted["tokenizer.json"].decode())
+        elif tj.is_file():
+            self._tok = HFTokenizer.from_file(str(tj))
+        else:
+            raise TokenizerError(f"{d}: tokenizer.json is missing (ktrun reads fast tokenizers, and tiktoken.model "
+                                 f"for Kimi)")
         cfg_path = d / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         stm_path = d / "special_tokens_map.json"

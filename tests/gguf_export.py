@@ -3,8 +3,10 @@
 Names come from gguf-py's own TensorNameMap (llama.cpp's naming, independent of ktconvert's reader); experts are
 stacked into `blk.N.ffn_*_exps` (E, rows, cols); metadata through GGUFWriter's add_* methods; Mixtral's q/k rows are
 permuted as llama.cpp does for the llama architecture; DeepSeek's kv_b_proj is written split into attn_k_b/attn_v_b
-as newer llama.cpp converters do. `qtype` applies to 2-D weight matrices whose rows fit its block size; norms,
-router and biases stay F32 (as llama.cpp keeps them).
+as newer llama.cpp converters do. GLM-4.5 (`glm4moe`) keeps its NextN (MTP) layer as an extra block with its
+`nextn.*` tensors and counts it in block_count, as llama.cpp's Glm4MoeModel does; MiniMax-M2 (`minimax-m2`) writes
+rotary_dim as the rope dimension and the expert size as expert_feed_forward_length. `qtype` applies to 2-D weight
+matrices whose rows fit its block size; norms, router and biases stay F32 (as llama.cpp keeps them).
 """
 from __future__ import annotations
 
@@ -19,7 +21,13 @@ from tokenizers import Tokenizer
 from ktconvert.sources import open_source
 
 GGUF_ARCH = {"deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2, "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
-             "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA}
+             "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA,
+             "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE, "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2}
+
+
+def _blocks(cfg: dict) -> int:
+    """block_count as llama.cpp writes it (GLM-4.5: the NextN layers too)."""
+    return cfg["num_hidden_layers"] + (cfg.get("num_nextn_predict_layers", 0) if cfg["model_type"] == "glm4_moe" else 0)
 Q = gguf.GGMLQuantizationType
 
 
@@ -30,7 +38,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _metadata(wr: gguf.GGUFWriter, cfg: dict) -> None:
     mt = cfg["model_type"]
-    wr.add_block_count(cfg["num_hidden_layers"])
+    wr.add_block_count(_blocks(cfg))
     wr.add_context_length(cfg["max_position_embeddings"])
     wr.add_embedding_length(cfg["hidden_size"])
     wr.add_head_count(cfg["num_attention_heads"])
@@ -61,6 +69,29 @@ def _metadata(wr: gguf.GGUFWriter, cfg: dict) -> None:
             wr.add_rope_scaling_factor(rope["factor"])
             wr.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
             wr.add_rope_scaling_yarn_log_mul(0.1 * rope.get("mscale_all_dim", 0.0))
+    elif mt == "glm4_moe":
+        hd = cfg["head_dim"]
+        wr.add_feed_forward_length(cfg["intermediate_size"])
+        wr.add_rope_dimension_count(int(hd * cfg["partial_rotary_factor"]))
+        wr.add_key_length(hd)
+        wr.add_value_length(hd)
+        wr.add_expert_count(cfg["n_routed_experts"])
+        wr.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        wr.add_expert_shared_count(cfg["n_shared_experts"])
+        wr.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        wr.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        wr.add_expert_weights_scale(float(cfg["routed_scaling_factor"]))
+        wr.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
+        wr.add_nextn_predict_layers(cfg["num_nextn_predict_layers"])
+        wr.add_expert_group_count(cfg["n_group"])            # llama.cpp's converter leaves these out: GLM's are 1
+        wr.add_expert_group_used_count(cfg["topk_group"])
+    elif mt == "minimax_m2":
+        wr.add_feed_forward_length(cfg["intermediate_size"])
+        wr.add_expert_count(cfg["num_local_experts"])
+        wr.add_expert_feed_forward_length(cfg["intermediate_size"])
+        wr.add_rope_dimension_count(cfg["rotary_dim"])
+        wr.add_key_length(cfg["head_dim"])
+        wr.add_value_length(cfg["head_dim"])
     elif mt == "qwen3_moe":
         wr.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         wr.add_expert_count(cfg["num_experts"])
@@ -113,22 +144,24 @@ def export_gguf(src_dir, out_path, qtype=Q.BF16, expert_qtype=None, split_max_te
     src = open_source(src_dir)
     cfg = json.loads((src_dir / "config.json").read_text())
     arch = GGUF_ARCH[cfg["model_type"]]
-    nmap = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    nmap = gguf.get_tensor_name_map(arch, _blocks(cfg))
     wr = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors)
     _metadata(wr, cfg)
     _tokenizer(wr, src_dir, cfg["vocab_size"], cfg)
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for name in src.tensor_names():
         role = src.arch.classify(name)
-        if role.kind == "skip":
+        mtp_block = cfg["model_type"] == "glm4_moe" and role.kind == "skip" and role.layer is not None
+        if role.kind == "skip" and not mtp_block or name.endswith("_scale_inv"):
             continue
         w = src.read(name).numpy()
-        if role.kind == "expert":
+        if role.kind == "expert" or mtp_block and ".mlp.experts." in name:
             stacked = re.sub(r"\.experts\.\d+\.", ".experts.", name)
-            stacks.setdefault(stacked, {})[role.expert] = w
+            stacks.setdefault(stacked, {})[int(re.search(r"\.experts\.(\d+)\.", name).group(1))] = w
             continue
         if name.endswith("e_score_correction_bias"):
-            wr.add_tensor(f"blk.{role.layer}.exp_probs_b.bias", w.astype(np.float32))
+            layer = int(re.match(r"model\.layers\.(\d+)\.", name).group(1))
+            wr.add_tensor(f"blk.{layer}.exp_probs_b.bias", w.astype(np.float32))
             continue
         gname = nmap.get_name(name, try_suffixes=(".weight", ".bias"))
         if cfg["model_type"] == "mixtral" and re.search(r"self_attn\.[qk]_proj", name):

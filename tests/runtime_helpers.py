@@ -28,14 +28,89 @@ def build_conversion(src: Path, out: Path, method: str = "bf16", **kw) -> Path:
 
 
 def transformers_model(src: Path):
-    from transformers import AutoModelForCausalLM
+    """The checkpoint loaded by its transformers class (AutoModelForCausalLM, or the fixture family's own class:
+    Kimi-K2.5's Kimi_K25ForConditionalGeneration)."""
+    import json
+
+    from ktconvert.testing import FIXTURES
+    from ktconvert.testing.checkpoints import model_class
+    mt = json.loads((Path(src) / "config.json").read_text())["model_type"]
+    arch = mt if mt in FIXTURES else "deepseek_v3"          # kimi_k2 checkpoints are DeepSeek-V3's class
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        return model_class(arch).from_pretrained(src, dtype=torch.float32).eval()
 
 
 def transformers_tokenizer(src: Path):
+    """transformers' tokenizer of the checkpoint; for Kimi's tiktoken tokenizer (remote code on the hub, never run)
+    the reference is KimiReferenceTokenizer: the tiktoken package with the release tokenizer's spec."""
+    if (Path(src) / "tiktoken.model").is_file() and not (Path(src) / "tokenizer.json").is_file():
+        return KimiReferenceTokenizer(src)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(src)
+
+
+# Kimi-K2's tokenizer as its tokenization_kimi.py (read as a spec, re-implemented here) defines it: tiktoken over
+# tiktoken.model with this split regex, 256 reserved special tokens after the base vocabulary (contents from
+# tokenizer_config.json's added_tokens_decoder, else <|reserved_token_ID|>), every special token allowed in the
+# text, no BOS/EOS added; chat templates rendered by transformers' own jinja renderer.
+_KIMI_PAT_PARTS = (
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+)
+KIMI_PAT_STR = "|".join(_KIMI_PAT_PARTS)
+
+
+class KimiReferenceTokenizer:
+    """The parts of a transformers tokenizer the tests use, for Kimi's tiktoken.model."""
+
+    def __init__(self, src: Path):
+        import base64
+        import json
+
+        import tiktoken
+        src = Path(src)
+        ranks = {}
+        for line in (src / "tiktoken.model").read_text().splitlines():
+            if line:
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+        cfg = json.loads((src / "tokenizer_config.json").read_text())
+        named = {int(i): t["content"] for i, t in cfg.get("added_tokens_decoder", {}).items()}
+        n = len(ranks)
+        self.special = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n, n + 256)}
+        self.enc = tiktoken.Encoding(name="kimi", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
+                                     special_tokens=self.special)
+        self.chat_template = cfg["chat_template"]
+        self.special_tokens_map = {k: cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        # as the tests read a tokenizer's bos_token_id: the BOS its encode() prepends; Kimi's prepends none (its
+        # tokenizer_config.json's bos_token [BOS] is self.special["[BOS]"])
+        self.bos_token_id = None
+        self.eos_token_id = self.special[cfg["eos_token"]]
+        self.all_special_ids = set(self.special.values())
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode(text, allowed_special="all")
+
+    def __call__(self, text: str):
+        from types import SimpleNamespace
+        return SimpleNamespace(input_ids=self.encode(text))
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = [i for i in ids if not (skip_special_tokens and i in self.all_special_ids)]
+        return self.enc.decode(ids)
+
+    def apply_chat_template(self, messages, tokenize: bool = True, add_generation_prompt: bool = False, **kw):
+        from transformers.utils.chat_template_utils import render_jinja_template
+        rendered, _ = render_jinja_template([messages], chat_template=self.chat_template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **self.special_tokens_map, **kw)
+        return self.encode(rendered[0]) if tokenize else rendered[0]
 
 
 @torch.no_grad()

@@ -67,6 +67,17 @@ def test_gguf_rows_are_llama_cpp_names(arch):
     assert any(f.gguf is GGUF_ARCHS[arch] for f in FAMILIES.values())
 
 
+def test_deepseek_v32_has_no_gguf_because_llama_cpp_has_no_indexer_there():
+    """README: DeepSeek-V3.2 has no GGUF input. gguf-py (llama.cpp's constants) knows lightning-indexer tensors, but
+    only for glm-dsa, not for deepseek2, which V3 / Kimi GGUFs use: a deepseek2 GGUF cannot carry V3.2's indexer, so
+    reading one as V3.2 would silently run dense attention. Should gguf-py add them there, this fails and the family
+    gets GGUF rows."""
+    assert FAMILIES["deepseek_v32"].gguf is None
+    indexer = {t for t in gguf.MODEL_TENSOR if t.name.startswith("INDEXER")}
+    assert indexer and indexer <= set(gguf.MODEL_TENSORS[gguf.MODEL_ARCH.GLM_DSA])
+    assert not indexer & set(gguf.MODEL_TENSORS[gguf.MODEL_ARCH.DEEPSEEK2])
+
+
 def test_registry_is_torch_free():
     code = ("import sys, ktlayouts.families; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'ktconvert', 'ktrun', 'transformers', 'gguf')); assert not bad, bad")
@@ -83,12 +94,21 @@ REQUIRED = {"num_hidden_layers", "hidden_size", "n_routed_experts", "num_experts
             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"}
 # so that the defaults make a model transformers can build: V3's first_k_dense_replace=3 needs > 3 layers;
 # Mixtral's num_key_value_heads=8 needs a multiple of 8 query heads
-SHAPE_FIX = {"deepseek_v3": {"num_hidden_layers": 5}, "mixtral": {"num_attention_heads": 8}}
+# GLM's and MiniMax's num_key_value_heads=8 too; DeepSeek-V3.2's and Kimi-K2.5's (V3's) first_k_dense_replace=3
+# and n_group=8 (2+ experts per group).
+SHAPE_FIX = {"deepseek_v3": {"num_hidden_layers": 5}, "mixtral": {"num_attention_heads": 8},
+             "glm4_moe": {"num_attention_heads": 8}, "minimax_m2": {"num_attention_heads": 8},
+             "deepseek_v32": {"num_hidden_layers": 5, "n_routed_experts": 16},
+             "kimi_k25": {"num_hidden_layers": 5, "n_routed_experts": 16}}
 
 
 def _minimal(name: str) -> dict:
-    cfg = {k: v for k, v in FIXTURES[name].config.items() if k in REQUIRED}
-    return {**cfg, "vocab_size": 320, **SHAPE_FIX.get(name, {})}
+    """The required fields only; a family whose text model's config is nested (Kimi-K2.5) gets them nested."""
+    key = FIXTURES[name].text_config_key
+    text = FIXTURES[name].config[key] if key else FIXTURES[name].config
+    cfg = {k: v for k, v in text.items() if k in REQUIRED}
+    cfg = {**cfg, "vocab_size": 320, **SHAPE_FIX.get(name, {})}
+    return {key: cfg} if key else cfg
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -96,7 +116,8 @@ def test_defaults_are_transformers_defaults(name):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = _minimal(name)
-    hf = AutoConfig.for_model(name, **raw)
+    hf_outer = AutoConfig.for_model(name, **raw)
+    hf = getattr(hf_outer, "text_config", None) or hf_outer     # the text model's config (Kimi-K2.5: nested)
     ours = parse_config({"model_type": name, **raw})
     assert ours.attention in ATTENTION_KINDS and ours.model_type == name
     got = {"num_kv_heads": ours.num_kv_heads, "rms_norm_eps": ours.rms_norm_eps, "max_position": ours.max_position,
@@ -126,8 +147,11 @@ def test_defaults_are_transformers_defaults(name):
                     head_dim=hf.head_dim, rope_dim=int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"]),
                     n_shared=1, intermediate_size=hf.intermediate_size)
     assert got == want
-    model = AutoModelForCausalLM.from_config(hf)
-    hf_moe = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+    from ktconvert.testing.checkpoints import model_class
+    cls = model_class(name)
+    model = (cls.from_config if cls is AutoModelForCausalLM else cls._from_config)(hf_outer)
+    layers = getattr(model.model, "language_model", model.model).layers
+    hf_moe = tuple(i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts"))
     assert ours.moe_layers == hf_moe and hf_moe, (ours.moe_layers, hf_moe)
 
 

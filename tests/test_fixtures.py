@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ktconvert.testing import ARCHS, make_checkpoint, make_model
+from ktconvert.testing import ARCHS, FIXTURES, make_checkpoint, make_model
+from ktconvert.testing.checkpoints import model_class
 
 EXPERT_NAME = {
     "deepseek_v3": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
@@ -14,7 +15,16 @@ EXPERT_NAME = {
     "qwen3_moe": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "mixtral": re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$"),
     "qwen3_next": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
+    "glm4_moe": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
+    "minimax_m2": re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$"),
+    "deepseek_v32": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
+    "kimi_k25": re.compile(r"language_model\.model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
 }
+
+
+def _text(cfg: dict) -> dict:
+    """The text model's config.json keys (Kimi-K2.5 nests them under text_config)."""
+    return cfg.get("text_config", cfg)
 
 
 def _index(d):
@@ -33,16 +43,14 @@ def _dtypes(d) -> dict[str, tuple[str, tuple]]:
 
 
 def test_transformers_reloads_identical_logits(ckpt_dir, arch):
-    from transformers import AutoModelForCausalLM
-
     d = ckpt_dir(arch)
     ref = make_model(arch)
-    loaded, info = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
+    loaded, info = model_class(arch).from_pretrained(d, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"], info["missing_keys"]
     assert not info["mismatched_keys"], info["mismatched_keys"]
     unexpected = set(info["unexpected_keys"])
-    n = ref.config.num_hidden_layers
-    if arch == "deepseek_v3":  # only the MTP layer, which transformers does not model
+    n = getattr(ref.config, "text_config", ref.config).num_hidden_layers
+    if FIXTURES[arch].mtp:  # only the MTP layer, which transformers does not model
         assert unexpected and all(k.startswith(f"model.layers.{n}.") for k in unexpected), sorted(unexpected)[:5]
     else:
         assert not unexpected, sorted(unexpected)[:5]
@@ -65,10 +73,10 @@ def test_hub_names_dtypes_and_shards(ckpt_dir, arch):
         torch.empty(s, dtype=torch.bfloat16 if dt == "BF16" else torch.float32).nbytes for dt, s in meta.values())
     names = list(meta)
     assert not [n for n in names if "gate_up_proj" in n or n.endswith("experts.down_proj")], "fused names leaked"
-    cfg = json.loads((d / "config.json").read_text())
+    cfg = _text(json.loads((d / "config.json").read_text()))
     n_exp = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
     experts = [n for n in names if EXPERT_NAME[arch].match(n)]
-    main_experts = [n for n in experts if int(n.split(".")[2]) < cfg["num_hidden_layers"]]
+    main_experts = [n for n in experts if int(re.search(r"layers\.(\d+)\.", n).group(1)) < cfg["num_hidden_layers"]]
     n_moe = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
     assert len(main_experts) == n_moe * n_exp * 3
     for name, (dtype, _) in meta.items():
@@ -89,13 +97,16 @@ def test_config_generation_and_tokenizer_files(ckpt_dir, arch):
     d = ckpt_dir(arch)
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["model_type"] == arch and cfg["torch_dtype"] == "bfloat16"
-    assert cfg["architectures"][0].endswith("ForCausalLM")
+    assert cfg["architectures"][0].endswith(("ForCausalLM", "ForConditionalGeneration"))
     assert "quantization_config" not in cfg and cfg["tie_word_embeddings"] is False
+    assert AutoConfig.from_pretrained(d).model_type == arch
+    cfg = _text(cfg)
+    if FIXTURES[arch].tokenizer == "kimi":   # tiktoken.model: checked against tiktoken in test_kimi_tokenizer.py
+        pytest.skip("Kimi's tiktoken tokenizer has no transformers class without remote code")
     if arch == "qwen3_moe":
         assert cfg["num_experts"] == 8 and cfg["moe_intermediate_size"] % 64 != 0
     if arch == "deepseek_v3":
         assert cfg["num_nextn_predict_layers"] == 1 and cfg["first_k_dense_replace"] == 1
-    assert AutoConfig.from_pretrained(d).model_type == arch
     gen = json.loads((d / "generation_config.json").read_text())
     tok = AutoTokenizer.from_pretrained(d)
     assert tok.eos_token_id == cfg["eos_token_id"] == gen["eos_token_id"]
@@ -163,7 +174,8 @@ def test_bad_arguments():
         make_model("llama")
     with pytest.raises(ValueError, match="deepseek_v3"):
         make_checkpoint("mixtral", "/nonexistent-never-written", fp8=True)
-    assert set(ARCHS) == {"deepseek_v3", "qwen3_moe", "mixtral", "deepseek_v2"}
+    assert set(ARCHS) == {"deepseek_v3", "qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe", "minimax_m2",
+                          "deepseek_v32", "kimi_k25"}
 
 
 def test_layers_and_dims_overrides(tmp_path):

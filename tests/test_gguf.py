@@ -22,7 +22,11 @@ from ktconvert.sources.roles import SourceError
 from ktconvert.testing import make_checkpoint
 
 KTCONVERT = [sys.executable, "-m", "ktconvert"]
-ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")
+ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2")
+# what llama.cpp's converters of the newer architectures also carry over (partial rotary, q/k norm, bias, NextN)
+GGUF_ONLY_KEYS = {"glm4_moe": ("head_dim", "partial_rotary_factor", "use_qk_norm", "attention_bias",
+                               "num_nextn_predict_layers", "n_shared_experts", "norm_topk_prob"),
+                  "minimax_m2": ("head_dim", "rotary_dim", "intermediate_size", "num_local_experts")}
 TEXT = "def main():\n    print('hello, world')  # ünïcødé 123"
 
 
@@ -59,7 +63,8 @@ def test_bf16_gguf_reads_exactly_like_its_safetensors(arch, ckpt_dir, tmp_path):
         assert getattr(gg.arch, attr) == getattr(st.arch, attr), attr
     cfg = json.loads((src_dir / "config.json").read_text())
     for key in ("rms_norm_eps", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace", "num_key_value_heads"):
+                "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace", "num_key_value_heads",
+                *GGUF_ONLY_KEYS.get(arch, ())):
         if key in cfg:
             assert gg.config[key] == cfg[key], key
     files = gg.side_files()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ktlayouts import tiktoken_bpe
 from ktlayouts.bf16 import bf16_bits_to_f32
 from torch import nn
 
@@ -33,9 +34,6 @@ from ktconvert.gpu.rtn import QuantizedLinear
 log = logging.getLogger(__name__)
 
 DEFAULT_CALIB = Path(__file__).resolve().parents[1] / "data" / "calib.txt"
-EMBED_NAME = "model.embed_tokens.weight"
-NORM_NAME = "model.norm.weight"
-HEAD_NAME = "lm_head.weight"
 _DROP_CONFIG_KEYS = ("quantization_config", "auto_map", "architectures", "model_type", "transformers_version")
 
 # (name, W (N, K), H (K, K)) -> the quantized weight, or None to keep the float weight (reference runs)
@@ -82,6 +80,9 @@ def tokenizer_for(src):
         if raw is not None:
             return Tokenizer.from_str(raw.decode() if isinstance(raw, bytes) else raw), f"{src.path} (GGUF metadata)"
     tok_path = Path(src.path) / "tokenizer.json"
+    converted = tiktoken_bpe.tokenizer_files(src.path)        # Kimi's tiktoken.model without tokenizer.json
+    if converted:
+        return Tokenizer.from_str(converted["tokenizer.json"].decode()), Path(src.path) / "tiktoken.model"
     if not tok_path.is_file():
         raise CalibrationError(f"GPTQ calibration needs the checkpoint's tokenizer: {tok_path} does not exist "
                                f"(use --gpu-method rtn-int4 to quantize without calibration)")
@@ -91,7 +92,7 @@ def tokenizer_for(src):
 def calibration_tokens(src, text: str, n_tokens: int, seq_len: int, seed: int) -> torch.Tensor:
     """Tokenize with the checkpoint's tokenizer -> (S, L) int64 windows, chosen deterministically by seed."""
     tokenizer, tok_path = tokenizer_for(src)
-    vocab_size = int(src.config["vocab_size"])
+    vocab_size = int(text_model_of(src)[0]["vocab_size"])
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     if not ids:
         raise CalibrationError("calibration text tokenizes to zero tokens")
@@ -109,10 +110,11 @@ def embedding_rows(src, ids: torch.Tensor) -> torch.Tensor:
     """Embeddings of `ids` (S, L) -> (S, L, H) float32, reading only those rows of the table from the file."""
     from ktconvert.sources import Source
 
-    info = src.info(EMBED_NAME)
+    embed = src.arch.family.names.embed
+    info = src.info(embed)
     np_dtype = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}.get(info.dtype)
     if np_dtype is None or not isinstance(src, Source):
-        return src.read(EMBED_NAME)[ids]
+        return src.read(embed)[ids]
     table = np.memmap(info.file, dtype=np_dtype, mode="r", offset=info.offset, shape=tuple(info.shape))
     uniq, inv = np.unique(ids.numpy(), return_inverse=True)
     rows = np.asarray(table[uniq])
@@ -120,6 +122,19 @@ def embedding_rows(src, ids: torch.Tensor) -> torch.Tensor:
         rows = bf16_bits_to_f32(rows)
     rows = torch.from_numpy(rows.astype(np.float32))
     return rows[torch.from_numpy(inv.reshape(ids.shape))]
+
+
+def text_model_of(src) -> tuple[dict, str]:
+    """(config.json dict, family name) of the checkpoint's text model: the checkpoint's own, or for a wrapped one
+    (Kimi-K2.5) its text_config and the family that dict names (kimi_k2 -> deepseek_v3), whose transformers
+    decoder layers calibration runs."""
+    from ktlayouts.families import family_for
+
+    family = src.arch.family
+    if family.text_config_key is None:
+        return src.config, src.arch.model_type
+    text = family.text_config(src.config)
+    return text, family_for({"model_type": "deepseek_v3", **text}).name
 
 
 def hf_config(config: dict, model_type: str):
@@ -181,7 +196,8 @@ class LayerwiseGptq:
         self.src, self.tokens, self.quantize_fn, self.is_target = src, tokens, quantize_fn, is_target
         self.quantize_head, self.capture_experts = quantize_head, capture_experts
         self.expert_captures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> (X (T, H), ids (T, k))
-        self.cfg = hf_config(src.config, src.arch.model_type)
+        self.cfg = hf_config(*text_model_of(src))
+        self.hub = src.arch.family.names                              # layer prefix, embed / norm / head names
         self.layer_cls, rotary_cls, self.norm_cls = _model_classes(self.cfg)
         self.names = set(src.tensor_names())
         self.next_layer = 0
@@ -232,7 +248,7 @@ class LayerwiseGptq:
         linears = {}
         for mod_name, mod in layer.named_modules():
             if isinstance(mod, nn.Linear):
-                hub = _checkpoint_name(f"model.layers.{li}.", mod_name + ".weight", self.names)
+                hub = _checkpoint_name(self.hub.layer(li), mod_name + ".weight", self.names)
                 if self.is_target(hub):
                     linears[hub] = mod
         from ktconvert.gpu.gptq import HessianAccumulator
@@ -269,7 +285,12 @@ class LayerwiseGptq:
         self.next_layer += 1
 
     def _forward(self, layer, pos_emb) -> torch.Tensor:
-        out = layer(self.hidden, attention_mask=None, position_ids=self.position_ids, position_embeddings=pos_emb)
+        mask = None                          # causal attention (sdpa's is_causal)
+        if hasattr(getattr(layer, "self_attn", None), "indexer"):
+            # DeepSeek-V3.2's indexer scores against an explicit mask: (S, 1, L, L) bool, True = may attend
+            s, seq = self.tokens.shape
+            mask = torch.ones(seq, seq, dtype=torch.bool).tril().expand(s, 1, seq, seq)
+        out = layer(self.hidden, attention_mask=mask, position_ids=self.position_ids, position_embeddings=pos_emb)
         return out[0] if isinstance(out, tuple) else out
 
     def _build_layer(self, li: int) -> nn.Module:
@@ -278,7 +299,7 @@ class LayerwiseGptq:
         moe = getattr(layer, "mlp", None)
         if moe is not None and hasattr(moe, "experts"):
             moe.experts = StreamingExperts(self.src, li, moe.experts.act_fn)
-        prefix = f"model.layers.{li}."
+        prefix = self.hub.layer(li)
         state = {k: self.src.read(_checkpoint_name(prefix, k, self.names)).reshape(v.shape)
                  for k, v in layer.state_dict().items()}
         layer.load_state_dict(state, assign=True, strict=True)
@@ -289,13 +310,14 @@ class LayerwiseGptq:
 
     @torch.no_grad()
     def _run_head(self) -> None:
-        if self.quantize_head and HEAD_NAME in self.names and self.is_target(HEAD_NAME):
+        head = self.hub.head
+        if self.quantize_head and head in self.names and self.is_target(head):
             norm = self.norm_cls(self.cfg.hidden_size, eps=self.cfg.rms_norm_eps)
-            norm.weight.copy_(self.src.read(NORM_NAME))
+            norm.weight.copy_(self.src.read(self.hub.final_norm))
             from ktconvert.gpu.gptq import HessianAccumulator
             acc = HessianAccumulator(self.cfg.hidden_size)
             acc.add(norm(self.hidden))
-            self.results[HEAD_NAME] = (self.next_layer, self.quantize_fn(HEAD_NAME, self.src.read(HEAD_NAME), acc.h))
+            self.results[head] = (self.next_layer, self.quantize_fn(head, self.src.read(head), acc.h))
         self.next_layer += 1
 
 

@@ -16,7 +16,7 @@ import torch
 from ktlayouts.bf16 import bf16_bits_to_f32
 
 from ktconvert.sources.base import SourceBase
-from ktconvert.sources.fp8 import dequant_fp8_block, fp8_e4m3_to_f32
+from ktconvert.sources.fp8 import FP8_FMTS, FP8_SCALE_FMTS, dequant_fp8_block, fp8_e4m3_to_f32
 from ktconvert.sources.quantized import QuantTensorInfo, scheme_for
 from ktconvert.sources.roles import ArchAdapter, SourceError, adapter_for
 from ktconvert.sources.st_header import DTYPE_SIZES, TensorInfo, parse_shard
@@ -26,6 +26,25 @@ _INT_DTYPES = ("I8", "U8", "I16", "I32", "I64")
 _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8, "I8": np.int8, "U8": np.uint8,
                  "I16": np.int16, "I32": np.int32, "I64": np.int64}
 SINGLE_NAME = "model.safetensors"
+
+
+
+def fp8_block_size(qc: dict, where) -> tuple[int, int]:
+    """(rows, cols) of the FP8 weight blocks a quantization_config names ((128, 128) when there is none);
+    SourceError naming the field for any other quantization."""
+    if not qc:
+        return (128, 128)
+    method, fmt, scale_fmt = qc.get("quant_method"), qc.get("fmt", "e4m3"), qc.get("scale_fmt")
+    if method != "fp8" or fmt not in FP8_FMTS or scale_fmt not in FP8_SCALE_FMTS:
+        raise SourceError(f"{where}: unsupported quantization_config (quant_method={method!r}, fmt={fmt!r}"
+                          f"{f', scale_fmt={scale_fmt!r}' if scale_fmt else ''}); supported: unquantized BF16/F16/F32 "
+                          f"and fp8 e4m3 128x128 block scales (the DeepSeek-V3 / V3.2, Kimi-K2 and MiniMax-M2 "
+                          f"release format)")
+    block = qc.get("weight_block_size") or (128, 128)
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise SourceError(f"{where}: quantization_config.weight_block_size = {block!r} is not two positive integers")
+    return tuple(block)
 
 
 def _safe_shard_path(root: Path, shard: str, where: str) -> Path:
@@ -47,14 +66,13 @@ class Source(SourceBase):
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SourceError(f"{cfg_path}: invalid JSON: {e}") from e
         self.arch: ArchAdapter = adapter_for(self.config, str(cfg_path))
-        qc = self.config.get("quantization_config") or {}
+        # a wrapped checkpoint (Kimi-K2.5) may keep its quantization_config in the text model's config
+        qc = (self.config.get("quantization_config")
+              or self.arch.family.text_config(self.config).get("quantization_config") or {})
         # already-quantized Linears (compressed-tensors, GPTQ, AWQ, FP8 per channel, MX): ktconvert.sources.quantized
         self.quant = scheme_for(qc, str(cfg_path))
-        if qc and self.quant is None and (qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3"):
-            raise SourceError(f"{cfg_path}: unsupported quantization_config (quant_method={qc.get('quant_method')!r}, "
-                              f"fmt={qc.get('fmt')!r}); supported: unquantized BF16/F16/F32 and fp8 e4m3 block "
-                              f"scales (DeepSeek-V3 / Kimi-K2 release format)")
-        self.fp8_block: tuple[int, int] = tuple(qc.get("weight_block_size") or (128, 128))
+        # DeepSeek-style FP8 blocks (DeepSeek-V3 / V3.2, Kimi-K2, MiniMax-M2): read here
+        self.fp8_block: tuple[int, int] = fp8_block_size(qc if self.quant is None else {}, cfg_path)
         self._infos: dict[str, TensorInfo] = {}
         self._names: list[str] = []
         self._load_index()

@@ -11,6 +11,12 @@ from __future__ import annotations
 import numpy as np
 from ktlayouts.bf16 import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: F401  (the one bf16 rounding; re-exported)
 
+# quantization_config of the FP8 releases: DeepSeek-V3 / R1 / V3.1 / V3.2 and Kimi-K2 write fmt "e4m3", MiniMax-M2
+# "float8_e4m3fn" (the same format); V3.1+ add scale_fmt "ue8m0" (power-of-two scales, still stored as F32
+# weight_scale_inv, read the same way); MiniMax lists modules_to_not_convert (they are simply BF16 tensors).
+FP8_FMTS = ("e4m3", "float8_e4m3fn")
+FP8_SCALE_FMTS = (None, "ue8m0")
+
 
 def _e4m3fn_table() -> np.ndarray:
     """f32 value of every float8_e4m3fn bit pattern (1 sign, 4 exponent bits with bias 7, 3 mantissa bits).
@@ -71,11 +77,13 @@ def dequant_fp8_block_bf16(w_fp8_bits: np.ndarray, scale_inv: np.ndarray, block=
     return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
 
 
-def quantize_fp8_block(w: np.ndarray, block=(128, 128)) -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8_block(w: np.ndarray, block=(128, 128), pow2_scales: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """f32 weight (N, K) -> (float8_e4m3fn bits uint8 (N, K), scale_inv f32 (ceil(N/bn), ceil(K/bk))).
 
     The block's largest magnitude maps to 448 (the largest finite e4m3fn value), as DeepSeek's
-    block quantizer does. Used by the fixture factory; rounding to fp8 goes through torch's cast.
+    block quantizer does; pow2_scales rounds each scale up to a power of two (quantization_config scale_fmt
+    "ue8m0", DeepSeek-V3.1 / V3.2: still stored as f32). Used by the fixture factory; rounding to fp8 goes through
+    torch's cast.
     """
     import torch
 
@@ -87,6 +95,8 @@ def quantize_fp8_block(w: np.ndarray, block=(128, 128)) -> tuple[np.ndarray, np.
     padded[:n, :k] = w
     amax = np.abs(padded.reshape(nb, bn, kb, bk)).max(axis=(1, 3))  # (nb, kb)
     scale_inv = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    if pow2_scales:
+        scale_inv = np.exp2(np.ceil(np.log2(scale_inv))).astype(np.float32)
     scaled = w / expand_block_scales(scale_inv, (n, k), block)
     bits = torch.from_numpy(np.ascontiguousarray(scaled)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     return bits, scale_inv

@@ -92,8 +92,7 @@ class GGUFSource(SourceBase):
         if emb is None:
             raise SourceError(f"{self.path}: no token_embd.weight tensor")
         names = set(self._tensors)
-        self.config = config_from_gguf(self.meta, int(emb[0].shape[-1]), "output.weight" in names,
-                                       any(n.endswith("exp_probs_b.bias") for n in names))
+        self.config = config_from_gguf(self.meta, int(emb[0].shape[-1]), "output.weight" in names, frozenset(names))
         self.arch = adapter_for(self.config, f"{self.path} (GGUF metadata)")
         for t, p in self._tensors.values():
             if not _can_dequantize(t.tensor_type):

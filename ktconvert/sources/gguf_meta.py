@@ -34,6 +34,6 @@ class Meta:
         return self.get(f"{self.arch}.{key}", default)
 
 
-def config_from_gguf(m: Meta, vocab_size: int, has_output: bool, has_exp_probs_b: bool) -> dict:
+def config_from_gguf(m: Meta, vocab_size: int, has_output: bool, names: frozenset) -> dict:
     with as_source_error():
-        return _config_from_gguf(gguf_arch(m.arch, m.where), m, vocab_size, has_output, has_exp_probs_b)
+        return _config_from_gguf(gguf_arch(m.arch, m.where), m, vocab_size, has_output, names)

@@ -25,7 +25,7 @@ from ktconvert.testing.files import (
     to_hub_dtype,
     write_shards,
 )
-from ktconvert.testing.tokenizer import write_tokenizer
+from ktconvert.testing.tokenizer import TOKEN_IDS, write_tokenizer
 
 DEFAULT_MAX_SHARD_BYTES = 512 * 1024
 VOCAB_SIZE = 320  # tokenizer has 300 entries; the model's vocab is padded past it, as on the hub
@@ -38,23 +38,43 @@ def _check_arch(arch: str) -> None:
 
 
 def make_config(arch: str, num_layers: int | None = None, **config_overrides):
-    """The transformers config object of a tiny `arch` model."""
+    """The transformers config object of a tiny `arch` model. Families whose text model's config is nested
+    (Kimi-K2.5's text_config) take num_layers and config_overrides for the text model."""
     from transformers import AutoConfig
 
     _check_arch(arch)
-    kw = dict(TINY_CONFIGS[arch], vocab_size=VOCAB_SIZE, tie_word_embeddings=False)
+    fixture = FIXTURES[arch]
+    kw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TINY_CONFIGS[arch].items()}
+    text = kw[fixture.text_config_key] if fixture.text_config_key else kw
+    text.update(vocab_size=fixture.vocab_size, tie_word_embeddings=False)
+    if fixture.text_config_key:
+        kw["tie_word_embeddings"] = False
+    if fixture.tokenizer in TOKEN_IDS:       # bos/eos ids of a tokenizer whose special tokens follow its vocabulary
+        text.update(TOKEN_IDS[fixture.tokenizer])
     if num_layers is not None:
-        kw["num_hidden_layers"] = num_layers
-    kw.update(config_overrides)
+        text["num_hidden_layers"] = num_layers
+    text.update(config_overrides)
     return AutoConfig.for_model(arch, **kw)
 
 
-def _seeded_model(config, seed: int):
-    from transformers import AutoModelForCausalLM
+def text_config(config):
+    """The text model's transformers config (config itself, or its text_config)."""
+    return getattr(config, "text_config", None) or config
 
+
+def model_class(arch: str):
+    """The transformers class that builds `arch` (an auto class or the model class itself)."""
+    import transformers
+
+    return getattr(transformers, FIXTURES[arch].model_class)
+
+
+def _seeded_model(arch: str, config, seed: int):
+    cls = model_class(arch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        build = getattr(cls, "from_config", None) or cls._from_config
+        model = build(config, dtype=torch.float32)
         gen = torch.Generator().manual_seed(seed + 1)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init; the hub's are not
@@ -73,7 +93,7 @@ def make_model(arch: str, *, num_layers: int | None = None, seed: int = 0, init_
     Weights are rounded to bf16 (kept as f32) so the bf16 files hold them exactly; the f32 router bias is not.
     init_scale multiplies lm_head, making logits more peaked (confident) for runtime tests.
     """
-    model = _seeded_model(make_config(arch, num_layers, **config_overrides), seed)
+    model = _seeded_model(arch, make_config(arch, num_layers, **config_overrides), seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(init_scale)
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -87,12 +107,32 @@ def _expert_name(arch: str, prefix: str, expert: int, proj: str) -> str:
     return f"{prefix}.{f.moe_block}.experts.{expert}.{f.expert_projs[proj]}.weight"
 
 
+def _hub_name(arch: str, name: str) -> str | None:
+    """A transformers state_dict name under the hub's name (None: not a text-model tensor of a wrapped family)."""
+    f = FIXTURES[arch]
+    if f.text_prefix:       # Kimi-K2.5: model.language_model.X -> language_model.model.X, lm_head -> language_model.
+        if name.startswith("model.language_model."):
+            name = f"{f.text_prefix}model." + name[len("model.language_model."):]
+        elif name.startswith("lm_head."):
+            name = f.text_prefix + name
+        else:
+            return None
+    if f.moe_block != "mlp":  # the MoE block's router and score bias (the experts are split below)
+        name = re.sub(r"^(.*model\.layers\.\d+)\.mlp\.(gate\.weight|e_score_correction_bias)$",
+                      rf"\1.{f.moe_block}.\2", name)
+    return name
+
+
 def hub_state_dict(model, arch: str) -> dict[str, torch.Tensor]:
     """The model's tensors under hub names, in module order: fused experts split per expert, the MoE block renamed
-    where the hub names it otherwise (Mixtral's block_sparse_moe)."""
+    where the hub names it otherwise (Mixtral's and MiniMax's block_sparse_moe), a wrapped text model's names
+    under its prefix (Kimi-K2.5's language_model.; its vision tower: vision_state_dict)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
-        m = re.match(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+        name = _hub_name(arch, name)
+        if name is None:
+            continue
+        m = re.match(r"(.*model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
         if m:
             prefix = m.group(1)
             if m.group(2) == "gate_up_proj":  # (E, 2I, H): rows [0, I) gate, [I, 2I) up
@@ -104,22 +144,38 @@ def hub_state_dict(model, arch: str) -> dict[str, torch.Tensor]:
                 for e in range(t.shape[0]):
                     out[_expert_name(arch, prefix, e, "down")] = t[e]
             continue
-        if FIXTURES[arch].moe_block != "mlp":
-            name = re.sub(r"^(model\.layers\.\d+)\.mlp\.gate\.weight$", rf"\1.{FIXTURES[arch].moe_block}.gate.weight",
-                          name)
         out[name] = t
     return out
 
 
+def vision_state_dict(model, arch: str) -> dict[str, torch.Tensor]:
+    """A multimodal family's non-text tensors (Kimi-K2.5's vision tower and projector) under the release's names:
+    transformers' own save_pretrained writes them back in the checkpoint layout it loads."""
+    if not FIXTURES[arch].text_prefix:
+        return {}
+    import tempfile
+
+    from safetensors.torch import load_file
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        saved = {}
+        for shard in sorted(Path(d).glob("*.safetensors")):
+            saved.update(load_file(str(shard)))
+    prefix = FIXTURES[arch].text_prefix
+    return {re.sub(r"^model\.(mm_projector|vision_tower)\.", r"\1.", k): v for k, v in sorted(saved.items())
+            if not k.startswith(prefix)}
+
+
 def _mtp_state_dict(arch: str, num_layers: int | None, seed: int, overrides: dict) -> dict[str, torch.Tensor]:
     """DeepSeek's MTP layer at index L = num_hidden_layers: a normal MoE layer's tensors plus its own extras."""
-    n = make_config(arch, num_layers, **overrides).num_hidden_layers
+    n = text_config(make_config(arch, num_layers, **overrides)).num_hidden_layers
     deeper = make_model(arch, num_layers=n + 1, seed=seed + 7919, **overrides)
-    prefix = f"model.layers.{n}."
+    prefix = f"{FIXTURES[arch].text_prefix}model.layers.{n}."
     out = {k: v for k, v in hub_state_dict(deeper, arch).items() if k.startswith(prefix)}
-    h, v = deeper.config.hidden_size, deeper.config.vocab_size
+    tc = text_config(deeper.config)
+    h, v = tc.hidden_size, tc.vocab_size
     gen = torch.Generator().manual_seed(seed + 104729)
-    std = deeper.config.initializer_range
+    std = tc.initializer_range
     extras = {"embed_tokens.weight": torch.randn(v, h, generator=gen) * std, "enorm.weight": torch.ones(h),
               "hnorm.weight": torch.ones(h), "eh_proj.weight": torch.randn(h, 2 * h, generator=gen) * std,
               "shared_head.norm.weight": torch.ones(h),
@@ -133,7 +189,7 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
                     **config_overrides) -> Path:
     """Write a tiny random `arch` checkpoint to out_dir, laid out as the hub ships it; returns out_dir.
 
-    fp8=True (deepseek_v3 only) writes DeepSeek's FP8 release format. Families with MTP (deepseek_v3) always get
+    fp8=True (families released in FP8: DeepSeek-V3 / V3.2, MiniMax-M2) writes the FP8 release format. Families with MTP (deepseek_v3) always get
     their MTP layer.
     The weights equal make_model(arch, num_layers=..., seed=..., init_scale=..., **config_overrides)
     (FP8: their block-quantized version). num_layers counts main layers (without MTP); config_overrides go to
@@ -144,26 +200,29 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
     _check_arch(arch)
     if fp8 and not FIXTURES[arch].fp8:
         ships = ", ".join(f"arch={a!r}" for a, f in FIXTURES.items() if f.fp8)
-        raise ValueError(f"fp8=True is DeepSeek-V3's release format; only {ships} ships it")
+        raise ValueError(f"fp8=True is the FP8 block format of the releases of {ships} only")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = make_model(arch, num_layers=num_layers, seed=seed, init_scale=init_scale, **config_overrides)
     config = model.config
+    tc = text_config(config)
     named = hub_state_dict(model, arch)
     if FIXTURES[arch].mtp:
         named.update(_mtp_state_dict(arch, num_layers, seed, config_overrides))
+    named.update(vision_state_dict(model, arch))
     block = FP8_QUANTIZATION_CONFIG["weight_block_size"]
+    pow2 = FIXTURES[arch].fp8_config.get("scale_fmt") == "ue8m0"
     tensors: dict[str, torch.Tensor] = {}
     for name, t in named.items():
-        tensors.update(to_hub_dtype(name, t, fp8, block))
+        tensors.update(to_hub_dtype(name, t, fp8, block, pow2))
     hub_cfg = hub_config(config, arch, fp8)
     _check_against_adapter(hub_cfg, tensors)
     (out_dir / "config.json").unlink(missing_ok=True)  # written last: its presence marks a complete checkpoint
     write_shards(tensors, out_dir, max_shard_bytes)
-    gen_cfg = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": True,
+    gen_cfg = {"bos_token_id": tc.bos_token_id, "eos_token_id": tc.eos_token_id, "do_sample": True,
                "temperature": 0.6, "top_p": 0.95, "transformers_version": hub_cfg.get("transformers_version")}
     (out_dir / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
-    write_tokenizer(arch, out_dir, model_max_length=config.max_position_embeddings)
+    write_tokenizer(arch, out_dir, model_max_length=tc.max_position_embeddings)
     tmp = out_dir / "config.json.tmp"
     tmp.write_text(json.dumps(hub_cfg, indent=2) + "\n")
     tmp.replace(out_dir / "config.json")
@@ -177,7 +236,7 @@ def _check_against_adapter(hub_cfg: dict, tensors: dict) -> None:
     adapter = adapter_for(hub_cfg)
     if not adapter.moe_layers():
         raise ValueError(f"{hub_cfg['model_type']} with num_hidden_layers={adapter.num_layers} has no MoE layer "
-                         f"(first_k_dense_replace={hub_cfg.get('first_k_dense_replace')}); use more layers")
+                         f"(first_k_dense_replace={adapter.cfg.first_k_dense}); use more layers")
     for name in tensors:
         adapter.classify(name)
 
@@ -198,7 +257,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ktconvert.testing", description=main.__doc__)
     ap.add_argument("arch", choices=ARCHS)
     ap.add_argument("out_dir", type=Path)
-    ap.add_argument("--fp8", action="store_true", help="DeepSeek FP8 release format (deepseek_v3)")
+    ap.add_argument("--fp8", action="store_true", help="FP8 block release format (deepseek_v3, deepseek_v32, "
+                                                       "minimax_m2)")
     ap.add_argument("--layers", type=int, default=None, help="main layers (without the MTP layer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-scale", type=float, default=1.0, help="lm_head multiplier (peaked logits)")

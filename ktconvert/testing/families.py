@@ -22,7 +22,15 @@ class FixtureFamily:
     moe_block: str = "mlp"                          # hub name of the MoE block (router + experts) in a layer
     expert_projs: dict = field(default_factory=lambda: dict(HUB_GATE_UP_DOWN))  # gate/up/down -> hub token
     fp8: bool = False                               # also released in DeepSeek's FP8 block format
+    fp8_config: dict = field(default_factory=dict)  # the release's quantization_config keys beyond DeepSeek's
     mtp: bool = False                               # hub checkpoints carry a multi-token-prediction layer
+    model_class: str = "AutoModelForCausalLM"       # transformers class (or auto class) that builds the model
+    architecture: str | None = None                 # config.json architectures[0] when not <Config>ForCausalLM
+    text_config_key: str | None = None              # the text model's config sits under this key (Kimi-K2.5)
+    text_prefix: str = ""                           # the hub names the text model's tensors under this prefix
+    partial_rotary_key: str | None = None           # how the hub writes partial rotary: "partial_rotary_factor"
+                                                    # (GLM) or "rotary_dim" (MiniMax-M2), at the top level
+    vocab_size: int = 320                           # the model's vocabulary (past the tokenizer's, as on the hub)
 
 
 # Tiny dimensions that still exercise padding: expert sizes not multiples of 64, FP8 dims > 128 and not
@@ -74,5 +82,61 @@ FIXTURES = {
             "linear_conv_kernel_dim": 4, "full_attention_interval": 2, "norm_topk_prob": True,
             "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2},
         tokenizer="chatml", hub_extra_keys={"partial_rotary_factor": 0.25}),   # the hub's top-level key
+    # GLM-4.5: 5 query heads sharing 1 KV head (head_dim 32: q is wider than hidden, as in the release), partial
+    # rotary 0.5, q/k norm and q/k/v bias (GLM-4.5 / 4.6; 4.5-Air has neither norm), 2 groups, MTP layer.
+    "glm4_moe": FixtureFamily(
+        config={
+            "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 80, "n_routed_experts": 8,
+            "num_experts_per_tok": 3, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "num_hidden_layers": 3, "num_attention_heads": 5, "num_key_value_heads": 1,
+            "head_dim": 32, "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True,
+            "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 1,
+            "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "pad_token_id": 0, "eos_token_id": 0},
+        tokenizer="glm", partial_rotary_key="partial_rotary_factor", mtp=True),
+    # MiniMax-M2: every layer MoE, 7 query heads sharing 1 KV head, q/k norm over the whole projection, rotary_dim 16 of
+    # head_dim 32, FP8 release.
+    "minimax_m2": FixtureFamily(
+        config={
+            "hidden_size": 96, "intermediate_size": 80, "num_local_experts": 8, "num_experts_per_tok": 3,
+            "num_hidden_layers": 2, "num_attention_heads": 7, "num_key_value_heads": 1, "head_dim": 32,
+            "partial_rotary_factor": 0.5, "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2},
+        tokenizer="chatml", moe_block="block_sparse_moe", expert_projs={"gate": "w1", "up": "w3", "down": "w2"},
+        partial_rotary_key="rotary_dim", fp8=True,
+        fp8_config={"fmt": "float8_e4m3fn", "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]},
+        hub_extra_keys={"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+                        "qk_norm_type": "per_layer", "shared_intermediate_size": 0, "attn_type_list": [1, 1]}),
+    # DeepSeek-V3.2: V3 plus the lightning indexer; index_topk 8 is shorter than the test prompts, so attention is
+    # sparse; 5 heads; FP8 release with the V3.1+ power-of-two block scales.
+    "deepseek_v32": FixtureFamily(
+        config={
+            "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 80, "n_routed_experts": 8,
+            "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "num_hidden_layers": 3, "num_attention_heads": 5, "num_key_value_heads": 5,
+            "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+            "index_n_heads": 8, "index_head_dim": 32, "index_topk": 8, "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True, "num_nextn_predict_layers": 1, "max_position_embeddings": 1024,
+            "bos_token_id": 0, "eos_token_id": 1},
+        tokenizer="deepseek", fp8=True, fp8_config={"scale_fmt": "ue8m0"},
+        hub_extra_keys={"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1},
+        hub_drop_keys=("head_dim", "mlp_layer_types", "layer_types"), mtp=True),
+    # Kimi-K2.5: Kimi-K2's text model (1 expert group, 3 heads) under language_model., a tiny vision tower beside it,
+    # and Kimi's tiktoken tokenizer (tiktoken.model + tokenizer_config.json, no tokenizer.json).
+    "kimi_k25": FixtureFamily(
+        config={
+            "text_config": {
+                "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 80, "n_routed_experts": 8,
+                "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
+                "first_k_dense_replace": 1, "num_hidden_layers": 3, "num_attention_heads": 3,
+                "num_key_value_heads": 3, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16,
+                "qk_nope_head_dim": 32, "v_head_dim": 32, "routed_scaling_factor": 2.827, "norm_topk_prob": True,
+                "num_nextn_predict_layers": 0, "max_position_embeddings": 1024},
+            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                              "num_attention_heads": 2, "pos_emb_height": 4, "pos_emb_width": 4},
+            "projection_hidden_size": 32},
+        tokenizer="kimi", model_class="Kimi_K25ForConditionalGeneration",
+        architecture="KimiK25ForConditionalGeneration", text_config_key="text_config", text_prefix="language_model.",
+        hub_extra_keys={"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                        "model_type": "kimi_k2"},
+        hub_drop_keys=("head_dim",), vocab_size=672),
 }
 ARCHS = tuple(FIXTURES)

@@ -75,7 +75,9 @@ class ModelConfig:
     max_position: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    qk_norm: bool = False                 # RMSNorm over each head's q and k before RoPE (Qwen3)
+    qk_norm: bool = False                 # RMSNorm over q and k before RoPE (Qwen3, GLM-4.5, MiniMax-M2)
+    qk_norm_scope: str = "head"           # "head": each head's dims (Qwen3, GLM); "projection": the whole q (k)
+                                          # projection at once, all heads together (MiniMax-M2)
     sliding_window: int | None = None
     # MoE
     n_shared_experts: int = 0
@@ -96,6 +98,10 @@ class ModelConfig:
     # hybrid linear attention (Qwen3-Next): "full_attention" | "linear_attention" per layer (empty: all full)
     layer_types: tuple[str, ...] = ()
     linear_attention: LinearAttentionConfig | None = None
+    # DeepSeek-V3.2's lightning indexer (sparse attention): per query, only the index_topk keys it scores highest
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)
@@ -218,6 +224,27 @@ def check_routing(f: Fields, n_experts: int, top_k: int, n_group: int = 1, topk_
     f.check(1 <= topk_group <= n_group, f"topk_group={topk_group} must be in 1..n_group={n_group}")
     f.check(top_k <= topk_group * (n_experts // n_group),
             f"num_experts_per_tok={top_k} > topk_group={topk_group} groups x {n_experts // n_group} experts each")
+
+
+def rotary_dims(f: Fields, head_dim: int | None, default_factor: float = 1.0) -> int | None:
+    """Rotary dims per head of a partial-rotary family: `rotary_dim` (MiniMax-M2's hub configs), else
+    head_dim x `partial_rotary_factor` (GLM's hub configs at the top level, transformers 5 inside
+    rope_parameters), else head_dim x the family's transformers default."""
+    if head_dim is None:
+        return None
+    if f.raw.get("rotary_dim") is not None:
+        dim = f.get("rotary_dim", head_dim, cast=int)
+        key = "rotary_dim"
+    else:
+        params = f.raw.get("rope_parameters") or f.raw.get("rope_scaling") or {}
+        factor = params.get("partial_rotary_factor", f.raw.get("partial_rotary_factor"))
+        factor = default_factor if factor is None else factor
+        f.check(isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor <= 1,
+                f"field 'partial_rotary_factor' = {factor!r} must be in (0, 1]")
+        dim, key = int(head_dim * factor), "partial_rotary_factor"
+    f.check(0 < dim <= head_dim and dim % 2 == 0, f"field {key!r} gives {dim} rotary dims per head; they must be "
+                                                  f"even and in 1..head_dim={head_dim}")
+    return dim
 
 
 def gqa_heads(f: Fields, hidden: int, kv_heads_default: int | None) -> tuple[int | None, int | None, int | None]:

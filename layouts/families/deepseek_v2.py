@@ -118,8 +118,9 @@ _DEEPSEEK2_ROWS = GLOBAL_ROWS + ATTN_NORM_ROWS + DENSE_MLP_ROWS + expert_rows("m
      for p in ("gate", "up", "down")]
 
 
-def _deepseek2_config(m, cfg: dict, has_exp_probs_b: bool) -> dict:
+def _deepseek2_config(m, cfg: dict, names: frozenset) -> dict:
     # DeepSeek-V3 / Kimi-K2: sigmoid gating (expert_gating_func 2) with a score-correction bias; V2: softmax (1).
+    has_exp_probs_b = any(n.endswith("exp_probs_b.bias") for n in names)
     gating = m.a("expert_gating_func", 0)
     sigmoid = gating == 2 or (gating == 0 and has_exp_probs_b)
     nope_rope = m.a("attention.key_length_mla", None) or m.a("attention.key_length")

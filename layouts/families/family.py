@@ -22,7 +22,17 @@ class Family:
                                               # imports ktrun)
     aliases: tuple[str, ...] = ()             # other model_type values read as this family (same tensors, math)
     gguf: GGUFArch | None = None              # llama.cpp's architecture for it, when llama.cpp converts it
+    text_config_key: str | None = None        # config.json key holding the text model's config (Kimi-K2.5's
+                                              # "text_config"), None: the text model's fields are at the top
 
     @property
     def model_types(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+
+    def text_config(self, raw: dict) -> dict:
+        """The config.json dict of the text model (what transformers' text model class and quantization_config of
+        the weights are read from): raw itself, or raw[text_config_key]."""
+        if self.text_config_key is None:
+            return raw
+        sub = raw.get(self.text_config_key)
+        return sub if isinstance(sub, dict) else {}

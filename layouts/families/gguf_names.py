@@ -44,7 +44,8 @@ class GGUFArch:
     """One `general.architecture` value: its tensor names and how its metadata becomes config.json."""
     name: str                                     # e.g. "deepseek2"
     rows: list                                    # (GGUF name regex, hub name template)
-    build_config: Callable                        # (meta, common config dict, has_exp_probs_b) -> config dict
+    build_config: Callable                        # (meta, common config dict, GGUF tensor names) -> config
+                                                  # dict (tensor presence tells optional parts apart)
     permuted_qk: bool = False                     # llama.cpp permuted q/k rows (arch "llama"); undone at read
     compiled: list = field(default_factory=list, compare=False, repr=False)
 
@@ -79,9 +80,10 @@ def common_config(m, vocab_size: int) -> dict:
     }
 
 
-def config_from_gguf(arch: GGUFArch, m, vocab_size: int, has_output: bool, has_exp_probs_b: bool) -> dict:
-    """A hub-style config.json dict (model_type and architectures set) from a GGUF file's metadata."""
-    cfg = arch.build_config(m, common_config(m, vocab_size), has_exp_probs_b)
+def config_from_gguf(arch: GGUFArch, m, vocab_size: int, has_output: bool, names: frozenset) -> dict:
+    """A hub-style config.json dict (model_type and architectures set) from a GGUF file's metadata; names: every
+    tensor name in the file (optional parts such as q/k norms are known by their tensors)."""
+    cfg = arch.build_config(m, common_config(m, vocab_size), names)
     cfg["tie_word_embeddings"] = not has_output
     return {k: v for k, v in cfg.items() if v is not None or k in ("q_lora_rank",)}
 

@@ -1,9 +1,15 @@
 """Hub tensor names -> roles, as data tables per family (the names the checkpoint's safetensors files use).
 
-A table row is (regex, kind, proj map). Groups named `layer`, `expert` and `proj` are captured; `proj` is mapped
-through the row's proj map (Mixtral's w1/w3/w2 -> gate/up/down). The first matching row wins, so specific rows
-(norms inside attention) come before general ones (the rest of attention). Layers at index >= num_hidden_layers are
-multi-token-prediction (MTP) layers where the family has them (every tensor skipped), an error otherwise.
+A table row is (regex, kind, proj map) or (regex, "skip", None, reason). Groups named `layer`, `expert` and `proj`
+are captured; `proj` is mapped through the row's proj map (Mixtral's w1/w3/w2 -> gate/up/down). The first matching
+row wins, so specific rows (norms inside attention) come before general ones (the rest of attention). A skip row's
+reason says what the skipped tensors are (Kimi-K2.5's vision tower), for the converter's log. Layers at index >=
+num_hidden_layers are multi-token-prediction (MTP) layers where the family has them (every tensor skipped), an error
+otherwise.
+
+A family whose text model sits under a prefix in the checkpoint (Kimi-K2.5: `language_model.model.layers.N...`,
+`language_model.lm_head.weight`) builds its table with `prefixed(rows, prefix)` and sets `prefix`; `layer(i)`,
+`embed`, `final_norm` and `head` give the names the forward reads, with the prefix.
 """
 from __future__ import annotations
 
@@ -31,12 +37,21 @@ COMMON_ROWS = [
 ]
 
 
+MTP_REASON = "multi-token-prediction layer (ktrun decodes without it)"
+
+
 @dataclass(frozen=True)
 class TensorRole:
     kind: str
     layer: int | None = None
     expert: int | None = None
     proj: str | None = None
+    reason: str | None = None               # skip rows: what the skipped tensor is
+
+
+def prefixed(rows: list, prefix: str) -> list:
+    """A table for a text model under `prefix` (a plain string, e.g. "language_model.")."""
+    return [(re.escape(prefix) + row[0], *row[1:]) for row in rows]
 
 
 @dataclass(frozen=True)
@@ -48,14 +63,38 @@ class HubNames:
     moe_prefix: str = "mlp."                # the MoE block inside a layer: router at <moe_prefix>gate.weight
     shared_prefix: str | None = None        # shared experts inside a layer, or None
     mtp: bool = False                       # layers at index >= num_hidden_layers are MTP layers, skipped
-    layer_re: str = r"model\.layers\.(\d+)\."
+    prefix: str = ""                        # the text model's name prefix in the checkpoint (Kimi-K2.5)
     compiled: list = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self):
-        for p, kind, _pm in self.rows:
+        for row in self.rows:
+            p, kind = row[0], row[1]
             if kind not in KINDS:
                 raise ValueError(f"hub name row {p!r}: kind {kind!r} is not one of {KINDS}")
-        self.compiled.extend((re.compile(p), kind, pm) for p, kind, pm in self.rows)
+            if len(row) not in (3, 4) or (len(row) == 4 and kind != "skip"):
+                raise ValueError(f"hub name row {p!r}: (regex, kind, proj map) or (regex, 'skip', None, reason)")
+        self.compiled.extend((re.compile(r[0]), r[1], r[2], r[3] if len(r) == 4 else None) for r in self.rows)
+
+    @property
+    def layer_re(self) -> str:
+        return re.escape(self.prefix) + r"model\.layers\.(\d+)\."
+
+    # names the forward reads (hub names, with the family's prefix)
+    def layer(self, i: int) -> str:
+        """Prefix of decoder layer i's tensors, e.g. 'model.layers.3.'."""
+        return f"{self.prefix}model.layers.{i}."
+
+    @property
+    def embed(self) -> str:
+        return f"{self.prefix}model.embed_tokens.weight"
+
+    @property
+    def final_norm(self) -> str:
+        return f"{self.prefix}model.norm.weight"
+
+    @property
+    def head(self) -> str:
+        return f"{self.prefix}lm_head.weight"
 
     def expert_tensor_name(self, layer: int, expert: int, proj: str) -> str:
         if proj not in PROJS:
@@ -68,17 +107,17 @@ class HubNames:
         if layer_m and int(layer_m.group(1)) >= cfg.num_layers:
             layer = int(layer_m.group(1))
             if self.mtp and layer < cfg.num_layers + max(cfg.n_mtp_layers, 1):
-                return TensorRole("skip", layer)  # multi-token-prediction layer: not part of the main model
+                return TensorRole("skip", layer, reason=MTP_REASON)  # not part of the main model
             raise TensorNameError(f"tensor {name}: layer {layer} is beyond num_hidden_layers={cfg.num_layers} "
                                   f"({cfg.model_type})")
-        for rx, kind, proj_map in self.compiled:
+        for rx, kind, proj_map, reason in self.compiled:
             m = rx.match(name)
             if not m:
                 continue
             g = m.groupdict()
             role = TensorRole(kind, int(g["layer"]) if g.get("layer") is not None else None,
                               int(g["expert"]) if g.get("expert") is not None else None,
-                              proj_map[g["proj"]] if proj_map and g.get("proj") else None)
+                              proj_map[g["proj"]] if proj_map and g.get("proj") else None, reason)
             if kind == "expert":
                 if role.layer not in cfg.moe_layers:
                     raise TensorNameError(f"tensor {name}: routed expert in layer {role.layer}, which the config "

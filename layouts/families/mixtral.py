@@ -36,7 +36,7 @@ def parse(f: Fields) -> ModelConfig:
         eos_token_ids=token_ids(f.raw.get("eos_token_id")), raw=f.raw)
 
 
-def _llama_moe_config(m, cfg: dict, _has_exp_probs_b: bool) -> dict:
+def _llama_moe_config(m, cfg: dict, _names: frozenset) -> dict:
     n_experts = m.a("expert_count", 0)
     if not n_experts:
         raise ConfigError(f"{m.where}: GGUF architecture 'llama' without experts is a dense model; ktconvert "

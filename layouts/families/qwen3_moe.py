@@ -39,7 +39,7 @@ def parse(f: Fields) -> ModelConfig:
         eos_token_ids=token_ids(f.raw.get("eos_token_id")), raw=f.raw)
 
 
-def _qwen3moe_config(m, cfg: dict, _has_exp_probs_b: bool) -> dict:
+def _qwen3moe_config(m, cfg: dict, _names: frozenset) -> dict:
     cfg.update({
         "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
         "head_dim": m.a("attention.key_length", cfg["hidden_size"] // cfg["num_attention_heads"]),

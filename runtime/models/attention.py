@@ -1,4 +1,5 @@
-"""Attention over per-request caches: GQA (Qwen3-MoE, Mixtral) and MLA with a compressed-latent cache (DeepSeek).
+"""Attention over per-request caches: GQA (Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2) and MLA with a compressed-latent
+cache (DeepSeek), optionally sparsified by DeepSeek-V3.2's lightning indexer (indexer.py).
 
 Inputs are a flattened varlen batch: x (T, H) holds the new tokens of several requests; each request's queries see
 only its own cache (plus its own new tokens, causally). Projections run once over all T rows; the score/softmax
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
 
 from ..packed_linear import dense_weight, linear
+from . import indexer as lightning
 from .kv_cache import Batch, causal_scores_mask
 from .layers import Rope, rms_norm
 
@@ -57,13 +59,19 @@ def gqa_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
 
 
 def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
-                  cos: torch.Tensor, sin: torch.Tensor, qk_norm: bool) -> torch.Tensor:
-    """x: (T, H) -> (T, H). p: weight-name prefix of this layer's self_attn, e.g. 'model.layers.3.self_attn.'."""
+                  cos: torch.Tensor, sin: torch.Tensor, qk_norm: str | None) -> torch.Tensor:
+    """x: (T, H) -> (T, H). p: weight-name prefix of this layer's self_attn, e.g. 'model.layers.3.self_attn.'.
+    qk_norm: None, "head" (RMSNorm over each head's dims: Qwen3, GLM) or "projection" (over the whole q / k
+    projection, all heads at once: MiniMax-M2), before RoPE. RoPE covers the first rope.dim dims of each head."""
     T, nh, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(T, nh, hd)
-    k = linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(T, nkv, hd)
+    q = linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias"))                          # (T, nh*hd)
+    k = linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias"))                          # (T, nkv*hd)
     v = linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(T, nkv, hd)
-    if qk_norm:   # Qwen3: RMSNorm over each head's dims before RoPE
+    if qk_norm == "projection":
+        q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
+    q, k = q.view(T, nh, hd), k.view(T, nkv, hd)
+    if qk_norm == "head":
         q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
@@ -94,8 +102,9 @@ def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out
 
 
-def mla_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
-    return [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,)]
+def mla_cache_widths(cfg: ModelConfig, indexed: bool = False) -> list[tuple[int, ...]]:
+    """The compressed latent (and, with the indexer, its keys) per position."""
+    return [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,)] + ([lightning.cache_width(cfg)] if indexed else [])
 
 
 def _absorbed(w: dict, p: str, nh: int, dn: int, dv: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +129,7 @@ def _naive_is_cheaper(n: int, S: int, dn: int, dr: int, dv: int, R: int) -> bool
 
 
 def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
-                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, indexed: bool = False) -> torch.Tensor:
     """Multi-head latent attention. The cache holds c_kv = norm(W_dkv x) (R) and the roped shared key (r) per
     position. Per request, the cheaper of two exact forms:
       absorbed (decode, short chunks): kv_b_proj is absorbed, q_nope is mapped into latent space and the latent
@@ -128,15 +137,20 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         once for all heads;
       expanded (prefill): the latent rows go through kv_b_proj (the Linear as stored, quantized or not) into
         per-head keys and values, then ordinary attention: fewer multiply-adds once n is large.
-    x: (T, H) -> (T, H)."""
+    indexed (DeepSeek-V3.2): the lightning indexer's keys are cached too and each query attends only to the keys it
+    selects (the same mask in both forms).  x: (T, H) -> (T, H)."""
     T, nh = x.shape[0], cfg.num_heads
     dn, dr, dv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     scale = cfg.softmax_scale
+    ix = None                                         # the lightning indexer's inputs (DeepSeek-V3.2)
     if cfg.q_lora_rank is None:
         q = linear(x, w[p + "q_proj.weight"])
     else:
         qa = linear(x, w[p + "q_a_proj.weight"], w.get(p + "q_a_proj.bias"))
-        q = linear(rms_norm(qa, w[p + "q_a_layernorm.weight"], LORA_NORM_EPS), w[p + "q_b_proj.weight"])
+        q_resid = rms_norm(qa, w[p + "q_a_layernorm.weight"], LORA_NORM_EPS)                 # (T, q_lora_rank)
+        q = linear(q_resid, w[p + "q_b_proj.weight"])
+        if indexed:
+            ix = lightning.project(cfg, w, p, x, q_resid, rope, cos, sin)
     q = q.view(T, nh, dn + dr)
     q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
     ckv = linear(x, w[p + "kv_a_proj_with_mqa.weight"], w.get(p + "kv_a_proj_with_mqa.bias"))   # (T, R + dr)
@@ -147,21 +161,26 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     absorbed = []                                     # (request, its latent cache) in the absorbed form
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
-        lats = [lat for (lat,) in s.cache.write(layer, s.start, [latent[rows]])]             # [(S_r, R + dr)]
+        runs = s.cache.write(layer, s.start, [latent[rows]] + ([ix.k[rows]] if ix is not None else []))
+        lats = [r[0] for r in runs]                                                           # [(S_r, R + dr)]
         S = s.start + s.n
+        mask = _mask(s, x.device, None)
+        if ix is not None:                     # the indexer's top-k over every cached key: (S, d_index) in one piece
+            keys = runs[0][1] if len(runs) == 1 else torch.cat([r[1] for r in runs])
+            mask = lightning.select(cfg, ix.q[rows], keys, ix.weights[rows], mask)
         if not _naive_is_cheaper(s.n, S, dn, dr, dv, R):
-            absorbed.append((s, lats))
+            absorbed.append((s, lats, mask))
             continue
         lat_all = _cat_rows(lats)                                                             # (S, R + dr)
         kv = linear(lat_all[:, :R], w[p + "kv_b_proj.weight"]).view(S, nh, dn + dv)           # (S, nh, dn + dv)
         k = torch.cat([kv[..., :dn], lat_all[:, None, R:].expand(S, nh, dr)], dim=-1)        # (S, nh, dn + dr)
         qh = torch.cat([q_nope[rows], q_rot[rows]], dim=-1).transpose(0, 1) * scale          # (nh, n, dn + dr)
         scores = torch.matmul(qh, k.permute(1, 2, 0))                                         # (nh, n, S)
-        probs = _softmax_attend(scores, _mask(s, x.device, None))
+        probs = _softmax_attend(scores, mask)
         o[rows] = torch.matmul(probs, kv[..., dn:].transpose(0, 1)).transpose(0, 1)           # (n, nh, dv)
     if absorbed:
         w_uk_t, w_uv = _absorbed(w, p, nh, dn, dv, R)
-        idx = torch.cat([torch.arange(s.offset, s.offset + s.n) for s, _ in absorbed]).to(x.device)
+        idx = torch.cat([torch.arange(s.offset, s.offset + s.n) for s, _, _ in absorbed]).to(x.device)
         m = idx.numel()
         # Absorbed query rows [q_nope W_uk | q_rot] * scale (the softmax scale folded into the m query rows, not
         # the S keys), scored against the cached latent rows [c | k_rot] in one GEMM per request.
@@ -169,12 +188,12 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         q_cat = torch.cat([q_lat.transpose(1, 2).to(x.dtype), q_rot[idx].transpose(0, 1)], dim=-1) * scale
         out_lat = torch.empty((nh, R, m), dtype=torch.float32, device=x.device)              # (nh, R, m)
         j = 0
-        for s, lats in absorbed:
+        for s, lats, mask in absorbed:
             # All heads and tokens of the request are the M rows of two GEMMs per cache run, read in place: the
             # per-step work besides them is a fixed number of small ops per run, whatever S is.
             qs = q_cat[:, j:j + s.n].reshape(nh * s.n, R + dr)                                # (nh*n, R + dr)
             scores = _cat_scores([torch.matmul(qs, lat.t()) for lat in lats]).view(nh, s.n, -1)  # (nh, n, S)
-            probs = _softmax_attend(scores, _mask(s, x.device, None)).view(nh * s.n, -1)
+            probs = _softmax_attend(scores, mask).view(nh * s.n, -1)
             lat_o = _attend_runs(probs, [lat[:, :R] for lat in lats], torch.matmul).view(nh, s.n, R)
             out_lat[:, :, j:j + s.n] = lat_o.transpose(1, 2)
             j += s.n

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / Kimi-K2: MLA attention (q/kv LoRA, decoupled YaRN RoPE, compressed-latent cache), sigmoid routing
+"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5's text model: MLA attention (q/kv LoRA, decoupled YaRN RoPE, compressed-latent cache), sigmoid routing
 with e_score_correction_bias and group-limited top-k, routed_scaling_factor, shared experts, dense first layers."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from .routing import sigmoid_grouped
 
 def route(cfg, w: dict, p: str, x):
     """p: 'model.layers.N.mlp.' -> (ids (T, k), weights (T, k))."""
-    return sigmoid_grouped(cfg, x, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"])
+    return sigmoid_grouped(cfg, x, w[p + "gate.weight"], w.get(p + "gate.e_score_correction_bias"))
 
 
 attention = mla_attention

@@ -77,11 +77,17 @@ class Rope:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         return (freqs.cos() * self.attn_factor).to(dtype), (freqs.sin() * self.attn_factor).to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (T, heads, dim); cos/sin: (T, dim/2). Interleaved output keeps pair order as [evens', odds'] —
-        a fixed permutation applied to both q and k, so q.k is the same as with interleaved output."""
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              interleaved: bool | None = None) -> torch.Tensor:
+        """x: (T, heads, D); cos/sin: (T, dim/2). The first dim of the D dims are rotated, the rest pass through
+        (partial rotary: GLM, MiniMax-M2). Interleaved output keeps pair order as [evens', odds'] — a fixed
+        permutation applied to both q and k, so q.k is the same as with interleaved output. interleaved=None: this
+        model's layout (DeepSeek-V3.2's indexer ropes halves although its MLA ropes pairs)."""
+        dim = 2 * cos.shape[-1]
+        if x.shape[-1] > dim:
+            return torch.cat([self.apply(x[..., :dim], cos, sin, interleaved), x[..., dim:]], dim=-1)
         c, s = cos[:, None, :], sin[:, None, :]
-        if self.interleaved:
+        if self.interleaved if interleaved is None else interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
         else:
             h = x.shape[-1] // 2

@@ -11,7 +11,7 @@ def route(cfg, w: dict, p: str, x):
 
 
 def attention(cfg, w, p, x, batch, layer, rope, cos, sin):
-    return gqa_attention(cfg, w, p, x, batch, layer, rope, cos, sin, qk_norm=False)
+    return gqa_attention(cfg, w, p, x, batch, layer, rope, cos, sin, qk_norm=None)
 
 
 cache_widths = gqa_cache_widths

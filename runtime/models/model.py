@@ -2,7 +2,8 @@
 
 Per layer: x += attention(norm(x)); then x += mlp(norm(x)) where the MoE mlp submits the routed experts to the
 expert executor (CPU kernels or the torch reference, asynchronously), computes the shared experts meanwhile, then
-waits and adds the two. Dense weights are hub-named tensors in `weights` (already on the compute device/dtype).
+waits and adds the two. Dense weights are hub-named tensors in `weights` (already on the compute device/dtype), under
+the family's names (ktlayouts.families HubNames: Kimi-K2.5's text model sits under `language_model.`).
 """
 from __future__ import annotations
 
@@ -30,17 +31,17 @@ class MoEModel:
         self.has_recurrent_state = "linear_attention" in cfg.layer_types
         self.moe_layers = set(cfg.moe_layers)
         self.moe_prefix = [self._moe_prefix(i) for i in range(cfg.num_layers)]
-        self.lm_head = weights.get("lm_head.weight")
+        self.lm_head = weights.get(self.names.head)
         if self.lm_head is None:
             if not cfg.tie_word_embeddings:
-                raise KeyError("lm_head.weight is missing and tie_word_embeddings is false")
-            self.lm_head = weights["model.embed_tokens.weight"]
+                raise KeyError(f"{self.names.head} is missing and tie_word_embeddings is false")
+            self.lm_head = weights[self.names.embed]
         # wall seconds by part (CPU clock; on CUDA these are launch times unless synchronized)
         self.timing = {"expert_wait_s": 0.0, "attention_s": 0.0, "mlp_s": 0.0, "forward_s": 0.0, "forwards": 0}
         self.kv_pool = BlockPool(self.cache_layout(), dtype, self.device)   # every request's KV blocks
 
     def _moe_prefix(self, i: int) -> str:
-        p = f"model.layers.{i}."
+        p = self.names.layer(i)
         for cand in (self.names.moe_prefix, "mlp.", "block_sparse_moe."):
             if p + cand + "gate.weight" in self.w:
                 return p + cand
@@ -67,7 +68,7 @@ class MoEModel:
         self.experts.submit(i, h, ids, wts, out)                             # CPU works on routed experts...
         shared = None
         if self.names.shared_prefix and self.cfg.n_shared_experts:           # ...while we do the shared ones
-            sp = f"model.layers.{i}." + self.names.shared_prefix
+            sp = self.names.layer(i) + self.names.shared_prefix
             shared = swiglu_mlp(h, self.w[sp + "gate_proj.weight"], self.w[sp + "up_proj.weight"],
                                 self.w[sp + "down_proj.weight"])
             scale = getattr(self.arch, "shared_expert_scale", None)           # Qwen3-Next: a sigmoid gate
@@ -83,11 +84,11 @@ class MoEModel:
         """-> float32 logits: (T, V) for every token if all_logits, else (B, V) for each request's last token."""
         t0 = time.perf_counter()
         cfg, w = self.cfg, self.w
-        x = F.embedding(batch.tokens.to(self.device), w["model.embed_tokens.weight"])   # (T, H)
+        x = F.embedding(batch.tokens.to(self.device), w[self.names.embed])               # (T, H)
         cos, sin = self.rope.cos_sin(batch.positions.to(self.device), self.dtype)
         tm, clock = self.timing, time.perf_counter
         for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
+            p = self.names.layer(i)
             t1 = clock()
             h = self.norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             x = x + self.arch.attention(cfg, w, p + "self_attn.", h, batch, i, self.rope, cos, sin)
@@ -104,7 +105,7 @@ class MoEModel:
         batch.commit()
         if not all_logits:
             x = x[batch.last_token_rows().to(self.device)]
-        x = self.norm(x, w["model.norm.weight"], cfg.rms_norm_eps)
+        x = self.norm(x, w[self.names.final_norm], cfg.rms_norm_eps)
         logits = linear(x, self.lm_head).float()
         self.timing["forward_s"] += time.perf_counter() - t0
         self.timing["forwards"] += 1

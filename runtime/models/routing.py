@@ -1,8 +1,9 @@
 """Routers: token -> (expert ids (T, k) int64, weights (T, k) float32), in float32 as the reference computes them.
 
-- sigmoid_grouped (DeepSeek-V3 "noaux_tc"): sigmoid scores; choice adds e_score_correction_bias; keep the
-  topk_group groups with the best sum of their top-2 choice scores; top-k inside them; weights are the *unbiased*
-  scores, normalized when norm_topk_prob, times routed_scaling_factor.
+- sigmoid_grouped (DeepSeek-V3 / V3.2, GLM-4.5 "noaux_tc"; MiniMax-M2 with one group): sigmoid scores; choice adds
+  e_score_correction_bias (zeros when the checkpoint has none); keep the topk_group groups with the best sum of
+  their top-2 choice scores; top-k inside them; weights are the *unbiased* scores, normalized when norm_topk_prob,
+  times routed_scaling_factor.
 - softmax_topk (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral).
 """
 from __future__ import annotations
@@ -20,10 +21,10 @@ def _group_mask(choice: torch.Tensor, group_scores: torch.Tensor, cfg: ModelConf
     return gmask[:, :, None].expand(T, cfg.n_group, E // cfg.n_group).reshape(T, E).bool()
 
 
-def sigmoid_grouped(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor):
+def sigmoid_grouped(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None):
     T, E = x.shape[0], cfg.num_experts
     scores = F.linear(x.float(), gate_w.float()).sigmoid()                    # (T, E)
-    choice = scores + bias.float()
+    choice = scores if bias is None else scores + bias.float()
     gs = choice.view(T, cfg.n_group, E // cfg.n_group).topk(2, dim=-1)[0].sum(dim=-1)
     choice = choice.masked_fill(~_group_mask(choice, gs, cfg), float("-inf"))
     ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]

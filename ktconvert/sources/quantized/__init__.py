@@ -9,6 +9,7 @@ over unchanged where our layouts hold them (ktconvert.exact_paths).
 """
 from __future__ import annotations
 
+from ktconvert.sources.fp8 import FP8_FMTS, FP8_SCALE_FMTS
 from ktconvert.sources.quantized.awq import AwqScheme
 from ktconvert.sources.quantized.compressed_tensors import CompressedTensorsScheme
 from ktconvert.sources.quantized.fp8_scaled import Fp8ScaledScheme
@@ -33,9 +34,13 @@ def scheme_for(qc: dict | None, where: str) -> QuantScheme | None:
         raise SourceError(f"{where}: quantization_config must be an object")
     method = qc.get("quant_method")
     if method == "fp8":
-        if qc.get("fmt", "e4m3") != "e4m3":
+        if qc.get("fmt", "e4m3") not in FP8_FMTS:
             raise SourceError(f"{where}: unsupported quantization_config (quant_method='fp8', fmt={qc.get('fmt')!r}):"
-                              f" quantization_config.fmt must be e4m3")
+                              f" quantization_config.fmt must be one of {', '.join(FP8_FMTS)}")
+        if qc.get("scale_fmt") not in FP8_SCALE_FMTS:
+            raise SourceError(f"{where}: unsupported quantization_config (quant_method='fp8', "
+                              f"scale_fmt={qc.get('scale_fmt')!r}): quantization_config.scale_fmt must be absent or "
+                              f"{', '.join(f for f in FP8_SCALE_FMTS if f)}")
         return None if "weight_block_size" in qc else Fp8ScaledScheme(qc, where)
     cls = SCHEMES.get(method)
     if cls is None:
