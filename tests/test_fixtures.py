@@ -175,7 +175,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="deepseek_v3"):
         make_checkpoint("mixtral", "/nonexistent-never-written", fp8=True)
     assert set(ARCHS) == {"deepseek_v3", "qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe", "minimax_m2",
-                          "deepseek_v32", "kimi_k25"}
+                          "deepseek_v32", "kimi_k25", "qwen3_next"}
 
 
 def test_layers_and_dims_overrides(tmp_path):

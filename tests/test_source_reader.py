@@ -168,9 +168,11 @@ def test_adapter_tables():
 
 
 def test_unsupported_model_type_lists_supported(ckpt_copy):
-    with pytest.raises(SourceError, match="llama4.*deepseek_v2, deepseek_v3, mixtral, qwen3_moe"):
+    supported = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "kimi_k25", "minimax_m2", "mixtral",
+                 "qwen3_moe", "qwen3_next")
+    with pytest.raises(SourceError, match="llama4.*" + ", ".join(supported)):
         adapter_for({"model_type": "llama4"})
-    assert SUPPORTED_MODEL_TYPES == ("deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe")
+    assert SUPPORTED_MODEL_TYPES == supported
     d = ckpt_copy("qwen3_moe")
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "gpt_oss"

@@ -46,7 +46,7 @@ class Bf16Encoder:
         self._f32_names: set[str] = set()     # planned as F32, so encode matches plan exactly
 
     def plan(self, name, src_dtype, shape, role):
-        if role.kind in ("router", "router_bias") and _is_f32(src_dtype):
+        if role.kind in ("router", "router_bias", "shared_expert_gate") and _is_f32(src_dtype):
             self._f32_names.add(name)
             return [DenseOutput(name, "F32", tuple(shape), DENSE_LAYOUT_F32)]
         return [DenseOutput(name, "BF16", tuple(shape), DENSE_LAYOUT_BF16)]

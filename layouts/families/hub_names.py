@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from .config import ModelConfig
 from .errors import TensorNameError
 
-KINDS = ("expert", "router", "router_bias", "shared_expert", "attention", "dense_mlp",
+# shared_expert_gate: Qwen3-Next's (1, H) sigmoid gate on the shared expert, kept unquantized as the router is
+KINDS = ("expert", "router", "router_bias", "shared_expert", "shared_expert_gate", "attention", "dense_mlp",
          "norm", "embedding", "head", "skip")
 PROJS = ("gate", "up", "down")
 
@@ -46,7 +47,8 @@ class TensorRole:
     layer: int | None = None
     expert: int | None = None
     proj: str | None = None
-    reason: str | None = None               # skip rows: what the skipped tensor is
+    # skip rows: what the skipped tensor is (said in logs and inspect; not part of the role's identity)
+    reason: str | None = field(default=None, compare=False)
 
 
 def prefixed(rows: list, prefix: str) -> list:

@@ -19,7 +19,7 @@ ROWS = COMMON_ROWS + [
     (LAYER + r"mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$", "expert", GATE_UP_DOWN),
     (LAYER + r"mlp\.gate\.weight$", "router", None),
     # the shared expert's gate is one row (1, H): a router-like gate, kept in full precision like the router
-    (LAYER + r"mlp\.shared_expert_gate\.weight$", "router", None),
+    (LAYER + r"mlp\.shared_expert_gate\.weight$", "shared_expert_gate", None),   # (1, H): kept as the router is
     (LAYER + r"mlp\.shared_expert\.(?P<proj>gate|up|down)_proj\.weight$", "shared_expert", GATE_UP_DOWN),
     (LAYER + r"mlp\.(?P<proj>gate|up|down)_proj\.weight$", "dense_mlp", GATE_UP_DOWN),  # mlp_only_layers
     (LAYER + r"self_attn\.(q_norm|k_norm)\.weight$", "norm", None),
