@@ -18,9 +18,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, FORMAT_VERSION, METHOD_TO_LAYOUT, SCALE_DTYPES
+from ktlayouts.constants import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_SCALE_DTYPE,
+    FORMAT_VERSION,
+    GROUP_PER_ROW,
+    METHOD_TO_LAYOUT,
+    SCALE_DTYPES,
+)
 from ktlayouts.converted_dir import MANIFEST_NAME, PROJECTIONS, ExpertGeometry, expert_tensor
-from ktlayouts.cpu_expert import pack_expert_codes, unpack_expert_matrix
+from ktlayouts.cpu_expert import pack_expert_codes, unpack_codes, unpack_expert_matrix, unpack_scales
 from ktlayouts.cpu_expert import pack_expert_matrix as reference_pack
 from ktlayouts.expert_shards import shard_codes, shard_matrices
 from tqdm import tqdm
@@ -110,13 +117,20 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: 
     w = None if exact else {p: src.read(n).numpy() for p, n in names.items()}
     custom = quantizer is not None and quantizer.mode != "rtn" and not exact and geo.bits != 16
     stats = quantizer.expert_stats(layer, e, w) if custom else None
+    if custom and geo.numa_nodes > 1 and geo.group_size != GROUP_PER_ROW and all(
+            k % geo.group_size == 0 for k in (geo.hidden, geo.intermediate)):
+        # a calibrated quantizer (GPTQ feeds errors along K) quantizes the whole matrix once and the shards take its
+        # codes, so files for any NUMA count hold the 1-node conversion's weights (per-row scales stay per shard)
+        codes, custom = _quantize_whole(w, geo, quantizer, stats, bf16_scales), False
+    else:
+        codes = exact
     per_shard = []
     for s in shards:
-        mats = shard_codes(exact, geo.shard_plan, s) if exact else shard_matrices(w, geo.shard_plan, s)
+        mats = shard_codes(codes, geo.shard_plan, s) if codes else shard_matrices(w, geo.shard_plan, s)
         packed = {}
         for p in PROJECTIONS:
             geom = geo.matrix_geometry(p, s)
-            qweight, scales = pack_expert_codes(*mats[p], geom) if exact else \
+            qweight, scales = pack_expert_codes(*mats[p], geom) if codes else \
                 pack_expert_matrix(mats[p], geom, quantizer if custom else None, p, stats,
                                    geo.shard_plan.shard_range(s), bf16_scales)
             packed[expert_tensor(p, "qweight")] = qweight
@@ -130,6 +144,21 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: 
             else:
                 paths.requantized("experts", layer, n, what, why, _shards_error(w[p], p, per_shard, shards, geo))
     return per_shard
+
+
+def _quantize_whole(w: dict[str, np.ndarray], geo: ExpertGeometry, quantizer, stats, bf16_scales: bool
+                    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{proj: (codes (N, K) uint8, scales (N, K / G) float32)} of one expert quantized as a 1-shard conversion."""
+    whole = replace(geo, numa_nodes=1)
+    mats = shard_matrices(w, whole.shard_plan, 0)
+    out = {}
+    for p in PROJECTIONS:
+        geom = whole.matrix_geometry(p, 0)
+        qweight, scales = pack_expert_matrix(mats[p], geom, quantizer, p, stats, whole.shard_plan.shard_range(0),
+                                             bf16_scales)
+        n, k = w[p].shape
+        out[p] = (unpack_codes(qweight, geom)[:n, :k], unpack_scales(scales, geom)[:n, : k // geo.group_size])
+    return out
 
 
 def _shards_error(w: np.ndarray, proj: str, per_shard: list[dict], shards: list[int], geo: ExpertGeometry) -> float:
