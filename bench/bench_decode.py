@@ -21,13 +21,12 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP threads must not spin on the kernels' CPUs
 
-import numpy as np
 import torch
-from ktlayouts.converted_dir import ExpertGeometry
 from ktlayouts.families import parse_config
 from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
 from ktrun.kernel_experts import KernelExperts
 from ktrun.models.model import MoEModel
+from synthetic_experts import SyntheticConversion  # bench/ sits on sys.path as the script's folder
 
 H, I, TOP_K, VOCAB = 7168, 2048, 8, 4096
 
@@ -41,25 +40,6 @@ def v3_config(layers: int, experts: int, heads: int) -> dict:
             "v_head_dim": 128, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "max_position_embeddings": 4096,
             "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, "rope_theta": 10000}
-
-
-class SyntheticConversion:
-    """What KernelExperts needs from a loaded conversion: geometry + per-layer packed arrays (random int4)."""
-
-    def __init__(self, layers: int, experts: int, seed: int = 0):
-        self.geometry = ExpertGeometry("int4-amx", 128, experts, H, I, 1, tuple(range(layers)))
-        rng = np.random.default_rng(seed)
-        self.experts, self.nbytes = {}, 0
-        for layer in range(layers):
-            shard = {}
-            for p in ("gate", "up", "down"):
-                g = self.geometry.matrix_geometry(p, 0)
-                qw = rng.integers(0, 256, size=(experts, *g.qweight_shape), dtype=np.uint8)
-                # scale ~ 1/sqrt(K) / 8 keeps activations O(1) through the layers
-                sc = (rng.standard_normal((experts, *g.scales_shape)) / (8 * np.sqrt(g.k))).astype(np.float32)
-                shard[p] = (qw, sc, g)
-                self.nbytes += qw.nbytes + sc.nbytes
-            self.experts[layer] = [shard]
 
 
 def dense_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -140,7 +120,7 @@ def main():
         torch.set_num_threads(args.torch_threads)
 
     cfg = parse_config(v3_config(args.layers, args.experts, args.heads))
-    conv = SyntheticConversion(args.layers, args.experts)
+    conv = SyntheticConversion(args.layers, args.experts, H, I)
     ex = Recording(conv)
     dt = getattr(torch, args.dense_dtype)
     dense = {k: v.to(torch.float32 if k.endswith(("gate.weight", "e_score_correction_bias")) else dt)

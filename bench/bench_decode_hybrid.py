@@ -22,13 +22,12 @@ import types
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP threads must not spin on the kernels' CPUs
 
-import numpy as np
 import torch
-from ktlayouts.converted_dir import ExpertGeometry
 from ktlayouts.families import parse_config
 from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
 from ktrun.kernel_experts import KernelExperts
 from ktrun.models.model import MoEModel
+from synthetic_experts import SyntheticConversion  # bench/ sits on sys.path as the script's folder
 
 H, I, SHARED_I, TOP_K, VOCAB = 2048, 512, 512, 10, 4096
 
@@ -41,24 +40,6 @@ def next_config(layers: int, experts: int) -> dict:
             "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
             "full_attention_interval": 4, "partial_rotary_factor": 0.25, "rope_theta": 10000000,
             "max_position_embeddings": 4096}
-
-
-class SyntheticConversion:
-    """What KernelExperts needs from a loaded conversion: geometry + per-layer packed arrays (random int4)."""
-
-    def __init__(self, layers: int, experts: int, seed: int = 0):
-        self.geometry = ExpertGeometry("int4-amx", 128, experts, H, I, 1, tuple(range(layers)))
-        rng = np.random.default_rng(seed)
-        self.experts, self.nbytes = {}, 0
-        for layer in range(layers):
-            shard = {}
-            for p in ("gate", "up", "down"):
-                g = self.geometry.matrix_geometry(p, 0)
-                qw = rng.integers(0, 256, size=(experts, *g.qweight_shape), dtype=np.uint8)
-                sc = (rng.standard_normal((experts, *g.scales_shape)) / (8 * np.sqrt(g.k))).astype(np.float32)
-                shard[p] = (qw, sc, g)
-                self.nbytes += qw.nbytes + sc.nbytes
-            self.experts[layer] = [shard]
 
 
 def dense_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -154,7 +135,7 @@ def main():
     args = ap.parse_args()
 
     cfg = parse_config(next_config(args.layers, args.experts))
-    conv = SyntheticConversion(args.layers, args.experts)
+    conv = SyntheticConversion(args.layers, args.experts, H, I)
     ex = Recording(conv)
     dt = getattr(torch, args.dense_dtype)
     dense = {k: v.to(torch.float32 if k.endswith("gate.weight") else dt) for k, v in dense_weights(cfg).items()}
