@@ -5,7 +5,11 @@ Inputs are a flattened varlen batch: x (T, H) holds the new tokens of several re
 only its own cache (plus its own new tokens, causally). Projections run once over all T rows; the score/softmax
 part loops over requests (cheap next to the experts; no request can read another's cache). A request's cached
 positions come as a few runs of views into the KV block pool (kv_cache.py): scores are computed per run and
-concatenated, one softmax spans them all, and the output sums each run's share (one run: a single matmul each).
+concatenated (each score is its own dot product over the head dims, the same whatever the runs), one softmax spans
+them all, and the output is one matmul of the probabilities with the runs' values concatenated. Not a sum of each
+run's share: that splits the reduction over positions at the run boundaries, so a cached prefix (2+ runs) would
+round differently from a full prefill (1 run), and the bf16 expert kernels downstream turn those last-bit
+differences into ~3e-3 in the logits. Only values are copied, and only for requests whose cache spans 2+ runs.
 """
 from __future__ import annotations
 
@@ -44,14 +48,9 @@ def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _attend_runs(probs: torch.Tensor, values: list[torch.Tensor], apply) -> torch.Tensor:
-    """sum over runs r of apply(probs[..., run r's positions], values[r]): the output of one softmax over runs."""
-    if len(values) == 1:
-        return apply(probs, values[0])
-    out, off = None, 0
-    for v in values:
-        part = apply(probs[..., off:off + v.shape[0]], v)
-        out, off = part if out is None else out + part, off + v.shape[0]
-    return out
+    """apply(probs, the runs' values (S, ...) in position order): one reduction over all S positions, summed in the
+    same order whether the cache is one run or several (see the module docstring)."""
+    return apply(probs, _cat_rows(values))
 
 
 def gqa_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
@@ -92,7 +91,8 @@ def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         rows = slice(s.offset, s.offset + s.n)
         runs = s.cache.write(layer, s.start, [k[rows], v[rows]])             # [(k_r, v_r) (S_r, nkv, hd)], sum S_r = S
         # Each kv head's (S_r, hd) keys and values are read in place from the cache views (strided: no per-step
-        # copy or per-head repeat of the cache); its rep query heads and n tokens are the rows of one GEMM.
+        # copy or per-head repeat of the cache; values are concatenated when the cache spans 2+ runs); its rep
+        # query heads and n tokens are the rows of one GEMM.
         qs = qg[:, :, rows].reshape(nkv, rep * s.n, hd)                          # (nkv, rep*n, hd)
         scores = _cat_scores([torch.matmul(qs, kr.permute(1, 2, 0)) for kr, _ in runs])   # (nkv, rep*n, S)
         probs = _softmax_attend(scores.view(nh, s.n, -1), _mask(s, q.device, cfg.sliding_window))
