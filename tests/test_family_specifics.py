@@ -43,7 +43,7 @@ from ktconvert.testing.quantized import EXPERTS_ONLY, compressed_tensors_checkpo
 from ktconvert.testing.tokenizer import KIMI_BASE_VOCAB, _write_kimi
 
 KTCONVERT = [sys.executable, "-m", "ktconvert"]
-NEW = ("glm4_moe", "minimax_m2", "deepseek_v32", "kimi_k25")
+NEW = ("glm4_moe", "minimax_m2", "deepseek_v32", "kimi_k25", "glm4_moe_lite")
 LOGIT_ATOL, GREEDY_GAP = 1e-4, 1e-3        # reference experts, bf16 weights, float32 on both sides
 
 
@@ -265,6 +265,10 @@ def _hub_config(ckpt_dir, arch: str) -> dict:
     ("deepseek_v32", {"index_topk": 0}, "index_topk=0"),
     ("deepseek_v32", {"n_group": 8, "topk_group": 2}, "n_group=8 leaves fewer than 2"),
     ("deepseek_v32", {"mlp_layer_types": ["dense", "sparse"]}, "mlp_layer_types"),
+    ("glm4_moe_lite", {"n_routed_experts": None}, "'n_routed_experts'"),
+    ("glm4_moe_lite", {"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+    ("glm4_moe_lite", {"partial_rotary_factor": 0.5}, "'partial_rotary_factor' gives 8 rotary dims"),
+    ("glm4_moe_lite", {"mlp_layer_types": ["dense", "sparse"]}, "mlp_layer_types"),
     ("kimi_k25", {"text_config": None}, "'text_config'"),
     ("kimi_k25", {"text_config": {"model_type": "qwen3_moe"}}, "text_config.model_type 'qwen3_moe'"),
     ("kimi_k25", {"text_config.num_experts_per_tok": 99}, "text_config: num_experts_per_tok=99"),
@@ -342,6 +346,16 @@ _KIMI_K2 = {**_DSV3, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "
             "first_k_dense_replace": 1, "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0,
             "max_position_embeddings": 262144, "vocab_size": 163840, "bos_token_id": 163584, "eos_token_id": 163585,
             "rope_scaling": {**_DSV3["rope_scaling"], "factor": 64.0}}
+# GLM-4.7-Flash: the sizes of transformers' Glm4MoeLiteConfig defaults (the release's), with the hub's keys
+_GLM47_FLASH = {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite", "hidden_size": 2048,
+                "intermediate_size": 10240, "moe_intermediate_size": 1536, "num_hidden_layers": 47,
+                "num_attention_heads": 20, "num_key_value_heads": 20, "n_shared_experts": 1, "n_routed_experts": 64,
+                "routed_scaling_factor": 1.8, "kv_lora_rank": 512, "q_lora_rank": 768, "qk_rope_head_dim": 64,
+                "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 4,
+                "norm_topk_prob": True, "first_k_dense_replace": 1, "num_nextn_predict_layers": 1,
+                "partial_rotary_factor": 1.0, "topk_method": "noaux_tc", "max_position_embeddings": 202752,
+                "rope_theta": 1000000, "rope_scaling": None, "rms_norm_eps": 1e-5, "attention_bias": False,
+                "tie_word_embeddings": False, "vocab_size": 154880}
 _KIMI_K25 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
              "text_config": {k: v for k, v in _KIMI_K2.items() if k != "architectures"},
              "vision_config": {"patch_size": 14, "hidden_size": 1152}, "media_placeholder_token_id": 163605}
@@ -364,6 +378,11 @@ _KIMI_K25 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type":
               "moe_layers": tuple(range(3, 61)), "rope_kind": "yarn", "n_mtp_layers": 1}),
     (_KIMI_K2, {"model_type": "deepseek_v3", "num_experts": 384, "n_group": 1, "moe_layers": tuple(range(1, 61)),
                     "routed_scaling_factor": 2.827, "rope_kind": "yarn"}),
+    (_GLM47_FLASH, {"model_type": "glm4_moe_lite", "num_layers": 47, "num_experts": 64, "top_k": 4,
+                    "moe_layers": tuple(range(1, 47)), "n_mtp_layers": 1, "v_head_dim": 256, "qk_nope_head_dim": 192,
+                    "rope_dims": 64, "rope_theta": 1e6, "routed_scaling_factor": 1.8, "rms_norm_eps": 1e-5,
+                    "scoring": "sigmoid", "attention": "mla"}),
+    ({**_GLM47_FLASH, "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 45}, {"moe_layers": tuple(range(2, 47))}),
     (_KIMI_K25, {"model_type": "kimi_k25", "num_experts": 384, "moe_layers": tuple(range(1, 61)), "num_heads": 64}),
 ])
 def test_release_shaped_configs_parse(raw, want):

@@ -119,6 +119,20 @@ FIXTURES = {
         tokenizer="deepseek", fp8=True, fp8_config={"scale_fmt": "ue8m0"},
         hub_extra_keys={"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1},
         hub_drop_keys=("head_dim", "mlp_layer_types", "layer_types"), mtp=True),
+    # GLM-4.7-Flash: MLA (5 heads, v_head_dim 48 != qk_nope_head_dim 32, as the release's 256 != 192) with GLM's MoE
+    # (sigmoid routing, correction bias, one group, shared expert), a dense first layer and an MTP layer; the hub's
+    # config.json says first_k_dense_replace where transformers writes mlp_layer_types.
+    "glm4_moe_lite": FixtureFamily(
+        config={
+            "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 80, "n_routed_experts": 8,
+            "num_experts_per_tok": 3, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
+            "num_hidden_layers": 3, "num_attention_heads": 5, "num_key_value_heads": 5, "kv_lora_rank": 32,
+            "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 48,
+            "routed_scaling_factor": 1.8, "norm_topk_prob": True, "max_position_embeddings": 1024,
+            "rms_norm_eps": 1e-5, "pad_token_id": 0, "eos_token_id": 0},
+        tokenizer="glm", mtp=True, hub_drop_keys=("mlp_layer_types",),
+        hub_extra_keys={"first_k_dense_replace": 1, "num_nextn_predict_layers": 1, "moe_layer_freq": 1,
+                        "topk_method": "noaux_tc", "partial_rotary_factor": 1.0}),
     # Kimi-K2.5: Kimi-K2's text model (1 expert group, 3 heads) under language_model., a tiny vision tower beside it,
     # and Kimi's tiktoken tokenizer (tiktoken.model + tokenizer_config.json, no tokenizer.json).
     "kimi_k25": FixtureFamily(

@@ -7,6 +7,8 @@ too (deepseek_v3.py imports them).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from .config import Fields, ModelConfig, check_routing, parse_rope, token_ids
 from .family import Family
 from .gguf_names import (
@@ -72,7 +74,7 @@ def parse_mla(f: Fields, *, defaults: dict, experts_alias: str, scoring: str, to
         head_dim=rope_dim,
         intermediate_size=f.run("intermediate_size"),
         rope=parse_rope(f, rope_dim, 10000.0, max_position, interleaved),
-        rms_norm_eps=f.get("rms_norm_eps", 1e-6, cast=float), max_position=max_position,
+        rms_norm_eps=f.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6), cast=float), max_position=max_position,
         tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
         attention_bias=bool(f.get("attention_bias", False)),
         n_shared_experts=f.get("n_shared_experts", defaults["n_shared_experts"], cast=int),
@@ -85,6 +87,18 @@ def parse_mla(f: Fields, *, defaults: dict, experts_alias: str, scoring: str, to
         kv_lora_rank=f.run("kv_lora_rank"), qk_nope_head_dim=f.run("qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
         v_head_dim=f.run("v_head_dim"), bos_token_id=f.raw.get("bos_token_id"),
         eos_token_ids=token_ids(f.raw.get("eos_token_id")), raw=f.raw)
+
+
+def with_mlp_layer_types(f: Fields, cfg: ModelConfig) -> ModelConfig:
+    """transformers' explicit form of first_k_dense_replace (DeepSeek-V3.2, GLM-4.7-Flash): `mlp_layer_types`,
+    "dense" | "sparse" per layer, decides which layers are MoE when config.json has it."""
+    types = f.get("mlp_layer_types", None)
+    if types is None:
+        return cfg
+    f.check(isinstance(types, list) and len(types) == cfg.num_layers and set(types) <= {"dense", "sparse"},
+            f"mlp_layer_types must list 'dense' or 'sparse' for each of num_hidden_layers={cfg.num_layers} layers")
+    return dataclasses.replace(cfg, moe_layers=tuple(i for i, t in enumerate(types) if t == "sparse"
+                                                    and cfg.num_experts))
 
 
 # transformers DeepseekV2Config's defaults for the fields we read

@@ -33,12 +33,7 @@ def parse(f: Fields) -> ModelConfig:
                                 topk_method="noaux_tc", interleaved=True, mtp=True)
     f.check(cfg.q_lora_rank is not None, "q_lora_rank is null: DeepSeek-V3.2's indexer reads the q LoRA "
                                          "activations, so q_lora_rank must be set")
-    types = f.get("mlp_layer_types", None)
-    if types is not None:          # transformers' explicit form of first_k_dense_replace: "dense" | "sparse" per layer
-        f.check(isinstance(types, list) and len(types) == cfg.num_layers and set(types) <= {"dense", "sparse"},
-                f"mlp_layer_types must list 'dense' or 'sparse' for each of num_hidden_layers={cfg.num_layers} layers")
-        cfg = dataclasses.replace(cfg, moe_layers=tuple(i for i, t in enumerate(types) if t == "sparse"
-                                                        and cfg.num_experts))
+    cfg = deepseek_v2.with_mlp_layer_types(f, cfg)
     heads = f.get("index_n_heads", DEFAULTS["index_n_heads"], cast=int)
     dim = f.get("index_head_dim", DEFAULTS["index_head_dim"], cast=int)
     topk = f.get("index_topk", DEFAULTS["index_topk"], cast=int)
