@@ -49,11 +49,18 @@ EXTRA = [("deepseek_v3", ("marlin", "rtn-int8", 32)), ("qwen3_moe", ("marlin", "
 # family and scheme, max 2.5e-2 (deepseek_v3, compressed-tensors int4 per row: random MoE weights route on noise,
 # one position flips a routing choice), else <= 1.4e-2.
 KL_MEAN, KL_MAX = 5e-3, 5e-2
-# Families that joined ARCHS after these bounds were measured and exceed them on this path: DeepSeek-V3.2's lightning
-# indexer keeps a discrete top-8 of keys and the op's int8 activations in its q/k projections swap near-tied keys
-# (KL mean up to 3.7e-2 against the dequantized path); the Kimi-K2.5 fixture flips one choice at one position (KL
-# max 7e-2 to 9e-2, mean within bound). Measured here and reported as xfail with the numbers (open: keep the
-# indexer's Linears off the int8 op, or bounds of their own); every other family is held to the bounds above.
+# Families that joined ARCHS after these bounds were measured and exceed them on this path, both from a discrete
+# choice at a near-tie that the op's int8 activations (~0.5% relative error per Linear, as expected of int8 per group)
+# cross; the weights are identical on both sides. DeepSeek-V3.2: the lightning indexer's top-8 of ~57 keys flips at
+# 4 positions of layer 0 (8th/9th score gaps 0.3% to 1.4% of the top scores) and more downstream (KL mean 1.3e-2 to
+# 3.5e-2, max 1e-1 to 2.7e-1; the greedy test's continuation leaves transformers' argmax by up to 1.1). Keeping
+# the indexer's own Linears in bf16 does not change that (measured: KL mean 5e-3 to 2.4e-2), nor running q_a_proj
+# (whose output the indexer's queries read) in float on top (mean 3.6e-3, max 1.05e-1): the rest of the layer's
+# Linears move the scores as much. Kimi-K2.5: at position 1 of the prompt, layer 1's router has its 2nd and 3rd
+# experts 2.0e-5 apart (median gap over positions 1.7e-2), so that one position flips (KL max 9.0e-2, mean 2.2e-3;
+# vs transformers 8.9e-2 at the same position, greedy gaps <= 0.03); no conversion choice of Kimi's differs from
+# DeepSeek-V3's (same Linears, group, scale dtype). Reported as xfail with the numbers; every other family is held to
+# the bounds above.
 OVER_BOUND = ("deepseek_v32", "kimi_k25")
 
 
