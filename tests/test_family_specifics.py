@@ -405,6 +405,18 @@ def test_glm45_air_without_qk_norm_and_bias_matches_transformers(tmp_path_factor
     assert (got - reference_logits(transformers_model(src), ids)).abs().max() < LOGIT_ATOL
 
 
+def test_glm47_flash_with_attention_bias_matches_transformers(tmp_path_factory):
+    """GLM-4.7-Flash with attention_bias (false in the release; transformers' option): q_a_proj, kv_a_proj_with_mqa
+    and o_proj biases are converted in full precision and applied (the fixture has none)."""
+    root = shared_root(tmp_path_factory) / "glm47_flash_bias"
+    src = make_checkpoint("glm4_moe_lite", root / "src", init_scale=INIT_SCALE, attention_bias=True)
+    eng = Engine(build_conversion(src, root / "conv"), ctx=256, use_kernels=False)
+    assert sum(".self_attn." in n and n.endswith(".bias") for n in eng.model.w) == 3 * eng.model.cfg.num_layers
+    ids = eng.tokenizer.encode(PROMPT)
+    got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+    assert (got - reference_logits(transformers_model(src), ids)).abs().max() < LOGIT_ATOL
+
+
 # --- Kimi-K2.5's release format: compressed-tensors int4 experts under language_model. ----------------------------
 
 @pytest.mark.parametrize("nested", [False, True], ids=["top-level", "in-text_config"])

@@ -15,6 +15,11 @@ from __future__ import annotations
 from . import deepseek_v2
 from .config import Fields, ModelConfig, rotary_dims
 from .family import Family
+from .hub_names import LAYER, HubNames
+
+# attention_bias (false in the release, an option of transformers' class): q_a_proj, kv_a_proj_with_mqa and o_proj
+# carry biases, kept in full precision beside their (possibly quantized) weights
+ROWS = [(LAYER + r"self_attn\.(q_a_proj|kv_a_proj_with_mqa|o_proj)\.bias$", "attention", None)] + deepseek_v2.MLA_ROWS
 
 # transformers Glm4MoeLiteConfig's defaults for the fields we read (its rope_theta is PreTrainedConfig's 10000)
 DEFAULTS = {"first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
@@ -35,4 +40,6 @@ def parse(f: Fields) -> ModelConfig:
 
 FAMILY = Family(
     name="glm4_moe_lite", title="GLM-4.7-Flash", architectures=("Glm4MoeLiteForCausalLM",), parse=parse,
-    names=deepseek_v2.hub_names(mtp=True), runtime_module="deepseek_v3")
+    names=HubNames(ROWS, deepseek_v2.EXPERT_NAME, deepseek_v2.GATE_UP_DOWN, moe_prefix="mlp.",
+                   shared_prefix="mlp.shared_experts.", mtp=True),
+    runtime_module="deepseek_v3")
