@@ -1,5 +1,6 @@
-"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5's text model: MLA attention (q/kv LoRA, decoupled YaRN RoPE, compressed-latent cache), sigmoid routing
-with e_score_correction_bias and group-limited top-k, routed_scaling_factor, shared experts, dense first layers."""
+"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5's text model / GLM-4.7-Flash: MLA attention (q/kv LoRA, decoupled YaRN RoPE,
+compressed-latent cache), sigmoid routing with e_score_correction_bias and group-limited top-k,
+routed_scaling_factor, shared experts, dense first layers."""
 from __future__ import annotations
 
 from .attention import mla_attention, mla_cache_widths
