@@ -304,8 +304,15 @@ class ExpertRamTier:
     def ensure(self, layer: int, experts) -> tuple[list[int], list[Future]]:
         """Pin `experts` of `layer` and start reading the missing ones. -> (their global ids, futures to wait on);
         call release(ids) once the kernels are done with them."""
+        gs, each = self.ensure_each(layer, experts)
+        return gs, [f for f in each if f is not None]
+
+    def ensure_each(self, layer: int, experts) -> tuple[list[int], list[Future | None]]:
+        """ensure(), with one entry per expert: the future of its load (None when it was already resident), so a
+        caller can compute on each expert as soon as it lands. Missing experts are issued in the order given (the
+        reader is FIFO within a priority, so they complete roughly in that order)."""
         gs = [self.g(layer, e) for e in experts]
-        futs = []
+        futs: list[Future | None] = []
         with self._cv:
             self._tick += 1
             for g in gs:
@@ -322,6 +329,7 @@ class ExpertRamTier:
                 st = self._state[g]
                 if st == RESIDENT:
                     self.counters["ram_hits"] += 1
+                    futs.append(None)
                     continue
                 if st == LOADING:
                     self.counters["inflight_hits"] += 1
@@ -330,8 +338,7 @@ class ExpertRamTier:
                 else:
                     self.counters["demand_loads"] += 1
                     self._admit(g, wait=True, exclude=set())
-                if g in self._futures:
-                    futs.append(self._futures[g])
+                futs.append(self._futures.get(g))
         return gs, futs
 
     def prefetch_use(self) -> float:
@@ -340,10 +347,11 @@ class ExpertRamTier:
             return 1.0
         return sum(self._outcomes) / len(self._outcomes)
 
-    def wait(self, futs: list[Future]) -> None:
+    def wait(self, futs: list[Future | None]) -> None:
         t0 = time.perf_counter()
         for f in futs:
-            f.result()
+            if f is not None:
+                f.result()
         self.wait_s += time.perf_counter() - t0
 
     def release(self, gs: list[int]) -> None:
