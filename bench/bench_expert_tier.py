@@ -348,6 +348,7 @@ def child(a) -> None:
         if "ram_tier_pred_predicted" in s1:
             out.update({"prefetch_hit_ratio": d("prefetch_used") / max(1, d("prefetch_issued")),
                         "prefetch_throttled_calls": d("prefetch_throttled"),
+                        "prefetch_cancelled": d("prefetch_cancelled"),
                         "precision": d("pred_correct") / max(1, d("pred_predicted")),
                         "recall": d("pred_correct") / max(1, d("pred_actual"))})
     lm.close()

@@ -23,7 +23,14 @@ route to all of them), else TierError says how much is needed.
 
 Reads run on `io_threads` threads (several reads in flight; the GIL is released while reading). `ensure()` issues
 the missing experts of a layer and returns a waiter; `prefetch()` issues predicted experts without ever waiting
-for room (it evicts only what nobody pinned). Stats (bytes read, disk time, hits, prefetch use) are in `stats()`.
+for room (it evicts only what nobody pinned); a prefetch its layer then does not want is cancelled while none of its
+reads has started. `ensure_each()` gives one future per missing expert, so a caller computes on each as it lands.
+Stats (bytes read, disk time, hits, prefetch use) are in `stats()`.
+
+Why threads and not io_uring: os.preadv releases the GIL, so a few reader threads keep that many O_DIRECT reads in
+flight from Python with no new dependency (the standard library has no io_uring, and a binding would be a package
+to install and a kernel feature to probe); on the measured disk 4 reads of <= 2 MiB in flight reach its sequential
+rate (bench/bench_expert_tier.py prints the reader's rate beside the disk's), so submission cost is not what limits.
 """
 from __future__ import annotations
 
@@ -154,7 +161,7 @@ class ExpertRamTier:
         self._busy_since = 0.0
         self.counters = dict.fromkeys(("bytes_read", "reads", "loads", "evictions", "demand_experts", "ram_hits",
                                        "inflight_hits", "demand_loads", "prefetch_issued", "prefetch_used",
-                                       "prefetch_dropped", "prefetch_throttled"), 0)
+                                       "prefetch_dropped", "prefetch_throttled", "prefetch_cancelled"), 0)
         self.disk_busy_s = 0.0          # wall time with at least one read in flight
         self.wait_s = 0.0               # time callers waited on demand reads
 
@@ -325,6 +332,9 @@ class ExpertRamTier:
                 used = g in wanted and self._state[g] != ABSENT
                 self._outcomes.append(used)
                 self.counters["prefetch_used"] += used
+                if not used and self._state[g] == LOADING and self._pins[g] == 0 and g in self._jobs \
+                        and self._queue.cancel(self._jobs[g]):
+                    self._cancel(g)             # a wrong guess not yet started: leave the disk to the demand reads
             for g in gs:
                 st = self._state[g]
                 if st == RESIDENT:
@@ -340,6 +350,21 @@ class ExpertRamTier:
                     self._admit(g, wait=True, exclude=set())
                 futs.append(self._futures.get(g))
         return gs, futs
+
+    def _cancel(self, g: int) -> None:
+        """Undo the admission of a load none of whose reads started (under the lock; the queue already dropped it)."""
+        job = self._jobs.pop(g)
+        self._futures.pop(g, None)
+        self._inflight -= 1
+        if self._inflight == 0:
+            self.disk_busy_s += time.perf_counter() - self._busy_since
+        self._state[g] = RESIDENT               # _evict's precondition: give the reserved pages back
+        self._evict(g)
+        self.counters["evictions"] -= 1
+        self.counters["loads"] -= 1
+        self.counters["prefetch_cancelled"] += 1
+        job.fut.cancel()
+        self._cv.notify_all()
 
     def prefetch_use(self) -> float:
         """Share of the last PREFETCH_WINDOW prefetches their layer then used (1.0 until 16 are known)."""
@@ -461,6 +486,14 @@ class _ReadQueue:
                 if k not in job.started:
                     heapq.heappush(self._heap, (priority, next(self._seq), k, job))
             self._cv.notify_all()
+
+    def cancel(self, job: _Job) -> bool:
+        """Drop a queued load none of whose reads has started -> True; False when one has (it runs to the end)."""
+        with self._cv:
+            if job.started:
+                return False
+            job.started.update(range(len(job.chunks)))     # queued entries are skipped as already run
+            return True
 
     def _work(self) -> None:
         while True:

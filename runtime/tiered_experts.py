@@ -181,6 +181,7 @@ def tier_lines(before: dict, after: dict, tokens: int, measured: int | None = No
     if "ram_tier_pred_predicted" in after:
         lines += [f"ram_tier_prefetch_hit_ratio: {ratio(d('prefetch_used'), d('prefetch_issued')):.4f}",
                   f"ram_tier_prefetch_throttled_calls: {d('prefetch_throttled')}",
+                  f"ram_tier_prefetch_cancelled: {d('prefetch_cancelled')}",
                   f"ram_tier_prediction_precision: {ratio(d('pred_correct'), d('pred_predicted')):.4f}",
                   f"ram_tier_prediction_recall: {ratio(d('pred_correct'), d('pred_actual')):.4f}"]
     return lines

@@ -186,6 +186,33 @@ def test_ensure_each_gives_one_future_per_missing_expert_in_order(default_conver
             tier.close()
 
 
+def test_unwanted_prefetch_not_started_is_cancelled(default_converted):
+    """A prediction its layer then does not route to is dropped from the read queue while none of its reads has
+    started (the disk is left to the demand reads), its reserved pages given back; a wanted one is read."""
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+        tier = ExpertRamTier(c, 1 << 30, io_threads=1)
+        gate = threading.Event()
+        read = tier._queue._fn
+        tier._queue._fn = lambda job, k: (gate.wait(), read(job, k))     # the reader stalls until the gate opens
+        try:
+            L1, L2 = c.geometry.moe_layers[:2]
+            gs1, each1 = tier.ensure_each(L1, [0])                  # the reader takes this one and waits
+            assert tier.prefetch(L2, [3, 4, 5]) == 3
+            gs2, each2 = tier.ensure_each(L2, [4, 6])               # 3 and 5 were wrong guesses, 4 was right
+            assert tier.counters["prefetch_cancelled"] == 2 and tier.counters["prefetch_used"] == 1
+            assert not tier.is_resident(L2, 3) and tier.g(L2, 3) not in tier._futures
+            gate.set()
+            tier.wait(each1 + each2)
+            assert tier.resident(L2) == [4, 6]
+            want = sum(tier.expert_pages(L, e) for L, e in ((L1, 0), (L2, 4), (L2, 6))) * PAGE
+            assert tier.stats()["resident_bytes"] == want == tier.measured_resident_bytes()
+            tier.release(gs1 + gs2)
+        finally:
+            gate.set()
+            tier.close()
+
+
 @pytest.mark.parametrize("T", [1, 6])
 def test_kernel_runs_in_ascending_expert_order_equal_one_call(default_converted, T):
     """Why per-expert completion keeps the bits: one kernel call on a layer equals calls over ascending runs of its
