@@ -52,7 +52,7 @@ SHAPE = {"hidden_size": 1024, "moe_intermediate_size": 1536, "num_experts": 64, 
 # cache's own asynchronous readahead, in place of our reader); tier: --expert-ram without prediction;
 # tier+predict: with the router predictor; tier+coact: with the co-activation predictor; tier-pread: buffered reads
 MODES = ("ram", "mmap", "mmap+willneed", "tier", "tier+predict", "tier+coact")
-ALL_MODES = (*MODES, "tier-pread")
+ALL_MODES = (*MODES, "tier-pread", "tier-onecall")   # tier-onecall: no per-expert completion (one call per layer)
 MARGIN = 64 << 20
 
 
@@ -313,6 +313,8 @@ def child(a) -> None:
     m = lm.model
     if a.mode == "mmap+willneed":
         m.experts = WillneedExperts(m.experts, lm.converted)
+    if a.mode == "tier-onecall":                 # A/B of per-expert completion: the layer waits for all its reads
+        m.experts.stage = False
     tier = getattr(m.experts, "tier", None)
     toks = torch.randint(0, m.cfg.vocab_size, (5 + a.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = m.new_cache(len(toks) + 1)

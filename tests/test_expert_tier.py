@@ -213,6 +213,27 @@ def test_unwanted_prefetch_not_started_is_cancelled(default_converted):
             tier.close()
 
 
+def test_prefetch_throttles_to_a_rare_probe_while_its_guesses_go_unused(default_converted):
+    """While fewer than PREFETCH_MIN_USE of the recent prefetches were used, a prefetch call reads at most its
+    best-ranked expert, and only on one call in PROBE_EVERY; with good guesses every prediction is read."""
+    from ktrun.expert_tier import PREFETCH_WINDOW, PROBE_EVERY
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+        tier = ExpertRamTier(c, 1 << 30)
+        try:
+            L = c.geometry.moe_layers[1]
+            tier._outcomes.extend([False] * PREFETCH_WINDOW)
+            issued = [tier.prefetch(L, [2 * i, 2 * i + 1]) for i in range(PROBE_EVERY + 1)]
+            assert issued == [1] + [0] * (PROBE_EVERY - 1) + [1]
+            assert tier.counters["prefetch_throttled"] == PROBE_EVERY + 1
+            tier._outcomes.extend([True] * PREFETCH_WINDOW)
+            E = c.geometry.n_experts
+            assert tier.prefetch(L, [E - 3, E - 2, E - 1]) == 3
+            tier.drain()
+        finally:
+            tier.close()
+
+
 @pytest.mark.parametrize("T", [1, 6])
 def test_kernel_runs_in_ascending_expert_order_equal_one_call(default_converted, T):
     """Why per-expert completion keeps the bits: one kernel call on a layer equals calls over ascending runs of its
