@@ -29,8 +29,8 @@ Stats (bytes read, disk time, hits, prefetch use) are in `stats()`.
 
 Why threads and not io_uring: os.preadv releases the GIL, so a few reader threads keep that many O_DIRECT reads in
 flight from Python with no new dependency (the standard library has no io_uring, and a binding would be a package
-to install and a kernel feature to probe); on the measured disk 4 reads of <= 2 MiB in flight reach its sequential
-rate (bench/bench_expert_tier.py prints the reader's rate beside the disk's), so submission cost is not what limits.
+to install and a kernel feature to probe); on the measured disk the reader alone ran at 0.6-0.9 of its sequential
+rate (bench/bench_expert_tier.py prints the two side by side), so submission cost is not what limits decode.
 """
 from __future__ import annotations
 
