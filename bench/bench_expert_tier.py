@@ -1,6 +1,7 @@
-"""Decode of a model whose expert files are larger than the RAM allowed to it: plain mmap (the page cache decides)
-vs the RAM tier (`--expert-ram`) without and with next-layer prediction (and without, on buffered reads), in the same
-run, under a memory cgroup.
+"""Decode of a model whose expert files are larger than the RAM allowed to it, in the same run, under a memory cgroup:
+plain mmap (the page cache decides), plain mmap with posix_fadvise(WILLNEED) readahead of whole experts (routed +
+router-predicted), and the RAM tier (`--expert-ram`) without prediction, with the router predictor and with the
+co-activation predictor (`--modes` adds tier-pread: buffered reads).
 
 Model: a Qwen3-MoE-architecture checkpoint written here (random bf16 weights, hidden 1024, expert intermediate 1536,
 64 experts, top-8, 8 layers; the dense part from ktconvert.testing), converted by `ktconvert quantize --method
@@ -18,8 +19,10 @@ read_bytes), the tier's hit ratios and prediction precision/recall, the tier's r
 after every step against its budget, the cgroup's peak usage, OOM kills, and a hash of the timed logits (all modes
 must agree: the tier is bit-identical to mmap).
 
-Limits measured in the same run: the disk's sequential read speed (O_DIRECT, 8 MiB reads, 1 and 4 in flight, cache
-dropped), and the all-in-RAM decode rate (plain mmap without a cgroup, files in the page cache: the compute limit).
+Limits measured in the same run: the disk's sequential read speed (O_DIRECT, 8 MiB reads, 1, 4 and 8 in flight, cache
+dropped; before and after the runs, the best one is the limit), the tier's reader alone on the same files (2 and 8
+random experts per layer, cache dropped: does it read at the disk's rate?), the load average, and the all-in-RAM decode
+rate (plain mmap without a cgroup, files in the page cache: the compute limit).
 `disk_bound_ratio` = tok/s / (disk GB/s / disk bytes per token): the share of what the disk allows for the bytes
 that came from disk; `bound_ratio` the same against min(that, all-in-RAM rate), since decode cannot beat compute.
 `vs_mmap` = tok/s over plain mmap's under the same cap.
@@ -44,8 +47,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"hidden_size": 1024, "moe_intermediate_size": 1536, "num_experts": 64, "num_experts_per_tok": 8,
          "num_layers": 8}
-# ram: plain mmap, no cgroup, files in the page cache; tier-pread: the tier with buffered reads (--expert-ram-io pread)
-MODES = ("ram", "mmap", "tier", "tier+predict", "tier-pread")
+# ram: plain mmap, no cgroup, files in the page cache; mmap+willneed: plain mmap plus posix_fadvise(WILLNEED) of
+# each layer's routed experts as soon as it is routed and of the next layer's router-predicted ones (the page
+# cache's own asynchronous readahead, in place of our reader); tier: --expert-ram without prediction;
+# tier+predict: with the router predictor; tier+coact: with the co-activation predictor; tier-pread: buffered reads
+MODES = ("ram", "mmap", "mmap+willneed", "tier", "tier+predict", "tier+coact")
+ALL_MODES = (*MODES, "tier-pread", "tier-onecall")   # tier-onecall: no per-expert completion (one call per layer)
 MARGIN = 64 << 20
 
 
@@ -214,16 +221,100 @@ def rss_anon() -> int:
                 if ln.startswith("RssAnon:"))
 
 
+class WillneedExperts:
+    """Plain mmap with the kernel's readahead asked for whole experts: at each MoE layer's submit,
+    posix_fadvise(WILLNEED) on the byte ranges of its routed experts and of the next layer's predicted ones (the
+    router predictor), then the kernels fault the pages in as usual. (madvise(MADV_WILLNEED) on a file mapping
+    does the same: it starts the same page-cache readahead.) The bench's stand-in for "let the page cache read"."""
+
+    def __init__(self, inner, converted):
+        from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor
+        from ktrun.expert_prediction import NextLayerPredictor
+        geo, man = converted.geometry, converted.manifest
+        self.inner, self.E = inner, geo.n_experts
+        self.predictor = NextLayerPredictor(converted)
+        self.ranges: dict[int, list[tuple[int, int, int]]] = {}   # layer -> [(fd, offset of expert 0, bytes per expert)]
+        self.fds = []
+        for L in geo.moe_layers:
+            for s_ in range(geo.numa_nodes):
+                rel = expert_file(L, s_, geo.numa_nodes)
+                fd = os.open(converted.root / rel, os.O_RDONLY)
+                self.fds.append(fd)
+                for p in PROJECTIONS:
+                    for kind in ("qweight", "scales"):
+                        t = man["files"][rel]["tensors"].get(expert_tensor(p, kind))
+                        if t is not None:
+                            self.ranges.setdefault(L, []).append((fd, int(t["offset"]), int(t["nbytes"]) // self.E))
+        self.calls = 0
+
+    def _willneed(self, layer, experts):
+        for fd, off, per in self.ranges.get(layer, []):
+            for e in experts:
+                os.posix_fadvise(fd, off + int(e) * per, per, os.POSIX_FADV_WILLNEED)
+        self.calls += 1
+
+    def submit(self, layer, x, ids, weights, out, **kw):
+        import numpy as np
+        ids_np = ids.cpu().numpy()
+        self._willneed(layer, np.unique(ids_np[ids_np >= 0]))
+        nxt, pred = self.predictor.predict(layer, x)
+        if nxt is not None:
+            self._willneed(nxt, pred)
+        self.inner.submit(layer, x, ids, weights, out, **kw)
+
+    def sync(self):
+        self.inner.sync()
+
+    @property
+    def stats(self):
+        return self.inner.stats
+
+    def close(self):
+        for fd in self.fds:
+            os.close(fd)
+        self.inner.close()
+
+
+def reader_child(a) -> None:
+    """The tier's reader alone (ExpertRamTier.ensure_each, default reads and threads), cache dropped: per MoE layer
+    `a.tokens` random experts at once (what a decode step misses), timed from issue to the last landing."""
+    import random
+
+    from ktrun.expert_tier import ExpertRamTier
+    from ktrun.loaded_model import load_model
+    lm = load_model(a.conv, device="cpu")
+    c, rng, rates = lm.converted, random.Random(0), []
+    for _ in range(3):
+        tier = ExpertRamTier(c, 1 << 34)
+        drop_cache(expert_files(a.conv))
+        busy = 0.0
+        for L in c.geometry.moe_layers:
+            t0 = time.perf_counter()
+            gs, each = tier.ensure_each(L, rng.sample(range(c.geometry.n_experts), a.tokens))
+            tier.wait(each)
+            busy += time.perf_counter() - t0
+            tier.release(gs)
+        rates.append(tier.counters["bytes_read"] / busy / 1e9)
+        tier.close()
+    lm.close()
+    print(json.dumps({"rates": rates, "experts_per_layer": a.tokens}))
+
+
 def child(a) -> None:
     import torch
     from ktrun.expert_ram_option import ExpertRamOptions
     from ktrun.generate import decode_one_token, prefill
     from ktrun.loaded_model import load_model
     torch.set_num_threads(1)
-    opts = None if a.mode in ("ram", "mmap", "baseline") else ExpertRamOptions(
-        a.budget, predict=a.mode.endswith("predict"), io="pread" if a.mode == "tier-pread" else a.io)
+    opts = None if a.mode in ("ram", "mmap", "mmap+willneed", "baseline") else ExpertRamOptions(
+        a.budget, predict=a.mode in ("tier+predict", "tier+coact"), io="pread" if a.mode == "tier-pread" else a.io,
+        predictor="coact" if a.mode == "tier+coact" else "router")
     lm = load_model(a.conv, device="cpu", expert_ram=opts)
     m = lm.model
+    if a.mode == "mmap+willneed":
+        m.experts = WillneedExperts(m.experts, lm.converted)
+    if a.mode == "tier-onecall":                 # A/B of per-expert completion: the layer waits for all its reads
+        m.experts.stage = False
     tier = getattr(m.experts, "tier", None)
     toks = torch.randint(0, m.cfg.vocab_size, (5 + a.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = m.new_cache(len(toks) + 1)
@@ -253,10 +344,13 @@ def child(a) -> None:
                     "peak_accounted": s1["ram_tier_peak_resident_bytes"], "peak_measured": peak_measured,
                     "hit_ratio": d("ram_hits") / max(1, d("demand_experts")),
                     "disk_read_gbps": d("bytes_read") / d("disk_busy_s") / 1e9 if d("disk_busy_s") else 0.0,
-                    "wait_ms_per_token": 1e3 * d("demand_wait_s") / a.tokens, "io": s1["ram_tier_io"]})
+                    "wait_ms_per_token": 1e3 * d("demand_wait_s") / a.tokens, "io": s1["ram_tier_io"],
+                    "staged_layers_per_token": d("staged_layers") / a.tokens,
+                    "early_experts_per_token": d("early_experts") / a.tokens})
         if "ram_tier_pred_predicted" in s1:
             out.update({"prefetch_hit_ratio": d("prefetch_used") / max(1, d("prefetch_issued")),
                         "prefetch_throttled_calls": d("prefetch_throttled"),
+                        "prefetch_cancelled": d("prefetch_cancelled"),
                         "precision": d("pred_correct") / max(1, d("pred_predicted")),
                         "recall": d("pred_correct") / max(1, d("pred_actual"))})
     lm.close()
@@ -282,13 +376,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ratios", default="2,4")
     ap.add_argument("--io", default="direct", choices=("direct", "pread"))
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(ALL_MODES)}")
     ap.add_argument("--child", default=None)
     ap.add_argument("--conv", type=Path)
     ap.add_argument("--budget", type=int, default=0)
     a = ap.parse_args()
     if a.child:
         a.mode = a.child
-        child(a)
+        (reader_child if a.child == "reader" else child)(a)
         return
     if os.geteuid() != 0:
         sys.exit("bench_expert_tier: needs root (it creates memory cgroups)")
@@ -296,11 +391,21 @@ def main() -> None:
     conv = build_model(a.work)
     files = expert_files(conv)
     total = sum(f.stat().st_size for f in files)
+    modes = tuple(m for m in a.modes.split(",") if m)
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad:
+        sys.exit(f"--modes: unknown {bad}; use {', '.join(ALL_MODES)}")
     print(f"expert_files: {total} bytes in {len(files)} files")
-    disk = {n: disk_read_gbps(files, n) for n in (1, 4)}
+    print(f"load_average_start: {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min; 2 cores)")
+    disk = {n: disk_read_gbps(files, n) for n in (1, 4, 8)}
     for n, v in disk.items():
         print(f"disk_sequential_read_{n}_in_flight: {v:.3f} GB/s")
-    disk_gbps = max(disk.values())
+    for n in (2, 8):
+        r = run_child(conv, "reader", n, 0, a.io, None)
+        if "failed" in r:
+            sys.exit(f"reader run failed: {r['stderr']}")
+        print(f"tier_reader_rate_{n}_experts_per_layer: {statistics.fmean(r['rates']):.3f} GB/s "
+              f"[{', '.join(f'{v:.2f}' for v in r['rates'])}] (cache dropped; vs sequential {max(disk.values()):.3f})")
     drop_cache(files)
     base = run_child(conv, "baseline", 1, 0, a.io, None)
     if "failed" in base:
@@ -312,7 +417,7 @@ def main() -> None:
         limit = base["rss_anon"] + MARGIN + cap
         print(f"\n# expert files {ratio}x the cap: cap {cap} bytes, cgroup limit {limit} bytes")
         for rep in range(a.reps):
-            for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+            for mode in (modes if rep % 2 == 0 else modes[::-1]):
                 if mode == "ram":                      # the all-in-RAM rate: the compute limit
                     warm_cache(files)
                     r = run_child(conv, mode, a.tokens, cap, a.io, None)
@@ -329,6 +434,12 @@ def main() -> None:
                 results.setdefault((ratio, mode), []).append(r)
                 print(f"  run {ratio}x {mode}: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
                                                                for k, v in r.items()}), flush=True)
+    for n, v in {n: disk_read_gbps(files, n) for n in (4, 8)}.items():     # the disk again, after the runs
+        print(f"disk_sequential_read_{n}_in_flight_after: {v:.3f} GB/s")
+        disk[n] = max(disk[n], v)
+    disk_gbps = max(disk.values())
+    print(f"load_average_end: {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min; 2 cores)")
+    print(f"disk_read_limit: {disk_gbps:.3f} GB/s (the best sequential rate measured in this run)")
     print("\n# summary (mean over reps)")
     hashes = {r.get("logits_sha256") for rs in results.values() for r in rs}
     ram = [r["tok_s"] for (_, mode), rs in results.items() if mode == "ram" for r in rs if "failed" not in r]
@@ -352,16 +463,23 @@ def main() -> None:
             print(f"disk_bound_ratio_{tag}: {tps / disk_tps:.3f} (of {disk_tps:.2f} tok/s the disk allows)")
             bound = min(disk_tps, ram_tps) if ram_tps else disk_tps
             print(f"bound_ratio_{tag}: {tps / bound:.3f} (of min(disk, all-in-RAM) = {bound:.2f} tok/s)")
-        mm = [r["tok_s"] for r in results.get((ratio, "mmap"), []) if "failed" not in r]
-        if mode != "mmap" and mm:
-            print(f"vs_mmap_{tag}: {tps / statistics.fmean(mm):.2f}x")
+        for base_mode in ("mmap", "mmap+willneed"):
+            mm = [r["tok_s"] for r in results.get((ratio, base_mode), []) if "failed" not in r]
+            if mode != base_mode and mm and not (base_mode == "mmap+willneed" and mode == "mmap"):
+                print(f"vs_{base_mode.replace('+', '_')}_{tag}: {tps / statistics.fmean(mm):.2f}x")
         print(f"cgroup_peak_{tag}: {max(r['cgroup_peak'] for r in ok)} bytes (limit {ok[0]['limit']})")
         print(f"oom_kills_{tag}: {sum(r['oom_kills'] for r in rs)}")
         if "budget" in ok[0]:
             print(f"tier_peak_measured_{tag}: {max(r['peak_measured'] for r in ok)} bytes "
                   f"(budget {ok[0]['budget']})")
             print(f"tier_hit_ratio_{tag}: {statistics.fmean(r['hit_ratio'] for r in ok):.4f}")
-            print(f"tier_disk_read_rate_{tag}: {statistics.fmean(r['disk_read_gbps'] for r in ok):.3f} GB/s")
+            print(f"tier_disk_read_rate_{tag}: {statistics.fmean(r['disk_read_gbps'] for r in ok):.3f} GB/s "
+                  f"(while reads were in flight)")
+            print(f"tier_demand_wait_per_token_{tag}: {statistics.fmean(r['wait_ms_per_token'] for r in ok):.2f} ms")
+            print(f"tier_layers_computed_while_reading_per_token_{tag}: "
+                  f"{statistics.fmean(r['staged_layers_per_token'] for r in ok):.2f}")
+            print(f"tier_experts_computed_before_reads_per_token_{tag}: "
+                  f"{statistics.fmean(r['early_experts_per_token'] for r in ok):.2f}")
         if "precision" in ok[0]:
             for k in ("prefetch_hit_ratio", "precision", "recall"):
                 print(f"tier_{k}_{tag}: {statistics.fmean(r[k] for r in ok):.4f}")

@@ -23,7 +23,14 @@ route to all of them), else TierError says how much is needed.
 
 Reads run on `io_threads` threads (several reads in flight; the GIL is released while reading). `ensure()` issues
 the missing experts of a layer and returns a waiter; `prefetch()` issues predicted experts without ever waiting
-for room (it evicts only what nobody pinned). Stats (bytes read, disk time, hits, prefetch use) are in `stats()`.
+for room (it evicts only what nobody pinned); a prefetch its layer then does not want is cancelled while none of its
+reads has started. `ensure_each()` gives one future per missing expert, so a caller computes on each as it lands.
+Stats (bytes read, disk time, hits, prefetch use) are in `stats()`.
+
+Why threads and not io_uring: os.preadv releases the GIL, so a few reader threads keep that many O_DIRECT reads in
+flight from Python with no new dependency (the standard library has no io_uring, and a binding would be a package
+to install and a kernel feature to probe); on the measured disk the reader alone ran at 0.6-0.9 of its sequential
+rate (bench/bench_expert_tier.py prints the two side by side), so submission cost is not what limits decode.
 """
 from __future__ import annotations
 
@@ -46,7 +53,8 @@ from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor, saf
 
 PAGE = mmap.PAGESIZE
 PREFETCH_WINDOW = 64                  # prefetch outcomes remembered
-PREFETCH_MIN_USE = 0.5                # below this share used, prefetch probes with one expert per call
+PREFETCH_MIN_USE = 0.5                # below this share used, prefetch only probes: one expert ...
+PROBE_EVERY = 8                       # ... on one call in this many (wrong guesses cost disk time and evictions)
 CHUNK_PAGES = 512                     # reads of at most 2 MiB: one expert is several reads in flight
 IO_MODES = ("direct", "pread")
 ABSENT, LOADING, RESIDENT = 0, 1, 2
@@ -154,7 +162,7 @@ class ExpertRamTier:
         self._busy_since = 0.0
         self.counters = dict.fromkeys(("bytes_read", "reads", "loads", "evictions", "demand_experts", "ram_hits",
                                        "inflight_hits", "demand_loads", "prefetch_issued", "prefetch_used",
-                                       "prefetch_dropped", "prefetch_throttled"), 0)
+                                       "prefetch_dropped", "prefetch_throttled", "prefetch_cancelled"), 0)
         self.disk_busy_s = 0.0          # wall time with at least one read in flight
         self.wait_s = 0.0               # time callers waited on demand reads
 
@@ -304,8 +312,15 @@ class ExpertRamTier:
     def ensure(self, layer: int, experts) -> tuple[list[int], list[Future]]:
         """Pin `experts` of `layer` and start reading the missing ones. -> (their global ids, futures to wait on);
         call release(ids) once the kernels are done with them."""
+        gs, each = self.ensure_each(layer, experts)
+        return gs, [f for f in each if f is not None]
+
+    def ensure_each(self, layer: int, experts) -> tuple[list[int], list[Future | None]]:
+        """ensure(), with one entry per expert: the future of its load (None when it was already resident), so a
+        caller can compute on each expert as soon as it lands. Missing experts are issued in the order given (the
+        reader is FIFO within a priority, so they complete roughly in that order)."""
         gs = [self.g(layer, e) for e in experts]
-        futs = []
+        futs: list[Future | None] = []
         with self._cv:
             self._tick += 1
             for g in gs:
@@ -318,10 +333,14 @@ class ExpertRamTier:
                 used = g in wanted and self._state[g] != ABSENT
                 self._outcomes.append(used)
                 self.counters["prefetch_used"] += used
+                if not used and self._state[g] == LOADING and self._pins[g] == 0 and g in self._jobs \
+                        and self._queue.cancel(self._jobs[g]):
+                    self._cancel(g)             # a wrong guess not yet started: leave the disk to the demand reads
             for g in gs:
                 st = self._state[g]
                 if st == RESIDENT:
                     self.counters["ram_hits"] += 1
+                    futs.append(None)
                     continue
                 if st == LOADING:
                     self.counters["inflight_hits"] += 1
@@ -330,9 +349,23 @@ class ExpertRamTier:
                 else:
                     self.counters["demand_loads"] += 1
                     self._admit(g, wait=True, exclude=set())
-                if g in self._futures:
-                    futs.append(self._futures[g])
+                futs.append(self._futures.get(g))
         return gs, futs
+
+    def _cancel(self, g: int) -> None:
+        """Undo the admission of a load none of whose reads started (under the lock; the queue already dropped it)."""
+        job = self._jobs.pop(g)
+        self._futures.pop(g, None)
+        self._inflight -= 1
+        if self._inflight == 0:
+            self.disk_busy_s += time.perf_counter() - self._busy_since
+        self._state[g] = RESIDENT               # _evict's precondition: give the reserved pages back
+        self._evict(g)
+        self.counters["evictions"] -= 1
+        self.counters["loads"] -= 1
+        self.counters["prefetch_cancelled"] += 1
+        job.fut.cancel()
+        self._cv.notify_all()
 
     def prefetch_use(self) -> float:
         """Share of the last PREFETCH_WINDOW prefetches their layer then used (1.0 until 16 are known)."""
@@ -340,10 +373,11 @@ class ExpertRamTier:
             return 1.0
         return sum(self._outcomes) / len(self._outcomes)
 
-    def wait(self, futs: list[Future]) -> None:
+    def wait(self, futs: list[Future | None]) -> None:
         t0 = time.perf_counter()
         for f in futs:
-            f.result()
+            if f is not None:
+                f.result()
         self.wait_s += time.perf_counter() - t0
 
     def release(self, gs: list[int]) -> None:
@@ -355,8 +389,9 @@ class ExpertRamTier:
     def prefetch(self, layer: int, experts) -> int:
         """Start reading predicted experts of `layer` (best first) that are not in RAM, as far as unpinned room
         allows (never waits, never evicts a pinned or just-predicted expert). While the recent prefetches were used
-        less than PREFETCH_MIN_USE of the time, only the best-ranked one is read (a probe that keeps measuring):
-        a wrong prefetch costs a read and evicts an expert, which on a full budget and a busy disk is a loss.
+        less than PREFETCH_MIN_USE of the time, only the best-ranked one is read, on one call in PROBE_EVERY (a
+        probe that keeps measuring): a wrong prefetch costs a read and evicts an expert, which on a full budget and
+        a busy disk is a loss (measured: one probe on every call read 1.5x the bytes of no prediction).
         -> reads issued."""
         issued = 0
         with self._cv:
@@ -364,7 +399,8 @@ class ExpertRamTier:
             keep = set(gs)
             if self.prefetch_use() < PREFETCH_MIN_USE:
                 self.counters["prefetch_throttled"] += 1
-                gs = [g for g in gs if self._state[g] == ABSENT][:1]
+                probe = self.counters["prefetch_throttled"] % PROBE_EVERY == 1
+                gs = [g for g in gs if self._state[g] == ABSENT][:1] if probe else []
             for g in gs:
                 if self._state[g] != ABSENT:
                     continue
@@ -453,6 +489,14 @@ class _ReadQueue:
                 if k not in job.started:
                     heapq.heappush(self._heap, (priority, next(self._seq), k, job))
             self._cv.notify_all()
+
+    def cancel(self, job: _Job) -> bool:
+        """Drop a queued load none of whose reads has started -> True; False when one has (it runs to the end)."""
+        with self._cv:
+            if job.started:
+                return False
+            job.started.update(range(len(job.chunks)))     # queued entries are skipped as already run
+            return True
 
     def _work(self) -> None:
         while True:

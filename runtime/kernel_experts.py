@@ -34,9 +34,19 @@ class KernelExperts:
                 pieces.append(ExpertShard(gq, gs, uq, us, dq, ds, i0, i1))
             self.moe.add_layer(layer, pieces, geo.n_experts, geo.hidden, plan.intermediate_pad, geo.bits,
                                geo.group_size)
-        self._pending = None
+        self._pending = self._staged = None
+        self._single_piece = all(len(shards) == 1 for shards in (converted.experts if layers is None else layers)
+                                 .values())
         self.stats = {"expert_compute_s": 0.0, "expert_calls": 0, "expert_token_slots": 0,
-                      "kernel_backend": self.moe.backend}
+                      "expert_staged_calls": 0, "kernel_backend": self.moe.backend}
+
+    @property
+    def can_stage(self) -> bool:
+        """Whether a layer may be computed in several calls (submit, then submit_more for the experts above) with
+        the bits of one call: the kernels sum a token's experts into out in ascending expert order, so calls over
+        ascending runs of experts that add into out (accumulate) repeat that order exactly, as long as one pool
+        holds one piece per layer (more pools, or more shards in one, sum per piece or pool first)."""
+        return self._single_piece and self.moe.numa_pools == 1
 
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                skip=None):
@@ -48,15 +58,26 @@ class KernelExperts:
             else x.detach().float().cpu().contiguous()
         direct = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
         buf = out if direct else torch.empty(out.shape, dtype=torch.float32)
-        self.moe.submit(layer, xc, ids.cpu(), weights.float().cpu(), buf, skip=skip)
+        ids_c, w_c = ids.cpu(), weights.float().cpu()
+        self.moe.submit(layer, xc, ids_c, w_c, buf, skip=skip)
         self._pending = (t0, xc, buf, out, direct)
+        self._staged = (layer, xc, ids_c, w_c, buf)
         self.stats["expert_token_slots"] += ids.numel()
+
+    def submit_more(self, skip) -> None:
+        """Another call on the pending layer (after submit, before sync): the experts `skip` leaves in, added into
+        out. Bit-identical to one call only in ascending expert runs where can_stage (the caller's promise)."""
+        if self._pending is None:
+            raise RuntimeError("submit_more() without a pending submit()")
+        layer, xc, ids_c, w_c, buf = self._staged
+        self.moe.submit(layer, xc, ids_c, w_c, buf, accumulate=True, skip=skip)
+        self.stats["expert_staged_calls"] += 1
 
     def sync(self) -> None:
         if self._pending is None:
             return
         t0, _xc, buf, out, direct = self._pending
-        self._pending = None
+        self._pending = self._staged = None
         self.moe.sync()
         if not direct:
             out.copy_(buf.to(device=out.device, dtype=out.dtype))

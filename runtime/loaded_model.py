@@ -76,7 +76,8 @@ def _tiered_executor(converted, opts, use_kernels, hot_experts):
         prof.check_model(converted.config.model_type, converted.geometry.n_experts, converted.geometry.moe_layers)
         counts = prof.counts()
     return build_tiered_executor(converted, opts.budget_bytes, predict=opts.predict, io=opts.io,
-                                 io_threads=opts.io_threads, extra=opts.extra, profile_counts=counts)
+                                 io_threads=opts.io_threads, extra=opts.extra, profile_counts=counts,
+                                 predictor=opts.predictor)
 
 
 def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = None, verify: bool = False,

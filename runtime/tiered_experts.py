@@ -3,120 +3,97 @@ mirrors, and each layer's experts are made resident before its kernels start. Sa
 executors (submit / sync / stats / close); ktrun.hybrid_experts wraps it like any CPU executor (its skip mask
 leaves GPU-resident experts out of the reads too).
 
-    submit(layer, x, ids, w, out): pin the layer's routed experts and start reading the missing ones; predict the
-        next MoE layer's experts (NextLayerPredictor) and start reading those; then launch the kernels, at once
-        when everything was resident, else from a launcher thread once the reads land (the model computes the
-        shared experts meanwhile)
+    submit(layer, x, ids, w, out): pin the layer's routed experts and start reading the missing ones (ascending
+        expert order); predict the next MoE layer's experts (ktrun.expert_prediction) and start reading those; then
+        launch the kernels: at once when everything was resident, else expert by expert as the reads land (below)
     sync(): waits for the kernels, unpins the layer's experts
 
-The kernels run once per layer on the complete expert set (not in pieces as experts arrive): a layer split over
-two kernel calls would sum its experts in another order, and the tier's promise is the all-in-RAM run's bits.
+Per-expert completion, bit for bit: the kernels add a token's experts into out in ascending expert order, so a layer
+computed as several calls over ascending runs of experts, each after the first adding into out (accumulate), gives
+the one call's bits (KernelExperts.can_stage: one pool, one shard per layer). The resident experts below the first
+missing one are computed at once; each later run starts as soon as its first expert lands, and takes along every
+expert after it that is resident or landed by then. Where the kernels cannot stage (several NUMA pools or shards),
+the layer runs as one call once all its reads land. The model computes the shared experts meanwhile either way.
 """
 from __future__ import annotations
 
-import itertools
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from .expert_prediction import NextLayerPredictor, make_predictor
 
-class NextLayerPredictor:
-    """The next MoE layer's experts from the current layer's MoE input through the next layer's router (its
-    weights are dense tensors, already in memory). Scores as the router ranks them: sigmoid + e_score_correction
-    bias where the layer has one, else the logits (softmax keeps their order); group limits are ignored. Per
-    token the top `top_k + extra` experts; the union over the tokens. Precision/recall against the routing that
-    then happens are counted in `stats`."""
-
-    def __init__(self, converted, extra: int = 0):
-        cfg, dense = converted.config, converted.dense
-        self.top_k, self.extra, self.n_experts = cfg.top_k, extra, cfg.num_experts
-        layers = list(cfg.moe_layers)
-        self.next = dict(itertools.pairwise(layers))
-        self.routers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        for L in layers[1:]:
-            for name, w in dense.items():
-                if name.startswith(f"model.layers.{L}.") and name.endswith(".gate.weight") and w.dim() == 2 \
-                        and w.shape[0] == cfg.num_experts:
-                    bias = dense.get(name[: -len("weight")] + "e_score_correction_bias")
-                    self.routers[L] = (w.float().cpu(), None if bias is None else bias.float().cpu())
-                    break
-        self._pending: dict[int, set[int]] = {}
-        self.stats = {"predicted": 0, "actual": 0, "correct": 0}
-
-    @torch.inference_mode()
-    def predict(self, layer: int, x: torch.Tensor) -> tuple[int | None, list[int]]:
-        """-> (next MoE layer or None, its predicted experts, best score first)."""
-        nxt = self.next.get(layer)
-        if nxt is None or nxt not in self.routers:
-            return None, []
-        w, bias = self.routers[nxt]
-        scores = x.detach().float().cpu() @ w.t()                              # (T, E)
-        if bias is not None:
-            scores = scores.sigmoid() + bias
-        k = min(self.n_experts, self.top_k + self.extra)
-        top = torch.topk(scores, k, dim=-1)                                    # (T, k) each, best first
-        best: dict[int, float] = {}                                            # expert -> its best score
-        for e, v in zip(top[1].flatten().tolist(), top[0].flatten().tolist()):
-            best[e] = max(v, best.get(e, v))
-        pred = sorted(best, key=best.__getitem__, reverse=True)
-        self._pending[nxt] = set(pred)
-        return nxt, pred
-
-    def observe(self, layer: int, actual: set[int]) -> None:
-        pred = self._pending.pop(layer, None)
-        if pred is None:
-            return
-        self.stats["predicted"] += len(pred)
-        self.stats["actual"] += len(actual)
-        self.stats["correct"] += len(pred & actual)
-
-    @property
-    def precision(self) -> float:
-        return self.stats["correct"] / self.stats["predicted"] if self.stats["predicted"] else 0.0
-
-    @property
-    def recall(self) -> float:
-        return self.stats["correct"] / self.stats["actual"] if self.stats["actual"] else 0.0
+__all__ = ["NextLayerPredictor", "TieredExperts", "build_tiered_executor", "find_tier", "tier_lines"]
 
 
 class TieredExperts:
-    def __init__(self, cpu, tier, predictor: NextLayerPredictor | None = None, launch_thread: bool = True):
-        """launch_thread=False: a layer whose reads are pending starts its kernels in sync() instead of from the
-        launcher thread, for a kernel pool the model's other ops also submit to (the quantized Linears' pool,
-        ktrun.loader): a pool takes submissions from one thread at a time."""
+    def __init__(self, cpu, tier, predictor=None, launch_thread: bool = True):
+        """launch_thread=False: the runs after the first start in sync() instead of from the launcher thread, for a
+        kernel pool the model's other ops also submit to (the quantized Linears' pool, ktrun.loader): a pool takes
+        submissions from one thread at a time."""
         self.cpu, self.tier, self.predictor = cpu, tier, predictor
         self.launch_thread = launch_thread
+        self.stage = bool(getattr(cpu, "can_stage", False))
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="ktrun-tier-launch")
         self._pending = None
-        self._lock = threading.Lock()
+        self._counts = {"staged_layers": 0, "early_experts": 0}
 
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                skip: np.ndarray | None = None):
         if self._pending is not None:
             raise RuntimeError("submit() called twice without sync()")
         ids_np = ids.cpu().numpy()
-        need = np.unique(ids_np[ids_np >= 0])
+        need = np.unique(ids_np[ids_np >= 0])               # ascending: the kernels' summation order
         if skip is not None:
             need = need[skip[need] == 0]                  # GPU-resident experts are neither read nor computed
         if self.predictor is not None:
-            self.predictor.observe(layer, {int(e) for e in need})
-        gs, futs = self.tier.ensure(layer, need.tolist())
+            self.predictor.observe(layer, {int(e) for e in need}, ids_np)
+        gs, each = self.tier.ensure_each(layer, need.tolist())
         if self.predictor is not None:                     # read ahead for the next layer while this one runs
-            nxt, pred = self.predictor.predict(layer, x)
+            nxt, pred = self.predictor.predict(layer, x, ids_np)
             if nxt is not None:
                 self.tier.prefetch(nxt, pred)
         kw = {} if skip is None else {"skip": skip}
-        if not futs:
+        missing = [i for i, f in enumerate(each) if f is not None]
+        if not missing:
             self.cpu.submit(layer, x, ids, weights, out, **kw)
             self._pending = (gs, None)
             return
+        if not self.stage:
+            def launch():
+                self.tier.wait(each)
+                self.cpu.submit(layer, x, ids, weights, out, **kw)
+            self._pending = (gs, self._launcher.submit(launch) if self.launch_thread else launch)
+            return
+        E = self.tier.n_experts
 
-        def launch():
-            self.tier.wait(futs)
-            self.cpu.submit(layer, x, ids, weights, out, **kw)
-        self._pending = (gs, self._launcher.submit(launch) if self.launch_thread else launch)
+        def only(run) -> np.ndarray:                       # skip mask leaving in exactly the experts of `run`
+            m = np.ones(E, dtype=np.uint8)
+            m[run] = 0
+            return m
+        self._counts["staged_layers"] += 1
+        first = missing[0]
+        started = first > 0
+        if started:                                        # resident experts below the first missing one: now
+            self.cpu.submit(layer, x, ids, weights, out, skip=only(need[:first]))
+            self._counts["early_experts"] += first
+
+        def rest():
+            i, begun = first, started
+            while i < len(need):
+                self.tier.wait([each[i]])
+                j = i + 1
+                while j < len(need) and (each[j] is None or each[j].done()):
+                    j += 1
+                self.tier.wait(each[i + 1:j])              # landed: raises a read error, waits for nothing
+                if begun:
+                    self.cpu.submit_more(only(need[i:j]))
+                else:
+                    self.cpu.submit(layer, x, ids, weights, out, skip=only(need[i:j]))
+                    begun = True
+                i = j
+        self._pending = (gs, self._launcher.submit(rest) if self.launch_thread else rest)
 
     def sync(self) -> None:
         if self._pending is None:
@@ -124,11 +101,13 @@ class TieredExperts:
         gs, launched = self._pending
         self._pending = None
         try:
-            if callable(launched):              # deferred to this thread (launch_thread=False)
-                launched()
-            elif launched is not None:
-                launched.result()
-            self.cpu.sync()
+            try:
+                if callable(launched):          # deferred to this thread (launch_thread=False)
+                    launched()
+                elif launched is not None:
+                    launched.result()
+            finally:
+                self.cpu.sync()                 # the runs already submitted, also when a read failed
         finally:
             self.tier.release(gs)
 
@@ -137,6 +116,7 @@ class TieredExperts:
         s = dict(getattr(self.cpu, "stats", {}))
         t = self.tier.stats()
         s.update({f"ram_tier_{k}": v for k, v in t.items()})
+        s.update({f"ram_tier_{k}": v for k, v in self._counts.items()})
         if self.predictor is not None:
             s.update({f"ram_tier_pred_{k}": v for k, v in self.predictor.stats.items()})
             s["ram_tier_prediction_precision"] = self.predictor.precision
@@ -152,14 +132,16 @@ class TieredExperts:
 
 
 def build_tiered_executor(converted, budget_bytes: int, predict: bool = True, io: str = "direct",
-                          io_threads: int = 4, extra: int = 0, profile_counts=None, n_threads: int | None = None):
-    """KernelExperts on the tier's mirrors, wrapped in TieredExperts (with the next-layer predictor if predict)."""
+                          io_threads: int = 4, extra: int = 0, profile_counts=None, n_threads: int | None = None,
+                          predictor: str = "router"):
+    """KernelExperts on the tier's mirrors, wrapped in TieredExperts (with `predictor`, ktrun.expert_prediction,
+    if predict)."""
     from .expert_tier import ExpertRamTier
     from .kernel_experts import KernelExperts
     tier = ExpertRamTier(converted, budget_bytes, io=io, io_threads=io_threads, profile_counts=profile_counts)
     cpu = KernelExperts(converted, n_threads=n_threads, layers=tier.mirror_layers)
     shared_pool = cpu.moe is getattr(converted, "kernels", None)
-    return TieredExperts(cpu, tier, NextLayerPredictor(converted, extra) if predict else None,
+    return TieredExperts(cpu, tier, make_predictor(predictor, converted, extra) if predict else None,
                          launch_thread=not shared_pool)
 
 
@@ -193,10 +175,13 @@ def tier_lines(before: dict, after: dict, tokens: int, measured: int | None = No
              f"ram_tier_disk_read_rate: {ratio(d('bytes_read'), d('disk_busy_s')) / 1e9:.3f} GB/s",
              f"ram_tier_demand_wait_per_token: {1e3 * ratio(d('demand_wait_s'), tokens):.3f} ms",
              f"ram_tier_hit_ratio: {ratio(d('ram_hits'), d('demand_experts')):.4f}",
-             f"ram_tier_inflight_hit_ratio: {ratio(d('inflight_hits'), d('demand_experts')):.4f}"]
+             f"ram_tier_inflight_hit_ratio: {ratio(d('inflight_hits'), d('demand_experts')):.4f}",
+             f"ram_tier_layers_computed_while_reading_per_token: {ratio(d('staged_layers'), tokens):.2f}",
+             f"ram_tier_experts_computed_before_reads_per_token: {ratio(d('early_experts'), tokens):.2f}"]
     if "ram_tier_pred_predicted" in after:
         lines += [f"ram_tier_prefetch_hit_ratio: {ratio(d('prefetch_used'), d('prefetch_issued')):.4f}",
                   f"ram_tier_prefetch_throttled_calls: {d('prefetch_throttled')}",
+                  f"ram_tier_prefetch_cancelled: {d('prefetch_cancelled')}",
                   f"ram_tier_prediction_precision: {ratio(d('pred_correct'), d('pred_predicted')):.4f}",
                   f"ram_tier_prediction_recall: {ratio(d('pred_correct'), d('pred_actual')):.4f}"]
     return lines

@@ -6,6 +6,7 @@ so experts are evicted and read back all the time.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import threading
@@ -69,11 +70,14 @@ class BudgetWatch:
         self._t.join()
 
 
-def check_identical(conv, budget: int, predict: bool, io: str = "direct"):
-    """-> (the tier executor's stats, whether its kernels were launched from the launcher thread)."""
+def check_identical(conv, budget: int, predict: bool, io: str = "direct", predictor: str = "router"):
+    """-> (the tier executor's stats, whether its kernels were launched from the launcher thread). Where the kernels
+    can stage, layers were computed expert run by expert run while their reads landed (per-expert completion), and
+    the bits still match."""
     with load_model(conv, device="cpu") as lm:
         ref = logits_run(lm.model)
-    with load_model(conv, device="cpu", expert_ram=ExpertRamOptions(budget, predict=predict, io=io)) as lm:
+    with load_model(conv, device="cpu", expert_ram=ExpertRamOptions(budget, predict=predict, io=io,
+                                                                    predictor=predictor)) as lm:
         ex = lm.model.experts
         assert isinstance(ex, TieredExperts)
         with BudgetWatch(ex.tier) as watch:
@@ -86,13 +90,20 @@ def check_identical(conv, budget: int, predict: bool, io: str = "direct"):
     assert s["ram_tier_peak_resident_bytes"] <= budget
     assert watch.samples > 0 and watch.peak <= budget, f"measured {watch.peak} resident bytes > budget {budget}"
     assert measured <= budget
+    if ex.stage:
+        assert s["ram_tier_staged_layers"] > 0 and s["expert_staged_calls"] > 0
+    else:
+        assert s["ram_tier_staged_layers"] == 0 and s["expert_staged_calls"] == 0
     return s, ex.launch_thread
 
 
-@pytest.mark.parametrize("predict", [False, True], ids=["no-predict", "predict"])
-def test_default_model_bit_identical_under_budget(default_converted, predict):
-    s, threaded = check_identical(default_converted, min_budget_cached(default_converted), predict)
-    assert not threaded          # its int4 GPU layers run on the kernels' pool: kernels started in sync()
+@pytest.mark.parametrize("predict,predictor", [(False, "router"), (True, "router"), (True, "coact")],
+                         ids=["no-predict", "predict-router", "predict-coact"])
+def test_default_model_bit_identical_under_budget(default_converted, predict, predictor):
+    s, threaded = check_identical(default_converted, min_budget_cached(default_converted), predict,
+                                  predictor=predictor)
+    assert not threaded          # its int4 GPU layers run on the kernels' pool: later runs started in sync()
+    assert s["ram_tier_early_experts"] > 0        # resident experts computed before the layer's reads landed
     if predict:
         assert s["ram_tier_prefetch_issued"] > 0 and s["ram_tier_pred_predicted"] > 0
 
@@ -147,6 +158,118 @@ def test_mirror_holds_the_files_bytes_and_eviction_frees_them(default_converted)
             assert tier.counters["bytes_read"] >= tier.expert_pages(L, 0) * PAGE
         finally:
             tier.close()
+
+
+def test_ensure_each_gives_one_future_per_missing_expert_in_order(default_converted):
+    """The reader: one future per expert that was not resident (None for a RAM hit), completed in the order asked
+    (one reader thread: FIFO), each as soon as its own reads land, and holding the file's bytes then."""
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+        tier = ExpertRamTier(c, 1 << 30, io_threads=1)
+        try:
+            L = c.geometry.moe_layers[0]
+            gs, each = tier.ensure_each(L, [0, 5])
+            tier.wait(each)
+            tier.release(gs)
+            done: list[int] = []
+            gs, each = tier.ensure_each(L, [0, 9, 5, 3])
+            assert each[0] is None and each[2] is None and all(f is not None for f in (each[1], each[3]))
+            for e, f in ((9, each[1]), (3, each[3])):
+                f.add_done_callback(lambda _f, e=e: done.append(e))
+            each[1].result()
+            qw = c.experts[L][0]["gate"][0]
+            assert np.array_equal(tier.mirror_layers[L][0]["gate"][0][9], qw[9])   # usable before 3 has landed
+            tier.wait(each)
+            assert done == [9, 3]
+            tier.release(gs)
+        finally:
+            tier.close()
+
+
+def test_unwanted_prefetch_not_started_is_cancelled(default_converted):
+    """A prediction its layer then does not route to is dropped from the read queue while none of its reads has
+    started (the disk is left to the demand reads), its reserved pages given back; a wanted one is read."""
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+        tier = ExpertRamTier(c, 1 << 30, io_threads=1)
+        gate = threading.Event()
+        read = tier._queue._fn
+        tier._queue._fn = lambda job, k: (gate.wait(), read(job, k))     # the reader stalls until the gate opens
+        try:
+            L1, L2 = c.geometry.moe_layers[:2]
+            gs1, each1 = tier.ensure_each(L1, [0])                  # the reader takes this one and waits
+            assert tier.prefetch(L2, [3, 4, 5]) == 3
+            gs2, each2 = tier.ensure_each(L2, [4, 6])               # 3 and 5 were wrong guesses, 4 was right
+            assert tier.counters["prefetch_cancelled"] == 2 and tier.counters["prefetch_used"] == 1
+            assert not tier.is_resident(L2, 3) and tier.g(L2, 3) not in tier._futures
+            gate.set()
+            tier.wait(each1 + each2)
+            assert tier.resident(L2) == [4, 6]
+            want = sum(tier.expert_pages(L, e) for L, e in ((L1, 0), (L2, 4), (L2, 6))) * PAGE
+            assert tier.stats()["resident_bytes"] == want == tier.measured_resident_bytes()
+            tier.release(gs1 + gs2)
+        finally:
+            gate.set()
+            tier.close()
+
+
+def test_prefetch_throttles_to_a_rare_probe_while_its_guesses_go_unused(default_converted):
+    """While fewer than PREFETCH_MIN_USE of the recent prefetches were used, a prefetch call reads at most its
+    best-ranked expert, and only on one call in PROBE_EVERY; with good guesses every prediction is read."""
+    from ktrun.expert_tier import PREFETCH_WINDOW, PROBE_EVERY
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+        tier = ExpertRamTier(c, 1 << 30)
+        try:
+            L = c.geometry.moe_layers[1]
+            tier._outcomes.extend([False] * PREFETCH_WINDOW)
+            issued = [tier.prefetch(L, [2 * i, 2 * i + 1]) for i in range(PROBE_EVERY + 1)]
+            assert issued == [1] + [0] * (PROBE_EVERY - 1) + [1]
+            assert tier.counters["prefetch_throttled"] == PROBE_EVERY + 1
+            tier._outcomes.extend([True] * PREFETCH_WINDOW)
+            E = c.geometry.n_experts
+            assert tier.prefetch(L, [E - 3, E - 2, E - 1]) == 3
+            tier.drain()
+        finally:
+            tier.close()
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_kernel_runs_in_ascending_expert_order_equal_one_call(default_converted, T):
+    """Why per-expert completion keeps the bits: one kernel call on a layer equals calls over ascending runs of its
+    experts (the later ones adding into out), bit for bit, wherever KernelExperts.can_stage."""
+    from ktrun.kernel_experts import KernelExperts
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+        ke = KernelExperts(c, n_threads=2)
+        try:
+            if not ke.can_stage:
+                pytest.skip("several NUMA pools or shards here: the tier computes each layer in one call")
+            geo = c.geometry
+            L, E, k = geo.moe_layers[0], geo.n_experts, c.config.top_k
+            gen = torch.Generator().manual_seed(T)
+            x = torch.randn(T, geo.hidden, generator=gen)
+            ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int64)
+            w = torch.rand(T, k, generator=gen)
+            one = torch.empty(T, geo.hidden)
+            ke.submit(L, x, ids, w, one)
+            ke.sync()
+            used = np.unique(ids.numpy())
+            cuts = [0, 1, len(used) // 2, len(used)]
+            runs = [used[a:b] for a, b in itertools.pairwise(cuts) if b > a]
+            staged = torch.empty(T, geo.hidden)
+            for i, run in enumerate(runs):
+                m = np.ones(E, dtype=np.uint8)
+                m[run] = 0
+                if i == 0:
+                    ke.submit(L, x, ids, w, staged, skip=m)
+                else:
+                    ke.submit_more(m)
+            ke.sync()
+            assert torch.equal(one, staged)
+            assert ke.stats["expert_staged_calls"] == len(runs) - 1
+        finally:
+            ke.close()
 
 
 def test_profile_seeds_what_stays(default_converted, tmp_path):
