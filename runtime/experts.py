@@ -8,6 +8,9 @@
 - TorchExperts: the reference. Expert matrices come from an ExpertSource (packed tiles dequantized with ktlayouts,
   or plain float tensors), are cached per expert as float32 and applied with torch. Always correct, not fast.
 - KernelExperts (kernel_experts.py): the C++ kernels through runtime/cpu_moe.py, reading the mapped tiles in place.
+
+Both compute the family's ExpertActivation (ktlayouts.families): silu(g) * u, or gpt-oss's clamped SwiGLU with
+per-expert biases (`expert_biases`).
 """
 from __future__ import annotations
 
@@ -20,6 +23,41 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.cpu_expert import unpack_expert_matrix
 from ktlayouts.expert_shards import join_shards
+from ktlayouts.families import SILU, ExpertActivation, get_family
+
+# layer -> (gate (E, I), up (E, I), down (E, H)) float32 expert biases
+Biases = dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def expert_biases(converted) -> Biases:
+    """The routed experts' biases of a converted model whose family has them (gpt-oss: the fused gate_up / down
+    bias tensors kept among the dense tensors), split into gate and up; {} for every other family."""
+    cfg = converted.config
+    if not cfg.expert_activation.bias:
+        return {}
+    names = get_family(cfg.model_type).names
+    fused = names.fused_experts
+    out = {}
+    for layer in cfg.moe_layers:
+        gu_name, d_name = fused.bias_names(names.layer(layer))
+        missing = [n for n in (gu_name, d_name) if n not in converted.dense]
+        if missing:
+            raise ValueError(f"{converted.root}: no dense file holds the expert bias {missing[0]} of MoE layer "
+                             f"{layer}")
+        gu = converted.dense[gu_name].detach().float().cpu().numpy()
+        g, u = fused.split_gate_up(gu)
+        out[layer] = (np.ascontiguousarray(g), np.ascontiguousarray(u),
+                      np.ascontiguousarray(converted.dense[d_name].detach().float().cpu().numpy()))
+    return out
+
+
+def activate(act: ExpertActivation, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """h from gate/up outputs (biases already added): ExpertActivation's formula, in the inputs' dtype."""
+    if act.kind == "silu":
+        return F.silu(g) * u
+    g = g.clamp(max=act.limit)
+    u = u.clamp(min=-act.limit, max=act.limit)
+    return (u + 1) * (g * torch.sigmoid(g * act.alpha))
 
 
 class PackedExpertSource:
@@ -51,10 +89,13 @@ class DenseExpertSource:
 class TorchExperts:
     """Reference executor: dequantized float32 experts (cached on first use), torch matmuls, one worker thread."""
 
-    def __init__(self, source, device="cpu", asynchronous: bool = True, cache: bool = True):
+    def __init__(self, source, device="cpu", asynchronous: bool = True, cache: bool = True,
+                 activation: ExpertActivation = SILU, biases: Biases | None = None):
         """cache=False: read each expert from the source on every use (memory stays at one expert; profiling a
-        checkpoint that does not fit in RAM as float32)."""
+        checkpoint that does not fit in RAM as float32). activation / biases: the family's (expert_biases)."""
         self.source, self.device, self.cache = source, torch.device(device), cache
+        self.activation = activation
+        self.biases = {L: tuple(torch.from_numpy(b).to(self.device) for b in bs) for L, bs in (biases or {}).items()}
         self._cache: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ktrun-experts") if asynchronous else None
@@ -84,8 +125,9 @@ class TorchExperts:
                 continue
             tok, kpos = torch.where(ids == e)
             g, u, d = self._weights(layer, e)
+            bg, bu, bd = (b[e] for b in self.biases[layer]) if layer in self.biases else (None, None, None)
             xe = xf[tok]
-            y = F.linear(F.silu(F.linear(xe, g)) * F.linear(xe, u), d)
+            y = F.linear(activate(self.activation, F.linear(xe, g, bg), F.linear(xe, u, bu)), d, bd)
             acc.index_add_(0, tok, y * weights[tok, kpos, None].float())
         out.copy_(acc.to(device=out.device, dtype=out.dtype))
         self.stats["expert_compute_s"] += time.perf_counter() - t0
@@ -130,4 +172,5 @@ def make_executor(converted, use_kernels: bool | None = None):
     if use_kernels:
         from .kernel_experts import KernelExperts
         return KernelExperts(converted)
-    return TorchExperts(PackedExpertSource(converted.experts, converted.geometry.intermediate), device="cpu")
+    return TorchExperts(PackedExpertSource(converted.experts, converted.geometry.intermediate), device="cpu",
+                        activation=converted.config.expert_activation, biases=expert_biases(converted))

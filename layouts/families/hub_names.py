@@ -71,6 +71,17 @@ class FusedExperts:
     down: str = "mlp.experts.down_proj"
     interleaved: bool = True
 
+    def bias_names(self, layer_prefix: str) -> tuple[str, str]:
+        """(gate_up bias (E, 2I), down bias (E, H)) of the layer whose tensors start with layer_prefix."""
+        return f"{layer_prefix}{self.gate_up}_bias", f"{layer_prefix}{self.down}_bias"
+
+    def split_gate_up(self, a):
+        """(..., 2I) gate_up values (a bias, or x @ W) -> (gate (..., I), up (..., I))."""
+        if self.interleaved:
+            return a[..., 0::2], a[..., 1::2]
+        i = a.shape[-1] // 2
+        return a[..., :i], a[..., i:]
+
 
 @dataclass(frozen=True)
 class HubNames:
