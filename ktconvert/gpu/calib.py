@@ -155,12 +155,27 @@ def _model_classes(cfg):
             getattr(mod, prefix + "RMSNorm"))
 
 
-class StreamingExperts(nn.Module):
-    """Drop-in for a transformers fused-experts module: reads each routed expert from the source when hit."""
+def _gate_fn(experts: nn.Module):
+    """h = f(g, u) of a transformers experts module: silu(g) * u through its act_fn, or gpt-oss's clamped SwiGLU
+    through the module's own _apply_gate (which takes gate and up interleaved)."""
+    if hasattr(experts, "act_fn"):
+        return lambda g, u: experts.act_fn(g) * u
+    return lambda g, u: experts._apply_gate(torch.stack([g, u], dim=-1).flatten(-2))
 
-    def __init__(self, src, layer: int, act_fn):
+
+class StreamingExperts(nn.Module):
+    """Drop-in for a transformers fused-experts module: reads each routed expert from the source when hit (and, for
+    a family with expert biases, gpt-oss, the layer's biases once)."""
+
+    def __init__(self, src, layer: int, gate_fn):
         super().__init__()
-        self.src, self.layer, self.act_fn = src, layer, act_fn
+        self.src, self.layer, self.gate_fn = src, layer, gate_fn
+        self.biases = None
+        fam = src.arch.family
+        if src.arch.cfg.expert_activation.bias:
+            gu, d = fam.names.fused_experts.bias_names(fam.names.layer(layer))
+            bg, bu = fam.names.fused_experts.split_gate_up(src.read(gu))
+            self.biases = (bg, bu, src.read(d))                   # (E, I), (E, I), (E, H)
         self.enabled = True
         self.captured: list | None = None     # a list: (hidden_states, top_k_index) of every call are appended
 
@@ -176,7 +191,11 @@ class StreamingExperts(nn.Module):
             tok, pos = torch.where(top_k_index == e)
             gate, up, down = (self.src.read(arch.expert_tensor_name(self.layer, e, p)) for p in ("gate", "up", "down"))
             x = hidden_states[tok]
-            y = (self.act_fn(x @ gate.T) * (x @ up.T)) @ down.T
+            if self.biases is None:
+                y = self.gate_fn(x @ gate.T, x @ up.T) @ down.T
+            else:
+                bg, bu, bd = (b[e].to(x.dtype) for b in self.biases)
+                y = self.gate_fn(x @ gate.T + bg, x @ up.T + bu) @ down.T + bd
             out.index_add_(0, tok, y * top_k_weights[tok, pos, None].to(y.dtype))
         return out
 
@@ -298,7 +317,7 @@ class LayerwiseGptq:
             layer = self.layer_cls(self.cfg, layer_idx=li)
         moe = getattr(layer, "mlp", None)
         if moe is not None and hasattr(moe, "experts"):
-            moe.experts = StreamingExperts(self.src, li, moe.experts.act_fn)
+            moe.experts = StreamingExperts(self.src, li, _gate_fn(moe.experts))
         prefix = self.hub.layer(li)
         state = {k: self.src.read(_checkpoint_name(prefix, k, self.names)).reshape(v.shape)
                  for k, v in layer.state_dict().items()}
