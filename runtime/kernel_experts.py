@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .cpu_moe import ExpertShard, MoEKernels
-from .experts import expert_biases
+from .expert_activation import expert_biases
 
 
 class KernelExperts:

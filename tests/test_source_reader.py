@@ -168,16 +168,16 @@ def test_adapter_tables():
 
 
 def test_unsupported_model_type_lists_supported(ckpt_copy):
-    supported = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "kimi_k25", "minimax_m2", "mixtral",
-                 "qwen3_moe", "qwen3_next")
+    supported = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "gpt_oss", "kimi_k25", "minimax_m2",
+                 "mixtral", "qwen3_moe", "qwen3_next")
     with pytest.raises(SourceError, match="llama4.*" + ", ".join(supported)):
         adapter_for({"model_type": "llama4"})
     assert SUPPORTED_MODEL_TYPES == supported
     d = ckpt_copy("qwen3_moe")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "gpt_oss"
+    cfg["model_type"] = "llama4"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(SourceError, match="unsupported model_type 'gpt_oss'.*supported: deepseek_v2"):
+    with pytest.raises(SourceError, match="unsupported model_type 'llama4'.*supported: deepseek_v2"):
         open_source(d)
 
 

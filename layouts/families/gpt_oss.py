@@ -30,6 +30,9 @@ ROWS = COMMON_ROWS + [
 # transformers GptOssConfig's defaults for the fields read here (tests/test_families.py checks them)
 DEFAULTS = {"num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
             "rope_theta": 150000.0, "sliding_window": 128, "swiglu_limit": 7.0, "attention_bias": True}
+# GptOssConfig's rope when config.json names none: YaRN x32 over a 4096-position original context, untruncated
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 SWIGLU_ALPHA = 1.702      # fixed in the reference (GptOssExperts.alpha); newer configs may carry swiglu_alpha
 
 
@@ -62,7 +65,9 @@ def parse(f: Fields) -> ModelConfig:
         model_type=f.model_type, num_layers=n_layers, hidden_size=hidden, num_experts=n_experts, top_k=top_k,
         moe_intermediate_size=inter, moe_layers=tuple(range(n_layers)) if n_experts else (), attention="gqa",
         vocab_size=f.run("vocab_size"), num_heads=nh, num_kv_heads=nkv, head_dim=hd, intermediate_size=inter,
-        rope=parse_rope(f, hd, DEFAULTS["rope_theta"], max_position),
+        rope=parse_rope(f if f.raw.get("rope_parameters") or f.raw.get("rope_scaling") else
+                        Fields({**f.raw, "rope_scaling": DEFAULT_ROPE}, f.where, f.model_type, f.for_runtime),
+                        hd, DEFAULTS["rope_theta"], max_position),
         rms_norm_eps=f.get("rms_norm_eps", DEFAULTS["rms_norm_eps"], cast=float), max_position=max_position,
         tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
         attention_bias=bool(f.get("attention_bias", DEFAULTS["attention_bias"])), sliding_window=window,
