@@ -148,7 +148,7 @@ FIXTURES = {
         config={
             "hidden_size": 96, "intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-            "sliding_window": 6, "swiglu_limit": 0.5, "max_position_embeddings": 8192, "initializer_range": 0.1,
+            "sliding_window": 6, "swiglu_limit": 0.3, "max_position_embeddings": 8192,
             "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
             "bos_token_id": 0, "eos_token_id": 2},
