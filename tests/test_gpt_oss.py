@@ -118,7 +118,7 @@ def test_mxfp4_decode_of_hand_made_bytes():
     blocks[1, 0, 15] = 0x7A                          # values 30, 31: -1.0, +6.0
     scales = np.array([[128], [125]], np.uint8)      # 2^1 and 2^-2
     stored = {"b": blocks, "s": scales}
-    info = lambda key, a: TensorInfo(key, "U8", a.shape, Path("hand"), 0, a.nbytes)   # noqa: E731
+    info = lambda key, a: TensorInfo(key, "U8", a.shape, Path("hand"), 0, a.nbytes)
     scheme = FusedExpertScheme(FusedExperts(), cfg, {"quant_method": "mxfp4"}, "hand/config.json")
     for row0, want in ((0, {0: 1.0, 1: 2.0, 2: -0.0, 3: -12.0}), (1, {30: -0.25, 31: 1.5})):
         s = ExpertSliceInfo("w", MXFP4.label, (1, 32), Path("hand"), 0, 24,
