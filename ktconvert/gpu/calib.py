@@ -143,7 +143,8 @@ def hf_config(config: dict, model_type: str):
     from transformers import CONFIG_MAPPING
 
     cfg = CONFIG_MAPPING[model_type](**{k: v for k, v in config.items() if k not in _DROP_CONFIG_KEYS})
-    cfg._attn_implementation = "sdpa"
+    # sdpa drops gpt-oss's attention sinks: its layers run the eager attention, with an explicit mask (_forward)
+    cfg._attn_implementation = "eager" if getattr(cfg, "swiglu_limit", None) is not None else "sdpa"
     return cfg
 
 
@@ -309,6 +310,16 @@ class LayerwiseGptq:
             # DeepSeek-V3.2's indexer scores against an explicit mask: (S, 1, L, L) bool, True = may attend
             s, seq = self.tokens.shape
             mask = torch.ones(seq, seq, dtype=torch.bool).tril().expand(s, 1, seq, seq)
+        elif hasattr(getattr(layer, "self_attn", None), "sinks"):
+            # gpt-oss (eager attention): an additive causal mask, within the layer's sliding window if it has one
+            s, seq = self.tokens.shape
+            q, k = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+            allowed = k <= q
+            window = getattr(layer.self_attn, "sliding_window", None)
+            if window:
+                allowed &= k > q - window
+            mask = torch.zeros(seq, seq).masked_fill(~allowed, float("-inf")).expand(s, 1, seq, seq)
+            mask = mask.to(self.hidden.dtype)
         out = layer(self.hidden, attention_mask=mask, position_ids=self.position_ids, position_embeddings=pos_emb)
         return out[0] if isinstance(out, tuple) else out
 

@@ -245,7 +245,8 @@ class Source(SourceBase):
             i = int(np.flatnonzero(bad)[0])
             what = "NaN" if np.isnan(values.flat[i]) else "Inf"
             where = tuple(int(x) for x in np.unravel_index(i, info.shape))
-            at = (f"byte offset {info.offset + i * DTYPE_SIZES[info.dtype]}" if info.dtype in DTYPE_SIZES else
+            at = (f"byte offset {info.offset + i * DTYPE_SIZES[info.dtype]}"
+                  if info.dtype in DTYPE_SIZES and not isinstance(info, QuantTensorInfo) else
                   f"dequantized from {', '.join(sorted(p.name for p in info.parts.values()))}")
             raise SourceError(f"{info.file}: tensor {info.name}: {what} at element {where} ({at}); "
                               f"{int(bad.sum())} non-finite values")
