@@ -45,10 +45,12 @@ from ktlayouts.converted_dir import node_unit_ranges
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.expert_shards import ShardPlan
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16) -> the ABI's codes
 SCALE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 BACKENDS = ("scalar", "avx2", "avx512", "amx")
+# expert activations (ktlayouts.families.ExpertActivation.kind) -> the ABI's codes (KT_ACT_*)
+ACTIVATION_CODES = {"silu": 0, "swiglu_clamped": 1}
 
 
 class KernelError(RuntimeError):
@@ -95,6 +97,7 @@ def load_library() -> ctypes.CDLL:
         "kt_submit": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int]),
         "kt_submit_masked": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int, c_p]),
         "kt_sync": (c_int, [c_p]),
+        "kt_set_layer_activation": (c_int, [c_p, c_int, c_int, ctypes.c_float, ctypes.c_float, c_p, c_p, c_p]),
         "kt_profile": (c_int, [c_p, ctypes.POINTER(ctypes.c_double), c_int]),
         "kt_measure_read_bandwidth": (ctypes.c_double, [c_p, ctypes.c_size_t, c_int]),
         "kt_measure_int8_peak": (ctypes.c_double, [c_p, ctypes.c_double]),
@@ -281,7 +284,35 @@ class MoEKernels:
         if self._lib.kt_add_layer_ex(self._ctx, layer_id, n_experts, hidden, intermediate_pad, bits, group_size, code,
                                      len(pieces), arr) != 0:
             raise KernelError(_err(self._lib))
-        self._layers[layer_id] = ({"hidden": hidden, "n_experts": n_experts}, list(shards))
+        self._layers[layer_id] = ({"hidden": hidden, "n_experts": n_experts, "intermediate_pad": intermediate_pad},
+                                  list(shards))
+
+    def set_activation(self, layer_id: int, kind: str, alpha: float = 1.702, limit: float = 7.0,
+                       gate_bias: np.ndarray | None = None, up_bias: np.ndarray | None = None,
+                       down_bias: np.ndarray | None = None) -> None:
+        """The layer's expert activation (ACTIVATION_CODES; "swiglu_clamped": gpt-oss) and biases: gate_bias /
+        up_bias (E, intermediate_pad), down_bias (E, hidden) float32, kept referenced (read in place)."""
+        if layer_id not in self._layers:
+            raise KeyError(f"layer {layer_id} was not added")
+        if kind not in ACTIVATION_CODES:
+            raise ValueError(f"layer {layer_id}: activation {kind!r} is not one of {', '.join(ACTIVATION_CODES)}")
+        meta = self._layers[layer_id][0]
+        E, H, ipad = meta["n_experts"], meta["hidden"], meta["intermediate_pad"]
+        arrays = []
+        for a, shape, name in ((gate_bias, (E, ipad), "gate_bias"), (up_bias, (E, ipad), "up_bias"),
+                               (down_bias, (E, H), "down_bias")):
+            if a is None:
+                arrays.append(None)
+                continue
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            if a.shape != shape:
+                raise ValueError(f"layer {layer_id}: {name} has shape {a.shape}, expected {shape}")
+            arrays.append(a)
+        self.sync()
+        if self._lib.kt_set_layer_activation(self._ctx, layer_id, ACTIVATION_CODES[kind], float(alpha), float(limit),
+                                             *[None if a is None else a.ctypes.data for a in arrays]) != 0:
+            raise KernelError(_err(self._lib))
+        meta["activation"] = arrays           # alive while the layer is registered
 
     def submit(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any = None, accumulate: bool = False,
                skip: np.ndarray | None = None):

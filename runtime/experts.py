@@ -8,6 +8,9 @@
 - TorchExperts: the reference. Expert matrices come from an ExpertSource (packed tiles dequantized with ktlayouts,
   or plain float tensors), are cached per expert as float32 and applied with torch. Always correct, not fast.
 - KernelExperts (kernel_experts.py): the C++ kernels through runtime/cpu_moe.py, reading the mapped tiles in place.
+
+Both compute the family's ExpertActivation (ktlayouts.families): silu(g) * u, or gpt-oss's clamped SwiGLU with
+per-expert biases (`expert_biases`).
 """
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.cpu_expert import unpack_expert_matrix
 from ktlayouts.expert_shards import join_shards
+from ktlayouts.families import SILU, ExpertActivation
+
+from .expert_activation import Biases, activate, expert_biases
 
 
 class PackedExpertSource:
@@ -51,10 +57,13 @@ class DenseExpertSource:
 class TorchExperts:
     """Reference executor: dequantized float32 experts (cached on first use), torch matmuls, one worker thread."""
 
-    def __init__(self, source, device="cpu", asynchronous: bool = True, cache: bool = True):
+    def __init__(self, source, device="cpu", asynchronous: bool = True, cache: bool = True,
+                 activation: ExpertActivation = SILU, biases: Biases | None = None):
         """cache=False: read each expert from the source on every use (memory stays at one expert; profiling a
-        checkpoint that does not fit in RAM as float32)."""
+        checkpoint that does not fit in RAM as float32). activation / biases: the family's (expert_biases)."""
         self.source, self.device, self.cache = source, torch.device(device), cache
+        self.activation = activation
+        self.biases = {L: tuple(torch.from_numpy(b).to(self.device) for b in bs) for L, bs in (biases or {}).items()}
         self._cache: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ktrun-experts") if asynchronous else None
@@ -84,8 +93,9 @@ class TorchExperts:
                 continue
             tok, kpos = torch.where(ids == e)
             g, u, d = self._weights(layer, e)
+            bg, bu, bd = (b[e] for b in self.biases[layer]) if layer in self.biases else (None, None, None)
             xe = xf[tok]
-            y = F.linear(F.silu(F.linear(xe, g)) * F.linear(xe, u), d)
+            y = F.linear(activate(self.activation, F.linear(xe, g, bg), F.linear(xe, u, bu)), d, bd)
             acc.index_add_(0, tok, y * weights[tok, kpos, None].float())
         out.copy_(acc.to(device=out.device, dtype=out.dtype))
         self.stats["expert_compute_s"] += time.perf_counter() - t0
@@ -130,4 +140,5 @@ def make_executor(converted, use_kernels: bool | None = None):
     if use_kernels:
         from .kernel_experts import KernelExperts
         return KernelExperts(converted)
-    return TorchExperts(PackedExpertSource(converted.experts, converted.geometry.intermediate), device="cpu")
+    return TorchExperts(PackedExpertSource(converted.experts, converted.geometry.intermediate), device="cpu",
+                        activation=converted.config.expert_activation, biases=expert_biases(converted))

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from .cpu_moe import ExpertShard, MoEKernels
+from .expert_activation import expert_biases
 
 
 class KernelExperts:
@@ -34,6 +36,15 @@ class KernelExperts:
                 pieces.append(ExpertShard(gq, gs, uq, us, dq, ds, i0, i1))
             self.moe.add_layer(layer, pieces, geo.n_experts, geo.hidden, plan.intermediate_pad, geo.bits,
                                geo.group_size)
+        act = converted.config.expert_activation
+        if act.kind != "silu" or act.bias:        # gpt-oss: the clamped SwiGLU and biases, in the kernels
+            biases = expert_biases(converted)
+            for layer in (converted.experts if layers is None else layers):
+                bg = bu = bd = None
+                if layer in biases:
+                    g, u, bd = biases[layer]
+                    bg, bu = (np.pad(b, ((0, 0), (0, plan.intermediate_pad - b.shape[1]))) for b in (g, u))
+                self.moe.set_activation(layer, act.kind, act.alpha, act.limit, bg, bu, bd)
         self._pending = self._staged = None
         self._single_piece = all(len(shards) == 1 for shards in (converted.experts if layers is None else layers)
                                  .values())

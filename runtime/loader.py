@@ -251,7 +251,7 @@ def _check_routers(root: Path, cfg: ModelConfig, dense: dict) -> None:
     names = get_family(cfg.model_type).names
     prefixes = dict.fromkeys((names.moe_prefix, "mlp.", "block_sparse_moe."))
     for layer in cfg.moe_layers:
-        candidates = [f"{names.layer(layer)}{p}gate.weight" for p in prefixes]
+        candidates = [f"{names.layer(layer)}{p}{names.router}.weight" for p in prefixes]
         if not any(c in dense for c in candidates):
             raise LoadError(f"{root}: manifest.json lists MoE layer {layer}, but no dense file holds its router "
                             f"{candidates[0]}")

@@ -94,10 +94,11 @@ REQUIRED = {"num_hidden_layers", "hidden_size", "n_routed_experts", "num_experts
             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"}
 # so that the defaults make a model transformers can build: V3's first_k_dense_replace=3 needs > 3 layers;
 # Mixtral's num_key_value_heads=8 needs a multiple of 8 query heads
-# GLM's and MiniMax's num_key_value_heads=8 too; DeepSeek-V3.2's and Kimi-K2.5's (V3's) first_k_dense_replace=3
+# GLM's, MiniMax's and gpt-oss's num_key_value_heads=8 too; DeepSeek-V3.2's and Kimi-K2.5's (V3's) first_k_dense_replace=3
 # and n_group=8 (2+ experts per group).
 SHAPE_FIX = {"deepseek_v3": {"num_hidden_layers": 5}, "mixtral": {"num_attention_heads": 8},
              "glm4_moe": {"num_attention_heads": 8}, "minimax_m2": {"num_attention_heads": 8},
+             "gpt_oss": {"num_attention_heads": 8},
              "deepseek_v32": {"num_hidden_layers": 5, "n_routed_experts": 16},
              "kimi_k25": {"num_hidden_layers": 5, "n_routed_experts": 16}}
 
@@ -146,6 +147,16 @@ def test_defaults_are_transformers_defaults(name):
                                                            hf.linear_value_head_dim),
                     head_dim=hf.head_dim, rope_dim=int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"]),
                     n_shared=1, intermediate_size=hf.intermediate_size)
+    if name == "gpt_oss":      # sliding/full layers, window, head_dim, the clamped SwiGLU, no shared experts
+        act = ours.expert_activation
+        got.update(layer_types=ours.layer_types, sliding_window=ours.sliding_window, head_dim=ours.head_dim,
+                   rope=(ours.rope.kind, ours.rope.factor, ours.rope.original_max_position, ours.rope.truncate),
+                   act=(act.kind, act.alpha, act.limit, act.bias), sinks=ours.attention_sinks,
+                   n_shared=ours.n_shared_experts)
+        rp = hf.rope_parameters
+        want.update(layer_types=tuple(hf.layer_types), sliding_window=hf.sliding_window, head_dim=hf.head_dim,
+                    rope=(rp["rope_type"], rp["factor"], rp["original_max_position_embeddings"], rp["truncate"]),
+                    act=("swiglu_clamped", hf.swiglu_alpha, hf.swiglu_limit, True), sinks=True, n_shared=0)
     assert got == want
     from ktconvert.testing.checkpoints import model_class
     cls = model_class(name)
@@ -165,8 +176,8 @@ def test_one_resolution_rule():
     with pytest.raises(ConfigError, match=r"model_type 'deepseek_v3' is deepseek_v3, but architectures\[0\] "
                                           r"'MixtralForCausalLM' is mixtral"):
         family_for({"model_type": "deepseek_v3", "architectures": ["MixtralForCausalLM"]})
-    with pytest.raises(ConfigError, match="unsupported model_type 'gpt_oss'"):   # architectures never override it
-        family_for({"model_type": "gpt_oss", "architectures": ["MixtralForCausalLM"]})
+    with pytest.raises(ConfigError, match="unsupported model_type 'llama4'"):   # architectures never override it
+        family_for({"model_type": "llama4", "architectures": ["MixtralForCausalLM"]})
     with pytest.raises(ConfigError, match="missing required field 'model_type'"):
         family_for({"architectures": ["LlamaForCausalLM"]})
 
@@ -188,6 +199,11 @@ def test_one_resolution_rule():
     ("qwen3_next", {"full_attention_interval": 0}, "full_attention_interval=0"),
     ("qwen3_next", {"partial_rotary_factor": 1.5}, "'partial_rotary_factor' = 1.5"),
     ("qwen3_next", {"linear_key_head_dim": "32"}, "'linear_key_head_dim'"),
+    ("gpt_oss", {"layer_types": ["sliding_attention"]}, "'layer_types' must list one type per layer"),
+    ("gpt_oss", {"layer_types": ["sliding_attention", "chunked_attention"]}, "= 'chunked_attention' is not one of"),
+    ("gpt_oss", {"sliding_window": 0}, "sliding_window=0"),
+    ("gpt_oss", {"swiglu_limit": -1.0}, "swiglu_limit=-1.0"),
+    ("gpt_oss", {"num_local_experts": None}, "'num_local_experts'"),
 ])
 def test_config_errors_name_the_field(name, change, field):
     raw = {"model_type": name, **_minimal(name), **change}

@@ -56,6 +56,19 @@ BACKENDS = ["reference", pytest.param("kernels", marks=pytest.mark.skipif(
     not kernels_available(), reason="libktkernels / runtime/cpu_moe.py not available on this machine"))]
 
 
+def _fused(tensors: dict, arch) -> dict:
+    """gpt-oss: per-expert (N, K) weights back into the hub's fused layout, gate_up (E, H, 2I) with gate and up
+    interleaved and down (E, I, H), the layout transformers loads."""
+    out = {n: t for n, t in tensors.items() if arch.classify(n).kind != "expert"}
+    for layer in arch.moe_layers():
+        w = {p: torch.stack([tensors[arch.expert_tensor_name(layer, e, p)] for e in range(arch.n_experts)])
+             for p in ("gate", "up", "down")}
+        gate_up = torch.stack([w["gate"], w["up"]], dim=-2).flatten(1, 2)          # (E, 2I, H): rows g0 u0 g1 ...
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = w["down"].transpose(1, 2).contiguous()
+    return out
+
+
 def quantized_reference_checkpoint(src: Path, conv: Path, out: Path) -> Path:
     """src's hub checkpoint with each tensor the conversion holds replaced by its dequantized value (float32);
     tensors the conversion skips (MTP layers, Kimi-K2.5's vision tower) stay as they are."""
@@ -81,6 +94,8 @@ def quantized_reference_checkpoint(src: Path, conv: Path, out: Path) -> Path:
                 tensors[name] = s.read(name)
             if not torch.equal(tensors[name].float(), s.read(name).float()):
                 changed.add(role.kind)
+        if s.arch.family.names.fused_experts is not None:
+            tensors = _fused(tensors, s.arch)
     c.close()
     assert {"expert", "attention"} <= changed, changed      # the quantized values, not the bf16 ones
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

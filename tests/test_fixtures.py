@@ -20,6 +20,8 @@ EXPERT_NAME = {
     "deepseek_v32": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "glm4_moe_lite": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "kimi_k25": re.compile(r"language_model\.model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
+    # gpt-oss: the hub keeps each layer's experts fused, as transformers holds them (E, H, 2I) / (E, I, H)
+    "gpt_oss": re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$"),
 }
 
 
@@ -73,13 +75,22 @@ def test_hub_names_dtypes_and_shards(ckpt_dir, arch):
     assert index["metadata"]["total_size"] == sum(
         torch.empty(s, dtype=torch.bfloat16 if dt == "BF16" else torch.float32).nbytes for dt, s in meta.values())
     names = list(meta)
-    assert not [n for n in names if "gate_up_proj" in n or n.endswith("experts.down_proj")], "fused names leaked"
     cfg = _text(json.loads((d / "config.json").read_text()))
     n_exp = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
     experts = [n for n in names if EXPERT_NAME[arch].match(n)]
-    main_experts = [n for n in experts if int(re.search(r"layers\.(\d+)\.", n).group(1)) < cfg["num_hidden_layers"]]
-    n_moe = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
-    assert len(main_experts) == n_moe * n_exp * 3
+    if FIXTURES[arch].fused_experts:
+        h, i = cfg["hidden_size"], cfg["intermediate_size"]
+        assert len(experts) == 2 * cfg["num_hidden_layers"]
+        assert meta["model.layers.1.mlp.experts.gate_up_proj"][1] == (n_exp, h, 2 * i)
+        assert meta["model.layers.1.mlp.experts.down_proj"][1] == (n_exp, i, h)
+        assert meta["model.layers.1.mlp.experts.gate_up_proj_bias"][1] == (n_exp, 2 * i)
+        assert meta["model.layers.1.self_attn.sinks"][1] == (cfg["num_attention_heads"],)
+    else:
+        assert not [n for n in names if "gate_up_proj" in n or n.endswith("experts.down_proj")], "fused names leaked"
+        main_experts = [n for n in experts
+                        if int(re.search(r"layers\.(\d+)\.", n).group(1)) < cfg["num_hidden_layers"]]
+        n_moe = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
+        assert len(main_experts) == n_moe * n_exp * 3
     for name, (dtype, _) in meta.items():
         assert dtype == ("F32" if name.endswith("e_score_correction_bias") else "BF16"), name
     if arch == "mixtral":
@@ -176,7 +187,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="deepseek_v3"):
         make_checkpoint("mixtral", "/nonexistent-never-written", fp8=True)
     assert set(ARCHS) == {"deepseek_v3", "qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe", "minimax_m2",
-                          "deepseek_v32", "kimi_k25", "qwen3_next", "glm4_moe_lite"}
+                          "deepseek_v32", "kimi_k25", "qwen3_next", "glm4_moe_lite", "gpt_oss"}
 
 
 def test_layers_and_dims_overrides(tmp_path):

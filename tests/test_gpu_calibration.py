@@ -25,7 +25,8 @@ def _is_target(src):
     return lambda hub: src.arch.classify(hub).kind in KINDS
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "deepseek_v32",
+                                  "gpt_oss"])
 def test_layerwise_hessians_match_the_transformers_model(arch, tmp_path):
     """With float weights kept (quantize_fn -> None), every Hessian and the last hidden states equal those of the
     whole transformers model run at once: the per-layer build, weight loading and streamed experts are right."""

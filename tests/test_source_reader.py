@@ -1,5 +1,6 @@
 """The lazy source reader and the architecture adapters, on real safetensors checkpoints (good and broken)."""
 import json
+import re
 import tracemalloc
 from pathlib import Path
 
@@ -37,12 +38,31 @@ def _rewrite_header(path: Path, mutate) -> None:
 
 # --- reading good checkpoints --------------------------------------------------------------------------------
 
+def _fused_expert(d: Path, name: str) -> torch.Tensor:
+    """gpt-oss: one expert's (N, K) gate/up/down out of the layer's fused (E, K, 2I | H) tensor, read with
+    safetensors (gate = even columns, up = odd ones, transposed)."""
+    m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+    fused = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}"
+    with safe_open(_shard_of(d, fused), framework="pt") as f:
+        w = f.get_tensor(fused)[int(m.group(2))].float()
+    return {"gate": w[:, 0::2], "up": w[:, 1::2], "down": w}[m.group(3)].T
+
+
 def test_reads_every_tensor_like_safetensors(ckpt_dir, arch):
     d = ckpt_dir(arch)
     with open_source(d) as src:
-        assert src.tensor_names() == list(_index(d)["weight_map"])
+        stored = list(_index(d)["weight_map"])
+        names = src.tensor_names()
+        if src.arch.family.names.fused_experts is not None:   # gpt-oss: fused experts read as per-expert weights
+            split = [n for n in names if n not in stored]
+            assert len(split) == 3 * src.arch.n_experts * len(src.arch.moe_layers())
+            for name in split:
+                assert torch.equal(src.read(name), _fused_expert(d, name)), name
+            names = [n for n in names if n not in split]
+            stored = [n for n in stored if not re.search(r"\.experts\.(gate_up|down)_proj$", n)]
+        assert names == stored
         assert src.arch.model_type == arch
-        for name in src.tensor_names():
+        for name in names:
             with safe_open(_shard_of(d, name), framework="pt") as f:
                 want = f.get_tensor(name)
             got = src.read(name)
@@ -168,16 +188,16 @@ def test_adapter_tables():
 
 
 def test_unsupported_model_type_lists_supported(ckpt_copy):
-    supported = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "kimi_k25", "minimax_m2", "mixtral",
-                 "qwen3_moe", "qwen3_next")
+    supported = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "gpt_oss", "kimi_k25",
+                 "minimax_m2", "mixtral", "qwen3_moe", "qwen3_next")
     with pytest.raises(SourceError, match="llama4.*" + ", ".join(supported)):
         adapter_for({"model_type": "llama4"})
     assert SUPPORTED_MODEL_TYPES == supported
     d = ckpt_copy("qwen3_moe")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "gpt_oss"
+    cfg["model_type"] = "llama4"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(SourceError, match="unsupported model_type 'gpt_oss'.*supported: deepseek_v2"):
+    with pytest.raises(SourceError, match="unsupported model_type 'llama4'.*supported: deepseek_v2"):
         open_source(d)
 
 

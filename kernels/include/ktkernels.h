@@ -13,8 +13,9 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 5   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
-                              5: kt_add_layer_ex (scale dtype of the int expert layouts) */
+#define KT_ABI_VERSION 6   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+                              5: kt_add_layer_ex (scale dtype of the int expert layouts);
+                              6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -59,6 +60,16 @@ int kt_add_layer(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int inter
 /* The same with the scales' dtype: KT_F32 (layout version 1), KT_F16 or KT_BF16 (version 2). */
 int kt_add_layer_ex(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int intermediate_pad, int bits,
                     int group_size, int scale_dtype, int n_pieces, const kt_shard_piece* pieces);
+
+enum { KT_ACT_SILU = 0, KT_ACT_SWIGLU_CLAMPED = 1 };
+
+/* The activation between a layer's gate/up and down (default KT_ACT_SILU: h = silu(g) * u) and its expert biases.
+ * KT_ACT_SWIGLU_CLAMPED (gpt-oss): g = min(g + gate_bias, limit), u = clamp(u + up_bias, -limit, limit),
+ * h = (u + 1) * g * sigmoid(alpha * g); each expert's output is y + down_bias. gate_bias / up_bias (E,
+ * intermediate_pad) f32 (padded rows 0), down_bias (E, hidden) f32, each NULL for none (gate and up together);
+ * read in place: they must stay valid while the layer is used. Same on every backend. */
+int kt_set_layer_activation(kt_ctx* ctx, int layer_id, int activation, float alpha, float limit,
+                            const float* gate_bias, const float* up_bias, const float* down_bias);
 
 /* out[t, :H] (=|+=) sum_j weights[t,j] * expert_{ids[t,j]}(x[t]) ; ids < 0 are skipped.
  * x: (T, H) f32 or bf16 with row stride x_stride elements; ids (T, k) int32; weights (T, k) f32;

@@ -84,6 +84,16 @@ int kt_add_layer_ex(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int in
     });
 }
 
+int kt_set_layer_activation(kt_ctx* ctx, int layer_id, int activation, float alpha, float limit,
+                            const float* gate_bias, const float* up_bias, const float* down_bias) {
+    return guarded([&] {
+        kt::Activation act;
+        act.kind = activation; act.alpha = alpha; act.limit = limit;
+        act.gate_bias = gate_bias; act.up_bias = up_bias; act.down_bias = down_bias;
+        ctx->engine.set_activation(layer_id, act);
+    });
+}
+
 int kt_submit(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
               const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate) {
     return guarded([&] {

@@ -165,7 +165,16 @@ void MoEEngine::gate_up(const Item& it, int worker) {
         float* h = pbuf_[it.piece].h.data() + (size_t)(S.row0 + i) * cols + (it.nb0 * 16 - P.r0);
         const float* g = yg + (size_t)i * ldy;
         const float* u = yu + (size_t)i * ldy;
-        for (int c = 0; c < ldy; ++c) h[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];   // silu(g) * u
+        const Activation& act = L_->act;
+        if (act.kind == kActSilu && !act.gate_bias) {
+            for (int c = 0; c < ldy; ++c) h[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];   // silu(g) * u
+        } else {
+            const size_t at = (size_t)e * L_->inter_pad + P.row0 + (it.nb0 * 16 - P.r0);   // this item's first row
+            const float* bg = act.gate_bias ? act.gate_bias + at : nullptr;
+            const float* bu = act.up_bias ? act.up_bias + at : nullptr;
+            for (int c = 0; c < ldy; ++c)
+                h[c] = activate(act, g[c] + (bg ? bg[c] : 0.0f), u[c] + (bu ? bu[c] : 0.0f));
+        }
     }
 }
 
@@ -216,12 +225,18 @@ void MoEEngine::down(const Item& it, int pool, int worker) {
                 const ActRows a{B.q_rows.data() + S.row0, B.s_rows.data() + S.row0, B.sum_rows.data() + S.row0};
                 (L.bits == 8 ? table_->qgemm8 : table_->qgemm4)(v, it.nbn, a, S.m, y, ldy);
             }
+            // the down bias once per (token, expert): by the piece holding the first intermediate row
+            const float* bd = (L.act.down_bias && P.row0 == 0) ? L.act.down_bias + (size_t)S.expert * H + c0 : nullptr;
             for (int i = 0; i < S.m; ++i) {
                 const int r = S.row0 + i;
                 float* d = dst + tok_[r] * ld + c0;
                 const float w = wt_[r];
                 const float* yy = y + (size_t)i * ldy;
-                for (int c = 0; c < nc; ++c) d[c] += w * yy[c];
+                if (bd) {
+                    for (int c = 0; c < nc; ++c) d[c] += w * (yy[c] + bd[c]);
+                } else {
+                    for (int c = 0; c < nc; ++c) d[c] += w * yy[c];
+                }
             }
         }
     }

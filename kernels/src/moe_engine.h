@@ -5,14 +5,17 @@
 // One submit = one job on every worker, in phases:
 //   0 (all workers)        x -> int8 per token and gate/up group (or bf16), split over tokens (for a few tokens
 //                          the submitting thread does it, saving a barrier)
-//   1 (each sub-pool)      gate/up of (expert, block chunk) items of the pool's shard pieces; h = silu(g) * u
+//   1 (each sub-pool)      gate/up of (expert, block chunk) items of the pool's shard pieces; h = act(g, u):
+//                          silu(g) * u, or gpt-oss's clamped SwiGLU on biased g, u (Activation)
 //   1b (each sub-pool)     h -> int8 per token and down group (or bf16), by the worker that finished the last
 //                          gate/up item of that (piece, expert)
 //   2 (each sub-pool)      down over output-column chunks: each item loops over all experts, so the columns it
 //                          owns are written by one worker only; out[t] += w[t,j] * y
 //   3 (all, n_pools > 1)   out = sum of the pools' partial outputs
 #pragma once
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <string>
@@ -33,8 +36,28 @@ struct Piece {
     size_t g_expert_q, g_block_q, g_expert_s, g_block_s;   // gate/up strides (bytes / scales)
     size_t d_expert_q, d_block_q, d_expert_s, d_block_s;   // down strides
     int d_glen, d_g0;  // down group length inside the piece and index of its first group
+    int row0;          // first row of the padded intermediate dimension this piece computes (i0 + r0)
     int cols() const { return r1 - r0; }
 };
+
+// What runs between gate/up and down (kt_set_layer_activation). kSwigluClamped (gpt-oss):
+//   g = min(g + bg, limit), u = clamp(u + bu, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g)
+// and the expert's down bias bd is added to its output before the routing weight: out += w * (y + bd).
+// Plain C++ in the engine, run the same on every backend (the ISA kernels only compute the products).
+enum { kActSilu = 0, kActSwigluClamped = 1 };
+struct Activation {
+    int kind = kActSilu;
+    float alpha = 1.702f, limit = 7.0f;
+    const float *gate_bias = nullptr, *up_bias = nullptr;   // (E, inter_pad) or null
+    const float* down_bias = nullptr;                         // (E, hidden) or null
+};
+
+inline float activate(const Activation& a, float g, float u) {
+    if (a.kind == kActSilu) return g / (1.0f + std::exp(-g)) * u;
+    g = std::min(g, a.limit);
+    u = std::max(-a.limit, std::min(u, a.limit));
+    return (u + 1.0f) * (g / (1.0f + std::exp(-a.alpha * g)));
+}
 
 struct Layer {
     int n_experts, hidden, inter_pad, bits, group;
@@ -43,6 +66,7 @@ struct Layer {
     int kx_glen;       // gate/up group length (G, or kx for per-row / bf16)
     int down_blocks;   // round_up(hidden, 16) / 16
     std::vector<Piece> pieces;
+    Activation act;
 };
 
 struct Slot { int expert, row0, m; };
@@ -56,6 +80,8 @@ public:
 
     void add_layer(int id, int n_experts, int hidden, int inter_pad, int bits, int group, int n_pieces,
                    const kt_shard_piece* pieces, int scale_dtype = kScaleF32);   // throws std::invalid_argument
+    // the expert activation and biases of a registered layer (bias arrays read in place until the layer goes)
+    void set_activation(int id, const Activation& act);   // throws std::invalid_argument
     void submit(int id, int T, const void* x, int x_dtype, int64_t x_stride, int k, const int32_t* ids,
                 const float* weights, float* out, int64_t out_stride, bool accumulate,
                 const uint8_t* skip);   // skip: (n_experts) experts left out (computed elsewhere), or null

@@ -1,6 +1,7 @@
 // Layer registration: validates the shard pieces handed in by the binding against the layout geometry
 // (layouts/README.md, expert_shards.py) and derives every stride the kernels need.
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -52,7 +53,7 @@ void MoEEngine::add_layer(int id, int E, int H, int I_pad, int bits, int G, int 
         Piece p;
         p.gq = (const uint8_t*)s.gate_q; p.uq = (const uint8_t*)s.up_q; p.dq = (const uint8_t*)s.down_q;
         p.gs = (const uint8_t*)s.gate_s; p.us = (const uint8_t*)s.up_s; p.ds = (const uint8_t*)s.down_s;
-        p.width = width; p.r0 = s.r0; p.r1 = s.r1; p.pool = s.pool;
+        p.width = width; p.r0 = s.r0; p.r1 = s.r1; p.pool = s.pool; p.row0 = s.i0 + s.r0;
         const int ngx = L.kx / L.kx_glen;
         p.g_block_q = (size_t)(L.kx / ktile) * TB;
         p.g_expert_q = (size_t)(width / 16) * p.g_block_q;
@@ -76,6 +77,19 @@ void MoEEngine::add_layer(int id, int E, int H, int I_pad, int bits, int G, int 
     }
     if (at != I_pad) bad("shard pieces must cover [0, intermediate_pad) exactly once; they end at row " + std::to_string(at) + ", intermediate_pad is " + std::to_string(I_pad));
     layers_[id] = std::move(L);
+}
+
+void MoEEngine::set_activation(int id, const Activation& act) {
+    auto bad = [&](const std::string& m) { throw std::invalid_argument("layer " + std::to_string(id) + ": " + m); };
+    if (pool_->busy()) pool_->wait();
+    auto it = layers_.find(id);
+    if (it == layers_.end()) bad("not registered (kt_add_layer first)");
+    if (act.kind != kActSilu && act.kind != kActSwigluClamped)
+        bad("activation " + std::to_string(act.kind) + " is not KT_ACT_SILU or KT_ACT_SWIGLU_CLAMPED");
+    if (act.kind == kActSwigluClamped && !(act.limit > 0.0f && std::isfinite(act.alpha)))
+        bad("the clamped SwiGLU needs limit > 0 and a finite alpha");
+    if ((act.gate_bias == nullptr) != (act.up_bias == nullptr)) bad("gate and up biases come together");
+    it->second.act = act;
 }
 
 }  // namespace kt

@@ -143,7 +143,8 @@ def hf_config(config: dict, model_type: str):
     from transformers import CONFIG_MAPPING
 
     cfg = CONFIG_MAPPING[model_type](**{k: v for k, v in config.items() if k not in _DROP_CONFIG_KEYS})
-    cfg._attn_implementation = "sdpa"
+    # sdpa drops gpt-oss's attention sinks: its layers run the eager attention, with an explicit mask (_forward)
+    cfg._attn_implementation = "eager" if getattr(cfg, "swiglu_limit", None) is not None else "sdpa"
     return cfg
 
 
@@ -155,12 +156,27 @@ def _model_classes(cfg):
             getattr(mod, prefix + "RMSNorm"))
 
 
-class StreamingExperts(nn.Module):
-    """Drop-in for a transformers fused-experts module: reads each routed expert from the source when hit."""
+def _gate_fn(experts: nn.Module):
+    """h = f(g, u) of a transformers experts module: silu(g) * u through its act_fn, or gpt-oss's clamped SwiGLU
+    through the module's own _apply_gate (which takes gate and up interleaved)."""
+    if hasattr(experts, "act_fn"):
+        return lambda g, u: experts.act_fn(g) * u
+    return lambda g, u: experts._apply_gate(torch.stack([g, u], dim=-1).flatten(-2))
 
-    def __init__(self, src, layer: int, act_fn):
+
+class StreamingExperts(nn.Module):
+    """Drop-in for a transformers fused-experts module: reads each routed expert from the source when hit (and, for
+    a family with expert biases, gpt-oss, the layer's biases once)."""
+
+    def __init__(self, src, layer: int, gate_fn):
         super().__init__()
-        self.src, self.layer, self.act_fn = src, layer, act_fn
+        self.src, self.layer, self.gate_fn = src, layer, gate_fn
+        self.biases = None
+        fam = src.arch.family
+        if src.arch.cfg.expert_activation.bias:
+            gu, d = fam.names.fused_experts.bias_names(fam.names.layer(layer))
+            bg, bu = fam.names.fused_experts.split_gate_up(src.read(gu))
+            self.biases = (bg, bu, src.read(d))                   # (E, I), (E, I), (E, H)
         self.enabled = True
         self.captured: list | None = None     # a list: (hidden_states, top_k_index) of every call are appended
 
@@ -176,7 +192,11 @@ class StreamingExperts(nn.Module):
             tok, pos = torch.where(top_k_index == e)
             gate, up, down = (self.src.read(arch.expert_tensor_name(self.layer, e, p)) for p in ("gate", "up", "down"))
             x = hidden_states[tok]
-            y = (self.act_fn(x @ gate.T) * (x @ up.T)) @ down.T
+            if self.biases is None:
+                y = self.gate_fn(x @ gate.T, x @ up.T) @ down.T
+            else:
+                bg, bu, bd = (b[e].to(x.dtype) for b in self.biases)
+                y = self.gate_fn(x @ gate.T + bg, x @ up.T + bu) @ down.T + bd
             out.index_add_(0, tok, y * top_k_weights[tok, pos, None].to(y.dtype))
         return out
 
@@ -290,6 +310,16 @@ class LayerwiseGptq:
             # DeepSeek-V3.2's indexer scores against an explicit mask: (S, 1, L, L) bool, True = may attend
             s, seq = self.tokens.shape
             mask = torch.ones(seq, seq, dtype=torch.bool).tril().expand(s, 1, seq, seq)
+        elif hasattr(getattr(layer, "self_attn", None), "sinks"):
+            # gpt-oss (eager attention): an additive causal mask, within the layer's sliding window if it has one
+            s, seq = self.tokens.shape
+            q, k = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+            allowed = k <= q
+            window = getattr(layer.self_attn, "sliding_window", None)
+            if window:
+                allowed &= k > q - window
+            mask = torch.zeros(seq, seq).masked_fill(~allowed, float("-inf")).expand(s, 1, seq, seq)
+            mask = mask.to(self.hidden.dtype)
         out = layer(self.hidden, attention_mask=mask, position_ids=self.position_ids, position_embeddings=pos_emb)
         return out[0] if isinstance(out, tuple) else out
 
@@ -298,7 +328,7 @@ class LayerwiseGptq:
             layer = self.layer_cls(self.cfg, layer_idx=li)
         moe = getattr(layer, "mlp", None)
         if moe is not None and hasattr(moe, "experts"):
-            moe.experts = StreamingExperts(self.src, li, moe.experts.act_fn)
+            moe.experts = StreamingExperts(self.src, li, _gate_fn(moe.experts))
         prefix = self.hub.layer(li)
         state = {k: self.src.read(_checkpoint_name(prefix, k, self.names)).reshape(v.shape)
                  for k, v in layer.state_dict().items()}

@@ -17,6 +17,7 @@ from ktlayouts.bf16 import bf16_bits_to_f32
 
 from ktconvert.sources.base import SourceBase
 from ktconvert.sources.fp8 import FP8_FMTS, FP8_SCALE_FMTS, dequant_fp8_block, fp8_e4m3_to_f32
+from ktconvert.sources.fused_experts import FusedExpertScheme
 from ktconvert.sources.quantized import QuantTensorInfo, scheme_for
 from ktconvert.sources.roles import ArchAdapter, SourceError, adapter_for
 from ktconvert.sources.st_header import DTYPE_SIZES, TensorInfo, parse_shard
@@ -70,7 +71,10 @@ class Source(SourceBase):
         qc = (self.config.get("quantization_config")
               or self.arch.family.text_config(self.config).get("quantization_config") or {})
         # already-quantized Linears (compressed-tensors, GPTQ, AWQ, FP8 per channel, MX): ktconvert.sources.quantized
-        self.quant = scheme_for(qc, str(cfg_path))
+        fused = self.arch.family.names.fused_experts
+        # fused routed experts (gpt-oss: unquantized or MXFP4) read as per-expert weights: sources.fused_experts
+        self.quant = (FusedExpertScheme(fused, self.arch.cfg, qc, str(cfg_path)) if fused is not None
+                      else scheme_for(qc, str(cfg_path)))
         # DeepSeek-style FP8 blocks (DeepSeek-V3 / V3.2, Kimi-K2, MiniMax-M2): read here
         self.fp8_block: tuple[int, int] = fp8_block_size(qc if self.quant is None else {}, cfg_path)
         self._infos: dict[str, TensorInfo] = {}
@@ -241,7 +245,8 @@ class Source(SourceBase):
             i = int(np.flatnonzero(bad)[0])
             what = "NaN" if np.isnan(values.flat[i]) else "Inf"
             where = tuple(int(x) for x in np.unravel_index(i, info.shape))
-            at = (f"byte offset {info.offset + i * DTYPE_SIZES[info.dtype]}" if info.dtype in DTYPE_SIZES else
+            at = (f"byte offset {info.offset + i * DTYPE_SIZES[info.dtype]}"
+                  if info.dtype in DTYPE_SIZES and not isinstance(info, QuantTensorInfo) else
                   f"dequantized from {', '.join(sorted(p.name for p in info.parts.values()))}")
             raise SourceError(f"{info.file}: tensor {info.name}: {what} at element {where} ({at}); "
                               f"{int(bad.sum())} non-finite values")

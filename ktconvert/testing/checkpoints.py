@@ -83,6 +83,8 @@ def _seeded_model(arch: str, config, seed: int):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight") and not p.any():   # zero-centred norms (Qwen3-Next): 1 + w
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+                elif FIXTURES[arch].random_biases and name.endswith(("bias", "sinks")) and not p.any():
+                    p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if name.endswith("sinks") else 0.1))
     return model.eval()
 
 
@@ -133,7 +135,7 @@ def hub_state_dict(model, arch: str) -> dict[str, torch.Tensor]:
         if name is None:
             continue
         m = re.match(r"(.*model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
-        if m:
+        if m and not FIXTURES[arch].fused_experts:
             prefix = m.group(1)
             if m.group(2) == "gate_up_proj":  # (E, 2I, H): rows [0, I) gate, [I, 2I) up
                 inter = t.shape[1] // 2
@@ -184,12 +186,36 @@ def _mtp_state_dict(arch: str, num_layers: int | None, seed: int, overrides: dic
     return out
 
 
-def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | None = None, seed: int = 0,
+MXFP4_QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def mxfp4_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fused expert weights (E, K, N) as gpt-oss's MXFP4 release stores them: <name>_blocks (E, N, K/32, 16) and
+    <name>_scales (E, N, K/32), output dimension first (ktconvert.testing.mxfp4)."""
+    import numpy as np
+
+    from ktconvert.testing.mxfp4 import quantize_mxfp4
+
+    out = {}
+    for name, t in tensors.items():
+        if re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", name):
+            blocks, scales = quantize_mxfp4(t.float().transpose(1, 2).numpy())
+            out[name + "_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
+            out[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
+        else:
+            out[name] = t
+    return out
+
+
+def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, mxfp4: bool = False, num_layers: int | None = None, seed: int = 0,
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, init_scale: float = 1.0,
                     **config_overrides) -> Path:
     """Write a tiny random `arch` checkpoint to out_dir, laid out as the hub ships it; returns out_dir.
 
-    fp8=True (families released in FP8: DeepSeek-V3 / V3.2, MiniMax-M2) writes the FP8 release format. Families with MTP (deepseek_v3) always get
+    fp8=True (families released in FP8: DeepSeek-V3 / V3.2, MiniMax-M2) writes the FP8 release format; mxfp4=True
+    (gpt-oss) writes the experts in MXFP4 as its releases do (their weights: the MXFP4-rounded make_model experts).
+    Families with MTP (deepseek_v3) always get
     their MTP layer.
     The weights equal make_model(arch, num_layers=..., seed=..., init_scale=..., **config_overrides)
     (FP8: their block-quantized version). num_layers counts main layers (without MTP); config_overrides go to
@@ -201,6 +227,9 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
     if fp8 and not FIXTURES[arch].fp8:
         ships = ", ".join(f"arch={a!r}" for a, f in FIXTURES.items() if f.fp8)
         raise ValueError(f"fp8=True is the FP8 block format of the releases of {ships} only")
+    if mxfp4 and not FIXTURES[arch].mxfp4:
+        raise ValueError(f"mxfp4=True is the MXFP4 expert format of the releases of "
+                         f"{', '.join(a for a, f in FIXTURES.items() if f.mxfp4)} only")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = make_model(arch, num_layers=num_layers, seed=seed, init_scale=init_scale, **config_overrides)
@@ -216,6 +245,9 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, num_layers: int | 
     for name, t in named.items():
         tensors.update(to_hub_dtype(name, t, fp8, block, pow2))
     hub_cfg = hub_config(config, arch, fp8)
+    if mxfp4:
+        tensors = mxfp4_experts(tensors)
+        hub_cfg["quantization_config"] = MXFP4_QUANTIZATION_CONFIG
     _check_against_adapter(hub_cfg, tensors)
     (out_dir / "config.json").unlink(missing_ok=True)  # written last: its presence marks a complete checkpoint
     write_shards(tensors, out_dir, max_shard_bytes)
@@ -259,6 +291,7 @@ def main(argv=None) -> None:
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--fp8", action="store_true", help="FP8 block release format (deepseek_v3, deepseek_v32, "
                                                        "minimax_m2)")
+    ap.add_argument("--mxfp4", action="store_true", help="MXFP4 experts (gpt_oss's release format)")
     ap.add_argument("--layers", type=int, default=None, help="main layers (without the MTP layer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-scale", type=float, default=1.0, help="lm_head multiplier (peaked logits)")
@@ -267,7 +300,7 @@ def main(argv=None) -> None:
                     help="config override, e.g. hidden_size=256")
     a = ap.parse_args(argv)
     overrides = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.set)}
-    out = make_checkpoint(a.arch, a.out_dir, fp8=a.fp8, num_layers=a.layers, seed=a.seed, init_scale=a.init_scale,
+    out = make_checkpoint(a.arch, a.out_dir, fp8=a.fp8, mxfp4=a.mxfp4, num_layers=a.layers, seed=a.seed, init_scale=a.init_scale,
                           max_shard_bytes=a.max_shard_bytes, **overrides)
     print(f"{out}: {checkpoint_nbytes(out)} bytes of tensors")
 

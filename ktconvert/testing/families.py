@@ -31,6 +31,9 @@ class FixtureFamily:
     partial_rotary_key: str | None = None           # how the hub writes partial rotary: "partial_rotary_factor"
                                                     # (GLM) or "rotary_dim" (MiniMax-M2), at the top level
     vocab_size: int = 320                           # the model's vocabulary (past the tokenizer's, as on the hub)
+    fused_experts: bool = False                     # the hub keeps transformers' fused expert tensors (gpt-oss)
+    mxfp4: bool = False                             # also released with MXFP4 experts (gpt-oss's quant_method mxfp4)
+    random_biases: bool = False                     # transformers inits the biases (and sinks) to zero: randomize
 
 
 # Tiny dimensions that still exercise padding: expert sizes not multiples of 64, FP8 dims > 128 and not
@@ -152,5 +155,18 @@ FIXTURES = {
         hub_extra_keys={"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                         "model_type": "kimi_k2"},
         hub_drop_keys=("head_dim",), vocab_size=672),
+    # gpt-oss: sliding (window 6, shorter than the test prompts) / full layers alternating, 4 query heads sharing 2
+    # KV heads with sinks, biases everywhere, expert size 96 (not a multiple of 64; a multiple of 32 as MXFP4 needs),
+    # YaRN over a 4096-position original context, a low swiglu_limit so the clamps bite at these tiny scales
+    "gpt_oss": FixtureFamily(
+        config={
+            "hidden_size": 96, "intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "sliding_window": 6, "swiglu_limit": 0.3, "max_position_embeddings": 8192,
+            "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+            "bos_token_id": 0, "eos_token_id": 2},
+        tokenizer="chatml", fused_experts=True, mxfp4=True, random_biases=True,
+        hub_drop_keys=("swiglu_alpha",)),
 }
 ARCHS = tuple(FIXTURES)

@@ -18,16 +18,41 @@ import json
 import pkgutil
 from pathlib import Path
 
-from .config import Fields, LinearAttentionConfig, ModelConfig, RopeConfig, yarn_mscale
+from .config import SILU, ExpertActivation, Fields, LinearAttentionConfig, ModelConfig, RopeConfig, yarn_mscale
 from .errors import ConfigError, FamilyError, TensorNameError
 from .family import ATTENTION_KINDS, Family
 from .gguf_names import GGUFArch
-from .hub_names import KINDS, PROJS, TensorRole
+from .hub_names import KINDS, PROJS, FusedExperts, TensorRole
 
-__all__ = ["ATTENTION_KINDS", "FAMILIES", "GGUF_ARCHS", "KINDS", "MODEL_TYPE_ALIASES", "PROJS",
-           "SUPPORTED_GGUF_ARCHS", "SUPPORTED_MODEL_TYPES", "ConfigError", "Family", "FamilyError", "Fields",
-           "GGUFArch", "LinearAttentionConfig", "ModelConfig", "RopeConfig", "TensorNameError", "TensorRole", "family_for", "get_family",
-           "gguf_arch", "load_config", "parse_config", "yarn_mscale"]
+__all__ = [
+    "ATTENTION_KINDS",
+    "FAMILIES",
+    "GGUF_ARCHS",
+    "KINDS",
+    "MODEL_TYPE_ALIASES",
+    "PROJS",
+    "SILU",
+    "SUPPORTED_GGUF_ARCHS",
+    "SUPPORTED_MODEL_TYPES",
+    "ConfigError",
+    "ExpertActivation",
+    "Family",
+    "FamilyError",
+    "Fields",
+    "FusedExperts",
+    "GGUFArch",
+    "LinearAttentionConfig",
+    "ModelConfig",
+    "RopeConfig",
+    "TensorNameError",
+    "TensorRole",
+    "family_for",
+    "get_family",
+    "gguf_arch",
+    "load_config",
+    "parse_config",
+    "yarn_mscale",
+]
 
 _HELPERS = {"config", "errors", "family", "gguf_names", "hub_names"}
 

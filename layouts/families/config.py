@@ -55,6 +55,29 @@ class LinearAttentionConfig:
 
 
 @dataclass(frozen=True)
+class ExpertActivation:
+    """What a routed expert computes between its gate/up and down projections.
+
+    "silu":  h = silu(g) * u                                        (every family but gpt-oss)
+    "swiglu_clamped" (gpt-oss, with per-expert biases on gate, up and down):
+             g = min(g, limit), u = clamp(u, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g)
+    """
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+    bias: bool = False                    # gate/up/down biases per expert (gpt-oss: experts.gate_up_proj_bias ...)
+
+    KINDS = ("silu", "swiglu_clamped")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"expert activation {self.kind!r} is not one of {', '.join(self.KINDS)}")
+
+
+SILU = ExpertActivation()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str                       # the family's name (an alias such as kimi_k2 reads as deepseek_v3)
     num_layers: int                       # main decoder layers (multi-token-prediction layers not counted)
@@ -102,6 +125,10 @@ class ModelConfig:
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
+    # gpt-oss: every other layer attends within a sliding window (layer_types "sliding_attention"), each head adds a
+    # learned sink logit to its softmax; routed experts carry biases and a clamped SwiGLU (ExpertActivation)
+    attention_sinks: bool = False
+    expert_activation: ExpertActivation = field(default_factory=lambda: SILU)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)

@@ -20,8 +20,10 @@ from .config import ModelConfig
 from .errors import TensorNameError
 
 # shared_expert_gate: Qwen3-Next's (1, H) sigmoid gate on the shared expert, kept unquantized as the router is
+# expert_bias: gpt-oss's per-expert gate/up and down biases (E, 2I) / (E, H), kept whole beside the router (the
+# kernels add them; they are not quantized)
 KINDS = ("expert", "router", "router_bias", "shared_expert", "shared_expert_gate", "attention", "dense_mlp",
-         "norm", "embedding", "head", "skip")
+         "norm", "embedding", "head", "expert_bias", "skip")
 PROJS = ("gate", "up", "down")
 
 LAYER = r"model\.layers\.(?P<layer>\d+)\."
@@ -57,6 +59,31 @@ def prefixed(rows: list, prefix: str) -> list:
 
 
 @dataclass(frozen=True)
+class FusedExperts:
+    """A family whose checkpoint stores a MoE layer's routed experts as one tensor per projection (gpt-oss), under
+    the layer prefix. Unquantized: gate_up (E, H, 2I) and down (E, I, H), input dimension first (x @ W). MXFP4
+    (quantization_config quant_method "mxfp4"): <name>_blocks (E, N, K/32, 16) uint8 (two E2M1 values a byte, low
+    nibble first) and <name>_scales (E, N, K/32) uint8 E8M0, output dimension first (N = 2I, K = H for gate_up;
+    N = H, K = I for down). interleaved: gate and up alternate along 2I (gate = even rows, up = odd rows).
+    The converter reads each expert's gate/up/down as the (N, K) logical weights the `expert_name` of HubNames
+    names (names of its own: the hub has no per-expert tensors)."""
+    gate_up: str = "mlp.experts.gate_up_proj"
+    down: str = "mlp.experts.down_proj"
+    interleaved: bool = True
+
+    def bias_names(self, layer_prefix: str) -> tuple[str, str]:
+        """(gate_up bias (E, 2I), down bias (E, H)) of the layer whose tensors start with layer_prefix."""
+        return f"{layer_prefix}{self.gate_up}_bias", f"{layer_prefix}{self.down}_bias"
+
+    def split_gate_up(self, a):
+        """(..., 2I) gate_up values (a bias, or x @ W) -> (gate (..., I), up (..., I))."""
+        if self.interleaved:
+            return a[..., 0::2], a[..., 1::2]
+        i = a.shape[-1] // 2
+        return a[..., :i], a[..., i:]
+
+
+@dataclass(frozen=True)
 class HubNames:
     """Everything about one family's hub tensor names, as data."""
     rows: list                              # (regex, kind, proj map), first match wins
@@ -66,6 +93,8 @@ class HubNames:
     shared_prefix: str | None = None        # shared experts inside a layer, or None
     mtp: bool = False                       # layers at index >= num_hidden_layers are MTP layers, skipped
     prefix: str = ""                        # the text model's name prefix in the checkpoint (Kimi-K2.5)
+    router: str = "gate"                    # the router Linear inside the MoE block: <moe_prefix><router>.weight
+    fused_experts: FusedExperts | None = None   # experts stored fused per layer (gpt-oss), else per expert
     compiled: list = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self):
@@ -85,6 +114,10 @@ class HubNames:
     def layer(self, i: int) -> str:
         """Prefix of decoder layer i's tensors, e.g. 'model.layers.3.'."""
         return f"{self.prefix}model.layers.{i}."
+
+    def router_weight(self, i: int) -> str:
+        """Layer i's router weight, e.g. 'model.layers.3.mlp.gate.weight'."""
+        return f"{self.layer(i)}{self.moe_prefix}{self.router}.weight"
 
     @property
     def embed(self) -> str:
@@ -124,7 +157,7 @@ class HubNames:
                 if role.layer not in cfg.moe_layers:
                     raise TensorNameError(f"tensor {name}: routed expert in layer {role.layer}, which the config "
                                           f"makes dense")
-                if role.expert >= cfg.num_experts:
+                if role.expert is not None and role.expert >= cfg.num_experts:   # None: a fused tensor
                     raise TensorNameError(f"tensor {name}: expert {role.expert} >= n_experts={cfg.num_experts}")
             return role
         raise TensorNameError(f"tensor {name}: unknown tensor name for model_type {cfg.model_type}")

@@ -25,11 +25,16 @@ from .layers import Rope, rms_norm
 LORA_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm use the default eps in the reference, not rms_norm_eps
 
 
-def _softmax_attend(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """scores: (heads, n, S) already scaled; mask (n, S) bool or None (all visible) -> probabilities."""
+def _softmax_attend(scores: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """scores: (heads, n, S) already scaled; mask (n, S) bool or None (all visible) -> probabilities. sinks
+    (heads,): a learned logit per head that joins the softmax as one more key without a value (gpt-oss), so the
+    probabilities of the real keys sum to less than 1."""
     if mask is not None:
         scores = scores.masked_fill(~mask[None], float("-inf"))
-    return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    if sinks is None:
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(scores.shape[0], scores.shape[1], 1)
+    return F.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(scores.dtype)
 
 
 def _mask(s, device, window: int | None) -> torch.Tensor | None:
@@ -58,10 +63,12 @@ def gqa_cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:
 
 
 def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
-                  cos: torch.Tensor, sin: torch.Tensor, qk_norm: str | None) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, qk_norm: str | None, window: int | None | str = "config",
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """x: (T, H) -> (T, H). p: weight-name prefix of this layer's self_attn, e.g. 'model.layers.3.self_attn.'.
     qk_norm: None, "head" (RMSNorm over each head's dims: Qwen3, GLM) or "projection" (over the whole q / k
-    projection, all heads at once: MiniMax-M2), before RoPE. RoPE covers the first rope.dim dims of each head."""
+    projection, all heads at once: MiniMax-M2), before RoPE. RoPE covers the first rope.dim dims of each head.
+    window / sinks: as gqa_attend."""
     T, nh, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias"))                          # (T, nh*hd)
     k = linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias"))                          # (T, nkv*hd)
@@ -74,14 +81,16 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    out = gqa_attend(cfg, q, k, v, batch, layer)
+    out = gqa_attend(cfg, q, k, v, batch, layer, window=window, sinks=sinks)
     return linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
 
 
 def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
-               layer: int) -> torch.Tensor:
+               layer: int, window: int | None | str = "config", sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Write each request's k/v into its cache and attend over its cached positions: q (T, nh, hd), k/v
-    (T, nkv, hd) roped -> (T, nh, hd)."""
+    (T, nkv, hd) roped -> (T, nh, hd). window: keys per query (sliding window; "config": cfg.sliding_window,
+    None: all); sinks (nh,): per-head sink logits (_softmax_attend). The cache keeps every position either way."""
+    window = cfg.sliding_window if window == "config" else window
     T, nh, nkv, hd = q.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     out = torch.empty((T, nh, hd), dtype=q.dtype, device=q.device)
     rep, scale = nh // nkv, cfg.softmax_scale
@@ -95,7 +104,7 @@ def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         # query heads and n tokens are the rows of one GEMM.
         qs = qg[:, :, rows].reshape(nkv, rep * s.n, hd)                          # (nkv, rep*n, hd)
         scores = _cat_scores([torch.matmul(qs, kr.permute(1, 2, 0)) for kr, _ in runs])   # (nkv, rep*n, S)
-        probs = _softmax_attend(scores.view(nh, s.n, -1), _mask(s, q.device, cfg.sliding_window))
+        probs = _softmax_attend(scores.view(nh, s.n, -1), _mask(s, q.device, window), sinks)
         o = _attend_runs(probs.view(nkv, rep * s.n, -1), [vr for _, vr in runs],
                          lambda p, vr: torch.matmul(p, vr.transpose(0, 1)))      # (nkv, rep*n, hd)
         out[rows] = o.view(nh, s.n, hd).transpose(0, 1)

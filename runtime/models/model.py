@@ -43,7 +43,7 @@ class MoEModel:
     def _moe_prefix(self, i: int) -> str:
         p = self.names.layer(i)
         for cand in (self.names.moe_prefix, "mlp.", "block_sparse_moe."):
-            if p + cand + "gate.weight" in self.w:
+            if p + cand + self.names.router + ".weight" in self.w:
                 return p + cand
         return p + self.names.moe_prefix
 
