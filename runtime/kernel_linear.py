@@ -11,9 +11,9 @@ size (K_op <= stored K, the extra codes are the zero point, i.e. weight 0), so x
 they differ and y is exactly (T, N).
 
 Not through the op (dequantized at load instead, said in the placement line): act-order GPTQ with a permuted g_idx,
-group sizes the tiles cannot hold (not 32 / a multiple of 64 / per row). MLA's kv_b_proj is a KernelLinear too, but
-attention uses it only through `dense_weight` (its absorbed per-head form contracts W_uk over kv_b's output rows,
-where the GPU scale groups do not run): it is dequantized once, on first use, into the absorbed pair.
+group sizes the tiles cannot hold (not 32 / a multiple of 64 / per row). MLA's kv_b_proj is a KernelLinear too;
+its absorbed per-head form (decode) runs on the op as well (AbsorbedKvB: kv_b's own tiles for W_uv, its codes
+transposed once for W_uk), so no float copy of it is made either.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.constants import GROUP_PER_ROW
 from ktlayouts.cpu_expert import LayoutError, MatrixGeometry
-from ktlayouts.cpu_linear import linear_geometry, unpack_linear
+from ktlayouts.cpu_linear import linear_geometry, unpack_linear, unpack_linear_codes
 from ktlayouts.gptq import stored_scales, unpack_cols, zero_point
 from ktlayouts.gpu_formats import gpu_format, linear_parts, quantized_linears
 from ktlayouts.marlin import unpack_scales as marlin_unpack_scales
@@ -101,6 +101,68 @@ def run_together(linears: list[KernelLinear], x: torch.Tensor) -> list[torch.Ten
         first.lin.forward([li.id for li in linears], x2, outs)
     return [o.reshape(*x.shape[:-1], li.n) if x.dtype == torch.float32 else o.reshape(*x.shape[:-1], li.n).to(x.dtype)
             for o, li in zip(outs, linears)]
+
+
+class AbsorbedKvB:
+    """MLA's kv_b_proj W (nh*(dn+dv), R) in the absorbed form, on the Linear op (no float copy):
+      q_lat[t, h] = W_uk[h]^T q_nope[t, h]   (R,)   W_uk[h]: rows h*(dn+dv) .. +dn of W, contracted over its rows
+      o[t, h]     = W_uv[h] lat_out[t, h]    (dv,)  W_uv[h]: rows h*(dn+dv)+dn .. +dv, contracted over R
+    W_uv runs on kv_b's registered tiles: one grouped submit, one row group per head. W_uk is contracted along W's
+    output rows, across its scale groups (which run along R). With W[d, r] = (c[d, r] - Z) s[d, r // G],
+      q_lat[r] = sum_d (c[d, r] - Z) * (s[d, r // G] q[d]),
+    so its codes are transposed once (at first use) into an (nh*R, dn) Linear with scale 1 per row, and each of a
+    head's R / G scale groups gets its own input q * s[:, g]: one grouped submit over nh*R/G row groups. Nothing is
+    re-quantized: codes are moved, the scales move to the input side (int8 activations, as every Linear has).
+    Bytes per token: W_uk's codes (bits/8 per weight) + W_uv's tiles, i.e. about kv_b's own size."""
+
+    def __init__(self, kv_b: KernelLinear, nh: int, dn: int, dv: int, R: int):
+        if not self.supported(kv_b, nh, dn, dv, R):
+            raise LayoutError(f"{kv_b.name}: absorbed form needs (nh*(dn+dv), R) with dn, dv multiples of 16")
+        self.kv_b, self.nh, self.dn, self.dv, self.R = kv_b, nh, dn, dv, R
+        g = kv_b.geom
+        self.G = R if g.group_size == GROUP_PER_ROW else g.group                 # scale group along R
+        ng = R // self.G
+        codes, scales = unpack_linear_codes(kv_b.qweight, kv_b.scales, g)       # (N, R) u8, (N, ng) f32
+        c_uk = codes.reshape(nh, dn + dv, R)[:, :dn]                             # (nh, dn, R)
+        codes_kn = np.ascontiguousarray(c_uk.transpose(1, 0, 2)).reshape(dn, nh * R)   # (K=dn, N=nh*R)
+        lin = kv_b.lin
+        self.uk_id = lin.n_linears
+        self.uk_q, self.uk_s = lin.repack(codes_kn, np.ones((1, nh * R), np.float16), g.bits, GROUP_PER_ROW)
+        lin.add(self.uk_id, self.uk_q, self.uk_s, n=nh * R, k=dn, bits=g.bits, group_size=GROUP_PER_ROW)
+        # s_uk[h, g, d] = s[h*(dn+dv) + d, g]: the input scaling of head h's scale group g
+        self.s_uk = torch.from_numpy(np.ascontiguousarray(
+            scales.reshape(nh, dn + dv, ng)[:, :dn].transpose(0, 2, 1)))          # (nh, ng, dn) float32
+
+    @staticmethod
+    def supported(kv_b, nh: int, dn: int, dv: int, R: int) -> bool:
+        return (isinstance(kv_b, KernelLinear) and kv_b.n == nh * (dn + dv) and kv_b.k == kv_b.k_op == R
+                and dn % 16 == 0 and dv % 16 == 0 and (kv_b.group_size == GROUP_PER_ROW or R % kv_b.group_size == 0)
+                and kv_b.geom.k_pad == R)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a decode step reads: W_uk's transposed tiles and its input scales, W_uv's share of kv_b."""
+        return (self.uk_q.nbytes + self.uk_s.nbytes + self.s_uk.numel() * 4
+                + self.kv_b.nbytes * self.dv // (self.dn + self.dv))
+
+    def q_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope (m, nh, dn) -> q_lat (m, nh, R) float32."""
+        m, nh, dn, R, G = q_nope.shape[0], self.nh, self.dn, self.R, self.G
+        x = (q_nope.float()[:, :, None, :] * self.s_uk[None]).view(m, nh * (R // G), dn)   # (m, nh*ng, dn)
+        out = torch.empty((m, nh * (R // G), G), dtype=torch.float32)                          # = (m, nh, R)
+        if m:
+            self.kv_b.lin.submit_grouped(self.uk_id, x, out, 0, G)
+            self.kv_b.lin.sync()
+        return out.view(m, nh, R)
+
+    def values(self, lat_out: torch.Tensor) -> torch.Tensor:
+        """lat_out (m, nh, R) float32/bfloat16, last dim contiguous -> o (m, nh, dv) float32."""
+        m = lat_out.shape[0]
+        out = torch.empty((m, self.nh, self.dv), dtype=torch.float32)
+        if m:
+            self.kv_b.lin.submit_grouped(self.kv_b.id, lat_out, out, self.dn, self.dn + self.dv)
+            self.kv_b.lin.sync()
+        return out
 
 
 def _supported(group_size: int) -> bool:
