@@ -188,8 +188,11 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     if absorbed:
         ab = _absorbed(w, p, nh, dn, dv, R)
         on_op = isinstance(ab, AbsorbedKvB)
-        idx = torch.cat([torch.arange(s.offset, s.offset + s.n) for s, _, _ in absorbed]).to(x.device)
-        m = idx.numel()
+        if len(absorbed) == len(batch.seqs):    # every request (decode): all T rows in order, no gather/scatter
+            idx, m = slice(None), T
+        else:
+            idx = torch.cat([torch.arange(s.offset, s.offset + s.n) for s, _, _ in absorbed]).to(x.device)
+            m = idx.numel()
         # Absorbed query rows [q_nope W_uk | q_rot] * scale (the softmax scale folded into the m query rows, not
         # the S keys), scored against the cached latent rows [c | k_rot] in one GEMM per request.
         if on_op:
