@@ -10,8 +10,11 @@ Padding: Marlin stores K and N zero-padded to its tiles; the op gets the logical
 size (K_op <= stored K, the extra codes are the zero point, i.e. weight 0), so x is zero-padded to K_op when
 they differ and y is exactly (T, N).
 
-Not through the op (dequantized at load instead, said in the placement line): act-order GPTQ with a permuted g_idx,
-group sizes the tiles cannot hold (not 32 / a multiple of 64 / per row). MLA's kv_b_proj is a KernelLinear too;
+Act-order GPTQ (a permuted g_idx: channel k in group g_idx[k]) runs on the op too: sorting the input channels by
+group (perm = stable argsort of g_idx) makes every group G consecutive channels, so the codes' rows are permuted once
+at load and each call gathers x's columns by the same perm (y = x[:, perm] W[:, perm]^T, exact). Not through the op
+(dequantized at load instead, said in the placement line): a g_idx whose groups are not G channels each, group
+sizes the tiles cannot hold (not 32 / a multiple of 64 / per row). MLA's kv_b_proj is a KernelLinear too;
 its absorbed per-head form (decode) runs on the op as well (AbsorbedKvB: kv_b's own tiles for W_uv, its codes
 transposed once for W_uk), so no float copy of it is made either.
 """
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from ktlayouts.constants import GROUP_PER_ROW
 from ktlayouts.cpu_expert import LayoutError, MatrixGeometry
 from ktlayouts.cpu_linear import linear_geometry, unpack_linear, unpack_linear_codes
-from ktlayouts.gptq import stored_scales, unpack_cols, zero_point
+from ktlayouts.gptq import stored_scales, unpack_cols, unpack_rows, zero_point
 from ktlayouts.gpu_formats import gpu_format, linear_parts, quantized_linears
 from ktlayouts.marlin import unpack_scales as marlin_unpack_scales
 from ktlayouts.marlin import weight_perm
@@ -41,10 +44,12 @@ class KernelLinear:
     """One quantized Linear y = x W^T (+ b), W (N, K), as cpu-linear tiles registered on a LinearKernels context."""
 
     def __init__(self, name: str, lin: LinearKernels, linear_id: int, n: int, k: int, k_op: int,
-                 geom: MatrixGeometry, qweight: np.ndarray, scales: np.ndarray, dtype: torch.dtype):
+                 geom: MatrixGeometry, qweight: np.ndarray, scales: np.ndarray, dtype: torch.dtype,
+                 perm: torch.Tensor | None = None):
         self.name, self.lin, self.id = name, lin, linear_id
         self.n, self.k, self.k_op, self.geom, self.dtype = n, k, k_op, geom, dtype
         self.qweight, self.scales = qweight, scales      # (N_pad/16, K_pad/64, tile) u8, (N_pad/16, n_groups, 16) f32
+        self.perm = perm                                 # act-order: (K,) int64, input channel order of the tiles
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -66,10 +71,16 @@ class KernelLinear:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> W (N, K) from the tiles (for weights used other than as a matmul: MLA's absorbed kv_b)."""
         w = unpack_linear(self.qweight, self.scales, self.geom)[: self.n, : self.k]
+        if self.perm is not None:                       # tile column j holds input channel perm[j]
+            w_in = np.empty_like(w)
+            w_in[:, self.perm.numpy()] = w
+            w = w_in
         return torch.from_numpy(np.ascontiguousarray(w)).to(dtype or self.dtype)
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.k)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
         if self.k_op != self.k:
@@ -87,8 +98,12 @@ class KernelLinear:
         return y if bias is None else y + bias
 
     def shares_input_with(self, other) -> bool:
-        return isinstance(other, KernelLinear) and other.lin is self.lin and other.k_op == self.k_op \
-            and other.k == self.k and other.group_size == self.group_size
+        if not isinstance(other, KernelLinear):
+            return False
+        same_perm = other.perm is self.perm or (self.perm is not None and other.perm is not None
+                                                 and torch.equal(self.perm, other.perm))
+        return other.lin is self.lin and other.k_op == self.k_op and other.k == self.k \
+            and other.group_size == self.group_size and same_perm
 
 
 def run_together(linears: list[KernelLinear], x: torch.Tensor) -> list[torch.Tensor]:
@@ -207,15 +222,32 @@ def _gpu_codes(fmt, parts: dict, name: str):
     return u.codes_kn, False, u.scales_gn, u.g_idx, u.geom, u.shape
 
 
+def act_order_perm(g_idx: np.ndarray, group_size: int) -> np.ndarray | None:
+    """The input-channel order that makes an act-order g_idx's groups consecutive (stable argsort), or None when
+    that does not give k // G (groups of other sizes than G)."""
+    g_idx = np.asarray(g_idx)
+    if group_size == GROUP_PER_ROW or g_idx.size % group_size:
+        return None
+    perm = np.argsort(g_idx, kind="stable")
+    return perm if np.array_equal(g_idx[perm], np.arange(g_idx.size) // group_size) else None
+
+
 def repack_linear(lin: LinearKernels, linear_id: int, name: str, layout: str, parts: dict, dtype: torch.dtype
                   ) -> KernelLinear | None:
     """One GPU Linear (its parts {suffix: array}) -> a registered KernelLinear; None when the op cannot hold it
-    exactly (act-order g_idx, unsupported group size): the caller dequantizes it instead."""
+    exactly (a g_idx whose groups are not G channels each, unsupported group size): the caller dequantizes it."""
     fmt = gpu_format(layout)
     codes, packed, scales, g_idx, stored, (n, k) = _gpu_codes(fmt, parts, name)
     g = stored.group_size
-    if not _supported(g) or (g_idx is not None and not np.array_equal(g_idx, stored.default_g_idx())):
+    if not _supported(g):
         return None
+    perm = None
+    if g_idx is not None and not np.array_equal(g_idx, stored.default_g_idx()):
+        perm = act_order_perm(g_idx, g)
+        if perm is None or k != stored.k:
+            return None
+        codes = unpack_rows(codes, fmt.bits) if packed else np.asarray(codes)   # (K, N) bytes, rows permutable
+        codes, packed = np.ascontiguousarray(codes[perm]), False
     k_op = k if g == GROUP_PER_ROW else _round_up(k, g)          # <= stored K: the extra codes are zero points
     n_groups = 1 if g == GROUP_PER_ROW else k_op // g
     if packed and k_op != stored.k:    # words cannot be cropped along K (gptq / compressed-tensors never pad)
@@ -231,7 +263,8 @@ def repack_linear(lin: LinearKernels, linear_id: int, name: str, layout: str, pa
         s[:n, :n_groups] = scales.T.astype(np.float32)
         sc[...] = s.reshape(geom.scales_shape[0], 16, geom.scales_shape[1]).transpose(0, 2, 1)
     lin.add(linear_id, qw, sc, n=n, k=k_op, bits=fmt.bits, group_size=g)
-    return KernelLinear(name, lin, linear_id, n, k, k_op, geom, qw, sc, dtype)
+    return KernelLinear(name, lin, linear_id, n, k, k_op, geom, qw, sc, dtype,
+                        None if perm is None else torch.from_numpy(perm.astype(np.int64)))
 
 
 def place_on_kernels(quantized: dict[str, dict], lin: LinearKernels, dtype: torch.dtype

@@ -125,3 +125,36 @@ def test_absorbed_kv_b_refuses_shapes_it_cannot_hold():
         kv_b, _ = _kv_b(lin, np.random.default_rng(0), 2, 24, 32, 128, 4, 32)    # dn = 24: not whole blocks
         assert not AbsorbedKvB.supported(kv_b, 2, 24, 32, 128)
         assert not AbsorbedKvB.supported(torch.zeros(112, 128), 2, 24, 32, 128)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64])
+def test_act_order_gptq_runs_on_the_op_through_an_input_permutation(bits, group):
+    """An act-order GPTQ Linear (permuted g_idx, as stored by GPTQ checkpoints) is repacked, not dequantized: y equals
+    numpy on ktlayouts' dequantization (dequantize_kn with that g_idx) to float rounding of the int8 activations of
+    the permuted input."""
+    from ktlayouts.gptq import GptqGeometry, dequantize_kn, gptq_pack
+    from ktrun.kernel_linear import act_order_perm, repack_linear
+
+    n, k = 48, 256
+    rng = np.random.default_rng(bits * 3 + group)
+    gg = GptqGeometry(n, k, bits, group)
+    codes = rng.integers(0, 1 << bits, size=(k, n), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, size=gg.scales_shape).astype(np.float16)
+    g_idx = (rng.permutation(k) // group).astype(np.int32)                 # every group G channels, scattered
+    t = gptq_pack(codes, scales, gg, g_idx=g_idx)
+    w = dequantize_kn(codes, scales, g_idx, bits).astype(np.float64)        # (N, K) in the input's channel order
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    with LinearKernels(n_threads=2) as lin:
+        kl = repack_linear(lin, 0, "q_proj.weight", f"gpu-gptq-int{bits}", t, torch.float32)
+        assert kl is not None and kl.perm is not None
+        got = kl(torch.from_numpy(x)).numpy()
+        perm = act_order_perm(g_idx, group)
+        ref, _ = quantized_reference(x[:, perm], w[:, perm], linear_geometry(n, k, bits, group))
+        assert_close(got, ref, 1e-5, "act-order Linear vs numpy")
+        np.testing.assert_allclose(kl.dequantize().numpy(), w, rtol=0, atol=1e-7)
+        # a second Linear with another order does not share one submission with it
+        t2 = gptq_pack(codes, scales, gg, g_idx=(rng.permutation(k) // group).astype(np.int32))
+        kl2 = repack_linear(lin, 1, "k_proj.weight", f"gpu-gptq-int{bits}", t2, torch.float32)
+        assert kl.shares_input_with(kl) and not kl.shares_input_with(kl2)
+    assert act_order_perm(np.array([0, 0, 0, 1]), 2) is None                 # groups of 3 and 1 channels
