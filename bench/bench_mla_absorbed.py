@@ -19,11 +19,11 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP threads must not spin on the pool's CPUs
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from ktlayouts.cpu_linear import linear_geometry, pack_linear_codes  # noqa: E402
-from ktrun.cpu_linear import LinearKernels  # noqa: E402
-from ktrun.kernel_linear import AbsorbedKvB, KernelLinear  # noqa: E402
+import numpy as np
+import torch
+from ktlayouts.cpu_linear import linear_geometry, pack_linear_codes
+from ktrun.cpu_linear import LinearKernels
+from ktrun.kernel_linear import AbsorbedKvB, KernelLinear
 
 NH, DN, DV, R = 128, 128, 128, 512
 
@@ -65,7 +65,7 @@ def main() -> None:
         for bits in args.bits:
             layers = [layer(lin, rng, bits, args.group) for _ in range(args.copies)]
 
-            def run_op(i: int) -> None:
+            def run_op(i: int, layers=layers) -> None:
                 ab = layers[i % len(layers)]
                 ab.q_latent(q)
                 ab.values(lat)
