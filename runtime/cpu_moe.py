@@ -45,7 +45,7 @@ from ktlayouts.converted_dir import node_unit_ranges
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.expert_shards import ShardPlan
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16) -> the ABI's codes
 SCALE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 BACKENDS = ("scalar", "avx2", "avx512", "amx")
@@ -104,6 +104,8 @@ def load_library() -> ctypes.CDLL:
         # the dense Linear op (ktrun.cpu_linear)
         "kt_add_linear": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
         "kt_linear_submit": (c_int, [c_p, c_int, c_p, c_int, c_p, c_int, c_i64, c_p, c_p]),
+        "kt_linear_submit_grouped": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64,
+                                             c_p, c_i64, c_i64]),
         "kt_linear_repack": (c_int, [c_p, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64, c_p, c_i64, c_i64,
                                      c_p, c_p]),
     }

@@ -7,7 +7,8 @@
            call. gptq / compressed-tensors layouts (written for other engines) are dequantized at load.
   kernels  CPU only: every quantized Linear is repacked once at load into cpu-linear tiles and run by libktkernels'
            dense Linear op on the experts' thread pool (ktrun.kernel_linear): int4/int8 weights read per token, no
-           float copy. Linears the op cannot hold exactly (act-order g_idx) are dequantized at load.
+           float copy (act-order g_idx: the codes' rows and each call's input permuted by group). Linears the op
+           cannot hold exactly (groups of other sizes than G) are dequantized at load.
   auto     CPU: kernels when libktkernels loads, else dequant.  CUDA: packed when a Marlin kernel is installed;
            otherwise dequant if the dequantized weights take at most half of the free device memory, else packed
            (dequantized per call).

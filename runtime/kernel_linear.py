@@ -10,10 +10,13 @@ Padding: Marlin stores K and N zero-padded to its tiles; the op gets the logical
 size (K_op <= stored K, the extra codes are the zero point, i.e. weight 0), so x is zero-padded to K_op when
 they differ and y is exactly (T, N).
 
-Not through the op (dequantized at load instead, said in the placement line): act-order GPTQ with a permuted g_idx,
-group sizes the tiles cannot hold (not 32 / a multiple of 64 / per row). MLA's kv_b_proj is a KernelLinear too, but
-attention uses it only through `dense_weight` (its absorbed per-head form contracts W_uk over kv_b's output rows,
-where the GPU scale groups do not run): it is dequantized once, on first use, into the absorbed pair.
+Act-order GPTQ (a permuted g_idx: channel k in group g_idx[k]) runs on the op too: sorting the input channels by
+group (perm = stable argsort of g_idx) makes every group G consecutive channels, so the codes' rows are permuted once
+at load and each call gathers x's columns by the same perm (y = x[:, perm] W[:, perm]^T, exact). Not through the op
+(dequantized at load instead, said in the placement line): a g_idx whose groups are not G channels each, group
+sizes the tiles cannot hold (not 32 / a multiple of 64 / per row). MLA's kv_b_proj is a KernelLinear too;
+its absorbed per-head form (decode) runs on the op as well (AbsorbedKvB: kv_b's own tiles for W_uv, its codes
+transposed once for W_uk), so no float copy of it is made either.
 """
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.constants import GROUP_PER_ROW
 from ktlayouts.cpu_expert import LayoutError, MatrixGeometry
-from ktlayouts.cpu_linear import linear_geometry, unpack_linear
-from ktlayouts.gptq import stored_scales, unpack_cols, zero_point
+from ktlayouts.cpu_linear import linear_geometry, unpack_linear, unpack_linear_codes
+from ktlayouts.gptq import stored_scales, unpack_cols, unpack_rows, zero_point
 from ktlayouts.gpu_formats import gpu_format, linear_parts, quantized_linears
 from ktlayouts.marlin import unpack_scales as marlin_unpack_scales
 from ktlayouts.marlin import weight_perm
@@ -41,10 +44,12 @@ class KernelLinear:
     """One quantized Linear y = x W^T (+ b), W (N, K), as cpu-linear tiles registered on a LinearKernels context."""
 
     def __init__(self, name: str, lin: LinearKernels, linear_id: int, n: int, k: int, k_op: int,
-                 geom: MatrixGeometry, qweight: np.ndarray, scales: np.ndarray, dtype: torch.dtype):
+                 geom: MatrixGeometry, qweight: np.ndarray, scales: np.ndarray, dtype: torch.dtype,
+                 perm: torch.Tensor | None = None):
         self.name, self.lin, self.id = name, lin, linear_id
         self.n, self.k, self.k_op, self.geom, self.dtype = n, k, k_op, geom, dtype
         self.qweight, self.scales = qweight, scales      # (N_pad/16, K_pad/64, tile) u8, (N_pad/16, n_groups, 16) f32
+        self.perm = perm                                 # act-order: (K,) int64, input channel order of the tiles
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -66,10 +71,16 @@ class KernelLinear:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> W (N, K) from the tiles (for weights used other than as a matmul: MLA's absorbed kv_b)."""
         w = unpack_linear(self.qweight, self.scales, self.geom)[: self.n, : self.k]
+        if self.perm is not None:                       # tile column j holds input channel perm[j]
+            w_in = np.empty_like(w)
+            w_in[:, self.perm.numpy()] = w
+            w = w_in
         return torch.from_numpy(np.ascontiguousarray(w)).to(dtype or self.dtype)
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.k)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
         if self.k_op != self.k:
@@ -87,8 +98,12 @@ class KernelLinear:
         return y if bias is None else y + bias
 
     def shares_input_with(self, other) -> bool:
-        return isinstance(other, KernelLinear) and other.lin is self.lin and other.k_op == self.k_op \
-            and other.k == self.k and other.group_size == self.group_size
+        if not isinstance(other, KernelLinear):
+            return False
+        same_perm = other.perm is self.perm or (self.perm is not None and other.perm is not None
+                                                 and torch.equal(self.perm, other.perm))
+        return other.lin is self.lin and other.k_op == self.k_op and other.k == self.k \
+            and other.group_size == self.group_size and same_perm
 
 
 def run_together(linears: list[KernelLinear], x: torch.Tensor) -> list[torch.Tensor]:
@@ -101,6 +116,68 @@ def run_together(linears: list[KernelLinear], x: torch.Tensor) -> list[torch.Ten
         first.lin.forward([li.id for li in linears], x2, outs)
     return [o.reshape(*x.shape[:-1], li.n) if x.dtype == torch.float32 else o.reshape(*x.shape[:-1], li.n).to(x.dtype)
             for o, li in zip(outs, linears)]
+
+
+class AbsorbedKvB:
+    """MLA's kv_b_proj W (nh*(dn+dv), R) in the absorbed form, on the Linear op (no float copy):
+      q_lat[t, h] = W_uk[h]^T q_nope[t, h]   (R,)   W_uk[h]: rows h*(dn+dv) .. +dn of W, contracted over its rows
+      o[t, h]     = W_uv[h] lat_out[t, h]    (dv,)  W_uv[h]: rows h*(dn+dv)+dn .. +dv, contracted over R
+    W_uv runs on kv_b's registered tiles: one grouped submit, one row group per head. W_uk is contracted along W's
+    output rows, across its scale groups (which run along R). With W[d, r] = (c[d, r] - Z) s[d, r // G],
+      q_lat[r] = sum_d (c[d, r] - Z) * (s[d, r // G] q[d]),
+    so its codes are transposed once (at first use) into an (nh*R, dn) Linear with scale 1 per row, and each of a
+    head's R / G scale groups gets its own input q * s[:, g]: one grouped submit over nh*R/G row groups. Nothing is
+    re-quantized: codes are moved, the scales move to the input side (int8 activations, as every Linear has).
+    Bytes per token: W_uk's codes (bits/8 per weight) + W_uv's tiles, i.e. about kv_b's own size."""
+
+    def __init__(self, kv_b: KernelLinear, nh: int, dn: int, dv: int, R: int):
+        if not self.supported(kv_b, nh, dn, dv, R):
+            raise LayoutError(f"{kv_b.name}: absorbed form needs (nh*(dn+dv), R) with dn, dv multiples of 16")
+        self.kv_b, self.nh, self.dn, self.dv, self.R = kv_b, nh, dn, dv, R
+        g = kv_b.geom
+        self.G = R if g.group_size == GROUP_PER_ROW else g.group                 # scale group along R
+        ng = R // self.G
+        codes, scales = unpack_linear_codes(kv_b.qweight, kv_b.scales, g)       # (N, R) u8, (N, ng) f32
+        c_uk = codes.reshape(nh, dn + dv, R)[:, :dn]                             # (nh, dn, R)
+        codes_kn = np.ascontiguousarray(c_uk.transpose(1, 0, 2)).reshape(dn, nh * R)   # (K=dn, N=nh*R)
+        lin = kv_b.lin
+        self.uk_id = lin.n_linears
+        self.uk_q, self.uk_s = lin.repack(codes_kn, np.ones((1, nh * R), np.float16), g.bits, GROUP_PER_ROW)
+        lin.add(self.uk_id, self.uk_q, self.uk_s, n=nh * R, k=dn, bits=g.bits, group_size=GROUP_PER_ROW)
+        # s_uk[h, g, d] = s[h*(dn+dv) + d, g]: the input scaling of head h's scale group g
+        self.s_uk = torch.from_numpy(np.ascontiguousarray(
+            scales.reshape(nh, dn + dv, ng)[:, :dn].transpose(0, 2, 1)))          # (nh, ng, dn) float32
+
+    @staticmethod
+    def supported(kv_b, nh: int, dn: int, dv: int, R: int) -> bool:
+        return (isinstance(kv_b, KernelLinear) and kv_b.n == nh * (dn + dv) and kv_b.k == kv_b.k_op == R
+                and dn % 16 == 0 and dv % 16 == 0 and (kv_b.group_size == GROUP_PER_ROW or R % kv_b.group_size == 0)
+                and kv_b.geom.k_pad == R)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a decode step reads: W_uk's transposed tiles and its input scales, W_uv's share of kv_b."""
+        return (self.uk_q.nbytes + self.uk_s.nbytes + self.s_uk.numel() * 4
+                + self.kv_b.nbytes * self.dv // (self.dn + self.dv))
+
+    def q_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope (m, nh, dn) -> q_lat (m, nh, R) float32."""
+        m, nh, dn, R, G = q_nope.shape[0], self.nh, self.dn, self.R, self.G
+        x = (q_nope.float()[:, :, None, :] * self.s_uk[None]).view(m, nh * (R // G), dn)   # (m, nh*ng, dn)
+        out = torch.empty((m, nh * (R // G), G), dtype=torch.float32)                          # = (m, nh, R)
+        if m:
+            self.kv_b.lin.submit_grouped(self.uk_id, x, out, 0, G)
+            self.kv_b.lin.sync()
+        return out.view(m, nh, R)
+
+    def values(self, lat_out: torch.Tensor) -> torch.Tensor:
+        """lat_out (m, nh, R) float32/bfloat16, last dim contiguous -> o (m, nh, dv) float32."""
+        m = lat_out.shape[0]
+        out = torch.empty((m, self.nh, self.dv), dtype=torch.float32)
+        if m:
+            self.kv_b.lin.submit_grouped(self.kv_b.id, lat_out, out, self.dn, self.dn + self.dv)
+            self.kv_b.lin.sync()
+        return out
 
 
 def _supported(group_size: int) -> bool:
@@ -145,15 +222,32 @@ def _gpu_codes(fmt, parts: dict, name: str):
     return u.codes_kn, False, u.scales_gn, u.g_idx, u.geom, u.shape
 
 
+def act_order_perm(g_idx: np.ndarray, group_size: int) -> np.ndarray | None:
+    """The input-channel order that makes an act-order g_idx's groups consecutive (stable argsort), or None when
+    that does not give k // G (groups of other sizes than G)."""
+    g_idx = np.asarray(g_idx)
+    if group_size == GROUP_PER_ROW or g_idx.size % group_size:
+        return None
+    perm = np.argsort(g_idx, kind="stable")
+    return perm if np.array_equal(g_idx[perm], np.arange(g_idx.size) // group_size) else None
+
+
 def repack_linear(lin: LinearKernels, linear_id: int, name: str, layout: str, parts: dict, dtype: torch.dtype
                   ) -> KernelLinear | None:
     """One GPU Linear (its parts {suffix: array}) -> a registered KernelLinear; None when the op cannot hold it
-    exactly (act-order g_idx, unsupported group size): the caller dequantizes it instead."""
+    exactly (a g_idx whose groups are not G channels each, unsupported group size): the caller dequantizes it."""
     fmt = gpu_format(layout)
     codes, packed, scales, g_idx, stored, (n, k) = _gpu_codes(fmt, parts, name)
     g = stored.group_size
-    if not _supported(g) or (g_idx is not None and not np.array_equal(g_idx, stored.default_g_idx())):
+    if not _supported(g):
         return None
+    perm = None
+    if g_idx is not None and not np.array_equal(g_idx, stored.default_g_idx()):
+        perm = act_order_perm(g_idx, g)
+        if perm is None or k != stored.k:
+            return None
+        codes = unpack_rows(codes, fmt.bits) if packed else np.asarray(codes)   # (K, N) bytes, rows permutable
+        codes, packed = np.ascontiguousarray(codes[perm]), False
     k_op = k if g == GROUP_PER_ROW else _round_up(k, g)          # <= stored K: the extra codes are zero points
     n_groups = 1 if g == GROUP_PER_ROW else k_op // g
     if packed and k_op != stored.k:    # words cannot be cropped along K (gptq / compressed-tensors never pad)
@@ -169,7 +263,8 @@ def repack_linear(lin: LinearKernels, linear_id: int, name: str, layout: str, pa
         s[:n, :n_groups] = scales.T.astype(np.float32)
         sc[...] = s.reshape(geom.scales_shape[0], 16, geom.scales_shape[1]).transpose(0, 2, 1)
     lin.add(linear_id, qw, sc, n=n, k=k_op, bits=fmt.bits, group_size=g)
-    return KernelLinear(name, lin, linear_id, n, k, k_op, geom, qw, sc, dtype)
+    return KernelLinear(name, lin, linear_id, n, k, k_op, geom, qw, sc, dtype,
+                        None if perm is None else torch.from_numpy(perm.astype(np.int64)))
 
 
 def place_on_kernels(quantized: dict[str, dict], lin: LinearKernels, dtype: torch.dtype

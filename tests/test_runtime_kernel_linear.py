@@ -27,6 +27,7 @@ from ktrun.sampling import SamplingParams
 from runtime_helpers import (
     PROMPT,
     build_checkpoint,
+    build_conversion,
     converted,
     greedy_gaps,
     kl,
@@ -209,3 +210,34 @@ def test_policy_kernels_is_cpu_only():
     assert not use_cpu_kernels("auto", torch.device("cuda"))
     with pytest.raises(PlacementError, match="--gpu-weights kernels.*cuda"):
         use_cpu_kernels("kernels", torch.device("cuda"))
+
+
+
+def test_act_order_gptq_linears_run_on_the_op(tmp_path_factory):
+    """GPU layers kept as act-order GPTQ (a GPTQ desc_act source taken over with its permuted g_idx) run on the op
+    through an input permutation, not as float copies, within the KL bound of the dequantized-at-load path."""
+    from quantized_writers import gptq_checkpoint
+
+    from ktconvert.testing import make_checkpoint
+    root = tmp_path_factory.mktemp("act_order")
+    bf16 = make_checkpoint("deepseek_v3", root / "bf16", init_scale=8.0, intermediate_size=256, q_lora_rank=64)
+    src, _ = gptq_checkpoint(bf16, root / "gptq", group_size=32, desc_act=True)
+    conv = build_conversion(src, root / "conv", "int8-amx", gpu_method="rtn-int4", gpu_group_size=32,
+                            gpu_format="gptq", gpu_act_order=True)
+    want = _quantized_linears(conv)
+    permuted = [w for w, (_l, parts) in want.items()
+                if "g_idx" in parts and not np.array_equal(parts["g_idx"], np.arange(parts["g_idx"].size) // 32)]
+    assert len(permuted) >= 6, "the conversion kept no act-order Linear"
+    m = load_converted(conv, device="cpu")
+    try:
+        assert m.gpu_weights.startswith(f"{len(want)} Linears on the CPU kernels"), m.gpu_weights
+        assert "dequantized" not in m.gpu_weights, m.gpu_weights
+        for name in permuted:
+            assert isinstance(m.dense[name], KernelLinear) and m.dense[name].perm is not None, name
+    finally:
+        m.close()
+    ref, _ = _logits(conv, gpu_weights="dequant")
+    got, eng = _logits(conv)
+    assert "on the CPU kernels" in eng.converted.gpu_weights
+    d = kl(ref, got)
+    assert d.mean() < KL_MEAN and d.max() < KL_MAX, f"KL mean {d.mean():.2e} max {d.max():.2e}"

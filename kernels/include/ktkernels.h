@@ -13,9 +13,10 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 6   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 7   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
-                              6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases) */
+                              6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
+                              7: kt_linear_submit_grouped (per-head products of one Linear) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -102,6 +103,15 @@ int kt_add_linear(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_
  * overwritten. Returns at once: x and the outputs must stay valid until kt_sync (ids/outs/out_strides are copied). */
 int kt_linear_submit(kt_ctx* ctx, int n_linears, const int32_t* ids, int n_tokens, const void* x, int x_dtype,
                      int64_t x_stride, float* const* outs, const int64_t* out_strides);
+
+/* One Linear over n_groups row ranges, each with its own input (per-head products: MLA's absorbed kv_b):
+ *   out_j[t, :rows] = x_j[t] W[row0 + j*row_step : row0 + j*row_step + rows]^T        j < n_groups, t < n_tokens
+ * x_j[t] = x + j*x_group_stride + t*x_stride and out_j[t] = out + j*out_group_stride + t*out_stride (elements;
+ * K values / rows outputs each, contiguous). row0, row_step, rows: multiples of 16, the last range inside N.
+ * x: f32 or bf16; out f32, overwritten. Async like kt_linear_submit (x and out valid until kt_sync). */
+int kt_linear_submit_grouped(kt_ctx* ctx, int linear_id, int n_groups, int row0, int row_step, int rows,
+                             int n_tokens, const void* x, int x_dtype, int64_t x_stride, int64_t x_group_stride,
+                             float* out, int64_t out_stride, int64_t out_group_stride);
 
 enum { KT_CODES_U8 = 0, KT_CODES_PACKED_K = 1 };
 

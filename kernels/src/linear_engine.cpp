@@ -83,16 +83,8 @@ void LinearEngine::submit(int n_linears, const int* ids, int T, const void* x, i
     job_ = std::move(job);
     outs_.assign(outs, outs + n_linears);
     out_strides_.assign(out_strides, out_strides + n_linears);
-    T_ = T; x_ = x; x_dtype_ = x_dtype; x_stride_ = x_stride;
+    T_ = T; x_ = x; x_dtype_ = x_dtype; x_stride_ = x_stride; n_groups_ = 0;
     k_ = job_[0]->k; kx_ = job_[0]->kx; glen_ = job_[0]->glen;
-    const int ng = kx_ / glen_;
-    xq_.resize((size_t)T * kx_); xs_.resize((size_t)T * ng); xsum_.resize((size_t)T * ng);
-    xq_rows_.resize(T); xs_rows_.resize(T); xsum_rows_.resize(T);
-    for (int t = 0; t < T; ++t) {
-        xq_rows_[t] = xq_.data() + (size_t)t * kx_;
-        xs_rows_[t] = xs_.data() + (size_t)t * ng;
-        xsum_rows_[t] = xsum_.data() + (size_t)t * ng;
-    }
 
     // Work items. Columns are split in chunks of column blocks (decode: each chunk is one weight stream read once
     // for all T rows; prefill: block pairs of the register tile, reused from L2 by every row tile). With few column
@@ -115,28 +107,89 @@ void LinearEngine::submit(int n_linears, const int* ids, int T, const void* x, i
     for (int li = 0; li < n_linears; ++li)
         for (int nb = 0; nb < job_[li]->n_blocks; nb += chunk)
             for (int t0 = 0; t0 < T; t0 += t_chunk)
-                items_.push_back(Item{li, nb, std::min(chunk, job_[li]->n_blocks - nb), t0, std::min(t_chunk, T - t0)});
-    next_ = 0;
+                items_.push_back(Item{li, nb, std::min(chunk, job_[li]->n_blocks - nb), t0, std::min(t_chunk, T - t0), 0});
     const size_t need = std::max((size_t)k_, (size_t)t_chunk * chunk * 16);
     for (auto& s : scratch_) if (s.size() < need) s.resize(need);
+    start(T);
+}
+
+void LinearEngine::submit_grouped(int id, int n_groups, int row0, int row_step, int rows, int T, const void* x,
+                                  int x_dtype, int64_t x_stride, int64_t x_group_stride, float* out,
+                                  int64_t out_stride, int64_t out_group_stride) {
+    auto it = linears_.find(id);
+    if (it == linears_.end()) throw std::invalid_argument("linear " + std::to_string(id) + " was not added");
+    const Linear& L = it->second;
+    auto bad = [&](const std::string& m) {
+        throw std::invalid_argument("grouped submit of linear " + std::to_string(id) + ": " + m);
+    };
+    if (n_groups < 1 || rows < 16 || row0 < 0 || row_step < 0 || rows % 16 || row0 % 16 || row_step % 16)
+        bad("n_groups >= 1 and row0, row_step, rows (>= 16) multiples of 16 expected, got n_groups=" +
+            std::to_string(n_groups) + " row0=" + std::to_string(row0) + " row_step=" + std::to_string(row_step) +
+            " rows=" + std::to_string(rows));
+    if ((int64_t)row0 + (int64_t)(n_groups - 1) * row_step + rows > L.n)
+        bad("the last group's rows end past N=" + std::to_string(L.n));
+    if (T < 0) bad("n_tokens must be >= 0");
+    if (x_dtype != KT_F32 && x_dtype != KT_BF16) bad("x dtype must be f32 or bf16");
+    if (T > 0 && (!x || !out || x_stride < 0 || x_group_stride < 0 || out_stride < 0 || out_group_stride < 0))
+        bad("null x / out or a negative stride");
+    pool_.wait();   // the previous job (this op's or the MoE op's) may still use the buffers below
+    if (T == 0) return;
+    job_.assign(1, &L);
+    outs_.assign(1, out);
+    out_strides_.assign(1, out_stride);
+    T_ = T; x_ = x; x_dtype_ = x_dtype; x_stride_ = x_stride; x_group_stride_ = x_group_stride;
+    out_group_stride_ = out_group_stride;
+    n_groups_ = n_groups; g_block0_ = row0 / 16; g_block_step_ = row_step / 16;
+    k_ = L.k; kx_ = L.kx; glen_ = L.glen;
+    // Items: per group, chunks of its column blocks for all T rows (decode: each weight block read once).
+    const int blocks = rows / 16, nt = pool_.n_threads();
+    const bool prefill = T > kDecodeMaxRows;
+    int chunk = std::max(1, std::min({kMaxChunkBlocks, blocks, blocks * n_groups / (nt * kItemsPerThread)}));
+    if (prefill) chunk = std::max(2, chunk & ~1);
+    items_.clear();
+    for (int g = 0; g < n_groups; ++g)
+        for (int nb = 0; nb < blocks; nb += chunk)
+            items_.push_back(Item{0, nb, std::min(chunk, blocks - nb), 0, T, g});
+    const size_t need = (size_t)k_;   // whole blocks only: no partial-block scratch
+    for (auto& s : scratch_) if (s.size() < need) s.resize(need);
+    start(n_groups * T);
+}
+
+void LinearEngine::prepare_x(int n_rows) {
+    n_rows_ = n_rows;
+    const int ng = kx_ / glen_;
+    xq_.resize((size_t)n_rows * kx_); xs_.resize((size_t)n_rows * ng); xsum_.resize((size_t)n_rows * ng);
+    xq_rows_.resize(n_rows); xs_rows_.resize(n_rows); xsum_rows_.resize(n_rows);
+    for (int r = 0; r < n_rows; ++r) {
+        xq_rows_[r] = xq_.data() + (size_t)r * kx_;
+        xs_rows_[r] = xs_.data() + (size_t)r * ng;
+        xsum_rows_[r] = xsum_.data() + (size_t)r * ng;
+    }
+}
+
+void LinearEngine::start(int n_rows) {
+    prepare_x(n_rows);
+    next_ = 0;
     // a few rows: quantize here, so the workers start on the weights at once (no phase 0, no barrier)
-    x_ready_ = T <= kDecodeMaxRows;
-    if (x_ready_) for (int t = 0; t < T; ++t) quantize_x(t, 0);
+    x_ready_ = n_rows <= kDecodeMaxRows;
+    if (x_ready_) for (int r = 0; r < n_rows; ++r) quantize_x(r, 0);
     pool_.launch([this](const WorkerInfo& w) { run(w); });
 }
 
 void LinearEngine::run(const WorkerInfo& w) {
     if (!x_ready_) {
         const int n = w.n_threads;
-        for (int t = (int)((int64_t)T_ * w.index / n); t < (int)((int64_t)T_ * (w.index + 1) / n); ++t)
-            quantize_x(t, w.index);
+        for (int r = (int)((int64_t)n_rows_ * w.index / n); r < (int)((int64_t)n_rows_ * (w.index + 1) / n); ++r)
+            quantize_x(r, w.index);
         pool_.global_barrier();
     }
     for (int i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < (int)items_.size();) compute(items_[i], w.index);
 }
 
-void LinearEngine::quantize_x(int t, int worker) {
-    const char* row = (const char*)x_ + (size_t)t * x_stride_ * (x_dtype_ == KT_F32 ? 4 : 2);
+void LinearEngine::quantize_x(int r, int worker) {
+    const int64_t elem = n_groups_ ? (int64_t)(r / T_) * x_group_stride_ + (int64_t)(r % T_) * x_stride_
+                                   : (int64_t)r * x_stride_;
+    const char* row = (const char*)x_ + (size_t)elem * (x_dtype_ == KT_F32 ? 4 : 2);
     const float* v = (const float*)row;
     if (x_dtype_ == KT_BF16) {
         float* tmp = scratch_[worker].data();
@@ -144,23 +197,29 @@ void LinearEngine::quantize_x(int t, int worker) {
         v = tmp;
     }
     const int ng = kx_ / glen_;
-    table_.quantize_row(v, k_, kx_, glen_, xq_.data() + (size_t)t * kx_, xs_.data() + (size_t)t * ng,
-                        xsum_.data() + (size_t)t * ng);
+    table_.quantize_row(v, k_, kx_, glen_, xq_.data() + (size_t)r * kx_, xs_.data() + (size_t)r * ng,
+                        xsum_.data() + (size_t)r * ng);
 }
 
 void LinearEngine::compute(const Item& it, int worker) {
     const Linear& L = *job_[it.lin];
+    const int b0 = n_groups_ ? g_block0_ + it.g * g_block_step_ + it.nb0 : it.nb0;   // first column block
     QView v;
-    v.q = L.q + (size_t)it.nb0 * L.q_block_stride;
-    v.s = L.s + (size_t)it.nb0 * L.s_block_stride;
+    v.q = L.q + (size_t)b0 * L.q_block_stride;
+    v.s = L.s + (size_t)b0 * L.s_block_stride;
     v.q_block_stride = L.q_block_stride;
     v.s_block_stride = L.s_block_stride;
     v.n_rows4 = L.kx / 4;
     v.group_rows = L.glen / 4;
     v.s_type = kScaleF32;   // dense Linears keep float32 scales (kt_add_linear)
-    const ActRows a{xq_rows_.data() + it.t0, xs_rows_.data() + it.t0, xsum_rows_.data() + it.t0};
+    const int r0 = it.g * T_ + it.t0;   // quantized input rows of this item
+    const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0};
     const QGemmFn fn = L.bits == 8 ? table_.qgemm8 : table_.qgemm4;
     const int64_t ld = out_strides_[it.lin];
+    if (n_groups_) {   // whole blocks of the group's rows, at the group's output
+        fn(v, it.nbn, a, it.tm, outs_[0] + it.g * out_group_stride_ + it.t0 * ld + it.nb0 * 16, (int)ld);
+        return;
+    }
     float* out = outs_[it.lin] + it.t0 * ld + it.nb0 * 16;
     const int c0 = it.nb0 * 16, width = it.nbn * 16;
     if (c0 + width <= L.n) {   // whole blocks: straight into the output rows

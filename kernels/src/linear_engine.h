@@ -43,6 +43,12 @@ public:
     // outs[i]: (T, N_i) f32 with row stride out_strides[i] (elements), overwritten.
     void submit(int n_linears, const int* ids, int T, const void* x, int x_dtype, int64_t x_stride,
                 float* const* outs, const int64_t* out_strides);
+    // One Linear applied to n_groups row ranges, each with its own input (per-head products: MLA's absorbed kv_b).
+    // Group j: rows [row0 + j*row_step, +rows) of W (multiples of 16), inputs x + j*x_group_stride + t*x_stride
+    // (elements), outputs out + j*out_group_stride + t*out_stride, t < T.
+    void submit_grouped(int id, int n_groups, int row0, int row_step, int rows, int T, const void* x, int x_dtype,
+                        int64_t x_stride, int64_t x_group_stride, float* out, int64_t out_stride,
+                        int64_t out_group_stride);
     void sync() { pool_.wait(); }
 
     // GPU codes -> tiles + f32 scales (ktkernels.h kt_linear_repack), on the pool; synchronous.
@@ -51,10 +57,13 @@ public:
                 uint8_t* qweight, float* scales_out);
 
 private:
-    struct Item { int lin, nb0, nbn, t0, tm; };   // linear (index into job), column blocks, token rows
+    // linear (index into job), column blocks (relative to the group's first block), token rows, row group
+    struct Item { int lin, nb0, nbn, t0, tm, g; };
 
+    void prepare_x(int n_rows);          // activation buffers for n_rows quantized rows
+    void start(int n_rows);              // quantize here (few rows) or in phase 0, then launch the workers
     void run(const WorkerInfo& w);
-    void quantize_x(int t, int worker);
+    void quantize_x(int r, int worker);  // quantized row r: token r (plain), group r / T, token r % T (grouped)
     void compute(const Item& it, int worker);
 
     ThreadPool& pool_;
@@ -70,6 +79,10 @@ private:
     int x_dtype_ = 0;
     int64_t x_stride_ = 0;
     int kx_ = 0, glen_ = 0, k_ = 0;
+    int n_rows_ = 0;              // quantized input rows: T (plain) or n_groups * T (grouped)
+    int n_groups_ = 0;            // 0: a plain job; else a grouped one over job_[0]
+    int g_block0_ = 0, g_block_step_ = 0;          // column block of group 0, blocks between groups
+    int64_t x_group_stride_ = 0, out_group_stride_ = 0;
     bool x_ready_ = false;
     std::vector<int8_t> xq_;      // (T, kx)
     std::vector<float> xs_;       // (T, kx / glen)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
 
+from ..kernel_linear import AbsorbedKvB
 from ..packed_linear import dense_weight, linear
 from . import indexer as lightning
 from .kv_cache import Batch, causal_scores_mask
@@ -116,16 +117,22 @@ def mla_cache_widths(cfg: ModelConfig, indexed: bool = False) -> list[tuple[int,
     return [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,)] + ([lightning.cache_width(cfg)] if indexed else [])
 
 
-def _absorbed(w: dict, p: str, nh: int, dn: int, dv: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_b_proj (nh*(dn+dv), R) split per head into W_uk^T (nh, R, dn) and W_uv (nh, dv, R), float32, derived once
-    per layer and kept next to the weights. float32 whatever the model dtype (bf16 widens exactly): these are
-    batched matrix-vector products at decode, and torch's CPU bf16 bmm runs them 2-3x slower than float32 reads
-    twice the bytes (bench/README.md, "MLA decode"); the orientations are the fast ones (weight rows along the
-    contraction, the vector on the right)."""
+def _absorbed(w: dict, p: str, nh: int, dn: int, dv: int, R: int):
+    """kv_b_proj (nh*(dn+dv), R) in the absorbed form, derived once per layer and kept next to the weights:
+    - on the CPU kernels (kv_b a KernelLinear): an AbsorbedKvB, both halves on the quantized Linear op (no float
+      copy; ktrun.kernel_linear);
+    - otherwise split per head into W_uk^T (nh, R, dn) and W_uv (nh, dv, R), float32 whatever the model dtype (bf16
+      widens exactly): these are batched matrix-vector products at decode, and torch's CPU bf16 bmm runs them 2-3x
+      slower than float32 reads twice the bytes (bench/README.md, "MLA decode"); the orientations are the fast ones
+      (weight rows along the contraction, the vector on the right)."""
     key = p + "kv_b_proj.absorbed"
     if key not in w:
-        wkv_b = dense_weight(w[p + "kv_b_proj.weight"]).float().view(nh, dn + dv, R)
-        w[key] = (wkv_b[:, :dn].transpose(1, 2).contiguous(), wkv_b[:, dn:].contiguous())
+        kv_b = w[p + "kv_b_proj.weight"]
+        if AbsorbedKvB.supported(kv_b, nh, dn, dv, R):
+            w[key] = AbsorbedKvB(kv_b, nh, dn, dv, R)
+        else:
+            wkv_b = dense_weight(kv_b).float().view(nh, dn + dv, R)
+            w[key] = (wkv_b[:, :dn].transpose(1, 2).contiguous(), wkv_b[:, dn:].contiguous())
     return w[key]
 
 
@@ -188,14 +195,21 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         probs = _softmax_attend(scores, mask)
         o[rows] = torch.matmul(probs, kv[..., dn:].transpose(0, 1)).transpose(0, 1)           # (n, nh, dv)
     if absorbed:
-        w_uk_t, w_uv = _absorbed(w, p, nh, dn, dv, R)
-        idx = torch.cat([torch.arange(s.offset, s.offset + s.n) for s, _, _ in absorbed]).to(x.device)
-        m = idx.numel()
+        ab = _absorbed(w, p, nh, dn, dv, R)
+        on_op = isinstance(ab, AbsorbedKvB)
+        if len(absorbed) == len(batch.seqs):    # every request (decode): all T rows in order, no gather/scatter
+            idx, m = slice(None), T
+        else:
+            idx = torch.cat([torch.arange(s.offset, s.offset + s.n) for s, _, _ in absorbed]).to(x.device)
+            m = idx.numel()
         # Absorbed query rows [q_nope W_uk | q_rot] * scale (the softmax scale folded into the m query rows, not
         # the S keys), scored against the cached latent rows [c | k_rot] in one GEMM per request.
-        q_lat = torch.matmul(w_uk_t, q_nope[idx].permute(1, 2, 0).float())                   # (nh, R, m)
-        q_cat = torch.cat([q_lat.transpose(1, 2).to(x.dtype), q_rot[idx].transpose(0, 1)], dim=-1) * scale
-        out_lat = torch.empty((nh, R, m), dtype=torch.float32, device=x.device)              # (nh, R, m)
+        if on_op:
+            q_lat = ab.q_latent(q_nope[idx]).transpose(0, 1)                                  # (nh, m, R)
+        else:
+            q_lat = torch.matmul(ab[0], q_nope[idx].permute(1, 2, 0).float()).transpose(1, 2)  # (nh, m, R)
+        q_cat = torch.cat([q_lat.to(x.dtype), q_rot[idx].transpose(0, 1)], dim=-1) * scale
+        out_lat = torch.empty((m, nh, R), dtype=torch.float32, device=x.device)              # (m, nh, R)
         j = 0
         for s, lats, mask in absorbed:
             # All heads and tokens of the request are the M rows of two GEMMs per cache run, read in place: the
@@ -204,7 +218,10 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
             scores = _cat_scores([torch.matmul(qs, lat.t()) for lat in lats]).view(nh, s.n, -1)  # (nh, n, S)
             probs = _softmax_attend(scores, mask).view(nh * s.n, -1)
             lat_o = _attend_runs(probs, [lat[:, :R] for lat in lats], torch.matmul).view(nh, s.n, R)
-            out_lat[:, :, j:j + s.n] = lat_o.transpose(1, 2)
+            out_lat[j:j + s.n] = lat_o.transpose(0, 1)
             j += s.n
-        o[idx] = torch.matmul(w_uv, out_lat).permute(2, 0, 1).to(x.dtype)                    # (m, nh, dv)
+        if on_op:
+            o[idx] = ab.values(out_lat).to(x.dtype)                                          # (m, nh, dv)
+        else:
+            o[idx] = torch.matmul(ab[1], out_lat.permute(1, 2, 0)).permute(2, 0, 1).to(x.dtype)
     return linear(o.reshape(T, nh * dv), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))

@@ -103,7 +103,7 @@ class MoEModel:
             tm["attention_s"] += t2 - t1
             tm["mlp_s"] += t3 - t2                      # router + shared/dense MLP + waiting for routed experts
         batch.commit()
-        if not all_logits:
+        if not all_logits and not all(s.n == 1 for s in batch.seqs):   # decode: the rows are the last tokens
             x = x[batch.last_token_rows().to(self.device)]
         x = self.norm(x, w[self.names.final_norm], cfg.rms_norm_eps)
         logits = linear(x, self.lm_head).float()

@@ -25,8 +25,9 @@ def sigmoid_grouped(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bia
     T, E = x.shape[0], cfg.num_experts
     scores = F.linear(x.float(), gate_w.float()).sigmoid()                    # (T, E)
     choice = scores if bias is None else scores + bias.float()
-    gs = choice.view(T, cfg.n_group, E // cfg.n_group).topk(2, dim=-1)[0].sum(dim=-1)
-    choice = choice.masked_fill(~_group_mask(choice, gs, cfg), float("-inf"))
+    if cfg.topk_group < cfg.n_group:      # else every group is kept (one group: MiniMax-M2, small V3 configs)
+        gs = choice.view(T, cfg.n_group, E // cfg.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        choice = choice.masked_fill(~_group_mask(choice, gs, cfg), float("-inf"))
     ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
     wts = scores.gather(1, ids)
     if cfg.norm_topk_prob:

@@ -1,0 +1,160 @@
+"""The Linear op's grouped submit (kt_linear_submit_grouped: one Linear over row groups, each with its own input) and
+MLA's absorbed kv_b on it (ktrun.kernel_linear.AbsorbedKvB).
+
+References are independent of the op: the weights come from ktlayouts' registered unpack (unpack_linear), the
+products are numpy / torch float math on them. The grouped op equals, per group, numpy on the int8-quantized
+activations (the README's activation quantization, ktlayouts.cpu_expert.quantize_activations) to float rounding,
+and is bit-identical to the scalar backend. The absorbed pair equals the float einsums of the absorbed form on the
+dequantized kv_b within the int8 activation rounding bound."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ktlayouts.cpu_linear import linear_geometry, pack_linear, to_gpu_codes, unpack_linear
+from ktrun.cpu_linear import LinearKernels
+from ktrun.cpu_moe import KernelError
+from ktrun.kernel_linear import AbsorbedKvB, KernelLinear
+from test_kernels_helpers import assert_close, backend_params
+from test_kernels_linear import quantized_reference
+
+
+def _grouped_reference(x: np.ndarray, w: np.ndarray, geom, row0: int, step: int, rows: int) -> np.ndarray:
+    """x (T, J, K), w (N, K) float64 -> (T, J, rows): group j through W's rows row0 + j*step .. + rows."""
+    T, J, _ = x.shape
+    out = np.empty((T, J, rows))
+    for j in range(J):
+        wj = w[row0 + j * step: row0 + j * step + rows]
+        out[:, j] = quantized_reference(x[:, j], wj, linear_geometry(rows, geom.k, geom.bits, geom.group_size))[0]
+    return out
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group,k", [(32, 96), (64, 128), (-1, 100)])
+@pytest.mark.parametrize("T", [1, 3, 9, 20])
+def test_grouped_submit_matches_numpy_and_scalar(backend, bits, group, k, T):
+    J, row0, step, rows = 5, 16, 48, 32                       # groups overlap nothing, skip rows, end before N
+    n = row0 + (J - 1) * step + rows + 8                      # N not a multiple of 16 past the last group
+    rng = np.random.default_rng(bits * 7 + k + T)
+    geom = linear_geometry(n, k, bits, group)
+    qw, sc = pack_linear((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32), geom)
+    w = unpack_linear(qw, sc, geom).astype(np.float64)
+    # x (T, J, K) as a strided view: groups 2K apart, tokens 2JK apart (only the last dim contiguous)
+    base = torch.from_numpy(rng.standard_normal((T, J, 2 * k)).astype(np.float32))
+    x = base[:, :, :k]
+    ref = _grouped_reference(x.numpy().astype(np.float64), w, geom, row0, step, rows)
+    outs = {}
+    for b in {backend, "scalar"}:
+        with LinearKernels(n_threads=2, backend=b) as lin:
+            lin.add(0, qw, sc, n, k, bits, group)
+            out = torch.full((T, J, rows + 16), -7.0)[:, :, 8:8 + rows]     # strided output view
+            lin.submit_grouped(0, x, out, row0, step)
+            lin.sync()
+            outs[b] = out.clone().numpy()
+    assert_close(outs[backend], ref, 1e-5, f"{backend} grouped vs numpy")
+    np.testing.assert_array_equal(outs[backend], outs["scalar"])
+
+
+def test_grouped_submit_bad_input():
+    geom = linear_geometry(64, 64, 4, 32)
+    qw, sc = pack_linear(np.ones((64, 64), np.float32), geom)
+    with LinearKernels(n_threads=1) as lin:
+        lin.add(3, qw, sc, 64, 64, 4, 32)
+        x, out = torch.zeros(1, 2, 64), torch.zeros(1, 2, 32)
+        with pytest.raises(KernelError, match="end past N=64"):
+            lin.submit_grouped(3, x, out, 16, 32)             # group 1: rows 48..80 > 64
+        with pytest.raises(KernelError, match="multiples of 16"):
+            lin.submit_grouped(3, x, torch.zeros(1, 2, 24), 0, 24)
+        with pytest.raises(ValueError, match="expected float32/bfloat16"):
+            lin.submit_grouped(3, torch.zeros(1, 2, 48), out, 0, 32)
+        with pytest.raises(KeyError, match="was not added"):
+            lin.submit_grouped(9, x, out, 0, 32)
+
+
+def _kv_b(lin: LinearKernels, rng, nh, dn, dv, R, bits, group) -> tuple[KernelLinear, np.ndarray]:
+    """A random kv_b_proj as a converted GPU layer would arrive (GPU codes, float16 scales), repacked on the op."""
+    n = nh * (dn + dv)
+    geom = linear_geometry(n, R, bits, group)
+    qw, sc = pack_linear((rng.standard_normal((n, R)) / np.sqrt(R)).astype(np.float32), geom)
+    codes_kn, scales_gn = to_gpu_codes(qw, sc.astype(np.float16).astype(np.float32), geom)
+    qw, sc = lin.repack(codes_kn, scales_gn, bits, group)
+    lin.add(lin.n_linears, qw, sc, n=n, k=R, bits=bits, group_size=group)
+    kl = KernelLinear("kv_b_proj.weight", lin, lin.n_linears - 1, n, R, R, geom, qw, sc, torch.float32)
+    return kl, unpack_linear(qw, sc, geom).astype(np.float64)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 128, -1])
+@pytest.mark.parametrize("m", [1, 4, 11])
+def test_absorbed_kv_b_matches_float_math_on_the_dequantized_weights(bits, group, m):
+    nh, dn, dv, R = 4, 32, 48, 256
+    rng = np.random.default_rng(bits + m + group)
+    with LinearKernels(n_threads=2) as lin:
+        lin.add(0, *pack_linear(np.ones((16, 64), np.float32), linear_geometry(16, 64, 4, 32)), 16, 64, 4, 32)
+        kv_b, w = _kv_b(lin, rng, nh, dn, dv, R, bits, group)
+        ab = AbsorbedKvB(kv_b, nh, dn, dv, R)
+        wk = w.reshape(nh, dn + dv, R)
+        w_uk, w_uv = wk[:, :dn], wk[:, dn:]                                      # (nh, dn, R), (nh, dv, R)
+        q = rng.standard_normal((m, nh, dn)).astype(np.float32)
+        got = ab.q_latent(torch.from_numpy(q)).numpy()
+        ref = np.einsum("mhd,hdr->mhr", q.astype(np.float64), w_uk)
+        # int8 activations: each input of q * s moves by at most half its row's step; bound it per (m, h, r)
+        assert got.shape == (m, nh, R)
+        assert_close(got, ref, 2e-2, "q_latent vs float einsum")
+        lat = rng.standard_normal((m, nh, R)).astype(np.float32)
+        got_v = ab.values(torch.from_numpy(lat)).numpy()
+        ref_v = np.einsum("mhr,hvr->mhv", lat.astype(np.float64), w_uv)
+        assert got_v.shape == (m, nh, dv)
+        assert_close(got_v, ref_v, 2e-2, "values vs float einsum")
+        # W_uv runs on kv_b's own tiles: the grouped op on them is the plain op on each head's row slice
+        for h in range(nh):
+            row = kv_b.lin.forward(kv_b.id, lat[:, h])[:, h * (dn + dv) + dn: (h + 1) * (dn + dv)]
+            np.testing.assert_array_equal(got_v[:, h], row)
+        # the transposed codes hold exactly W_uk's codes: the unit-scale tiles times the input scales are W_uk^T
+        uk_geom = linear_geometry(nh * R, dn, bits, -1)
+        w_t = unpack_linear(ab.uk_q, ab.uk_s, uk_geom).reshape(nh, R, dn)
+        s = ab.s_uk.numpy()                                                      # (nh, ng, dn)
+        w_t = w_t * np.repeat(s, R // s.shape[1], axis=1)
+        np.testing.assert_allclose(w_t, w_uk.transpose(0, 2, 1), rtol=0, atol=1e-7)
+        assert ab.nbytes < nh * (dn + dv) * R * 4 / 2     # under half the float32 pair it replaces
+
+
+def test_absorbed_kv_b_refuses_shapes_it_cannot_hold():
+    with LinearKernels(n_threads=1) as lin:
+        kv_b, _ = _kv_b(lin, np.random.default_rng(0), 2, 24, 32, 128, 4, 32)    # dn = 24: not whole blocks
+        assert not AbsorbedKvB.supported(kv_b, 2, 24, 32, 128)
+        assert not AbsorbedKvB.supported(torch.zeros(112, 128), 2, 24, 32, 128)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64])
+def test_act_order_gptq_runs_on_the_op_through_an_input_permutation(bits, group):
+    """An act-order GPTQ Linear (permuted g_idx, as stored by GPTQ checkpoints) is repacked, not dequantized: y equals
+    numpy on ktlayouts' dequantization (dequantize_kn with that g_idx) to float rounding of the int8 activations of
+    the permuted input."""
+    from ktlayouts.gptq import GptqGeometry, dequantize_kn, gptq_pack
+    from ktrun.kernel_linear import act_order_perm, repack_linear
+
+    n, k = 48, 256
+    rng = np.random.default_rng(bits * 3 + group)
+    gg = GptqGeometry(n, k, bits, group)
+    codes = rng.integers(0, 1 << bits, size=(k, n), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, size=gg.scales_shape).astype(np.float16)
+    g_idx = (rng.permutation(k) // group).astype(np.int32)                 # every group G channels, scattered
+    t = gptq_pack(codes, scales, gg, g_idx=g_idx)
+    w = dequantize_kn(codes, scales, g_idx, bits).astype(np.float64)        # (N, K) in the input's channel order
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    with LinearKernels(n_threads=2) as lin:
+        kl = repack_linear(lin, 0, "q_proj.weight", f"gpu-gptq-int{bits}", t, torch.float32)
+        assert kl is not None and kl.perm is not None
+        got = kl(torch.from_numpy(x)).numpy()
+        perm = act_order_perm(g_idx, group)
+        ref, _ = quantized_reference(x[:, perm], w[:, perm], linear_geometry(n, k, bits, group))
+        assert_close(got, ref, 1e-5, "act-order Linear vs numpy")
+        np.testing.assert_allclose(kl.dequantize().numpy(), w, rtol=0, atol=1e-7)
+        # a second Linear with another order does not share one submission with it
+        t2 = gptq_pack(codes, scales, gg, g_idx=(rng.permutation(k) // group).astype(np.int32))
+        kl2 = repack_linear(lin, 1, "k_proj.weight", f"gpu-gptq-int{bits}", t2, torch.float32)
+        assert kl.shares_input_with(kl) and not kl.shares_input_with(kl2)
+    assert act_order_perm(np.array([0, 0, 0, 1]), 2) is None                 # groups of 3 and 1 channels
