@@ -7,13 +7,15 @@ layer (best of the reps), where it went (kt_profile phases, CPU share the worker
 second and that as a fraction of the memory read bandwidth measured in the same run (kt_measure_read_bandwidth, same
 threads, the better of the probes just before and just after that configuration); for T >= 64 also int8 GOP/s
 against the measured register-only vpdpbusd peak (kt_measure_int8_peak, same threads, same bracketing).
-Scale dtypes (--scales, default f32 = layout version 1 and f16 = version 2): one layer per dtype in the same pool,
-timed alternately call by call (best of the reps each), with a `..._f16_vs_f32` time ratio per configuration.
-Output lines are `name: value unit`.
+Scale dtypes (--scales, default f32 = layout version 1 and f16 = version 2) and group sizes (--group, default 128):
+one layer per (dtype, group) in the same pool, timed alternately call by call (best of the reps each), with a time
+ratio against the first combination per configuration (`..._f16_vs_f32`, `..._f16_g32_vs_f32_g128`). Names carry the
+group only when more than one is compared. Output lines are `name: value unit`.
 
     .venv/bin/python bench/bench_moe_kernels.py                       # everything (a few minutes)
     .venv/bin/python bench/bench_moe_kernels.py --tokens 1 --threads 2 --bits 4
     .venv/bin/python bench/bench_moe_kernels.py --scales f32 f16 bf16 --bits 4
+    .venv/bin/python bench/bench_moe_kernels.py --scales f32 f16 --group 128 32 --bits 4 --tokens 1 4 --threads 2
 """
 from __future__ import annotations
 
@@ -24,23 +26,24 @@ import numpy as np
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktrun.cpu_moe import ExpertShard, MoEKernels
 
-HIDDEN, INTER, TOP_K, GROUP = 7168, 2048, 8, 128
+HIDDEN, INTER, TOP_K = 7168, 2048, 8
 
 
 SCALE_NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
 
-def expert_bytes(bits: int, scale_dtype: str = "f32") -> int:
-    gu = MatrixGeometry(n=INTER, k=HIDDEN, bits=bits, group_size=GROUP, scale_dtype=scale_dtype)
-    dn = MatrixGeometry(n=HIDDEN, k=INTER, bits=bits, group_size=GROUP, scale_dtype=scale_dtype)
+def expert_bytes(bits: int, scale_dtype: str = "f32", group: int = 128) -> int:
+    gu = MatrixGeometry(n=INTER, k=HIDDEN, bits=bits, group_size=group, scale_dtype=scale_dtype)
+    dn = MatrixGeometry(n=HIDDEN, k=INTER, bits=bits, group_size=group, scale_dtype=scale_dtype)
     return 2 * (gu.qweight_nbytes + gu.scales_nbytes) + dn.qweight_nbytes + dn.scales_nbytes
 
 
-def packed_layer(bits: int, n_experts: int, rng: np.random.Generator, scale_dtype: str = "f32") -> ExpertShard:
+def packed_layer(bits: int, n_experts: int, rng: np.random.Generator, scale_dtype: str = "f32",
+                 group: int = 128) -> ExpertShard:
     """Random codes and scales straight into the packed arrays (only the addresses matter for speed). Every page is
     written, so no read can hit the shared zero page."""
-    gu = MatrixGeometry(n=INTER, k=HIDDEN, bits=bits, group_size=GROUP, scale_dtype=scale_dtype)
-    dn = MatrixGeometry(n=HIDDEN, k=INTER, bits=bits, group_size=GROUP, scale_dtype=scale_dtype)
+    gu = MatrixGeometry(n=INTER, k=HIDDEN, bits=bits, group_size=group, scale_dtype=scale_dtype)
+    dn = MatrixGeometry(n=HIDDEN, k=INTER, bits=bits, group_size=group, scale_dtype=scale_dtype)
     block = rng.integers(0, 256, size=1 << 20, dtype=np.uint8)
 
     def codes(geom):
@@ -94,7 +97,6 @@ def probe(moe: MoEKernels) -> tuple[float, float]:
 
 
 def main() -> None:
-    global GROUP
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget-gb", type=float, default=4.0, help="memory for the packed experts of one layer")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
@@ -103,44 +105,45 @@ def main() -> None:
     ap.add_argument("--backend", default=None, help="scalar|avx2|avx512|amx (default: best of this CPU)")
     ap.add_argument("--scales", nargs="+", default=["f32", "f16"], choices=["f32", "f16", "bf16"],
                     help="scale dtypes to compare (one layer each, timed alternately)")
-    ap.add_argument("--group", type=int, default=128, help="scale group size (32, a multiple of 64, or -1)")
+    ap.add_argument("--group", type=int, nargs="+", default=[128],
+                    help="scale group sizes to compare (32, a multiple of 64, or -1)")
     args = ap.parse_args()
-    GROUP = args.group
+    combos = [(sd, g) for g in args.group for sd in args.scales]     # one layer each, timed alternately
+    tag = {c: c[0] if len(args.group) == 1 else f"{c[0]}_g{c[1]}" for c in combos}
     rng = np.random.default_rng(0)
 
     # This VM shares its cores and memory system with other work, so the limits drift: each configuration is
     # bracketed by probes with the same pool (just before and just after) and divided by the better of the two.
     for bits in args.bits:
-        per_expert = {sd: expert_bytes(bits, sd) for sd in args.scales}
-        n_experts = max(TOP_K, int(args.budget_gb / len(args.scales) * 1e9 // max(per_expert.values())))
+        per_expert = {c: expert_bytes(bits, *c) for c in combos}
+        n_experts = max(TOP_K, int(args.budget_gb / len(combos) * 1e9 // max(per_expert.values())))
         t0 = time.perf_counter()
-        shards = {sd: packed_layer(bits, n_experts, rng, sd) for sd in args.scales}
-        for sd in args.scales:
-            print(f"int{bits}_{sd}_layer: {n_experts} experts x {per_expert[sd] / 1e6:.2f} MB = "
-                  f"{n_experts * per_expert[sd] / 1e9:.2f} GB")
+        shards = {c: packed_layer(bits, n_experts, rng, *c) for c in combos}
+        for c in combos:
+            print(f"int{bits}_{tag[c]}_layer: {n_experts} experts x {per_expert[c] / 1e6:.2f} MB = "
+                  f"{n_experts * per_expert[c] / 1e9:.2f} GB")
         print(f"# packed in {time.perf_counter() - t0:.1f} s")
         for nt in args.threads:
             with MoEKernels(n_threads=nt, backend=args.backend) as moe:
                 print(f"backend: {moe.backend_detail}, {nt} thread(s) pinned to CPUs "
                       f"{[cpu for _, cpu in moe.thread_cpus()]}")
-                for lid, sd in enumerate(args.scales):
-                    moe.add_layer(lid, [shards[sd]], n_experts=n_experts, hidden=HIDDEN, intermediate_pad=INTER,
-                                  bits=bits, group_size=GROUP)
+                for lid, (sd, g) in enumerate(combos):
+                    moe.add_layer(lid, [shards[sd, g]], n_experts=n_experts, hidden=HIDDEN, intermediate_pad=INTER,
+                                  bits=bits, group_size=g)
                 after = probe(moe)
                 for T in args.tokens:
                     before = after
                     reps = 20 if T <= 4 else 8 if T <= 64 else 2
-                    results = time_layers(moe, list(range(len(args.scales))), T, n_experts, reps, rng)
+                    results = time_layers(moe, list(range(len(combos))), T, n_experts, reps, rng)
                     after = probe(moe)
                     bw, peak = max(before[0], after[0]), max(before[1], after[1])
-                    for sd, (sec, touched, prof) in zip(args.scales, results):
-                        report(f"moe_int{bits}_{sd}_T{T}_{nt}t", sec, touched, prof, per_expert[sd], bw, peak, T, nt)
-                    if "f32" in args.scales:
-                        ref = results[args.scales.index("f32")][0]
-                        for sd, (sec, _, _) in zip(args.scales, results):
-                            if sd != "f32":
-                                print(f"moe_int{bits}_T{T}_{nt}t_{sd}_vs_f32: {sec / ref:.3f} x time (same run, "
-                                      f"alternating calls)")
+                    for c, (sec, touched, prof) in zip(combos, results):
+                        report(f"moe_int{bits}_{tag[c]}_T{T}_{nt}t", sec, touched, prof, per_expert[c], bw, peak, T,
+                               nt)
+                    ref = results[0][0]          # against the first combination (f32 and the first group by default)
+                    for c, (sec, _, _) in zip(combos[1:], results[1:]):
+                        print(f"moe_int{bits}_T{T}_{nt}t_{tag[c]}_vs_{tag[combos[0]]}: {sec / ref:.3f} x time "
+                              f"(same run, alternating calls)")
         del shards
 
 

@@ -85,10 +85,14 @@ OUR_ROWS = [
     ("non-expert", "search-int4-g32", [*NE, "search-int4", "--gpu-group-size", "32"]),
     ("non-expert", "gptq-int4-g128", [*NE, "gptq-int4", "--gpu-group-size", "128"]),
     ("non-expert", "gptq-int4-g32", [*NE, "gptq-int4", "--gpu-group-size", "32"]),
-    ("whole", "int4-g128+gptq-int4-g128 (default)", ["--method", "int4-amx", "--group-size", "128", "--gpu-method",
-                                                     "gptq-int4", "--gpu-group-size", "128"]),
-    ("whole", "int4-g32-f16+gptq-int4-g32", ["--method", "int4-amx", "--group-size", "32", *G16, "--gpu-method",
-                                             "gptq-int4", "--gpu-group-size", "32"]),
+    # what `ktconvert quantize SRC --method int4-amx` writes with no other flag (the defaults of this release)
+    ("whole", "default", ["--method", "int4-amx"]),
+    # candidates for that default: expert group / scale dtype x GPU-layer group
+    ("whole", "int4-g128-f32+gptq-int4-g128", ["--method", "int4-amx", "--group-size", "128", "--scale-dtype", "f32",
+                                               "--gpu-method", "gptq-int4", "--gpu-group-size", "128"]),
+    *[("whole", f"int4-g{eg}-f16+gptq-int4-g{gg}", ["--method", "int4-amx", "--group-size", str(eg), *G16,
+                                                    "--gpu-method", "gptq-int4", "--gpu-group-size", str(gg)])
+      for eg, gg in ((128, 128), (64, 64), (128, 32), (64, 32), (32, 64), (32, 32))],
     ("whole", "int8-g32-f16+search-int8-g32", ["--method", "int8-amx", "--group-size", "32", *G16, "--gpu-method",
                                                "search-int8", "--gpu-group-size", "32"]),
 ]
@@ -117,6 +121,10 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> str:
         sys.exit(f"error: {' '.join(cmd[:3])} ... exited {r.returncode}; tail of {log}:\n{r.stderr[-3000:]}")
     print(f"# {time.perf_counter() - t:6.1f} s  {' '.join(str(c) for c in cmd)}", file=sys.stderr, flush=True)
     return r.stdout + r.stderr
+
+
+def wanted(args, config: str) -> bool:
+    return args.configs is None or re.search(args.configs, config) is not None
 
 
 # --- texts ------------------------------------------------------------------------------------------------------
@@ -196,7 +204,7 @@ def llama_rows(args, work: Path, text: Path, only: set[str]) -> tuple[list[Row],
     base_ppl = float(re.search(r"Final estimate: PPL = ([\d.]+)", out).group(1))
     rows = []
     for tset, name, qtype, overrides in LLAMA_ROWS:
-        if tset not in only:
+        if tset not in only or not wanted(args, name):
             continue
         q = work / f"llama-{tset}-{name}.gguf"
         extra = ["--token-embedding-type", "bf16", "--output-tensor-type", "bf16", *overrides]
@@ -286,7 +294,7 @@ def our_rows(args, work: Path, text: Path, calib: Path, only: set[str]) -> tuple
     base_ppl = ktrun_lines(out)["ppl"]
     rows = []
     for tset, name, conv_args in OUR_ROWS:
-        if tset not in only:
+        if tset not in only or not wanted(args, name):
             continue
         conv = work / f"ours-{tset}-{name.split()[0]}"
         t0 = time.perf_counter()
@@ -315,6 +323,8 @@ def main() -> None:
     ap.add_argument("--calib", type=Path, default=None, help="calibration text for our conversions")
     ap.add_argument("--only", default="experts,non-expert,whole", help="comma-separated tensor sets")
     ap.add_argument("--tools", default="ours,llama.cpp", help="comma-separated: ours, llama.cpp")
+    ap.add_argument("--configs", default=None, help="regular expression: only rows whose config name matches "
+                    "(both tools; e.g. 'Q4_K|f16\\+gptq')")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the files here (default: a temp dir)")
     ap.add_argument("--our-extra", nargs=argparse.REMAINDER, default=[],
                     help="extra `ktconvert quantize` arguments for every one of our rows (last on the line)")

@@ -7,23 +7,24 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
-from ktlayouts.constants import METHOD_TO_LAYOUT
+from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, METHOD_TO_LAYOUT
 from ktlayouts.converted_dir import MANIFEST_NAME, ExpertGeometry, ManifestError
 from ktrun.byte_sizes import human, parse_bytes
 
 
-def expert_bytes_per_method(geo_args: dict, group_size: int) -> dict[str, int]:
-    """CPU bytes of all routed experts for each --method (one NUMA shard; more shards add no bytes)."""
+def expert_bytes_per_method(geo_args: dict, group_size: int, scale_dtype: str = "f32") -> dict[str, int]:
+    """CPU bytes of all routed experts for each --method (one NUMA shard; more shards add no bytes), with scales of
+    `scale_dtype` (the CLI passes quantize's default)."""
     out = {}
     for method in METHOD_TO_LAYOUT:
-        geo = ExpertGeometry(method=method, group_size=group_size, numa_nodes=1, **geo_args)
+        geo = ExpertGeometry(method=method, group_size=group_size, numa_nodes=1, scale_dtype=scale_dtype, **geo_args)
         per_expert = sum(g.qweight_nbytes + g.scales_nbytes
                          for g in (geo.matrix_geometry(p, 0) for p in ("gate", "up", "down")))
         out[method] = per_expert * geo.n_experts * len(geo.moe_layers)
     return out
 
 
-def inspect_source(path: Path, group_size: int) -> dict:
+def inspect_source(path: Path, group_size: int, scale_dtype: str = "f32") -> dict:
     from ktconvert.exact_paths import choose_method, quant_format
     from ktconvert.sources import open_source
 
@@ -50,7 +51,7 @@ def inspect_source(path: Path, group_size: int) -> dict:
                 gpu_bytes += n * (4 if role.kind == "router_bias" else 2)
         geo_args = {"n_experts": a.n_experts, "hidden": a.hidden_size, "intermediate": a.moe_intermediate_size,
                         "moe_layers": tuple(a.moe_layers())}
-        cpu = expert_bytes_per_method(geo_args, group_size)
+        cpu = expert_bytes_per_method(geo_args, group_size, scale_dtype)
         method, group, why = choose_method(src)
         return {"kind": "source", "model_type": a.model_type, "layers": a.num_layers, "params": dict(params),
                 "formats": formats, "auto": {"method": method, "group_size": group, "why": why},
@@ -115,13 +116,16 @@ def inspect_converted(path: Path) -> dict:
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--gpu-mem", default=None, help="GPU memory to check against, e.g. 24GB or 80GiB.")
 @click.option("--cpu-mem", default=None, help="CPU memory (RAM) to check against, e.g. 512GB.")
-@click.option("--group-size", type=int, default=128, show_default=True, help="Group size for the int4/int8 sizes.")
+@click.option("--group-size", type=int, default=DEFAULT_GROUP_SIZE, show_default=True,
+              help="Group size for the int4/int8 sizes (default: what `ktconvert quantize` writes).")
+@click.option("--scale-dtype", type=click.Choice(["f32", "f16", "bf16"]), default=DEFAULT_SCALE_DTYPE,
+              show_default=True, help="Expert scale dtype for the int4/int8 sizes.")
 @click.option("--kv-mem", default=None, metavar="SIZE",
               help="KV-cache budget the hot-expert plan leaves free (default: 4096 tokens of one sequence).")
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Expert activation profile (ktconvert profile): print its summary and, with --gpu-mem, the hit "
                    "ratio each placement strategy gets on it.")
-def inspect(path, gpu_mem, cpu_mem, group_size, kv_mem, profile_path):
+def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_path):
     """Show the architecture, parameter counts by role, experts, and the bytes each --method puts on the GPU
     (non-expert layers, BF16) and on the CPU (routed experts) for PATH (a checkpoint directory, a GGUF file or the
     first part of a split set, or a converted directory),
@@ -146,7 +150,7 @@ def inspect(path, gpu_mem, cpu_mem, group_size, kv_mem, profile_path):
     p = Path(path)
     try:
         info = inspect_converted(p) if (p / MANIFEST_NAME).exists() else inspect_source(resolve_source_arg(path),
-                                                                                        group_size)
+                                                                                        group_size, scale_dtype)
     except (SourceError, ManifestError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{info['kind']}: {p}")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from ktlayouts.constants import (
+    DEFAULT_GPU_GROUP_SIZE,
     DEFAULT_GROUP_SIZE,
     DEFAULT_SCALE_DTYPE,
     FORMAT_VERSION,
@@ -49,10 +50,10 @@ TEST_KILL_ENV = "KTCONVERT_TEST_KILL_AT"   # "event:n": SIGKILL self at the n-th
 @dataclass(frozen=True)
 class ConvertOptions:
     method: str = "int4-amx"       # or "auto": the exact target of an already-quantized source (exact_paths)
-    group_size: int | None = 128   # None: 128, or the source's group with method "auto"
+    group_size: int | None = DEFAULT_GROUP_SIZE   # None: the default, or the source's group with method "auto"
     numa_nodes: int = 1
     gpu_method: str = "bf16"       # encoder of non-expert tensors: bf16 | auto | gptq-int4 | rtn-int4 | rtn-int8
-    gpu_group_size: int = 128      # GPU-layer options (ktconvert.gpu.encoder.GpuLayerOptions)
+    gpu_group_size: int = DEFAULT_GPU_GROUP_SIZE   # GPU-layer options (ktconvert.gpu.encoder.GpuLayerOptions)
     gpu_format: str = "marlin"
     calib: str | None = None
     quantize_head: bool = False
@@ -275,7 +276,7 @@ def skipped_parts(src, names: list[str]) -> dict[str, int]:
 
 def resolve_method(src, opts: ConvertOptions) -> ConvertOptions:
     """--method auto -> the exact target of the source's routed experts (or int4-amx); a group size left open
-    (None) -> the chosen one (auto) or 128. The log says which and why."""
+    (None) -> the chosen one (auto) or DEFAULT_GROUP_SIZE. The log says which and why."""
     if opts.method != "auto":
         return opts if opts.group_size is not None else replace(opts, group_size=DEFAULT_GROUP_SIZE)
     method, group, why = choose_method(src)

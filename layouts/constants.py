@@ -32,9 +32,10 @@ CPU_EXPERT_LAYOUTS = {
 # bfloat16, named by the scales tensors' dtype and manifest experts.scale_dtype. Readers take both versions.
 SCALE_DTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}     # --scale-dtype -> safetensors dtype
 SCALE_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
-# What `ktconvert quantize` writes without --scale-dtype. Still f32 (version 1) in this release: the tests pin the
-# version of a default conversion; f16 (version 2, 0.5 bit/weight less at group 32) is chosen with --scale-dtype f16.
-DEFAULT_SCALE_DTYPE = "f32"
+# What `ktconvert quantize` writes without --scale-dtype: f16 (version 2). Chosen by measurement (bench/README.md,
+# bench_quant_vs_llamacpp.py): the scale search picks float16 values even when it stores float32, so f16 gives the
+# same KL as f32 at half the scale bytes; version-1 (f32) files keep loading, and --scale-dtype f32 still writes them.
+DEFAULT_SCALE_DTYPE = "f16"
 CPU_EXPERT_LAYOUT_VERSIONS = (1, 2)
 SCALE_DTYPES_OF_VERSION = {1: ("f32",), 2: ("f16", "bf16")}      # int layouts: what each version stores
 
@@ -49,7 +50,12 @@ METHOD_TO_LAYOUT = {"int8-amx": "cpu-expert-int8", "int4-amx": "cpu-expert-int4"
 # Weight codes are unsigned with a fixed zero point (uint8b128 / uint4b8): value = (code - ZERO) * scale.
 # Unsigned weights let vpdpbusd / TDPBSUD take them directly against signed int8 activations.
 ZERO_POINT = {8: 128, 4: 8}
-DEFAULT_GROUP_SIZE = 128
+# Defaults of `ktconvert quantize` (measured against llama.cpp's Q4_K_M on the default model, bench/README.md):
+# routed experts int4 group 64 with f16 scales = 4.25 bits/weight, the same bytes as the earlier group 128 with f32
+# scales (the kernels' decode time: bench_moe_kernels.py --group), GPU layers group 32 (Marlin, GPTQ and
+# compressed-tensors all take it).
+DEFAULT_GROUP_SIZE = 64
+DEFAULT_GPU_GROUP_SIZE = 32
 GROUP_PER_ROW = -1     # --group-size -1 (or K): one scale per output row, kt-kernel's scheme
 
 # Activation quantization used by the int kernels (documented in README.md): int8, symmetric,

@@ -61,7 +61,8 @@ def test_convert_and_verify_against_source(arch, ckpt_dir, fp8_ckpt, tmp_path):
     manifest, geo = load_manifest(out)
     cfg = json.loads((src / "config.json").read_text())
     assert manifest["model_type"] == cfg["model_type"] and manifest["format_version"] == 1
-    assert geo.layout == "cpu-expert-int4" and geo.group_size == 128
+    # the default conversion (issue 23, chosen by bench_quant_vs_llamacpp.py): int4 group 64 with f16 scales = v2
+    assert geo.layout == "cpu-expert-int4" and geo.group_size == 64 and geo.scale_dtype == "f16"
     tok = "tokenizer.json" if (src / "tokenizer.json").exists() else "tiktoken.model"     # Kimi: tiktoken
     assert (out / tok).read_bytes() == (src / tok).read_bytes() and (out / "tokenizer.json").is_file()
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
@@ -76,7 +77,7 @@ def test_convert_and_verify_against_source(arch, ckpt_dir, fp8_ckpt, tmp_path):
     # every expert file of every MoE layer is listed with the layout in its safetensors metadata
     for layer in geo.moe_layers:
         with safe_open(str(out / f"experts/layer-{layer:04d}.shard-0-of-1.safetensors"), framework="pt") as h:
-            assert h.metadata()["kt.layout"] == "cpu-expert-int4" and h.metadata()["kt.layout_version"] == "1"
+            assert h.metadata()["kt.layout"] == "cpu-expert-int4" and h.metadata()["kt.layout_version"] == "2"
 
 
 def test_dense_tensors_are_exact_bf16_and_router_bias_f32(fp8_ckpt, tmp_path):

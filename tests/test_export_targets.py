@@ -117,7 +117,9 @@ def test_bf16_scales_are_bf16_values_and_stay_accurate(fp8_ckpt, tmp_path):
     assert b.manifest["expert_scales"] == "bf16" and "expert_scales" not in a.manifest
     for conv, exact in ((a, False), (b, True)):
         f = conv.open("experts/layer-0001.shard-0-of-1.safetensors")
-        s = np.concatenate([f.get_tensor(f"{p}.scales").numpy().ravel() for p in ("gate", "up", "down")])
+        # as float32 values whatever the stored scale dtype (f16 by default since issue 23, f32 before)
+        s = np.concatenate([f.get_tensor(f"{p}.scales").numpy().astype(np.float32).ravel()
+                            for p in ("gate", "up", "down")])
         assert bool(np.all((s.view(np.uint32) & 0xFFFF) == 0)) == exact
     with open_source(fp8_ckpt) as src:
         w = src.read("model.layers.1.mlp.experts.3.down_proj.weight").float().numpy()

@@ -5,12 +5,14 @@ layout) or BF16. options (methods, formats, CLI options), dense (the encoder pro
 Light to import: the encoders (torch) are imported when used."""
 from __future__ import annotations
 
+from ktlayouts.constants import DEFAULT_GPU_GROUP_SIZE
+
 from ktconvert.gpu.options import GPU_METHOD_CHOICES, GPU_OPTION_FIELDS
 
 __all__ = ["GPU_OPTION_FIELDS", "converted_config_json", "dense_encoder_for", "gpu_errors"]
 
 
-def dense_encoder_for(src, gpu_method: str = "bf16", gpu_group_size: int = 128, gpu_format: str = "marlin",
+def dense_encoder_for(src, gpu_method: str = "bf16", gpu_group_size: int = DEFAULT_GPU_GROUP_SIZE, gpu_format: str = "marlin",
                       calib: str | None = None, quantize_head: bool = False, gpu_act_order: bool = False,
                       calib_tokens: int = 2048):
     """The non-expert encoder of a conversion (ConvertOptions' gpu_* fields): bf16 or a GpuLayerEncoder."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from ktlayouts.constants import DEFAULT_GPU_GROUP_SIZE
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.gptq import GPU_GROUP_SIZES, GptqGeometry
 from ktlayouts.gpu_formats import GpuLinearFormat, families_where, gpu_format_for
@@ -36,7 +37,7 @@ class GpuLayerError(ValueError):
 @dataclass(frozen=True)
 class GpuLayerOptions:
     method: str = "auto"            # auto: gptq-int4 when calibration text is available, else rtn-int4
-    group_size: int = 128
+    group_size: int = DEFAULT_GPU_GROUP_SIZE
     fmt: str = "marlin"
     calib: str | None = None        # --calib FILE; None: the packaged ktconvert/data/calib.txt
     quantize_head: bool = False

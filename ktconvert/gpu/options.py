@@ -3,6 +3,7 @@
 Light to import (no torch): the CLI imports it to build its options."""
 from __future__ import annotations
 
+from ktlayouts.constants import DEFAULT_GPU_GROUP_SIZE
 from ktlayouts.gpu_formats import format_families
 
 # method -> (algorithm, bits); bf16 leaves the non-expert tensors unquantized
@@ -26,7 +27,8 @@ def gpu_click_options(command):
                      help="Non-expert Linears: auto = gptq-int4 when calibration text is available, else rtn-int4; "
                           "search-int4/8 = round to nearest with importance-weighted scale search; rtn = vLLM's "
                           "reference rule; bf16 keeps them unquantized."),
-        click.option("--gpu-group-size", type=click.Choice(["32", "64", "128", "-1"]), default="128",
+        click.option("--gpu-group-size", type=click.Choice(["32", "64", "128", "-1"]),
+                     default=str(DEFAULT_GPU_GROUP_SIZE),
                      show_default=True, callback=lambda _c, _p, v: int(v),
                      help="Input channels per GPU-layer scale (-1: one scale per output channel)."),
         click.option("--gpu-format", type=click.Choice(GPU_FORMATS), default="marlin", show_default=True,
