@@ -83,15 +83,17 @@ FIXTURES = {
             "linear_conv_kernel_dim": 4, "full_attention_interval": 2, "norm_topk_prob": True,
             "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2},
         tokenizer="chatml", hub_extra_keys={"partial_rotary_factor": 0.25}),   # the hub's top-level key
-    # Qwen3.5-MoE: Qwen3-Next's hybrid text model (same tiny dims; DeltaNet projections unfused) under
-    # model.language_model., a one-block vision tower under model.visual., text_config nesting, rope_parameters
-    # with partial rotary 0.25 and an interleaved M-RoPE section summing to the 4 rotary frequencies
+    # Qwen3.5-MoE: Qwen3-Next's hybrid text model under model.language_model., a one-block vision tower under
+    # model.visual., text_config nesting, rope_parameters with partial rotary 0.25 and an interleaved M-RoPE section
+    # summing to the 4 rotary frequencies. 4 value heads per key head: in_proj_b / in_proj_a have one row per value
+    # head, 8 keeps them a whole qzeros pack. Experts 72 wide: with 80 the seed-0 router has a 1e-5 near-tie that the
+    # bf16 kernels' activation rounding flips.
     "qwen3_5_moe": FixtureFamily(
         config={
             "text_config": {
-                "hidden_size": 128, "moe_intermediate_size": 80, "num_experts": 8, "num_experts_per_tok": 2,
+                "hidden_size": 128, "moe_intermediate_size": 72, "num_experts": 8, "num_experts_per_tok": 2,
                 "shared_expert_intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 8,
                 "linear_key_head_dim": 32, "linear_value_head_dim": 24, "linear_conv_kernel_dim": 4,
                 "full_attention_interval": 2, "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
