@@ -40,10 +40,11 @@ def weight_bytes_per_token(model, converted) -> dict[str, int]:
     experts = len(cfg.moe_layers) * cfg.top_k * expert_bytes(converted)
     head = _nbytes(model.lm_head)
     dense = 0
+    names = model.names          # the family's hub names (Kimi-K2.5's language_model., Qwen3.5's language_model)
     for name, v in w.items():
-        if name == "lm_head.weight":
+        if name == names.head:
             continue
-        if name == "model.embed_tokens.weight":
+        if name == names.embed:
             dense += _nbytes(v) // max(1, v.shape[0])                 # one row per token
         elif name.endswith("kv_b_proj.weight") and name.removesuffix("weight") + "absorbed" in w:
             continue                                                  # read through its absorbed pair

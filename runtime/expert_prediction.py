@@ -21,6 +21,7 @@ Per token the top `top_k + extra` experts; the union over the tokens, ranked by 
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import torch
@@ -86,8 +87,10 @@ class NextLayerPredictor(_Scored):
         cfg, dense = converted.config, converted.dense
         self.routers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for L in self.layers[1:]:
+            # layer L's tensors under any family's root (model.layers.L., model.language_model.layers.L., ...)
+            at = re.compile(rf"(.*\.)?layers\.{L}\.")
             for name, w in dense.items():
-                if name.startswith(f"model.layers.{L}.") and name.endswith(".gate.weight") and w.dim() == 2 \
+                if at.match(name) and name.endswith(".gate.weight") and w.dim() == 2 \
                         and w.shape[0] == cfg.num_experts:
                     bias = dense.get(name[: -len("weight")] + "e_score_correction_bias")
                     self.routers[L] = (w.float().cpu(), None if bias is None else bias.float().cpu())

@@ -136,17 +136,18 @@ def test_defaults_are_transformers_defaults(name):
         want.update(first_k_dense=hf.first_k_dense_replace, n_shared_experts=hf.n_shared_experts,
                     routed_scaling_factor=hf.routed_scaling_factor, n_group=hf.n_group or 1,
                     topk_group=hf.topk_group or 1, q_lora_rank=hf.q_lora_rank)
-    if name == "qwen3_next":   # hybrid: layer kinds, DeltaNet dims, partial rotary, the shared expert
+    if name in ("qwen3_next", "qwen3_5_moe"):   # hybrid: layer kinds, DeltaNet dims, partial rotary, shared expert
         la = ours.linear_attention
         got.update(layer_types=ours.layer_types, la=(la.conv_kernel, la.num_k_heads, la.num_v_heads, la.k_head_dim,
                                                      la.v_head_dim),
-                   head_dim=ours.head_dim, rope_dim=ours.rope.dim, n_shared=ours.n_shared_experts,
-                   intermediate_size=ours.intermediate_size)
+                   head_dim=ours.head_dim, rope_dim=ours.rope.dim, n_shared=ours.n_shared_experts)
         want.update(layer_types=tuple(hf.layer_types), la=(hf.linear_conv_kernel_dim, hf.linear_num_key_heads,
                                                            hf.linear_num_value_heads, hf.linear_key_head_dim,
                                                            hf.linear_value_head_dim),
                     head_dim=hf.head_dim, rope_dim=int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"]),
-                    n_shared=1, intermediate_size=hf.intermediate_size)
+                    n_shared=1)
+    if name == "qwen3_next":   # Qwen3.5-MoE has no dense MLP (transformers' config class drops the field)
+        got["intermediate_size"], want["intermediate_size"] = ours.intermediate_size, hf.intermediate_size
     if name == "gpt_oss":      # sliding/full layers, window, head_dim, the clamped SwiGLU, no shared experts
         act = ours.expert_activation
         got.update(layer_types=ours.layer_types, sliding_window=ours.sliding_window, head_dim=ours.head_dim,
@@ -212,6 +213,30 @@ def test_config_errors_name_the_field(name, change, field):
         parse_config(raw)
     with pytest.raises(SourceError, match=field):     # the converter, before any weight is read
         adapter_for(raw)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads=3"),
+    ({"layer_types": ["linear_attention"]}, "'layer_types' must list one type per layer"),
+    ({"layer_types": ["linear_attention", "mamba"]}, "= 'mamba' is not one of"),
+    ({"full_attention_interval": 0}, "full_attention_interval=0"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.5}}, "'partial_rotary_factor' = 1.5"),
+    ({"linear_key_head_dim": "32"}, "'linear_key_head_dim'"),
+    ({"num_experts_per_tok": None}, "'num_experts_per_tok'"),
+    ({"mlp_only_layers": [0]}, "'text_config.mlp_only_layers' is a Qwen3-Next field"),
+    ({"model_type": "qwen3_next"}, "text_config.model_type 'qwen3_next' is not one of qwen3_5_moe_text"),
+])
+def test_nested_config_errors_name_the_field(change, field):
+    """Qwen3.5-MoE: the text model's fields sit under text_config; errors say so."""
+    text = {k: v for k, v in {**_minimal("qwen3_5_moe")["text_config"], **change}.items() if v is not None}
+    raw = {"model_type": "qwen3_5_moe", "text_config": text}
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[")) as e:
+        parse_config(raw)
+    assert "text_config" in str(e.value)
+    with pytest.raises(SourceError, match=field):     # the converter, before any weight is read
+        adapter_for(raw)
+    with pytest.raises(ConfigError, match="missing required field 'text_config'"):
+        parse_config({**text, "model_type": "qwen3_5_moe"})   # the text fields at the top, as Qwen3-Next has them
 
 
 def test_converter_and_runtime_report_the_same_missing_field(ckpt_copy):

@@ -125,16 +125,23 @@ def embedding_rows(src, ids: torch.Tensor) -> torch.Tensor:
 
 
 def text_model_of(src) -> tuple[dict, str]:
-    """(config.json dict, family name) of the checkpoint's text model: the checkpoint's own, or for a wrapped one
-    (Kimi-K2.5) its text_config and the family that dict names (kimi_k2 -> deepseek_v3), whose transformers
-    decoder layers calibration runs."""
+    """(config.json dict, transformers model_type) of the checkpoint's text model: the checkpoint's own, or for a
+    wrapped one its text_config and the family that dict names (Kimi-K2.5: kimi_k2 -> deepseek_v3), or transformers'
+    own text config type (Qwen3.5-MoE: qwen3_5_moe_text), whose decoder layers calibration runs."""
     from ktlayouts.families import family_for
 
     family = src.arch.family
     if family.text_config_key is None:
         return src.config, src.arch.model_type
+    from ktlayouts.families import ConfigError
+    from transformers import CONFIG_MAPPING
     text = family.text_config(src.config)
-    return text, family_for({"model_type": "deepseek_v3", **text}).name
+    try:
+        return text, family_for({"model_type": "deepseek_v3", **text}).name
+    except ConfigError:      # a text model_type that is transformers' own text config (Qwen3.5's qwen3_5_moe_text)
+        if text.get("model_type") in CONFIG_MAPPING:
+            return text, text["model_type"]
+        raise
 
 
 def hf_config(config: dict, model_type: str):
@@ -149,11 +156,17 @@ def hf_config(config: dict, model_type: str):
 
 
 def _model_classes(cfg):
-    mt = cfg.model_type
-    mod = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+    """(DecoderLayer, RotaryEmbedding, RMSNorm) classes beside the config class. A text config of a wrapped model
+    (Qwen3_5MoeTextConfig) names some of them without its "Text" (Qwen3_5MoeDecoderLayer)."""
+    mod = importlib.import_module(type(cfg).__module__.replace(".configuration_", ".modeling_"))
     prefix = type(cfg).__name__[: -len("Config")]
-    return (getattr(mod, prefix + "DecoderLayer"), getattr(mod, prefix + "RotaryEmbedding"),
-            getattr(mod, prefix + "RMSNorm"))
+
+    def cls(kind: str):
+        for p in (prefix, prefix.removesuffix("Text")):
+            if hasattr(mod, p + kind):
+                return getattr(mod, p + kind)
+        raise CalibrationError(f"calibration: transformers' {mod.__name__} has no {prefix}{kind}")
+    return cls("DecoderLayer"), cls("RotaryEmbedding"), cls("RMSNorm")
 
 
 def _gate_fn(experts: nn.Module):

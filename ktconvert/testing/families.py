@@ -34,6 +34,7 @@ class FixtureFamily:
     fused_experts: bool = False                     # the hub keeps transformers' fused expert tensors (gpt-oss)
     mxfp4: bool = False                             # also released with MXFP4 experts (gpt-oss's quant_method mxfp4)
     random_biases: bool = False                     # transformers inits the biases (and sinks) to zero: randomize
+    hub_rope_parameters: bool = False               # the hub keeps transformers' rope_parameters (Qwen3.5-MoE)
 
 
 # Tiny dimensions that still exercise padding: expert sizes not multiples of 64, FP8 dims > 128 and not
@@ -85,6 +86,25 @@ FIXTURES = {
             "linear_conv_kernel_dim": 4, "full_attention_interval": 2, "norm_topk_prob": True,
             "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2},
         tokenizer="chatml", hub_extra_keys={"partial_rotary_factor": 0.25}),   # the hub's top-level key
+    # Qwen3.5-MoE: Qwen3-Next's hybrid text model under model.language_model., a one-block vision tower under
+    # model.visual., text_config nesting, rope_parameters with partial rotary 0.25 and an interleaved M-RoPE section
+    # summing to the 4 rotary frequencies. 4 value heads per key head: in_proj_b / in_proj_a have one row per value
+    # head, 8 keeps them a whole qzeros pack. Experts 72 wide: with 80 the seed-0 router has a 1e-5 near-tie that the
+    # bf16 kernels' activation rounding flips.
+    "qwen3_5_moe": FixtureFamily(
+        config={
+            "text_config": {
+                "hidden_size": 128, "moe_intermediate_size": 72, "num_experts": 8, "num_experts_per_tok": 2,
+                "shared_expert_intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 8,
+                "linear_key_head_dim": 32, "linear_value_head_dim": 24, "linear_conv_kernel_dim": 4,
+                "full_attention_interval": 2, "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [1, 1, 2], "mrope_interleaved": True}},
+            "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                              "out_hidden_size": 128, "num_position_embeddings": 16, "patch_size": 4}},
+        tokenizer="chatml", model_class="Qwen3_5MoeForConditionalGeneration",
+        architecture="Qwen3_5MoeForConditionalGeneration", text_config_key="text_config", hub_rope_parameters=True),
     # GLM-4.5: 5 query heads sharing 1 KV head (head_dim 32: q is wider than hidden, as in the release), partial
     # rotary 0.5, q/k norm and q/k/v bias (GLM-4.5 / 4.6; 4.5-Air has neither norm), 2 groups, MTP layer.
     "glm4_moe": FixtureFamily(

@@ -27,6 +27,9 @@ def _text_hub_config(d: dict, fixture) -> dict:
     top level, renames, hub-only keys)."""
     for k in _DROP + fixture.hub_drop_keys:   # e.g. DeepSeek's head_dim: derived, the hub's configs do not carry it
         d.pop(k, None)
+    if fixture.hub_rope_parameters:   # config.json keeps transformers v5's rope_parameters as written
+        d.update(fixture.hub_extra_keys)
+        return d
     rope = d.pop("rope_parameters", None) or {}
     d["rope_theta"] = rope.get("rope_theta", 10000.0)
     partial = rope.pop("partial_rotary_factor", None)

@@ -9,7 +9,8 @@ otherwise.
 
 A family whose text model sits under a prefix in the checkpoint (Kimi-K2.5: `language_model.model.layers.N...`,
 `language_model.lm_head.weight`) builds its table with `prefixed(rows, prefix)` and sets `prefix`; `layer(i)`,
-`embed`, `final_norm` and `head` give the names the forward reads, with the prefix.
+`embed`, `final_norm` and `head` give the names the forward reads, with the prefix. One whose decoder sits deeper
+than `model.` (Qwen3.5-MoE: `model.language_model.layers.N...` beside `lm_head.weight`) sets `model_root`.
 """
 from __future__ import annotations
 
@@ -95,6 +96,8 @@ class HubNames:
     prefix: str = ""                        # the text model's name prefix in the checkpoint (Kimi-K2.5)
     router: str = "gate"                    # the router Linear inside the MoE block: <moe_prefix><router>.weight
     fused_experts: FusedExperts | None = None   # experts stored fused per layer (gpt-oss), else per expert
+    model_root: str = "model."              # where the decoder (layers, embed_tokens, norm) sits under prefix:
+                                            # Qwen3.5-MoE's "model.language_model." (lm_head stays at the top)
     compiled: list = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self):
@@ -108,12 +111,12 @@ class HubNames:
 
     @property
     def layer_re(self) -> str:
-        return re.escape(self.prefix) + r"model\.layers\.(\d+)\."
+        return re.escape(self.prefix + self.model_root) + r"layers\.(\d+)\."
 
     # names the forward reads (hub names, with the family's prefix)
     def layer(self, i: int) -> str:
         """Prefix of decoder layer i's tensors, e.g. 'model.layers.3.'."""
-        return f"{self.prefix}model.layers.{i}."
+        return f"{self.prefix}{self.model_root}layers.{i}."
 
     def router_weight(self, i: int) -> str:
         """Layer i's router weight, e.g. 'model.layers.3.mlp.gate.weight'."""
@@ -121,11 +124,11 @@ class HubNames:
 
     @property
     def embed(self) -> str:
-        return f"{self.prefix}model.embed_tokens.weight"
+        return f"{self.prefix}{self.model_root}embed_tokens.weight"
 
     @property
     def final_norm(self) -> str:
-        return f"{self.prefix}model.norm.weight"
+        return f"{self.prefix}{self.model_root}norm.weight"
 
     @property
     def head(self) -> str:

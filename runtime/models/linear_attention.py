@@ -98,8 +98,8 @@ def state_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (la.conv_kernel - 1, la.conv_dim), (la.num_v_heads, la.k_head_dim, la.v_head_dim)
 
 
-def gated_deltanet(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int) -> torch.Tensor:
-    """x: (T, H) -> (T, H). p: this layer's linear_attn prefix, e.g. 'model.layers.0.linear_attn.'."""
+def project_fused(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor):
+    """Qwen3-Next's fused input projections -> mixed (T, conv_dim) in q|k|v order, z (T, nv, dv), b, a (T, nv)."""
     la = cfg.linear_attention
     T, nk, nv, dk, dv = x.shape[0], la.num_k_heads, la.num_v_heads, la.k_head_dim, la.v_head_dim
     r = nv // nk
@@ -108,9 +108,28 @@ def gated_deltanet(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Ba
     q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
     b, a = torch.split(linear(x, w[p + "in_proj_ba.weight"]).view(T, nk, 2 * r), [r, r], dim=-1)
     mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)     # (T, conv_dim)
-    z = z.reshape(T, nv, dv)
-    beta = b.reshape(T, nv).sigmoid().float()
-    g = -w[p + "A_log"].float().exp() * F.softplus(a.reshape(T, nv).float() + w[p + "dt_bias"].float())
+    return mixed, z.reshape(T, nv, dv), b.reshape(T, nv), a.reshape(T, nv)
+
+
+def project_split(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor):
+    """Qwen3.5's four plain projections: in_proj_qkv is already q|k|v (the conv's order); z, b, a by themselves."""
+    la = cfg.linear_attention
+    T = x.shape[0]
+    mixed = linear(x, w[p + "in_proj_qkv.weight"])                                        # (T, conv_dim)
+    z = linear(x, w[p + "in_proj_z.weight"]).view(T, la.num_v_heads, la.v_head_dim)
+    return mixed, z, linear(x, w[p + "in_proj_b.weight"]), linear(x, w[p + "in_proj_a.weight"])
+
+
+def gated_deltanet(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int,
+                   project=project_fused) -> torch.Tensor:
+    """x: (T, H) -> (T, H). p: this layer's linear_attn prefix, e.g. 'model.layers.0.linear_attn.'. project: how
+    the family lays out the input projections (project_fused: Qwen3-Next, project_split: Qwen3.5)."""
+    la = cfg.linear_attention
+    T, nk, nv, dk, dv = x.shape[0], la.num_k_heads, la.num_v_heads, la.k_head_dim, la.v_head_dim
+    r = nv // nk
+    mixed, z, b, a = project(cfg, w, p, x)
+    beta = b.sigmoid().float()
+    g = -w[p + "A_log"].float().exp() * F.softplus(a.float() + w[p + "dt_bias"].float())
     conv_w = w[p + "conv1d.weight"]                                             # (conv_dim, 1, kernel)
     taps = conv_w[:, 0].t()                                                     # (kernel, conv_dim)
     conv_shape, s_shape = state_shapes(cfg)

@@ -1,0 +1,84 @@
+"""Qwen3.5-MoE (model_type qwen3_5_moe): Qwen3-Next's hybrid text model (gated DeltaNet linear attention in most
+layers, gated full attention every full_attention_interval-th, softmax top-k renormalized + a sigmoid-gated shared
+expert, zero-centred RMSNorms) wrapped with a vision tower, as the releases ship it:
+- config.json holds the text model's config under `text_config` (model_type qwen3_5_moe_text) beside
+  `vision_config`; rope sits in text_config.rope_parameters with partial_rotary_factor and an interleaved M-RoPE
+  section. For text the three M-RoPE position streams are the same position, so it is plain RoPE on the first
+  partial_rotary_factor of each head (what ktrun runs; images are not read).
+- the decoder's tensors sit under `model.language_model.` (lm_head.weight at the top), the vision tower under
+  `model.visual.` (skipped: ktrun serves the text model), the multi-token-prediction head under `mtp.` (skipped).
+- the DeltaNet's input projection is four plain Linears, in_proj_qkv (q | k | v, the conv's channel order),
+  in_proj_z, in_proj_b, in_proj_a, where Qwen3-Next fuses them per key head (in_proj_qkvz, in_proj_ba).
+- every layer is MoE (no decoder_sparse_step / mlp_only_layers) and top-k weights are always renormalized.
+Routed experts are read per expert (`experts.N.gate_proj.weight`); on-disk fused 3-D experts are not read yet.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from . import qwen3_next
+from .config import Fields, ModelConfig
+from .errors import ConfigError
+from .family import Family
+from .hub_names import COMMON_ROWS, GATE_UP_DOWN, LAYER, HubNames
+
+ROOT = "model.language_model."
+TEXT_MODEL_TYPES = ("qwen3_5_moe_text",)
+VISION = "vision tower (ktrun serves Qwen3.5-MoE as a text model)"
+
+
+def _under_root(rows: list) -> list:
+    """Rows written for `model.` decoders, moved under model.language_model. (lm_head and the rest unchanged)."""
+    out = []
+    for row in rows:
+        rx = row[0]
+        if rx.startswith(r"model\."):
+            rx = r"model\.language_model\." + rx[len(r"model\."):]
+        out.append((rx, *row[1:]))
+    return out
+
+
+ROWS = [(r"model\.visual\.", "skip", None, VISION),
+        (r"mtp\..*", "skip", None, "multi-token-prediction head (ktrun decodes without it)")] + _under_root(
+    COMMON_ROWS + [
+        (LAYER + r"mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$", "expert", GATE_UP_DOWN),
+        (LAYER + r"mlp\.gate\.weight$", "router", None),
+        (LAYER + r"mlp\.shared_expert_gate\.weight$", "shared_expert_gate", None),  # (1, H): kept as the router
+        (LAYER + r"mlp\.shared_expert\.(?P<proj>gate|up|down)_proj\.weight$", "shared_expert", GATE_UP_DOWN),
+        (LAYER + r"self_attn\.(q_norm|k_norm)\.weight$", "norm", None),
+        (LAYER + r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$", "attention", None),
+        (LAYER + r"linear_attn\.norm\.weight$", "norm", None),
+        # in_proj_* / out_proj are Linears; conv1d (conv_dim, 1, kernel), A_log and dt_bias (v_heads,) are not
+        (LAYER + r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj|conv1d)\.weight$",
+         "attention", None),
+        (LAYER + r"linear_attn\.(A_log|dt_bias)$", "attention", None),
+    ])
+
+
+def text_fields(f: Fields) -> Fields:
+    """The text model's config (text_config) as a Fields reader whose errors name `text_config.<field>`."""
+    text = f.raw.get("text_config")
+    if not isinstance(text, dict):
+        raise f.error("missing required field 'text_config' (the language model's config)" if text is None else
+                      f"field 'text_config' = {text!r} is not an object")
+    mt = text.get("model_type", TEXT_MODEL_TYPES[0])
+    if mt not in TEXT_MODEL_TYPES:
+        raise ConfigError(f"{f.where}: text_config.model_type {mt!r} is not one of {', '.join(TEXT_MODEL_TYPES)} "
+                          f"for model_type {f.model_type}")
+    for gone in ("mlp_only_layers", "decoder_sparse_step", "norm_topk_prob"):   # Qwen3-Next fields 3.5 dropped
+        f.check(gone not in text, f"field 'text_config.{gone}' is a Qwen3-Next field; Qwen3.5-MoE makes every "
+                                  f"layer MoE and always renormalizes its top-k weights")
+    return Fields(text, f"{f.where} text_config", f.model_type, f.for_runtime)
+
+
+def parse(f: Fields) -> ModelConfig:
+    """The text config read as Qwen3-Next's (the same fields and defaults for what both carry)."""
+    cfg = qwen3_next.parse(text_fields(f))
+    return dataclasses.replace(cfg, model_type=f.model_type, raw=f.raw)
+
+
+FAMILY = Family(
+    name="qwen3_5_moe", title="Qwen3.5-MoE", architectures=("Qwen3_5MoeForConditionalGeneration",), parse=parse,
+    names=HubNames(ROWS, ROOT + "layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight", GATE_UP_DOWN,
+                   moe_prefix="mlp.", shared_prefix="mlp.shared_expert.", model_root=ROOT),
+    runtime_module="qwen3_5_moe", text_config_key="text_config")
