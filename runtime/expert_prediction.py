@@ -21,10 +21,10 @@ Per token the top `top_k + extra` experts; the union over the tokens, ranked by 
 from __future__ import annotations
 
 import itertools
-import re
 
 import numpy as np
 import torch
+from ktlayouts.families import get_family
 
 PREDICTORS = ("router", "coact")
 
@@ -86,15 +86,13 @@ class NextLayerPredictor(_Scored):
         super().__init__(converted, extra)
         cfg, dense = converted.config, converted.dense
         self.routers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        names = get_family(cfg.model_type).names      # the family's router name (mlp.gate, mlp.router, ...)
         for L in self.layers[1:]:
-            # layer L's tensors under any family's root (model.layers.L., model.language_model.layers.L., ...)
-            at = re.compile(rf"(.*\.)?layers\.{L}\.")
-            for name, w in dense.items():
-                if at.match(name) and name.endswith(".gate.weight") and w.dim() == 2 \
-                        and w.shape[0] == cfg.num_experts:
-                    bias = dense.get(name[: -len("weight")] + "e_score_correction_bias")
-                    self.routers[L] = (w.float().cpu(), None if bias is None else bias.float().cpu())
-                    break
+            name = names.router_weight(L)
+            w = dense.get(name)
+            if w is not None and w.dim() == 2 and w.shape[0] == cfg.num_experts:
+                bias = dense.get(name[: -len("weight")] + "e_score_correction_bias")
+                self.routers[L] = (w.float().cpu(), None if bias is None else bias.float().cpu())
 
     @torch.inference_mode()
     def predict(self, layer: int, x: torch.Tensor, ids: np.ndarray | None = None) -> tuple[int | None, list[int]]:

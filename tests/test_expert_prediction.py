@@ -16,7 +16,7 @@ LAYERS = [1, 2, 3]
 
 def fake_converted(dense=None):
     """What the predictors read of a ConvertedModel: config (top_k, num_experts, moe_layers) and the dense tensors."""
-    cfg = SimpleNamespace(top_k=K, num_experts=E, moe_layers=LAYERS)
+    cfg = SimpleNamespace(model_type="deepseek_v3", top_k=K, num_experts=E, moe_layers=LAYERS)
     return SimpleNamespace(config=cfg, dense=dense or {})
 
 
