@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
+# two pytest-xdist workers (the suite's conversions and subprocesses are mostly one core each): about half the wall
+# time of one process on a 2-core machine; TEST_WORKERS=0 runs in one process
+TEST_WORKERS ?= 2
 
 KERNEL_STAMP := build/.kernels-built
 KERNEL_SRCS  := $(shell find kernels -type f -not -path '*/build/*')
@@ -35,7 +38,7 @@ $(KERNEL_STAMP): $(KERNEL_SRCS)
 	mkdir -p build && touch $@
 
 test: kernels
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS) tests
 
 # kt-kernel goes in with --no-deps into its own folder (its metadata pins torch==2.9.1, a multi-GB CUDA build from
 # PyPI; its extension links no libtorch and runs on our torch); the tests put that folder on kt-kernel's PYTHONPATH.
