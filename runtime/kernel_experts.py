@@ -28,7 +28,8 @@ class KernelExperts:
         else:
             self.moe = MoEKernels(n_threads=n_threads, backend=backend)
         plan = geo.shard_plan
-        for layer, shards in (converted.experts if layers is None else layers).items():
+        layers = converted.experts if layers is None else layers
+        for layer, shards in layers.items():
             pieces = []
             for s, shard in enumerate(shards):
                 i0, i1 = plan.shard_range(s)
@@ -39,15 +40,14 @@ class KernelExperts:
         act = converted.config.expert_activation
         if act.kind != "silu" or act.bias:        # gpt-oss: the clamped SwiGLU and biases, in the kernels
             biases = expert_biases(converted)
-            for layer in (converted.experts if layers is None else layers):
+            for layer in layers:
                 bg = bu = bd = None
                 if layer in biases:
                     g, u, bd = biases[layer]
                     bg, bu = (np.pad(b, ((0, 0), (0, plan.intermediate_pad - b.shape[1]))) for b in (g, u))
                 self.moe.set_activation(layer, act.kind, act.alpha, act.limit, bg, bu, bd)
         self._pending = self._staged = None
-        self._single_piece = all(len(shards) == 1 for shards in (converted.experts if layers is None else layers)
-                                 .values())
+        self._single_piece = all(len(shards) == 1 for shards in layers.values())
         self.stats = {"expert_compute_s": 0.0, "expert_calls": 0, "expert_token_slots": 0,
                       "expert_staged_calls": 0, "kernel_backend": self.moe.backend}
 
