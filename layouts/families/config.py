@@ -201,6 +201,30 @@ class Fields:
         if not ok:
             raise self.error(message)
 
+    def text_config(self, model_types: tuple[str, ...], default_type: str) -> Fields:
+        """The text model's config of a multimodal release (text_config, whose model_type is one of model_types,
+        default_type when absent) as a Fields reader whose errors name `text_config.<field>`."""
+        text = self.raw.get("text_config")
+        if not isinstance(text, dict):
+            raise self.error("missing required field 'text_config' (the language model's config)" if text is None
+                             else f"field 'text_config' = {text!r} is not an object")
+        mt = text.get("model_type", default_type)
+        if mt not in model_types:
+            raise ConfigError(f"{self.where}: text_config.model_type {mt!r} is not one of {', '.join(model_types)} "
+                              f"for model_type {self.model_type}")
+        return Fields(text, f"{self.where} text_config", self.model_type, self.for_runtime)
+
+    def layer_types(self, n_layers: int, allowed: tuple[str, ...], default) -> tuple[str, ...]:
+        """`layer_types`: one of `allowed` per layer; default() (the family's pattern) when absent."""
+        types = self.get("layer_types", None)
+        if types is None:
+            return default()
+        self.check(isinstance(types, list) and len(types) == n_layers,
+                   f"field 'layer_types' must list one type per layer (num_hidden_layers={n_layers}), got {types!r}")
+        for i, t in enumerate(types):
+            self.check(t in allowed, f"field 'layer_types'[{i}] = {t!r} is not one of {', '.join(allowed)}")
+        return tuple(types)
+
 
 def token_ids(v) -> tuple[int, ...]:
     if v is None:

@@ -37,14 +37,9 @@ SWIGLU_ALPHA = 1.702      # fixed in the reference (GptOssExperts.alpha); newer 
 
 
 def _layer_types(f: Fields, n_layers: int) -> tuple[str, ...]:
-    types = f.get("layer_types", None)
-    if types is None:      # transformers' default: sliding first, then alternating
-        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers))
-    f.check(isinstance(types, list) and len(types) == n_layers,
-            f"field 'layer_types' must list one type per layer (num_hidden_layers={n_layers}), got {types!r}")
-    for i, t in enumerate(types):
-        f.check(t in LAYER_TYPES, f"field 'layer_types'[{i}] = {t!r} is not one of {', '.join(LAYER_TYPES)}")
-    return tuple(types)
+    # transformers' default: sliding first, then alternating
+    return f.layer_types(n_layers, LAYER_TYPES, lambda: tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                                              for i in range(n_layers)))
 
 
 def parse(f: Fields) -> ModelConfig:

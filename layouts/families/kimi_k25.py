@@ -12,7 +12,6 @@ import dataclasses
 
 from . import deepseek_v2, deepseek_v3
 from .config import Fields, ModelConfig
-from .errors import ConfigError
 from .family import Family
 from .hub_names import HubNames, prefixed
 
@@ -24,16 +23,7 @@ TEXT_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 
 
 def text_fields(f: Fields) -> Fields:
-    """The text model's config (text_config) as a Fields reader whose errors name `text_config.<field>`."""
-    text = f.raw.get("text_config")
-    if not isinstance(text, dict):
-        raise f.error("missing required field 'text_config' (the language model's config)" if text is None else
-                      f"field 'text_config' = {text!r} is not an object")
-    mt = text.get("model_type", "deepseek_v3")
-    if mt not in TEXT_MODEL_TYPES:
-        raise ConfigError(f"{f.where}: text_config.model_type {mt!r} is not one of {', '.join(TEXT_MODEL_TYPES)} "
-                          f"for model_type {f.model_type}")
-    return Fields(text, f"{f.where} text_config", f.model_type, f.for_runtime)
+    return f.text_config(TEXT_MODEL_TYPES, "deepseek_v3")
 
 
 def parse(f: Fields) -> ModelConfig:

@@ -18,7 +18,6 @@ import dataclasses
 
 from . import qwen3_next
 from .config import Fields, ModelConfig
-from .errors import ConfigError
 from .family import Family
 from .hub_names import COMMON_ROWS, GATE_UP_DOWN, LAYER, HubNames
 
@@ -56,19 +55,11 @@ ROWS = [(r"model\.visual\.", "skip", None, VISION),
 
 
 def text_fields(f: Fields) -> Fields:
-    """The text model's config (text_config) as a Fields reader whose errors name `text_config.<field>`."""
-    text = f.raw.get("text_config")
-    if not isinstance(text, dict):
-        raise f.error("missing required field 'text_config' (the language model's config)" if text is None else
-                      f"field 'text_config' = {text!r} is not an object")
-    mt = text.get("model_type", TEXT_MODEL_TYPES[0])
-    if mt not in TEXT_MODEL_TYPES:
-        raise ConfigError(f"{f.where}: text_config.model_type {mt!r} is not one of {', '.join(TEXT_MODEL_TYPES)} "
-                          f"for model_type {f.model_type}")
+    text = f.text_config(TEXT_MODEL_TYPES, TEXT_MODEL_TYPES[0])
     for gone in ("mlp_only_layers", "decoder_sparse_step", "norm_topk_prob"):   # Qwen3-Next fields 3.5 dropped
-        f.check(gone not in text, f"field 'text_config.{gone}' is a Qwen3-Next field; Qwen3.5-MoE makes every "
-                                  f"layer MoE and always renormalizes its top-k weights")
-    return Fields(text, f"{f.where} text_config", f.model_type, f.for_runtime)
+        f.check(gone not in text.raw, f"field 'text_config.{gone}' is a Qwen3-Next field; Qwen3.5-MoE makes every "
+                                      f"layer MoE and always renormalizes its top-k weights")
+    return text
 
 
 def parse(f: Fields) -> ModelConfig:

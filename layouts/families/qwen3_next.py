@@ -40,16 +40,11 @@ DEFAULTS = {"num_key_value_heads": 2, "head_dim": 256, "max_position_embeddings"
 
 
 def _layer_types(f: Fields, n_layers: int) -> tuple[str, ...]:
-    types = f.get("layer_types", None)
-    if types is None:
+    def every_interval() -> tuple[str, ...]:
         interval = f.get("full_attention_interval", DEFAULTS["full_attention_interval"], cast=int)
         f.check(interval >= 1, f"full_attention_interval={interval} must be >= 1")
         return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers))
-    f.check(isinstance(types, list) and len(types) == n_layers,
-            f"field 'layer_types' must list one type per layer (num_hidden_layers={n_layers}), got {types!r}")
-    for i, t in enumerate(types):
-        f.check(t in LAYER_TYPES, f"field 'layer_types'[{i}] = {t!r} is not one of {', '.join(LAYER_TYPES)}")
-    return tuple(types)
+    return f.layer_types(n_layers, LAYER_TYPES, every_interval)
 
 
 def _linear_attention(f: Fields) -> LinearAttentionConfig:
