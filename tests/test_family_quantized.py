@@ -94,7 +94,8 @@ def quantized_reference_checkpoint(src: Path, conv: Path, out: Path) -> Path:
                 tensors[name] = s.read(name)
             if not torch.equal(tensors[name].float(), s.read(name).float()):
                 changed.add(role.kind)
-        if s.arch.family.names.fused_experts is not None:
+        fused = s.arch.family.names.fused_experts
+        if fused is not None and not fused.optional:      # gpt-oss: back into its fused layout
             tensors = _fused(tensors, s.arch)
     c.close()
     assert {"expert", "attention"} <= changed, changed      # the quantized values, not the bf16 ones
