@@ -149,8 +149,10 @@ def linear_attention_undo(reorder_v: bool) -> list:
 
     def untile(a, axis, cfg, head_dim):
         """Undo convert_hf_to_gguf's _reorder_v_heads: [r][nk][d] (tiled) back to [nk][r][d] along `axis`."""
+        if not reorder_v:
+            return a
         nk, r, _, _ = heads(cfg)
-        if not reorder_v or r == 1:
+        if r == 1:
             return a
         a = np.moveaxis(a, axis, 0)
         rest = a.shape[1:]
