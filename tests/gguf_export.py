@@ -287,7 +287,7 @@ def _gpt_oss_experts(src_dir: Path, nmap) -> list[tuple[str, np.ndarray, object]
     fused = {}
     for shard in sorted(src_dir.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as f:
-            for k in f.keys():
+            for k in sorted(f.keys()):
                 if re.search(r"\.mlp\.experts\.(gate_up|down)_proj", k):
                     t = f.get_tensor(k)
                     fused[k] = t.numpy() if t.dtype == torch.uint8 else t.float().numpy()

@@ -10,9 +10,9 @@ gate / up / down stacks (joined back into the hub's interleaved gate_up bias), s
 """
 from __future__ import annotations
 
-from .config import ExpertActivation, Fields, ModelConfig, check_routing, gqa_heads, parse_rope, token_ids
 import numpy as np
 
+from .config import ExpertActivation, Fields, ModelConfig, check_routing, gqa_heads, parse_rope, token_ids
 from .family import Family
 from .gguf_names import ATTN_NORM_ROWS, GLOBAL_ROWS, HUB_GATE_UP_DOWN, GGUFArch, Join, expert_rows
 from .hub_names import COMMON_ROWS, GATE_UP_DOWN, LAYER, FusedExperts, HubNames
