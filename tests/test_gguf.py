@@ -51,6 +51,20 @@ def quantize(src: Path, out: Path, *args) -> subprocess.CompletedProcess:
     return r
 
 
+def assert_same_logits(a: Path, b: Path) -> None:
+    """ktrun's logits of TEXT on two converted directories are equal (and its tokens too)."""
+    from ktrun.engine import Engine
+    from ktrun.models.kv_cache import Batch
+    logits = []
+    for d in (a, b):
+        eng = Engine(d, ctx=64, max_batch=1)
+        ids = eng.tokenizer.encode(TEXT)
+        logits.append((ids, eng.model.forward(Batch.build([(eng.model.new_cache(64), ids)], "cpu"), all_logits=True)))
+        eng.close()
+    assert logits[0][0] == logits[1][0]
+    torch.testing.assert_close(logits[0][1], logits[1][1], rtol=0, atol=0)
+
+
 def gguf_expert(path: Path, layer: int, proj: str, e: int) -> np.ndarray:
     """Expert e's weight as gguf-py itself dequantizes the stacked tensor (the reference)."""
     t = next(t for t in gguf.GGUFReader(path).tensors if t.name == f"blk.{layer}.ffn_{proj}_exps.weight")
@@ -161,19 +175,10 @@ def test_split_set_converts_and_missing_part_is_named(ds3, tmp_path):
 
 
 def test_gguf_bf16_conversion_gives_the_same_logits_in_ktrun(ds3, tmp_path):
-    from ktrun.engine import Engine
-    from ktrun.models.kv_cache import Batch
     path = export_gguf(ds3, tmp_path / "m.gguf", Q.BF16)
     quantize(path, tmp_path / "from_gguf", "--method", "bf16")
     quantize(ds3, tmp_path / "from_st", "--method", "bf16")
-    logits = []
-    for d in ("from_gguf", "from_st"):
-        eng = Engine(tmp_path / d, ctx=64, max_batch=1)
-        ids = eng.tokenizer.encode(TEXT)
-        logits.append((ids, eng.model.forward(Batch.build([(eng.model.new_cache(64), ids)], "cpu"), all_logits=True)))
-        eng.close()
-    assert logits[0][0] == logits[1][0]
-    torch.testing.assert_close(logits[0][1], logits[1][1], rtol=0, atol=0)
+    assert_same_logits(tmp_path / "from_gguf", tmp_path / "from_st")
 
 
 def test_inspect_a_gguf_file_like_its_safetensors(ckpt_dir, tmp_path):
@@ -245,8 +250,6 @@ def test_newer_gguf_conversions_give_the_safetensors_logits(arch, tmp_path_facto
     """BF16 GGUF (written as llama.cpp's converter writes each architecture) and the safetensors source convert to the
     same model: ktrun's logits are equal. gpt-oss's GGUF carries no swiglu_limit (llama.cpp assumes the release's
     7.0), so its checkpoint here has that limit."""
-    from ktrun.engine import Engine
-    from ktrun.models.kv_cache import Batch
     from runtime_helpers import build_checkpoint, build_conversion, converted, shared_root
     root = shared_root(tmp_path_factory)
     if arch == "gpt_oss":
@@ -256,14 +259,7 @@ def test_newer_gguf_conversions_give_the_safetensors_logits(arch, tmp_path_facto
         src, from_st = build_checkpoint(root, arch), converted(tmp_path_factory, arch)
     path = export_gguf(src, root / f"{arch}-bf16.gguf", Q.BF16)
     from_gguf = build_conversion(path, root / f"conv_gguf_{arch}")
-    logits = []
-    for d in (from_gguf, from_st):
-        eng = Engine(d, ctx=64, max_batch=1)
-        ids = eng.tokenizer.encode(TEXT)
-        logits.append((ids, eng.model.forward(Batch.build([(eng.model.new_cache(64), ids)], "cpu"), all_logits=True)))
-        eng.close()
-    assert logits[0][0] == logits[1][0]
-    torch.testing.assert_close(logits[0][1], logits[1][1], rtol=0, atol=0)
+    assert_same_logits(from_gguf, from_st)
 
 
 def test_gpt_oss_mxfp4_gguf_experts_are_taken_over_exactly(tmp_path, caplog):
