@@ -41,6 +41,7 @@ class Choice:
 @dataclass
 class ChoiceLog:
     rows: dict[tuple[str, int, int], Choice] = field(default_factory=dict)    # (kind, layer, position) -> Choice
+    used: set = field(default_factory=set)                                     # rows forced_ids() answered with
 
     def add(self, kind: str, layer: int, positions: range, scores: torch.Tensor, ids: torch.Tensor) -> None:
         for r, pos in enumerate(positions):
@@ -54,7 +55,13 @@ class ChoiceLog:
             if c is not None:
                 assert c.ids.numel() == own.shape[1], f"{kind} layer {layer} position {pos}: k differs"
                 out[r] = c.ids.to(own.device)
+                self.used.add((kind, layer, pos))
         return out
+
+    def assert_all_used(self) -> None:
+        """Every recorded choice was taken: the two forwards' choices lined up (kind, layer, position)."""
+        left = sorted(set(self.rows) - self.used)
+        assert not left, f"{len(left)} recorded choices were never asked for, e.g. {left[:3]}"
 
 
 class _KtrunSites:
@@ -104,8 +111,10 @@ def force_ktrun(cfg, forced: ChoiceLog):
         own.add(kind, layer, positions, scores, ids)
         return forced.forced_ids(kind, layer, positions, ids)
 
+    forced.used.clear()
     with choices.choice_hook(hook):
         yield own
+    forced.assert_all_used()
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
@@ -119,7 +128,7 @@ def force_transformers(model, cfg, forced: ChoiceLog):
     answered with their scores gathered, as topk answers."""
     own, where = ChoiceLog(), {"layer": None}
     calls = dict.fromkeys(choices.KINDS, 0)
-    orig_fn, orig_method = torch.topk, torch.Tensor.topk
+    orig_fn = torch.topk
     handles = []
     for name, m in model.named_modules():
         hit = _LAYER.search(name)
@@ -153,13 +162,16 @@ def force_transformers(model, cfg, forced: ChoiceLog):
             vals, ids = vals[None], ids[None]
         return torch.return_types.topk((vals, ids))
 
+    forced.used.clear()
     try:
         with mock.patch.object(torch, "topk", topk), mock.patch.object(torch.Tensor, "topk", topk):
             yield own
     finally:
         for h in handles:
             h.remove()
-    assert calls["router"] or not cfg.num_experts, "no router topk call was seen: the interception missed it"
+    missed = [k for k, need in (("router", cfg.num_experts), ("indexer", cfg.index_topk)) if need and not calls[k]]
+    assert not missed, f"no {missed} topk call was seen in the transformers forward: the interception missed it"
+    forced.assert_all_used()
 
 
 @dataclass

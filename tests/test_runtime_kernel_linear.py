@@ -17,6 +17,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from discrete_choices import ChoiceLog, compare, force_ktrun, force_transformers, greedy_with_choices, record_ktrun
 from ktlayouts.cpu_linear import repack_gpu_codes
 from ktlayouts.gpu_formats import dequantize_named, gpu_format, linear_parts
 from ktrun.dense_placement import PlacementError, use_cpu_kernels
@@ -25,7 +26,6 @@ from ktrun.experts import kernels_available
 from ktrun.kernel_linear import KernelLinear
 from ktrun.loader import load_converted
 from ktrun.models.kv_cache import Batch
-from discrete_choices import ChoiceLog, compare, force_ktrun, force_transformers, greedy_with_choices, record_ktrun
 from runtime_helpers import (
     PROMPT,
     build_checkpoint,

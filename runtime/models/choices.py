@@ -10,7 +10,7 @@ rounding (int8 activations, bf16) without a near-tie between two scores deciding
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
