@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from discrete_choices import compare, force_transformers, greedy_with_choices, record_ktrun
 from fake_hub import FakeHub, FakeRepo
 from ktlayouts.families import ConfigError, parse_config
 from ktrun.engine import Engine, SamplingParams
@@ -45,6 +46,8 @@ from ktconvert.testing.tokenizer import KIMI_BASE_VOCAB, _write_kimi
 KTCONVERT = [sys.executable, "-m", "ktconvert"]
 NEW = ("glm4_moe", "minimax_m2", "deepseek_v32", "kimi_k25", "glm4_moe_lite")
 LOGIT_ATOL, GREEDY_GAP = 1e-4, 1e-3        # reference experts, bf16 weights, float32 on both sides
+# int8 experts vs FP8 ones: router scores within 1e-2 of the row's top score (as the int8 kernels' activations)
+ROUTER_SCORE_BOUND = {"router": 1e-2, "router_group": 1e-2}
 
 
 def _quantize(src: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -138,6 +141,56 @@ def test_fp8_release_converts_and_runs_as_its_dequantized_weights(tmp_path_facto
     assert max(greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)) <= GREEDY_GAP
 
 
+_NO = dataclasses.make_dataclass("NoFormat", [("kind", str, None)])()
+
+
+def test_glm47_flash_fp8_block_release_follows_transformers(tmp_path_factory, tmp_path):
+    """GLM-4.7-Flash's FP8 releases (W8A8 FP8 with 128x128 weight blocks, compressed-tensors as llm-compressor writes
+    them, router and lm_head BF16), written here by the compressed-tensors library: every MLA projection (kv_b_proj
+    included), the dense layer, the shared and routed experts read as FP8 blocks; converted to int8 experts and BF16
+    GPU layers, ktrun's next-token distributions and greedy tokens follow transformers on the same checkpoint (with
+    ktrun's routing choices, each difference from transformers' own a near-tie: tests/discrete_choices.py)."""
+    src = compressed_tensors_checkpoint(build_checkpoint(shared_root(tmp_path_factory), "glm4_moe_lite"),
+                                        tmp_path / "ct", "FP8_BLOCK")
+    w = json.loads((src / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert (w["type"], w["num_bits"], w["strategy"], w["block_structure"]) == ("float", 8, "block", [128, 128])
+    with open_source(src) as s:
+        fp8 = {n.rsplit(".", 2)[-2] for n in s.tensor_names() if (s.quant_format(n) or _NO).kind == "fp8"}
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+            "down_proj"} <= fp8, fp8
+    r = _quantize(src, tmp_path / "out", "--method", "int8-amx", "--expert-quantizer", "rtn", "--gpu-method", "bf16")
+    assert "experts: 48 dequantized and re-quantized to int8-amx" in r.stderr, r.stderr
+    assert "skipped" in r.stderr and "multi-token-prediction layer" in r.stderr
+    eng = Engine(tmp_path / "out", ctx=256, use_kernels=False)
+    cfg = eng.model.cfg
+    try:
+        ids = eng.tokenizer.encode(PROMPT)
+        with record_ktrun(cfg) as choices:
+            got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+        gen, gen_choices = greedy_with_choices(eng, ids, 16)
+    finally:
+        eng.close()
+    ref = transformers_model(src)
+    for p in ref.parameters():            # decompressed in the scales' dtype: compute in float32 as ktrun does
+        if p.is_floating_point():
+            p.data = p.data.float()
+    with force_transformers(ref, cfg, choices) as own:
+        want = reference_logits(ref, ids)
+    ties = compare(choices, own)
+    ties.check(ROUTER_SCORE_BOUND)
+    d = kl(want, got)
+    print(f"GLM-4.7-Flash FP8: {ties}; KL mean {d.mean():.2e} max {d.max():.2e}")
+    # measured: KL mean 1.1e-5, max 1.7e-5, router scores within 6e-4, no flip, greedy gaps 0 (the int8
+    # re-quantization of FP8 experts; float32 both sides)
+    assert d.mean() < 1e-4 and d.max() < 1e-3, f"KL mean {d.mean():.2e} max {d.max():.2e}"
+    with force_transformers(ref, cfg, gen_choices) as own:
+        gaps = greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)
+    ties = compare(gen_choices, own)
+    ties.check(ROUTER_SCORE_BOUND)
+    print(f"GLM-4.7-Flash FP8 continuation: {ties}; greedy gap max {max(gaps):.3g}")
+    assert max(gaps) <= 1e-2, gaps
+
+
 # --- Kimi-K2.5 and Kimi-K2 ----------------------------------------------------------------------------------------
 
 def test_kimi_k25_converts_its_language_model_and_says_the_vision_tower_is_skipped(tmp_path_factory, tmp_path):
@@ -216,6 +269,64 @@ def test_pull_takes_tiktoken_and_leaves_remote_code(ckpt_dir, tmp_path):
     assert got == set(files)
     assert "tiktoken.model" in got and not got & set(remote)
     _quantize(local, tmp_path / "conv", "--method", "int8-amx", "--gpu-method", "bf16", "--quiet")
+
+
+def test_pull_takes_glm47_flash_shards_and_chat_template(ckpt_dir, tmp_path):
+    """`ktconvert pull` of a GLM-4.7-Flash-shaped repo: safetensors shards (the MTP layer's tensors in their own
+    shard) and their index, config.json, generation_config.json, tokenizer.json, tokenizer_config.json and the chat
+    template as a chat_template.jinja file (as the GLM releases ship it, tokenizer_config.json without one) come;
+    README, LICENSE, .gitattributes, images and a pickled copy do not. The pull converts (the MTP layer skipped and
+    said so, chat_template.jinja kept) and ktrun renders chats with it as transformers does."""
+    from ktrun.tokenizer import Tokenizer
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from ktconvert.testing.files import write_shards
+    src = ckpt_dir("glm4_moe_lite")
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    n_layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    mtp = f"model.layers.{n_layers}."
+    repo_dir = tmp_path / "repo"
+    repo_dir.mkdir()
+    main = {n: t for n, t in tensors.items() if not n.startswith(mtp)}
+    write_shards({**main, **{n: t for n, t in tensors.items() if n.startswith(mtp)}}, repo_dir,
+                 max_shard_bytes=sum(t.numel() * t.element_size() for t in main.values()))
+    index = json.loads((repo_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    assert len(shards) == 2 and {index[n] for n in tensors if n.startswith(mtp)} == {shards[-1]}
+    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    template = tok_cfg.pop("chat_template")
+    files = {p.name: p.read_bytes() for p in sorted(repo_dir.iterdir())}
+    files.update({"config.json": (src / "config.json").read_bytes(),
+                  "generation_config.json": json.dumps({"eos_token_id": [0], "pad_token_id": 0}).encode(),
+                  "tokenizer.json": (src / "tokenizer.json").read_bytes(),
+                  "tokenizer_config.json": json.dumps(tok_cfg).encode(), "chat_template.jinja": template.encode()})
+    extra = {"README.md": b"# GLM-4.7-Flash tiny\n", "LICENSE": b"MIT\n", ".gitattributes": b"*.safetensors lfs\n",
+             "pytorch_model.bin": b"pickle", "resources/bench.png": b"\x89PNG\r\n"}
+    repo, commit = "zai-org/GLM-4.7-Flash-tiny", "c" * 40
+    hub = FakeHub(repos={repo: FakeRepo(repo, {commit: {**files, **extra}}, {"main": commit})}).start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE", "KTCONVERT"))}
+        env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), KTCONVERT_HOME=str(tmp_path / "kt"),
+                   HF_HUB_DISABLE_TELEMETRY="1")
+        r = subprocess.run([*KTCONVERT, "pull", repo], env=env, capture_output=True, text=True, timeout=120,
+                           check=False)
+        assert r.returncode == 0, r.stderr
+    finally:
+        hub.stop()
+    local = Path(r.stdout.strip())
+    got = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file() and ".ktconvert" not in str(p)}
+    assert got == set(files)
+    q = _quantize(local, tmp_path / "conv", "--method", "bf16")
+    n_mtp = sum(n.startswith(mtp) for n in tensors)
+    assert f"skipped {n_mtp} tensors: multi-token-prediction layer" in q.stderr, q.stderr
+    assert (tmp_path / "conv" / "chat_template.jinja").read_text() == template
+    messages = [{"role": "user", "content": "What is MLA?"}]
+    want = AutoTokenizer.from_pretrained(local).apply_chat_template(messages, add_generation_prompt=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert Tokenizer(tmp_path / "conv").apply_chat_template(messages) == want
 
 
 # --- inspect ------------------------------------------------------------------------------------------------------
