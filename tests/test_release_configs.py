@@ -171,6 +171,11 @@ def test_release_config_parses(release):
     assert adapter_for(raw).moe_layers() == list(cfg.moe_layers)      # the converter reads it the same way
 
 
+def _head_dim(c) -> int:
+    """head_dim as transformers' GQA attention takes it: the field, else hidden_size / heads."""
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
 def _transformers_reading(raw: dict) -> dict:
     """What transformers' config class of the family (built from raw, as from_pretrained builds it) says about the
     fields both read: sizes, routing, rope, MoE layers."""
@@ -189,7 +194,7 @@ def _transformers_reading(raw: dict) -> dict:
            "top_k": c.num_experts_per_tok, "moe_layers": moe, "num_heads": c.num_attention_heads,
            "max_position": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
            "rope_theta": float(rp["rope_theta"]), "rope_kind": rp.get("rope_type", "default"),
-           "rope_dims": c.qk_rope_head_dim if mla else int(c.head_dim * rp.get("partial_rotary_factor", 1.0))}
+           "rope_dims": c.qk_rope_head_dim if mla else int(_head_dim(c) * rp.get("partial_rotary_factor", 1.0))}
     if out["rope_kind"] == "yarn":
         out |= {"rope_factor": float(rp["factor"]), "rope_beta_fast": float(rp["beta_fast"])}
     for ours, theirs in (("routed_scaling_factor", "routed_scaling_factor"), ("n_group", "n_group"),
@@ -205,6 +210,37 @@ def _transformers_reading(raw: dict) -> dict:
 @pytest.mark.parametrize("release", RELEASES)
 def test_release_config_reads_as_transformers_reads_it(release):
     raw, _ = RELEASES[release]
+    cfg = parse_config(raw)
+    theirs = _transformers_reading(raw)
+    ours = {k: getattr(cfg, k) for k in theirs if k not in _ROPE}
+    ours.update({k: getattr(cfg.rope, attr) for k, attr in _ROPE.items() if k in theirs})
+    assert ours == theirs
+
+
+# The fields a config.json cannot leave out (ktlayouts' `need` / runtime fields); everything else is the family's
+# default, which must be transformers' default for the same field.
+MINIMAL = {
+    "glm4_moe": {"model_type": "glm4_moe", "num_hidden_layers": 4, "hidden_size": 256, "n_routed_experts": 8,
+                 "num_experts_per_tok": 2, "moe_intermediate_size": 64, "vocab_size": 1000,
+                 "num_attention_heads": 8, "intermediate_size": 512},
+    "glm4_moe_lite": {"model_type": "glm4_moe_lite", "num_hidden_layers": 4, "hidden_size": 256,
+                      "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                      "vocab_size": 1000, "num_attention_heads": 8, "intermediate_size": 512, "kv_lora_rank": 64,
+                      "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32},
+    "minimax_m2": {"model_type": "minimax_m2", "num_hidden_layers": 4, "hidden_size": 256, "num_local_experts": 8,
+                   "num_experts_per_tok": 2, "intermediate_size": 64, "vocab_size": 1000,
+                   "num_attention_heads": 8},
+    "deepseek_v32": {"model_type": "deepseek_v32", "num_hidden_layers": 4, "hidden_size": 256,
+                     "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                     "vocab_size": 1000, "num_attention_heads": 8, "intermediate_size": 512, "kv_lora_rank": 64,
+                     "q_lora_rank": 96, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+                     "n_group": 1, "topk_group": 1},
+}
+
+
+@pytest.mark.parametrize("family", MINIMAL)
+def test_defaults_are_transformers_defaults(family):
+    raw = MINIMAL[family]
     cfg = parse_config(raw)
     theirs = _transformers_reading(raw)
     ours = {k: getattr(cfg, k) for k in theirs if k not in _ROPE}
