@@ -236,6 +236,19 @@ def compare(got: ChoiceLog, ref: ChoiceLog) -> TieReport:
     return TieReport(rows, flips, err)
 
 
+def prompt_and_greedy_with_choices(eng, ids: list[int], n: int):
+    """One ktrun engine (one request): the prompt's (T, V) logits and n greedy tokens after it, each with the choices
+    its forwards made. -> (logits, their ChoiceLog, tokens, their ChoiceLog); the engine is closed."""
+    from ktrun.models.kv_cache import Batch
+    try:
+        with record_ktrun(eng.model.cfg) as choices:
+            logits = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+        gen, gen_choices = greedy_with_choices(eng, ids, n)
+    finally:
+        eng.close()
+    return logits.float(), choices, gen, gen_choices
+
+
 def greedy_with_choices(eng, ids: list[int], n: int) -> tuple[list[int], ChoiceLog]:
     """n greedy tokens after ids from the ktrun engine (one request), with the choices its forwards made."""
     from ktrun.sampling import SamplingParams

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from discrete_choices import compare, force_transformers, greedy_with_choices, record_ktrun
+from discrete_choices import compare, force_transformers, prompt_and_greedy_with_choices
 from ktrun.engine import Engine
 from ktrun.experts import kernels_available
-from ktrun.models.kv_cache import Batch
 from runtime_helpers import (
     PROMPT,
     build_checkpoint,
@@ -133,14 +132,8 @@ def test_quantized_conversion_runs_as_transformers_on_its_weights(setup, arch, m
     # GPU Linears dequantized at load (their CPU-kernel path, ktrun's CPU default, is held to its own bounds in
     # tests/test_runtime_kernel_linear.py); the experts on the torch reference or the CPU kernels
     eng = Engine(conv, ctx=256, use_kernels=backend == "kernels", gpu_weights="dequant")
-    cfg = eng.model.cfg
-    try:
-        ids = eng.tokenizer.encode(PROMPT)
-        with record_ktrun(cfg) as choices:
-            got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
-        gen, gen_choices = greedy_with_choices(eng, ids, 32)
-    finally:
-        eng.close()
+    cfg, ids = eng.model.cfg, eng.tokenizer.encode(PROMPT)
+    got, choices, gen, gen_choices = prompt_and_greedy_with_choices(eng, ids, 32)
     with force_transformers(ref, cfg, choices) as own:
         want = reference_logits(ref, ids)
     ties = compare(choices, own)

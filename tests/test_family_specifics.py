@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from discrete_choices import compare, force_transformers, greedy_with_choices, record_ktrun
+from discrete_choices import compare, force_transformers, prompt_and_greedy_with_choices
 from fake_hub import FakeHub, FakeRepo
 from ktlayouts.families import ConfigError, parse_config
 from ktrun.engine import Engine, SamplingParams
@@ -162,14 +162,8 @@ def test_glm47_flash_fp8_block_release_follows_transformers(tmp_path_factory, tm
     assert "experts: 48 dequantized and re-quantized to int8-amx" in r.stderr, r.stderr
     assert "skipped" in r.stderr and "multi-token-prediction layer" in r.stderr
     eng = Engine(tmp_path / "out", ctx=256, use_kernels=False)
-    cfg = eng.model.cfg
-    try:
-        ids = eng.tokenizer.encode(PROMPT)
-        with record_ktrun(cfg) as choices:
-            got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
-        gen, gen_choices = greedy_with_choices(eng, ids, 16)
-    finally:
-        eng.close()
+    cfg, ids = eng.model.cfg, eng.tokenizer.encode(PROMPT)
+    got, choices, gen, gen_choices = prompt_and_greedy_with_choices(eng, ids, 16)
     ref = transformers_model(src)
     for p in ref.parameters():            # decompressed in the scales' dtype: compute in float32 as ktrun does
         if p.is_floating_point():
@@ -244,17 +238,10 @@ def test_kimi_k2_with_its_tiktoken_tokenizer_is_served(tmp_path_factory):
     assert max(greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)) <= GREEDY_GAP
 
 
-def test_pull_takes_tiktoken_and_leaves_remote_code(ckpt_dir, tmp_path):
-    """`ktconvert pull` of a Kimi-K2.5-shaped repo: weights, configs, tiktoken.model, tokenizer_config.json and the
-    chat template come; the tokenizer's and model's Python code, docs and images do not; then it converts."""
-    src = ckpt_dir("kimi_k25")
-    files = {p.name: p.read_bytes() for p in sorted(src.iterdir()) if p.is_file()}
-    files["chat_template.jinja"] = json.loads(files["tokenizer_config.json"])["chat_template"].encode()
-    remote = {"tokenization_kimi.py": b"import tiktoken\n", "modeling_kimi_k25.py": b"import torch\n",
-              "configuration_kimi_k25.py": b"class C: pass\n", "kimi_k25_vision_processing.py": b"x = 1\n",
-              "README.md": b"# Kimi-K2.5 tiny\n", "figures/kimi-logo.png": b"\x89PNG\r\n", "docs/deploy.md": b"# d\n"}
-    repo, commit = "moonshotai/Kimi-K2.5-tiny", "b" * 40
-    hub = FakeHub(repos={repo: FakeRepo(repo, {commit: {**files, **remote}}, {"main": commit})}).start()
+def _pull(repo: str, commit: str, files: dict[str, bytes], tmp_path: Path) -> tuple[Path, set[str]]:
+    """`ktconvert pull repo` (a real subprocess) from a loopback fake hub serving `files` at `commit`
+    -> (the local directory, the repo-relative paths it holds)."""
+    hub = FakeHub(repos={repo: FakeRepo(repo, {commit: files}, {"main": commit})}).start()
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE", "KTCONVERT"))}
         env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), KTCONVERT_HOME=str(tmp_path / "kt"),
@@ -265,7 +252,21 @@ def test_pull_takes_tiktoken_and_leaves_remote_code(ckpt_dir, tmp_path):
     finally:
         hub.stop()
     local = Path(r.stdout.strip())
-    got = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file() and ".ktconvert" not in str(p)}
+    return local, {p.relative_to(local).as_posix() for p in local.rglob("*")
+                   if p.is_file() and ".ktconvert" not in str(p)}
+
+
+def test_pull_takes_tiktoken_and_leaves_remote_code(ckpt_dir, tmp_path):
+    """`ktconvert pull` of a Kimi-K2.5-shaped repo: weights, configs, tiktoken.model, tokenizer_config.json and the
+    chat template come; the tokenizer's and model's Python code, docs and images do not; then it converts."""
+    src = ckpt_dir("kimi_k25")
+    files = {p.name: p.read_bytes() for p in sorted(src.iterdir()) if p.is_file()}
+    files["chat_template.jinja"] = json.loads(files["tokenizer_config.json"])["chat_template"].encode()
+    remote = {"tokenization_kimi.py": b"import tiktoken\n", "modeling_kimi_k25.py": b"import torch\n",
+              "configuration_kimi_k25.py": b"class C: pass\n", "kimi_k25_vision_processing.py": b"x = 1\n",
+              "README.md": b"# Kimi-K2.5 tiny\n", "figures/kimi-logo.png": b"\x89PNG\r\n", "docs/deploy.md": b"# d\n"}
+    repo, commit = "moonshotai/Kimi-K2.5-tiny", "b" * 40
+    local, got = _pull(repo, commit, {**files, **remote}, tmp_path)
     assert got == set(files)
     assert "tiktoken.model" in got and not got & set(remote)
     _quantize(local, tmp_path / "conv", "--method", "int8-amx", "--gpu-method", "bf16", "--quiet")
@@ -306,18 +307,7 @@ def test_pull_takes_glm47_flash_shards_and_chat_template(ckpt_dir, tmp_path):
     extra = {"README.md": b"# GLM-4.7-Flash tiny\n", "LICENSE": b"MIT\n", ".gitattributes": b"*.safetensors lfs\n",
              "pytorch_model.bin": b"pickle", "resources/bench.png": b"\x89PNG\r\n"}
     repo, commit = "zai-org/GLM-4.7-Flash-tiny", "c" * 40
-    hub = FakeHub(repos={repo: FakeRepo(repo, {commit: {**files, **extra}}, {"main": commit})}).start()
-    try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE", "KTCONVERT"))}
-        env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), KTCONVERT_HOME=str(tmp_path / "kt"),
-                   HF_HUB_DISABLE_TELEMETRY="1")
-        r = subprocess.run([*KTCONVERT, "pull", repo], env=env, capture_output=True, text=True, timeout=120,
-                           check=False)
-        assert r.returncode == 0, r.stderr
-    finally:
-        hub.stop()
-    local = Path(r.stdout.strip())
-    got = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file() and ".ktconvert" not in str(p)}
+    local, got = _pull(repo, commit, {**files, **extra}, tmp_path)
     assert got == set(files)
     q = _quantize(local, tmp_path / "conv", "--method", "bf16")
     n_mtp = sum(n.startswith(mtp) for n in tensors)

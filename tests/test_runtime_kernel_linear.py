@@ -17,7 +17,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from discrete_choices import ChoiceLog, compare, force_ktrun, force_transformers, greedy_with_choices, record_ktrun
+from discrete_choices import (
+    ChoiceLog,
+    compare,
+    force_ktrun,
+    force_transformers,
+    prompt_and_greedy_with_choices,
+    record_ktrun,
+)
 from ktlayouts.cpu_linear import repack_gpu_codes
 from ktlayouts.gpu_formats import dequantize_named, gpu_format, linear_parts
 from ktrun.dense_placement import PlacementError, use_cpu_kernels
@@ -193,15 +200,9 @@ def test_greedy_continuation_argmax_consistent_with_transformers(tmp_path_factor
     conv = _conv(tmp_path_factory, arch, ("marlin", "rtn-int4", 64), method="bf16")
     ref = _transformers_on_dequantized(src, conv)
     eng = Engine(conv, ctx=256, use_kernels=False)              # bf16 experts: the torch reference executor
-    cfg = eng.model.cfg
-    try:
-        assert "on the CPU kernels" in eng.converted.gpu_weights
-        ids = eng.tokenizer.encode(PROMPT)
-        with record_ktrun(cfg) as choices:
-            got = _prompt_logits(eng, ids)
-        gen, gen_choices = greedy_with_choices(eng, ids, 16)
-    finally:
-        eng.close()
+    assert "on the CPU kernels" in eng.converted.gpu_weights
+    cfg, ids = eng.model.cfg, eng.tokenizer.encode(PROMPT)
+    got, choices, gen, gen_choices = prompt_and_greedy_with_choices(eng, ids, 16)
     with force_transformers(ref, cfg, choices) as own:
         want = reference_logits(ref, ids)
     ties = compare(choices, own)
