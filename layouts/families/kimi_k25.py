@@ -32,10 +32,7 @@ def parse(f: Fields) -> ModelConfig:
 
 
 FAMILY = Family(
-    # the release's config.json says KimiK25ForConditionalGeneration (its remote code), transformers' class is
-    # Kimi_K25ForConditionalGeneration
-    name="kimi_k25", title="Kimi-K2.5", parse=parse,
-    architectures=("Kimi_K25ForConditionalGeneration", "KimiK25ForConditionalGeneration"),
+    name="kimi_k25", title="Kimi-K2.5", architectures=("Kimi_K25ForConditionalGeneration",), parse=parse,
     names=HubNames(ROWS, PREFIX + deepseek_v2.EXPERT_NAME, deepseek_v2.GATE_UP_DOWN, moe_prefix="mlp.",
                    shared_prefix="mlp.shared_experts.", mtp=True, prefix=PREFIX),
     runtime_module="deepseek_v3", gguf=deepseek_v2.GGUF, text_config_key="text_config")
