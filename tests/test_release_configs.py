@@ -216,33 +216,3 @@ def test_release_config_reads_as_transformers_reads_it(release):
     ours.update({k: getattr(cfg.rope, attr) for k, attr in _ROPE.items() if k in theirs})
     assert ours == theirs
 
-
-# The fields a config.json cannot leave out (ktlayouts' `need` / runtime fields); everything else is the family's
-# default, which must be transformers' default for the same field.
-MINIMAL = {
-    "glm4_moe": {"model_type": "glm4_moe", "num_hidden_layers": 4, "hidden_size": 256, "n_routed_experts": 8,
-                 "num_experts_per_tok": 2, "moe_intermediate_size": 64, "vocab_size": 1000,
-                 "num_attention_heads": 8, "intermediate_size": 512},
-    "glm4_moe_lite": {"model_type": "glm4_moe_lite", "num_hidden_layers": 4, "hidden_size": 256,
-                      "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                      "vocab_size": 1000, "num_attention_heads": 8, "intermediate_size": 512, "kv_lora_rank": 64,
-                      "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32},
-    "minimax_m2": {"model_type": "minimax_m2", "num_hidden_layers": 4, "hidden_size": 256, "num_local_experts": 8,
-                   "num_experts_per_tok": 2, "intermediate_size": 64, "vocab_size": 1000,
-                   "num_attention_heads": 8},
-    "deepseek_v32": {"model_type": "deepseek_v32", "num_hidden_layers": 4, "hidden_size": 256,
-                     "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                     "vocab_size": 1000, "num_attention_heads": 8, "intermediate_size": 512, "kv_lora_rank": 64,
-                     "q_lora_rank": 96, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
-                     "n_group": 1, "topk_group": 1},
-}
-
-
-@pytest.mark.parametrize("family", MINIMAL)
-def test_defaults_are_transformers_defaults(family):
-    raw = MINIMAL[family]
-    cfg = parse_config(raw)
-    theirs = _transformers_reading(raw)
-    ours = {k: getattr(cfg, k) for k in theirs if k not in _ROPE}
-    ours.update({k: getattr(cfg.rope, attr) for k, attr in _ROPE.items() if k in theirs})
-    assert ours == theirs
