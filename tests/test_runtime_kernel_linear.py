@@ -68,7 +68,7 @@ KL_MEAN, KL_MAX = 5e-3, 5e-2
 # op's error (int8 per group: ~0.5% per Linear) through the layers below and, for the indexer, through products of
 # three Linears' outputs summed over heads with signed weights (cancellation: relative to the top score it grows).
 # Observed (2 threads, avx512), every family and scheme: router scores <= 1.1e-2 (gpt-oss logits; sigmoid / softmax
-# scores <= 6.4e-3), group scores <= 3.1e-3, indexer scores <= 7.2e-2; up to 3 router and 17 indexer flips per
+# scores <= 6.4e-3), group scores <= 3.1e-3, indexer scores <= 7.2e-2; up to 4 router and 17 indexer flips per
 # forward (margins 1.5e-5..3.3e-2).
 SCORE_BOUND = {"router": 2e-2, "router_group": 2e-2, "indexer": 1.5e-1}
 
