@@ -1,7 +1,8 @@
 """Hot experts on a real GPU (skipped, visibly, without CUDA; bench/device_check.sh runs them on a CUDA machine):
 the store's experts on the device equal the CPU stand-in's, a model with dense layers and hot experts on the GPU stays
-within the bound of its all-CPU-experts run, dynamic swaps (copies on a side stream, flipped between steps) change no
-output against their synchronous replay, and an installed Marlin GEMM computes Marlin hot experts."""
+within the bound of its all-CPU-experts run (also gpt-oss, with expert biases and the clamped SwiGLU), dynamic swaps
+(copies on a side stream, flipped between steps) change no output against their synchronous replay, and an installed
+Marlin GEMM computes Marlin hot experts."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,6 +15,7 @@ from ktrun.hot_expert_store import HotExpertStore
 from ktrun.loaded_model import load_model
 from ktrun.marlin_kernel import find_marlin_kernel
 from ktrun.models.kv_cache import Batch
+from runtime_helpers import converted
 from test_hot_experts_runtime import PROMPTS, run_batch
 
 from ktconvert.pipeline import ConvertOptions, convert
@@ -103,3 +105,44 @@ def test_cuda_marlin_kernel_runs_marlin_hot_experts(conv):
         cpu.load(1, 0, e)
         want = cpu.expert_forward(1, 0, x)
     assert (got - want).abs().max() / want.abs().max() < 3e-2
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory) -> Path:
+    return converted(tmp_path_factory, "gpt_oss", "int4-amx", group_size=32)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "marlin"])
+def test_cuda_gpt_oss_hot_experts_with_biases_within_the_bound(oss, fmt):
+    """gpt-oss (expert biases, clamped SwiGLU): the store's experts on the device equal the CPU stand-in's, and a
+    model with hot experts on the GPU stays within the bound of its all-CPU-experts run."""
+    with load_model(oss, device="cpu") as lm:
+        c, H = lm.converted, lm.converted.geometry.hidden
+        cpu = HotExpertStore(c, {1: 3}, fmt, device="cpu", dtype=torch.float32)
+        gpu = HotExpertStore(c, {1: 3}, fmt, device="cuda", dtype=torch.bfloat16)
+        for slot, e in enumerate((0, 3, 6)):
+            cpu.load(1, slot, e)
+            gpu.load(1, slot, e)
+        assert gpu.bias_slots[1][0][2].device.type == "cuda"
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(6, H, generator=g)
+        ids = np.array([[0, 3], [6, 1], [3, 6]] * 2)
+        w = torch.rand(6, 2, generator=g)
+        slot_of = np.full(c.geometry.n_experts, -1, np.int32)
+        slot_of[[0, 3, 6]] = [0, 1, 2]
+        hit = slot_of[ids] >= 0
+        want = cpu.compute(1, x, ids, w, hit, slot_of)
+        got = gpu.compute(1, x.cuda().bfloat16(), ids, w.cuda(), hit, slot_of)
+        assert (got.cpu() - want).abs().max() / want.abs().max() < 3e-2
+    with load_model(oss, device="cuda") as lm:
+        ids = lm.tokenizer.encode(TEXT)[:96]
+        base = forced(lm, ids)
+    with load_model(oss, device="cuda", use_kernels=False) as lm:
+        exact = forced(lm, ids)
+    opts = HotExpertOptions(budget=Budget(per_layer=3), strategy="uniform", gpu_format=fmt)
+    with load_model(oss, device="cuda", hot_experts=opts) as lm:
+        ex = lm.model.experts
+        assert ex.store.device.type == "cuda" and ex.store.format == fmt
+        got = forced(lm, ids)
+        assert ex.stats["gpu_hit_ratio"] > 0.2
+    assert (got - base).abs().mean() <= 2.0 * (exact - base).abs().mean() + 1e-3
