@@ -172,9 +172,9 @@ def test_marlin_slot_bytes_match_the_plan():
     """What HotExpertStore allocates per slot is what hot_expert_nbytes promised."""
     from types import SimpleNamespace
 
+    from ktlayouts.families import SILU
     from ktrun.hot_expert_store import HotExpertStore
 
-    from ktlayouts.families import SILU
     conv = SimpleNamespace(geometry=ExpertGeometry("int4-amx", 128, 4, 256, 160, 1, (1,)), experts={1: []},
                            device=torch.device("cpu"), dtype=torch.float32,
                            config=SimpleNamespace(expert_activation=SILU))     # what the store reads of a conversion
