@@ -239,8 +239,8 @@ def test_export_refuses_experts_without_an_exact_group_length(ckpt_dir, tmp_path
 
 
 def hub_name(conv_config: dict, name: str) -> str:
-    """The conversion's name of a transformers parameter: Qwen3.5-MoE loads as its text-only CausalLM class, whose
-    decoder sits at model.* where the release (and the conversion) keep it under model.language_model.*."""
+    """The conversion's name of a transformers parameter: Qwen3.5-MoE is exported as its text-only CausalLM class,
+    whose decoder sits at model.* where the release (and the conversion) keep it under model.language_model.*."""
     if conv_config["model_type"] == "qwen3_5_moe" and name.startswith("model."):
         return "model.language_model." + name[len("model."):]
     return name
@@ -249,7 +249,7 @@ def hub_name(conv_config: dict, name: str) -> str:
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "gpt_oss"])
 def test_export_for_transformers_of_the_hybrid_families(tmp_path, arch):
     """`--for transformers` of Qwen3-Next and Qwen3.5-MoE (int4 g32 experts under per-expert names, which
-    transformers fuses; Qwen3.5's unquantized Linears listed for its text-only class too) and gpt-oss (the hub's
+    transformers fuses; Qwen3.5-MoE as its text model's own checkpoint, Qwen3_5MoeForCausalLM) and gpt-oss (the hub's
     fused layout: gate_up (E, H, 2I) interleaved and down (E, I, H) with biases, dequantized to bf16):
     AutoModelForCausalLM loads it with nothing missing, every weight it holds is the conversion's own dequantization
     (gpt-oss's experts: rounded to bf16), and its logits stay within the quantization's KL of the source's."""
@@ -263,7 +263,12 @@ def test_export_for_transformers_of_the_hybrid_families(tmp_path, arch):
     res = run("export", conv_dir, "--for", "transformers", "-o", hf, "--quiet")
     assert res.returncode == 0, res.stderr[-3000:]
     record = json.loads((hf / "ktconvert-export.json").read_text())
-    assert ("experts" in record) == (arch == "gpt_oss")
+    assert ("experts" in record) == (arch == "gpt_oss") and ("text_only" in record) == (arch == "qwen3_5_moe")
+    if arch == "qwen3_5_moe":
+        exported = json.loads((hf / "config.json").read_text())
+        assert exported["architectures"] == ["Qwen3_5MoeForCausalLM"] and "vision_config" not in exported
+        index = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+        assert "model.layers.0.linear_attn.A_log" in index and not [n for n in index if "language_model" in n]
     model, info = load(hf)
     assert not any(info.values()), info
     conv = ConvertedDir(conv_dir)

@@ -19,9 +19,12 @@ config.json with the conversion's quantization_config, tokenizer files.
                       (E, I, H), their biases beside them): experts="bf16" writes that layout (the biases are dense
                       tensors of the conversion already); "quantized" is refused (no GPU Linear format quantizes
                       them: transformers' GptOssExperts holds parameters, not Linears).
-  text models of a multimodal release (Qwen3.5-MoE, under model.language_model.): the Linears left unquantized are
-                      listed under both the release's names and those of the text-only class transformers'
-                      AutoModelForCausalLM builds from it (model.layers.*), so either loads them unquantized.
+  text models of a multimodal release (Qwen3.5-MoE, under model.language_model.; the vision tower is never
+                      converted): text_only=True (what `--for transformers|vllm` write) makes the export the text
+                      model's own checkpoint: its text_config as config.json with the family's text-only class
+                      (Qwen3_5MoeForCausalLM), tensors under model.* (lm_head as it is). Otherwise the release's
+                      layout is kept, and the Linears left unquantized are listed under both names (transformers'
+                      AutoModelForCausalLM builds the text-only class from it, with model.* module names).
 The output is written into a temporary sibling directory and renamed into place when complete.
 """
 from __future__ import annotations
@@ -168,16 +171,27 @@ def fused_expert_tensors(conv: ConvertedDir, adapter) -> Iterator[tuple[str, tor
         yield names.layer(layer) + fused.down, down
 
 
+def text_only_config(config: dict, family) -> dict:
+    """The text model's config.json of a multimodal release: its text_config, declaring the family's text-only
+    class, with what the release keeps at the top (tied embeddings, quantization_config, token ids)."""
+    text = dict(family.text_config(config))
+    text["architectures"] = [family.text_architecture]
+    for key in ("tie_word_embeddings", "quantization_config", "bos_token_id", "eos_token_id"):
+        if config.get(key) is not None:
+            text[key] = config[key]
+    return text
+
+
 def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
               progress=None, experts: str = "quantized", expert_step: int | None = None,
-              expert_scale_dtype: torch.dtype = torch.float32, before_rename=None) -> list[str]:
+              expert_scale_dtype: torch.dtype = torch.float32, before_rename=None, text_only: bool = False) -> list[str]:
     """Write the hub-layout checkpoint of `converted` to `out` (must not exist). Returns the shard file names.
     experts: "quantized" (the CPU codes and scales in the GPU format, lossless) or "bf16" (dequantized).
     `progress(nbytes)` is called after each tensor is queued (for a progress bar).
     For export targets (export.targets): expert_step forces the experts' group length (one of
     hf_experts.exact_steps), expert_scale_dtype stores their scales in another dtype (the caller checks that the
     values are exact in it), before_rename(tmp_dir, conv) writes more files into the export before it is renamed
-    into place."""
+    into place. text_only: a multimodal release's text model as its own checkpoint (see the module docstring)."""
     src, out = Path(converted), Path(out)
     if experts not in EXPERT_MODES:
         raise ExportError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
@@ -201,8 +215,17 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
                          if lay.startswith("dense-") and n.endswith(".weight") and conv_ndim(conv, n) == 2
                          and "embed" not in n)
     root = names.prefix + names.model_root
-    if root != "model.":                # the text-only CausalLM class's module names too (model.layers.N...)
-        unquantized = sorted(set(unquantized) | {"model." + n[len(root):] for n in unquantized if n.startswith(root)})
+
+    def rename(n: str) -> str:          # the text-only class's names (model.layers.N...)
+        return "model." + n[len(root):] if n.startswith(root) else n
+
+    if text_only:
+        if adapter.family.text_architecture is None:
+            raise ExportError(f"{src}: {adapter.model_type} has no text-only class to export its text model as")
+        config = text_only_config(config, adapter.family)
+        unquantized = sorted(map(rename, unquantized))
+    elif root != "model.":
+        unquantized = sorted(set(unquantized) | set(map(rename, unquantized)))
     qc = config.get("quantization_config")
     fused = fused_layout(adapter)
     if experts == "quantized" and fused is not None:
@@ -235,7 +258,7 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
     try:
         writer = ShardWriter(tmp, shard_bytes)
         for name, t in _chain(dense_tensors(conv), expert_iter):
-            writer.add(name, t)
+            writer.add(rename(name) if text_only else name, t)
             if progress is not None:
                 progress(t.numel() * t.element_size())
         shards = writer.finish()

@@ -1,7 +1,8 @@
 """`ktconvert export --for ENGINE`: one directory the engine loads as it is, and the command that serves it.
 
     transformers  the hub-layout checkpoint of export.hf (what `ktconvert export` writes without --for); families
-                  whose hub layout holds the experts fused (gpt-oss) get them that way, dequantized to BF16.
+                  whose hub layout holds the experts fused (gpt-oss) get them that way, dequantized to BF16; the
+                  text model of a multimodal release (Qwen3.5-MoE) is written as its own text-only checkpoint.
     vllm          the same checkpoint: vLLM reads compressed-tensors (and gptq) checkpoints; a Marlin conversion
                   is refused as before.
     sglang-kt     SGLang with kt-kernel's CPU experts: `--model OUT` is the hub checkpoint (GPU layers, and the
@@ -119,6 +120,10 @@ def export_for(target: str, converted: str | Path, out: str | Path, kt_method: s
             kwargs["experts"] = "bf16"
             record["experts"] = (f"bf16: {adapter.model_type}'s fused hub layout (dequantized; no GPU Linear format "
                                  "quantizes fused experts)")
+        if adapter.family.text_architecture is not None:     # the vision tower was never converted
+            kwargs["text_only"] = True
+            record["text_only"] = (f"the text model as {adapter.family.text_architecture} (the release's vision tower "
+                                   "is not in the conversion)")
 
         def before_rename(tmp: Path, conv: ConvertedDir) -> None:
             record["launch"] = launch_command(target, out)
