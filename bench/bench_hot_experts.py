@@ -158,7 +158,8 @@ def synthetic_decode(device, tg: int, reps: int, layers: int = 2, experts: int =
         ex = cpu
         if n:
             t0 = time.perf_counter()
-            like = SimpleNamespace(geometry=conv.geometry, experts=conv.experts, device=device, dtype=dt)
+            like = SimpleNamespace(geometry=conv.geometry, experts=conv.experts, device=device, dtype=dt,
+                                   config=conv.config)
             store = HotExpertStore(like, dict.fromkeys(range(layers), n), "bf16")
             res = ExpertResidency(experts, dict.fromkeys(range(layers), n))
             for L in range(layers):

@@ -19,7 +19,8 @@ from ktconvert.export.targets import TARGETS
               help="Bytes per model-XXXXX-of-YYYYY.safetensors shard (about).")
 @click.option("--experts", type=click.Choice(EXPERT_MODES), default="quantized", show_default=True,
               help="Routed experts: 'quantized' takes the CPU codes and scales over losslessly into the GPU format "
-                   "(loads in transformers); 'bf16' dequantizes them (for engines that want dense experts).")
+                   "(loads in transformers); 'bf16' dequantizes them (for engines that want dense experts; gpt-oss's "
+                   "only form: its fused hub layout with biases).")
 @click.option("--for", "target", type=click.Choice(TARGETS), default=None,
               help="Write what this engine serves as it is, and print its launch command: 'sglang-kt' (SGLang with "
                    "kt-kernel's CPU experts, needs --kt-method), 'vllm', 'transformers'.")
@@ -54,6 +55,7 @@ def export(converted: Path, out: Path, shard_size: int, experts: str, target: st
       ktconvert quantize ./Qwen3-30B-A3B -o q3/ --gpu-format compressed-tensors --group-size 32 --bf16-scales
       ktconvert export q3/ --for sglang-kt --kt-method RAWINT4 -o Qwen3-kt-raw/
       ktconvert export q3/ --for sglang-kt --kt-method AMXINT4 --numa-nodes 2 -o Qwen3-kt-amx/
+      ktconvert export gpt-oss-conv/ --for vllm -o gpt-oss-vllm/      # experts: the fused bf16 hub layout
     """
     from tqdm import tqdm
 

@@ -205,12 +205,13 @@ def hot_expert_plan(info: dict, gpu_mem: int, kv_mem: int | None, prof) -> list[
     strategy's placement gets on the profile's own text (in-sample: rank and count on the same tokens)."""
     from ktlayouts.expert_gpu import HOT_FORMATS, hot_expert_nbytes, hot_format_ok
     from ktlayouts.expert_placement import STRATEGIES, fit_hot_experts
+    from ktlayouts.families import parse_config
 
     if info.get("config") is None:
         return ["hot experts: config.json unreadable, no KV budget"]
+    biases = parse_config(info["config"]).expert_activation.bias      # gpt-oss: float32 biases beside each expert
     if kv_mem is None:
         import torch
-        from ktlayouts.families import parse_config
         from ktrun.hot_experts import kv_bytes_per_token
 
         from ktconvert.hot_placement import KV_TOKENS
@@ -226,7 +227,7 @@ def hot_expert_plan(info: dict, gpu_mem: int, kv_mem: int | None, prof) -> list[
         for fmt in HOT_FORMATS:
             if hot_format_ok(geo, fmt):
                 continue
-            n, plan = fit_hot_experts(gpu_mem, info["gpu"][method], kv_mem, hot_expert_nbytes(geo, fmt))
+            n, plan = fit_hot_experts(gpu_mem, info["gpu"][method], kv_mem, hot_expert_nbytes(geo, fmt, biases))
             n = min(n, E * n_layers)
             line = (f"  {method:<9} {fmt:<6} {human(plan['per_expert_bytes'])} each: {n} of {E * n_layers} experts "
                     f"({100 * n / max(1, E * n_layers):.1f}%, {n / max(1, n_layers):.1f} per MoE layer)")

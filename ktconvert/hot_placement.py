@@ -68,7 +68,8 @@ def write_placement(src, out_dir, opts: HotPlacementOptions, geometry, journal) 
             dense = sum(rec["size"] for rel, rec in journal.files.items() if rel.startswith("dense/"))
             kv = opts.kv_mem if opts.kv_mem is not None else KV_TOKENS * kv_bytes_per_token(
                 parse_config(src.config, "config.json"), torch.bfloat16)
-            fit, plan = fit_hot_experts(opts.gpu_mem, dense, kv, hot_expert_nbytes(geometry, fmt))
+            biases = parse_config(src.config, "config.json").expert_activation.bias
+            fit, plan = fit_hot_experts(opts.gpu_mem, dense, kv, hot_expert_nbytes(geometry, fmt, biases))
         placement = plan_placement(prof, geometry.n_experts, geometry.moe_layers, budget, opts.strategy, fmt, fit,
                                    sha256_file(opts.profile), plan)
     except PlacementError as e:

@@ -117,15 +117,17 @@ def hot_format_ok(geo: ExpertGeometry, family: str) -> str | None:
     return None
 
 
-def hot_expert_nbytes(geo: ExpertGeometry, family: str) -> int:
+def hot_expert_nbytes(geo: ExpertGeometry, family: str, biases: bool = False) -> int:
     """Device bytes of one expert (gate + up + down) in a hot-expert format: 'bf16' (dense, 2 bytes a weight) or
-    'marlin' (the registry's stored parts at the exact step)."""
+    'marlin' (the registry's stored parts at the exact step); biases: the family's experts carry gate/up/down biases
+    (gpt-oss), held as float32 beside the weights (4 * (2I + H) bytes)."""
+    bias_bytes = 4 * sum(source_shape(geo, p)[0] for p in PROJECTIONS) if biases else 0
     if family == "bf16":
-        return sum(2 * n * k for n, k in (source_shape(geo, p) for p in PROJECTIONS))
+        return bias_bytes + sum(2 * n * k for n, k in (source_shape(geo, p) for p in PROJECTIONS))
     why = hot_format_ok(geo, family)
     if why:
         raise LayoutError(f"experts cannot be held as {family}: {why}")
-    fmt, step, total = gpu_format_for(family, geo.bits), gpu_group_step(geo), 0
+    fmt, step, total = gpu_format_for(family, geo.bits), gpu_group_step(geo), bias_bytes
     for p in PROJECTIONS:
         n, k = source_shape(geo, p)
         for _suffix, dtype, shape in fmt.part_shapes(fmt.storage_geometry(n, k, step)):

@@ -9,6 +9,11 @@ A slot of MoE layer L holds one expert's gate, up and down in a GPU format:
 Slot tensors are allocated once; loading an expert copies into them (`pack` on the host, `upload` to the slot), so
 a swap needs no allocation and never touches a slot that a step reads (ktrun.expert_residency says which).
 
+Families whose experts carry biases and another activation (gpt-oss: gate/up/down biases and the clamped SwiGLU,
+ktlayouts.families.ExpertActivation) get the slot's biases too, float32 beside the weights in either format (packed
+and copied with them, so a dynamic swap moves them together), and compute the family's activation
+(ktrun.expert_activation.activate, the formula the CPU executors run).
+
 Accuracy against the CPU kernels (which quantize activations to int8 per group): both compute the same dequantized
 weights; bf16 rounds each weight by at most 2^-9 relative, Marlin rounds each scale to float16 (2^-11; an
 installed kernel then casts scales to the activation dtype, bf16: 2^-9). Either is well inside the kernels' own
@@ -23,10 +28,10 @@ from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.expert_gpu import expert_codes, gpu_group_step, hot_expert_nbytes, hot_format_ok, source_shape
 from ktlayouts.gpu_formats import gpu_format_for
 
+from .expert_activation import activate, expert_biases
 from .experts import PackedExpertSource
 from .marlin_kernel import find_marlin_kernel
-from .models.layers import swiglu_mlp
-from .packed_linear import MarlinLinear
+from .packed_linear import MarlinLinear, linear
 
 
 class HotExpertError(ValueError):
@@ -53,7 +58,9 @@ class HotExpertStore:
         self.format = resolve_format(self.geo, fmt, self.device)
         self._experts = converted.experts                    # layer -> shards -> {proj: (qweight, scales, geom)}
         self._dense = PackedExpertSource(converted.experts, self.geo.intermediate)
-        self.expert_nbytes = hot_expert_nbytes(self.geo, self.format)     # as a GPU holds them
+        self.activation = converted.config.expert_activation
+        self._biases = expert_biases(converted)             # layer -> (gate (E, I), up (E, I), down (E, H)); {}: none
+        self.expert_nbytes = hot_expert_nbytes(self.geo, self.format, self.activation.bias)  # as a GPU holds them
         # bf16 weights stored as bf16 on a GPU; on the CPU stand-in, bf16-rounded values in the (wider) dense dtype
         self._bf16_storage = torch.bfloat16 if self.device.type == "cuda" else self.dtype
         if self.format == "marlin":
@@ -61,6 +68,10 @@ class HotExpertStore:
             self._step = gpu_group_step(self.geo)
             self._kernel = find_marlin_kernel(self.device)
         self.slots = {L: [self._empty_slot() for _ in range(n)] for L, n in slots_per_layer.items()}
+        # per slot (gate (I,), up (I,), down (H,)) float32 biases, for families with expert biases
+        self.bias_slots = {L: [tuple(torch.zeros(source_shape(self.geo, p)[0], dtype=torch.float32, device=self.device)
+                                     for p in PROJECTIONS) for _ in range(n)]
+                           for L, n in slots_per_layer.items()} if self.activation.bias else None
 
     @property
     def nbytes(self) -> int:
@@ -83,8 +94,16 @@ class HotExpertStore:
         return tuple(out)
 
     def pack(self, layer: int, e: int) -> list[dict[str, np.ndarray]]:
-        """Host arrays of expert e of `layer` in the slot format, per projection (gate, up, down). Pure numpy: the
-        background copy thread of the dynamic placement runs it while decode steps go on."""
+        """Host arrays of expert e of `layer` in the slot format, per projection (gate, up, down), with its bias
+        ("bias", float32) where the family has them. Pure numpy: the background copy thread of the dynamic placement
+        runs it while decode steps go on."""
+        out = self._pack_weights(layer, e)
+        if self.bias_slots is not None:
+            for parts, b in zip(out, self._biases[layer]):
+                parts["bias"] = np.ascontiguousarray(b[e], dtype=np.float32)
+        return out
+
+    def _pack_weights(self, layer: int, e: int) -> list[dict[str, np.ndarray]]:
         if self.format == "bf16":
             mats = self._dense.expert(layer, e)                                  # gate (I, H), up, down (H, I) f32
             return [{"weight": np.ascontiguousarray(m, dtype=np.float32)} for m in mats]
@@ -106,6 +125,9 @@ class HotExpertStore:
 
     def upload(self, layer: int, slot: int, host: list[dict[str, np.ndarray]], non_blocking: bool = False) -> None:
         """Copy packed host arrays into slot `slot` of `layer` (on the current stream)."""
+        if self.bias_slots is not None:
+            for dst, parts in zip(self.bias_slots[layer][slot], host):
+                dst.copy_(torch.from_numpy(parts["bias"]), non_blocking=non_blocking)
         for dst, parts in zip(self.slots[layer][slot], host):
             if self.format == "bf16":
                 dst.copy_(torch.from_numpy(parts["weight"]).to(torch.bfloat16).to(dst.dtype), non_blocking=non_blocking)
@@ -118,11 +140,15 @@ class HotExpertStore:
 
     # --- compute ----------------------------------------------------------------------------------------------
     def expert_forward(self, layer: int, slot: int, x: torch.Tensor) -> torch.Tensor:
-        """x: (M, H) -> (M, H): down(silu(gate x) * up x) with the slot's weights."""
+        """x: (M, H) -> (M, H): down(act(gate x + b_gate, up x + b_up)) + b_down with the slot's weights; act is
+        the family's (silu(g) * u without biases for most)."""
         g, u, d = self.slots[layer][slot]
         if self.format == "bf16" and x.dtype != g.dtype:
             g, u, d = (w.to(x.dtype) for w in (g, u, d))       # bf16 weights, computed in the dense dtype
-        return swiglu_mlp(x, g, u, d)
+        bg = bu = bd = None
+        if self.bias_slots is not None:
+            bg, bu, bd = (b.to(x.dtype) for b in self.bias_slots[layer][slot])
+        return linear(activate(self.activation, linear(x, g, bg), linear(x, u, bu)), d, bd)
 
     def compute(self, layer: int, x: torch.Tensor, ids_np: np.ndarray, weights: torch.Tensor, hit: np.ndarray,
                 slot_of: np.ndarray) -> torch.Tensor:

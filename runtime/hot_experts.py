@@ -81,7 +81,7 @@ def resolve_placement(converted, opts: HotExpertOptions, kv_tokens: int = 4096) 
             kv = opts.budget.kv_mem if opts.budget.kv_mem is not None else kv_tokens * kv_bytes_per_token(
                 cfg, converted.dtype)
             fit, plan = fit_hot_experts(opts.budget.gpu_mem, dense_device_bytes(converted), kv,
-                                        hot_expert_nbytes(geo, fmt))
+                                        hot_expert_nbytes(geo, fmt, cfg.expert_activation.bias))
         strategy = opts.strategy if profile is not None or opts.strategy == "uniform" else "uniform"
         if profile is None and opts.strategy != "uniform" and not opts.dynamic:
             raise PlacementError(f"--placement {opts.strategy} chooses experts from a profile: give --profile P "
@@ -106,13 +106,6 @@ def build_hot_executor(converted, cpu, opts: HotExpertOptions | None, kv_tokens:
     placement, fmt = resolve_placement(converted, opts, kv_tokens)
     if placement is None:
         return cpu
-    act = converted.config.expert_activation
-    if act.kind != "silu" or act.bias:
-        # the GPU expert store computes silu(g) * u without biases; gpt-oss's experts run on the CPU executors only
-        raise PlacementError(f"{converted.root}: hot experts on the GPU compute silu(g) * u without biases, but "
-                             f"{converted.config.model_type}'s routed experts use the {act.kind} activation with "
-                             f"expert biases: run without --gpu-experts / --gpu-experts-ratio / --gpu-mem (every routed "
-                             f"expert on the CPU)")
     geo = converted.geometry
     capacity = {L: len(placement.experts.get(L, ())) for L in geo.moe_layers}
     if opts.dynamic and opts.profile is None and opts.budget.given:   # no profile: slots fill from the window

@@ -15,7 +15,8 @@ attn_gate; Qwen3.5-MoE (`qwen35moe`, Qwen3_5MoeTextModel) does the same to its f
 the value heads from grouped-by-key-head to tiled (_LinearAttentionVReorderBase); gpt-oss (`gpt-oss`, GptOssModel)
 splits the fused experts and their biases into gate / up / down stacks (even / odd rows) and repacks MXFP4 blocks
 into ggml's MXFP4 (transform_nibble_layout); GLM-4.7-Flash (Glm4MoeLiteModel) is written as `deepseek2` with its
-NextN block, the MLA head counts of DeepseekV2Model and the GLM pre-tokenizer.
+NextN block, the MLA head counts of DeepseekV2Model and the GLM pre-tokenizer. `fuse_gate_up` is the converter's
+--fuse-gate-up-exps (ModelBase.modify_tensors; the architectures whose gguf-py tensor list has ffn_gate_up_exps).
 """
 from __future__ import annotations
 
@@ -314,10 +315,12 @@ def _gpt_oss_experts(src_dir: Path, nmap) -> list[tuple[str, np.ndarray, object]
 
 
 def export_gguf(src_dir, out_path, qtype=Q.BF16, expert_qtype=None, split_max_tensors: int = 0,
-                raw_experts: dict | None = None, no_mtp: bool = False, tokenizer_pre: str | None = None) -> Path:
+                raw_experts: dict | None = None, no_mtp: bool = False, tokenizer_pre: str | None = None,
+                fuse_gate_up: bool = False) -> Path:
     """src_dir: hub-layout checkpoint -> GGUF at out_path. raw_experts: {gguf name: (bytes array, qtype)} written
     as given (hand-built K-quant blocks). no_mtp: convert_hf_to_gguf's --no-mtp (NextN blocks dropped);
-    tokenizer_pre: another tool's tokenizer.ggml.pre."""
+    tokenizer_pre: another tool's tokenizer.ggml.pre; fuse_gate_up: its --fuse-gate-up-exps (ModelBase.modify_tensors:
+    each layer's gate and up stacks concatenated along the rows into ffn_gate_up_exps, (E, 2I, H))."""
     src_dir, out_path = Path(src_dir), Path(out_path)
     src = open_source(src_dir)
     top = json.loads((src_dir / "config.json").read_text())
@@ -372,6 +375,17 @@ def export_gguf(src_dir, out_path, qtype=Q.BF16, expert_qtype=None, split_max_te
                 add(gname.replace("kv_b", "v_b"), np.ascontiguousarray(kv[:, nope:]), True)
                 continue
             add(gname, w, w.ndim == 2 and not re.search(r"norm|ffn_gate_inp|ssm_conv1d", gname))
+    if fuse_gate_up:
+        if gguf.MODEL_TENSOR.FFN_GATE_UP_EXP not in gguf.MODEL_TENSORS[arch]:
+            raise ValueError(f"{gguf.MODEL_ARCH_NAMES[arch]} has no ffn_gate_up_exps (the converter refuses it too)")
+        for gate in [k for k in stacks if k.endswith(".experts.gate_proj.weight")]:
+            up = stacks.pop(gate.replace(".gate_proj.", ".up_proj."))
+            g = stacks.pop(gate)
+            fused = np.concatenate([np.stack([g[e] for e in sorted(g)]), np.stack([up[e] for e in sorted(up)])], 1)
+            bid = int(re.search(r"layers\.(\d+)\.", gate).group(1))
+            data, t = _encode(fused, expert_qtype or qtype)
+            wr.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_UP_EXP].format(bid=bid) + ".weight", data,
+                          raw_dtype=t)
     for stacked, experts in stacks.items():
         gname = nmap.get_name(stacked, try_suffixes=(".weight",))
         if raw_experts and gname in raw_experts:

@@ -5,6 +5,7 @@ tiles' codes and scales. transformers loads it directly (`from_pretrained`, CPU,
 up with must equal the conversion's own dequantization exactly, and its logits stay close to the source model's.
 """
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -230,3 +231,70 @@ def test_export_refuses_experts_without_an_exact_group_length(ckpt_dir, tmp_path
     res = run("export", conv, "-o", tmp_path / "hf", "--quiet")
     assert res.returncode != 0 and "intermediate 80" in res.stderr and "--experts bf16" in res.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv"]
+
+
+# --- the hybrid families: what transformers loads of Qwen3-Next, Qwen3.5-MoE and gpt-oss ---------------------------
+# KL(source || export) measured (int4 g32 experts, rtn-int4 per-channel GPU layers): qwen3_next 0.00041,
+# qwen3_5_moe 0.00042, gpt_oss 0.00120 (its experts also rounded to bf16); held to MAX_KL.
+
+
+def hub_name(conv_config: dict, name: str) -> str:
+    """The conversion's name of a transformers parameter: Qwen3.5-MoE is exported as its text-only CausalLM class,
+    whose decoder sits at model.* where the release (and the conversion) keep it under model.language_model.*."""
+    if conv_config["model_type"] == "qwen3_5_moe" and name.startswith("model."):
+        return "model.language_model." + name[len("model."):]
+    return name
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "gpt_oss"])
+def test_export_for_transformers_of_the_hybrid_families(tmp_path, arch):
+    """`--for transformers` of Qwen3-Next and Qwen3.5-MoE (int4 g32 experts under per-expert names, which
+    transformers fuses; Qwen3.5-MoE as its text model's own checkpoint, Qwen3_5MoeForCausalLM) and gpt-oss (the hub's
+    fused layout: gate_up (E, H, 2I) interleaved and down (E, I, H) with biases, dequantized to bf16):
+    AutoModelForCausalLM loads it with nothing missing, every weight it holds is the conversion's own dequantization
+    (gpt-oss's experts: rounded to bf16), and its logits stay within the quantization's KL of the source's."""
+    from ktconvert.testing import make_checkpoint
+    src = make_checkpoint(arch, tmp_path / "src", **({} if arch == "gpt_oss" else {"moe_intermediate_size": 64}))
+    conv_dir, hf = tmp_path / "conv", tmp_path / "hf"
+    res = run("quantize", src, "-o", conv_dir, "--method", "int4-amx", "--group-size", 32, "--expert-quantizer",
+              "rtn", "--gpu-method", "rtn-int4", "--gpu-format", "compressed-tensors", "--gpu-group-size", -1,
+              "--quiet")
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run("export", conv_dir, "--for", "transformers", "-o", hf, "--quiet")
+    assert res.returncode == 0, res.stderr[-3000:]
+    record = json.loads((hf / "ktconvert-export.json").read_text())
+    assert ("experts" in record) == (arch == "gpt_oss") and ("text_only" in record) == (arch == "qwen3_5_moe")
+    if arch == "qwen3_5_moe":
+        exported = json.loads((hf / "config.json").read_text())
+        assert exported["architectures"] == ["Qwen3_5MoeForCausalLM"] and "vision_config" not in exported
+        index = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+        assert "model.layers.0.linear_attn.A_log" in index and not [n for n in index if "language_model" in n]
+    model, info = load(hf)
+    assert not any(info.values()), info
+    conv = ConvertedDir(conv_dir)
+    cfg = json.loads((conv_dir / "config.json").read_text())
+    n_experts = 0
+    for name, t in model.state_dict().items():
+        if name.endswith((".weight_packed", ".weight_scale", ".weight_shape")):
+            continue
+        m = re.search(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+        if m:                                              # fused: (E, 2I, H) / (E, H, I), gpt-oss (E, H, 2I) / (E, I, H)
+            n_experts += 1
+            mats = [conv.read_expert(int(m[1]), e) for e in range(conv.geometry.n_experts)]
+            if arch == "gpt_oss":
+                want = [np.stack([x["gate"], x["up"]], 1).reshape(-1, x["gate"].shape[1]).T if m[2] == "gate_up_proj"
+                        else x["down"].T for x in mats]                     # gate / up interleaved, input first
+                want = torch.from_numpy(np.stack(want)).to(torch.bfloat16).float()
+            else:
+                want = [np.concatenate([x["gate"], x["up"]]) if m[2] == "gate_up_proj" else x["down"] for x in mats]
+            np.testing.assert_array_equal(t.numpy(), np.asarray(want), err_msg=name)
+        else:
+            np.testing.assert_array_equal(t.numpy(), np.asarray(conv.read_dense(hub_name(cfg, name))), err_msg=name)
+    assert n_experts == 2 * len(conv.geometry.moe_layers)
+    conv.close()
+    a = logits(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32))
+    b = logits(model)
+    kl = (a.softmax(-1) * (a.log_softmax(-1) - b.log_softmax(-1))).sum(-1)
+    print(f"{arch}: KL(source || export) per token: mean {kl.mean():.5f} max {kl.max():.5f}")
+    assert torch.isfinite(kl).all() and kl.mean() < MAX_KL
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75

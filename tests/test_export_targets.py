@@ -236,3 +236,29 @@ def test_export_for_vllm_and_transformers_is_the_hub_checkpoint(ckpt_dir, tmp_pa
     assert record["target"] == target and record["launch"] in res.stdout
     assert (f"vllm serve {out.resolve()}" if target == "vllm" else "AutoModelForCausalLM.from_pretrained") \
         in record["launch"]
+
+
+def test_gpt_oss_export_is_the_fused_hub_layout_and_refused_for_kt_kernel(ckpt_dir, tmp_path):
+    """gpt-oss's experts (biases, clamped SwiGLU) are something kt-kernel cannot compute: --for sglang-kt is refused
+    naming the rule; its hub layout holds the experts fused, which no GPU Linear format quantizes: the plain export
+    asks for --experts bf16, and --for vllm writes that checkpoint (transformers loads it: tests/test_export_hf.py)."""
+    conv_dir = convert(ckpt_dir("gpt_oss"), tmp_path / "conv", "--method", "int8-amx", "--group-size", 32,
+                       "--expert-quantizer", "rtn", "--gpu-format", "compressed-tensors")
+    kt_rule = (r"kt-kernel's CPU MoE .* computes silu\(gate\) \* up without biases.*gpt_oss's routed experts use "
+               r"the swiglu_clamped activation with per-expert biases")
+    for args, message in [(("--for", "sglang-kt", "--kt-method", "AMXINT8"), kt_rule),
+                          ((), r"experts fused per layer .*--experts bf16")]:
+        res = run("export", conv_dir, *args, "-o", tmp_path / "out", "--quiet")
+        assert res.returncode != 0 and re.search(message, res.stderr), (args, res.stderr)
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*")), args
+    plain, out = tmp_path / "plain", tmp_path / "vllm"
+    assert run("export", conv_dir, "--experts", "bf16", "-o", plain, "--quiet").returncode == 0
+    res = run("export", conv_dir, "--for", "vllm", "-o", out, "--quiet")
+    assert res.returncode == 0, res.stderr[-3000:]
+    for f in plain.iterdir():
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
+            "model.layers.1.mlp.experts.gate_up_proj_bias"} <= set(index)
+    assert not [n for n in index if re.search(r"experts\.\d+\.", n)]
+    assert "bf16" in json.loads((out / "ktconvert-export.json").read_text())["experts"]

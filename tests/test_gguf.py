@@ -312,6 +312,33 @@ def test_qwen3_5_q8_0_gguf_reads_through_the_converter_transforms(ckpt_dir, tmp_
         assert torch.linalg.norm(gg.read(name) - ref) < 0.01 * torch.linalg.norm(ref), t
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_fused_gate_up_experts_read_like_the_split_ones(arch, ckpt_dir, tmp_path):
+    """convert_hf_to_gguf's --fuse-gate-up-exps writes each layer's gate and up stacks as one ffn_gate_up_exps
+    (E, 2I, H), per expert [gate; up]: BF16 reads bit for bit like the safetensors; Q8_0 keeps each part's integer
+    grid (its rows are whole blocks of the slab), equal to gguf-py's dequantization of the slab's rows."""
+    src_dir = ckpt_dir(arch)
+    st = open_source(src_dir)
+    path = export_gguf(src_dir, tmp_path / "bf16.gguf", Q.BF16, fuse_gate_up=True)
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert "blk.1.ffn_gate_up_exps.weight" in names and "blk.1.ffn_gate_exps.weight" not in names
+    gg = open_source(path)
+    want = {n for n in st.tensor_names() if st.arch.classify(n).kind != "skip"}
+    assert set(gg.tensor_names()) == want
+    for name in (n for n in want if st.arch.classify(n).kind == "expert"):
+        torch.testing.assert_close(gg.read(name), st.read(name), rtol=0, atol=0, msg=name)
+    q8 = open_source(export_gguf(src_dir, tmp_path / "q8.gguf", Q.Q8_0, fuse_gate_up=True))
+    t = next(t for t in gguf.GGUFReader(tmp_path / "q8.gguf").tensors if t.name == "blk.1.ffn_gate_up_exps.weight")
+    i = q8.arch.moe_intermediate_size
+    for e in (0, q8.arch.n_experts - 1):
+        slab = gguf.quants.dequantize(np.asarray(t.data[e]), t.tensor_type)                    # (2I, H)
+        for proj, rows in (("gate", slice(0, i)), ("up", slice(i, 2 * i))):
+            name = q8.arch.expert_tensor_name(1, e, proj)
+            assert q8.quant_format(name).kind == "int"
+            np.testing.assert_array_equal(q8.int_grid(name).dequantize(), slab[rows])
+            np.testing.assert_array_equal(q8.read(name).numpy(), slab[rows])
+
+
 def test_glm_4_7_flash_gguf_is_told_from_deepseek(ckpt_dir, tmp_path):
     """llama.cpp writes GLM-4.7-Flash as deepseek2 with the GLM pre-tokenizer and its NextN block: either marks it
     (--no-mtp drops the block, the tokenizer stays). Without both (another tool's file) it reads as DeepSeek-V3, whose

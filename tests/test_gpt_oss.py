@@ -263,20 +263,6 @@ def test_missing_scales_and_foreign_quantization_are_refused(mx_copy):
         open_source(mx_copy)
 
 
-def test_hot_experts_on_the_gpu_are_refused_with_the_reason(checkpoints):
-    from ktrun.expert_placement import Budget, HotExpertOptions, PlacementError
-    from ktrun.experts import make_executor
-    from ktrun.hot_experts import build_hot_executor
-    root, bf16, _mx = checkpoints
-    converted = load_converted(build_conversion(bf16, root / "conv_bf16"), device="cpu")
-    cpu = make_executor(converted, use_kernels=False)
-    with pytest.raises(PlacementError, match=r"gpt_oss's routed experts use the swiglu_clamped activation with "
-                                             r"expert biases"):
-        build_hot_executor(converted, cpu, HotExpertOptions(budget=Budget(per_layer=2), strategy="uniform"))
-    cpu.close()
-    converted.close()
-
-
 def test_fixture_names_roles(checkpoints):
     """Every stored tensor has a role; the fused experts are read under per-expert names only."""
     _root, bf16, mx = checkpoints

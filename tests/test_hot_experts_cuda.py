@@ -1,7 +1,8 @@
 """Hot experts on a real GPU (skipped, visibly, without CUDA; bench/device_check.sh runs them on a CUDA machine):
 the store's experts on the device equal the CPU stand-in's, a model with dense layers and hot experts on the GPU stays
-within the bound of its all-CPU-experts run, dynamic swaps (copies on a side stream, flipped between steps) change no
-output against their synchronous replay, and an installed Marlin GEMM computes Marlin hot experts."""
+within the bound of its all-CPU-experts run (also gpt-oss, with expert biases and the clamped SwiGLU), dynamic swaps
+(copies on a side stream, flipped between steps) change no output against their synchronous replay, and an installed
+Marlin GEMM computes Marlin hot experts."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,6 +15,7 @@ from ktrun.hot_expert_store import HotExpertStore
 from ktrun.loaded_model import load_model
 from ktrun.marlin_kernel import find_marlin_kernel
 from ktrun.models.kv_cache import Batch
+from runtime_helpers import converted
 from test_hot_experts_runtime import PROMPTS, run_batch
 
 from ktconvert.pipeline import ConvertOptions, convert
@@ -32,42 +34,60 @@ def conv(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory) -> Path:
+    """gpt-oss's fixture, int4 g32 experts with biases and the clamped SwiGLU."""
+    return converted(tmp_path_factory, "gpt_oss", "int4-amx", group_size=32)
+
+
+MODELS = ["conv", "oss"]        # the default model (DeepSeek-V3 architecture) and gpt-oss
+
+
 def forced(lm, ids) -> torch.Tensor:
     return lm.model.forward(Batch.build([(lm.model.new_cache(len(ids) + 1), ids)], lm.model.device),
                             all_logits=True).float().cpu()
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("fmt", ["bf16", "marlin"])
-def test_cuda_store_equals_the_cpu_stand_in(conv, fmt):
-    with load_model(conv, device="cpu") as lm:
+def test_cuda_store_equals_the_cpu_stand_in(request, model, fmt):
+    """The device store computes what the CPU stand-in does (gpt-oss: with the experts' biases and clamped SwiGLU)."""
+    with load_model(request.getfixturevalue(model), device="cpu") as lm:
         c = lm.converted
-        cpu = HotExpertStore(c, {2: 3}, fmt, device="cpu", dtype=torch.float32)
-        gpu = HotExpertStore(c, {2: 3}, fmt, device="cuda", dtype=torch.bfloat16)
-        for slot, e in enumerate((1, 7, 12)):
-            cpu.load(2, slot, e)
-            gpu.load(2, slot, e)
+        geo, k = c.geometry, lm.model.cfg.top_k
+        layer, hot = geo.moe_layers[1], (1, 7, geo.n_experts - 4)
+        cpu = HotExpertStore(c, {layer: 3}, fmt, device="cpu", dtype=torch.float32)
+        gpu = HotExpertStore(c, {layer: 3}, fmt, device="cuda", dtype=torch.bfloat16)
+        for slot, e in enumerate(hot):
+            cpu.load(layer, slot, e)
+            gpu.load(layer, slot, e)
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(9, 256, generator=g)
-        ids = np.array([[1, 7, 3, 4], [12, 1, 5, 6], [0, 2, 7, 9]] * 3)
-        w = torch.rand(9, 4, generator=g)
-        slot_of = np.full(16, -1, np.int32)
-        slot_of[[1, 7, 12]] = [0, 1, 2]
+        x = torch.randn(9, geo.hidden, generator=g)
+        ids = torch.stack([torch.randperm(geo.n_experts, generator=g)[:k] for _ in range(9)]).numpy()
+        w = torch.rand(9, k, generator=g)
+        slot_of = np.full(geo.n_experts, -1, np.int32)
+        slot_of[list(hot)] = [0, 1, 2]
         hit = slot_of[ids] >= 0
-        want = cpu.compute(2, x, ids, w, hit, slot_of)
-        got = gpu.compute(2, x.cuda().bfloat16(), ids, w.cuda(), hit, slot_of)
+        assert hit.any()
+        want = cpu.compute(layer, x, ids, w, hit, slot_of)
+        got = gpu.compute(layer, x.cuda().bfloat16(), ids, w.cuda(), hit, slot_of)
         assert got.device.type == "cuda"
         assert (got.cpu() - want).abs().max() / want.abs().max() < 3e-2
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("fmt", ["bf16", "marlin"])
-def test_cuda_hybrid_model_within_the_bound(conv, fmt):
-    """Dense layers and hot experts on the GPU (bf16) against the same with every expert on the CPU kernels."""
+def test_cuda_hybrid_model_within_the_bound(request, model, fmt):
+    """Dense layers and hot experts on the GPU (bf16) against the same with every expert on the CPU kernels (half
+    of each layer's experts hot)."""
+    conv = request.getfixturevalue(model)
     with load_model(conv, device="cuda") as lm:
         ids = lm.tokenizer.encode(TEXT)[:160]
         base = forced(lm, ids)
     with load_model(conv, device="cuda", use_kernels=False) as lm:
         exact = forced(lm, ids)
-    opts = HotExpertOptions(budget=Budget(per_layer=8), strategy="uniform", gpu_format=fmt)
+        per_layer = lm.converted.geometry.n_experts // 2
+    opts = HotExpertOptions(budget=Budget(per_layer=per_layer), strategy="uniform", gpu_format=fmt)
     with load_model(conv, device="cuda", hot_experts=opts) as lm:
         ex = lm.model.experts
         assert ex.store.device.type == "cuda" and ex.store.format == fmt

@@ -172,10 +172,12 @@ def test_marlin_slot_bytes_match_the_plan():
     """What HotExpertStore allocates per slot is what hot_expert_nbytes promised."""
     from types import SimpleNamespace
 
+    from ktlayouts.families import SILU
     from ktrun.hot_expert_store import HotExpertStore
 
     conv = SimpleNamespace(geometry=ExpertGeometry("int4-amx", 128, 4, 256, 160, 1, (1,)), experts={1: []},
-                           device=torch.device("cpu"), dtype=torch.float32)   # what the store reads of a conversion
+                           device=torch.device("cpu"), dtype=torch.float32,
+                           config=SimpleNamespace(expert_activation=SILU))     # what the store reads of a conversion
     store = HotExpertStore(conv, {1: 2}, "marlin")
     got = sum(t.qweight.numel() * 4 + t.scales.numel() * 2 + 16 for t in store.slots[1][0])   # + weight_shape (2 x I64)
     assert got == hot_expert_nbytes(conv.geometry, "marlin") and store.nbytes == 2 * got

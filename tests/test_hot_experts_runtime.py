@@ -1,6 +1,7 @@
 """Hot experts in the runtime, on the embedded default model (DeepSeek-V3 architecture, int4 experts): every
 placement (none, uniform, frequency, per-layer, dynamic after swaps) against the all-CPU run, the GPU hit ratio
-accounting, and dynamic swaps during a running batch. Without CUDA the "GPU" side is torch on the CPU.
+accounting, and dynamic swaps during a running batch; the same for gpt-oss (expert biases, clamped SwiGLU) on its
+fixture. Without CUDA the "GPU" side is torch on the CPU.
 
 The bound (README "Hot experts"): the GPU formats compute hot experts from the CPU tiles' own weights (Marlin: the
 same int codes, scales in float16; bf16: the dequantized weights rounded to bf16), without the kernels' int8
@@ -37,6 +38,7 @@ from ktrun.models.kv_cache import Batch
 from ktrun.routing_recorder import RoutingRecorder
 from ktrun.sampling import SamplingParams
 from ktrun.serve.metrics import render_engine_stats
+from runtime_helpers import converted
 
 from ktconvert.pipeline import ConvertOptions, convert
 from ktconvert.profile import run_profile
@@ -115,18 +117,29 @@ def test_no_placement_is_the_all_cpu_run_bit_for_bit(conv, tokens, reference):
 @pytest.mark.parametrize("strategy", ["uniform", "frequency", "per-layer"])
 @pytest.mark.parametrize("fmt", ["bf16", "marlin"])
 def test_static_placements_match_the_all_cpu_run(conv, profile_path, tokens, reference, strategy, fmt):
-    cpu, exact = reference
-    kernel_err = (exact - cpu).abs().mean().item()
     opts = HotExpertOptions(profile=str(profile_path), budget=Budget(per_layer=4), strategy=strategy, gpu_format=fmt)
+    check_static_placement(conv, opts, tokens, *reference, resident=12, prompt=PROMPTS[0])
+
+
+def check_static_placement(conv, opts, tokens, cpu, exact, resident: int, prompt: str, check=None) -> None:
+    """Loaded with `opts`: teacher-forced logits within the bound of the all-CPU run, greedy tokens within the gap
+    of its argmax; check(lm) looks at the loaded hybrid executor first."""
     with load_model(conv, hot_experts=opts) as lm:
         ex = lm.model.experts
-        assert isinstance(ex, HybridExperts) and ex.store.format == fmt and ex.residency.n_resident() == 12
+        assert isinstance(ex, HybridExperts) and ex.store.format == opts.gpu_format
+        assert ex.residency.n_resident() == resident
+        if check is not None:
+            check(lm)
         got = forced_logits(lm, tokens)
         assert ex.stats["gpu_hit_ratio"] > 0.1
-        gaps = greedy_gaps(conv, lm, PROMPTS[0])
-    err = (got - cpu).abs().mean().item()
-    assert err <= BOUND_RATIO * kernel_err, f"mean |hybrid - cpu| {err:.5f} vs kernels' own {kernel_err:.5f}"
+        gaps = greedy_gaps(conv, lm, prompt)
+    assert_within_bound(got, cpu, exact)
     assert max(gaps) <= GREEDY_GAP, gaps
+
+
+def assert_within_bound(got, cpu, exact) -> None:
+    err, kernel_err = (got - cpu).abs().mean().item(), (exact - cpu).abs().mean().item()
+    assert err <= BOUND_RATIO * kernel_err, f"mean |hybrid - cpu| {err:.5f} vs kernels' own {kernel_err:.5f}"
 
 
 def test_marlin_hot_experts_on_the_reference_side_are_the_reference(conv, tokens, reference, profile_path):
@@ -341,3 +354,84 @@ def test_prefix_cache_blocks_are_keyed_by_the_hot_expert_placement(conv, tmp_pat
     assert once(hybrid, "d") == (want, 64)
     assert hybrid.prefix_cache_stats()["hit_tokens_disk"] == 0
     hybrid.close()
+
+
+# --- gpt-oss: expert biases and the clamped SwiGLU on the GPU side ------------------------------------------------
+# The store holds each hot expert's gate/up/down biases (float32) beside its weights and computes the family's
+# activation; the same bounds hold against the all-CPU run (the kernels' kt_set_layer_activation).
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory) -> Path:
+    """gpt-oss's peaked fixture, int4 g32 experts (int codes: both GPU formats apply)."""
+    return converted(tmp_path_factory, "gpt_oss", "int4-amx", group_size=32)
+
+
+@pytest.fixture(scope="module")
+def oss_profile(oss, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("oss_prof") / "profile.json"
+    with load_model(oss) as lm:
+        prof = run_profile(lm.model, lm.tokenizer, [HELDOUT[:6000]], chunk_tokens=256, heldout_every=4,
+                           max_tokens=1024, progress=False, text_info={"source": "heldout-start"})
+    prof.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def oss_reference(oss):
+    with load_model(oss) as lm:
+        ids = lm.tokenizer.encode(HELDOUT[8000:12000])[:128]
+        cpu = forced_logits(lm, ids)
+    with load_model(oss, use_kernels=False) as lm:
+        exact = forced_logits(lm, ids)
+    return ids, cpu, exact
+
+
+@pytest.mark.parametrize(("fmt", "strategy"), [("bf16", "uniform"), ("marlin", "frequency"), ("bf16", "per-layer")])
+def test_gpt_oss_placements_match_the_all_cpu_run(oss, oss_profile, oss_reference, strategy, fmt):
+    def biases_counted(lm):            # float32 gate/up/down biases beside each expert's weights
+        geo = lm.converted.geometry
+        extra = 4 * (2 * geo.intermediate + geo.hidden)
+        assert lm.model.experts.store.expert_nbytes == hot_expert_nbytes(geo, fmt) + extra
+
+    opts = HotExpertOptions(profile=str(oss_profile), budget=Budget(per_layer=3), strategy=strategy, gpu_format=fmt)
+    check_static_placement(oss, opts, *oss_reference, resident=6, prompt=PROMPTS[1], check=biases_counted)
+
+
+def test_gpt_oss_marlin_hot_experts_on_the_reference_side_are_the_reference(oss, oss_reference):
+    """The torch reference's CPU experts and Marlin hot experts (same codes, float16-exact scales here) run the same
+    arithmetic, biases and clamped SwiGLU included: the hybrid run equals the exact run up to summation order."""
+    ids, _cpu, exact = oss_reference
+    opts = HotExpertOptions(budget=Budget(per_layer=5), strategy="uniform", gpu_format="marlin")
+    with load_model(oss, use_kernels=False, hot_experts=opts) as lm:
+        got = forced_logits(lm, ids)
+        assert lm.model.experts.stats["gpu_hit_ratio"] > 0.5
+    assert (got - exact).abs().max().item() < 1e-4
+
+
+def test_gpt_oss_dynamic_swaps_change_no_output(oss, oss_reference):
+    """Dynamic placement (Marlin slots, from empty slots) while a text is decoded token by token (teacher-forced:
+    the fixture's greedy continuations repeat a token, so their routing never moves): the biases travel with each
+    swapped expert (packed and copied with it), so the logits equal a synchronous replay of the placement log bit for
+    bit, and stay within the bound of the all-CPU run."""
+    ids, cpu, exact = oss_reference
+    opts = HotExpertOptions(budget=Budget(per_layer=2), strategy="uniform", dynamic=True, window=8,
+                            hysteresis=0.0, min_gap=0.0, gpu_format="marlin")
+    n = 64
+
+    def run(replay_log=None):
+        with load_model(oss, hot_experts=opts) as lm:
+            ex = lm.model.experts
+            if replay_log is not None:
+                ex.dynamic.close()
+                ex.dynamic, ex.before_step = None, [Replay(ex, replay_log)]
+            cache = lm.model.new_cache(n + 1)
+            rows = [lm.model.forward(Batch.build([(cache, ids[:16])], "cpu"), all_logits=True)]
+            rows += [lm.model.forward(Batch.build([(cache, [t])], "cpu"), all_logits=True) for t in ids[16:n]]
+            assert ex.store.format == "marlin" and ex.store.bias_slots is not None
+            return torch.cat(rows), (list(ex.dynamic.log) if replay_log is None else None)
+
+    got, log = run()
+    assert len(log) >= 6 and sum(e_out is not None for *_, e_out in log) >= 3
+    again, _ = run(log)
+    assert torch.equal(got, again)
+    assert_within_bound(got, cpu[:n], exact[:n])

@@ -14,6 +14,17 @@ config.json with the conversion's quantization_config, tokenizer files.
                       (compressed-tensors `ignore`, gptq `dynamic` negative match), for engines that want dense
                       experts. transformers 5.24 cannot load this variant of a compressed-tensors checkpoint: its
                       fused-MoE converter runs CompressedTensorsDequantize, which keeps only `weight_packed` keys.
+                      Families whose hub checkpoints hold the experts fused, with no per-expert names their engines
+                      read (gpt-oss: mlp.experts.gate_up_proj (E, H, 2I), gate/up interleaved, and down_proj
+                      (E, I, H), their biases beside them): experts="bf16" writes that layout (the biases are dense
+                      tensors of the conversion already); "quantized" is refused (no GPU Linear format quantizes
+                      them: transformers' GptOssExperts holds parameters, not Linears).
+  text models of a multimodal release (Qwen3.5-MoE, under model.language_model.; the vision tower is never
+                      converted): text_only=True (what `--for transformers|vllm` write) makes the export the text
+                      model's own checkpoint: its text_config as config.json with the family's text-only class
+                      (Qwen3_5MoeForCausalLM), tensors under model.* (lm_head as it is). Otherwise the release's
+                      layout is kept, and the Linears left unquantized are listed under both names (transformers'
+                      AutoModelForCausalLM builds the text-only class from it, with model.* module names).
 The output is written into a temporary sibling directory and renamed into place when complete.
 """
 from __future__ import annotations
@@ -26,6 +37,7 @@ from pathlib import Path
 
 import torch
 from ktlayouts.converted_dir import safe_relpath
+from ktlayouts.families.hub_names import FusedExperts
 from ktlayouts.gpu_formats import GpuLinearFormat, families_where, gpu_format, gpu_format_for, is_gpu_layout
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -132,16 +144,54 @@ def expert_tensors(conv: ConvertedDir, adapter) -> Iterator[tuple[str, torch.Ten
                 yield adapter.expert_tensor_name(layer, e, p), torch.from_numpy(mats[p]).to(torch.bfloat16)
 
 
+def fused_layout(adapter) -> FusedExperts | None:
+    """The family's fused expert layout when its hub checkpoints have no per-expert names (gpt-oss), else None."""
+    fused = adapter.family.names.fused_experts
+    return fused if fused is not None and not fused.optional else None
+
+
+def fused_expert_tensors(conv: ConvertedDir, adapter) -> Iterator[tuple[str, torch.Tensor]]:
+    """Routed experts dequantized to BF16 in the family's fused hub layout, one layer at a time: gate_up
+    ((E, H, 2I) input first, else (E, 2I, H)) and down ((E, I, H) or (E, H, I)); filled in place, in the stored order."""
+    geo, names = conv.geometry, adapter.family.names
+    fused = names.fused_experts
+    n_e, h, i = geo.n_experts, geo.hidden, geo.intermediate
+    g_rows, u_rows = fused.gate_up_rows(i)
+    for layer in geo.moe_layers:
+        gate_up = torch.empty((n_e, h, 2 * i) if fused.input_first else (n_e, 2 * i, h), dtype=torch.bfloat16)
+        down = torch.empty((n_e, i, h) if fused.input_first else (n_e, h, i), dtype=torch.bfloat16)
+        gu_lin = gate_up.transpose(1, 2) if fused.input_first else gate_up        # (E, 2I, H) views
+        d_lin = down.transpose(1, 2) if fused.input_first else down               # (E, H, I)
+        for e in range(n_e):
+            mats = conv.read_expert(layer, e)
+            gu_lin[e, g_rows] = torch.from_numpy(mats["gate"]).to(torch.bfloat16)
+            gu_lin[e, u_rows] = torch.from_numpy(mats["up"]).to(torch.bfloat16)
+            d_lin[e] = torch.from_numpy(mats["down"]).to(torch.bfloat16)
+        yield names.layer(layer) + fused.gate_up, gate_up
+        yield names.layer(layer) + fused.down, down
+
+
+def text_only_config(config: dict, family) -> dict:
+    """The text model's config.json of a multimodal release: its text_config, declaring the family's text-only
+    class, with what the release keeps at the top (tied embeddings, quantization_config, token ids)."""
+    text = dict(family.text_config(config))
+    text["architectures"] = [family.text_architecture]
+    for key in ("tie_word_embeddings", "quantization_config", "bos_token_id", "eos_token_id"):
+        if config.get(key) is not None:
+            text[key] = config[key]
+    return text
+
+
 def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
               progress=None, experts: str = "quantized", expert_step: int | None = None,
-              expert_scale_dtype: torch.dtype = torch.float32, before_rename=None) -> list[str]:
+              expert_scale_dtype: torch.dtype = torch.float32, before_rename=None, text_only: bool = False) -> list[str]:
     """Write the hub-layout checkpoint of `converted` to `out` (must not exist). Returns the shard file names.
     experts: "quantized" (the CPU codes and scales in the GPU format, lossless) or "bf16" (dequantized).
     `progress(nbytes)` is called after each tensor is queued (for a progress bar).
     For export targets (export.targets): expert_step forces the experts' group length (one of
     hf_experts.exact_steps), expert_scale_dtype stores their scales in another dtype (the caller checks that the
     values are exact in it), before_rename(tmp_dir, conv) writes more files into the export before it is renamed
-    into place."""
+    into place. text_only: a multimodal release's text model as its own checkpoint (see the module docstring)."""
     src, out = Path(converted), Path(out)
     if experts not in EXPERT_MODES:
         raise ExportError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
@@ -159,11 +209,31 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
                           f"(or {' or '.join(readable[1:])}) to export for transformers / vLLM")
     config = json.loads((src / "config.json").read_text())
     adapter = adapter_for(config)
+    names = adapter.family.names
     layouts = {n: conv.dense_layout(n) for n in conv.dense_names()}
     unquantized = sorted(n[: -len(".weight")] for n, lay in layouts.items()
                          if lay.startswith("dense-") and n.endswith(".weight") and conv_ndim(conv, n) == 2
                          and "embed" not in n)
+    root = names.prefix + names.model_root
+
+    def rename(n: str) -> str:          # the text-only class's names (model.layers.N...)
+        return "model." + n[len(root):] if n.startswith(root) else n
+
+    if text_only:
+        if adapter.family.text_architecture is None:
+            raise ExportError(f"{src}: {adapter.model_type} has no text-only class to export its text model as")
+        config = text_only_config(config, adapter.family)
+        unquantized = sorted(map(rename, unquantized))
+    elif root != "model.":
+        unquantized = sorted(set(unquantized) | set(map(rename, unquantized)))
     qc = config.get("quantization_config")
+    fused = fused_layout(adapter)
+    if experts == "quantized" and fused is not None:
+        conv.close()
+        raise ExportError(f"{src}: {adapter.model_type}'s checkpoints hold the routed experts fused per layer "
+                          f"({names.layer(0)}{fused.gate_up} / {fused.down}, with biases), which no GPU Linear format "
+                          "quantizes (transformers and vLLM read them as dense parameters); export with "
+                          "--experts bf16 (that layout, dequantized)")
     if experts == "quantized":
         if qc is None or fmt is None:
             raise ExportError(f"{src} has no GPU-quantized layers (--gpu-method bf16), so no quantization_config "
@@ -179,7 +249,7 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
     else:
         if qc is not None:
             config["quantization_config"] = export_quantization_config(qc, fmt, unquantized)
-        expert_iter = expert_tensors(conv, adapter)
+        expert_iter = expert_tensors(conv, adapter) if fused is None else fused_expert_tensors(conv, adapter)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -188,7 +258,7 @@ def export_hf(converted: str | Path, out: str | Path, shard_bytes: int = DEFAULT
     try:
         writer = ShardWriter(tmp, shard_bytes)
         for name, t in _chain(dense_tensors(conv), expert_iter):
-            writer.add(name, t)
+            writer.add(rename(name) if text_only else name, t)
             if progress is not None:
                 progress(t.numel() * t.element_size())
         shards = writer.finish()

@@ -1,12 +1,15 @@
 """`ktconvert export --for ENGINE`: one directory the engine loads as it is, and the command that serves it.
 
-    transformers  the hub-layout checkpoint of export.hf (what `ktconvert export` writes without --for).
+    transformers  the hub-layout checkpoint of export.hf (what `ktconvert export` writes without --for); families
+                  whose hub layout holds the experts fused (gpt-oss) get them that way, dequantized to BF16; the
+                  text model of a multimodal release (Qwen3.5-MoE) is written as its own text-only checkpoint.
     vllm          the same checkpoint: vLLM reads compressed-tensors (and gptq) checkpoints; a Marlin conversion
                   is refused as before.
     sglang-kt     SGLang with kt-kernel's CPU experts: `--model OUT` is the hub checkpoint (GPU layers, and the
                   experts in the GPU format for the experts SGLang keeps on GPUs), `--kt-weight-path` holds the
                   experts in the chosen kt method (export.kt_kernel): OUT itself for GPTQ_INT4 / RAWINT4,
                   OUT/kt-experts for AMXINT4 / AMXINT8, split for `--kt-threadpool-count N` = --numa-nodes.
+                  Refused for families whose experts kt-kernel cannot compute (KT_ACTIVATION_RULE).
 Every rule is checked before anything is written; the export is written into a temporary sibling directory and
 renamed into place when complete (export.hf), with ktconvert-export.json recording what was written and how it is
 served.
@@ -21,7 +24,14 @@ from pathlib import Path
 import torch
 
 from ktconvert.converted_reader import ConvertedDir
-from ktconvert.export.hf import DEFAULT_SHARD_BYTES, ExportError, export_hf, export_total_bytes, gpu_format_of
+from ktconvert.export.hf import (
+    DEFAULT_SHARD_BYTES,
+    ExportError,
+    export_hf,
+    export_total_bytes,
+    fused_layout,
+    gpu_format_of,
+)
 from ktconvert.export.kt_kernel import (
     KtExportError,
     KtPlan,
@@ -33,6 +43,9 @@ from ktconvert.export.kt_kernel import (
 from ktconvert.sources.roles import adapter_for
 
 TARGETS = ("sglang-kt", "vllm", "transformers")
+# kt-kernel 0.7.2's MoE (KTMoEWrapper over MOEConfig: gate/up/down weights and scales, no bias, no activation choice)
+KT_ACTIVATION_RULE = ("kt-kernel's CPU MoE (KTMoEWrapper, kt-kernel 0.7.2) computes silu(gate) * up without "
+                      "biases for every method")
 
 
 @dataclass
@@ -75,13 +88,19 @@ def export_for(target: str, converted: str | Path, out: str | Path, kt_method: s
     record = {"target": target, "converted": str(src.resolve())}
     plan = None
     kwargs = {}
+    config = json.loads((src / "config.json").read_text())
+    adapter = adapter_for(config)
     if target == "sglang-kt":
         if kt_method is None:
             raise ExportError("--for sglang-kt needs --kt-method GPTQ_INT4|RAWINT4|AMXINT4|AMXINT8")
+        act = adapter.cfg.expert_activation
+        if act.kind != "silu" or act.bias:
+            raise ExportError(f"--for sglang-kt: {KT_ACTIVATION_RULE}; {adapter.model_type}'s routed experts use "
+                              f"the {act.kind} activation{' with per-expert biases' if act.bias else ''}, which it "
+                              "cannot run: export --for vllm or --for transformers (or serve it with ktrun)")
         conv = ConvertedDir(src)
         try:
-            config = json.loads((src / "config.json").read_text())
-            plan = plan_kt_export(conv, config, adapter_for(config), gpu_format_of(conv), kt_method,
+            plan = plan_kt_export(conv, config, adapter, gpu_format_of(conv), kt_method,
                                   numa_nodes or conv.geometry.numa_nodes)
         finally:
             conv.close()
@@ -97,6 +116,15 @@ def export_for(target: str, converted: str | Path, out: str | Path, kt_method: s
             write_plan_record(tmp, record)
         kwargs["before_rename"] = before_rename
     else:
+        if fused_layout(adapter) is not None:        # gpt-oss: the hub's fused BF16 experts, as the engines read them
+            kwargs["experts"] = "bf16"
+            record["experts"] = (f"bf16: {adapter.model_type}'s fused hub layout (dequantized; no GPU Linear format "
+                                 "quantizes fused experts)")
+        if adapter.family.text_architecture is not None:     # the vision tower was never converted
+            kwargs["text_only"] = True
+            record["text_only"] = (f"the text model as {adapter.family.text_architecture} (the release's vision tower "
+                                   "is not in the conversion)")
+
         def before_rename(tmp: Path, conv: ConvertedDir) -> None:
             record["launch"] = launch_command(target, out)
             write_plan_record(tmp, record)
@@ -110,7 +138,9 @@ def export_for(target: str, converted: str | Path, out: str | Path, kt_method: s
 
 def export_total(target: str, converted: str | Path, kt_method: str | None, numa_nodes: int | None) -> int:
     """Bytes for a progress bar (export_total_bytes, plus the kt-experts files of AMX methods)."""
-    total = export_total_bytes(converted)
+    fused = target != "sglang-kt" and fused_layout(adapter_for(
+        json.loads((Path(converted) / "config.json").read_text()))) is not None
+    total = export_total_bytes(converted, "bf16" if fused else "quantized")
     if target == "sglang-kt" and kt_method in ("AMXINT4", "AMXINT8"):
         conv = ConvertedDir(converted)
         try:

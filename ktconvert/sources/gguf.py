@@ -3,7 +3,8 @@
 Presents the same interface as ktconvert.sources.Source, under hub tensor names, so the pipeline runs unchanged:
 metadata becomes config.json, `tokenizer.ggml.*` becomes tokenizer files, llama.cpp's stacked expert tensors
 (`blk.N.ffn_{gate,up,down}_exps`, shape (E, rows, cols)) become one hub tensor per expert, read one expert slice at a
-time from the memory-mapped file and dequantized with gguf-py (any ggml type it knows). Tensors llama.cpp's converter
+time from the memory-mapped file and dequantized with gguf-py (any ggml type it knows); a fused
+`ffn_gate_up_exps` (the converter's --fuse-gate-up-exps) gives each expert's gate and up as runs of its rows. Tensors llama.cpp's converter
 changed on the way in are given back as the hub stores them: joined from their GGUF parts, or with the converter's
 transform undone (the family's GGUFArch says which and how). Q8_0, Q4_0 and MXFP4 blocks are integer grids
 (`int_grid`): the converter takes them over exactly into int8 / int4 group 32 (MXFP4: int8), without a float round
@@ -46,6 +47,7 @@ class GGUFTensorInfo:
     stored: tuple = ()    # the GGUF tensor's own shape (hub orientation), before an Undo reshapes it
     join: Join | None = None
     parts: tuple = ()     # (part, GGUF name) of a joined tensor
+    rows: tuple | None = None   # (first, end) rows of the expert slab a Split part takes (ffn_gate_up_exps)
 
 
 def split_paths(path: Path) -> list[Path]:
@@ -126,11 +128,7 @@ class GGUFSource(SourceBase):
             if mapped.join is not None:
                 joins.setdefault(hub, {"join": mapped.join})[mapped.part] = (t, file, rows)
             elif "{E}" in hub:
-                per = int(t.n_bytes) // rows[0]
-                for e in range(rows[0]):
-                    name = hub.replace("{E}", str(e))
-                    self._infos[name] = GGUFTensorInfo(name, t.tensor_type.name, rows[1:], file,
-                                                       int(t.data_offset) + e * per, per, t.name, e, rows[1:])
+                self._add_experts(t, file, rows, hub, mapped.split.parts if mapped.split else (None,))
             else:
                 undo = self.gguf_arch.undo_for(hub)
                 shape = undo.shape(rows, self.config) if undo else rows
@@ -152,22 +150,42 @@ class GGUFSource(SourceBase):
             if name not in self._infos:
                 raise SourceError(f"{self.path}: tensor {name} (from blk.*.ffn_*_exps) is missing")
 
+    def _add_experts(self, t, file: Path, rows: tuple, hub: str, parts: tuple) -> None:
+        """One hub tensor per expert (and per part of a Split: a contiguous run of each expert slab's rows)."""
+        if len(rows) != 3 or rows[1] % len(parts):
+            raise SourceError(f"{file}: tensor {t.name}: shape {list(rows)} (experts, rows, columns) does not hold "
+                              f"{len(parts)} equal parts ({', '.join(p for p in parts if p)}) along its rows")
+        per = int(t.n_bytes) // rows[0]                   # bytes of one expert slab
+        n = rows[1] // len(parts)                         # rows of one part
+        for e in range(rows[0]):
+            for i, part in enumerate(parts):
+                name = hub.replace("{E}", str(e)).replace("{P}", part or "")
+                split = (i * n, (i + 1) * n) if part else None
+                self._infos[name] = GGUFTensorInfo(name, t.tensor_type.name, (n, rows[2]), file,
+                                                   int(t.data_offset) + e * per + i * (per // len(parts)),
+                                                   per // len(parts), t.name, e, (n, rows[2]), rows=split)
+
     # --- Source interface ---------------------------------------------------------------------------------
     def tensor_names(self) -> list[str]:
         return list(self._infos)
 
-    def _dequant(self, gname: str, expert: int | None) -> np.ndarray:
-        import gguf
+    def _raw(self, gname: str, expert: int | None, rows: tuple | None = None) -> np.ndarray:
+        """The stored array (blocks as bytes for quantized types) of a tensor, one expert slab, or a run of its rows."""
         t, _ = self._tensors[gname]
         raw = t.data if expert is None else t.data[expert]
-        return np.asarray(gguf.quants.dequantize(np.asarray(raw), t.tensor_type), dtype=np.float32)
+        return np.asarray(raw if rows is None else raw[rows[0]: rows[1]])
+
+    def _dequant(self, gname: str, expert: int | None, rows: tuple | None = None) -> np.ndarray:
+        import gguf
+        t, _ = self._tensors[gname]
+        return np.asarray(gguf.quants.dequantize(self._raw(gname, expert, rows), t.tensor_type), dtype=np.float32)
 
     def read(self, name: str) -> torch.Tensor:
         info = self.info(name)
         if info.join is not None:
             out = info.join.build({p: self._dequant(g, None) for p, g in info.parts}, self.config)
         else:
-            out = self._dequant(info.gguf_name, info.expert).reshape(info.stored)
+            out = self._dequant(info.gguf_name, info.expert, info.rows).reshape(info.stored)
             undo = self.gguf_arch.undo_for(name)
             if undo is not None:
                 out = undo.fn(out, self.config)
@@ -180,8 +198,7 @@ class GGUFSource(SourceBase):
         return torch.from_numpy(np.array(out, dtype=np.float32, order="C"))
 
     def _blocks(self, info: GGUFTensorInfo) -> np.ndarray:
-        t, _ = self._tensors[info.gguf_name]
-        return np.asarray(t.data if info.expert is None else t.data[info.expert])
+        return self._raw(info.gguf_name, info.expert, info.rows)
 
     def quant_format(self, name: str):
         """The WeightFormat of a quantized ggml type (Q8_0 and Q4_0 are integer grids), None for float types."""

@@ -24,6 +24,9 @@ class Family:
     gguf: GGUFArch | None = None              # llama.cpp's architecture for it, when llama.cpp converts it
     text_config_key: str | None = None        # config.json key holding the text model's config (Kimi-K2.5's
                                               # "text_config"), None: the text model's fields are at the top
+    text_architecture: str | None = None      # transformers' / vLLM's text-only class of a multimodal release
+                                              # (Qwen3.5-MoE's Qwen3_5MoeForCausalLM): what an export of the text
+                                              # model (the vision tower is never converted) declares
 
     @property
     def model_types(self) -> tuple[str, ...]:

@@ -12,6 +12,9 @@ names (each checked against convert_hf_to_gguf.py):
 - an `Undo` row: the inverse of a value transform on one tensor (the llama architecture's q/k row permutation,
   Qwen3-Next's A_log stored as -exp(A_log) and its 1 + weight norms stored with the 1 added, a squeezed conv kernel,
   Qwen3.5's value heads reordered).
+- a `Split` row: several hub tensors stacked along the rows of one GGUF tensor (the converter's `--fuse-gate-up-exps`
+  writes `ffn_gate_up_exps`, each expert slab [gate; up]); each part is a contiguous run of rows, so its bytes are a
+  slice of the slab and a quantized part keeps its integer grid.
 A tensor with an Undo or a Join is read through the float path only (its integer grid, if any, is not taken over).
 
 Metadata is read through a `meta` object with `.arch`, `.where`, `.get(key, default)` and `.a(key, default)`
@@ -51,6 +54,13 @@ def expert_rows(prefix: str, names: dict[str, str]) -> list:
             for p, h in names.items()]
 
 
+def fused_gate_up_row(prefix: str) -> tuple:
+    """convert_hf_to_gguf's --fuse-gate-up-exps `blk.N.ffn_gate_up_exps` (E, 2I, H; per expert [gate; up]) -> the
+    per-expert gate_proj / up_proj hub names under `prefix`."""
+    return (r"blk\.(?P<L>\d+)\.ffn_gate_up_exps\.weight", f"model.layers.{{L}}.{prefix}.experts.{{E}}.{{P}}.weight",
+            Split(("gate_proj", "up_proj")))
+
+
 def _same_shape(shape: tuple, cfg: dict) -> tuple:
     return shape
 
@@ -65,6 +75,14 @@ class Join:
 
 
 @dataclass(frozen=True)
+class Split:
+    """One stacked expert tensor holding several hub tensors along its rows, in this order and with equal rows each
+    (convert_hf_to_gguf's --fuse-gate-up-exps: torch.cat([gate_exps, up_exps], dim=1) -> (E, 2I, H)). The row's
+    template holds `{E}` and `{P}`, which takes each part's name."""
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Undo:
     """The inverse of a value transform the converter applied to one tensor."""
     fn: Callable                          # (array as stored, in hub orientation, config dict) -> the hub tensor
@@ -73,19 +91,21 @@ class Undo:
 
 @dataclass(frozen=True)
 class Mapped:
-    """Where one GGUF tensor goes: its hub name, block index, and the Join it is a part of (if any)."""
+    """Where one GGUF tensor goes: its hub name, block index, and the Join it is a part of or the Split it is
+    (if any)."""
     hub: str
     layer: int | None
     join: Join | None = None
     part: str | None = None
+    split: Split | None = None
 
 
 @dataclass(frozen=True)
 class GGUFArch:
     """One `general.architecture` value: its tensor names and how its metadata becomes config.json."""
     name: str                                     # e.g. "deepseek2"
-    rows: list                                    # (GGUF name regex, hub name template) or
-                                                  # (regex, template, Join, part name)
+    rows: list                                    # (GGUF name regex, hub name template),
+                                                  # (regex, template, Join, part name) or (regex, template, Split)
     build_config: Callable                        # (meta, common config dict, GGUF tensor names) -> config
                                                   # dict (tensor presence tells optional parts apart)
     undo: list = field(default_factory=list)      # (hub name regex, Undo): converter transforms undone at read
@@ -94,8 +114,11 @@ class GGUFArch:
 
     def __post_init__(self):
         for row in self.rows:
-            if len(row) not in (2, 4) or (len(row) == 4 and not isinstance(row[2], Join)):
-                raise ValueError(f"GGUF row {row[0]!r}: (regex, template) or (regex, template, Join, part)")
+            ok = (len(row) == 2 or len(row) == 4 and isinstance(row[2], Join)
+                  or len(row) == 3 and isinstance(row[2], Split) and "{E}" in row[1] and "{P}" in row[1])
+            if not ok:
+                raise ValueError(f"GGUF row {row[0]!r}: (regex, template), (regex, template, Join, part) or "
+                                 "(regex, template with {E} and {P}, Split)")
         self.compiled.extend((re.compile(r[0] + "$"), *r[1:], *(None, None)[: 4 - len(r)]) for r in self.rows)
         self.compiled_undo.extend((re.compile(p), u) for p, u in self.undo)
 
@@ -106,6 +129,8 @@ class GGUFArch:
             if m:
                 layer = int(m.group("L")) if "L" in m.groupdict() else None
                 hub = template if layer is None else template.replace("{L}", str(layer))
+                if isinstance(join, Split):
+                    return Mapped(hub, layer, split=join)
                 return Mapped(hub, layer, join, part)
         return None
 

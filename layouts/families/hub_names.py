@@ -84,10 +84,15 @@ class FusedExperts:
 
     def split_gate_up(self, a):
         """(..., 2I) gate_up values (a bias, or x @ W) -> (gate (..., I), up (..., I))."""
+        g, u = self.gate_up_rows(a.shape[-1] // 2)
+        return a[..., g], a[..., u]
+
+    def gate_up_rows(self, intermediate: int) -> tuple[slice, slice]:
+        """(gate rows, up rows) of the fused gate_up in Linear orientation (2I, H): where writing a checkpoint in the
+        family's layout puts each expert's gate and up (transposed to (H, 2I) when input_first)."""
         if self.interleaved:
-            return a[..., 0::2], a[..., 1::2]
-        i = a.shape[-1] // 2
-        return a[..., :i], a[..., i:]
+            return slice(0, 2 * intermediate, 2), slice(1, 2 * intermediate, 2)
+        return slice(0, intermediate), slice(intermediate, 2 * intermediate)
 
 
 @dataclass(frozen=True)

@@ -104,4 +104,5 @@ FAMILY = Family(
     names=HubNames(ROWS, ROOT + "layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight", GATE_UP_DOWN,
                    moe_prefix="mlp.", shared_prefix="mlp.shared_expert.", model_root=ROOT,
                    fused_experts=FUSED),
-    runtime_module="qwen3_5_moe", text_config_key="text_config", gguf=GGUF)
+    runtime_module="qwen3_5_moe", text_config_key="text_config", text_architecture="Qwen3_5MoeForCausalLM",
+    gguf=GGUF)

@@ -22,6 +22,7 @@ from .gguf_names import (
     Join,
     Undo,
     expert_rows,
+    fused_gate_up_row,
 )
 from .hub_names import COMMON_ROWS, GATE_UP_DOWN, LAYER, HubNames
 
@@ -121,7 +122,8 @@ def parse(f: Fields) -> ModelConfig:
 # ssm_dt.bias; conv1d (C, 1, K) squeezed to (C, K); every RMSNorm weight but the DeltaNet's gated norm stored as
 # 1 + weight; in_proj_qkvz, grouped per key head as [q k v z], split into attn_qkv (all q | all k | all v, the conv's
 # channel order) and attn_gate (all z). The full-attention blocks' q_proj (queries and output gate interleaved per
-# head) and everything else are written as they are. MTP blocks follow the main ones (skipped).
+# head) and everything else are written as they are. MTP blocks follow the main ones (skipped). With
+# --fuse-gate-up-exps the experts' gate and up stacks are one ffn_gate_up_exps (per expert [gate; up]; a Split row).
 def _unit_norm(a, cfg):                  # the converter stored 1 + weight (float32): exact for weights in bf16
     return a - np.float32(1.0)
 
@@ -207,7 +209,7 @@ QKVZ = Join(("qkv", "z"), _qkvz_shape, _qkvz)
 def gguf_rows(root: str, fused_in_proj: bool) -> list:
     """The tensor rows shared by qwen3next and qwen35moe; root: where the decoder sits in the hub ("model.")."""
     la = "model.layers.{L}.linear_attn."
-    rows = GLOBAL_ROWS + ATTN_NORM_ROWS[:1] + expert_rows("mlp", HUB_GATE_UP_DOWN) + [
+    rows = GLOBAL_ROWS + ATTN_NORM_ROWS[:1] + expert_rows("mlp", HUB_GATE_UP_DOWN) + [fused_gate_up_row("mlp")] + [
         (r"blk\.(?P<L>\d+)\.post_attention_norm\.weight", "model.layers.{L}.post_attention_layernorm.weight"),
         (r"blk\.(?P<L>\d+)\.attn_q_norm\.weight", "model.layers.{L}.self_attn.q_norm.weight"),
         (r"blk\.(?P<L>\d+)\.attn_k_norm\.weight", "model.layers.{L}.self_attn.k_norm.weight"),
