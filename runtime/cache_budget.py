@@ -45,6 +45,20 @@ def state_bytes_per_request(cfg, dtype: torch.dtype) -> int:
     return layout.nbytes() if layout is not None else 0
 
 
+def cache_lines(cfg, dtype: torch.dtype, ctx: int) -> list[str]:
+    """`name: value unit` lines for `ktrun bench`: KV bytes per token and at ctx, recurrent state per request."""
+    arch = arch_module(cfg.model_type)
+    per_tok = kv_bytes_per_token(cfg, dtype)
+    out = [f"kv_cache_per_token: {per_tok} bytes ({cache_layers(arch, cfg)} layers)",
+           f"kv_cache_at_ctx_{ctx}: {per_tok * ctx} bytes"]
+    layout = state_layout(cfg, dtype)
+    if layout is not None:
+        out.append(f"recurrent_state_per_request: {layout.nbytes()} bytes ({len(layout.layers)} linear-attention "
+                   f"layers)")
+        out.append(f"recurrent_state_in_kv_tokens: {layout.nbytes() / max(per_tok, 1):.0f} tokens")
+    return out
+
+
 def states_per_engine(max_batch: int, prefix_states: bool) -> int:
     """Recurrent states an engine may hold at once: one per request, plus with the prefix cache each request's last
     block end and up to max_batch cached snapshots on the device."""
