@@ -48,8 +48,8 @@ def state_bytes_per_request(cfg, dtype: torch.dtype) -> int:
 def cache_lines(cfg, dtype: torch.dtype, ctx: int) -> list[str]:
     """`name: value unit` lines for `ktrun bench`: KV bytes per token and at ctx, recurrent state per request."""
     arch = arch_module(cfg.model_type)
-    per_tok = kv_bytes_per_token(cfg, dtype)
-    out = [f"kv_cache_per_token: {per_tok} bytes ({cache_layers(arch, cfg)} layers)",
+    per_tok, n = kv_bytes_per_token(cfg, dtype), cache_layers(arch, cfg)
+    out = [f"kv_cache_per_token: {per_tok} bytes ({n} layer{'s' * (n != 1)} with KV)",
            f"kv_cache_at_ctx_{ctx}: {per_tok * ctx} bytes"]
     layout = state_layout(cfg, dtype)
     if layout is not None:

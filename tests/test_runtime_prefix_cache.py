@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from ktlayouts import kv_block_file as kvf
 from ktrun.engine import Engine, PrefixCacheConfig, SamplingParams
 from ktrun.generate import generate
-from ktlayouts import kv_block_file as kvf
 from ktrun.models.kv_cache import MAX_RUNS, Batch
 from ktrun.prefix_cache.keys import state_key
 from runtime_helpers import converted
@@ -171,7 +171,7 @@ def test_eviction_to_ram_and_disk_and_back_within_budgets(family, tmp_path):
     folder = tmp_path / "kv"
     cfg = PrefixCacheConfig(device_bytes=0, ram_bytes=ram_budget, disk_dir=folder, disk_bytes=disk_budget)
     eng = Engine(conv, ctx=CTX, max_batch=8, kv_block_size=B, prefix_cache=cfg)
-    check, peaks = budget_check(eng, folder, {"device": 0, "ram": ram_budget, "disk": disk_budget})
+    check, _peaks = budget_check(eng, folder, {"device": 0, "ram": ram_budget, "disk": disk_budget})
 
     rng = random.Random(3)
     ids = prompt(rng, 6 * B + 2)                     # + N_GEN tokens: 7 full blocks, the newest 3 in RAM, 4 on disk

@@ -22,7 +22,6 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
 from ktlayouts import kv_block_file as kvf
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
