@@ -203,6 +203,7 @@ def test_eviction_to_ram_and_disk_and_back_within_budgets(family, tmp_path):
     assert measured_disk_bytes(folder) <= disk_budget
 
 
+@pytest.mark.parametrize("family", ("deepseek_v3", *RECURRENT), indirect=True)   # (MLA and both state layouts)
 def test_device_budget_counts_blocks_and_snapshots(family):
     """--prefix-cache-device: unused blocks and (linear attention) snapshots on the device stay within it, least
     recently used first out, measured after every step."""
@@ -214,7 +215,7 @@ def test_device_budget_counts_blocks_and_snapshots(family):
                  prefix_cache=PrefixCacheConfig(device_bytes=budget, ram_bytes=1 << 20))
     check, peaks = budget_check(eng, None, {"device": budget, "ram": 1 << 20})
     rng = random.Random(19)
-    reqs = {f"d{i}": prompt(rng, 2 * B + 3 * i) for i in range(4)}
+    reqs = {f"d{i}": prompt(rng, 2 * B + 5 * i) for i in range(3)}
     want = reference(base, reqs)
     again = {f"{k}'": v for k, v in reqs.items()}
     assert {k: v[0] for k, v in run(eng, reqs, check=check).items()} == want

@@ -45,6 +45,7 @@ class DiskTier:
         self.identity = identity_hex
         self.by_suffix = {k.suffix: k for k in kinds}
         self.kind_of: dict[bytes, EntryKind] = {}
+        self._count: dict[str, int] = {}                            # files by kind (read by /metrics' thread)
         self.files: OrderedDict[bytes, int] = OrderedDict()          # key -> file size, oldest first
         self.bytes = self.peak_bytes = 0
         self.corrupt = self.reads = self.writes = self.write_errors = 0
@@ -77,9 +78,7 @@ class DiskTier:
                     st = p.stat()
                     found.append((st.st_mtime_ns, bytes.fromhex(key), st.st_size, kind))
         for _, key, size, kind in sorted(found, key=lambda f: f[:3]):
-            self.files[key] = size
-            self.kind_of[key] = kind
-            self.bytes += size
+            self._add(key, size, kind)
         self._make_room(0)
         self.peak_bytes = self.bytes
 
@@ -87,7 +86,17 @@ class DiskTier:
         return self.root / kvf.relpath(key.hex(), (kind or self.kind_of[key]).suffix)
 
     def count(self, kind: str) -> int:
-        return sum(k.name == kind for k in self.kind_of.values())
+        return self._count.get(kind, 0)
+
+    def _add(self, key: bytes, size: int, kind: EntryKind) -> None:
+        self.files[key] = size
+        self.kind_of[key] = kind
+        self._count[kind.name] = self._count.get(kind.name, 0) + 1
+        self.bytes += size
+
+    def _forget(self, key: bytes) -> None:
+        self.bytes -= self.files.pop(key)
+        self._count[self.kind_of.pop(key).name] -= 1
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.files
@@ -96,11 +105,9 @@ class DiskTier:
         return len(self.files)
 
     def _drop(self, key: bytes) -> None:
-        size = self.files.pop(key, None)
-        if size is not None:
-            self.bytes -= size
+        if key in self.files:
             self._path(key).unlink(missing_ok=True)
-            del self.kind_of[key]
+            self._forget(key)
 
     def _make_room(self, n: int) -> None:
         while self.files and self.bytes + n > self.budget:
@@ -137,8 +144,7 @@ class DiskTier:
         if key not in self.files:
             return None
         if isinstance(result, FileNotFoundError):      # removed behind our back: just a miss
-            self.bytes -= self.files.pop(key)
-            del self.kind_of[key]
+            self._forget(key)
             return None
         if isinstance(result, BaseException):
             print(f"ktrun: prefix cache: {self._path(key)}: corrupt block ignored, recomputing it ({result})",
@@ -213,9 +219,7 @@ class DiskTier:
                 print(f"ktrun: prefix cache: cannot write {path}: {e.strerror or e} (blocks stay in RAM only)",
                       file=sys.stderr, flush=True)
             return False
-        self.files[key] = len(raw)
-        self.kind_of[key] = kind
-        self.bytes += len(raw)
+        self._add(key, len(raw), kind)
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         self.writes += 1
         return True

@@ -65,6 +65,7 @@ class RamTier:
         self._where: list[tuple[int, int]] = []                   # slot -> (chunk, index in it)
         self._free: list[int] = []
         self._used = 0                                            # slots held by entries
+        self._count: dict[str, int] = {}                          # entries by kind (read by /metrics' thread)
         self.allocated_bytes = 0                                  # what the chunks take (pinned: as rounded)
         self.peak_bytes = 0
 
@@ -80,7 +81,10 @@ class RamTier:
         return len(self.entries)
 
     def count(self, kind: str) -> int:
-        return sum(k.name == kind for k, _ in self.entries.values())
+        return self._count.get(kind, 0)
+
+    def _counted(self, kind: EntryKind, n: int) -> None:
+        self._count[kind.name] = self._count.get(kind.name, 0) + n
 
     def slots_of(self, kind: EntryKind) -> int:
         return max(1, -(-kind.nbytes // self.slot_bytes))
@@ -182,11 +186,13 @@ class RamTier:
                 return False
             old, (k, sl) = self.entries.popitem(last=False)
             self._used -= len(sl)
+            self._counted(k, -1)
             spill(old, self._data(k, sl), k)
             self._free.extend(sl)
         self._copy(kind, slots, src, into_slots=True)
         self.entries[key] = (kind, slots)
         self._used += need
+        self._counted(kind, 1)
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         return True
 
@@ -200,17 +206,18 @@ class RamTier:
             return False
         kind, slots = got
         self._copy(kind, slots, dst, into_slots=False)
-        self._release(slots)
+        self._release(kind, slots)
         return True
 
-    def _release(self, slots: list[int]) -> None:
+    def _release(self, kind: EntryKind, slots: list[int]) -> None:
         self._used -= len(slots)
+        self._counted(kind, -1)
         self._free.extend(slots)
 
     def discard(self, key: bytes) -> None:
         got = self.entries.pop(key, None)
         if got is not None:
-            self._release(got[1])
+            self._release(*got)
 
     def oldest_first(self) -> list[tuple[bytes, BlockData, EntryKind]]:
         return [(k, self._data(kind, sl), kind) for k, (kind, sl) in self.entries.items()]
