@@ -135,12 +135,12 @@ def test_recurrent_state_is_planned_reported_and_refused(four_layers):
     plan = eng.cache_plan
     assert plan.state_per_request == sb == eng.model.state_layout.nbytes() and plan.states == 3 * 2
     assert plan.kv_bytes == 256 * 2 * kv_bytes_per_token(cfg, torch.float32) and plan.total == plan.kv_bytes + 6 * sb
-    eng.add_request("a", list(range(5, 25)), SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.add_request("a", list(range(5, 35)), SamplingParams(max_tokens=8, ignore_eos=True))
     eng.step()
-    assert eng.recurrent_state_bytes() == sb                  # 21 tokens committed: no block end crossed
-    for _ in range(4):
-        eng.step()
-    assert eng.recurrent_state_bytes() == 2 * sb              # 24: + the state at that block end (kept at its end)
+    assert eng.recurrent_state_bytes() == sb                  # 30 tokens committed: no new block end crossed
+    eng.step()
+    eng.step()
+    assert eng.recurrent_state_bytes() == 2 * sb              # 32: + the state at that block end (kept at its end)
     eng.abort("a")
     assert eng.recurrent_state_bytes() == 0
 
