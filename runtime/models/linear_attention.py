@@ -9,6 +9,8 @@ same in chunks of C tokens: with gamma the in-chunk cumulative log decay and S0 
     o_t = exp(gamma_t) q_t S0 + sum_{s <= t} exp(gamma_t - gamma_s) (q_t.k_s) u_s
     S_C = exp(gamma_C) S0 + sum_s exp(gamma_C - gamma_s) k_s^T u_s
 (the unit lower-triangular solves do not depend on S0, so they run for every chunk at once).
+With the prefix cache a request's recurrence is cut at the block ends whose state it keeps (SeqCache.snap_at): the
+pieces chain through the state, so only the grouping of the float sums changes.
 """
 from __future__ import annotations
 
