@@ -54,7 +54,7 @@ class PrefixCacheConfig:
     disk_bytes: int = 16 << 30           # disk tier budget
     device_states: int | None = None     # recurrent-state snapshots kept on the device when device_bytes is None
                                          # (None: DEVICE_STATES; the Engine uses its max_batch)
-    state_every: int = 0                 # also snapshot every this many tokens (rounded down to blocks; 0: no)
+    state_every: int = 0                 # also snapshot every this many tokens (in whole blocks; 0: no)
 
 
 DEVICE_STATES = 16
@@ -89,7 +89,8 @@ class PrefixCache:
         self.device_budget = None if cfg.device_bytes is None else max(0, int(cfg.device_bytes))
         self.max_device_states = DEVICE_STATES if cfg.device_states is None else max(0, int(cfg.device_states))
         self.state_bytes = self.state_kind.nbytes if self.state_kind is not None else 0
-        self.state_every = max(0, int(cfg.state_every)) // self.block_size    # in blocks
+        every = max(0, int(cfg.state_every))
+        self.state_every = max(1, every // self.block_size) if every else 0   # in blocks
         self.on_device: dict[bytes, int] = {}               # key -> pool block
         self.key_of: dict[int, bytes] = {}                  # pool block -> key
         self.unused: OrderedDict[int, int] = OrderedDict()   # keyed device blocks no request holds -> last use
