@@ -1,14 +1,25 @@
-"""ktrun decode (tg) and prefill (pp) on a Qwen3-Next-shaped synthetic stack, with where the time goes.
+"""ktrun decode (tg) and prefill (pp) on synthetic stacks shaped like the families with new layer kinds, with where
+the time goes.
 
-The model: Qwen3-Next-80B-A3B's layer shapes (hidden 2048; routed experts intermediate 512, int4-amx group 128,
-top-10, one sigmoid-gated shared expert of 512; gated DeltaNet with 16 key / 32 value heads of 128 and a width-4
-conv; gated full attention with 16 heads, 2 KV heads of 256, rotary on a quarter) but only --layers layers (every
-4th full attention, the rest linear, as the checkpoint) and --experts experts per layer, a 4096-token vocabulary.
-Weights are random (packed codes and scales written straight into the int4 layout).
+--shape qwen3-next (default): Qwen3-Next-80B-A3B's layer shapes (hidden 2048; routed experts intermediate 512,
+int4-amx group 128, top-10, one sigmoid-gated shared expert of 512; gated DeltaNet with 16 key / 32 value heads of 128
+and a width-4 conv, its q|k|v|z and b|a projections fused; gated full attention with 16 heads, 2 KV heads of 256,
+rotary on a quarter), every 4th layer full attention.
+--shape qwen3.5: Qwen3.5-35B-A3B's (the same widths, top-8, the DeltaNet's projections unfused: in_proj_qkv / z / b
+/ a, the text model under model.language_model.).
+--shape gpt-oss: gpt-oss-20b's (hidden 2880; experts intermediate 2880 in int8-amx group 32, what its MXFP4 experts
+convert to exactly, top-4, biases and the clamped SwiGLU in the kernels; GQA with 64 query / 8 KV heads of 64, q/k/v/o
+biases and per-head sinks; sliding-window (128) and full layers alternating).
+Only --layers layers and --experts experts per layer, a 4096-token vocabulary; weights are random (packed codes and
+scales written straight into the expert layout).
 
 Peer measured in the same run: the kernels alone (cpu_moe.MoEKernels.forward) replaying the timed decode steps'
-expert calls, and the dense part alone (routed experts answering zero). Attention time is split by layer kind
-(DeltaNet vs full attention) by timing the family's attention calls.
+expert calls, and the dense part alone (routed experts answering zero); the limit: the machine's read bandwidth
+(kernel measurement) against the expert bytes a decode step streams and the dense bytes. Attention time is split by
+layer kind (DeltaNet, full, sliding window) by timing the family's attention calls.
+
+    .venv/bin/python bench/bench_decode_hybrid.py [--shape qwen3-next|qwen3.5|gpt-oss] [--layers 4] [--experts 32]
+                                                  [--tg 16] [--pp 128] [--reps 3]
 
 --ttft: time to first token of requests sharing a long system prompt (--system tokens, then --question tokens of
 their own), prefix cache on vs off, alternated --reps times, through the Engine's prefix-cache calls around the same
@@ -16,7 +27,6 @@ prefill (match, prefill the rest, publish, retire): the first request (cold, sna
 the next ones (resuming from the snapshot at the system prompt's last block end). Also the recurrent-state snapshot
 and KV bytes of this stack and of the full 48-layer Qwen3-Next-80B-A3B.
 
-    .venv/bin/python bench/bench_decode_hybrid.py [--layers 4] [--experts 32] [--tg 16] [--pp 128] [--reps 3]
     .venv/bin/python bench/bench_decode_hybrid.py --ttft [--system 2048] [--question 32] [--reps 3]
 """
 from __future__ import annotations
@@ -26,11 +36,12 @@ import os
 import statistics
 import time
 import types
+from dataclasses import dataclass
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP threads must not spin on the kernels' CPUs
 
 import torch
-from ktlayouts.families import parse_config
+from ktlayouts.families import get_family, parse_config
 from ktrun.cache_budget import kv_bytes_per_token, state_bytes_per_request
 from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
 from ktrun.generate import prefill
@@ -40,42 +51,91 @@ from ktrun.models.model import MoEModel
 from ktrun.prefix_cache import PrefixCache, PrefixCacheConfig
 from synthetic_experts import SyntheticConversion  # bench/ sits on sys.path as the script's folder
 
-H, I, SHARED_I, TOP_K, VOCAB = 2048, 512, 512, 10, 4096
+VOCAB = 4096
+_DELTANET = {"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+             "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+             "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "max_position_embeddings": 4096}
 
 
-def next_config(layers: int, experts: int) -> dict:
-    return {"model_type": "qwen3_next", "vocab_size": VOCAB, "hidden_size": H, "intermediate_size": 5120,
-            "moe_intermediate_size": I, "shared_expert_intermediate_size": SHARED_I, "num_hidden_layers": layers,
-            "num_experts": experts, "num_experts_per_tok": min(TOP_K, experts), "num_attention_heads": 16,
-            "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-            "full_attention_interval": 4, "partial_rotary_factor": 0.25, "rope_theta": 10000000,
-            "max_position_embeddings": 4096}
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    inter: int
+    top_k: int
+    method: str
+    group: int
+    shared: int = 0                 # shared expert intermediate (0: none)
+
+
+SHAPES = {"qwen3-next": Shape(2048, 512, 10, "int4-amx", 128, shared=512),
+          "qwen3.5": Shape(2048, 512, 8, "int4-amx", 128, shared=512),
+          "gpt-oss": Shape(2880, 2880, 4, "int8-amx", 32)}
+
+
+def model_config(shape: str, layers: int, experts: int) -> dict:
+    s = SHAPES[shape]
+    common = {"vocab_size": VOCAB, "hidden_size": s.hidden, "num_hidden_layers": layers,
+              "num_experts_per_tok": min(s.top_k, experts)}
+    if shape == "gpt-oss":
+        return {"model_type": "gpt_oss", **common, "intermediate_size": s.inter, "num_local_experts": experts,
+                "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+                "max_position_embeddings": 131072, "rope_theta": 150000.0}
+    text = {**common, **_DELTANET, "moe_intermediate_size": s.inter, "shared_expert_intermediate_size": s.shared,
+            "num_experts": experts}
+    if shape == "qwen3-next":
+        return {"model_type": "qwen3_next", **text, "intermediate_size": 5120, "partial_rotary_factor": 0.25,
+                "rope_theta": 10000000}
+    return {"model_type": "qwen3_5_moe", "text_config": {
+        "model_type": "qwen3_5_moe_text", **text, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}}}
 
 
 def dense_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
+    names = get_family(cfg.model_type).names
+    H, E = cfg.hidden_size, cfg.num_experts
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
 
     la, nh, nkv, hd = cfg.linear_attention, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    kd, vd = la.num_k_heads * la.k_head_dim, la.num_v_heads * la.v_head_dim
-    w = {"model.embed_tokens.weight": torch.randn(VOCAB, H, generator=g), "model.norm.weight": torch.zeros(H),
-         "lm_head.weight": rnd(VOCAB, H)}
+    zero_centred = cfg.model_type != "gpt_oss"                 # Qwen's RMSNorms scale by 1 + weight
+    norm = (lambda n: torch.zeros(n)) if zero_centred else (lambda n: torch.ones(n))
+    w = {names.embed: torch.randn(VOCAB, H, generator=g), names.final_norm: norm(H), names.head: rnd(VOCAB, H)}
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        w.update({p + "input_layernorm.weight": torch.zeros(H), p + "post_attention_layernorm.weight": torch.zeros(H),
-                  p + "mlp.gate.weight": rnd(cfg.num_experts, H), p + "mlp.shared_expert_gate.weight": rnd(1, H),
-                  p + "mlp.shared_expert.gate_proj.weight": rnd(SHARED_I, H),
-                  p + "mlp.shared_expert.up_proj.weight": rnd(SHARED_I, H),
-                  p + "mlp.shared_expert.down_proj.weight": rnd(H, SHARED_I)})
+        p = names.layer(i)
+        w.update({p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H)})
+        if cfg.model_type == "gpt_oss":
+            I = cfg.moe_intermediate_size
+            q = p + "self_attn."
+            w.update({q + "q_proj.weight": rnd(nh * hd, H), q + "k_proj.weight": rnd(nkv * hd, H),
+                      q + "v_proj.weight": rnd(nkv * hd, H), q + "o_proj.weight": rnd(H, nh * hd),
+                      q + "q_proj.bias": torch.zeros(nh * hd), q + "k_proj.bias": torch.zeros(nkv * hd),
+                      q + "v_proj.bias": torch.zeros(nkv * hd), q + "o_proj.bias": torch.zeros(H), q + "sinks": rnd(nh),
+                      p + "mlp.router.weight": rnd(E, H), p + "mlp.router.bias": rnd(E),
+                      p + "mlp.experts.gate_up_proj_bias": rnd(E, 2 * I) * 0.1,
+                      p + "mlp.experts.down_proj_bias": rnd(E, H) * 0.1})
+            continue
+        si = SHAPES["qwen3-next"].shared
+        w.update({p + "mlp.gate.weight": rnd(E, H), p + "mlp.shared_expert_gate.weight": rnd(1, H),
+                  p + "mlp.shared_expert.gate_proj.weight": rnd(si, H),
+                  p + "mlp.shared_expert.up_proj.weight": rnd(si, H),
+                  p + "mlp.shared_expert.down_proj.weight": rnd(H, si)})
         if cfg.layer_types[i] == "linear_attention":
             q = p + "linear_attn."
-            w.update({q + "in_proj_qkvz.weight": rnd(2 * kd + 2 * vd, H), q + "in_proj_ba.weight": rnd(2 * la.num_v_heads, H),
-                      q + "conv1d.weight": rnd(la.conv_dim, 1, la.conv_kernel), q + "A_log": torch.rand(la.num_v_heads).log(),
+            kd, vd = la.num_k_heads * la.k_head_dim, la.num_v_heads * la.v_head_dim
+            w.update({q + "conv1d.weight": rnd(la.conv_dim, 1, la.conv_kernel),
+                      q + "A_log": torch.rand(la.num_v_heads, generator=g).log(),
                       q + "dt_bias": torch.ones(la.num_v_heads), q + "norm.weight": torch.ones(la.v_head_dim),
                       q + "out_proj.weight": rnd(H, vd)})
+            if cfg.model_type == "qwen3_next":          # q|k|v|z and b|a fused per key head
+                w.update({q + "in_proj_qkvz.weight": rnd(2 * kd + 2 * vd, H),
+                          q + "in_proj_ba.weight": rnd(2 * la.num_v_heads, H)})
+            else:                                       # Qwen3.5: four plain Linears
+                w.update({q + "in_proj_qkv.weight": rnd(2 * kd + vd, H), q + "in_proj_z.weight": rnd(vd, H),
+                          q + "in_proj_b.weight": rnd(la.num_v_heads, H),
+                          q + "in_proj_a.weight": rnd(la.num_v_heads, H)})
         else:
             q = p + "self_attn."
             w.update({q + "q_proj.weight": rnd(2 * nh * hd, H), q + "k_proj.weight": rnd(nkv * hd, H),
@@ -174,9 +234,9 @@ def ttft_bench(model, args) -> None:
             model.kv_pool = BlockPool(model.kv_pool.layout, model.dtype, model.device)   # nothing cached is kept
             if not args.state_every:
                 break
-    full = parse_config(next_config(48, 512))
+    full = parse_config(model_config("qwen3-next", 48, 512))
     n_lin = sum(t == "linear_attention" for t in model.cfg.layer_types)
-    print(f"model: qwen3_next-shaped, {model.cfg.num_layers} layers ({n_lin} gated DeltaNet) x {args.experts} experts, "
+    print(f"model: {args.shape}-shaped, {model.cfg.num_layers} layers ({n_lin} gated DeltaNet) x {model.cfg.num_experts} experts, "
           f"dense {str(model.dtype)[6:]}; system prompt {args.system} tokens + {args.question}-token question; "
           f"{torch.get_num_threads()} torch threads; load average {os.getloadavg()[0]:.1f}")
     def ms(xs):
@@ -184,8 +244,9 @@ def ttft_bench(model, args) -> None:
 
     print(f"ttft_cache_off: {ms(t['off'])}")
     print(f"ttft_cache_on_first_request: {ms(t['first'])} ({hits['first']} prompt tokens from the cache)")
-    print(f"ttft_cache_on_second_request: {ms(t['second'])} ({hits['second']} from the cache: no snapshot at the "
-          f"system prompt's end yet, one is taken there)")
+    why = (": no snapshot at the system prompt's end yet, one is taken there" if not hits["second"] else
+           ": the first request's prompt-end snapshot is the system prompt's end")
+    print(f"ttft_cache_on_second_request: {ms(t['second'])} ({hits['second']} prompt tokens from the cache{why})")
     print(f"ttft_cache_on_repeated_system_prompt: {ms(t['third'])} ({hits['third']} prompt tokens from the cache)")
     print(f"ttft_speedup_repeated_system_prompt: {min(t['off']) / min(t['third']):.1f} ratio")
     print(f"ttft_first_request_over_cache_off: {min(t['first']) / min(t['off']):.3f} ratio")
@@ -201,8 +262,9 @@ def ttft_bench(model, args) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-next")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--experts", type=int, default=None, help="per layer (default 32; gpt-oss 8: 25 MB each)")
     ap.add_argument("--tg", type=int, default=16)
     ap.add_argument("--pp", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
@@ -213,13 +275,18 @@ def main():
     ap.add_argument("--state-every", type=int, default=512,
                     help="--ttft: also time a second request with a snapshot every this many tokens (0: no).")
     args = ap.parse_args()
+    if args.ttft and args.shape == "gpt-oss":
+        ap.error("--ttft times the recurrent-state snapshots: use --shape qwen3-next or qwen3.5")
 
-    cfg = parse_config(next_config(args.layers, args.experts))
-    conv = SyntheticConversion(args.layers, args.experts, H, I)
-    conv.config = cfg                           # (the executor reads the expert activation from it)
-    ex = Recording(conv)
+    shape = SHAPES[args.shape]
+    n_exp = args.experts or (8 if args.shape == "gpt-oss" else 32)
+    cfg = parse_config(model_config(args.shape, args.layers, n_exp))
     dt = getattr(torch, args.dense_dtype)
-    dense = {k: v.to(torch.float32 if k.endswith("gate.weight") else dt) for k, v in dense_weights(cfg).items()}
+    keep_f32 = ("gate.weight", "router.weight", "router.bias", "_bias", "sinks")
+    dense = {k: v.to(torch.float32 if k.endswith(keep_f32) else dt) for k, v in dense_weights(cfg).items()}
+    conv = SyntheticConversion(args.layers, n_exp, shape.hidden, shape.inter, method=shape.method, group=shape.group,
+                               config=cfg, dense=dense)
+    ex = Recording(conv)
     model = MoEModel(cfg, dense, ex, dtype=dt)
     if args.ttft:
         ttft_bench(model, args)
@@ -249,16 +316,20 @@ def main():
     pp_rates = [args.pp / bench_pp(model, args.pp, ctx, gen) for _ in range(args.reps)]
 
     bw = ex.moe.measure_read_bandwidth(1 << 28, 3)
-    dense_bytes = sum(t.numel() * t.element_size() for k, t in dense.items() if k != "model.embed_tokens.weight")
+    embed = get_family(cfg.model_type).names.embed
+    dense_bytes = sum(t.numel() * t.element_size() for k, t in dense.items() if k != embed)
+    expert_step_bytes = conv.nbytes / n_exp * cfg.top_k           # top-k experts of every layer, each token
 
     def ms(xs):
         return f"{statistics.fmean(xs):.2f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.2f}"
 
-    n_lin = sum(t == "linear_attention" for t in cfg.layer_types)
-    print(f"model: qwen3_next-shaped, {args.layers} layers ({n_lin} gated DeltaNet, {args.layers - n_lin} gated "
-          f"full attention) x {args.experts} experts (H {H}, I {I}, int4 g128, top-{cfg.top_k}) + gated shared "
-          f"expert; kernel backend {ex.moe.backend_detail}, {ex.moe.n_threads} kernel threads, "
-          f"{torch.get_num_threads()} torch threads, dense {args.dense_dtype}; expert bytes {conv.nbytes / 1e9:.2f} GB")
+    kinds = {k: sum(t == k for t in cfg.layer_types) for k in dict.fromkeys(cfg.layer_types)}
+    shared = " + gated shared expert" if shape.shared else " + biases, clamped SwiGLU"
+    print(f"model: {args.shape}-shaped ({cfg.model_type}), {args.layers} layers "
+          f"({', '.join(f'{n} {k}' for k, n in kinds.items())}) x {n_exp} experts (H {shape.hidden}, I {shape.inter}, "
+          f"{shape.method} g{shape.group}, top-{cfg.top_k}){shared}; kernel backend {ex.moe.backend_detail}, "
+          f"{ex.moe.n_threads} kernel threads, {torch.get_num_threads()} torch threads, dense {args.dense_dtype}; "
+          f"expert bytes {conv.nbytes / 1e9:.2f} GB")
     print(f"tg{args.tg}_tokens_per_s: {ms(tg_rates)} tok/s")
     print(f"pp{args.pp}_tokens_per_s: {ms(pp_rates)} tok/s")
     print(f"tg_decode_step: {b['step_ms']:.2f} ms")
@@ -268,14 +339,19 @@ def main():
     print(f"tg_step_over_kernels_plus_dense: {b['step_ms'] / (kern_ms + dense_ms):.3f} ratio")
     print(f"tg_step_waiting_on_experts: {b['experts_wait_ms']:.2f} ms")
     print(f"tg_step_attention: {b['attention_ms']:.2f} ms")
-    print(f"tg_step_gated_deltanet_layers: {kind_ms.get('linear_attention', 0.0):.2f} ms")
-    print(f"tg_step_full_attention_layers: {kind_ms.get('full_attention', 0.0):.2f} ms")
+    for kind, label in (("linear_attention", "gated_deltanet"), ("full_attention", "full_attention"),
+                        ("sliding_attention", "sliding_window_attention")):
+        if kind in kinds:
+            print(f"tg_step_{label}_layers: {kind_ms.get(kind, 0.0):.2f} ms")
     print(f"tg_step_router_shared_expert: {b['router_shared_dense_mlp_ms']:.2f} ms")
     print(f"tg_step_head_norms_embedding: {b['head_norm_embed_ms']:.2f} ms")
     print(f"tg_step_loop_overhead: {b['loop_overhead_ms']:.2f} ms")
     print(f"tg_dense_bytes_per_step: {dense_bytes / 1e6:.1f} MB")
+    print(f"tg_expert_bytes_per_step: {expert_step_bytes / 1e6:.1f} MB")
     print(f"read_bandwidth: {bw / 1e9:.1f} GB/s")
+    print(f"tg_kernels_over_bandwidth_limit: {kern_ms / (expert_step_bytes / bw * 1e3):.2f} ratio")
     print(f"tg_dense_over_bandwidth_limit: {dense_ms / (dense_bytes / bw * 1e3):.2f} ratio")
+    print(f"tg_step_over_bandwidth_limit: {b['step_ms'] / ((expert_step_bytes + dense_bytes) / bw * 1e3):.2f} ratio")
 
 
 if __name__ == "__main__":

@@ -61,8 +61,11 @@ def test_gguf_rows_are_llama_cpp_names(arch):
     by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
     assert arch in by_name, f"{arch} is not a llama.cpp architecture"
     names = [gguf.TENSOR_NAMES[t].format(bid=3) + suffix for t in gguf.MODEL_TENSORS[by_name[arch]]
-             for suffix in (".weight", ".bias")]
-    for rx, template in GGUF_ARCHS[arch].compiled:
+             for suffix in (".weight", ".bias", "")]          # "": blk.N.ssm_a has no suffix
+    # llama.cpp's converters keep NextN (MTP) blocks for deepseek2 (GLM-4.7-Flash) and qwen3next too; the gguf-py
+    # release on PyPI lists the nextn tensors for glm4moe only (llama.cpp's own gguf-py lists them for all three)
+    names += [gguf.TENSOR_NAMES[t].format(bid=3) + ".weight" for t in gguf.MODEL_TENSOR if t.name.startswith("NEXTN")]
+    for rx, template, _join, _part in GGUF_ARCHS[arch].compiled:
         assert any(rx.match(n) for n in names), f"{arch}: row {rx.pattern} -> {template} matches no gguf-py name"
     assert any(f.gguf is GGUF_ARCHS[arch] for f in FAMILIES.values())
 

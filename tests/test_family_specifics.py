@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from discrete_choices import compare, force_transformers, prompt_and_greedy_with_choices
 from fake_hub import FakeHub, FakeRepo
 from ktlayouts.families import ConfigError, parse_config
 from ktrun.engine import Engine, SamplingParams
@@ -45,6 +46,8 @@ from ktconvert.testing.tokenizer import KIMI_BASE_VOCAB, _write_kimi
 KTCONVERT = [sys.executable, "-m", "ktconvert"]
 NEW = ("glm4_moe", "minimax_m2", "deepseek_v32", "kimi_k25", "glm4_moe_lite")
 LOGIT_ATOL, GREEDY_GAP = 1e-4, 1e-3        # reference experts, bf16 weights, float32 on both sides
+# int8 experts vs FP8 ones: router scores within 1e-2 of the row's top score (as the int8 kernels' activations)
+ROUTER_SCORE_BOUND = {"router": 1e-2, "router_group": 1e-2}
 
 
 def _quantize(src: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -138,6 +141,50 @@ def test_fp8_release_converts_and_runs_as_its_dequantized_weights(tmp_path_facto
     assert max(greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)) <= GREEDY_GAP
 
 
+_NO = dataclasses.make_dataclass("NoFormat", [("kind", str, None)])()
+
+
+def test_glm47_flash_fp8_block_release_follows_transformers(tmp_path_factory, tmp_path):
+    """GLM-4.7-Flash's FP8 releases (W8A8 FP8 with 128x128 weight blocks, compressed-tensors as llm-compressor writes
+    them, router and lm_head BF16), written here by the compressed-tensors library: every MLA projection (kv_b_proj
+    included), the dense layer, the shared and routed experts read as FP8 blocks; converted to int8 experts and BF16
+    GPU layers, ktrun's next-token distributions and greedy tokens follow transformers on the same checkpoint (with
+    ktrun's routing choices, each difference from transformers' own a near-tie: tests/discrete_choices.py)."""
+    src = compressed_tensors_checkpoint(build_checkpoint(shared_root(tmp_path_factory), "glm4_moe_lite"),
+                                        tmp_path / "ct", "FP8_BLOCK")
+    w = json.loads((src / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert (w["type"], w["num_bits"], w["strategy"], w["block_structure"]) == ("float", 8, "block", [128, 128])
+    with open_source(src) as s:
+        fp8 = {n.rsplit(".", 2)[-2] for n in s.tensor_names() if (s.quant_format(n) or _NO).kind == "fp8"}
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+            "down_proj"} <= fp8, fp8
+    r = _quantize(src, tmp_path / "out", "--method", "int8-amx", "--expert-quantizer", "rtn", "--gpu-method", "bf16")
+    assert "experts: 48 dequantized and re-quantized to int8-amx" in r.stderr, r.stderr
+    assert "skipped" in r.stderr and "multi-token-prediction layer" in r.stderr
+    eng = Engine(tmp_path / "out", ctx=256, use_kernels=False)
+    cfg, ids = eng.model.cfg, eng.tokenizer.encode(PROMPT)
+    got, choices, gen, gen_choices = prompt_and_greedy_with_choices(eng, ids, 16)
+    ref = transformers_model(src)
+    for p in ref.parameters():            # decompressed in the scales' dtype: compute in float32 as ktrun does
+        if p.is_floating_point():
+            p.data = p.data.float()
+    with force_transformers(ref, cfg, choices) as own:
+        want = reference_logits(ref, ids)
+    ties = compare(choices, own)
+    ties.check(ROUTER_SCORE_BOUND)
+    d = kl(want, got)
+    print(f"GLM-4.7-Flash FP8: {ties}; KL mean {d.mean():.2e} max {d.max():.2e}")
+    # measured: KL mean 1.1e-5, max 1.7e-5, router scores within 6e-4, no flip, greedy gaps 0 (the int8
+    # re-quantization of FP8 experts; float32 both sides)
+    assert d.mean() < 1e-4 and d.max() < 1e-3, f"KL mean {d.mean():.2e} max {d.max():.2e}"
+    with force_transformers(ref, cfg, gen_choices) as own:
+        gaps = greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)
+    ties = compare(gen_choices, own)
+    ties.check(ROUTER_SCORE_BOUND)
+    print(f"GLM-4.7-Flash FP8 continuation: {ties}; greedy gap max {max(gaps):.3g}")
+    assert max(gaps) <= 1e-2, gaps
+
+
 # --- Kimi-K2.5 and Kimi-K2 ----------------------------------------------------------------------------------------
 
 def test_kimi_k25_converts_its_language_model_and_says_the_vision_tower_is_skipped(tmp_path_factory, tmp_path):
@@ -191,17 +238,10 @@ def test_kimi_k2_with_its_tiktoken_tokenizer_is_served(tmp_path_factory):
     assert max(greedy_gaps(reference_logits(ref, ids + gen), len(ids), gen)) <= GREEDY_GAP
 
 
-def test_pull_takes_tiktoken_and_leaves_remote_code(ckpt_dir, tmp_path):
-    """`ktconvert pull` of a Kimi-K2.5-shaped repo: weights, configs, tiktoken.model, tokenizer_config.json and the
-    chat template come; the tokenizer's and model's Python code, docs and images do not; then it converts."""
-    src = ckpt_dir("kimi_k25")
-    files = {p.name: p.read_bytes() for p in sorted(src.iterdir()) if p.is_file()}
-    files["chat_template.jinja"] = json.loads(files["tokenizer_config.json"])["chat_template"].encode()
-    remote = {"tokenization_kimi.py": b"import tiktoken\n", "modeling_kimi_k25.py": b"import torch\n",
-              "configuration_kimi_k25.py": b"class C: pass\n", "kimi_k25_vision_processing.py": b"x = 1\n",
-              "README.md": b"# Kimi-K2.5 tiny\n", "figures/kimi-logo.png": b"\x89PNG\r\n", "docs/deploy.md": b"# d\n"}
-    repo, commit = "moonshotai/Kimi-K2.5-tiny", "b" * 40
-    hub = FakeHub(repos={repo: FakeRepo(repo, {commit: {**files, **remote}}, {"main": commit})}).start()
+def _pull(repo: str, commit: str, files: dict[str, bytes], tmp_path: Path) -> tuple[Path, set[str]]:
+    """`ktconvert pull repo` (a real subprocess) from a loopback fake hub serving `files` at `commit`
+    -> (the local directory, the repo-relative paths it holds)."""
+    hub = FakeHub(repos={repo: FakeRepo(repo, {commit: files}, {"main": commit})}).start()
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE", "KTCONVERT"))}
         env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), KTCONVERT_HOME=str(tmp_path / "kt"),
@@ -212,10 +252,71 @@ def test_pull_takes_tiktoken_and_leaves_remote_code(ckpt_dir, tmp_path):
     finally:
         hub.stop()
     local = Path(r.stdout.strip())
-    got = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file() and ".ktconvert" not in str(p)}
+    return local, {p.relative_to(local).as_posix() for p in local.rglob("*")
+                   if p.is_file() and ".ktconvert" not in str(p)}
+
+
+def test_pull_takes_tiktoken_and_leaves_remote_code(ckpt_dir, tmp_path):
+    """`ktconvert pull` of a Kimi-K2.5-shaped repo: weights, configs, tiktoken.model, tokenizer_config.json and the
+    chat template come; the tokenizer's and model's Python code, docs and images do not; then it converts."""
+    src = ckpt_dir("kimi_k25")
+    files = {p.name: p.read_bytes() for p in sorted(src.iterdir()) if p.is_file()}
+    files["chat_template.jinja"] = json.loads(files["tokenizer_config.json"])["chat_template"].encode()
+    remote = {"tokenization_kimi.py": b"import tiktoken\n", "modeling_kimi_k25.py": b"import torch\n",
+              "configuration_kimi_k25.py": b"class C: pass\n", "kimi_k25_vision_processing.py": b"x = 1\n",
+              "README.md": b"# Kimi-K2.5 tiny\n", "figures/kimi-logo.png": b"\x89PNG\r\n", "docs/deploy.md": b"# d\n"}
+    repo, commit = "moonshotai/Kimi-K2.5-tiny", "b" * 40
+    local, got = _pull(repo, commit, {**files, **remote}, tmp_path)
     assert got == set(files)
     assert "tiktoken.model" in got and not got & set(remote)
     _quantize(local, tmp_path / "conv", "--method", "int8-amx", "--gpu-method", "bf16", "--quiet")
+
+
+def test_pull_takes_glm47_flash_shards_and_chat_template(ckpt_dir, tmp_path):
+    """`ktconvert pull` of a GLM-4.7-Flash-shaped repo: safetensors shards (the MTP layer's tensors in their own
+    shard) and their index, config.json, generation_config.json, tokenizer.json, tokenizer_config.json and the chat
+    template as a chat_template.jinja file (as the GLM releases ship it, tokenizer_config.json without one) come;
+    README, LICENSE, .gitattributes, images and a pickled copy do not. The pull converts (the MTP layer skipped and
+    said so, chat_template.jinja kept) and ktrun renders chats with it as transformers does."""
+    from ktrun.tokenizer import Tokenizer
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from ktconvert.testing.files import write_shards
+    src = ckpt_dir("glm4_moe_lite")
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    n_layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    mtp = f"model.layers.{n_layers}."
+    repo_dir = tmp_path / "repo"
+    repo_dir.mkdir()
+    main = {n: t for n, t in tensors.items() if not n.startswith(mtp)}
+    write_shards({**main, **{n: t for n, t in tensors.items() if n.startswith(mtp)}}, repo_dir,
+                 max_shard_bytes=sum(t.numel() * t.element_size() for t in main.values()))
+    index = json.loads((repo_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    assert len(shards) == 2 and {index[n] for n in tensors if n.startswith(mtp)} == {shards[-1]}
+    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    template = tok_cfg.pop("chat_template")
+    files = {p.name: p.read_bytes() for p in sorted(repo_dir.iterdir())}
+    files.update({"config.json": (src / "config.json").read_bytes(),
+                  "generation_config.json": json.dumps({"eos_token_id": [0], "pad_token_id": 0}).encode(),
+                  "tokenizer.json": (src / "tokenizer.json").read_bytes(),
+                  "tokenizer_config.json": json.dumps(tok_cfg).encode(), "chat_template.jinja": template.encode()})
+    extra = {"README.md": b"# GLM-4.7-Flash tiny\n", "LICENSE": b"MIT\n", ".gitattributes": b"*.safetensors lfs\n",
+             "pytorch_model.bin": b"pickle", "resources/bench.png": b"\x89PNG\r\n"}
+    repo, commit = "zai-org/GLM-4.7-Flash-tiny", "c" * 40
+    local, got = _pull(repo, commit, {**files, **extra}, tmp_path)
+    assert got == set(files)
+    q = _quantize(local, tmp_path / "conv", "--method", "bf16")
+    n_mtp = sum(n.startswith(mtp) for n in tensors)
+    assert f"skipped {n_mtp} tensors: multi-token-prediction layer" in q.stderr, q.stderr
+    assert (tmp_path / "conv" / "chat_template.jinja").read_text() == template
+    messages = [{"role": "user", "content": "What is MLA?"}]
+    want = AutoTokenizer.from_pretrained(local).apply_chat_template(messages, add_generation_prompt=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert Tokenizer(tmp_path / "conv").apply_chat_template(messages) == want
 
 
 # --- inspect ------------------------------------------------------------------------------------------------------
@@ -308,91 +409,7 @@ def test_bad_config_fails_the_cli_before_reading_weights(ckpt_dir, tmp_path):
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-# --- release-shaped config.json files (the fields each release writes; no weights) -------------------------------
-
-_GLM45 = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
-          "head_dim": 128, "hidden_size": 5120, "intermediate_size": 12288, "max_position_embeddings": 131072,
-          "moe_intermediate_size": 1536, "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1,
-          "topk_group": 1, "n_routed_experts": 160, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
-          "num_experts_per_tok": 8, "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8,
-          "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 1000000,
-          "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "use_qk_norm": True, "vocab_size": 151552,
-          "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329, "hidden_act": "silu"}
-_MINIMAX_M2 = {"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "head_dim": 128,
-               "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608,
-               "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
-               "num_local_experts": 256, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-6, "rope_theta": 5000000,
-               "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0, "use_qk_norm": True,
-               "use_routing_bias": True, "use_mtp": True, "num_mtp_modules": 3, "attn_type_list": [1] * 62,
-               "vocab_size": 200064, "tie_word_embeddings": False,
-               "quantization_config": {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
-                                       "weight_block_size": [128, 128],
-                                       "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}}
-_DSV3 = {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-         "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-         "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-         "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
-         "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
-         "scoring_func": "sigmoid", "num_nextn_predict_layers": 1, "max_position_embeddings": 163840,
-         "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                          "original_max_position_embeddings": 4096, "type": "yarn"},
-         "rope_theta": 10000, "rms_norm_eps": 1e-6, "vocab_size": 129280, "bos_token_id": 0, "eos_token_id": 1}
-_DSV32 = {**_DSV3, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_head_dim": 128,
-          "index_n_heads": 64, "index_topk": 2048,
-          "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                  "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
-_KIMI_K2 = {**_DSV3, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "n_routed_experts": 384,
-            "num_attention_heads": 64, "num_key_value_heads": 64, "n_group": 1, "topk_group": 1,
-            "first_k_dense_replace": 1, "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0,
-            "max_position_embeddings": 262144, "vocab_size": 163840, "bos_token_id": 163584, "eos_token_id": 163585,
-            "rope_scaling": {**_DSV3["rope_scaling"], "factor": 64.0}}
-# GLM-4.7-Flash: the sizes of transformers' Glm4MoeLiteConfig defaults (the release's), with the hub's keys
-_GLM47_FLASH = {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite", "hidden_size": 2048,
-                "intermediate_size": 10240, "moe_intermediate_size": 1536, "num_hidden_layers": 47,
-                "num_attention_heads": 20, "num_key_value_heads": 20, "n_shared_experts": 1, "n_routed_experts": 64,
-                "routed_scaling_factor": 1.8, "kv_lora_rank": 512, "q_lora_rank": 768, "qk_rope_head_dim": 64,
-                "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 4,
-                "norm_topk_prob": True, "first_k_dense_replace": 1, "num_nextn_predict_layers": 1,
-                "partial_rotary_factor": 1.0, "topk_method": "noaux_tc", "max_position_embeddings": 202752,
-                "rope_theta": 1000000, "rope_scaling": None, "rms_norm_eps": 1e-5, "attention_bias": False,
-                "tie_word_embeddings": False, "vocab_size": 154880}
-_KIMI_K25 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-             "text_config": {k: v for k, v in _KIMI_K2.items() if k != "architectures"},
-             "vision_config": {"patch_size": 14, "hidden_size": 1152}, "media_placeholder_token_id": 163605}
-
-
-@pytest.mark.parametrize("raw, want", [
-    (_GLM45, {"model_type": "glm4_moe", "num_layers": 92, "num_experts": 160, "moe_layers": tuple(range(3, 92)),
-                  "n_mtp_layers": 1, "head_dim": 128, "num_kv_heads": 8, "qk_norm": True, "attention_bias": True,
-                  "routed_scaling_factor": 2.5, "scoring": "sigmoid", "rope_dims": 64, "rope_theta": 1e6}),
-    ({**_GLM45, "hidden_size": 4096, "num_hidden_layers": 46, "n_routed_experts": 128, "first_k_dense_replace": 1,
-      "use_qk_norm": False, "routed_scaling_factor": 1.0},                                       # GLM-4.5-Air
-     {"num_layers": 46, "num_experts": 128, "moe_layers": tuple(range(1, 46)), "qk_norm": False,
-      "routed_scaling_factor": 1.0}),
-    ({**_GLM45, "max_position_embeddings": 202752}, {"max_position": 202752}),                 # GLM-4.6 / 4.7
-    (_MINIMAX_M2, {"model_type": "minimax_m2", "num_layers": 62, "num_experts": 256, "top_k": 8,
-                   "moe_layers": tuple(range(62)), "moe_intermediate_size": 1536, "n_shared_experts": 0,
-                   "qk_norm_scope": "projection", "rope_dims": 64, "rope_theta": 5e6, "norm_topk_prob": True,
-                   "n_mtp_layers": 3}),
-    (_DSV32, {"model_type": "deepseek_v32", "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128,
-              "moe_layers": tuple(range(3, 61)), "rope_kind": "yarn", "n_mtp_layers": 1}),
-    (_KIMI_K2, {"model_type": "deepseek_v3", "num_experts": 384, "n_group": 1, "moe_layers": tuple(range(1, 61)),
-                    "routed_scaling_factor": 2.827, "rope_kind": "yarn"}),
-    (_GLM47_FLASH, {"model_type": "glm4_moe_lite", "num_layers": 47, "num_experts": 64, "top_k": 4,
-                    "moe_layers": tuple(range(1, 47)), "n_mtp_layers": 1, "v_head_dim": 256, "qk_nope_head_dim": 192,
-                    "rope_dims": 64, "rope_theta": 1e6, "routed_scaling_factor": 1.8, "rms_norm_eps": 1e-5,
-                    "scoring": "sigmoid", "attention": "mla"}),
-    ({**_GLM47_FLASH, "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 45}, {"moe_layers": tuple(range(2, 47))}),
-    (_KIMI_K25, {"model_type": "kimi_k25", "num_experts": 384, "moe_layers": tuple(range(1, 61)), "num_heads": 64}),
-])
-def test_release_shaped_configs_parse(raw, want):
-    cfg = parse_config(raw)
-    got = {k: getattr(cfg, k) for k in want if hasattr(cfg, k)}
-    got.update({k: v for k, v in (("rope_dims", cfg.rope.dim), ("rope_theta", cfg.rope.theta),
-                                  ("rope_kind", cfg.rope.kind)) if k in want})
-    assert got == want
-    assert adapter_for(raw).moe_layers() == list(cfg.moe_layers)      # the converter reads it the same way
-
+# --- GLM variants' attention options (release configs: tests/test_release_configs.py) -------------------------
 
 def test_glm45_air_without_qk_norm_and_bias_matches_transformers(tmp_path_factory):
     """GLM-4.5-Air's attention: no q/k norm, no q/k/v bias (the fixture has both, as GLM-4.5 / 4.6)."""

@@ -1,5 +1,6 @@
 """GGUF checkpoints as conversion input: files written from the tiny HF fixtures with gguf-py's writer and llama.cpp's
-names (tests/gguf_export.py), in BF16, Q8_0, Q4_0, and Q4_K / Q6_K blocks built from their bit layout."""
+names (tests/gguf_export.py), in BF16, Q8_0, Q4_0, MXFP4 (gpt-oss), and Q4_K / Q6_K blocks built from their bit
+layout."""
 from __future__ import annotations
 
 import json
@@ -22,11 +23,24 @@ from ktconvert.sources.roles import SourceError
 from ktconvert.testing import make_checkpoint
 
 KTCONVERT = [sys.executable, "-m", "ktconvert"]
-ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2")
+# the architectures whose converters transform tensors on the way in (undone at read) come last
+NEWER = ("qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe_lite")
+ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", *NEWER)
+_LINEAR_ATTENTION = ("head_dim", "layer_types", "num_experts", "moe_intermediate_size",
+                     "shared_expert_intermediate_size", "linear_conv_kernel_dim", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "rope_parameters")
 # what llama.cpp's converters of the newer architectures also carry over (partial rotary, q/k norm, bias, NextN)
 GGUF_ONLY_KEYS = {"glm4_moe": ("head_dim", "partial_rotary_factor", "use_qk_norm", "attention_bias",
                                "num_nextn_predict_layers", "n_shared_experts", "norm_topk_prob"),
-                  "minimax_m2": ("head_dim", "rotary_dim", "intermediate_size", "num_local_experts")}
+                  "minimax_m2": ("head_dim", "rotary_dim", "intermediate_size", "num_local_experts"),
+                  "qwen3_next": (*_LINEAR_ATTENTION, "partial_rotary_factor", "intermediate_size"),
+                  "qwen3_5_moe": _LINEAR_ATTENTION,
+                  "gpt_oss": ("head_dim", "layer_types", "sliding_window", "num_local_experts", "intermediate_size",
+                              "attention_bias"),
+                  "glm4_moe_lite": ("num_nextn_predict_layers", "n_shared_experts", "norm_topk_prob",
+                                    "rope_interleave")}
+# -exp(A_log), as llama.cpp stores it, has no exact float32 inverse for every value: log() of it is within 1e-7
+A_LOG_ATOL = 1e-7
 TEXT = "def main():\n    print('hello, world')  # ünïcødé 123"
 
 
@@ -35,6 +49,20 @@ def quantize(src: Path, out: Path, *args) -> subprocess.CompletedProcess:
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     return r
+
+
+def assert_same_logits(a: Path, b: Path) -> None:
+    """ktrun's logits of TEXT on two converted directories are equal (and its tokens too)."""
+    from ktrun.engine import Engine
+    from ktrun.models.kv_cache import Batch
+    logits = []
+    for d in (a, b):
+        eng = Engine(d, ctx=64, max_batch=1)
+        ids = eng.tokenizer.encode(TEXT)
+        logits.append((ids, eng.model.forward(Batch.build([(eng.model.new_cache(64), ids)], "cpu"), all_logits=True)))
+        eng.close()
+    assert logits[0][0] == logits[1][0]
+    torch.testing.assert_close(logits[0][1], logits[1][1], rtol=0, atol=0)
 
 
 def gguf_expert(path: Path, layer: int, proj: str, e: int) -> np.ndarray:
@@ -57,11 +85,16 @@ def test_bf16_gguf_reads_exactly_like_its_safetensors(arch, ckpt_dir, tmp_path):
     want = {n for n in st.tensor_names() if st.arch.classify(n).kind != "skip"}
     assert set(gg.tensor_names()) == want
     for name in want:       # fixture weights are bf16, so BF16 GGUF round trips bit for bit (q/k unpermuted too)
-        torch.testing.assert_close(gg.read(name), st.read(name), rtol=0, atol=0, msg=name)
+        atol = A_LOG_ATOL if name.endswith("A_log") else 0
+        torch.testing.assert_close(gg.read(name), st.read(name), rtol=0, atol=atol, msg=name)
     for attr in ("model_type", "num_layers", "hidden_size", "n_experts", "top_k", "moe_intermediate_size",
                  "n_shared_experts"):
         assert getattr(gg.arch, attr) == getattr(st.arch, attr), attr
+    assert gg.arch.moe_layers() == st.arch.moe_layers()
+    assert gg.arch.cfg.layer_types == st.arch.cfg.layer_types
     cfg = json.loads((src_dir / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}             # Qwen3.5-MoE: the text model's config, nested alike
+    gg.config = {**gg.config, **gg.config.get("text_config", {})}
     for key in ("rms_norm_eps", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
                 "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace", "num_key_value_heads",
                 *GGUF_ONLY_KEYS.get(arch, ())):
@@ -142,19 +175,10 @@ def test_split_set_converts_and_missing_part_is_named(ds3, tmp_path):
 
 
 def test_gguf_bf16_conversion_gives_the_same_logits_in_ktrun(ds3, tmp_path):
-    from ktrun.engine import Engine
-    from ktrun.models.kv_cache import Batch
     path = export_gguf(ds3, tmp_path / "m.gguf", Q.BF16)
     quantize(path, tmp_path / "from_gguf", "--method", "bf16")
     quantize(ds3, tmp_path / "from_st", "--method", "bf16")
-    logits = []
-    for d in ("from_gguf", "from_st"):
-        eng = Engine(tmp_path / d, ctx=64, max_batch=1)
-        ids = eng.tokenizer.encode(TEXT)
-        logits.append((ids, eng.model.forward(Batch.build([(eng.model.new_cache(64), ids)], "cpu"), all_logits=True)))
-        eng.close()
-    assert logits[0][0] == logits[1][0]
-    torch.testing.assert_close(logits[0][1], logits[1][1], rtol=0, atol=0)
+    assert_same_logits(tmp_path / "from_gguf", tmp_path / "from_st")
 
 
 def test_inspect_a_gguf_file_like_its_safetensors(ckpt_dir, tmp_path):
@@ -217,3 +241,99 @@ def test_reader_errors_are_source_errors(tmp_path):
 def _touch(p: Path) -> Path:
     p.write_bytes(b"")
     return p
+
+
+# --- the newer architectures: logits, MXFP4, Q8_0 through the converter's transforms, GLM-4.7-Flash --------------
+
+@pytest.mark.parametrize("arch", NEWER)
+def test_newer_gguf_conversions_give_the_safetensors_logits(arch, tmp_path_factory):
+    """BF16 GGUF (written as llama.cpp's converter writes each architecture) and the safetensors source convert to the
+    same model: ktrun's logits are equal. gpt-oss's GGUF carries no swiglu_limit (llama.cpp assumes the release's
+    7.0), so its checkpoint here has that limit."""
+    from runtime_helpers import build_checkpoint, build_conversion, converted, shared_root
+    root = shared_root(tmp_path_factory)
+    if arch == "gpt_oss":
+        src = build_checkpoint(root / "gguf_limit7", arch, swiglu_limit=7.0)
+        from_st = build_conversion(src, root / "gguf_limit7" / "conv_st")
+    else:
+        src, from_st = build_checkpoint(root, arch), converted(tmp_path_factory, arch)
+    path = export_gguf(src, root / f"{arch}-bf16.gguf", Q.BF16)
+    from_gguf = build_conversion(path, root / f"conv_gguf_{arch}")
+    assert_same_logits(from_gguf, from_st)
+
+
+def test_gpt_oss_mxfp4_gguf_experts_are_taken_over_exactly(tmp_path, caplog):
+    """gpt-oss's MXFP4 experts repacked into ggml's MXFP4 (GptOssModel.repack_mxfp4): gguf-py's own dequantizer gives
+    the safetensors source's values; the reader's integer grid is exactly that; int8 g32 (what --method auto picks)
+    takes every expert over without a float round trip; int4 re-quantizes within its error."""
+    import logging
+
+    from ktconvert.exact_paths import choose_method
+    from ktconvert.pipeline import ConvertOptions, convert
+    src_dir = make_checkpoint("gpt_oss", tmp_path / "src", mxfp4=True)
+    path = export_gguf(src_dir, tmp_path / "mx.gguf", Q.BF16)
+    st, gg = open_source(src_dir), open_source(path)
+    a = gg.arch
+    for layer in a.moe_layers():
+        for e in (0, a.n_experts - 1):
+            for proj in ("gate", "up", "down"):
+                name = a.expert_tensor_name(layer, e, proj)
+                ref = gguf_expert(path, layer, proj, e)
+                np.testing.assert_array_equal(ref, st.read(name).numpy())
+                assert gg.quant_format(name).kind == "mxfp4"
+                np.testing.assert_array_equal(gg.int_grid(name).dequantize(), ref)
+    assert choose_method(gg)[:2] == ("int8-amx", 32)
+    with caplog.at_level(logging.INFO, logger="ktconvert"):
+        convert(path, tmp_path / "int8", ConvertOptions(method="int8-amx", group_size=32), show_progress=False)
+    assert "taken over exactly from GGUF MXFP4" in caplog.text and "re-quantized" not in caplog.text
+    convert(path, tmp_path / "int4", ConvertOptions(method="int4-amx", group_size=32), show_progress=False)
+    for d, rel in (("int8", 0.0), ("int4", 0.2)):
+        conv = ConvertedDir(tmp_path / d)
+        got = conv.read_expert(1, 3)
+        for proj in ("gate", "up", "down"):
+            ref = gguf_expert(path, 1, proj, 3)
+            assert np.linalg.norm(got[proj] - ref) <= rel * np.linalg.norm(ref), (d, proj)
+
+
+def test_qwen3_5_q8_0_gguf_reads_through_the_converter_transforms(ckpt_dir, tmp_path):
+    """Q8_0 (the value-head reorder and the other transforms applied to quantized tensors): experts keep their exact
+    grid (equal to gguf-py's dequantization); transformed tensors read through the float path within Q8_0's error."""
+    src_dir = ckpt_dir("qwen3_5_moe")
+    path = export_gguf(src_dir, tmp_path / "q8.gguf", Q.Q8_0)
+    st, gg = open_source(src_dir), open_source(path)
+    a = gg.arch
+    name = a.expert_tensor_name(1, 5, "gate")                  # (72, 128): whole Q8_0 blocks (down's K=72 is not)
+    assert gg.quant_format(name).kind == "int"
+    np.testing.assert_array_equal(gg.int_grid(name).dequantize(), gguf_expert(path, 1, "gate", 5))
+    for t in ("in_proj_qkv", "in_proj_z", "in_proj_a", "out_proj"):
+        name = f"model.language_model.layers.0.linear_attn.{t}.weight"
+        assert gg.int_grid(name) is None and gg.quant_format(name).kind != "int"     # reordered: float path
+        ref = st.read(name)
+        assert torch.linalg.norm(gg.read(name) - ref) < 0.01 * torch.linalg.norm(ref), t
+
+
+def test_glm_4_7_flash_gguf_is_told_from_deepseek(ckpt_dir, tmp_path):
+    """llama.cpp writes GLM-4.7-Flash as deepseek2 with the GLM pre-tokenizer and its NextN block: either marks it
+    (--no-mtp drops the block, the tokenizer stays). Without both (another tool's file) it reads as DeepSeek-V3, whose
+    forward is the same math."""
+    src_dir = ckpt_dir("glm4_moe_lite")
+    full = open_source(export_gguf(src_dir, tmp_path / "full.gguf"))
+    assert full.config["model_type"] == "glm4_moe_lite" and full.config["num_nextn_predict_layers"] == 1
+    assert full.arch.num_layers == 3 and not any(".layers.3." in n for n in full.tensor_names())
+    no_mtp = open_source(export_gguf(src_dir, tmp_path / "no_mtp.gguf", no_mtp=True))
+    assert no_mtp.config["model_type"] == "glm4_moe_lite" and no_mtp.arch.num_layers == 3
+    other = open_source(export_gguf(src_dir, tmp_path / "other.gguf", no_mtp=True, tokenizer_pre="llama-bpe"))
+    assert other.config["model_type"] == "deepseek_v3"
+    assert set(other.tensor_names()) == set(full.tensor_names())
+
+
+def test_a_log_inverse_is_within_a_float32_ulp_and_exact_for_bf16_values():
+    """llama.cpp stores Qwen3-Next's A_log as -exp(A_log) (float32): log() of it comes back within 6e-8 (A_LOG_ATOL
+    is the bound the reads above use) and, for weights held in bf16 as the releases' are, rounds back to them."""
+    from ktlayouts.families import GGUF_ARCHS
+    undo = GGUF_ARCHS["qwen3next"].undo_for("model.layers.0.linear_attn.A_log")
+    bits = torch.arange(0x3780, 0x4200, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()  # 2^-16..8
+    a = torch.cat([bits, -bits]).numpy()
+    back = undo.fn((-torch.exp(torch.from_numpy(a))).numpy(), {})
+    assert np.abs(back - a).max() <= 6e-8
+    np.testing.assert_array_equal(torch.from_numpy(back).to(torch.bfloat16).float().numpy(), a)

@@ -72,9 +72,10 @@ class Source(SourceBase):
               or self.arch.family.text_config(self.config).get("quantization_config") or {})
         # already-quantized Linears (compressed-tensors, GPTQ, AWQ, FP8 per channel, MX): ktconvert.sources.quantized
         fused = self.arch.family.names.fused_experts
-        # fused routed experts (gpt-oss: unquantized or MXFP4) read as per-expert weights: sources.fused_experts
-        self.quant = (FusedExpertScheme(fused, self.arch.cfg, qc, str(cfg_path)) if fused is not None
-                      else scheme_for(qc, str(cfg_path)))
+        # fused routed experts (gpt-oss: unquantized or MXFP4; Qwen3.5-MoE: unquantized) read as per-expert
+        # weights: sources.fused_experts. A family whose fused form is optional reads other formats as usual.
+        self.quant = (FusedExpertScheme(fused, self.arch.cfg, qc, str(cfg_path))
+                      if fused is not None and not (fused.optional and qc) else scheme_for(qc, str(cfg_path)))
         # DeepSeek-style FP8 blocks (DeepSeek-V3 / V3.2, Kimi-K2, MiniMax-M2): read here
         self.fp8_block: tuple[int, int] = fp8_block_size(qc if self.quant is None else {}, cfg_path)
         self._infos: dict[str, TensorInfo] = {}

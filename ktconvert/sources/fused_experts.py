@@ -1,11 +1,14 @@
-"""Fused routed experts (gpt-oss) as per-expert logical weights, decoded on read.
+"""Fused routed experts (gpt-oss, Qwen3.5-MoE) as per-expert logical weights, decoded on read.
 
-gpt-oss checkpoints store a MoE layer's experts as one tensor per projection (ktlayouts.families.FusedExperts):
-  unquantized  gate_up_proj (E, H, 2I), down_proj (E, I, H)                      x @ W, input dimension first
-  MXFP4        gate_up_proj_blocks (E, 2I, H/32, 16) U8 + gate_up_proj_scales (E, 2I, H/32) U8 E8M0,
-               down_proj_blocks (E, H, I/32, 16) + down_proj_scales (E, H, I/32)   output dimension first
-with gate and up interleaved along 2I (gate = even, up = odd). The reader's table shows instead, per expert, the
-(N, K) Linear weights `model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight` (the family's expert_name), each
+gpt-oss and Qwen3.5-MoE checkpoints store a MoE layer's experts as one tensor per projection
+(ktlayouts.families.FusedExperts):
+  gpt-oss      gate_up_proj (E, H, 2I), down_proj (E, I, H)                      x @ W, input dimension first
+  gpt-oss      gate_up_proj_blocks (E, 2I, H/32, 16) U8 + gate_up_proj_scales (E, 2I, H/32) U8 E8M0,
+  MXFP4        down_proj_blocks (E, H, I/32, 16) + down_proj_scales (E, H, I/32)   output dimension first
+  Qwen3.5-MoE  gate_up_proj (E, 2I, H), down_proj (E, H, I)                      output dimension first
+with gate and up interleaved along 2I (gpt-oss: gate = even, up = odd) or gate first (Qwen3.5: rows [0, I)). The
+reader's table shows instead, per expert, the (N, K) Linear weights of the family's expert_name
+(`<layer>mlp.experts.E.{gate,up,down}_proj.weight`), each
 an ExpertSliceInfo over the bytes of its expert only (the fused tensor's expert e is one contiguous slab), so the
 converter's roles, plan and exact paths see a per-expert checkpoint. MXFP4 weights decode to an exact integer grid
 (2 x E2M1 is an integer; the E8M0 scale halved: ktconvert.sources.quantized.values), taken over by int8 layouts
@@ -17,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
-from ktlayouts.families import FusedExperts, ModelConfig
+from ktlayouts.families import FusedExperts, ModelConfig, get_family
 
 from ktconvert.sources.quantized.grid import IntGrid, contiguous_g_idx
 from ktconvert.sources.quantized.scheme import QuantScheme, QuantTensorInfo, WeightFormat
@@ -43,7 +46,8 @@ def _slab(info, e: int, n_experts: int):
 
 
 class FusedExpertScheme(QuantScheme):
-    """The logical table of a fused-expert checkpoint (unquantized or quantization_config quant_method "mxfp4")."""
+    """The logical table of a fused-expert checkpoint (unquantized or quantization_config quant_method "mxfp4");
+    a family whose fused form is optional (Qwen3.5-MoE) passes per-expert checkpoints through unchanged."""
 
     family = "gpt-oss"
 
@@ -54,13 +58,16 @@ class FusedExpertScheme(QuantScheme):
             raise SourceError(f"{where}: unsupported quantization_config (quant_method={method!r}) for "
                               f"{cfg.model_type}: its checkpoints are unquantized or quant_method 'mxfp4'")
         self.fused, self.cfg = fused, cfg
+        self.names = get_family(cfg.model_type).names     # the layer prefix and per-expert names of the family
 
     def logical_tensors(self, infos: dict, names: list[str], read) -> tuple[dict, list[str]]:
         c, f = self.cfg, self.fused
         stems = {}
         for layer in c.moe_layers:
             for key, stem in (("gate_up", f.gate_up), ("down", f.down)):
-                stems[f"model.layers.{layer}.{stem}"] = (layer, key)
+                stems[f"{self.names.layer(layer)}{stem}"] = (layer, key)
+        if f.optional and not any(n.removesuffix("_blocks").removesuffix("_scales") in stems for n in names):
+            return infos, names                             # a per-expert checkpoint: read as it is
         out_infos, out_names, done = {}, [], set()
         for name in names:
             base = name.removesuffix("_blocks").removesuffix("_scales")
@@ -89,8 +96,9 @@ class FusedExpertScheme(QuantScheme):
         if plain is not None and (blocks is not None or scales is not None):
             raise SourceError(f"{plain.file}: tensor {base} is stored both unquantized and as MXFP4 _blocks/_scales")
         if plain is not None:
-            self.check(plain, FLOAT_DTYPES, (E, k, n), f"fused {key} experts (E, K, N) of hidden_size={H}, "
-                                                       f"intermediate_size={inter}")
+            want, dims = ((E, k, n), "(E, K, N)") if self.fused.input_first else ((E, n, k), "(E, N, K)")
+            self.check(plain, FLOAT_DTYPES, want, f"fused {key} experts {dims} of hidden_size={H}, "
+                                                  f"intermediate_size={inter}")
             parts_of = lambda e: {"weight": _slab(plain, e, E)}
             fmt, first = None, plain
         else:
@@ -110,7 +118,7 @@ class FusedExpertScheme(QuantScheme):
         for e in range(E):
             parts = parts_of(e)
             for proj in projs:
-                name = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"
+                name = self.names.expert_tensor_name(layer, e, proj)
                 shape = (inter, H) if proj != "down" else (H, inter)
                 row0 = ROWS[proj] if self.fused.interleaved else (None if proj == "down" else ROWS[proj] * inter)
                 share = len(projs)
@@ -128,9 +136,9 @@ class FusedExpertScheme(QuantScheme):
 
     def decode(self, info: ExpertSliceInfo, read):
         n, k = info.shape
-        if info.fmt is None:                              # (K, 2I) or (I, H) slab, input dimension first
-            w = np.asarray(read(info.parts["weight"]), dtype=np.float32).T
-            return np.ascontiguousarray(self._rows(w, info, n))
+        if info.fmt is None:          # gpt-oss: (K, 2I) or (I, H), input dimension first; Qwen3.5: (2I, K), (H, I)
+            w = np.asarray(read(info.parts["weight"]), dtype=np.float32)
+            return np.ascontiguousarray(self._rows(w.T if self.fused.input_first else w, info, n))
         bi, si = info.parts["blocks"], info.parts["scales"]
         e = self._rows(read(si), info, n)                 # (N, K/32) biased exponents
         if (e == E8M0_NAN).any():

@@ -3,8 +3,10 @@
 Presents the same interface as ktconvert.sources.Source, under hub tensor names, so the pipeline runs unchanged:
 metadata becomes config.json, `tokenizer.ggml.*` becomes tokenizer files, llama.cpp's stacked expert tensors
 (`blk.N.ffn_{gate,up,down}_exps`, shape (E, rows, cols)) become one hub tensor per expert, read one expert slice at a
-time from the memory-mapped file and dequantized with gguf-py (any ggml type it knows). Q8_0 and Q4_0 blocks are
-integer grids (`int_grid`): the converter takes them over exactly into int8 / int4 group 32, without a float round
+time from the memory-mapped file and dequantized with gguf-py (any ggml type it knows). Tensors llama.cpp's converter
+changed on the way in are given back as the hub stores them: joined from their GGUF parts, or with the converter's
+transform undone (the family's GGUFArch says which and how). Q8_0, Q4_0 and MXFP4 blocks are integer grids
+(`int_grid`): the converter takes them over exactly into int8 / int4 group 32 (MXFP4: int8), without a float round
 trip (ktconvert.exact_paths).
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from ktlayouts.families import gguf_arch
-from ktlayouts.families.gguf_names import IGNORED, KV_B_SPLIT, llama_unpermute
+from ktlayouts.families.gguf_names import IGNORED, Join
 
 from ktconvert.sources.base import SourceBase
 from ktconvert.sources.gguf_meta import Meta, config_from_gguf
@@ -25,6 +27,9 @@ from ktconvert.sources.gguf_tokenizer import tokenizer_files
 from ktconvert.sources.roles import SourceError, adapter_for, as_source_error
 
 EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4}        # ggml types that are integers times one f16 scale per 32 values
+# MXFP4 block (17 bytes): E8M0 exponent e, 16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31, each an
+# E2M1 code; W = (2 x E2M1) * 2^(e - 128) (gguf-py's MXFP4.kvalues are the doubled E2M1 values)
+MXFP4_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int16)
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
@@ -38,6 +43,9 @@ class GGUFTensorInfo:
     nbytes: int
     gguf_name: str
     expert: int | None = None
+    stored: tuple = ()    # the GGUF tensor's own shape (hub orientation), before an Undo reshapes it
+    join: Join | None = None
+    parts: tuple = ()     # (part, GGUF name) of a joined tensor
 
 
 def split_paths(path: Path) -> list[Path]:
@@ -102,35 +110,44 @@ class GGUFSource(SourceBase):
         self._build_map()
 
     # --- name mapping -------------------------------------------------------------------------------------
-    def _add(self, hub: str, t, file: Path, expert: int | None, shape: tuple, offset: int, nbytes: int):
-        self._infos[hub] = GGUFTensorInfo(hub, t.tensor_type.name, shape, file, offset, nbytes, t.name, expert)
-
     def _build_map(self) -> None:
         n_layers = self.arch.num_layers
+        joins: dict[str, dict] = {}
         for gname, (t, file) in self._tensors.items():
             if IGNORED.match(gname):
                 continue
-            mapped = self.gguf_arch.hub_name(gname)
+            mapped = self.gguf_arch.match(gname)
             if mapped is None:
                 raise SourceError(f"{file}: tensor {gname}: unknown tensor name for GGUF architecture {self.meta.arch}")
-            hub, layer = mapped
-            if layer is not None and layer >= n_layers:
+            if mapped.layer is not None and mapped.layer >= n_layers:
                 continue  # multi-token-prediction blocks some converters keep
             rows = tuple(int(x) for x in reversed(t.shape))     # GGUF dims are innermost first
-            if hub == KV_B_SPLIT:
-                if gname.endswith("attn_k_b.weight"):
-                    hub = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
-                    v = self._tensors[gname.replace("attn_k_b", "attn_v_b")][0]
-                    c = self.config
-                    shape = (c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
-                    self._add(hub, t, file, None, shape, int(t.data_offset), int(t.n_bytes + v.n_bytes))
-                continue
-            if "{E}" in hub:
+            hub = mapped.hub
+            if mapped.join is not None:
+                joins.setdefault(hub, {"join": mapped.join})[mapped.part] = (t, file, rows)
+            elif "{E}" in hub:
                 per = int(t.n_bytes) // rows[0]
                 for e in range(rows[0]):
-                    self._add(hub.replace("{E}", str(e)), t, file, e, rows[1:], int(t.data_offset) + e * per, per)
+                    name = hub.replace("{E}", str(e))
+                    self._infos[name] = GGUFTensorInfo(name, t.tensor_type.name, rows[1:], file,
+                                                       int(t.data_offset) + e * per, per, t.name, e, rows[1:])
             else:
-                self._add(hub, t, file, None, rows, int(t.data_offset), int(t.n_bytes))
+                undo = self.gguf_arch.undo_for(hub)
+                shape = undo.shape(rows, self.config) if undo else rows
+                self._infos[hub] = GGUFTensorInfo(hub, t.tensor_type.name, shape, file, int(t.data_offset),
+                                                  int(t.n_bytes), t.name, None, rows)
+        for hub, got in joins.items():
+            join = got.pop("join")
+            missing = [p for p in join.parts if p not in got]
+            if missing:
+                have = next(iter(got.values()))[0].name
+                raise SourceError(f"{self.path}: tensor {have} is one part of {hub}; its part {missing[0]!r} is "
+                                  f"missing (llama.cpp writes {', '.join(join.parts)})")
+            first, file, _ = got[join.parts[0]]
+            shape = join.shape({p: got[p][2] for p in join.parts}, self.config)
+            self._infos[hub] = GGUFTensorInfo(hub, first.tensor_type.name, shape, file, int(first.data_offset),
+                                              sum(int(got[p][0].n_bytes) for p in join.parts), first.name,
+                                              join=join, parts=tuple((p, got[p][0].name) for p in join.parts))
         for name in self.arch.expert_tensor_names():
             if name not in self._infos:
                 raise SourceError(f"{self.path}: tensor {name} (from blk.*.ffn_*_exps) is missing")
@@ -147,15 +164,14 @@ class GGUFSource(SourceBase):
 
     def read(self, name: str) -> torch.Tensor:
         info = self.info(name)
-        if info.gguf_name.endswith("attn_k_b.weight"):
-            k_b = self._dequant(info.gguf_name, None)                      # (heads, kv_rank, nope)
-            v_b = self._dequant(info.gguf_name.replace("attn_k_b", "attn_v_b"), None)   # (heads, v, kv_rank)
-            out = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(info.shape)
+        if info.join is not None:
+            out = info.join.build({p: self._dequant(g, None) for p, g in info.parts}, self.config)
         else:
-            out = self._dequant(info.gguf_name, info.expert).reshape(info.shape)
-        if self.gguf_arch.permuted_qk and re.search(r"attn_[qk]\.weight$", info.gguf_name):
-            heads = self.config["num_attention_heads" if "attn_q" in info.gguf_name else "num_key_value_heads"]
-            out = llama_unpermute(out, heads)
+            out = self._dequant(info.gguf_name, info.expert).reshape(info.stored)
+            undo = self.gguf_arch.undo_for(name)
+            if undo is not None:
+                out = undo.fn(out, self.config)
+        out = out.reshape(info.shape)
         bad = ~np.isfinite(out)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
@@ -174,27 +190,35 @@ class GGUFSource(SourceBase):
         info = self.info(name)
         if info.dtype in ("F32", "F16", "BF16"):
             return None
-        if info.dtype in EXACT_TYPES and not self._permuted(info):
+        if info.dtype in EXACT_TYPES and not self._changed(info):
             return WeightFormat("gguf", "int", EXACT_TYPES[info.dtype], 32, name=f"GGUF {info.dtype}")
+        if info.dtype == "MXFP4" and not self._changed(info):
+            return WeightFormat("gguf", "mxfp4", 4, 32, name="GGUF MXFP4")
         return WeightFormat("gguf", info.dtype, 0, 0, name=f"GGUF {info.dtype}")
 
-    def _permuted(self, info: GGUFTensorInfo) -> bool:
-        """Rows llama.cpp permuted (q/k for rope) or split (kv_b): read through the float path only."""
-        return info.gguf_name.endswith(("attn_q.weight", "attn_k.weight", "attn_k_b.weight"))
+    def _changed(self, info: GGUFTensorInfo) -> bool:
+        """Tensors llama.cpp's converter permuted, split or transformed: read through the float path only."""
+        return info.join is not None or self.gguf_arch.undo_for(info.name) is not None
 
     def int_grid(self, name: str):
-        """Q8_0 / Q4_0 weights as their integer grid (ktconvert.sources.quantized.IntGrid), exactly; else None.
-        Q8_0 block (34 bytes): f16 scale d, 32 int8 q; Q4_0 block (18 bytes): f16 d, 16 bytes whose low nibbles are
-        elements 0-15 and high nibbles 16-31, W = (nibble - 8) * d."""
+        """Q8_0 / Q4_0 / MXFP4 weights as their integer grid (ktconvert.sources.quantized.IntGrid), exactly; else
+        None. Q8_0 block (34 bytes): f16 scale d, 32 int8 q; Q4_0 block (18 bytes): f16 d, 16 bytes whose low nibbles
+        are elements 0-15 and high nibbles 16-31, W = (nibble - 8) * d; MXFP4 (17 bytes): see MXFP4_DOUBLED."""
         from ktconvert.sources.quantized import IntGrid
         from ktconvert.sources.quantized.grid import contiguous_g_idx
+        from ktconvert.sources.quantized.values import pow2
 
         info = self.info(name)
-        if info.dtype not in EXACT_TYPES or self._permuted(info):
+        if info.dtype not in (*EXACT_TYPES, "MXFP4") or self._changed(info):
             return None
         n, k = info.shape
-        size = {"Q8_0": 34, "Q4_0": 18}[info.dtype]
+        size = {"Q8_0": 34, "Q4_0": 18, "MXFP4": 17}[info.dtype]
         blocks = self._blocks(info).reshape(n, k // 32, size)
+        if info.dtype == "MXFP4":
+            e = blocks[..., 0]            # ggml reads every E8M0 code as a power of two (255: 2^127, not NaN)
+            qs = blocks[..., 1:]
+            q = MXFP4_DOUBLED[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
+            return IntGrid(q.reshape(n, k), pow2(e.astype(np.int32) - 128), contiguous_g_idx(k, 32), "GGUF MXFP4")
         scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
         if info.dtype == "Q8_0":
             q = blocks[..., 2:].view(np.int8).astype(np.int16)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .config import Fields, ModelConfig, check_routing, parse_rope, token_ids
 from .family import Family
 from .gguf_names import (
@@ -16,8 +18,9 @@ from .gguf_names import (
     DENSE_MLP_ROWS,
     GLOBAL_ROWS,
     HUB_GATE_UP_DOWN,
-    KV_B_SPLIT,
+    NEXTN_ROW,
     GGUFArch,
+    Join,
     expert_rows,
 )
 from .hub_names import COMMON_ROWS, GATE_UP_DOWN, LAYER, HubNames
@@ -115,7 +118,21 @@ def parse(f: Fields) -> ModelConfig:
                      interleaved=True, mtp=False)
 
 
-# --- GGUF: llama.cpp's "deepseek2" (DeepSeek-V2, V3, Kimi-K2) --------------------------------------------------
+# --- GGUF: llama.cpp's "deepseek2" (DeepSeek-V2, V3, Kimi-K2, and GLM-4.7-Flash) ---------------------------------
+def _kv_b_shape(parts: dict, cfg: dict) -> tuple:
+    heads, rank, nope = parts["k_b"]
+    return (heads * (nope + parts["v_b"][1]), rank)
+
+
+def _kv_b(parts: dict, cfg: dict):
+    """attn_k_b (heads, kv_rank, nope) + attn_v_b (heads, v, kv_rank) -> kv_b_proj (heads * (nope + v), kv_rank):
+    newer llama.cpp converters split kv_b_proj per head and transpose its k part for MLA's absorbed form."""
+    k_b, v_b = parts["k_b"], parts["v_b"]
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(_kv_b_shape(
+        {"k_b": k_b.shape, "v_b": v_b.shape}, cfg))
+
+
+KV_B = Join(("k_b", "v_b"), _kv_b_shape, _kv_b)
 _DEEPSEEK2_ROWS = GLOBAL_ROWS + ATTN_NORM_ROWS + DENSE_MLP_ROWS + expert_rows("mlp", HUB_GATE_UP_DOWN) + [
     (r"blk\.(?P<L>\d+)\.attn_q\.weight", "model.layers.{L}.self_attn.q_proj.weight"),
     (r"blk\.(?P<L>\d+)\.attn_q_a\.weight", "model.layers.{L}.self_attn.q_a_proj.weight"),
@@ -124,12 +141,25 @@ _DEEPSEEK2_ROWS = GLOBAL_ROWS + ATTN_NORM_ROWS + DENSE_MLP_ROWS + expert_rows("m
     (r"blk\.(?P<L>\d+)\.attn_kv_a_mqa\.weight", "model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight"),
     (r"blk\.(?P<L>\d+)\.attn_kv_a_norm\.weight", "model.layers.{L}.self_attn.kv_a_layernorm.weight"),
     (r"blk\.(?P<L>\d+)\.attn_kv_b\.weight", "model.layers.{L}.self_attn.kv_b_proj.weight"),
-    (r"blk\.(?P<L>\d+)\.attn_[kv]_b\.weight", KV_B_SPLIT),
+    (r"blk\.(?P<L>\d+)\.attn_k_b\.weight", "model.layers.{L}.self_attn.kv_b_proj.weight", KV_B, "k_b"),
+    (r"blk\.(?P<L>\d+)\.attn_v_b\.weight", "model.layers.{L}.self_attn.kv_b_proj.weight", KV_B, "v_b"),
     (r"blk\.(?P<L>\d+)\.attn_output\.weight", "model.layers.{L}.self_attn.o_proj.weight"),
     (r"blk\.(?P<L>\d+)\.ffn_gate_inp\.weight", "model.layers.{L}.mlp.gate.weight"),
     (r"blk\.(?P<L>\d+)\.exp_probs_b\.bias", "model.layers.{L}.mlp.gate.e_score_correction_bias"),
+    NEXTN_ROW,
 ] + [(rf"blk\.(?P<L>\d+)\.ffn_{p}_shexp\.weight", f"model.layers.{{L}}.mlp.shared_experts.{p}_proj.weight")
      for p in ("gate", "up", "down")]
+
+
+# GLM-4.7-Flash (glm4_moe_lite): llama.cpp's Glm4MoeLiteModel writes it as deepseek2, told apart by what its converter
+# adds: the GLM tokenizer's pre-tokenizer ("glm4"; DeepSeek / Kimi GGUFs carry their own) and its NextN block
+# (nextn_predict_layers; DeepseekV2Model drops MTP layers). Its config has no scoring_func, so no expert_gating_func
+# is written: the score-correction bias (exp_probs_b) says sigmoid, as for DeepSeek-V3 GGUFs of older converters.
+GLM_PRE_TOKENIZERS = ("glm4",)
+
+
+def is_glm4_moe_lite(m) -> bool:
+    return m.a("nextn_predict_layers", 0) > 0 or m.get("tokenizer.ggml.pre", None) in GLM_PRE_TOKENIZERS
 
 
 def _deepseek2_config(m, cfg: dict, names: frozenset) -> dict:
@@ -137,12 +167,19 @@ def _deepseek2_config(m, cfg: dict, names: frozenset) -> dict:
     has_exp_probs_b = any(n.endswith("exp_probs_b.bias") for n in names)
     gating = m.a("expert_gating_func", 0)
     sigmoid = gating == 2 or (gating == 0 and has_exp_probs_b)
+    glm = sigmoid and is_glm4_moe_lite(m)
+    n_mtp = m.a("nextn_predict_layers", 0)
     nope_rope = m.a("attention.key_length_mla", None) or m.a("attention.key_length")
     rope_dim = m.a("rope.dimension_count")
     q_lora = m.a("attention.q_lora_rank", 0) or None
+    model_type, arch = (("glm4_moe_lite", "Glm4MoeLiteForCausalLM") if glm else
+                        ("deepseek_v3", "DeepseekV3ForCausalLM") if sigmoid else
+                        ("deepseek_v2", "DeepseekV2ForCausalLM"))
     cfg.update({
-        "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
-        "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+        "model_type": model_type, "architectures": [arch],
+        "num_hidden_layers": cfg["num_hidden_layers"] - n_mtp,       # llama.cpp counts the NextN blocks too
+        "num_nextn_predict_layers": n_mtp,
+        "num_key_value_heads": cfg["num_attention_heads"],            # llama.cpp writes MLA as 1 KV head (MQA)
         "intermediate_size": m.a("feed_forward_length"),
         "moe_intermediate_size": m.a("expert_feed_forward_length"),
         "n_routed_experts": m.a("expert_count"),
@@ -160,6 +197,8 @@ def _deepseek2_config(m, cfg: dict, names: frozenset) -> dict:
         "v_head_dim": m.a("attention.value_length_mla", None) or m.a("attention.value_length"),
         "moe_layer_freq": 1,
     })
+    if glm:
+        cfg["rope_interleave"] = True       # GLM-4.7-Flash's MLA ropes interleaved pairs, as llama.cpp's deepseek2
     cfg["topk_method"] = "noaux_tc" if sigmoid else ("group_limited_greedy" if cfg["n_group"] > 1 else "greedy")
     if sigmoid:
         cfg["scoring_func"] = "sigmoid"

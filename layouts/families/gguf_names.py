@@ -2,8 +2,17 @@
 
 A name row maps a GGUF name pattern to a hub name template. `{L}` is the block index. Rows whose template holds `{E}`
 are llama.cpp's stacked expert tensors (E, rows, cols): one GGUF tensor stands for n_experts hub tensors, read one
-expert slice at a time. The special template KV_B_SPLIT marks DeepSeek's attn_k_b / attn_v_b, which newer llama.cpp
-converters write instead of attn_kv_b; the reader reassembles kv_b_proj from them.
+expert slice at a time.
+
+Where llama.cpp's converter changed a tensor on the way in, the architecture says how to undo it, as data beside the
+names (each checked against convert_hf_to_gguf.py):
+- a `Join` row part: one hub tensor written as several GGUF tensors (DeepSeek's kv_b_proj as attn_k_b + attn_v_b,
+  Qwen3-Next's in_proj_qkvz as attn_qkv + attn_gate, gpt-oss's interleaved gate_up bias as two bias stacks); the
+  reader reads every part and the Join rebuilds the hub tensor.
+- an `Undo` row: the inverse of a value transform on one tensor (the llama architecture's q/k row permutation,
+  Qwen3-Next's A_log stored as -exp(A_log) and its 1 + weight norms stored with the 1 added, a squeezed conv kernel,
+  Qwen3.5's value heads reordered).
+A tensor with an Undo or a Join is read through the float path only (its integer grid, if any, is not taken over).
 
 Metadata is read through a `meta` object with `.arch`, `.where`, `.get(key, default)` and `.a(key, default)`
 (`a` prefixes the architecture: a('block_count') -> '<arch>.block_count'); a missing key without a default is the
@@ -15,9 +24,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-KV_B_SPLIT = "<kv_b split>"
 # Tensors llama.cpp writes that carry no weights of the model (recomputed from metadata).
 IGNORED = re.compile(r"(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
+# A multi-token-prediction (NextN) block's own tensors, kept by llama.cpp's GLM / Qwen3-Next converters after the main
+# blocks (blk.N for N >= the model's layer count); mapped here only to be skipped.
+NEXTN_ROW = (r"blk\.(?P<L>\d+)\.nextn\.(eh_proj|embed_tokens|enorm|hnorm|shared_head_head|shared_head_norm)\.weight",
+             "model.layers.{L}.nextn.weight")
 
 ATTN_NORM_ROWS = [
     (r"blk\.(?P<L>\d+)\.attn_norm\.weight", "model.layers.{L}.input_layernorm.weight"),
@@ -39,26 +51,69 @@ def expert_rows(prefix: str, names: dict[str, str]) -> list:
             for p, h in names.items()]
 
 
+def _same_shape(shape: tuple, cfg: dict) -> tuple:
+    return shape
+
+
+@dataclass(frozen=True)
+class Join:
+    """One hub tensor the converter wrote as several GGUF tensors; each part's row names it (regex, template, join,
+    part). Arrays and shapes are in hub orientation (GGUF dims reversed), float32."""
+    parts: tuple[str, ...]
+    shape: Callable            # ({part: shape}, config dict) -> the hub tensor's shape
+    build: Callable            # ({part: array}, config dict) -> the hub tensor
+
+
+@dataclass(frozen=True)
+class Undo:
+    """The inverse of a value transform the converter applied to one tensor."""
+    fn: Callable                          # (array as stored, in hub orientation, config dict) -> the hub tensor
+    shape: Callable = _same_shape         # (stored shape, config dict) -> the hub tensor's shape
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """Where one GGUF tensor goes: its hub name, block index, and the Join it is a part of (if any)."""
+    hub: str
+    layer: int | None
+    join: Join | None = None
+    part: str | None = None
+
+
 @dataclass(frozen=True)
 class GGUFArch:
     """One `general.architecture` value: its tensor names and how its metadata becomes config.json."""
     name: str                                     # e.g. "deepseek2"
-    rows: list                                    # (GGUF name regex, hub name template)
+    rows: list                                    # (GGUF name regex, hub name template) or
+                                                  # (regex, template, Join, part name)
     build_config: Callable                        # (meta, common config dict, GGUF tensor names) -> config
                                                   # dict (tensor presence tells optional parts apart)
-    permuted_qk: bool = False                     # llama.cpp permuted q/k rows (arch "llama"); undone at read
+    undo: list = field(default_factory=list)      # (hub name regex, Undo): converter transforms undone at read
     compiled: list = field(default_factory=list, compare=False, repr=False)
+    compiled_undo: list = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self):
-        self.compiled.extend((re.compile(p + "$"), t) for p, t in self.rows)
+        for row in self.rows:
+            if len(row) not in (2, 4) or (len(row) == 4 and not isinstance(row[2], Join)):
+                raise ValueError(f"GGUF row {row[0]!r}: (regex, template) or (regex, template, Join, part)")
+        self.compiled.extend((re.compile(r[0] + "$"), *r[1:], *(None, None)[: 4 - len(r)]) for r in self.rows)
+        self.compiled_undo.extend((re.compile(p), u) for p, u in self.undo)
 
-    def hub_name(self, gguf_name: str) -> tuple[str, int | None] | None:
-        """(hub template with {L} filled, layer) for a GGUF tensor name, or None when no row matches."""
-        for rx, template in self.compiled:
+    def match(self, gguf_name: str) -> Mapped | None:
+        """Where a GGUF tensor goes (hub template with {L} filled), or None when no row matches."""
+        for rx, template, join, part in self.compiled:
             m = rx.match(gguf_name)
             if m:
                 layer = int(m.group("L")) if "L" in m.groupdict() else None
-                return (template if template == KV_B_SPLIT else template.replace("{L}", str(layer))), layer
+                hub = template if layer is None else template.replace("{L}", str(layer))
+                return Mapped(hub, layer, join, part)
+        return None
+
+    def undo_for(self, hub_name: str) -> Undo | None:
+        """The Undo of a hub tensor, or None when the converter stored it as it is."""
+        for rx, u in self.compiled_undo:
+            if rx.search(hub_name):
+                return u
         return None
 
 

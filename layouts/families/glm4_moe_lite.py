@@ -8,7 +8,8 @@ qk_nope_head_dim (192).
 Tensor names are DeepSeek-V3's (self_attn.q_a_proj / q_b_proj / kv_a_proj_with_mqa / kv_b_proj / o_proj,
 mlp.gate, mlp.gate.e_score_correction_bias, mlp.shared_experts, mlp.experts.E.{gate,up,down}_proj), and so is the
 math: ktrun runs it with DeepSeek-V3's forward. GGUF: llama.cpp's converter writes it as `deepseek2` (gguf-py has no
-architecture of its own for it), which reads back as DeepSeek-V3; not registered here.
+architecture of its own for it); the reader tells it from DeepSeek by the GLM pre-tokenizer or its NextN block
+(deepseek_v2.is_glm4_moe_lite).
 """
 from __future__ import annotations
 
@@ -42,4 +43,4 @@ FAMILY = Family(
     name="glm4_moe_lite", title="GLM-4.7-Flash", architectures=("Glm4MoeLiteForCausalLM",), parse=parse,
     names=HubNames(ROWS, deepseek_v2.EXPERT_NAME, deepseek_v2.GATE_UP_DOWN, moe_prefix="mlp.",
                    shared_prefix="mlp.shared_experts.", mtp=True),
-    runtime_module="deepseek_v3")
+    runtime_module="deepseek_v3", gguf=deepseek_v2.GGUF)

@@ -5,12 +5,16 @@ softmax and is dropped after it); layers alternate sliding-window (`sliding_wind
 (ExpertActivation "swiglu_clamped", alpha = 1.702, limit = swiglu_limit); no shared experts, no dense MLP.
 The hub stores each layer's experts fused (FusedExperts): MXFP4 blocks + E8M0 scales in the openai/ releases
 (quantization_config quant_method "mxfp4"), bf16 (E, H, 2I) / (E, I, H) in the unquantized ones.
-No GGUF architecture here: llama.cpp's gpt-oss GGUFs are not read yet.
+GGUF: llama.cpp's `gpt-oss`: experts stacked per projection (MXFP4 blocks in the converted releases), their biases as
+gate / up / down stacks (joined back into the hub's interleaved gate_up bias), sinks as attn_sinks.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .config import ExpertActivation, Fields, ModelConfig, check_routing, gqa_heads, parse_rope, token_ids
 from .family import Family
+from .gguf_names import ATTN_NORM_ROWS, GLOBAL_ROWS, HUB_GATE_UP_DOWN, GGUFArch, Join, expert_rows
 from .hub_names import COMMON_ROWS, GATE_UP_DOWN, LAYER, FusedExperts, HubNames
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -71,8 +75,62 @@ def parse(f: Fields) -> ModelConfig:
         bos_token_id=f.raw.get("bos_token_id"), eos_token_ids=token_ids(f.raw.get("eos_token_id")), raw=f.raw)
 
 
+# --- GGUF: llama.cpp's "gpt-oss" -------------------------------------------------------------------------------
+# convert_hf_to_gguf's GptOssModel splits the fused experts into gate / up / down stacks (MXFP4 blocks repacked to
+# ggml's MXFP4, or floats), the gate_up bias into gate (even) and up (odd) bias stacks, and writes sinks as
+# attn_sinks.weight. GGUF carries no swiglu_limit / swiglu_alpha: llama.cpp computes the clamped SwiGLU with the
+# release's 7.0 and 1.702 (ggml_swiglu_oai), and so does the config written here. Sliding-window layers: the
+# sliding_window_pattern key when present, else llama.cpp's default for gpt-oss (every other layer from layer 0).
+def _gate_up_bias_shape(parts: dict, cfg: dict) -> tuple:
+    e, i = parts["gate"]
+    return (e, 2 * i)
+
+
+def _gate_up_bias(parts: dict, cfg: dict):
+    """gate (E, I) and up (E, I) bias stacks -> the hub's gate_up bias (E, 2I), gate and up interleaved."""
+    return np.stack([parts["gate"], parts["up"]], axis=-1).reshape(_gate_up_bias_shape(
+        {"gate": parts["gate"].shape}, cfg))
+
+
+GATE_UP_BIAS = Join(("gate", "up"), _gate_up_bias_shape, _gate_up_bias)
+
+
+def _gpt_oss_config(m, cfg: dict, names: frozenset) -> dict:
+    n_layers = cfg["num_hidden_layers"]
+    pattern = m.a("attention.sliding_window_pattern", 2)
+    sliding = ([bool(x) for x in pattern][:n_layers] if isinstance(pattern, list) else
+               [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)])    # llama.cpp's rule
+    cfg.update({
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "head_dim": m.a("attention.key_length"),
+        "num_local_experts": m.a("expert_count"), "num_experts_per_tok": m.a("expert_used_count"),
+        "intermediate_size": m.a("expert_feed_forward_length"), "sliding_window": m.a("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "swiglu_limit": DEFAULTS["swiglu_limit"], "attention_bias": any(n.endswith("attn_q.bias") for n in names),
+    })
+    if m.a("rope.scaling.type", "none") == "yarn":
+        cfg["rope_scaling"] = {
+            "rope_type": "yarn", "factor": m.a("rope.scaling.factor"),
+            "original_max_position_embeddings": m.a("rope.scaling.original_context_length"),
+            "beta_fast": m.a("rope.scaling.yarn_beta_fast", DEFAULT_ROPE["beta_fast"]),
+            "beta_slow": m.a("rope.scaling.yarn_beta_slow", DEFAULT_ROPE["beta_slow"]), "truncate": False}
+    return cfg
+
+
+_L = r"blk\.(?P<L>\d+)\."
+GGUF = GGUFArch("gpt-oss", GLOBAL_ROWS + ATTN_NORM_ROWS[:1] + expert_rows("mlp", HUB_GATE_UP_DOWN) + [
+    (_L + r"post_attention_norm\.weight", "model.layers.{L}.post_attention_layernorm.weight"),
+    (_L + r"attn_sinks\.weight", "model.layers.{L}.self_attn.sinks"),
+    (_L + r"ffn_gate_inp\.weight", "model.layers.{L}.mlp.router.weight"),
+    (_L + r"ffn_gate_inp\.bias", "model.layers.{L}.mlp.router.bias"),
+    (_L + r"ffn_gate_exps\.bias", "model.layers.{L}.mlp.experts.gate_up_proj_bias", GATE_UP_BIAS, "gate"),
+    (_L + r"ffn_up_exps\.bias", "model.layers.{L}.mlp.experts.gate_up_proj_bias", GATE_UP_BIAS, "up"),
+    (_L + r"ffn_down_exps\.bias", "model.layers.{L}.mlp.experts.down_proj_bias"),
+] + [(_L + rf"attn_{g}\.{t}", f"model.layers.{{L}}.self_attn.{h}.{t}")
+     for g, h in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")) for t in ("weight", "bias")],
+    _gpt_oss_config)
+
 FAMILY = Family(
     name="gpt_oss", title="gpt-oss", architectures=("GptOssForCausalLM",), parse=parse,
     names=HubNames(ROWS, "model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight", GATE_UP_DOWN,
                    moe_prefix="mlp.", router="router", fused_experts=FusedExperts()),
-    runtime_module="gpt_oss")
+    runtime_module="gpt_oss", gguf=GGUF)

@@ -61,16 +61,22 @@ def prefixed(rows: list, prefix: str) -> list:
 
 @dataclass(frozen=True)
 class FusedExperts:
-    """A family whose checkpoint stores a MoE layer's routed experts as one tensor per projection (gpt-oss), under
-    the layer prefix. Unquantized: gate_up (E, H, 2I) and down (E, I, H), input dimension first (x @ W). MXFP4
-    (quantization_config quant_method "mxfp4"): <name>_blocks (E, N, K/32, 16) uint8 (two E2M1 values a byte, low
-    nibble first) and <name>_scales (E, N, K/32) uint8 E8M0, output dimension first (N = 2I, K = H for gate_up;
-    N = H, K = I for down). interleaved: gate and up alternate along 2I (gate = even rows, up = odd rows).
+    """A family whose checkpoint stores a MoE layer's routed experts as one tensor per projection, under the layer
+    prefix. gpt-oss, unquantized: gate_up (E, H, 2I) and down (E, I, H), input dimension first (x @ W,
+    input_first); MXFP4 (quantization_config quant_method "mxfp4"): <name>_blocks (E, N, K/32, 16) uint8 (two E2M1
+    values a byte, low nibble first) and <name>_scales (E, N, K/32) uint8 E8M0, output dimension first (N = 2I,
+    K = H for gate_up; N = H, K = I for down). Qwen3.5-MoE: gate_up (E, 2I, H) and down (E, H, I), output dimension
+    first (transformers' Qwen3_5MoeExperts, as the releases store them). interleaved: gate and up alternate along 2I
+    (gate = even rows, up = odd rows; gpt-oss), else gate is the first I rows and up the last I (Qwen3.5).
+    optional: checkpoints of the family may instead carry per-expert names (transformers' save_pretrained writes
+    Qwen3.5-MoE that way); a layer without the fused tensors is read per expert.
     The converter reads each expert's gate/up/down as the (N, K) logical weights the `expert_name` of HubNames
     names (names of its own: the hub has no per-expert tensors)."""
     gate_up: str = "mlp.experts.gate_up_proj"
     down: str = "mlp.experts.down_proj"
     interleaved: bool = True
+    input_first: bool = True
+    optional: bool = False
 
     def bias_names(self, layer_prefix: str) -> tuple[str, str]:
         """(gate_up bias (E, 2I), down bias (E, H)) of the layer whose tensors start with layer_prefix."""

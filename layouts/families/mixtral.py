@@ -6,7 +6,7 @@ from __future__ import annotations
 from .config import Fields, ModelConfig, check_routing, gqa_heads, parse_rope, token_ids
 from .errors import ConfigError
 from .family import Family
-from .gguf_names import ATTN_NORM_ROWS, GLOBAL_ROWS, GGUFArch, expert_rows
+from .gguf_names import ATTN_NORM_ROWS, GLOBAL_ROWS, GGUFArch, Undo, expert_rows, llama_unpermute
 from .hub_names import COMMON_ROWS, LAYER, HubNames
 
 W_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
@@ -55,7 +55,9 @@ GGUF = GGUFArch("llama", GLOBAL_ROWS + ATTN_NORM_ROWS + expert_rows("block_spars
     (rf"blk\.(?P<L>\d+)\.attn_{g}\.weight", f"model.layers.{{L}}.self_attn.{h}.weight")
     for g, h in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj"))
 ] + [(r"blk\.(?P<L>\d+)\.ffn_gate_inp\.weight", "model.layers.{L}.block_sparse_moe.gate.weight")],
-    _llama_moe_config, permuted_qk=True)
+    _llama_moe_config, undo=[   # llama.cpp permutes q/k rows for its interleaved rope (HF's is half-split)
+        (r"self_attn\.q_proj\.weight$", Undo(lambda a, cfg: llama_unpermute(a, cfg["num_attention_heads"]))),
+        (r"self_attn\.k_proj\.weight$", Undo(lambda a, cfg: llama_unpermute(a, cfg["num_key_value_heads"])))])
 
 FAMILY = Family(
     name="mixtral", title="Mixtral", architectures=("MixtralForCausalLM",), parse=parse,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..packed_linear import linear
 from .attention import gqa_attention, gqa_cache_widths
+from .choices import top_k
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -23,7 +24,8 @@ def route(cfg, w: dict, p: str, x: torch.Tensor):
     """x: (T, H) -> ids (T, k), weights (T, k) float32: softmax over the k largest router logits (in x's dtype, as
     the reference computes them)."""
     logits = linear(x, w[p + "router.weight"].to(x.dtype), w[p + "router.bias"].to(x.dtype))     # (T, E)
-    top, ids = torch.topk(logits, k=cfg.top_k, dim=-1)
+    ids = top_k("router", logits, cfg.top_k, sorted=True)
+    top = logits.gather(1, ids)
     return ids, F.softmax(top, dim=-1, dtype=top.dtype).float()
 
 

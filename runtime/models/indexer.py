@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
 
 from ..packed_linear import linear
+from .choices import top_k
 from .layers import Rope
 
 K_NORM_EPS = 1e-6      # the indexer's LayerNorm(index_head_dim, eps=1e-6)
@@ -65,6 +66,6 @@ def select(cfg: ModelConfig, q: torch.Tensor, k_all: torch.Tensor, weights: torc
     index = torch.einsum("th,ths->ts", weights, F.relu(scores))                                # (n, S)
     if visible is not None:
         index = index.masked_fill(~visible, float("-inf"))
-    top = index.topk(cfg.index_topk, dim=-1).indices                                           # (n, topk)
+    top = top_k("indexer", index, cfg.index_topk)                                              # (n, topk)
     keep = torch.zeros((n, S), dtype=torch.bool, device=q.device).scatter_(1, top, True)
     return keep if visible is None else keep & visible

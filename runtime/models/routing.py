@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
 
+from .choices import top_k
+
 
 def _group_mask(choice: torch.Tensor, group_scores: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """choice: (T, E), group_scores: (T, n_group) -> bool (T, E): experts inside the topk_group best groups."""
     T, E = choice.shape
-    gidx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+    gidx = top_k("router_group", group_scores, cfg.topk_group)
     gmask = torch.zeros_like(group_scores).scatter_(1, gidx, 1.0)
     return gmask[:, :, None].expand(T, cfg.n_group, E // cfg.n_group).reshape(T, E).bool()
 
@@ -28,7 +30,7 @@ def sigmoid_grouped(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bia
     if cfg.topk_group < cfg.n_group:      # else every group is kept (one group: MiniMax-M2, small V3 configs)
         gs = choice.view(T, cfg.n_group, E // cfg.n_group).topk(2, dim=-1)[0].sum(dim=-1)
         choice = choice.masked_fill(~_group_mask(choice, gs, cfg), float("-inf"))
-    ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
+    ids = top_k("router", choice, cfg.top_k)
     wts = scores.gather(1, ids)
     if cfg.norm_topk_prob:
         wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)
@@ -42,7 +44,8 @@ def softmax_topk(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor):
     if cfg.topk_method == "group_limited_greedy":
         gs = scores.view(T, cfg.n_group, E // cfg.n_group).max(dim=-1).values
         scores = scores.masked_fill(~_group_mask(scores, gs, cfg), 0.0)
-    wts, ids = torch.topk(scores, k=cfg.top_k, dim=-1, sorted=not cfg.is_mla)
+    ids = top_k("router", scores, cfg.top_k, sorted=not cfg.is_mla)
+    wts = scores.gather(1, ids)
     if cfg.norm_topk_prob and not cfg.is_mla:                                 # V2's router never normalizes
         wts = wts / wts.sum(dim=-1, keepdim=True)
     return ids, wts * cfg.routed_scaling_factor
