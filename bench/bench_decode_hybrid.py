@@ -20,6 +20,14 @@ layer kind (DeltaNet, full, sliding window) by timing the family's attention cal
 
     .venv/bin/python bench/bench_decode_hybrid.py [--shape qwen3-next|qwen3.5|gpt-oss] [--layers 4] [--experts 32]
                                                   [--tg 16] [--pp 128] [--reps 3]
+
+--ttft: time to first token of requests sharing a long system prompt (--system tokens, then --question tokens of
+their own), prefix cache on vs off, alternated --reps times, through the Engine's prefix-cache calls around the same
+prefill (match, prefill the rest, publish, retire): the first request (cold, snapshotting where prompts may part),
+the next ones (resuming from the snapshot at the system prompt's last block end). Also the recurrent-state snapshot
+and KV bytes of this stack and of the full 48-layer Qwen3-Next-80B-A3B.
+
+    .venv/bin/python bench/bench_decode_hybrid.py --ttft [--system 2048] [--question 32] [--reps 3]
 """
 from __future__ import annotations
 
@@ -34,9 +42,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP thre
 
 import torch
 from ktlayouts.families import get_family, parse_config
+from ktrun.cache_budget import kv_bytes_per_token, state_bytes_per_request
 from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
+from ktrun.generate import prefill
 from ktrun.kernel_experts import KernelExperts
+from ktrun.models.kv_cache import BlockPool
 from ktrun.models.model import MoEModel
+from ktrun.prefix_cache import PrefixCache, PrefixCacheConfig
 from synthetic_experts import SyntheticConversion  # bench/ sits on sys.path as the script's folder
 
 VOCAB = 4096
@@ -183,6 +195,71 @@ def replay_kernels(ex: Recording, calls, reps: int) -> float:
     return best
 
 
+def request_ttft(model, pc, ids: list[int], ctx: int) -> tuple[float, int]:
+    """One request's time to its first token's logits with the Engine's prefix-cache calls (pc None: cache off);
+    -> (seconds, prompt tokens taken from the cache)."""
+    cache = model.new_cache(ctx)
+    t0 = time.perf_counter()
+    hit = pc.match(cache, ids) if pc is not None else 0
+    prefill(model, cache, ids[hit:])
+    dt = time.perf_counter() - t0
+    if pc is not None:
+        pc.publish(cache)
+        pc.retire(cache)
+    cache.release()
+    return dt, hit
+
+
+def ttft_bench(model, args) -> None:
+    gen = torch.Generator().manual_seed(1)
+    V = model.cfg.vocab_size
+    system = torch.randint(3, V, (args.system,), generator=gen).tolist()
+    questions = [torch.randint(3, V, (args.question,), generator=gen).tolist() for _ in range(7 * args.reps + 1)]
+    ctx = args.system + args.question + 1
+    request_ttft(model, None, system[:64] + questions[0], ctx)                         # warm-up
+    t = {k: [] for k in ("off", "first", "second", "third", "second_every")}
+    hits = {}
+    q = iter(questions[1:])
+    for r in range(args.reps):
+        # alternated: cache off; a fresh cache's first, second and third request; with --state-every, the second
+        t["off"].append(request_ttft(model, None, system + next(q), ctx)[0])
+        for name, every in (("", 0), ("_every", args.state_every)):
+            pc = PrefixCache(model.kv_pool, {"bench": f"{r}{name}"}, PrefixCacheConfig(ram_bytes=0, state_every=every),
+                             model.state_layout)
+            for k in ("first", "second", "third") if not name else ("first", "second"):
+                dt, hits[k + name] = request_ttft(model, pc, system + next(q), ctx)
+                if k + name in t:
+                    t[k + name].append(dt)
+            pc.close()
+            model.kv_pool = BlockPool(model.kv_pool.layout, model.dtype, model.device)   # nothing cached is kept
+            if not args.state_every:
+                break
+    full = parse_config(model_config("qwen3-next", 48, 512))
+    n_lin = sum(t == "linear_attention" for t in model.cfg.layer_types)
+    print(f"model: {args.shape}-shaped, {model.cfg.num_layers} layers ({n_lin} gated DeltaNet) x {model.cfg.num_experts} experts, "
+          f"dense {str(model.dtype)[6:]}; system prompt {args.system} tokens + {args.question}-token question; "
+          f"{torch.get_num_threads()} torch threads; load average {os.getloadavg()[0]:.1f}")
+    def ms(xs):
+        return f"{statistics.fmean(xs) * 1e3:.1f} ms (min {min(xs) * 1e3:.1f})"
+
+    print(f"ttft_cache_off: {ms(t['off'])}")
+    print(f"ttft_cache_on_first_request: {ms(t['first'])} ({hits['first']} prompt tokens from the cache)")
+    why = (": no snapshot at the system prompt's end yet, one is taken there" if not hits["second"] else
+           ": the first request's prompt-end snapshot is the system prompt's end")
+    print(f"ttft_cache_on_second_request: {ms(t['second'])} ({hits['second']} prompt tokens from the cache{why})")
+    print(f"ttft_cache_on_repeated_system_prompt: {ms(t['third'])} ({hits['third']} prompt tokens from the cache)")
+    print(f"ttft_speedup_repeated_system_prompt: {min(t['off']) / min(t['third']):.1f} ratio")
+    print(f"ttft_first_request_over_cache_off: {min(t['first']) / min(t['off']):.3f} ratio")
+    if args.state_every:
+        print(f"ttft_cache_on_second_request_state_every_{args.state_every}: {ms(t['second_every'])} "
+              f"({hits['second_every']} prompt tokens from the cache)")
+    print(f"snapshot_bytes_this_stack: {model.state_layout.nbytes()} bytes")
+    sb, kv = state_bytes_per_request(full, torch.bfloat16), kv_bytes_per_token(full, torch.bfloat16)
+    print(f"snapshot_bytes_qwen3_next_80b_bf16: {sb} bytes ({sb / 2**20:.1f} MiB)")
+    print(f"kv_bytes_per_token_qwen3_next_80b_bf16: {kv} bytes")
+    print(f"snapshot_in_kv_tokens_qwen3_next_80b: {sb / kv:.0f} tokens")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-next")
@@ -192,7 +269,14 @@ def main():
     ap.add_argument("--pp", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dense-dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--ttft", action="store_true", help="Time to first token with the prefix cache on vs off.")
+    ap.add_argument("--system", type=int, default=2048, help="--ttft: shared system prompt tokens.")
+    ap.add_argument("--question", type=int, default=32, help="--ttft: each request's own tokens after it.")
+    ap.add_argument("--state-every", type=int, default=512,
+                    help="--ttft: also time a second request with a snapshot every this many tokens (0: no).")
     args = ap.parse_args()
+    if args.ttft and args.shape == "gpt-oss":
+        ap.error("--ttft times the recurrent-state snapshots: use --shape qwen3-next or qwen3.5")
 
     shape = SHAPES[args.shape]
     n_exp = args.experts or (8 if args.shape == "gpt-oss" else 32)
@@ -204,6 +288,9 @@ def main():
                                config=cfg, dense=dense)
     ex = Recording(conv)
     model = MoEModel(cfg, dense, ex, dtype=dt)
+    if args.ttft:
+        ttft_bench(model, args)
+        return
     clock: dict[str, float] = {}
     timed_arch(model, clock)
     gen = torch.Generator().manual_seed(0)

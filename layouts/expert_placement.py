@@ -85,13 +85,17 @@ class ExpertPlacement:
 
 
 def fit_hot_experts(gpu_mem: int, dense_bytes: int, kv_bytes: int, per_expert_bytes: int,
-                    reserve_fraction: float = GPU_RESERVE_FRACTION) -> tuple[int, dict]:
-    """(number of hot experts that fit, the plan as a dict of byte counts) for a GPU of gpu_mem bytes."""
+                    reserve_fraction: float = GPU_RESERVE_FRACTION, state_bytes: int = 0) -> tuple[int, dict]:
+    """(number of hot experts that fit, the plan as a dict of byte counts) for a GPU of gpu_mem bytes; state_bytes:
+    the recurrent state of linear-attention layers (a fixed size per request), beside the KV cache."""
     reserve = int(gpu_mem * reserve_fraction)
-    left = gpu_mem - dense_bytes - kv_bytes - reserve
+    left = gpu_mem - dense_bytes - kv_bytes - state_bytes - reserve
     n = max(0, left // per_expert_bytes) if per_expert_bytes > 0 else 0
-    return int(n), {"gpu_mem": int(gpu_mem), "dense_bytes": int(dense_bytes), "kv_mem": int(kv_bytes),
-                    "reserve": reserve, "left_for_experts": int(max(0, left)), "per_expert_bytes": int(per_expert_bytes)}
+    plan = {"gpu_mem": int(gpu_mem), "dense_bytes": int(dense_bytes), "kv_mem": int(kv_bytes)}
+    if state_bytes:
+        plan["state_mem"] = int(state_bytes)
+    return int(n), {**plan, "reserve": reserve, "left_for_experts": int(max(0, left)),
+                    "per_expert_bytes": int(per_expert_bytes)}
 
 
 def dense_gpu_bytes(manifest: dict) -> int:

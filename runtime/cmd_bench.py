@@ -157,7 +157,8 @@ def roofline_lines(read: dict[str, int], step_s: float, bandwidth: float) -> str
 @expert_ram_options
 def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, device, reference_experts, gpu_weights,
           **hot):
-    """Benchmark prompt processing and token generation of the converted model in MODEL_DIR; with hot experts on
+    """Benchmark prompt processing and token generation of the converted model in MODEL_DIR; the KV-cache bytes per
+    token and, for linear-attention models, the recurrent-state bytes per request; with hot experts on
     the GPU, also the GPU hit ratio (share of routed expert calls served on the GPU); with --expert-ram, the RAM
     tier's disk bytes per token, disk read rate, tier and prefetch hit ratios over the tg runs.
 
@@ -199,6 +200,8 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
         from .tiered_experts import find_tier
         tier = find_tier(m.experts)
         measured = tier.measured_resident_bytes() if tier is not None else None
+        from .cache_budget import cache_lines
+        cache = cache_lines(m.cfg, m.dtype, max(pp, tg + 1) + 1)
     click.echo(f"quantized GPU layers: {conv.gpu_weights}")
     click.echo(hot_line + "\n")
     for line in summary:
@@ -217,6 +220,9 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
         click.echo(f"CPU routed-expert compute {b['cpu_expert_compute_ms']:.2f} ms per step "
                    f"(runs while the shared experts compute)")
         click.echo(roofline_lines(read, b["step_ms"] / 1e3, bandwidth))
+    click.echo("")
+    for line in cache:
+        click.echo(line)
     lines = hit_ratio_lines(res["hits"], per_layer)
     if res["tier"]:
         from .tiered_experts import tier_lines

@@ -54,14 +54,18 @@ def _size(ctx, param, value):
 @click.option("--prefix-cache-ram", metavar="SIZE", callback=_size, default="4GiB", show_default=True,
               help="Byte budget of the CPU RAM tier (blocks evicted from the device; 0: none).")
 @click.option("--prefix-cache-device", metavar="SIZE", callback=_size, default=None,
-              help="Bytes of cached blocks no request uses kept on the compute device (default: what the KV pool "
-                   "has room for; it never grows for them).")
+              help="Bytes of cached blocks no request uses, and of recurrent-state snapshots (linear-attention "
+                   "models), kept on the compute device (default: blocks as the KV pool has room for, it never grows "
+                   "for them; up to --max-batch snapshots).")
+@click.option("--prefix-cache-state-every", metavar="TOKENS", type=click.IntRange(0), default=0, show_default=True,
+              help="Linear-attention models: also keep a state snapshot every TOKENS prompt tokens (0: only at the "
+                   "prompt's end, where prompts part from cached ones, and where a request stops).")
 @gpu_weights_option
 @hot_experts_options()
 @expert_ram_options
 def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests,
           tool_call_parser, reasoning_parser, reasoning_inline, no_timings_log, no_prefix_cache, prefix_cache_dir,
-          prefix_cache_disk, prefix_cache_ram, prefix_cache_device, gpu_weights, **hot):
+          prefix_cache_disk, prefix_cache_ram, prefix_cache_device, prefix_cache_state_every, gpu_weights, **hot):
     """Serve MODEL_DIR (a `ktconvert quantize` output) over the OpenAI API.
 
     Endpoints: GET /health (503 while loading, 200 when ready), GET /v1/models, POST /v1/completions,
@@ -70,7 +74,8 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
 
     Prefix cache (on unless --no-prefix-cache): the KV blocks of earlier prompts are reused by later requests
     with the same prefix (system prompt, conversation so far), from the device, the RAM tier or the disk tier;
-    usage.prompt_tokens_details.cached_tokens says how many prompt tokens were not prefilled.
+    usage.prompt_tokens_details.cached_tokens says how many prompt tokens were not prefilled. Linear-attention
+    models (Qwen3-Next, Qwen3.5-MoE) resume where a snapshot of their recurrent state was kept.
 
     \b
     Examples:
@@ -99,7 +104,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
 
         prefix = False if no_prefix_cache else PrefixCacheConfig(
             device_bytes=prefix_cache_device, ram_bytes=prefix_cache_ram, disk_dir=prefix_cache_dir,
-            disk_bytes=prefix_cache_disk)
+            disk_bytes=prefix_cache_disk, state_every=prefix_cache_state_every)
         return Engine(str(model_dir), ctx=ctx, max_batch=max_batch, device=device, verify=verify,
                       gpu_weights=gpu_weights, hot_experts=hot_opts, prefix_cache=prefix, expert_ram=ram_opts)
 

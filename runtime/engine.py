@@ -22,19 +22,26 @@ held in full cached KV blocks (left by earlier requests, on the device, in RAM o
 and only the rest is prefilled; `engine.cached_tokens[req_id]` says how many prompt tokens that saved, for the
 requests the latest step() prefilled. A new request whose next block an earlier request of the same step is about to
 compute waits one step and reuses it. Every full block a request completes (prompt or generated) is kept for later
-requests when it ends; its partial last block is freed.
+requests when it ends; its partial last block is freed. Families with linear attention resume only where a snapshot
+of their recurrent state was kept (ktrun.prefix_cache.cache says which block ends get one); requests of one step that
+share a prefix snapshot its end, the first computes it and the others wait one step.
+
+Memory: the KV cache (--ctx x --max-batch tokens at most) and the recurrent states (a fixed size per request) are
+planned at start (ktrun.cache_budget): a configuration that cannot fit the device's free memory is refused.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # effective only if torch is not loaded yet (see cli.py)
 
 import torch
 
+from .cache_budget import CacheBudgetError, CachePlan, states_per_engine
 from .generate import PREFILL_CHUNK, decode, prefill
 from .loaded_model import load_model
 from .models.kv_cache import KV_BLOCK_SIZE, Batch
@@ -42,7 +49,7 @@ from .prefix_cache import PrefixCache, PrefixCacheConfig
 from .sampling import SamplingParams, TokenLogprobs, prompt_logprobs
 from .sequence import Sequence
 
-__all__ = ["Engine", "PrefixCacheConfig", "RequestError", "SamplingParams", "StepOutput"]
+__all__ = ["CacheBudgetError", "Engine", "PrefixCacheConfig", "RequestError", "SamplingParams", "StepOutput"]
 
 
 PREFILL_BATCH_TOKENS = 512   # new prompts up to this many tokens in all are prefilled together in one forward
@@ -75,29 +82,35 @@ class Engine:
         ktrun.expert_ram_option.ExpertRamOptions, the routed experts' RAM tier); ctx: tokens per request (prompt +
         generated); max_batch: requests held at once; prefix_cache: True (default tiers: device + 4 GiB RAM), a
         PrefixCacheConfig (budgets, disk folder) or False (every prompt prefilled in full); kv_block_size: positions
-        per KV block (the granularity of prefix reuse)."""
+        per KV block (the granularity of prefix reuse). Raises CacheBudgetError when the KV cache of ctx x max_batch
+        tokens and the recurrent states cannot fit the device's free memory."""
         self.model_dir = Path(model_dir)
         t0 = time.perf_counter()
+        if prefix_cache is True:
+            prefix_cache = PrefixCacheConfig()
+        kv_states = states_per_engine(int(max_batch), bool(prefix_cache))
         self.loaded = load_model(self.model_dir, device=device, dtype=dtype, verify=verify, quiet=quiet,
                                  numa_prefault=numa_prefault, gpu_weights=gpu_weights, use_kernels=use_kernels,
                                  hot_experts=hot_experts, kv_tokens=int(ctx) * int(max_batch),
-                                 expert_ram=expert_ram)
+                                 expert_ram=expert_ram, kv_states=kv_states)
         self.converted, self.model, self.tokenizer = self.loaded.converted, self.loaded.model, self.loaded.tokenizer
         self.experts, self.eos_ids, self.model_name = self.model.experts, self.loaded.eos_ids, self.loaded.name
         self.ctx, self.max_batch = int(ctx), int(max_batch)
-        if self.ctx < 1 or self.max_batch < 1:
-            raise ValueError(f"ctx and max_batch must be >= 1 (got ctx={ctx}, max_batch={max_batch})")
-        self.model.set_kv_block_size(kv_block_size)
-        if prefix_cache is True:
-            prefix_cache = PrefixCacheConfig()
-        if self.model.has_recurrent_state:   # linear attention: a shared KV block holds no recurrent state to resume
-            prefix_cache = False
         try:
-            self.prefix_cache = PrefixCache(self.model.kv_pool, self._cache_identity(), prefix_cache) \
-                if prefix_cache else None
+            if self.ctx < 1 or self.max_batch < 1:
+                raise ValueError(f"ctx and max_batch must be >= 1 (got ctx={ctx}, max_batch={max_batch})")
+            self.model.set_kv_block_size(kv_block_size)
+            self.cache_plan = CachePlan.of(self.model.cfg, self.model.dtype, self.ctx, self.max_batch,
+                                           bool(prefix_cache))
+            self.cache_plan.check(self.model.device)
+            if prefix_cache and prefix_cache.device_states is None:
+                prefix_cache = replace(prefix_cache, device_states=self.max_batch)
+            self.prefix_cache = PrefixCache(self.model.kv_pool, self._cache_identity(), prefix_cache,
+                                            self.model.state_layout) if prefix_cache else None
         except BaseException:              # e.g. the disk tier's folder is in use: stop the expert threads first
             self.loaded.close()
             raise
+        self._state_bytes = 0
         self.cached_tokens: dict[str, int] = {}    # req_id -> prompt tokens taken from the cache, latest step()
         self._new: list[Sequence] = []
         self._running: dict[tuple[str, int], Sequence] = {}    # (req_id, choice index) -> its sequence
@@ -131,25 +144,46 @@ class Engine:
         """Drop a request (all its choices, or only choice `index`); its blocks go back to the pool (the full ones
         the prefix cache keys stay cached)."""
         for key in [k for k in self._running if k[0] == req_id and (index is None or k[1] == index)]:
-            self._running.pop(key).cache.release()
+            self._release(self._running.pop(key).cache)
         if index is None:
             for r in self._new:
                 if r.req_id == req_id:
-                    r.cache.release()
+                    self._release(r.cache)
             self._new = [r for r in self._new if r.req_id != req_id]
         else:
             for r in self._new:
                 if r.req_id == req_id:
                     r.followers = [f for f in r.followers if f.index != index]
+        self._count_states()
 
     def _n_sequences(self) -> int:
         return len(self._running) + sum(1 + len(r.followers) for r in self._new)
+
+    def _release(self, cache) -> None:
+        """A request's cache is done: the prefix cache keeps what it wants of it, the rest goes back to the pool."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.retire(cache)
+        cache.release()
 
     def kv_cache_bytes(self) -> int:
         """KV-cache bytes of the blocks requests hold (a block shared by several counts once; cached blocks no
         request holds are in prefix_cache_stats()). Read by /metrics from another thread: one int."""
         pool = self.model.kv_pool
         return pool.used * pool.block_bytes
+
+    def recurrent_state_bytes(self) -> int:
+        """Recurrent-state bytes requests hold (linear-attention layers: each request's state, and with the prefix
+        cache the state at its last block end); snapshots the cache keeps are in prefix_cache_stats(). Read by
+        /metrics from another thread: one int, updated by step() and abort()."""
+        return self._state_bytes
+
+    def _count_states(self) -> None:
+        layout = self.model.state_layout
+        if layout is None:
+            return
+        caches = [s.cache for s in self._running.values()] + [r.cache for r in self._new]
+        n = sum(bool(c.recurrent) + (c.tail is not None) for c in caches if c is not None)
+        self._state_bytes = n * layout.nbytes()
 
     def prefix_cache_stats(self) -> dict[str, int]:
         """Plain numbers for /metrics: hit/miss prompt tokens (hits by tier), bytes and blocks per tier, budgets."""
@@ -188,7 +222,7 @@ class Engine:
                                   first.get(id(s)) if first else None))
             if s.finish_reason:
                 self._running.pop((s.req_id, s.index), None)
-                s.cache.release()
+                self._release(s.cache)
                 self.stats["requests_finished"] += 1
             else:
                 self._running[s.req_id, s.index] = s
@@ -196,27 +230,39 @@ class Engine:
 
     def _match_prefixes(self, new: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """Attach each new request's cached prefix; -> (requests to prefill now, requests that wait one step because
-        an earlier one in this step computes their next block). A request asking for prompt logprobs prefills its
-        whole prompt (the cache holds KV, not the logits that score each prompt token)."""
+        an earlier one in this step computes their next block, or with recurrent layers the snapshot they would
+        resume from). A request asking for prompt logprobs prefills its whole prompt (the cache holds KV, not the
+        logits that score each prompt token)."""
         pc = self.prefix_cache
         if pc is None:
             return new, []
-        producing: set[bytes] = set()
+        recurrent = pc.states is not None
+        keyed = [pc.prompt_keys(r.prompt_ids) for r in new]
+        shared = _shared_blocks(keyed) if recurrent else [0] * len(new)
+        producing: set[bytes] = set()   # keys of the blocks (recurrent: of the snapshots) this step computes
         ready, wait = [], []
-        for r in new:
-            keys = pc.prompt_keys(r.prompt_ids)
+        for r, keys, sh in zip(new, keyed, shared):
             if r.params.prompt_logprobs is not None:
-                producing.update(keys)
+                pc.plan_snapshots(r.cache, r.prompt_ids, sh)
+                producing.update(self._produces(r, keys))
                 ready.append(r)
                 continue
-            n = pc.cached_prefix_blocks(keys)
-            if n < len(keys) and keys[n] in producing:
+            n = pc.usable_prefix_blocks(keys)
+            if any(k in producing for k in keys[n:]) if recurrent else (n < len(keys) and keys[n] in producing):
                 wait.append(r)
                 continue
-            r.cached_tokens = pc.match(r.cache, r.prompt_ids, keys)
-            producing.update(keys[r.cached_tokens // pc.block_size:])
+            r.cached_tokens = pc.match(r.cache, r.prompt_ids, keys, sh)
+            producing.update(self._produces(r, keys))
             ready.append(r)
         return ready, wait
+
+    def _produces(self, r: Sequence, keys: list[bytes]) -> list[bytes]:
+        """Keys a request's prefill makes: its blocks past the cached prefix, or (recurrent) the blocks it snapshots
+        the end of."""
+        B = self.prefix_cache.block_size
+        if self.prefix_cache.states is not None:
+            return [keys[p // B - 1] for p in r.cache.snap_at]
+        return keys[r.cached_tokens // B:]
 
     def _publish(self, seqs: list[Sequence]) -> None:
         if self.prefix_cache is not None:
@@ -275,6 +321,7 @@ class Engine:
             self._emit(decoding, logits, out)
         self.stats.update(self.experts.stats)
         self.stats["expert_wait_s"] = self.model.timing["expert_wait_s"]
+        self._count_states()
         return out
 
     def close(self) -> None:
@@ -285,3 +332,18 @@ class Engine:
             self.prefix_cache.flush()
             self.prefix_cache.close()
         self.loaded.close()
+
+
+def _shared_blocks(keyed: list[list[bytes]]) -> list[int]:
+    """For each request of a step: the most leading blocks it shares with another request of the step."""
+    out = []
+    for i, a in enumerate(keyed):
+        best = 0
+        for j, b in enumerate(keyed):
+            if i != j:
+                n = 0
+                while n < min(len(a), len(b)) and a[n] == b[n]:
+                    n += 1
+                best = max(best, n)
+        out.append(best)
+    return out

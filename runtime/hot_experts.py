@@ -11,8 +11,6 @@ slots without a profile) and keeps each layer's number of hot experts, swapping 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from ktlayouts.converted_dir import ExpertGeometry
 from ktlayouts.expert_gpu import hot_expert_nbytes
@@ -21,19 +19,12 @@ from ktlayouts.expert_profile import ExpertProfile, ProfileError
 from ktlayouts.files import sha256_file
 
 from .byte_sizes import human
+from .cache_budget import kv_bytes_per_token, state_bytes_per_request
 from .dynamic_experts import DynamicExperts
 from .expert_placement import HotExpertOptions, PlacementError, plan_placement
 from .expert_residency import ExpertResidency
 from .hot_expert_store import HotExpertError, HotExpertStore, resolve_format
 from .hybrid_experts import HybridExperts
-from .models import arch_module, cache_layers
-
-
-def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
-    """KV-cache bytes one token takes in every layer (the family's cache widths)."""
-    widths = arch_module(cfg.model_type).cache_widths(cfg)
-    return cache_layers(arch_module(cfg.model_type), cfg) * sum(math.prod(w) for w in widths) * \
-        torch.finfo(dtype).bits // 8
 
 
 def dense_device_bytes(converted) -> int:
@@ -54,8 +45,10 @@ def _written_placement(converted) -> ExpertPlacement | None:
         raise PlacementError(str(e)) from None
 
 
-def resolve_placement(converted, opts: HotExpertOptions, kv_tokens: int = 4096) -> tuple[ExpertPlacement | None, str]:
-    """(the placement to apply or None, the GPU format) for a loaded conversion."""
+def resolve_placement(converted, opts: HotExpertOptions, kv_tokens: int = 4096,
+                      kv_states: int = 1) -> tuple[ExpertPlacement | None, str]:
+    """(the placement to apply or None, the GPU format) for a loaded conversion. The --gpu-mem plan leaves room
+    for kv_tokens tokens of KV cache (unless --kv-mem says) and kv_states recurrent states (linear attention)."""
     geo: ExpertGeometry = converted.geometry
     cfg = converted.config
     profile = None
@@ -80,8 +73,17 @@ def resolve_placement(converted, opts: HotExpertOptions, kv_tokens: int = 4096) 
         if opts.budget.gpu_mem is not None:
             kv = opts.budget.kv_mem if opts.budget.kv_mem is not None else kv_tokens * kv_bytes_per_token(
                 cfg, converted.dtype)
-            fit, plan = fit_hot_experts(opts.budget.gpu_mem, dense_device_bytes(converted), kv,
-                                        hot_expert_nbytes(geo, fmt, cfg.expert_activation.bias))
+            state = kv_states * state_bytes_per_request(cfg, converted.dtype)
+            dense = dense_device_bytes(converted)
+            fit, plan = fit_hot_experts(opts.budget.gpu_mem, dense, kv,
+                                        hot_expert_nbytes(geo, fmt, cfg.expert_activation.bias), state_bytes=state)
+            if dense + kv + state + plan["reserve"] > opts.budget.gpu_mem:
+                raise PlacementError(
+                    f"--gpu-mem {human(opts.budget.gpu_mem)} cannot hold the dense weights ({human(dense)}) + the KV "
+                    f"cache ({human(kv)}: {'--kv-mem' if opts.budget.kv_mem is not None else f'{kv_tokens} tokens'})"
+                    + (f" + the recurrent state ({human(state)}: {kv_states} requests' linear-attention layers)"
+                       if state else "")
+                    + f" + the {human(plan['reserve'])} reserve: raise --gpu-mem or lower --ctx / --max-batch")
         strategy = opts.strategy if profile is not None or opts.strategy == "uniform" else "uniform"
         if profile is None and opts.strategy != "uniform" and not opts.dynamic:
             raise PlacementError(f"--placement {opts.strategy} chooses experts from a profile: give --profile P "
@@ -99,11 +101,11 @@ def resolve_placement(converted, opts: HotExpertOptions, kv_tokens: int = 4096) 
     return None, fmt
 
 
-def build_hot_executor(converted, cpu, opts: HotExpertOptions | None, kv_tokens: int = 4096):
+def build_hot_executor(converted, cpu, opts: HotExpertOptions | None, kv_tokens: int = 4096, kv_states: int = 1):
     """The executor for these options: `cpu` itself without hot experts, else a HybridExperts over it."""
     if opts is None:
         opts = HotExpertOptions()
-    placement, fmt = resolve_placement(converted, opts, kv_tokens)
+    placement, fmt = resolve_placement(converted, opts, kv_tokens, kv_states)
     if placement is None:
         return cpu
     geo = converted.geometry

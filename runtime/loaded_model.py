@@ -83,11 +83,12 @@ def _tiered_executor(converted, opts, use_kernels, hot_experts):
 def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = None, verify: bool = False,
                quiet: bool = True, numa_prefault: bool = False, gpu_weights: str = "auto",
                use_kernels: bool | None = None, hot_experts: HotExpertOptions | None = None,
-               kv_tokens: int = 4096, expert_ram=None) -> LoadedModel:
+               kv_tokens: int = 4096, expert_ram=None, kv_states: int = 1) -> LoadedModel:
     """Open MODEL_DIR (ktrun.loader.load_converted: validated, experts mapped, dense layers placed), build the
     routed-expert executor (kernels when available; use_kernels=False: the torch reference) and the model forward.
     hot_experts: which experts run on the GPU (ktrun.hot_experts; None: the conversion's own placement, if any);
-    kv_tokens: the KV budget a --gpu-mem plan leaves room for, unless it states one.
+    kv_tokens: the KV budget a --gpu-mem plan leaves room for, unless it states one; kv_states: the recurrent
+    states (linear-attention layers, a fixed size per request) it leaves room for.
     expert_ram: ktrun.expert_ram_option.ExpertRamOptions: routed experts in a RAM tier of that budget, the rest read
     from the expert files on demand (ktrun.expert_tier; needs the kernels).
     dtype of the dense part: None = bfloat16 on CUDA, float32 on the CPU. Raises LoadError / ConfigError /
@@ -101,7 +102,7 @@ def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = N
         cpu = _tiered_executor(converted, expert_ram, use_kernels, hot_experts)
         if hot_experts is not None and not (hot_experts.budget.given or hot_experts.dynamic):
             hot_experts = None            # --profile alone with --expert-ram: it seeds the tier, places nothing
-    experts = build_hot_executor(converted, cpu, hot_experts, kv_tokens)
+    experts = build_hot_executor(converted, cpu, hot_experts, kv_tokens, kv_states)
     model = MoEModel(converted.config, converted.dense, experts, converted.device, converted.dtype)
     tokenizer = Tokenizer(root)
     return LoadedModel(model, tokenizer, eos_ids_of(root, converted.config, tokenizer), converted)

@@ -1,8 +1,9 @@
 """The hybrid families (gated DeltaNet linear attention beside gated full attention: Qwen3-Next and Qwen3.5-MoE's
 text model) in ktrun against transformers: logits of a 4-layer stack (three DeltaNet layers, one full-attention
 layer) prefilled across chunk boundaries and decoded token by token, the per-request recurrent state through the
-Engine (batching, n > 1 choices, no prefix reuse), KV blocks only for full-attention layers, the bf16 forward, and
-GPTQ calibrated through transformers' own hybrid decoder layers. The delta rule itself is checked against
+Engine (batching, n > 1 choices), KV blocks only for full-attention layers, the recurrent state planned, reported and
+refused when it cannot fit, the bf16 forward, and GPTQ calibrated through transformers' own hybrid decoder layers.
+Prefix reuse (from recurrent-state snapshots) is tested with every family in tests/test_runtime_prefix_cache.py. The delta rule itself is checked against
 transformers in tests/test_qwen3_next.py; Qwen3.5's release layout in tests/test_qwen3_5_moe.py."""
 from __future__ import annotations
 
@@ -74,10 +75,11 @@ def _generate(eng: Engine, prompts: dict[str, list[int]], n_tokens: int, n: int 
 
 def test_engine_state_is_per_request(four_layers):
     """Requests of different lengths decoded together equal their solo runs; n=2 greedy choices (forked state)
-    equal one; 32 greedy tokens are transformers' argmax; the prefix cache is off (no state to resume)."""
+    equal one; 32 greedy tokens are transformers' argmax (with the prefix cache on: the repeats below resume from
+    its snapshots)."""
     _name, _src, conv, ref = four_layers
     eng = Engine(conv, ctx=512, max_batch=4, use_kernels=False)
-    assert eng.prefix_cache is None and eng.model.has_recurrent_state
+    assert eng.prefix_cache is not None and eng.model.has_recurrent_state
     tok = eng.tokenizer
     prompts = {"short": tok.encode("fox"), "long": tok.encode(" ".join([PROMPT] * 3)), "mid": tok.encode(PROMPT)}
     alone = {k: _generate(eng, {k: v}, 32)[k, 0] for k, v in prompts.items()}
@@ -112,6 +114,53 @@ def test_kv_blocks_only_for_full_attention_layers(four_layers):
     assert eng.model.kv_pool.layout.num_layers == 1
     assert kv_bytes_per_token(cfg, torch.float32) == 2 * cfg.num_kv_heads * cfg.head_dim * 4
     eng.close()
+
+
+def test_recurrent_state_is_planned_reported_and_refused(four_layers):
+    """The state of the 3 DeltaNet layers (conv window + S per layer) per request: in the Engine's plan (3 per
+    request slot with the prefix cache: each request's, its last block end's, the cache's device snapshots), in
+    recurrent_state_bytes() while a request runs, in the --gpu-mem plan, in `ktrun bench`; an Engine whose states
+    cannot fit the free memory is refused with the numbers."""
+    import subprocess
+
+    from ktrun.cache_budget import CacheBudgetError, available_bytes
+    from ktrun.expert_placement import Budget, HotExpertOptions, PlacementError
+    from ktrun.hot_experts import dense_device_bytes, kv_bytes_per_token, resolve_placement
+    from runtime_helpers import KTRUN
+
+    _name, _src, conv, _ref = four_layers
+    eng = Engine(conv, ctx=256, max_batch=2, use_kernels=False)
+    cfg, la = eng.model.cfg, eng.model.cfg.linear_attention
+    sb = 3 * ((la.conv_kernel - 1) * la.conv_dim * 4 + la.num_v_heads * la.k_head_dim * la.v_head_dim * 4)
+    plan = eng.cache_plan
+    assert plan.state_per_request == sb == eng.model.state_layout.nbytes() and plan.states == 3 * 2
+    assert plan.kv_bytes == 256 * 2 * kv_bytes_per_token(cfg, torch.float32) and plan.total == plan.kv_bytes + 6 * sb
+    eng.add_request("a", list(range(5, 35)), SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.step()
+    assert eng.recurrent_state_bytes() == sb                  # 30 tokens committed: no new block end crossed
+    eng.step()
+    eng.step()
+    assert eng.recurrent_state_bytes() == 2 * sb              # 32: + the state at that block end (kept at its end)
+    eng.abort("a")
+    assert eng.recurrent_state_bytes() == 0
+
+    c = eng.converted                                         # --gpu-mem leaves room for the states as well
+    dense, kv = dense_device_bytes(c), 256 * kv_bytes_per_token(cfg, c.dtype)
+    opts = HotExpertOptions(budget=Budget(gpu_mem=int((dense + kv + 20 * sb) / 0.95)), strategy="uniform")
+    placement, _fmt = resolve_placement(c, opts, kv_tokens=256, kv_states=4)
+    assert placement.budget["plan"]["state_mem"] == 4 * sb
+    with pytest.raises(PlacementError, match=r"recurrent state .*: 40 requests' linear-attention layers"):
+        resolve_placement(c, opts, kv_tokens=256, kv_states=40)
+    eng.close()
+
+    huge = 2 * available_bytes("cpu") // sb                   # states alone twice the free memory
+    with pytest.raises(CacheBudgetError, match=r"recurrent state .* cannot fit .* lower --max-batch or --ctx"):
+        Engine(conv, ctx=16, max_batch=huge, use_kernels=False, prefix_cache=False)
+    r = subprocess.run([*KTRUN, "bench", str(conv), "--pp", "8", "--tg", "2", "--reps", "1", "--reference-experts"],
+                       check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"recurrent_state_per_request: {sb} bytes (3 linear-attention layers)" in r.stdout, r.stdout
+    assert f"kv_cache_per_token: {kv_bytes_per_token(cfg, torch.float32)} bytes (1 layer with KV)" in r.stdout
 
 
 def _prompt_logits(conv, prompt: str, dtype=torch.float32) -> torch.Tensor:

@@ -4,7 +4,12 @@ inside a block, a multi-turn conversation (the generated reply's blocks are reus
 added together and joining mid-decode, blocks evicted to RAM and disk and brought back, a restart with a warm disk
 tier, and corrupted disk blocks (detected, recomputed, never used). RAM and disk bytes are measured independently of
 the tiers' own counters (tensor bytes held, file sizes in the folder) after every step; finished requests leave
-only keyed full blocks behind."""
+only keyed full blocks behind.
+
+The linear-attention families (Qwen3-Next, Qwen3.5-MoE) resume only where a snapshot of their recurrent state was
+kept (ktrun.prefix_cache.cache): where that makes them reuse less than the others the test says so (RECURRENT), and
+it also checks their snapshots: taken where a prompt parts from a cached one, evicted and brought back with the
+blocks, counted in every tier's budget (the device's too), corrupted on disk (detected, resumed from an earlier one)."""
 from __future__ import annotations
 
 import random
@@ -12,9 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from ktlayouts import kv_block_file as kvf
 from ktrun.engine import Engine, PrefixCacheConfig, SamplingParams
 from ktrun.generate import generate
 from ktrun.models.kv_cache import MAX_RUNS, Batch
+from ktrun.prefix_cache.keys import state_key
 from runtime_helpers import converted
 
 from ktconvert.testing import ARCHS  # every registered family (tests/test_families.py)
@@ -46,13 +53,10 @@ def run(eng: Engine, reqs: dict[str, list[int]], n: int = N_GEN, stagger: bool =
     return {k: (out[k], cached[k]) for k in reqs}
 
 
-# Linear-attention families keep a recurrent state per request that KV blocks cannot restore: the Engine turns the
-# prefix cache off for them (tests/test_qwen3_next.py and test_qwen3_5_moe.py check that); every other family is
-# tested here.
-CACHED_ARCHS = tuple(a for a in ARCHS if a not in ("qwen3_next", "qwen3_5_moe"))
+RECURRENT = ("qwen3_next", "qwen3_5_moe")    # linear attention: a recurrent state per request
 
 
-@pytest.fixture(scope="module", params=CACHED_ARCHS)
+@pytest.fixture(scope="module", params=ARCHS)
 def family(request, tmp_path_factory):
     conv = converted(tmp_path_factory, request.param, "bf16")
     base = Engine(conv, ctx=CTX, max_batch=8, prefix_cache=False)
@@ -78,7 +82,10 @@ def test_cached_outputs_equal_uncached(family):
     got = run(eng, {"again": reqs["again"]})["again"]                # every full block but the one holding the last
     assert got == (want["again"], (len(reqs["again"]) - 1) // B * B)  # prompt token comes from the cache
     got = run(eng, {"partial": reqs["partial"]})["partial"]          # shares 5 full blocks + 3 tokens of the 6th
-    assert got == (want["partial"], 5 * B)
+    recurrent = arch in RECURRENT        # no snapshot at 5 blocks yet: computed, and one kept where it parts
+    assert got == (want["partial"], 0 if recurrent else 5 * B)
+    third = system + prompt(rng, 5)                                  # another question after the same system prompt
+    assert run(eng, {"third": third})["third"] == (reference(base, {"third": third})["third"], 5 * B)
 
     # a second turn: the first turn's prompt + its reply + a new message; the reply's blocks are cached too
     turn2 = reqs["cold"] + want["cold"] + prompt(rng, 6)
@@ -103,7 +110,12 @@ def test_cached_outputs_equal_uncached(family):
     s = eng.prefix_cache_stats()                                     # (the pool reclaims cached blocks, to RAM,
     assert s["hit_tokens"] == s["hit_tokens_device"] + s["hit_tokens_ram"] > 0   # before it grows)
     assert s["hit_tokens_device"] > 0 and s["disk_blocks"] == 0
-    assert eng.model.kv_pool.used == 0 and eng.kv_cache_bytes() == 0
+    assert eng.model.kv_pool.used == 0 and eng.kv_cache_bytes() == 0 and eng.recurrent_state_bytes() == 0
+    if recurrent:               # every hit resumed from a snapshot; at most max_batch of them stay on the device
+        assert s["hit_states_device"] + s["hit_states_ram"] == 1 + 1 + 1 + 3 + 4, s   # again, third, turn 2, g, j
+        assert s["device_states"] <= eng.max_batch and s["state_bytes"] == eng.model.state_layout.nbytes()
+    else:
+        assert s["state_bytes"] == 0 and s["saved_states"] == 0
     eng.close()
 
 
@@ -119,7 +131,7 @@ def test_no_prefix_cache_computes_everything(family):
 
 def measured_ram_bytes(eng: Engine) -> int:
     """Bytes of host memory the RAM tier has allocated (held or not), counted from its tensors' storages."""
-    return sum(t.untyped_storage().nbytes() for chunk in eng.prefix_cache.ram._chunks for t in chunk)
+    return sum(chunk.untyped_storage().nbytes() for chunk in eng.prefix_cache.ram._chunks)
 
 
 def measured_disk_bytes(folder: Path) -> int:
@@ -127,20 +139,39 @@ def measured_disk_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name != ".lock")
 
 
+def measured_device_bytes(eng: Engine) -> int:
+    """Device bytes the cache holds beyond what requests use: its blocks no request references (the pool's own
+    reference counts) and the storage of its snapshots' tensors."""
+    pc, pool = eng.prefix_cache, eng.model.kv_pool
+    states = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for data, _ in pc.dev_states.values() for t in data}
+    return sum(pool.ref[b] == 0 for b in pc.key_of) * pool.block_bytes + sum(states.values())
+
+
+def budget_check(eng: Engine, folder: Path | None, budgets: dict[str, int]):
+    """A check() for run(): every tier's measured bytes within its budget after each step; -> (check, peaks)."""
+    peaks = dict.fromkeys(budgets, 0)
+
+    def check():
+        got = {"device": measured_device_bytes(eng), "ram": measured_ram_bytes(eng),
+               "disk": measured_disk_bytes(folder) if folder is not None else 0}
+        for t in budgets:
+            peaks[t] = max(peaks[t], got[t])
+        assert all(peaks[t] <= budgets[t] for t in budgets), (peaks, budgets)
+    return check, peaks
+
+
 def test_eviction_to_ram_and_disk_and_back_within_budgets(family, tmp_path):
-    _arch, conv, base = family
+    arch, conv, base = family
+    recurrent = arch in RECURRENT
     block = base.model.cache_layout(B).block_numel() * base.model.dtype.itemsize
-    ram_budget = 3 * block + block // 2                              # 3 blocks fit, never 4
-    disk_budget = 7 * (block + 1024)                                 # about 7 block files (header ~0.3 KiB)
+    sb = base.model.state_layout.nbytes() if recurrent else 0
+    ram_budget = 3 * block + block // 2                              # 3 blocks fit, never 4 (nor a snapshot)
+    disk_budget = 7 * (block + 1024) + 2 * (sb + 2048)                # ~7 block files (+ 2 snapshots; header ~0.3 KiB)
     folder = tmp_path / "kv"
     cfg = PrefixCacheConfig(device_bytes=0, ram_bytes=ram_budget, disk_dir=folder, disk_bytes=disk_budget)
     eng = Engine(conv, ctx=CTX, max_batch=8, kv_block_size=B, prefix_cache=cfg)
-    peaks = {"ram": 0, "disk": 0}
-
-    def check():
-        peaks["ram"] = max(peaks["ram"], measured_ram_bytes(eng))
-        peaks["disk"] = max(peaks["disk"], measured_disk_bytes(folder))
-        assert peaks["ram"] <= ram_budget and peaks["disk"] <= disk_budget, (peaks, ram_budget, disk_budget)
+    check, _peaks = budget_check(eng, folder, {"device": 0, "ram": ram_budget, "disk": disk_budget})
 
     rng = random.Random(3)
     ids = prompt(rng, 6 * B + 2)                     # + N_GEN tokens: 7 full blocks, the newest 3 in RAM, 4 on disk
@@ -149,10 +180,13 @@ def test_eviction_to_ram_and_disk_and_back_within_budgets(family, tmp_path):
     assert eng.model.kv_pool.block_bytes == block
     s = eng.prefix_cache_stats()
     assert s["device_blocks"] == 0 and s["ram_blocks"] == 3 and s["disk_blocks"] == 4, s
+    # + 2 snapshots (the prompt's 6th block end, the reply's 7th), larger than the RAM budget: straight to disk
+    assert s["device_states"] == s["ram_states"] == 0 and s["disk_states"] == 2 * recurrent, s
     got = run(eng, {"x2": ids}, check=check)["x2"]                   # back from RAM and disk, not recomputed
     assert got == (want, 6 * B)
     s = eng.prefix_cache_stats()
     assert s["hit_tokens_ram"] > 0 and s["hit_tokens_disk"] > 0 and s["hit_tokens_device"] == 0, s
+    assert s["hit_states_disk"] == recurrent
 
     # many other prompts push everything through both tiers; the budgets hold throughout
     others = {f"o{i}": prompt(rng, 3 * B + i) for i in range(6)}
@@ -169,10 +203,35 @@ def test_eviction_to_ram_and_disk_and_back_within_budgets(family, tmp_path):
     assert measured_disk_bytes(folder) <= disk_budget
 
 
+@pytest.mark.parametrize("family", ("deepseek_v3", *RECURRENT), indirect=True)   # (MLA and both state layouts)
+def test_device_budget_counts_blocks_and_snapshots(family):
+    """--prefix-cache-device: unused blocks and (linear attention) snapshots on the device stay within it, least
+    recently used first out, measured after every step."""
+    arch, conv, base = family
+    block = base.model.cache_layout(B).block_numel() * base.model.dtype.itemsize
+    sb = base.model.state_layout.nbytes() if arch in RECURRENT else 0
+    budget = 4 * block + sb + block // 2
+    eng = Engine(conv, ctx=CTX, max_batch=8, kv_block_size=B,
+                 prefix_cache=PrefixCacheConfig(device_bytes=budget, ram_bytes=1 << 20))
+    check, peaks = budget_check(eng, None, {"device": budget, "ram": 1 << 20})
+    rng = random.Random(19)
+    reqs = {f"d{i}": prompt(rng, 2 * B + 5 * i) for i in range(3)}
+    want = reference(base, reqs)
+    again = {f"{k}'": v for k, v in reqs.items()}
+    assert {k: v[0] for k, v in run(eng, reqs, check=check).items()} == want
+    got = run(eng, again, check=check)
+    assert {k[:-1]: v[0] for k, v in got.items()} == want and sum(v[1] for v in got.values()) > 0
+    s = eng.prefix_cache_stats()
+    assert 0 < peaks["device"] <= budget and s["device_unused_bytes"] <= budget and s["evicted_blocks_device"] > 0
+    eng.close()
+
+
 def test_restart_with_warm_disk_tier_and_corrupted_blocks(family, tmp_path):
-    _arch, conv, base = family
+    arch, conv, base = family
+    recurrent = arch in RECURRENT
     folder = tmp_path / "kv"
-    cfg = PrefixCacheConfig(ram_bytes=1 << 20, disk_dir=folder, disk_bytes=64 << 20)
+    # (linear attention: a snapshot every 2 blocks, so a prefix cut short by a corrupt block resumes at an even one)
+    cfg = PrefixCacheConfig(ram_bytes=1 << 20, disk_dir=folder, disk_bytes=64 << 20, state_every=2 * B)
     rng = random.Random(5)
     ids = prompt(rng, 6 * B + 5)
     want = reference(base, {"x": ids})["x"]
@@ -180,7 +239,7 @@ def test_restart_with_warm_disk_tier_and_corrupted_blocks(family, tmp_path):
     assert run(first, {"x": ids})["x"] == (want, 0)
     first.close()                                                    # shutdown writes the cached blocks to disk
     files = sorted(folder.rglob("*.kvblock"))
-    assert len(files) >= 6
+    assert len(files) >= 6 and len(list(folder.rglob("*.kvstate"))) == (4 if recurrent else 0)   # 2, 4, 6, 7 blocks
 
     # a new engine on the same folder (a restart) reuses them from disk
     second = Engine(conv, ctx=CTX, max_batch=4, kv_block_size=B, prefix_cache=cfg)
@@ -188,16 +247,18 @@ def test_restart_with_warm_disk_tier_and_corrupted_blocks(family, tmp_path):
     assert second.prefix_cache_stats()["hit_tokens_disk"] == 6 * B
     second.close()
 
-    # corrupt the 4th block's file (one flipped payload byte): the first 3 blocks are reused, the rest recomputed
+    # corrupt the 4th block's file (one flipped payload byte): the first 3 blocks are reused (linear attention: 2,
+    # the last snapshot before it), the rest recomputed
     keys = second.prefix_cache.prompt_keys(ids)
     victim = folder / keys[3].hex()[:2] / f"{keys[3].hex()}.kvblock"
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     victim.write_bytes(bytes(raw))
     third = Engine(conv, ctx=CTX, max_batch=4, kv_block_size=B, prefix_cache=cfg)
-    assert run(third, {"z": ids})["z"] == (want, 3 * B)
+    n = 2 * B if recurrent else 3 * B
+    assert run(third, {"z": ids})["z"] == (want, n)
     s = third.prefix_cache_stats()
-    assert s["disk_corrupt_blocks"] == 1 and s["hit_tokens_disk"] == 3 * B
+    assert s["disk_corrupt_blocks"] == 1 and s["hit_tokens_disk"] == n
     assert not victim.exists() or victim.read_bytes() != bytes(raw)   # deleted (later rewritten from the recompute)
     third.close()
 
@@ -205,7 +266,7 @@ def test_restart_with_warm_disk_tier_and_corrupted_blocks(family, tmp_path):
     path = [folder / k.hex()[:2] / f"{k.hex()}.kvblock" for k in keys]
     path[1].write_bytes(path[0].read_bytes())
     fourth = Engine(conv, ctx=CTX, max_batch=4, kv_block_size=B, prefix_cache=cfg)
-    assert run(fourth, {"w": ids})["w"] == (want, B)
+    assert run(fourth, {"w": ids})["w"] == (want, 0 if recurrent else B)
     assert fourth.prefix_cache_stats()["disk_corrupt_blocks"] == 1   # the chain stops at the first bad block
     fourth.close()
     path[2].write_bytes(path[2].read_bytes()[:100])
@@ -213,6 +274,22 @@ def test_restart_with_warm_disk_tier_and_corrupted_blocks(family, tmp_path):
     assert run(fifth, {"v": ids})["v"] == (want, 2 * B)             # block 1 was rewritten by the recompute
     assert fifth.prefix_cache_stats()["disk_corrupt_blocks"] == 1
     fifth.close()
+    if not recurrent:
+        return
+
+    # a corrupted snapshot (one flipped bit of the one at 6 blocks): resumed from the one at 4, the 6th recomputed
+    snap = folder / kvf.relpath(state_key(keys[5]).hex(), kvf.STATE_SUFFIX)
+    raw = bytearray(snap.read_bytes())
+    raw[-5] ^= 0x01
+    snap.write_bytes(bytes(raw))
+    sixth = Engine(conv, ctx=CTX, max_batch=4, kv_block_size=B, prefix_cache=cfg)
+    assert run(sixth, {"u": ids})["u"] == (want, 4 * B)
+    s = sixth.prefix_cache_stats()
+    assert s["disk_corrupt_blocks"] == 1 and s["hit_states_disk"] == 1
+    sixth.close()
+    seventh = Engine(conv, ctx=CTX, max_batch=4, kv_block_size=B, prefix_cache=cfg)
+    assert run(seventh, {"t": ids})["t"] == (want, 6 * B) and snap.read_bytes() != bytes(raw)
+    seventh.close()
 
 
 def test_finished_requests_keep_only_keyed_full_blocks(family):
@@ -241,8 +318,9 @@ def test_finished_requests_keep_only_keyed_full_blocks(family):
 
 def test_block_runs_and_gathered_blocks_give_the_same_logits(family):
     """Attention over a cache whose blocks are one run, two runs (a shared prefix) or scattered past MAX_RUNS (one
-    gathered copy) gives the same logits as the contiguous case."""
-    _arch, _conv, base = family
+    gathered copy) gives the same logits as the contiguous case. (Linear attention: the shared prefix's state is the
+    snapshot the first forward recorded at its end, the recurrence split there.)"""
+    arch, _conv, base = family
     model = base.model
     Bp = model.kv_pool.block_size                                   # the default block size, here
     rng = random.Random(13)
@@ -252,7 +330,9 @@ def test_block_runs_and_gathered_blocks_give_the_same_logits(family):
         return model.forward(Batch.build([(cache, toks)], model.device), all_logits=True)
 
     one = model.new_cache(CTX)
+    one.snap_at.add(2 * Bp)
     want = logits(one, ids)
+    assert set(one.snaps) == ({2 * Bp} if arch in RECURRENT else set())
     assert len(one._runs) == 1
     scattered, other = model.new_cache(CTX), model.new_cache(CTX)
     for i in range(1, len(ids) // Bp + 2):
@@ -266,6 +346,7 @@ def test_block_runs_and_gathered_blocks_give_the_same_logits(family):
     for b in one.blocks[:2]:
         model.kv_pool.retain(b)
     two.adopt(one.blocks[:2], ids[:2 * Bp], [])
+    two.recurrent = dict(one.snaps.get(2 * Bp, {}))
     got = logits(two, ids[2 * Bp:])
     assert len(two._runs) == 2
     torch.testing.assert_close(got, want[2 * Bp:], rtol=1e-3, atol=2e-3)

@@ -1,7 +1,8 @@
 """The pieces of the prefix cache without a model: the KV BlockPool (reference counts, consecutive allocation, growth
-keeping data), the RAM tier (byte budget, LRU), the disk tier (round trip of token and per-block state tensors, LRU
-order kept across a reopen, budget trimmed at start, interrupted writes cleaned up, one server per folder), block keys
-(a chain over the whole prefix and the model identity), and the block file container (ktlayouts.kv_block_file)."""
+keeping data), the RAM tier (byte budget, LRU, state snapshots laid across block slots in the same budget), the disk
+tier (round trip of KV blocks and state snapshots of mixed dtypes, LRU order kept across a reopen, budget trimmed at
+start, interrupted writes cleaned up, one server per folder), block and state keys (a chain over the whole prefix and
+the model identity), and the file container (ktlayouts.kv_block_file)."""
 from __future__ import annotations
 
 import hashlib
@@ -9,19 +10,27 @@ import hashlib
 import pytest
 import torch
 from ktlayouts import kv_block_file as kvf
-from ktrun.models.kv_cache import BlockLayout, BlockPool, SeqCache
+from ktrun.models.kv_cache import BlockLayout, BlockPool, SeqCache, StateLayout
 from ktrun.prefix_cache import DiskTierError, PrefixCache, PrefixCacheConfig
+from ktrun.prefix_cache.cache import block_kind, state_kind
 from ktrun.prefix_cache.disk_tier import DiskTier
-from ktrun.prefix_cache.keys import chain_keys, identity_digest, root_key
+from ktrun.prefix_cache.keys import chain_keys, identity_digest, root_key, state_key
 from ktrun.prefix_cache.ram_tier import RamTier, data_bytes
 
-# a layout with a per-block state snapshot next to the KV rows (what a linear-attention family would add)
-LAYOUT = BlockLayout(num_layers=2, token_shapes=((6,), (2, 3)), block_size=4, state_shapes=((3, 3),))
+LAYOUT = BlockLayout(num_layers=2, token_shapes=((6,), (2, 3)), block_size=4)
+BLOCK = block_kind(BlockPool(LAYOUT, torch.float32, "cpu"))
+# a recurrent state of two layers, each a bf16 window (21 elements: the float32 state after it is not 4-byte aligned)
+# and a float32 state: 484 bytes, more than one 384-byte block slot
+STATE = state_kind(StateLayout((0, 2), ((3, 7), (2, 5, 5)), (torch.bfloat16, torch.float32)))
 
 
-def block(seed: int) -> list[torch.Tensor]:
+def block(seed: int, kind=BLOCK) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g) for s in LAYOUT.block_shapes()]
+    return [torch.randn(s, generator=g).to(d) for s, d in zip(kind.shapes, kind.dtypes)]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
 
 
 def key(i: int) -> bytes:
@@ -29,8 +38,7 @@ def key(i: int) -> bytes:
 
 
 def disk(folder, budget=1 << 20) -> DiskTier:
-    return DiskTier(folder, budget, "ab" * 32, LAYOUT.describe(), LAYOUT.block_shapes(), len(LAYOUT.token_shapes),
-                    torch.float32)
+    return DiskTier(folder, budget, "ab" * 32, [BLOCK, STATE])
 
 
 def test_pool_refcounts_consecutive_allocation_and_growth():
@@ -56,30 +64,56 @@ def test_pool_refcounts_consecutive_allocation_and_growth():
 
 def test_ram_tier_budget_and_lru():
     n = data_bytes(block(0))
-    ram = RamTier(3 * n + n // 2, LAYOUT.block_shapes(), torch.float32)
+    ram = RamTier(3 * n + n // 2, BLOCK)
     spilled = []
 
-    def spill(k, data):
-        spilled.append((k, [t.clone() for t in data]))
+    def spill(k, data, kind):
+        spilled.append((k, [t.clone() for t in data], kind))
 
-    assert all(ram.store(key(i), block(i), spill) for i in range(3)) and not spilled
+    assert all(ram.store(key(i), block(i), spill, BLOCK) for i in range(3)) and not spilled
     out = [torch.empty(s) for s in LAYOUT.block_shapes()]
-    assert ram.load(key(0), out) and all(torch.equal(a, b) for a, b in zip(out, block(0)))   # back to the device
-    ram.store(key(0), block(0), spill)                     # now the newest
-    ram.store(key(3), block(3), spill)                     # full: the oldest (1) spills, with its data
-    assert [k for k, _ in spilled] == [key(1)] and all(torch.equal(a, b) for a, b in zip(spilled[0][1], block(1)))
+    assert ram.load(key(0), out) and same(out, block(0))        # back to the device
+    ram.store(key(0), block(0), spill, BLOCK)              # now the newest
+    ram.store(key(3), block(3), spill, BLOCK)              # full: the oldest (1) spills, with its data
+    assert [k for k, _, _ in spilled] == [key(1)] and same(spilled[0][1], block(1)) and spilled[0][2] is BLOCK
     assert ram.bytes == 3 * n and ram.allocated_bytes == 3 * n <= ram.budget and ram.peak_bytes <= ram.budget
-    assert sum(t.untyped_storage().nbytes() for c in ram._chunks for t in c) == 3 * n   # memory really taken
-    assert not RamTier(n - 1, LAYOUT.block_shapes(), torch.float32).store(key(9), block(9), spill)   # holds none
+    assert sum(c.untyped_storage().nbytes() for c in ram._chunks) == 3 * n   # memory really taken
+    assert not RamTier(n - 1, BLOCK).store(key(9), block(9), spill, BLOCK)   # holds none
+
+
+def test_ram_tier_lays_state_snapshots_across_block_slots():
+    """A snapshot bigger than a block takes ceil(bytes / block bytes) slots of the same budget; it comes back bit
+    for bit (bf16 and float32, unaligned), spills whole, and one larger than the whole budget is refused."""
+    n = BLOCK.nbytes
+    assert STATE.nbytes == 484 and n == 384
+    ram = RamTier(5 * n, BLOCK)
+    assert ram.slots_of(STATE) == 2
+    spilled = []
+
+    def spill(k, data, kind):
+        spilled.append((k, [t.clone() for t in data], kind))
+
+    for k, data, kind in ((key(0), block(0), BLOCK), (key(1), block(1), BLOCK), (state_key(key(1)), block(7, STATE),
+                                                                                 STATE), (key(2), block(2), BLOCK)):
+        assert ram.store(k, data, spill, kind)
+    assert not spilled and ram.bytes == 5 * n and ram.count("state") == 1 and ram.count("block") == 3
+    assert ram.store(state_key(key(2)), block(8, STATE), spill, STATE)   # 2 slots: blocks 0 and 1 go, oldest first
+    assert [k for k, _, _ in spilled] == [key(0), key(1)] and same(spilled[1][1], block(1))
+    assert ram.store(key(3), block(3), spill, BLOCK)                     # the first snapshot spills, whole
+    assert spilled[-1][0] == state_key(key(1)) and spilled[-1][2] is STATE and same(spilled[-1][1], block(7, STATE))
+    got = STATE.empty("cpu")
+    assert ram.load(state_key(key(2)), got) and same(got, block(8, STATE))
+    assert ram.bytes == 2 * n and ram.allocated_bytes == 5 * n <= ram.budget
+    assert sum(c.untyped_storage().nbytes() for c in ram._chunks) == 5 * n
+    assert not RamTier(n, BLOCK).store(state_key(key(5)), block(5, STATE), spill, STATE)
 
 
 def test_disk_tier_round_trip_lru_across_reopen_and_budget(tmp_path):
     folder = tmp_path / "kv"
     d = disk(folder)
     for i in range(4):
-        assert d.put(key(i), block(i))
-    got = d.get(key(2))
-    assert all(torch.equal(x, y) for x, y in zip(got, block(2)))      # token kinds and the state snapshot
+        assert d.put(key(i), block(i), BLOCK)
+    assert same(d.get(key(2)), block(2))
     assert d.get_many([key(0), key(1)])[1] is not None                # 2, then 0, 1 read: 3 is least recent
     size = d.bytes // 4
     d.close()
@@ -90,29 +124,26 @@ def test_disk_tier_round_trip_lru_across_reopen_and_budget(tmp_path):
     assert not list(folder.rglob("*.tmp-*"))
     with pytest.raises(DiskTierError, match="in use by another ktrun server"):
         disk(folder)
-    d.put(key(5), block(5))                                 # makes room: 2 goes (0, 1 were read after it)
+    d.put(key(5), block(5), BLOCK)                          # makes room: 2 goes (0, 1 were read after it)
     assert key(2) not in d and key(5) in d and d.peak_bytes <= 3 * size
     assert sum(p.stat().st_size for p in folder.rglob("*.kvblock")) == d.bytes
     d.close()
 
 
-def test_disk_tier_rejects_bad_files(tmp_path):
+def test_disk_tier_keeps_state_snapshots_in_their_own_files(tmp_path):
     d = disk(tmp_path / "kv")
-    for i in range(3):
-        d.put(key(i), block(i))
-    paths = [tmp_path / "kv" / kvf.relpath(key(i).hex()) for i in range(3)]
-    paths[0].write_bytes(paths[0].read_bytes()[:-1] + b"\x00")       # payload byte changed
-    paths[1].write_bytes(paths[2].read_bytes())                       # another block's file under this name
-    assert d.get(key(0)) is None and d.get(key(1)) is None and d.corrupt == 2
-    assert not paths[0].exists() and not paths[1].exists() and d.get(key(2)) is not None
-    other = DiskTier(tmp_path / "kv2", 1 << 20, "cd" * 32, LAYOUT.describe(), LAYOUT.block_shapes(), 2,
-                     torch.float32)                                  # same key, another model identity
-    other.put(key(2), block(2))
+    sk = state_key(key(1))
+    assert d.put(key(1), block(1), BLOCK) and d.put(sk, block(3, STATE), STATE)
+    path = tmp_path / "kv" / kvf.relpath(sk.hex(), kvf.STATE_SUFFIX)
+    assert path.is_file() and d.count("state") == 1 and d.count("block") == 1
+    assert same(d.get(sk), block(3, STATE))                          # bf16 and float32 tensors, as written
     d.close()
-    other.close()
-    (tmp_path / "kv" / kvf.relpath(key(2).hex())).write_bytes((tmp_path / "kv2" / kvf.relpath(key(2).hex())).read_bytes())
-    d = disk(tmp_path / "kv")
-    assert d.get(key(2)) is None and d.corrupt == 1
+    d = disk(tmp_path / "kv")                                         # a reopen finds both kinds
+    assert sk in d and key(1) in d and d.count("state") == 1
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x01                                                    # one bit of the last state tensor
+    path.write_bytes(bytes(raw))
+    assert d.get(sk) is None and d.corrupt == 1 and not path.exists() and d.get(key(1)) is not None
     d.close()
 
 
@@ -124,6 +155,7 @@ def test_block_file_container():
         with pytest.raises(kvf.KVBlockFileError, match=why):
             kvf.unpack(bad, "f")
     assert kvf.key_of(f"{'0a' * 32}.kvblock") == "0a" * 32 and kvf.key_of("x.kvblock") is None
+    assert kvf.key_of(f"{'0a' * 32}.kvstate") == "0a" * 32 and kvf.suffix_of("a.kvstate") == kvf.STATE_SUFFIX
     with pytest.raises(ValueError):
         kvf.relpath("../etc")
 
@@ -135,6 +167,7 @@ def test_keys_chain_over_the_whole_prefix_and_the_identity():
     assert k == chain_keys(r1, toks, 4, 3, k[:1]) and len(set(k)) == 3
     assert chain_keys(r1, [99] + toks[1:], 4, 3)[2] != k[2]            # an early token changes every later key
     assert chain_keys(r2, toks, 4, 3)[0] != k[0]                        # another model never matches
+    assert len({state_key(x) for x in k} | set(k)) == 6                  # a block's snapshot has its own key
 
 
 def test_prefix_cache_device_budget_and_reclaim():

@@ -2,7 +2,8 @@
 prompt reports `usage.prompt_tokens_details.cached_tokens` (streaming and not) and gives the text of an Engine without
 the cache; concurrent requests sharing a prefix each get their solo text; /metrics has the hit/miss counters and
 bytes per tier; after a shutdown (SIGTERM) a new server on the same --prefix-cache-dir starts warm from disk; and
---no-prefix-cache prefills everything."""
+--no-prefix-cache prefills everything. On DeepSeek-V3 (MLA) and Qwen3-Next (linear attention: the hits resume from
+recurrent-state snapshots, reported per tier, written to disk at shutdown too)."""
 from __future__ import annotations
 
 import random
@@ -19,9 +20,9 @@ CTX = 256
 BLOCK = 16                      # the server's KV block size (ktrun.models.kv_cache.KV_BLOCK_SIZE)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return converted(tmp_path_factory, "deepseek_v3", "bf16")
+@pytest.fixture(scope="module", params=("deepseek_v3", "qwen3_next"))
+def model_dir(request, tmp_path_factory) -> Path:
+    return converted(tmp_path_factory, request.param, "bf16")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,7 @@ def test_prefix_cache_served_restarted_and_disabled(model_dir, solo, tmp_path):
     want = solo(ids, 8)
     folder = tmp_path / "kv"
     model = model_dir.name
+    recurrent = "qwen3_next" in model
 
     server = start(model_dir, "--prefix-cache-dir", str(folder), "--prefix-cache-ram", "64MiB")
     try:
@@ -100,10 +102,16 @@ def test_prefix_cache_served_restarted_and_disabled(model_dir, solo, tmp_path):
         assert metric(server, "ktrun_prefix_cache_bytes", '{tier="device"}') > 0
         assert metric(server, "ktrun_prefix_cache_budget_bytes", '{tier="ram"}') == 64 << 20
         assert metric(server, "ktrun_kv_cache_bytes") == 0             # no request holds a block now
+        assert metric(server, "ktrun_recurrent_state_bytes") == 0
+        if recurrent:                                                 # every hit resumed from a snapshot
+            assert metric(server, "ktrun_prefix_cache_tier_hit_states_total", '{tier="device"}') == 2 + 1 + sum(
+                c > 0 for _, c in got)
+            assert metric(server, "ktrun_prefix_cache_states", '{tier="device"}') > 0
     finally:
         assert server.stop() == 0, server.stderr
     assert "Traceback" not in server.stderr, server.stderr
     assert len(list(folder.rglob("*.kvblock"))) >= reuse // BLOCK     # written at shutdown
+    assert (len(list(folder.rglob("*.kvstate"))) > 0) == recurrent
 
     restarted = start(model_dir, "--prefix-cache-dir", str(folder))
     try:
@@ -125,8 +133,10 @@ def test_prefix_cache_served_restarted_and_disabled(model_dir, solo, tmp_path):
         assert off.stop() == 0, off.stderr
 
 
-def test_prefix_cache_dir_in_use_or_bad_size_is_a_clear_error(model_dir, tmp_path):
+def test_prefix_cache_dir_in_use_or_bad_size_is_a_clear_error(tmp_path_factory, tmp_path):
     import subprocess
+
+    model_dir = converted(tmp_path_factory, "deepseek_v3", "bf16")
 
     folder = tmp_path / "kv"
     first = start(model_dir, "--prefix-cache-dir", str(folder))

@@ -14,12 +14,13 @@ when that is free, so a request alone has one run (exactly the contiguous cache 
 a shared prefix typically two (the prefix's, then its own); attention computes scores per run and one softmax over
 all of them. A table broken into more than MAX_RUNS runs is gathered into one tensor instead (one index_select).
 
-Per-block state snapshots, for layers whose cache is a recurrent state rather than one row per position (linear
-attention: the state after a block's last token is what a request continuing from that block needs), are declared in
-`BlockLayout.state_shapes`; the pool stores them as (layers, blocks, *shape) and every tier moves them with the token
-tensors. No family uses them yet. Recurrent layers keep their state per request instead (`SeqCache.recurrent`, the
-state after the request's committed tokens), which is why the engine turns the prefix cache off for such models: a
-shared block holds no state to continue from.
+Layers whose cache is a recurrent state rather than one row per position (linear attention) keep it per request in
+`SeqCache.recurrent` (layer -> tensors: the state after the request's committed tokens), described by a StateLayout.
+The forward never writes those tensors in place (each forward makes new ones), so a snapshot of them is a list of
+references, not a copy. For the prefix cache a request records snapshots at chosen block boundaries: positions in
+`snap_at` are captured by the forward into `snaps` (a boundary inside a forward: the layer splits its recurrence
+there), and `tail` holds the state at the last block boundary the request crossed while decoding; ktrun.prefix_cache
+keeps them with the block they end.
 """
 from __future__ import annotations
 
@@ -41,23 +42,51 @@ class ContextFull(RuntimeError):
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """What one block holds: for each token kind (layers, block_size, *shape), for each state kind (layers, *shape)."""
+    """What one block holds: for each token kind (layers, block_size, *shape)."""
 
     num_layers: int
     token_shapes: tuple[tuple[int, ...], ...]     # per position, e.g. ((576,),) for MLA, ((8, 128), (8, 128)) for GQA
     block_size: int = KV_BLOCK_SIZE
-    state_shapes: tuple[tuple[int, ...], ...] = ()
 
     def block_shapes(self) -> list[tuple[int, ...]]:
         L, B = self.num_layers, self.block_size
-        return [(L, B, *w) for w in self.token_shapes] + [(L, *s) for s in self.state_shapes]
+        return [(L, B, *w) for w in self.token_shapes]
 
     def block_numel(self) -> int:
         return sum(math.prod(s) for s in self.block_shapes())
 
     def describe(self) -> str:
         """A stable text form (part of a block's cache key: blocks of another layout never match)."""
-        return f"L{self.num_layers}.B{self.block_size}.tok{list(self.token_shapes)}.state{list(self.state_shapes)}"
+        return f"L{self.num_layers}.B{self.block_size}.tok{list(self.token_shapes)}"
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """A request's recurrent state: for each recurrent layer in `layers`, tensors of `shapes` in `dtypes` (Qwen3-Next:
+    the conv window (kernel-1, conv_dim) in the dense dtype and the DeltaNet state (v_heads, dk, dv) in float32).
+    A snapshot is the flat list of every layer's tensors, layer by layer."""
+
+    layers: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    def specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [(s, d) for _ in self.layers for s, d in zip(self.shapes, self.dtypes)]
+
+    def nbytes(self) -> int:
+        """Bytes of one snapshot (one request's state in every recurrent layer)."""
+        return len(self.layers) * sum(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
+
+    def describe(self) -> str:
+        dts = [str(d).removeprefix("torch.") for d in self.dtypes]
+        return f"layers{list(self.layers)}.shapes{list(self.shapes)}.dtypes{dts}"
+
+    def flatten(self, recurrent: dict[int, tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        return [t for layer in self.layers for t in recurrent[layer]]
+
+    def unflatten(self, data: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor, ...]]:
+        k = len(self.shapes)
+        return {layer: tuple(data[i * k:(i + 1) * k]) for i, layer in enumerate(self.layers)}
 
 
 class BlockPool:
@@ -75,8 +104,6 @@ class BlockPool:
         self.capacity = 0
         self.tokens = [torch.zeros((layout.num_layers, 0, layout.block_size, *w), dtype=dtype, device=self.device)
                        for w in layout.token_shapes]
-        self.states = [torch.zeros((layout.num_layers, 0, *s), dtype=dtype, device=self.device)
-                       for s in layout.state_shapes]
         self.ref: list[int] = []
         self._free: list[int] = []                 # min-heap of free ids (entries not in _free_set are stale)
         self._free_set: set[int] = set()
@@ -133,11 +160,11 @@ class BlockPool:
     def _grow(self, need: int) -> None:
         new_cap = max(need, 2 * self.capacity, 16)
         grown = []
-        for t in self.tokens + self.states:
+        for t in self.tokens:
             g = torch.zeros((t.shape[0], new_cap, *t.shape[2:]), dtype=self.dtype, device=self.device)
             g[:, : self.capacity] = t
             grown.append(g)
-        self.tokens, self.states = grown[: len(self.tokens)], grown[len(self.tokens):]
+        self.tokens = grown
         self.ref.extend([0] * (new_cap - self.capacity))
         for b in range(self.capacity, new_cap):
             self._push_free(b)
@@ -146,7 +173,7 @@ class BlockPool:
     # -- whole blocks (moving between tiers) -----------------------------------------------------------------------
     def block_views(self, b: int) -> list[torch.Tensor]:
         """Views of block b per kind, in BlockLayout.block_shapes() order."""
-        return [t[:, b] for t in self.tokens + self.states]
+        return [t[:, b] for t in self.tokens]
 
     def load_block(self, b: int, data: list[torch.Tensor]) -> None:
         for view, d in zip(self.block_views(b), data):
@@ -179,6 +206,9 @@ class SeqCache:
         # recurrent layers (linear attention): layer -> that layer's state tensors after the committed tokens
         # (Qwen3-Next: the conv window and the DeltaNet state), written by the forward, per request
         self.recurrent: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.snap_at: set[int] = set()             # positions (block boundaries) whose state the forward records
+        self.snaps: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}   # position -> recorded states, by layer
+        self.tail: tuple[int, dict[int, tuple[torch.Tensor, ...]]] | None = None   # state at the last boundary
         # a cache dropped without release() (one-off forwards in tests, `ktrun bench`) gives its blocks back
         self._finalizer = weakref.finalize(self, _release_blocks, pool, self.blocks)
 
@@ -214,7 +244,7 @@ class SeqCache:
         dst.tokens.extend(self.tokens)
         dst.block_hashes.extend(self.block_hashes)
         dst.length = self.length
-        dst.recurrent = {layer: tuple(t.clone() for t in ts) for layer, ts in self.recurrent.items()}
+        dst.recurrent = dict(self.recurrent)      # shared: a forward makes new state tensors, never writes them
         return dst
 
     def reserve(self, total: int) -> None:
@@ -233,6 +263,9 @@ class SeqCache:
         self.length, self._table, self._slots = 0, None, None
         self._runs.clear()
         self.recurrent.clear()
+        self.snap_at.clear()
+        self.snaps.clear()
+        self.tail = None
 
     def nbytes(self) -> int:
         return len(self.blocks) * self.pool.block_bytes

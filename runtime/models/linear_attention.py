@@ -9,6 +9,8 @@ same in chunks of C tokens: with gamma the in-chunk cumulative log decay and S0 
     o_t = exp(gamma_t) q_t S0 + sum_{s <= t} exp(gamma_t - gamma_s) (q_t.k_s) u_s
     S_C = exp(gamma_C) S0 + sum_s exp(gamma_C - gamma_s) k_s^T u_s
 (the unit lower-triangular solves do not depend on S0, so they run for every chunk at once).
+With the prefix cache a request's recurrence is cut at the block ends whose state it keeps (SeqCache.snap_at): the
+pieces chain through the state, so only the grouping of the float sums changes.
 """
 from __future__ import annotations
 
@@ -134,6 +136,7 @@ def gated_deltanet(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Ba
     taps = conv_w[:, 0].t()                                                     # (kernel, conv_dim)
     conv_shape, s_shape = state_shapes(cfg)
     core = torch.empty((T, nv, dv), dtype=x.dtype, device=x.device)
+    K1 = conv_shape[0]
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
         state = s.cache.recurrent.get(layer)
@@ -151,9 +154,20 @@ def gated_deltanet(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Ba
         qc = l2_normalize(qc.reshape(s.n, nk, dk).float()).repeat_interleave(r, dim=1) * dk ** -0.5
         kc = l2_normalize(kc.reshape(s.n, nk, dk).float()).repeat_interleave(r, dim=1)
         vc = vc.reshape(s.n, nv, dv).float()
-        rule = delta_rule_recurrent if s.n == 1 else delta_rule_chunked
-        o, S = rule(qc, kc, vc, g[rows], beta[rows], S)
-        core[rows] = o.to(x.dtype)
-        s.cache.recurrent[layer] = (xin[xin.shape[0] - conv_shape[0]:].clone(), S)
+        gs, bs = g[rows], beta[rows]
+        # the recurrence runs in pieces ending at the positions the cache wants a snapshot of (prefix cache); one at
+        # this forward's start (a prompt prefilled in several forwards) is the state it starts from
+        if s.start in s.cache.snap_at:
+            s.cache.snaps.setdefault(s.start, {})[layer] = (window, S)
+        cuts = sorted(p - s.start for p in s.cache.snap_at if s.start < p < s.start + s.n) + [s.n]
+        a = 0
+        for c in cuts:
+            rule = delta_rule_recurrent if c - a == 1 else delta_rule_chunked
+            o, S = rule(qc[a:c], kc[a:c], vc[a:c], gs[a:c], bs[a:c], S)
+            core[s.offset + a:s.offset + c] = o.to(x.dtype)
+            if c < s.n:                                                          # the window after c new inputs
+                s.cache.snaps.setdefault(s.start + c, {})[layer] = (xin[c:c + K1].clone(), S)
+            a = c
+        s.cache.recurrent[layer] = (xin[xin.shape[0] - K1:].clone(), S)
     out = gated_rms_norm(core, w[p + "norm.weight"], z, cfg.rms_norm_eps)        # (T, nv, dv)
     return linear(out.reshape(T, nv * dv), w[p + "out_proj.weight"])

@@ -15,7 +15,7 @@ from ktlayouts.families import ModelConfig, get_family
 
 from ..packed_linear import linear
 from . import arch_module, cache_layers
-from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache
+from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache, StateLayout
 from .layers import Rope, rms_norm, swiglu_mlp
 
 
@@ -27,8 +27,10 @@ class MoEModel:
         self.names = get_family(cfg.model_type).names    # hub names: where the MoE block and shared experts live
         self.rope = Rope(cfg.rope, self.device)
         self.norm = getattr(self.arch, "rms_norm", rms_norm)     # the family's decoder RMSNorm (Qwen3-Next: 1 + w)
-        # recurrent layers keep a per-request state (SeqCache.recurrent) that shared prefix blocks cannot restore
-        self.has_recurrent_state = "linear_attention" in cfg.layer_types
+        # recurrent layers keep a per-request state (SeqCache.recurrent); None for families without one
+        state = getattr(self.arch, "recurrent_state", None)
+        self.state_layout: StateLayout | None = state(cfg, dtype) if state is not None else None
+        self.has_recurrent_state = self.state_layout is not None
         self.moe_layers = set(cfg.moe_layers)
         self.moe_prefix = [self._moe_prefix(i) for i in range(cfg.num_layers)]
         self.lm_head = weights.get(self.names.head)

@@ -5,9 +5,18 @@ RMSNorm and the cache layout are Qwen3-Next's own."""
 from __future__ import annotations
 
 from .linear_attention import gated_deltanet, project_split
-from .qwen3_next import cache_layers, cache_widths, gated_attention, rms_norm, route, shared_expert_scale
+from .qwen3_next import (
+    cache_layers,
+    cache_widths,
+    gated_attention,
+    recurrent_state,
+    rms_norm,
+    route,
+    shared_expert_scale,
+)
 
-__all__ = ["attention", "cache_layers", "cache_widths", "rms_norm", "route", "shared_expert_scale"]
+__all__ = ["attention", "cache_layers", "cache_widths", "recurrent_state", "rms_norm", "route",
+           "shared_expert_scale"]
 
 
 def attention(cfg, w, p, x, batch, layer, rope, cos, sin):

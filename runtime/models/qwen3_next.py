@@ -8,9 +8,9 @@ from ktlayouts.families import ModelConfig
 
 from ..packed_linear import linear
 from .attention import gqa_attend, gqa_cache_widths
-from .kv_cache import Batch
+from .kv_cache import Batch, StateLayout
 from .layers import Rope
-from .linear_attention import gated_deltanet
+from .linear_attention import gated_deltanet, state_shapes
 from .routing import softmax_topk
 
 
@@ -62,3 +62,10 @@ cache_widths = gqa_cache_widths    # full-attention layers' k and v
 def cache_layers(cfg) -> int:
     """KV blocks only for the full-attention layers (the DeltaNet layers keep SeqCache.recurrent instead)."""
     return cfg.layer_types.count("full_attention")
+
+
+def recurrent_state(cfg, dtype: torch.dtype) -> StateLayout:
+    """The per-request state of the DeltaNet layers: the conv window in the dense dtype (the conv weights'), S in
+    float32."""
+    layers = tuple(i for i, t in enumerate(cfg.layer_types) if t == "linear_attention")
+    return StateLayout(layers, state_shapes(cfg), (dtype, torch.float32))

@@ -1,13 +1,14 @@
-"""The disk tier: blocks as checksummed files in a folder (`--prefix-cache-dir`), under a byte budget, least
-recently used first out, kept across server restarts. The file format is ktlayouts.kv_block_file.
+"""The disk tier: cache entries (KV blocks, recurrent-state snapshots) as checksummed files in a folder
+(`--prefix-cache-dir`), under a byte budget, least recently used first out, kept across server restarts. The file
+format is ktlayouts.kv_block_file (one suffix per entry kind).
 
 - Written atomically (temporary name, fsync, rename): a crash leaves a whole file or a `.tmp-` file, which the next
   start deletes. Room is made before writing, so the folder never holds more than the budget, temporary file included.
 - Recency is the files' mtimes (set in LRU order at shutdown, and new files are newest), so the LRU order survives a
   restart; at start the folder is scanned and trimmed to the budget.
 - A prefix's blocks are read by a few threads at once (get_many), so the disk sees them together.
-- Any file that fails its checks (magic, checksum, safetensors header, key, model identity, shapes, dtype) is deleted
-  and counted in `corrupt`; the caller recomputes the block.
+- Any file that fails its checks (magic, checksum, safetensors header, key, model identity, layout, shapes, dtypes)
+  is deleted and counted in `corrupt`; the caller recomputes what it held.
 - One server per folder: an exclusive lock on `<dir>/.lock` refuses a second one.
 """
 from __future__ import annotations
@@ -21,13 +22,12 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
 from ktlayouts import kv_block_file as kvf
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .ram_tier import BlockData
+from .ram_tier import BlockData, EntryKind
 
 READ_THREADS = 4
 
@@ -37,14 +37,15 @@ class DiskTierError(OSError):
 
 
 class DiskTier:
-    def __init__(self, root: str | Path, budget_bytes: int, identity_hex: str, layout_text: str,
-                 shapes: list[tuple[int, ...]], n_token_kinds: int, dtype: torch.dtype):
+    def __init__(self, root: str | Path, budget_bytes: int, identity_hex: str, kinds: list[EntryKind]):
+        """kinds: the entry kinds it holds (a KV block, a state snapshot), each with its own file suffix."""
         self.root = Path(root)
         self._root = str(self.root)
         self.budget = max(0, int(budget_bytes))
-        self.identity, self.layout_text = identity_hex, layout_text
-        self.shapes, self.dtype = [tuple(s) for s in shapes], dtype
-        self.names = [f"t{i}" for i in range(n_token_kinds)] + [f"s{i}" for i in range(len(shapes) - n_token_kinds)]
+        self.identity = identity_hex
+        self.by_suffix = {k.suffix: k for k in kinds}
+        self.kind_of: dict[bytes, EntryKind] = {}
+        self._count: dict[str, int] = {}                            # files by kind (read by /metrics' thread)
         self.files: OrderedDict[bytes, int] = OrderedDict()          # key -> file size, oldest first
         self.bytes = self.peak_bytes = 0
         self.corrupt = self.reads = self.writes = self.write_errors = 0
@@ -72,18 +73,30 @@ class DiskTier:
                 if kvf.TMP_MARK in p.name:             # an interrupted write
                     p.unlink(missing_ok=True)
                     continue
-                key = kvf.key_of(p.name)
-                if key is not None and key[:2] == sub.name:
+                key, kind = kvf.key_of(p.name), self.by_suffix.get(kvf.suffix_of(p.name))
+                if key is not None and kind is not None and key[:2] == sub.name:
                     st = p.stat()
-                    found.append((st.st_mtime_ns, bytes.fromhex(key), st.st_size))
-        for _, key, size in sorted(found):
-            self.files[key] = size
-            self.bytes += size
+                    found.append((st.st_mtime_ns, bytes.fromhex(key), st.st_size, kind))
+        for _, key, size, kind in sorted(found, key=lambda f: f[:3]):
+            self._add(key, size, kind)
         self._make_room(0)
         self.peak_bytes = self.bytes
 
-    def _path(self, key: bytes) -> Path:
-        return self.root / kvf.relpath(key.hex())
+    def _path(self, key: bytes, kind: EntryKind | None = None) -> Path:
+        return self.root / kvf.relpath(key.hex(), (kind or self.kind_of[key]).suffix)
+
+    def count(self, kind: str) -> int:
+        return self._count.get(kind, 0)
+
+    def _add(self, key: bytes, size: int, kind: EntryKind) -> None:
+        self.files[key] = size
+        self.kind_of[key] = kind
+        self._count[kind.name] = self._count.get(kind.name, 0) + 1
+        self.bytes += size
+
+    def _forget(self, key: bytes) -> None:
+        self.bytes -= self.files.pop(key)
+        self._count[self.kind_of.pop(key).name] -= 1
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.files
@@ -92,10 +105,9 @@ class DiskTier:
         return len(self.files)
 
     def _drop(self, key: bytes) -> None:
-        size = self.files.pop(key, None)
-        if size is not None:
-            self.bytes -= size
+        if key in self.files:
             self._path(key).unlink(missing_ok=True)
+            self._forget(key)
 
     def _make_room(self, n: int) -> None:
         while self.files and self.bytes + n > self.budget:
@@ -103,7 +115,7 @@ class DiskTier:
 
     # -- read ------------------------------------------------------------------------------------------------------
     def get(self, key: bytes) -> BlockData | None:
-        """The block's tensors (CPU), or None when absent or corrupt (a corrupt file is deleted)."""
+        """The entry's tensors (CPU), or None when absent or corrupt (a corrupt file is deleted)."""
         return self._account(key, self._load(key)) if key in self.files else None
 
     def get_many(self, keys: list[bytes]) -> list[BlockData | None]:
@@ -118,11 +130,12 @@ class DiskTier:
 
     def _load(self, key: bytes):
         """Read and check one file (any thread): its tensors, or the exception that says why not."""
-        path = os.path.join(self._root, kvf.relpath(key.hex()))     # (str paths: pathlib costs ~0.1 ms a block)
+        kind = self.kind_of[key]
+        path = os.path.join(self._root, kvf.relpath(key.hex(), kind.suffix))   # (str paths: pathlib ~0.1 ms a block)
         try:
             with open(path, "rb", buffering=0) as f:
                 raw = f.read()
-            return self._decode(raw, key, path)
+            return self._decode(raw, key, path, kind)
         except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as e:
             return e                                   # (KVBlockFileError is a ValueError)
 
@@ -131,7 +144,7 @@ class DiskTier:
         if key not in self.files:
             return None
         if isinstance(result, FileNotFoundError):      # removed behind our back: just a miss
-            self.bytes -= self.files.pop(key)
+            self._forget(key)
             return None
         if isinstance(result, BaseException):
             print(f"ktrun: prefix cache: {self._path(key)}: corrupt block ignored, recomputing it ({result})",
@@ -157,40 +170,40 @@ class DiskTier:
                 pass
         self._touched = False
 
-    def _decode(self, raw: bytes, key: bytes, where: str) -> BlockData:
+    def _decode(self, raw: bytes, key: bytes, where: str, kind: EntryKind) -> BlockData:
         payload = kvf.unpack(raw, where)
         n = int.from_bytes(payload[:8], "little")
         if not 0 < n <= len(payload) - 8:
             raise kvf.KVBlockFileError(f"{where}: safetensors header length {n} out of range")
         meta = json.loads(payload[8:8 + n]).get("__metadata__") or {}
         for field, want in ((kvf.META_KEY, key.hex()), (kvf.META_IDENTITY, self.identity),
-                            (kvf.META_LAYOUT, self.layout_text)):
+                            (kvf.META_LAYOUT, kind.layout)):
             if meta.get(field) != want:
                 raise kvf.KVBlockFileError(f"{where}: {field} is {meta.get(field)!r}, expected {want!r}")
         tensors = st_load(payload)
         data = []
-        for name, shape in zip(self.names, self.shapes):
+        for name, shape, dtype in zip(kind.names, kind.shapes, kind.dtypes):
             t = tensors.get(name)
-            if t is None or tuple(t.shape) != shape or t.dtype != self.dtype:
+            if t is None or tuple(t.shape) != shape or t.dtype != dtype:
                 got = None if t is None else (tuple(t.shape), t.dtype)
-                raise kvf.KVBlockFileError(f"{where}: tensor {name} is {got}, expected {(shape, self.dtype)}")
+                raise kvf.KVBlockFileError(f"{where}: tensor {name} is {got}, expected {(shape, dtype)}")
             data.append(t)
-        if len(tensors) != len(self.shapes):
-            raise kvf.KVBlockFileError(f"{where}: {len(tensors)} tensors, expected {len(self.shapes)}")
+        if len(tensors) != len(kind.names):
+            raise kvf.KVBlockFileError(f"{where}: {len(tensors)} tensors, expected {len(kind.names)}")
         return data
 
     # -- write -----------------------------------------------------------------------------------------------------
-    def put(self, key: bytes, data: BlockData) -> bool:
-        """Store the block (unless already there); False when it cannot (over the budget alone, or an OS error)."""
+    def put(self, key: bytes, data: BlockData, kind: EntryKind) -> bool:
+        """Store the entry (unless already there); False when it cannot (over the budget alone, or an OS error)."""
         if key in self.files:
             self.files.move_to_end(key)
             return True
-        meta = {kvf.META_KEY: key.hex(), kvf.META_IDENTITY: self.identity, kvf.META_LAYOUT: self.layout_text}
-        raw = kvf.pack(st_save(dict(zip(self.names, (t.contiguous() for t in data))), meta))
+        meta = {kvf.META_KEY: key.hex(), kvf.META_IDENTITY: self.identity, kvf.META_LAYOUT: kind.layout}
+        raw = kvf.pack(st_save(dict(zip(kind.names, (t.contiguous() for t in data))), meta))
         if len(raw) > self.budget:
             return False
         self._make_room(len(raw))
-        path = self._path(key)
+        path = self._path(key, kind)
         tmp = path.with_name(f"{path.name}{kvf.TMP_MARK}{os.getpid()}")
         try:
             path.parent.mkdir(exist_ok=True)
@@ -206,8 +219,7 @@ class DiskTier:
                 print(f"ktrun: prefix cache: cannot write {path}: {e.strerror or e} (blocks stay in RAM only)",
                       file=sys.stderr, flush=True)
             return False
-        self.files[key] = len(raw)
-        self.bytes += len(raw)
+        self._add(key, len(raw), kind)
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         self.writes += 1
         return True

@@ -3,6 +3,7 @@ model identity, so equal keys mean the same model, KV dtype, layout and the same
 
     root = sha256("ktrun-prefix-cache/1" + identity JSON)
     key_i = sha256(key_{i-1} + tokens[i*B:(i+1)*B] as little-endian int32)
+    state_key(key_i) = sha256("state" + key_i)   (the recurrent-state snapshot after block i's last token)
 """
 from __future__ import annotations
 
@@ -33,3 +34,8 @@ def chain_keys(root: bytes, tokens: list[int], block_size: int, n_blocks: int, p
     for i in range(len(keys), n_blocks):
         keys.append(next_key(keys[-1] if keys else root, tokens[i * block_size:(i + 1) * block_size]))
     return keys
+
+
+def state_key(block_key: bytes) -> bytes:
+    """The key of the recurrent-state snapshot at the end of the block with this key."""
+    return hashlib.sha256(b"state" + block_key).digest()

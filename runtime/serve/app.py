@@ -59,6 +59,9 @@ class ServerState:
         m.add_gauge("ktrun_num_requests_waiting", "Requests waiting for a free slot.", et("num_waiting"))
         m.add_gauge("ktrun_kv_cache_bytes", "KV-cache bytes held by requests in the engine (freed on finish/abort).",
                     self._kv_cache_bytes)
+        m.add_gauge("ktrun_recurrent_state_bytes", "Recurrent-state bytes held by requests (linear-attention layers: "
+                    "each request's state and the one at its last block end; freed on finish/abort).",
+                    lambda: self._engine_number("recurrent_state_bytes"))
         m.add_gauge("ktrun_max_batch", "Engine slots (max sequences decoded together).", lambda: self.max_batch)
         m.add_gauge("ktrun_engine_ready", "1 once the model is loaded.", lambda: float(self.engine is not None))
         m.add_gauge("ktrun_slots_freed_by_abort", "Running requests stopped early (client gone, stop string).",
@@ -75,7 +78,10 @@ class ServerState:
         return read() if read is not None else {}
 
     def _kv_cache_bytes(self) -> float:
-        read = getattr(self.engine, "kv_cache_bytes", None)
+        return self._engine_number("kv_cache_bytes")
+
+    def _engine_number(self, name: str) -> float:
+        read = getattr(self.engine, name, None)
         return float(read()) if callable(read) else 0.0
 
     def _cpu_expert_seconds(self) -> float:

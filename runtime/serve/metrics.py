@@ -4,10 +4,10 @@ Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `ktrun_time_to_first_
 e2e_request_latency_seconds, time_per_output_token_seconds, inter_token_latency_seconds, request_queue_time_seconds,
 request_prefill_time_seconds, request_decode_time_seconds, request_prompt_tokens, request_generation_tokens,
 prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}, num_requests_running,
-num_requests_waiting); ours where vLLM has none: CPU expert time, KV-cache bytes, finish reasons with aborts and
+num_requests_waiting); ours where vLLM has none: CPU expert time, KV-cache and recurrent-state bytes, finish reasons with aborts and
 errors, engine steps, every numeric Engine.stats entry as `ktrun_engine_<key>` (the GPU hit ratio among them
 when the engine reports one), and the prefix cache's `ktrun_prefix_cache_*` from Engine.prefix_cache_stats() (hit and
-miss prompt tokens, hits/bytes/blocks by tier, budgets, evictions, corrupt disk blocks).
+miss prompt tokens, hits/bytes/blocks/state snapshots by tier, budgets, evictions, corrupt disk files).
 """
 from __future__ import annotations
 
@@ -85,14 +85,23 @@ PREFIX_CACHE_METRICS = (
      "Prompt tokens taken from the prefix cache, by the tier their block was found in.", "tier",
      [(t, f"hit_tokens_{t}") for t in TIERS]),
     ("ktrun_prefix_cache_bytes", "gauge",
-     "Bytes of cached KV blocks by tier (device: keyed blocks in the KV pool, in use or not).", "tier",
-     [(t, f"{t}_bytes") for t in TIERS]),
+     "Bytes of cached KV blocks and state snapshots by tier (device: keyed blocks in the KV pool, in use or not).",
+     "tier", [(t, f"{t}_bytes") for t in TIERS]),
     ("ktrun_prefix_cache_blocks", "gauge", "Cached KV blocks, by tier.", "tier", [(t, f"{t}_blocks") for t in TIERS]),
+    ("ktrun_prefix_cache_states", "gauge",
+     "Cached recurrent-state snapshots (linear-attention models), by tier.", "tier",
+     [(t, f"{t}_states") for t in TIERS]),
+    ("ktrun_prefix_cache_tier_hit_states", "counter",
+     "Recurrent-state snapshots a request resumed from, by the tier they were found in.", "tier",
+     [(t, f"hit_states_{t}") for t in TIERS]),
     ("ktrun_prefix_cache_budget_bytes", "gauge", "Byte budget of the RAM and disk tiers.", "tier",
      [(t, f"{t}_budget_bytes") for t in ("ram", "disk")]),
     ("ktrun_prefix_cache_evicted_blocks", "counter", "Blocks moved down from a tier (device->RAM, RAM->disk).", "tier",
      [("device", "evicted_blocks_device"), ("ram", "evicted_blocks_ram")]),
-    ("ktrun_prefix_cache_corrupt_blocks", "counter", "Disk blocks that failed their checks (deleted, recomputed).",
+    ("ktrun_prefix_cache_evicted_states", "counter", "State snapshots moved down from a tier (device->RAM, RAM->disk).",
+     "tier", [("device", "evicted_states_device"), ("ram", "evicted_states_ram")]),
+    ("ktrun_prefix_cache_corrupt_blocks", "counter",
+     "Disk files (blocks, state snapshots) that failed their checks (deleted, recomputed).",
      None, [("", "disk_corrupt_blocks")]),
 )
 
