@@ -56,6 +56,9 @@ PREFETCH_WINDOW = 64                  # prefetch outcomes remembered
 PREFETCH_MIN_USE = 0.5                # below this share used, prefetch only probes: one expert ...
 PROBE_EVERY = 8                       # ... on one call in this many (wrong guesses cost disk time and evictions)
 CHUNK_PAGES = 512                     # reads of at most 2 MiB: one expert is several reads in flight
+PREFETCH_IN_FLIGHT = 1                # prefetch reads running at once: the other reader threads stay free for
+#                                       demand reads (a prefetch read already submitted is not overtaken by a
+#                                       demand read: the disk, or a throttled cgroup's queue, serves them in order)
 IO_MODES = ("direct", "pread")
 ABSENT, LOADING, RESIDENT = 0, 1, 2
 
@@ -138,7 +141,7 @@ class ExpertRamTier:
         self._pins = np.zeros(n, dtype=np.int32)
         self._freq = np.zeros(n, dtype=np.float64)
         self._last = np.zeros(n, dtype=np.int64)
-        self._issued: dict[int, list[int]] = {}         # layer -> experts prefetched for its next call
+        self._issued: dict[int, list[tuple[int, int]]] = {}   # layer -> (expert, bytes) prefetched for its next call
         self._outcomes: deque[bool] = deque(maxlen=PREFETCH_WINDOW)   # recent prefetches: used by their layer?
         if profile_counts:
             for L, c in profile_counts.items():
@@ -154,7 +157,7 @@ class ExpertRamTier:
         self._futures: dict[int, Future] = {}     # loads in flight: done when the expert is resident
         self._jobs: dict[int, _Job] = {}
         self._cv = threading.Condition()
-        self._queue = _ReadQueue(max(1, io_threads), self._read_chunk)
+        self._queue = _ReadQueue(max(1, io_threads), self._read)
         self._tick = 0
         self.resident_pages = 0
         self.peak_pages = 0
@@ -162,7 +165,8 @@ class ExpertRamTier:
         self._busy_since = 0.0
         self.counters = dict.fromkeys(("bytes_read", "reads", "loads", "evictions", "demand_experts", "ram_hits",
                                        "inflight_hits", "demand_loads", "prefetch_issued", "prefetch_used",
-                                       "prefetch_dropped", "prefetch_throttled", "prefetch_cancelled"), 0)
+                                       "prefetch_dropped", "prefetch_throttled", "prefetch_cancelled",
+                                       "merged_reads", "bytes_demand", "bytes_prefetch", "bytes_prefetch_used"), 0)
         self.disk_busy_s = 0.0          # wall time with at least one read in flight
         self.wait_s = 0.0               # time callers waited on demand reads
 
@@ -227,8 +231,9 @@ class ExpertRamTier:
             for a, b in _runs(free):
                 m.buf.madvise(mmap.MADV_DONTNEED, (p0 + a) * PAGE, (b - a) * PAGE)
 
-    def _admit(self, g: int, wait: bool, exclude: set[int], priority: int = 0) -> bool:
-        """Reserve g's pages (evicting as needed) and start its read; under the lock. False: no room (wait=False)."""
+    def _admit(self, g: int, wait: bool, exclude: set[int], batch: list[_Job], prefetch: bool = False) -> bool:
+        """Reserve g's pages (evicting as needed) and add its load to `batch`, whose reads _issue() plans and queues;
+        under the lock. False: no room (wait=False)."""
         while True:
             need = self._new_pages(g)
             if self.resident_pages + need <= self.budget_pages:
@@ -242,6 +247,7 @@ class ExpertRamTier:
             if not any(self._state[h] == LOADING and self._pins[h] == 0 for h in self._futures):
                 raise TierError(f"--expert-ram {self.budget_bytes} bytes: no room for expert {g % self.n_experts} "
                                 f"of layer {self.layers[g // self.n_experts]}: every resident expert is in use")
+            self._issue(batch)                  # what this call admitted so far reads meanwhile
             self._cv.wait()                     # an unpinned in-flight read finishes, then it can be evicted
         for mi, p0, p1 in self._spans[g]:
             refs = self._mirrors[mi].refs[p0:p1]
@@ -252,19 +258,61 @@ class ExpertRamTier:
         if self._inflight == 0:
             self._busy_since = time.perf_counter()
         self._inflight += 1
-        job = _Job(g, self._chunks(g))
+        job = _Job(g, prefetch)
         self._jobs[g], self._futures[g] = job, job.fut
-        self._queue.push(priority, job)
+        batch.append(job)
         self.counters["loads"] += 1
         return True
 
-    def _chunks(self, g: int) -> list[tuple[int, int, int]]:
-        """g's page spans cut into reads of at most CHUNK_PAGES: (mirror, first page, end page)."""
-        return [(mi, a, min(a + CHUNK_PAGES, p1)) for mi, p0, p1 in self._spans[g] for a in range(p0, p1, CHUNK_PAGES)]
+    def _issue(self, batch: list[_Job]) -> None:
+        """Plan the reads of the loads admitted together and queue them (under the lock; empties `batch`). Demand
+        loads are planned together (_plan: adjacent experts share reads); prefetches one by one, so a wrong guess
+        can still be dropped from the queue on its own (_ReadQueue.cancel)."""
+        if not batch:
+            return
+        if batch[0].prefetch:
+            reads = [r for job in batch for r in self._plan([job])]
+        else:
+            reads = self._plan(batch)
+        for job in batch:
+            job.left = len(job.reads)
+            job.nbytes = sum(min(r.p1 * PAGE, self._mirrors[r.mi].size) - r.p0 * PAGE for r in job.reads)
+        self._queue.push(int(batch[0].prefetch), reads)
+        self.counters["merged_reads"] += sum(len(r.jobs) > 1 for r in reads)
+        batch.clear()
 
-    def _read_chunk(self, job: _Job, k: int) -> None:
-        """One read of a load (on a reader thread); the last one to finish completes the load."""
-        mi, p0, p1 = job.chunks[k]
+    def _plan(self, jobs: list[_Job]) -> list[_Read]:
+        """The reads of `jobs`, in queue order (each job's own list of reads is filled in too).
+
+        Spans of different experts that touch in the same file (adjacent experts of one tensor: expert e's gate
+        codes end where e+1's begin) become one read, so two adjacent missing experts cost one read per tensor, not
+        two; runs are then cut into reads of at most CHUNK_PAGES. Reads are ordered by the first load each serves,
+        so loads complete roughly in the order they were admitted (per-expert completion relies on it). A load
+        completes when the last read covering it lands."""
+        order = {id(job): i for i, job in enumerate(jobs)}
+        runs: list[list] = []                                   # [mirror, p0, p1, [(p0, p1, job)]]
+        for mi, p0, p1, job in sorted(((mi, p0, p1, job) for job in jobs for mi, p0, p1 in self._spans[job.g]),
+                                      key=lambda t: (t[0], t[1], order[id(t[3])])):
+            if runs and runs[-1][0] == mi and p0 <= runs[-1][2]:
+                runs[-1][2] = max(runs[-1][2], p1)
+                runs[-1][3].append((p0, p1, job))
+            else:
+                runs.append([mi, p0, p1, [(p0, p1, job)]])
+        reads = []
+        for mi, r0, r1, parts in runs:
+            for a in range(r0, r1, CHUNK_PAGES):
+                b = min(a + CHUNK_PAGES, r1)
+                jobs = list({id(j): j for q0, q1, j in parts if q0 < b and q1 > a}.values())
+                reads.append(_Read(mi, a, b, jobs))
+        reads.sort(key=lambda r: (min(order[id(j)] for j in r.jobs), r.mi, r.p0))
+        for r in reads:
+            for j in r.jobs:
+                j.reads.append(r)
+        return reads
+
+    def _read(self, read: _Read) -> None:
+        """One read (on a reader thread); the last read of a load to land completes it."""
+        mi, p0, p1 = read.mi, read.p0, read.p1
         m = self._mirrors[mi]
         nbytes = reads = 0
         err = None
@@ -282,31 +330,39 @@ class ExpertRamTier:
             if not m.direct:                     # buffered read: leave no second copy in the page cache
                 os.posix_fadvise(m.fd, p0 * PAGE, (p1 - p0) * PAGE, os.POSIX_FADV_DONTNEED)
         except OSError as e:
-            err = TierError(f"{m.path}: reading expert {job.g % self.n_experts} at offset {p0 * PAGE}: {e}")
+            err = TierError(f"{m.path}: reading expert {read.jobs[0].g % self.n_experts} at offset {p0 * PAGE}: {e}")
         except TierError as e:
             err = e
-        g = job.g
+        done = []
         with self._cv:
             self.counters["bytes_read"] += nbytes
             self.counters["reads"] += reads
-            job.err = job.err or err
-            job.left -= 1
-            if job.left:
-                return
-            self._inflight -= 1
-            if self._inflight == 0:
-                self.disk_busy_s += time.perf_counter() - self._busy_since
-            self._futures.pop(g, None)
-            self._jobs.pop(g, None)
-            self._state[g] = RESIDENT
-            if job.err is not None:               # give the pages back; the caller sees the error
-                self._evict(g)
-                self.counters["evictions"] -= 1
-            self._cv.notify_all()
-        if job.err is None:
-            job.fut.set_result(None)
-        else:
-            job.fut.set_exception(job.err)
+            for job in read.jobs:
+                job.err = job.err or err
+                job.left -= 1
+                if not job.left:
+                    self._complete(job)
+                    done.append(job)
+        for job in done:
+            if job.err is None:
+                job.fut.set_result(None)
+            else:
+                job.fut.set_exception(job.err)
+
+    def _complete(self, job: _Job) -> None:
+        """The last read of a load landed (under the lock): the expert is resident (or, after an error, gone)."""
+        g = job.g
+        self.counters["bytes_prefetch" if job.prefetch else "bytes_demand"] += job.nbytes
+        self._inflight -= 1
+        if self._inflight == 0:
+            self.disk_busy_s += time.perf_counter() - self._busy_since
+        self._futures.pop(g, None)
+        self._jobs.pop(g, None)
+        self._state[g] = RESIDENT
+        if job.err is not None:               # give the pages back; the caller sees the error
+            self._evict(g)
+            self.counters["evictions"] -= 1
+        self._cv.notify_all()
 
     # -- the two requests -----------------------------------------------------------------------------------
     def ensure(self, layer: int, experts) -> tuple[list[int], list[Future]]:
@@ -329,13 +385,15 @@ class ExpertRamTier:
                 self._last[g] = self._tick
             self.counters["demand_experts"] += len(gs)
             wanted = set(gs)
-            for g in self._issued.pop(layer, []):          # how the prefetches for this call turned out
+            for g, nbytes in self._issued.pop(layer, []):  # how the prefetches for this call turned out
                 used = g in wanted and self._state[g] != ABSENT
                 self._outcomes.append(used)
                 self.counters["prefetch_used"] += used
+                self.counters["bytes_prefetch_used"] += nbytes if used else 0
                 if not used and self._state[g] == LOADING and self._pins[g] == 0 and g in self._jobs \
                         and self._queue.cancel(self._jobs[g]):
                     self._cancel(g)             # a wrong guess not yet started: leave the disk to the demand reads
+            batch: list[_Job] = []
             for g in gs:
                 st = self._state[g]
                 if st == RESIDENT:
@@ -345,11 +403,12 @@ class ExpertRamTier:
                 if st == LOADING:
                     self.counters["inflight_hits"] += 1
                     if g in self._jobs:                 # a queued prefetch is now wanted: ahead of other prefetches
-                        self._queue.push(0, self._jobs[g])
+                        self._queue.push(0, self._jobs[g].reads)
                 else:
                     self.counters["demand_loads"] += 1
-                    self._admit(g, wait=True, exclude=set())
+                    self._admit(g, wait=True, exclude=set(), batch=batch)
                 futs.append(self._futures.get(g))
+            self._issue(batch)
         return gs, futs
 
     def _cancel(self, g: int) -> None:
@@ -393,7 +452,7 @@ class ExpertRamTier:
         probe that keeps measuring): a wrong prefetch costs a read and evicts an expert, which on a full budget and
         a busy disk is a loss (measured: one probe on every call read 1.5x the bytes of no prediction).
         -> reads issued."""
-        issued = 0
+        issued, batch = 0, []
         with self._cv:
             gs = [self.g(layer, e) for e in experts]
             keep = set(gs)
@@ -405,11 +464,13 @@ class ExpertRamTier:
                 if self._state[g] != ABSENT:
                     continue
                 self._last[g] = self._tick              # recently wanted: evicted after older equals
-                if not self._admit(g, wait=False, exclude=keep, priority=1):
+                if not self._admit(g, wait=False, exclude=keep, batch=batch, prefetch=True):
                     self.counters["prefetch_dropped"] += 1
                     continue
-                self._issued.setdefault(layer, []).append(g)
                 issued += 1
+            jobs = list(batch)
+            self._issue(batch)
+            self._issued.setdefault(layer, []).extend((job.g, job.nbytes) for job in jobs)
             self.counters["prefetch_issued"] += issued
         return issued
 
@@ -460,56 +521,87 @@ class ExpertRamTier:
                 m.fd = -1
 
 
-class _Job:
-    """One expert's load: its reads (chunks), how many are left, the future its waiters hold."""
+class _Read:
+    """One preadv: pages [p0, p1) of mirror `mi`, serving the loads in `jobs` (several when adjacent experts'
+    spans were merged)."""
+    __slots__ = ("mi", "p0", "p1", "jobs", "started")
 
-    def __init__(self, g: int, chunks: list[tuple[int, int, int]]):
-        self.g, self.chunks, self.left, self.err = g, chunks, len(chunks), None
+    def __init__(self, mi: int, p0: int, p1: int, jobs: list[_Job]):
+        self.mi, self.p0, self.p1, self.jobs, self.started = mi, p0, p1, jobs, False
+
+
+class _Job:
+    """One expert's load: its reads, how many are left, the bytes they read, the future its waiters hold."""
+
+    def __init__(self, g: int, prefetch: bool):
+        self.g, self.prefetch, self.err = g, prefetch, None
+        self.reads: list[_Read] = []
+        self.left = self.nbytes = 0
         self.fut: Future = Future()
-        self.started: set[int] = set()
 
 
 class _ReadQueue:
-    """`n` reader threads taking reads by priority (0 = demand before 1 = prefetch), FIFO within one; every chunk
-    of a load is its own read, so even one expert keeps several reads in flight. (concurrent.futures' pool is
-    FIFO only: a demand read would wait behind every prefetch queued before it.) push() may queue a load again at a
-    better priority; each chunk still runs once."""
+    """`n` reader threads taking reads by priority (0 = demand before 1 = prefetch), FIFO within one; every read
+    of a load is queued on its own, so even one expert keeps several reads in flight. At most `prefetch_slots`
+    prefetch reads run at once: the other threads wait for demand reads, which then never queue behind more than
+    that many prefetches on the disk. (concurrent.futures' pool is FIFO only: a demand read would wait behind every
+    prefetch queued before it.) push() may queue a load again at a better priority; each read still runs once."""
 
-    def __init__(self, n: int, fn):
+    def __init__(self, n: int, fn, prefetch_slots: int = PREFETCH_IN_FLIGHT):
         self._fn, self._heap, self._cv = fn, [], threading.Condition()
         self._seq, self._stop = itertools.count(), False
+        self.prefetch_slots, self._prefetching = max(1, prefetch_slots), 0
         self._threads = [threading.Thread(target=self._work, name=f"ktrun-tier-io-{i}", daemon=True)
                          for i in range(n)]
         for t in self._threads:
             t.start()
 
-    def push(self, priority: int, job: _Job) -> None:
+    def push(self, priority: int, reads: list[_Read]) -> None:
         with self._cv:
-            for k in range(len(job.chunks)):
-                if k not in job.started:
-                    heapq.heappush(self._heap, (priority, next(self._seq), k, job))
+            for r in reads:
+                if not r.started:
+                    heapq.heappush(self._heap, (priority, next(self._seq), r))
             self._cv.notify_all()
 
     def cancel(self, job: _Job) -> bool:
-        """Drop a queued load none of whose reads has started -> True; False when one has (it runs to the end)."""
+        """Drop a queued load none of whose reads has started and which shares no read with another load -> True;
+        False otherwise (it runs to the end)."""
         with self._cv:
-            if job.started:
+            if any(r.started or len(r.jobs) > 1 for r in job.reads):
                 return False
-            job.started.update(range(len(job.chunks)))     # queued entries are skipped as already run
+            for r in job.reads:
+                r.started = True                            # queued entries are skipped as already run
             return True
+
+    def _next(self) -> tuple[_Read, bool] | None:
+        """The next read to run (under the queue's lock; waits): demand first; a prefetch only while fewer than
+        prefetch_slots prefetch reads run. None: shut down."""
+        while True:
+            while self._heap and self._heap[0][2].started:      # already run, or cancelled
+                heapq.heappop(self._heap)
+            if self._heap and (self._heap[0][0] == 0 or self._prefetching < self.prefetch_slots):
+                prio, _, r = heapq.heappop(self._heap)
+                r.started = True
+                return r, prio > 0
+            if self._stop and not self._heap:
+                return None
+            self._cv.wait()
 
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._heap and not self._stop:
-                    self._cv.wait()
-                if not self._heap:
+                nxt = self._next()
+                if nxt is None:
                     return
-                _, _, k, job = heapq.heappop(self._heap)
-                if k in job.started:
-                    continue
-                job.started.add(k)
-            self._fn(job, k)
+                r, pre = nxt
+                self._prefetching += pre
+            try:
+                self._fn(r)
+            finally:
+                if pre:
+                    with self._cv:
+                        self._prefetching -= 1
+                        self._cv.notify_all()
 
     def shutdown(self) -> None:
         with self._cv:

@@ -194,7 +194,7 @@ def test_unwanted_prefetch_not_started_is_cancelled(default_converted):
         tier = ExpertRamTier(c, 1 << 30, io_threads=1)
         gate = threading.Event()
         read = tier._queue._fn
-        tier._queue._fn = lambda job, k: (gate.wait(), read(job, k))     # the reader stalls until the gate opens
+        tier._queue._fn = lambda r: (gate.wait(), read(r))     # the reader stalls until the gate opens
         try:
             L1, L2 = c.geometry.moe_layers[:2]
             gs1, each1 = tier.ensure_each(L1, [0])                  # the reader takes this one and waits
