@@ -56,9 +56,10 @@ PREFETCH_WINDOW = 64                  # prefetch outcomes remembered
 PREFETCH_MIN_USE = 0.5                # below this share used, prefetch only probes: one expert ...
 PROBE_EVERY = 8                       # ... on one call in this many (wrong guesses cost disk time and evictions)
 CHUNK_PAGES = 512                     # reads of at most 2 MiB: one expert is several reads in flight
-PREFETCH_IN_FLIGHT = 1                # prefetch reads running at once: the other reader threads stay free for
-#                                       demand reads (a prefetch read already submitted is not overtaken by a
-#                                       demand read: the disk, or a throttled cgroup's queue, serves them in order)
+PREFETCH_CHUNK_PAGES = 64             # prefetch reads of at most 256 KiB, one at a time and only while no demand
+#                                       read runs: a demand read arriving then waits behind at most one of them (a
+#                                       read already submitted is not overtaken: the disk, or a throttled cgroup's
+#                                       queue, serves them in order)
 IO_MODES = ("direct", "pread")
 ABSENT, LOADING, RESIDENT = 0, 1, 2
 
@@ -271,28 +272,28 @@ class ExpertRamTier:
         if not batch:
             return
         if batch[0].prefetch:
-            reads = [r for job in batch for r in self._plan([job])]
+            reads = [r for job in batch for r in self._plan([job], PREFETCH_CHUNK_PAGES)]
         else:
-            reads = self._plan(batch)
+            reads = self._plan(batch, CHUNK_PAGES)
         for job in batch:
             job.left = len(job.reads)
-            job.nbytes = sum(min(r.p1 * PAGE, self._mirrors[r.mi].size) - r.p0 * PAGE for r in job.reads)
+            job.nbytes = sum(min(p1 * PAGE, self._mirrors[mi].size) - p0 * PAGE for mi, p0, p1 in self._spans[job.g])
         self._queue.push(int(batch[0].prefetch), reads)
         self.counters["merged_reads"] += sum(len(r.jobs) > 1 for r in reads)
         batch.clear()
 
-    def _plan(self, jobs: list[_Job]) -> list[_Read]:
+    def _plan(self, jobs: list[_Job], chunk: int) -> list[_Read]:
         """The reads of `jobs`, in queue order (each job's own list of reads is filled in too).
 
         Spans of different experts that touch in the same file (adjacent experts of one tensor: expert e's gate
         codes end where e+1's begin) become one read, so two adjacent missing experts cost one read per tensor, not
-        two; runs are then cut into reads of at most CHUNK_PAGES. Reads are ordered by the first load each serves,
+        two; runs are then cut into reads of at most `chunk` pages. Reads are ordered by the first load each serves,
         so loads complete roughly in the order they were admitted (per-expert completion relies on it). A load
         completes when the last read covering it lands."""
         order = {id(job): i for i, job in enumerate(jobs)}
         runs: list[list] = []                                   # [mirror, p0, p1, [(p0, p1, job)]]
-        for mi, p0, p1, job in sorted(((mi, p0, p1, job) for job in jobs for mi, p0, p1 in self._spans[job.g]),
-                                      key=lambda t: (t[0], t[1], order[id(t[3])])):
+        spans = [(mi, p0, p1, j) for j in jobs for mi, p0, p1 in self._spans[j.g]]
+        for mi, p0, p1, job in sorted(spans, key=lambda t: (t[0], t[1], order[id(t[3])])):
             if runs and runs[-1][0] == mi and p0 <= runs[-1][2]:
                 runs[-1][2] = max(runs[-1][2], p1)
                 runs[-1][3].append((p0, p1, job))
@@ -300,10 +301,10 @@ class ExpertRamTier:
                 runs.append([mi, p0, p1, [(p0, p1, job)]])
         reads = []
         for mi, r0, r1, parts in runs:
-            for a in range(r0, r1, CHUNK_PAGES):
-                b = min(a + CHUNK_PAGES, r1)
-                jobs = list({id(j): j for q0, q1, j in parts if q0 < b and q1 > a}.values())
-                reads.append(_Read(mi, a, b, jobs))
+            for a in range(r0, r1, chunk):
+                b = min(a + chunk, r1)
+                covered = {id(j): j for q0, q1, j in parts if q0 < b and q1 > a}
+                reads.append(_Read(mi, a, b, list(covered.values())))
         reads.sort(key=lambda r: (min(order[id(j)] for j in r.jobs), r.mi, r.p0))
         for r in reads:
             for j in r.jobs:
@@ -524,7 +525,7 @@ class ExpertRamTier:
 class _Read:
     """One preadv: pages [p0, p1) of mirror `mi`, serving the loads in `jobs` (several when adjacent experts'
     spans were merged)."""
-    __slots__ = ("mi", "p0", "p1", "jobs", "started")
+    __slots__ = ("jobs", "mi", "p0", "p1", "started")
 
     def __init__(self, mi: int, p0: int, p1: int, jobs: list[_Job]):
         self.mi, self.p0, self.p1, self.jobs, self.started = mi, p0, p1, jobs, False
@@ -542,15 +543,16 @@ class _Job:
 
 class _ReadQueue:
     """`n` reader threads taking reads by priority (0 = demand before 1 = prefetch), FIFO within one; every read
-    of a load is queued on its own, so even one expert keeps several reads in flight. At most `prefetch_slots`
-    prefetch reads run at once: the other threads wait for demand reads, which then never queue behind more than
-    that many prefetches on the disk. (concurrent.futures' pool is FIFO only: a demand read would wait behind every
-    prefetch queued before it.) push() may queue a load again at a better priority; each read still runs once."""
+    of a load is queued on its own, so even one expert keeps several reads in flight. A prefetch read starts only
+    when no demand read runs or waits, and one at a time: prefetches fill the time the disk would idle, and a demand
+    read never queues on the disk behind more than one (small) prefetch read. (concurrent.futures' pool is FIFO
+    only: a demand read would wait behind every prefetch queued before it.) push() may queue a load again at a
+    better priority; each read still runs once."""
 
-    def __init__(self, n: int, fn, prefetch_slots: int = PREFETCH_IN_FLIGHT):
+    def __init__(self, n: int, fn):
         self._fn, self._heap, self._cv = fn, [], threading.Condition()
         self._seq, self._stop = itertools.count(), False
-        self.prefetch_slots, self._prefetching = max(1, prefetch_slots), 0
+        self.running = [0, 0]                                   # demand, prefetch reads running
         self._threads = [threading.Thread(target=self._work, name=f"ktrun-tier-io-{i}", daemon=True)
                          for i in range(n)]
         for t in self._threads:
@@ -573,16 +575,16 @@ class _ReadQueue:
                 r.started = True                            # queued entries are skipped as already run
             return True
 
-    def _next(self) -> tuple[_Read, bool] | None:
-        """The next read to run (under the queue's lock; waits): demand first; a prefetch only while fewer than
-        prefetch_slots prefetch reads run. None: shut down."""
+    def _next(self) -> tuple[_Read, int] | None:
+        """The next read to run and its priority (under the queue's lock; waits): demand first; a prefetch only
+        while no other read runs. None: shut down."""
         while True:
             while self._heap and self._heap[0][2].started:      # already run, or cancelled
                 heapq.heappop(self._heap)
-            if self._heap and (self._heap[0][0] == 0 or self._prefetching < self.prefetch_slots):
+            if self._heap and (self._heap[0][0] == 0 or self.running == [0, 0]):
                 prio, _, r = heapq.heappop(self._heap)
                 r.started = True
-                return r, prio > 0
+                return r, prio
             if self._stop and not self._heap:
                 return None
             self._cv.wait()
@@ -593,15 +595,14 @@ class _ReadQueue:
                 nxt = self._next()
                 if nxt is None:
                     return
-                r, pre = nxt
-                self._prefetching += pre
+                r, prio = nxt
+                self.running[prio] += 1
             try:
                 self._fn(r)
             finally:
-                if pre:
-                    with self._cv:
-                        self._prefetching -= 1
-                        self._cv.notify_all()
+                with self._cv:
+                    self.running[prio] -= 1
+                    self._cv.notify_all()
 
     def shutdown(self) -> None:
         with self._cv:
