@@ -56,6 +56,9 @@ PREFETCH_WINDOW = 64                  # prefetch outcomes remembered
 PREFETCH_MIN_USE = 0.5                # below this share used, prefetch only probes: one expert ...
 PROBE_EVERY = 8                       # ... on one call in this many (wrong guesses cost disk time and evictions)
 CHUNK_PAGES = 512                     # reads of at most 2 MiB: one expert is several reads in flight
+MERGE_PAGES = 64                      # adjacent experts' spans are merged into reads of up to 256 KiB: small reads
+#                                       (scales, small experts) become fewer larger ones, while an expert's large
+#                                       code spans stay its own, so each expert still lands as early as it can
 PREFETCH_CHUNK_PAGES = 64             # prefetch reads of at most 256 KiB, one at a time and only while no demand
 #                                       read runs: a demand read arriving then waits behind at most one of them (a
 #                                       read already submitted is not overtaken: the disk, or a throttled cgroup's
@@ -286,15 +289,15 @@ class ExpertRamTier:
         """The reads of `jobs`, in queue order (each job's own list of reads is filled in too).
 
         Spans of different experts that touch in the same file (adjacent experts of one tensor: expert e's gate
-        codes end where e+1's begin) become one read, so two adjacent missing experts cost one read per tensor, not
-        two; runs are then cut into reads of at most `chunk` pages. Reads are ordered by the first load each serves,
+        scales end where e+1's begin) become one read while it stays within MERGE_PAGES, so adjacent missing experts
+        share their small reads; longer spans are cut into reads of at most `chunk` pages. Reads are ordered by the first load each serves,
         so loads complete roughly in the order they were admitted (per-expert completion relies on it). A load
         completes when the last read covering it lands."""
         order = {id(job): i for i, job in enumerate(jobs)}
         runs: list[list] = []                                   # [mirror, p0, p1, [(p0, p1, job)]]
         spans = [(mi, p0, p1, j) for j in jobs for mi, p0, p1 in self._spans[j.g]]
         for mi, p0, p1, job in sorted(spans, key=lambda t: (t[0], t[1], order[id(t[3])])):
-            if runs and runs[-1][0] == mi and p0 <= runs[-1][2]:
+            if runs and runs[-1][0] == mi and p0 <= runs[-1][2] and max(runs[-1][2], p1) - runs[-1][1] <= MERGE_PAGES:
                 runs[-1][2] = max(runs[-1][2], p1)
                 runs[-1][3].append((p0, p1, job))
             else:

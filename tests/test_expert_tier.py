@@ -90,8 +90,8 @@ def check_identical(conv, budget: int, predict: bool, io: str = "direct", predic
     assert s["ram_tier_peak_resident_bytes"] <= budget
     assert watch.samples > 0 and watch.peak <= budget, f"measured {watch.peak} resident bytes > budget {budget}"
     assert measured <= budget
-    if ex.stage:
-        assert s["ram_tier_staged_layers"] > 0 and s["expert_staged_calls"] > 0
+    if ex.stage:                 # (several calls per layer where experts land apart: the default model's test)
+        assert s["ram_tier_staged_layers"] > 0
     else:
         assert s["ram_tier_staged_layers"] == 0 and s["expert_staged_calls"] == 0
     return s, ex.launch_thread
@@ -104,6 +104,7 @@ def test_default_model_bit_identical_under_budget(default_converted, predict, pr
                                   predictor=predictor)
     assert not threaded          # its int4 GPU layers run on the kernels' pool: later runs started in sync()
     assert s["ram_tier_early_experts"] > 0        # resident experts computed before the layer's reads landed
+    assert s["expert_staged_calls"] > 0           # and the later experts in further calls
     if predict:
         assert s["ram_tier_prefetch_issued"] > 0 and s["ram_tier_pred_predicted"] > 0
 
