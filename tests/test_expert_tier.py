@@ -10,6 +10,7 @@ import itertools
 import json
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -202,6 +203,7 @@ def test_unwanted_prefetch_not_started_is_cancelled(default_converted):
             assert tier.prefetch(L2, [3, 4, 5]) == 3
             gs2, each2 = tier.ensure_each(L2, [4, 6])               # 3 and 5 were wrong guesses, 4 was right
             assert tier.counters["prefetch_cancelled"] == 2 and tier.counters["prefetch_used"] == 1
+            assert tier.counters["bytes_prefetch_used"] == tier.expert_pages(L2, 4) * PAGE      # the needed bytes
             assert not tier.is_resident(L2, 3) and tier.g(L2, 3) not in tier._futures
             gate.set()
             tier.wait(each1 + each2)
@@ -217,9 +219,88 @@ def test_unwanted_prefetch_not_started_is_cancelled(default_converted):
             tier.close()
 
 
+class StalledReader:
+    """Holds the tier's reader threads at the start of each read until released; records the reads in the order
+    they started, as (kind, experts) with kind 'demand' / 'prefetch'."""
+
+    def __init__(self, tier):
+        self.tier, self.gate, self.started = tier, threading.Event(), []
+        self._read = tier._queue._fn
+        tier._queue._fn = self._run
+
+    def _run(self, r):
+        kind = "prefetch" if r.jobs[0].prefetch else "demand"
+        self.started.append((kind, sorted(j.g % self.tier.n_experts for j in r.jobs)))
+        self.gate.wait()
+        self._read(r)
+
+
+def test_adjacent_missing_experts_share_reads(default_converted):
+    """Missing experts next to each other in the files are read together: experts 2 and 3 of a layer share every
+    read (each of their spans is small), expert 7 reads its codes on its own (its scales share pages, so reads,
+    with theirs); all three land holding the file's bytes, and each expert's bytes count as demand bytes."""
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+        tier = ExpertRamTier(c, 1 << 30, io_threads=1)
+        stall = StalledReader(tier)
+        try:
+            L = c.geometry.moe_layers[0]
+            gs, each = tier.ensure_each(L, [2, 3, 7])
+            jobs = {e: tier._jobs[tier.g(L, e)] for e in (2, 3, 7)}
+            assert [id(r) for r in jobs[2].reads] == [id(r) for r in jobs[3].reads]      # one set of reads
+            own7 = [r for r in jobs[7].reads if r.jobs == [jobs[7]]]
+            assert len(own7) == 3                                   # gate, up, down codes
+            n_reads = len({id(r) for j in jobs.values() for r in j.reads})
+            assert n_reads < sum(len(tier._spans[tier.g(L, e)]) for e in (2, 3, 7))
+            assert tier.counters["merged_reads"] == n_reads - len(own7)
+            stall.gate.set()
+            tier.wait(each)
+            for s, shard in enumerate(c.experts[L]):
+                for p, (qw, sc, _) in shard.items():
+                    mq, ms, _ = tier.mirror_layers[L][s][p]
+                    for e in (2, 3, 7):
+                        assert np.array_equal(mq[e], qw[e]) and (sc is None or np.array_equal(ms[e], sc[e]))
+            per_expert = sum(tier.expert_pages(L, e) * PAGE for e in (2, 3, 7))
+            assert tier.counters["bytes_demand"] == per_expert and tier.counters["bytes_prefetch"] == 0
+            assert [k for k, _ in stall.started] == ["demand"] * len(stall.started)
+            assert stall.started[0][1] == [2, 3]          # reads start in the order the experts were asked for
+            tier.release(gs)
+        finally:
+            stall.gate.set()
+            tier.close()
+
+
+def test_prefetch_reads_wait_for_demand_reads(default_converted):
+    """A prefetch read starts only while no demand read runs or waits: with a demand read in flight the other
+    reader thread leaves the queued prefetch alone, a demand read queued after it goes first, and the prefetch
+    reads run once the demand reads are done."""
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+        tier = ExpertRamTier(c, 1 << 30, io_threads=2)
+        stall = StalledReader(tier)
+        try:
+            L1, L2 = c.geometry.moe_layers[:2]
+            gs1, each1 = tier.ensure_each(L1, [0])                 # both threads take one of its reads and stall
+            assert tier.prefetch(L2, [9]) == 1
+            gs2, each2 = tier.ensure_each(L1, [12])                # queued after the prefetch
+            time.sleep(0.2)
+            assert tier._queue.running == [2, 0] and [k for k, _ in stall.started] == ["demand", "demand"]
+            stall.gate.set()
+            tier.wait(each1 + each2)
+            tier.drain()
+            kinds = [k for k, _ in stall.started]
+            assert kinds.index("prefetch") > max(i for i, k in enumerate(kinds) if k == "demand")
+            assert tier.counters["bytes_prefetch"] == tier.expert_pages(L2, 9) * PAGE
+            tier.release(gs1 + gs2)
+        finally:
+            stall.gate.set()
+            tier.close()
+
+
 def test_prefetch_throttles_to_a_rare_probe_while_its_guesses_go_unused(default_converted):
-    """While fewer than PREFETCH_MIN_USE of the recent prefetches were used, a prefetch call reads at most its
-    best-ranked expert, and only on one call in PROBE_EVERY; with good guesses every prediction is read."""
+    """While fewer than PREFETCH_MIN_USE of the recent prefetches were used (or fewer than the disk's recent busy
+    share), a prefetch call reads at most its best-ranked expert, and only on one call in PROBE_EVERY; with good
+    guesses every prediction is read."""
     from ktrun.expert_tier import PREFETCH_WINDOW, PROBE_EVERY
     with load_model(default_converted, device="cpu") as lm:
         c = lm.converted
@@ -233,6 +314,18 @@ def test_prefetch_throttles_to_a_rare_probe_while_its_guesses_go_unused(default_
             tier._outcomes.extend([True] * PREFETCH_WINDOW)
             E = c.geometry.n_experts
             assert tier.prefetch(L, [E - 3, E - 2, E - 1]) == 3
+            tier.drain()
+            # guesses used 3 times in 4 are read on an idle disk, probed on one busy 90% of the time
+            tier._outcomes.extend([True, True, True, False] * (PREFETCH_WINDOW // 4))
+            thr = tier.counters["prefetch_throttled"]
+            with tier._cv:
+                tier._busy_ema, tier._busy_at = 0.0, (time.perf_counter(), tier.disk_busy_s)
+            assert tier.prefetch(L, [E - 6, E - 5]) == 2 and tier.counters["prefetch_throttled"] == thr
+            tier.drain()
+            with tier._cv:
+                tier._busy_ema, tier._busy_at = 0.9, (time.perf_counter(), tier.disk_busy_s)
+            tier.prefetch(L, [E - 8, E - 7])
+            assert tier.counters["prefetch_throttled"] == thr + 1
             tier.drain()
         finally:
             tier.close()
