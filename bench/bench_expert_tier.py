@@ -44,7 +44,10 @@ as printed:
                         (wrong prefetches are not counted as needed), for the tier modes
   bound_ratio         = tok/s / min(disk-allowed tok/s for the needed bytes, all-in-RAM tok/s): decode cannot beat
                         compute; `limit` says which of the two is smaller
-  vs_mmap             = tok/s over plain mmap's under the same cap and throttle
+  conservative_bound_ratio = bound_ratio with the disk's speed taken as the faster of its sequential rate and the
+                        rate the run's reads ran at while in flight (a throttled disk lets a read after an idle gap
+                        run faster than its sequential rate: blk-throttle grants a 100 ms slice's bytes at once)
+  vs_mmap, vs_tier    = tok/s over plain mmap's / the tier's without prediction, same cap and throttle
 
     .venv/bin/python bench/bench_expert_tier.py [--work /var/tmp/ktrun-bench-expert-tier] [--tokens 12] [--reps 2]
     .venv/bin/python bench/bench_expert_tier.py --throttle-mbps 0,100            # unthrottled, then 100 MB/s
@@ -620,10 +623,13 @@ def summarize(results, label: str, disk_gbps: float) -> None:
                 print(f"conservative_bound_ratio_{tag}: {tps / bound:.3f} (the same with the disk's speed taken as "
                       f"the faster of its sequential rate and the rate this mode's reads ran at while in flight, "
                       f"{fast:.4f} GB/s: of {bound:.2f} tok/s)")
-        for base_mode in MMAP_MODES:
+        for base_mode in (*MMAP_MODES, "tier"):
+            if base_mode == "tier" and not mode.startswith("tier"):
+                continue
             mm = [r["tok_s"] for r in results.get((label, ratio, base_mode), []) if "failed" not in r]
             if mode != base_mode and mm and not (base_mode == "mmap+willneed" and mode == "mmap"):
-                print(f"vs_{base_mode.replace('+', '_')}_{tag}: {tps / statistics.fmean(mm):.2f}x")
+                print(f"vs_{base_mode.replace('+', '_')}_{tag}: {tps / statistics.fmean(mm):.2f}x"
+                      + (" (the prediction's gain)" if base_mode == "tier" and "+" in mode else ""))
         if "cgroup_peak" in ok[0]:
             print(f"cgroup_peak_{tag}: {max(r['cgroup_peak'] for r in ok)} bytes (limit {ok[0]['limit']})")
             print(f"oom_kills_{tag}: {sum(r.get('oom_kills', 0) for r in rs)}")

@@ -29,6 +29,10 @@ def bench_cmd(conv: Path, work: Path, mbps: str, *extra: str) -> list[str]:
             "--reps", "1", "--tokens", "3", "--throttle-mbps", mbps, "--max-run-s", "20", *extra]
 
 
+def pid_of(stdout: str) -> int:
+    return int(next(ln.split()[1] for ln in stdout.splitlines() if ln.startswith("bench_pid: ")))
+
+
 def test_throttled_tiny_run(default_converted, tmp_path):
     p = subprocess.run(bench_cmd(default_converted, tmp_path, "8", "--modes", "ram,tier"), capture_output=True,
                        text=True, timeout=600, check=False)
@@ -42,11 +46,7 @@ def test_throttled_tiny_run(default_converted, tmp_path):
     assert lines["runs_failed_8MBps_2x_tier"] == "0"
     assert "limit: " in lines["bound_ratio_8MBps_2x_tier"]
     assert float(lines["tier_disk_busy_share_8MBps_2x_tier"].split()[0]) > 0
-    assert not leftovers(_pid_of(p.stdout))
-
-
-def _pid_of(stdout: str) -> int:
-    return int(next(ln.split(": ")[1] for ln in stdout.splitlines() if ln.startswith("bench_pid: ")))
+    assert not leftovers(pid_of(p.stdout))
 
 
 def test_sigterm_removes_cgroups_and_throttle(default_converted, tmp_path):
