@@ -55,8 +55,9 @@ PAGE = mmap.PAGESIZE
 PREFETCH_WINDOW = 64                  # prefetch outcomes remembered
 PREFETCH_MIN_USE = 0.5                # below this share used (or below the disk's busy share), prefetch only
 #                                       probes: one expert ...
-PROBE_EVERY = 8                       # ... on one call in this many (wrong guesses cost disk time and evictions)
-BUSY_EMA = 0.1                        # weight of the newest interval in the disk's recent busy share
+PROBE_LOADS = 32                      # ... once per this many demand loads (a probe adds at most ~3% to the reads)
+WAIT_MIN = 0.05                       # ... and also while callers waited on reads less than this share of the time
+BUSY_EMA = 0.1                        # weight of the newest interval in the recent busy / wait shares
 CHUNK_PAGES = 512                     # reads of at most 2 MiB: one expert is several reads in flight
 MERGE_PAGES = 64                      # adjacent experts' spans are merged into reads of up to 256 KiB: small reads
 #                                       (scales, small experts) become fewer larger ones, while an expert's large
@@ -174,8 +175,9 @@ class ExpertRamTier:
                                        "prefetch_dropped", "prefetch_throttled", "prefetch_cancelled",
                                        "merged_reads", "bytes_demand", "bytes_prefetch", "bytes_prefetch_used"), 0)
         self.disk_busy_s = 0.0          # wall time with at least one read in flight
-        self._busy_at: tuple[float, float] | None = None     # (time, disk_busy_s) at the last busy_share() call
-        self._busy_ema: float | None = None
+        self._busy_at: tuple[float, float, float] | None = None   # (time, disk_busy_s, wait_s) at the last call
+        self._shares: tuple[float, float] | None = None            # recent (busy, wait) shares
+        self._since_probe = 0           # demand loads since the last probe
         self.wait_s = 0.0               # time callers waited on demand reads
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -414,6 +416,7 @@ class ExpertRamTier:
                         self._queue.push(0, self._jobs[g].reads)
                 else:
                     self.counters["demand_loads"] += 1
+                    self._since_probe += 1
                     self._admit(g, wait=True, exclude=set(), batch=batch)
                 futs.append(self._futures.get(g))
             self._issue(batch)
@@ -453,33 +456,40 @@ class ExpertRamTier:
                 self._pins[g] -= 1
             self._cv.notify_all()
 
-    def busy_share(self) -> float:
-        """The disk's recent busy share (time with a read in flight / wall time), an average over the intervals
-        between calls weighted BUSY_EMA to the newest; updated by each call (under the lock)."""
+    def recent_shares(self) -> tuple[float, float]:
+        """(the disk's busy share: time with a read in flight / wall time, the callers' wait share: time waiting on
+        demand reads / wall time), recent: averages over the intervals between calls weighted BUSY_EMA to the
+        newest; updated by each call (under the lock)."""
         now = time.perf_counter()
         busy = self.disk_busy_s + (now - self._busy_since if self._inflight else 0.0)
         if self._busy_at is not None and now > self._busy_at[0]:
-            share = min(1.0, (busy - self._busy_at[1]) / (now - self._busy_at[0]))
-            self._busy_ema = share if self._busy_ema is None else (1 - BUSY_EMA) * self._busy_ema + BUSY_EMA * share
-        self._busy_at = (now, busy)
-        return self._busy_ema or 0.0
+            t0, busy0, wait0 = self._busy_at
+            new = (min(1.0, (busy - busy0) / (now - t0)), min(1.0, (self.wait_s - wait0) / (now - t0)))
+            self._shares = new if self._shares is None else \
+                tuple((1 - BUSY_EMA) * a + BUSY_EMA * b for a, b in zip(self._shares, new))
+        self._busy_at = (now, busy, self.wait_s)
+        return self._shares or (0.0, 1.0)
 
     def prefetch(self, layer: int, experts) -> int:
         """Start reading predicted experts of `layer` (best first) that are not in RAM, as far as unpinned room
         allows (never waits, never evicts a pinned or just-predicted expert). While the recent prefetches were used
         less than max(PREFETCH_MIN_USE, the disk's recent busy share) of the time, only the best-ranked one is
-        read, on one call in PROBE_EVERY (a probe that keeps measuring): a wrong prefetch costs a read and evicts an
-        expert. Prefetch reads only fill time the disk would idle, so what they can gain shrinks as the disk gets
-        busier while what a wrong one costs does not: on a disk busy 87% of the time (the default model on a 2 MB/s
-        disk) prefetches used 47% of the time read 17% more bytes and decode ran 16% slower. -> reads issued."""
+        read, once per PROBE_LOADS demand loads (a probe that keeps measuring); the same while callers waited on reads
+        less than WAIT_MIN of the time. A wrong prefetch costs a read and evicts an expert; a right one can at most
+        save the wait on that read, and only by filling time the disk would idle: on a disk busy 87% of the time
+        (the default model on a 2 MB/s disk) prefetches used 47% of the time read 17% more bytes and decode ran 16%
+        slower; where reads were waited on 2% of the time (unthrottled) they cost CPU time and gained nothing.
+        -> reads issued."""
         issued, batch = 0, []
         with self._cv:
             gs = [self.g(layer, e) for e in experts]
             keep = set(gs)
-            if self.prefetch_use() < max(PREFETCH_MIN_USE, self.busy_share()):
+            busy, waited = self.recent_shares()
+            if self.prefetch_use() < max(PREFETCH_MIN_USE, busy) or waited < WAIT_MIN:
                 self.counters["prefetch_throttled"] += 1
-                probe = self.counters["prefetch_throttled"] % PROBE_EVERY == 1
-                gs = [g for g in gs if self._state[g] == ABSENT][:1] if probe else []
+                gs = [g for g in gs if self._state[g] == ABSENT][:1] if self._since_probe >= PROBE_LOADS else []
+                if gs:
+                    self._since_probe = 0
             for g in gs:
                 if self._state[g] != ABSENT:
                     continue

@@ -299,33 +299,38 @@ def test_prefetch_reads_wait_for_demand_reads(default_converted):
 
 def test_prefetch_throttles_to_a_rare_probe_while_its_guesses_go_unused(default_converted):
     """While fewer than PREFETCH_MIN_USE of the recent prefetches were used (or fewer than the disk's recent busy
-    share), a prefetch call reads at most its best-ranked expert, and only on one call in PROBE_EVERY; with good
-    guesses every prediction is read."""
-    from ktrun.expert_tier import PREFETCH_WINDOW, PROBE_EVERY
+    share), or callers hardly waited on reads, a prefetch call reads at most its best-ranked expert, and only once
+    per PROBE_LOADS demand loads; with good guesses, on a disk that is waited on and idle, every prediction is read."""
+    from ktrun.expert_tier import PREFETCH_WINDOW, PROBE_LOADS
+
+    def shares(busy, waited):             # the recent busy / wait shares, as if measured
+        tier._shares, tier._busy_at = (busy, waited), (time.perf_counter(), tier.disk_busy_s, tier.wait_s)
     with load_model(default_converted, device="cpu") as lm:
         c = lm.converted
         tier = ExpertRamTier(c, 1 << 30)
         try:
-            L = c.geometry.moe_layers[1]
+            L, E = c.geometry.moe_layers[1], c.geometry.n_experts
             tier._outcomes.extend([False] * PREFETCH_WINDOW)
-            issued = [tier.prefetch(L, [2 * i, 2 * i + 1]) for i in range(PROBE_EVERY + 1)]
-            assert issued == [1] + [0] * (PROBE_EVERY - 1) + [1]
-            assert tier.counters["prefetch_throttled"] == PROBE_EVERY + 1
+            issued = []
+            for i in range(4):
+                tier._since_probe = PROBE_LOADS if i in (0, 3) else PROBE_LOADS - 1
+                shares(0.0, 0.5)
+                issued.append(tier.prefetch(L, [2 * i, 2 * i + 1]))
+            assert issued == [1, 0, 0, 1] and tier.counters["prefetch_throttled"] == 4
             tier._outcomes.extend([True] * PREFETCH_WINDOW)
-            E = c.geometry.n_experts
+            shares(0.0, 0.5)
             assert tier.prefetch(L, [E - 3, E - 2, E - 1]) == 3
             tier.drain()
-            # guesses used 3 times in 4 are read on an idle disk, probed on one busy 90% of the time
+            # guesses used 3 times in 4: read on an idle, waited-on disk; probed on a busy one or an unwaited one
             tier._outcomes.extend([True, True, True, False] * (PREFETCH_WINDOW // 4))
             thr = tier.counters["prefetch_throttled"]
-            with tier._cv:
-                tier._busy_ema, tier._busy_at = 0.0, (time.perf_counter(), tier.disk_busy_s)
+            shares(0.0, 0.5)
             assert tier.prefetch(L, [E - 6, E - 5]) == 2 and tier.counters["prefetch_throttled"] == thr
             tier.drain()
-            with tier._cv:
-                tier._busy_ema, tier._busy_at = 0.9, (time.perf_counter(), tier.disk_busy_s)
-            tier.prefetch(L, [E - 8, E - 7])
-            assert tier.counters["prefetch_throttled"] == thr + 1
+            for busy, waited in ((0.9, 0.5), (0.0, 0.01)):
+                shares(busy, waited)
+                tier.prefetch(L, [E - 8, E - 7])
+            assert tier.counters["prefetch_throttled"] == thr + 2
             tier.drain()
         finally:
             tier.close()
@@ -486,10 +491,13 @@ def test_tier_lines_report_the_issue_metrics():
     after = dict(before, ram_tier_io="direct", ram_tier_peak_resident_bytes=90,
                  ram_tier_bytes_read=4000, ram_tier_disk_busy_s=0.002, ram_tier_demand_experts=10, ram_tier_ram_hits=7,
                  ram_tier_pred_predicted=8, ram_tier_pred_correct=6, ram_tier_pred_actual=10,
-                 ram_tier_prefetch_issued=4, ram_tier_prefetch_used=3)
+                 ram_tier_prefetch_issued=4, ram_tier_prefetch_used=3, ram_tier_bytes_demand=3000,
+                 ram_tier_bytes_prefetch=1000, ram_tier_bytes_prefetch_used=600)
     lines = dict(line.split(": ", 1) for line in tier_lines(before, after, tokens=2, measured=80))
     assert lines["ram_tier_measured_resident"] == "80 bytes"
     assert lines["ram_tier_disk_bytes_per_token"] == "2000 bytes"
+    assert lines["ram_tier_needed_bytes_per_token"] == "1800 bytes"
+    assert lines["ram_tier_prefetch_bytes_per_token"] == "500 bytes"
     assert lines["ram_tier_disk_read_rate"] == "0.002 GB/s"
     assert lines["ram_tier_hit_ratio"] == "0.7000"
     assert lines["ram_tier_prefetch_hit_ratio"] == "0.7500"
