@@ -22,15 +22,18 @@ being computed are pinned until its kernels are done; a layer's experts must fit
 route to all of them), else TierError says how much is needed.
 
 Reads run on `io_threads` threads (several reads in flight; the GIL is released while reading). `ensure()` issues
-the missing experts of a layer and returns a waiter; `prefetch()` issues predicted experts without ever waiting
-for room (it evicts only what nobody pinned); a prefetch its layer then does not want is cancelled while none of its
-reads has started. `ensure_each()` gives one future per missing expert, so a caller computes on each as it lands.
-Stats (bytes read, disk time, hits, prefetch use) are in `stats()`.
+the missing experts of a layer and returns a waiter (adjacent experts' small spans merged into shared reads);
+`prefetch()` issues predicted experts without ever waiting for room (it evicts only what nobody pinned), and their
+reads start only while no demand read runs or waits; a prefetch its layer then does not want is cancelled while none
+of its reads has started. `ensure_each()` gives one future per missing expert, so a caller computes on each as it
+lands. Stats (bytes read, split into demand / prefetched / prefetched-then-used, disk time, hits, prefetch use) are in
+`stats()`.
 
 Why threads and not io_uring: os.preadv releases the GIL, so a few reader threads keep that many O_DIRECT reads in
 flight from Python with no new dependency (the standard library has no io_uring, and a binding would be a package
-to install and a kernel feature to probe); on the measured disk the reader alone ran at 0.6-0.9 of its sequential
-rate (bench/bench_expert_tier.py prints the two side by side), so submission cost is not what limits decode.
+to install and a kernel feature to probe); on the measured disk the reader alone ran at 0.55-0.9 of its sequential
+rate unthrottled and at it throttled (bench/bench_expert_tier.py prints the two side by side), so submission cost is
+not what limits decode.
 """
 from __future__ import annotations
 
