@@ -50,10 +50,14 @@ class TieredExperts:
         if self.predictor is not None:
             self.predictor.observe(layer, {int(e) for e in need}, ids_np)
         gs, each = self.tier.ensure_each(layer, need.tolist())
-        if self.predictor is not None:                     # read ahead for the next layer while this one runs
-            nxt, pred = self.predictor.predict(layer, x, ids_np)
+        self._launch(layer, x, ids, weights, out, skip, need, gs, each)
+        if self.predictor is not None:     # read ahead for the next layer while this one runs (after the kernels
+            nxt, pred = self.predictor.predict(layer, x, ids_np)   # start: its reads queue behind this layer's)
             if nxt is not None:
                 self.tier.prefetch(nxt, pred)
+
+    def _launch(self, layer, x, ids, weights, out, skip, need, gs, each) -> None:
+        """Start the kernels on the layer: at once when everything is resident, else run by run as reads land."""
         kw = {} if skip is None else {"skip": skip}
         missing = [i for i, f in enumerate(each) if f is not None]
         if not missing:
