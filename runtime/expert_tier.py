@@ -22,15 +22,18 @@ being computed are pinned until its kernels are done; a layer's experts must fit
 route to all of them), else TierError says how much is needed.
 
 Reads run on `io_threads` threads (several reads in flight; the GIL is released while reading). `ensure()` issues
-the missing experts of a layer and returns a waiter; `prefetch()` issues predicted experts without ever waiting
-for room (it evicts only what nobody pinned); a prefetch its layer then does not want is cancelled while none of its
-reads has started. `ensure_each()` gives one future per missing expert, so a caller computes on each as it lands.
-Stats (bytes read, disk time, hits, prefetch use) are in `stats()`.
+the missing experts of a layer and returns a waiter (adjacent experts' small spans merged into shared reads);
+`prefetch()` issues predicted experts without ever waiting for room (it evicts only what nobody pinned), and their
+reads start only while no demand read runs or waits; a prefetch its layer then does not want is cancelled while none
+of its reads has started. `ensure_each()` gives one future per missing expert, so a caller computes on each as it
+lands. Stats (bytes read, split into demand / prefetched / prefetched-then-used, disk time, hits, prefetch use) are in
+`stats()`.
 
 Why threads and not io_uring: os.preadv releases the GIL, so a few reader threads keep that many O_DIRECT reads in
 flight from Python with no new dependency (the standard library has no io_uring, and a binding would be a package
-to install and a kernel feature to probe); on the measured disk the reader alone ran at 0.6-0.9 of its sequential
-rate (bench/bench_expert_tier.py prints the two side by side), so submission cost is not what limits decode.
+to install and a kernel feature to probe); on the measured disk the reader alone ran at 0.55-0.9 of its sequential
+rate unthrottled and at it throttled (bench/bench_expert_tier.py prints the two side by side), so submission cost is
+not what limits decode.
 """
 from __future__ import annotations
 
@@ -53,9 +56,19 @@ from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor, saf
 
 PAGE = mmap.PAGESIZE
 PREFETCH_WINDOW = 64                  # prefetch outcomes remembered
-PREFETCH_MIN_USE = 0.5                # below this share used, prefetch only probes: one expert ...
-PROBE_EVERY = 8                       # ... on one call in this many (wrong guesses cost disk time and evictions)
+PREFETCH_MIN_USE = 0.5                # below this share used (or below the disk's busy share), prefetch only
+#                                       probes: one expert ...
+PROBE_LOADS = 32                      # ... once per this many demand loads (a probe adds at most ~3% to the reads)
+WAIT_MIN = 0.05                       # ... and also while callers waited on reads less than this share of the time
+BUSY_EMA = 0.1                        # weight of the newest interval in the recent busy / wait shares
 CHUNK_PAGES = 512                     # reads of at most 2 MiB: one expert is several reads in flight
+MERGE_PAGES = 64                      # adjacent experts' spans are merged into reads of up to 256 KiB: small reads
+#                                       (scales, small experts) become fewer larger ones, while an expert's large
+#                                       code spans stay its own, so each expert still lands as early as it can
+PREFETCH_CHUNK_PAGES = 64             # prefetch reads of at most 256 KiB, one at a time and only while no demand
+#                                       read runs: a demand read arriving then waits behind at most one of them (a
+#                                       read already submitted is not overtaken: the disk, or a throttled cgroup's
+#                                       queue, serves them in order)
 IO_MODES = ("direct", "pread")
 ABSENT, LOADING, RESIDENT = 0, 1, 2
 
@@ -138,7 +151,7 @@ class ExpertRamTier:
         self._pins = np.zeros(n, dtype=np.int32)
         self._freq = np.zeros(n, dtype=np.float64)
         self._last = np.zeros(n, dtype=np.int64)
-        self._issued: dict[int, list[int]] = {}         # layer -> experts prefetched for its next call
+        self._issued: dict[int, list[tuple[int, int]]] = {}   # layer -> (expert, bytes) prefetched for its next call
         self._outcomes: deque[bool] = deque(maxlen=PREFETCH_WINDOW)   # recent prefetches: used by their layer?
         if profile_counts:
             for L, c in profile_counts.items():
@@ -154,7 +167,7 @@ class ExpertRamTier:
         self._futures: dict[int, Future] = {}     # loads in flight: done when the expert is resident
         self._jobs: dict[int, _Job] = {}
         self._cv = threading.Condition()
-        self._queue = _ReadQueue(max(1, io_threads), self._read_chunk)
+        self._queue = _ReadQueue(max(1, io_threads), self._read)
         self._tick = 0
         self.resident_pages = 0
         self.peak_pages = 0
@@ -162,8 +175,12 @@ class ExpertRamTier:
         self._busy_since = 0.0
         self.counters = dict.fromkeys(("bytes_read", "reads", "loads", "evictions", "demand_experts", "ram_hits",
                                        "inflight_hits", "demand_loads", "prefetch_issued", "prefetch_used",
-                                       "prefetch_dropped", "prefetch_throttled", "prefetch_cancelled"), 0)
+                                       "prefetch_dropped", "prefetch_throttled", "prefetch_cancelled",
+                                       "merged_reads", "bytes_demand", "bytes_prefetch", "bytes_prefetch_used"), 0)
         self.disk_busy_s = 0.0          # wall time with at least one read in flight
+        self._busy_at: tuple[float, float, float] | None = None   # (time, disk_busy_s, wait_s) at the last call
+        self._shares: tuple[float, float] | None = None            # recent (busy, wait) shares
+        self._since_probe = 0           # demand loads since the last probe
         self.wait_s = 0.0               # time callers waited on demand reads
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -227,8 +244,9 @@ class ExpertRamTier:
             for a, b in _runs(free):
                 m.buf.madvise(mmap.MADV_DONTNEED, (p0 + a) * PAGE, (b - a) * PAGE)
 
-    def _admit(self, g: int, wait: bool, exclude: set[int], priority: int = 0) -> bool:
-        """Reserve g's pages (evicting as needed) and start its read; under the lock. False: no room (wait=False)."""
+    def _admit(self, g: int, wait: bool, exclude: set[int], batch: list[_Job], prefetch: bool = False) -> bool:
+        """Reserve g's pages (evicting as needed) and add its load to `batch`, whose reads _issue() plans and queues;
+        under the lock. False: no room (wait=False)."""
         while True:
             need = self._new_pages(g)
             if self.resident_pages + need <= self.budget_pages:
@@ -242,6 +260,7 @@ class ExpertRamTier:
             if not any(self._state[h] == LOADING and self._pins[h] == 0 for h in self._futures):
                 raise TierError(f"--expert-ram {self.budget_bytes} bytes: no room for expert {g % self.n_experts} "
                                 f"of layer {self.layers[g // self.n_experts]}: every resident expert is in use")
+            self._issue(batch)                  # what this call admitted so far reads meanwhile
             self._cv.wait()                     # an unpinned in-flight read finishes, then it can be evicted
         for mi, p0, p1 in self._spans[g]:
             refs = self._mirrors[mi].refs[p0:p1]
@@ -252,19 +271,61 @@ class ExpertRamTier:
         if self._inflight == 0:
             self._busy_since = time.perf_counter()
         self._inflight += 1
-        job = _Job(g, self._chunks(g))
+        job = _Job(g, prefetch)
         self._jobs[g], self._futures[g] = job, job.fut
-        self._queue.push(priority, job)
+        batch.append(job)
         self.counters["loads"] += 1
         return True
 
-    def _chunks(self, g: int) -> list[tuple[int, int, int]]:
-        """g's page spans cut into reads of at most CHUNK_PAGES: (mirror, first page, end page)."""
-        return [(mi, a, min(a + CHUNK_PAGES, p1)) for mi, p0, p1 in self._spans[g] for a in range(p0, p1, CHUNK_PAGES)]
+    def _issue(self, batch: list[_Job]) -> None:
+        """Plan the reads of the loads admitted together and queue them (under the lock; empties `batch`). Demand
+        loads are planned together (_plan: adjacent experts share reads); prefetches one by one, so a wrong guess
+        can still be dropped from the queue on its own (_ReadQueue.cancel)."""
+        if not batch:
+            return
+        if batch[0].prefetch:
+            reads = [r for job in batch for r in self._plan([job], PREFETCH_CHUNK_PAGES)]
+        else:
+            reads = self._plan(batch, CHUNK_PAGES)
+        for job in batch:
+            job.left = len(job.reads)
+            job.nbytes = sum(min(p1 * PAGE, self._mirrors[mi].size) - p0 * PAGE for mi, p0, p1 in self._spans[job.g])
+        self._queue.push(int(batch[0].prefetch), reads)
+        self.counters["merged_reads"] += sum(len(r.jobs) > 1 for r in reads)
+        batch.clear()
 
-    def _read_chunk(self, job: _Job, k: int) -> None:
-        """One read of a load (on a reader thread); the last one to finish completes the load."""
-        mi, p0, p1 = job.chunks[k]
+    def _plan(self, jobs: list[_Job], chunk: int) -> list[_Read]:
+        """The reads of `jobs`, in queue order (each job's own list of reads is filled in too).
+
+        Spans of different experts that touch in the same file (adjacent experts of one tensor: expert e's gate
+        scales end where e+1's begin) become one read while it stays within MERGE_PAGES, so adjacent missing experts
+        share their small reads; longer spans are cut into reads of at most `chunk` pages. Reads are ordered by the first load each serves,
+        so loads complete roughly in the order they were admitted (per-expert completion relies on it). A load
+        completes when the last read covering it lands."""
+        order = {id(job): i for i, job in enumerate(jobs)}
+        runs: list[list] = []                                   # [mirror, p0, p1, [(p0, p1, job)]]
+        spans = [(mi, p0, p1, j) for j in jobs for mi, p0, p1 in self._spans[j.g]]
+        for mi, p0, p1, job in sorted(spans, key=lambda t: (t[0], t[1], order[id(t[3])])):
+            if runs and runs[-1][0] == mi and p0 <= runs[-1][2] and max(runs[-1][2], p1) - runs[-1][1] <= MERGE_PAGES:
+                runs[-1][2] = max(runs[-1][2], p1)
+                runs[-1][3].append((p0, p1, job))
+            else:
+                runs.append([mi, p0, p1, [(p0, p1, job)]])
+        reads = []
+        for mi, r0, r1, parts in runs:
+            for a in range(r0, r1, chunk):
+                b = min(a + chunk, r1)
+                covered = {id(j): j for q0, q1, j in parts if q0 < b and q1 > a}
+                reads.append(_Read(mi, a, b, list(covered.values())))
+        reads.sort(key=lambda r: (min(order[id(j)] for j in r.jobs), r.mi, r.p0))
+        for r in reads:
+            for j in r.jobs:
+                j.reads.append(r)
+        return reads
+
+    def _read(self, read: _Read) -> None:
+        """One read (on a reader thread); the last read of a load to land completes it."""
+        mi, p0, p1 = read.mi, read.p0, read.p1
         m = self._mirrors[mi]
         nbytes = reads = 0
         err = None
@@ -282,31 +343,39 @@ class ExpertRamTier:
             if not m.direct:                     # buffered read: leave no second copy in the page cache
                 os.posix_fadvise(m.fd, p0 * PAGE, (p1 - p0) * PAGE, os.POSIX_FADV_DONTNEED)
         except OSError as e:
-            err = TierError(f"{m.path}: reading expert {job.g % self.n_experts} at offset {p0 * PAGE}: {e}")
+            err = TierError(f"{m.path}: reading expert {read.jobs[0].g % self.n_experts} at offset {p0 * PAGE}: {e}")
         except TierError as e:
             err = e
-        g = job.g
+        done = []
         with self._cv:
             self.counters["bytes_read"] += nbytes
             self.counters["reads"] += reads
-            job.err = job.err or err
-            job.left -= 1
-            if job.left:
-                return
-            self._inflight -= 1
-            if self._inflight == 0:
-                self.disk_busy_s += time.perf_counter() - self._busy_since
-            self._futures.pop(g, None)
-            self._jobs.pop(g, None)
-            self._state[g] = RESIDENT
-            if job.err is not None:               # give the pages back; the caller sees the error
-                self._evict(g)
-                self.counters["evictions"] -= 1
-            self._cv.notify_all()
-        if job.err is None:
-            job.fut.set_result(None)
-        else:
-            job.fut.set_exception(job.err)
+            for job in read.jobs:
+                job.err = job.err or err
+                job.left -= 1
+                if not job.left:
+                    self._complete(job)
+                    done.append(job)
+        for job in done:
+            if job.err is None:
+                job.fut.set_result(None)
+            else:
+                job.fut.set_exception(job.err)
+
+    def _complete(self, job: _Job) -> None:
+        """The last read of a load landed (under the lock): the expert is resident (or, after an error, gone)."""
+        g = job.g
+        self.counters["bytes_prefetch" if job.prefetch else "bytes_demand"] += job.nbytes
+        self._inflight -= 1
+        if self._inflight == 0:
+            self.disk_busy_s += time.perf_counter() - self._busy_since
+        self._futures.pop(g, None)
+        self._jobs.pop(g, None)
+        self._state[g] = RESIDENT
+        if job.err is not None:               # give the pages back; the caller sees the error
+            self._evict(g)
+            self.counters["evictions"] -= 1
+        self._cv.notify_all()
 
     # -- the two requests -----------------------------------------------------------------------------------
     def ensure(self, layer: int, experts) -> tuple[list[int], list[Future]]:
@@ -329,13 +398,15 @@ class ExpertRamTier:
                 self._last[g] = self._tick
             self.counters["demand_experts"] += len(gs)
             wanted = set(gs)
-            for g in self._issued.pop(layer, []):          # how the prefetches for this call turned out
+            for g, nbytes in self._issued.pop(layer, []):  # how the prefetches for this call turned out
                 used = g in wanted and self._state[g] != ABSENT
                 self._outcomes.append(used)
                 self.counters["prefetch_used"] += used
+                self.counters["bytes_prefetch_used"] += nbytes if used else 0
                 if not used and self._state[g] == LOADING and self._pins[g] == 0 and g in self._jobs \
                         and self._queue.cancel(self._jobs[g]):
                     self._cancel(g)             # a wrong guess not yet started: leave the disk to the demand reads
+            batch: list[_Job] = []
             for g in gs:
                 st = self._state[g]
                 if st == RESIDENT:
@@ -345,11 +416,13 @@ class ExpertRamTier:
                 if st == LOADING:
                     self.counters["inflight_hits"] += 1
                     if g in self._jobs:                 # a queued prefetch is now wanted: ahead of other prefetches
-                        self._queue.push(0, self._jobs[g])
+                        self._queue.push(0, self._jobs[g].reads)
                 else:
                     self.counters["demand_loads"] += 1
-                    self._admit(g, wait=True, exclude=set())
+                    self._since_probe += 1
+                    self._admit(g, wait=True, exclude=set(), batch=batch)
                 futs.append(self._futures.get(g))
+            self._issue(batch)
         return gs, futs
 
     def _cancel(self, g: int) -> None:
@@ -386,30 +459,51 @@ class ExpertRamTier:
                 self._pins[g] -= 1
             self._cv.notify_all()
 
+    def recent_shares(self) -> tuple[float, float]:
+        """(the disk's busy share: time with a read in flight / wall time, the callers' wait share: time waiting on
+        demand reads / wall time), recent: averages over the intervals between calls weighted BUSY_EMA to the
+        newest; updated by each call (under the lock)."""
+        now = time.perf_counter()
+        busy = self.disk_busy_s + (now - self._busy_since if self._inflight else 0.0)
+        if self._busy_at is not None and now > self._busy_at[0]:
+            t0, busy0, wait0 = self._busy_at
+            new = (min(1.0, (busy - busy0) / (now - t0)), min(1.0, (self.wait_s - wait0) / (now - t0)))
+            self._shares = new if self._shares is None else \
+                tuple((1 - BUSY_EMA) * a + BUSY_EMA * b for a, b in zip(self._shares, new))
+        self._busy_at = (now, busy, self.wait_s)
+        return self._shares or (0.0, 1.0)
+
     def prefetch(self, layer: int, experts) -> int:
         """Start reading predicted experts of `layer` (best first) that are not in RAM, as far as unpinned room
         allows (never waits, never evicts a pinned or just-predicted expert). While the recent prefetches were used
-        less than PREFETCH_MIN_USE of the time, only the best-ranked one is read, on one call in PROBE_EVERY (a
-        probe that keeps measuring): a wrong prefetch costs a read and evicts an expert, which on a full budget and
-        a busy disk is a loss (measured: one probe on every call read 1.5x the bytes of no prediction).
+        less than max(PREFETCH_MIN_USE, the disk's recent busy share) of the time, only the best-ranked one is
+        read, once per PROBE_LOADS demand loads (a probe that keeps measuring); the same while callers waited on reads
+        less than WAIT_MIN of the time. A wrong prefetch costs a read and evicts an expert; a right one can at most
+        save the wait on that read, and only by filling time the disk would idle: on a disk busy 87% of the time
+        (the default model on a 2 MB/s disk) prefetches used 47% of the time read 17% more bytes and decode ran 16%
+        slower; where reads were waited on 2% of the time (unthrottled) they cost CPU time and gained nothing.
         -> reads issued."""
-        issued = 0
+        issued, batch = 0, []
         with self._cv:
             gs = [self.g(layer, e) for e in experts]
             keep = set(gs)
-            if self.prefetch_use() < PREFETCH_MIN_USE:
+            busy, waited = self.recent_shares()
+            if self.prefetch_use() < max(PREFETCH_MIN_USE, busy) or waited < WAIT_MIN:
                 self.counters["prefetch_throttled"] += 1
-                probe = self.counters["prefetch_throttled"] % PROBE_EVERY == 1
-                gs = [g for g in gs if self._state[g] == ABSENT][:1] if probe else []
+                gs = [g for g in gs if self._state[g] == ABSENT][:1] if self._since_probe >= PROBE_LOADS else []
+                if gs:
+                    self._since_probe = 0
             for g in gs:
                 if self._state[g] != ABSENT:
                     continue
                 self._last[g] = self._tick              # recently wanted: evicted after older equals
-                if not self._admit(g, wait=False, exclude=keep, priority=1):
+                if not self._admit(g, wait=False, exclude=keep, batch=batch, prefetch=True):
                     self.counters["prefetch_dropped"] += 1
                     continue
-                self._issued.setdefault(layer, []).append(g)
                 issued += 1
+            jobs = list(batch)
+            self._issue(batch)
+            self._issued.setdefault(layer, []).extend((job.g, job.nbytes) for job in jobs)
             self.counters["prefetch_issued"] += issued
         return issued
 
@@ -460,56 +554,87 @@ class ExpertRamTier:
                 m.fd = -1
 
 
-class _Job:
-    """One expert's load: its reads (chunks), how many are left, the future its waiters hold."""
+class _Read:
+    """One preadv: pages [p0, p1) of mirror `mi`, serving the loads in `jobs` (several when adjacent experts'
+    spans were merged)."""
+    __slots__ = ("jobs", "mi", "p0", "p1", "started")
 
-    def __init__(self, g: int, chunks: list[tuple[int, int, int]]):
-        self.g, self.chunks, self.left, self.err = g, chunks, len(chunks), None
+    def __init__(self, mi: int, p0: int, p1: int, jobs: list[_Job]):
+        self.mi, self.p0, self.p1, self.jobs, self.started = mi, p0, p1, jobs, False
+
+
+class _Job:
+    """One expert's load: its reads, how many are left, the bytes they read, the future its waiters hold."""
+
+    def __init__(self, g: int, prefetch: bool):
+        self.g, self.prefetch, self.err = g, prefetch, None
+        self.reads: list[_Read] = []
+        self.left = self.nbytes = 0
         self.fut: Future = Future()
-        self.started: set[int] = set()
 
 
 class _ReadQueue:
-    """`n` reader threads taking reads by priority (0 = demand before 1 = prefetch), FIFO within one; every chunk
-    of a load is its own read, so even one expert keeps several reads in flight. (concurrent.futures' pool is
-    FIFO only: a demand read would wait behind every prefetch queued before it.) push() may queue a load again at a
-    better priority; each chunk still runs once."""
+    """`n` reader threads taking reads by priority (0 = demand before 1 = prefetch), FIFO within one; every read
+    of a load is queued on its own, so even one expert keeps several reads in flight. A prefetch read starts only
+    when no demand read runs or waits, and one at a time: prefetches fill the time the disk would idle, and a demand
+    read never queues on the disk behind more than one (small) prefetch read. (concurrent.futures' pool is FIFO
+    only: a demand read would wait behind every prefetch queued before it.) push() may queue a load again at a
+    better priority; each read still runs once."""
 
     def __init__(self, n: int, fn):
         self._fn, self._heap, self._cv = fn, [], threading.Condition()
         self._seq, self._stop = itertools.count(), False
+        self.running = [0, 0]                                   # demand, prefetch reads running
         self._threads = [threading.Thread(target=self._work, name=f"ktrun-tier-io-{i}", daemon=True)
                          for i in range(n)]
         for t in self._threads:
             t.start()
 
-    def push(self, priority: int, job: _Job) -> None:
+    def push(self, priority: int, reads: list[_Read]) -> None:
         with self._cv:
-            for k in range(len(job.chunks)):
-                if k not in job.started:
-                    heapq.heappush(self._heap, (priority, next(self._seq), k, job))
+            for r in reads:
+                if not r.started:
+                    heapq.heappush(self._heap, (priority, next(self._seq), r))
             self._cv.notify_all()
 
     def cancel(self, job: _Job) -> bool:
-        """Drop a queued load none of whose reads has started -> True; False when one has (it runs to the end)."""
+        """Drop a queued load none of whose reads has started and which shares no read with another load -> True;
+        False otherwise (it runs to the end)."""
         with self._cv:
-            if job.started:
+            if any(r.started or len(r.jobs) > 1 for r in job.reads):
                 return False
-            job.started.update(range(len(job.chunks)))     # queued entries are skipped as already run
+            for r in job.reads:
+                r.started = True                            # queued entries are skipped as already run
             return True
+
+    def _next(self) -> tuple[_Read, int] | None:
+        """The next read to run and its priority (under the queue's lock; waits): demand first; a prefetch only
+        while no other read runs. None: shut down."""
+        while True:
+            while self._heap and self._heap[0][2].started:      # already run, or cancelled
+                heapq.heappop(self._heap)
+            if self._heap and (self._heap[0][0] == 0 or self.running == [0, 0]):
+                prio, _, r = heapq.heappop(self._heap)
+                r.started = True
+                return r, prio
+            if self._stop and not self._heap:
+                return None
+            self._cv.wait()
 
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._heap and not self._stop:
-                    self._cv.wait()
-                if not self._heap:
+                nxt = self._next()
+                if nxt is None:
                     return
-                _, _, k, job = heapq.heappop(self._heap)
-                if k in job.started:
-                    continue
-                job.started.add(k)
-            self._fn(job, k)
+                r, prio = nxt
+                self.running[prio] += 1
+            try:
+                self._fn(r)
+            finally:
+                with self._cv:
+                    self.running[prio] -= 1
+                    self._cv.notify_all()
 
     def shutdown(self) -> None:
         with self._cv:

@@ -50,10 +50,14 @@ class TieredExperts:
         if self.predictor is not None:
             self.predictor.observe(layer, {int(e) for e in need}, ids_np)
         gs, each = self.tier.ensure_each(layer, need.tolist())
-        if self.predictor is not None:                     # read ahead for the next layer while this one runs
-            nxt, pred = self.predictor.predict(layer, x, ids_np)
+        self._launch(layer, x, ids, weights, out, skip, need, gs, each)
+        if self.predictor is not None:     # read ahead for the next layer while this one runs (after the kernels
+            nxt, pred = self.predictor.predict(layer, x, ids_np)   # start: its reads queue behind this layer's)
             if nxt is not None:
                 self.tier.prefetch(nxt, pred)
+
+    def _launch(self, layer, x, ids, weights, out, skip, need, gs, each) -> None:
+        """Start the kernels on the layer: at once when everything is resident, else run by run as reads land."""
         kw = {} if skip is None else {"skip": skip}
         missing = [i for i, f in enumerate(each) if f is not None]
         if not missing:
@@ -156,7 +160,8 @@ def find_tier(executor):
 
 def tier_lines(before: dict, after: dict, tokens: int, measured: int | None = None) -> list[str]:
     """`name: value unit` lines of the RAM tier over the steps between two executor `stats` snapshots (the
-    tokens decoded in between): disk bytes per token, disk GB/s while reading, tier and prefetch hit ratios,
+    tokens decoded in between): disk bytes per token (all; needed: demand reads + prefetches then used; prefetched),
+    disk GB/s while reading, tier and prefetch hit ratios,
     prediction precision/recall, resident bytes against the budget (measured: the tier's mincore count)."""
     if "ram_tier_budget_bytes" not in after:
         return []
@@ -172,6 +177,8 @@ def tier_lines(before: dict, after: dict, tokens: int, measured: int | None = No
              f"ram_tier_peak_resident: {after['ram_tier_peak_resident_bytes']} bytes",
              *([f"ram_tier_measured_resident: {measured} bytes"] if measured is not None else []),
              f"ram_tier_disk_bytes_per_token: {ratio(d('bytes_read'), tokens):.0f} bytes",
+             f"ram_tier_needed_bytes_per_token: {ratio(d('bytes_demand') + d('bytes_prefetch_used'), tokens):.0f} bytes",
+             f"ram_tier_prefetch_bytes_per_token: {ratio(d('bytes_prefetch'), tokens):.0f} bytes",
              f"ram_tier_disk_read_rate: {ratio(d('bytes_read'), d('disk_busy_s')) / 1e9:.3f} GB/s",
              f"ram_tier_demand_wait_per_token: {1e3 * ratio(d('demand_wait_s'), tokens):.3f} ms",
              f"ram_tier_hit_ratio: {ratio(d('ram_hits'), d('demand_experts')):.4f}",

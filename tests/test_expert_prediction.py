@@ -14,9 +14,11 @@ E, K, H = 16, 2, 8
 LAYERS = [1, 2, 3]
 
 
-def fake_converted(dense=None):
-    """What the predictors read of a ConvertedModel: config (top_k, num_experts, moe_layers) and the dense tensors."""
-    cfg = SimpleNamespace(model_type="deepseek_v3", top_k=K, num_experts=E, moe_layers=LAYERS)
+def fake_converted(dense=None, n_group=1, topk_group=1):
+    """What the predictors read of a ConvertedModel: config (top_k, num_experts, moe_layers, what DeepSeek-V3's
+    routing reads) and the dense tensors."""
+    cfg = SimpleNamespace(model_type="deepseek_v3", top_k=K, num_experts=E, moe_layers=LAYERS, n_group=n_group,
+                          topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=1.0)
     return SimpleNamespace(config=cfg, dense=dense or {})
 
 
@@ -43,6 +45,20 @@ def test_router_predictor_uses_the_correction_bias():
     dense |= {f"model.layers.{L}.mlp.gate.e_score_correction_bias": bias for L in LAYERS}
     _, pred = NextLayerPredictor(fake_converted(dense)).predict(1, torch.ones(1, H))
     assert pred == [5, 11]
+
+
+def test_router_predictor_keeps_the_group_limit():
+    """DeepSeek-V3 routing keeps the topk_group groups with the best top-2 sums, then takes the top-k inside them:
+    the prediction follows (group 0 = experts 0-3 scores 0.9, 0.8; group 1 = experts 4-7: one 0.95 alone; with one
+    group kept, expert 4 is out although it scores best), and `extra` adds the best-scored others."""
+    bias = torch.zeros(E)
+    bias[[0, 1, 4]] = torch.tensor([0.9, 0.8, 0.95])
+    dense = {f"model.layers.{L}.mlp.gate.weight": torch.zeros(E, H) for L in LAYERS}
+    dense |= {f"model.layers.{L}.mlp.gate.e_score_correction_bias": bias for L in LAYERS}
+    _, pred = NextLayerPredictor(fake_converted(dense, n_group=4, topk_group=1)).predict(1, torch.ones(1, H))
+    assert pred == [0, 1]
+    _, pred = NextLayerPredictor(fake_converted(dense, n_group=4, topk_group=1), extra=1).predict(1, torch.ones(1, H))
+    assert pred == [4, 0, 1]                        # ranked by score; 4 only as the extra guess
 
 
 def test_coactivation_predictor_learns_what_follows():

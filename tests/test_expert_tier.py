@@ -10,6 +10,7 @@ import itertools
 import json
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -90,8 +91,8 @@ def check_identical(conv, budget: int, predict: bool, io: str = "direct", predic
     assert s["ram_tier_peak_resident_bytes"] <= budget
     assert watch.samples > 0 and watch.peak <= budget, f"measured {watch.peak} resident bytes > budget {budget}"
     assert measured <= budget
-    if ex.stage:
-        assert s["ram_tier_staged_layers"] > 0 and s["expert_staged_calls"] > 0
+    if ex.stage:                 # (several calls per layer where experts land apart: the default model's test)
+        assert s["ram_tier_staged_layers"] > 0
     else:
         assert s["ram_tier_staged_layers"] == 0 and s["expert_staged_calls"] == 0
     return s, ex.launch_thread
@@ -104,6 +105,7 @@ def test_default_model_bit_identical_under_budget(default_converted, predict, pr
                                   predictor=predictor)
     assert not threaded          # its int4 GPU layers run on the kernels' pool: later runs started in sync()
     assert s["ram_tier_early_experts"] > 0        # resident experts computed before the layer's reads landed
+    assert s["expert_staged_calls"] > 0           # and the later experts in further calls
     if predict:
         assert s["ram_tier_prefetch_issued"] > 0 and s["ram_tier_pred_predicted"] > 0
 
@@ -194,13 +196,14 @@ def test_unwanted_prefetch_not_started_is_cancelled(default_converted):
         tier = ExpertRamTier(c, 1 << 30, io_threads=1)
         gate = threading.Event()
         read = tier._queue._fn
-        tier._queue._fn = lambda job, k: (gate.wait(), read(job, k))     # the reader stalls until the gate opens
+        tier._queue._fn = lambda r: (gate.wait(), read(r))     # the reader stalls until the gate opens
         try:
             L1, L2 = c.geometry.moe_layers[:2]
             gs1, each1 = tier.ensure_each(L1, [0])                  # the reader takes this one and waits
             assert tier.prefetch(L2, [3, 4, 5]) == 3
             gs2, each2 = tier.ensure_each(L2, [4, 6])               # 3 and 5 were wrong guesses, 4 was right
             assert tier.counters["prefetch_cancelled"] == 2 and tier.counters["prefetch_used"] == 1
+            assert tier.counters["bytes_prefetch_used"] == tier.expert_pages(L2, 4) * PAGE      # the needed bytes
             assert not tier.is_resident(L2, 3) and tier.g(L2, 3) not in tier._futures
             gate.set()
             tier.wait(each1 + each2)
@@ -216,22 +219,118 @@ def test_unwanted_prefetch_not_started_is_cancelled(default_converted):
             tier.close()
 
 
+class StalledReader:
+    """Holds the tier's reader threads at the start of each read until released; records the reads in the order
+    they started, as (kind, experts) with kind 'demand' / 'prefetch'."""
+
+    def __init__(self, tier):
+        self.tier, self.gate, self.started = tier, threading.Event(), []
+        self._read = tier._queue._fn
+        tier._queue._fn = self._run
+
+    def _run(self, r):
+        kind = "prefetch" if r.jobs[0].prefetch else "demand"
+        self.started.append((kind, sorted(j.g % self.tier.n_experts for j in r.jobs)))
+        self.gate.wait()
+        self._read(r)
+
+
+def test_adjacent_missing_experts_share_reads(default_converted):
+    """Missing experts next to each other in the files are read together: experts 2 and 3 of a layer share every
+    read (each of their spans is small), expert 7 reads its codes on its own (its scales share pages, so reads,
+    with theirs); all three land holding the file's bytes, and each expert's bytes count as demand bytes."""
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+        tier = ExpertRamTier(c, 1 << 30, io_threads=1)
+        stall = StalledReader(tier)
+        try:
+            L = c.geometry.moe_layers[0]
+            gs, each = tier.ensure_each(L, [2, 3, 7])
+            jobs = {e: tier._jobs[tier.g(L, e)] for e in (2, 3, 7)}
+            assert [id(r) for r in jobs[2].reads] == [id(r) for r in jobs[3].reads]      # one set of reads
+            own7 = [r for r in jobs[7].reads if r.jobs == [jobs[7]]]
+            assert len(own7) == 3                                   # gate, up, down codes
+            n_reads = len({id(r) for j in jobs.values() for r in j.reads})
+            assert n_reads < sum(len(tier._spans[tier.g(L, e)]) for e in (2, 3, 7))
+            assert tier.counters["merged_reads"] == n_reads - len(own7)
+            stall.gate.set()
+            tier.wait(each)
+            for s, shard in enumerate(c.experts[L]):
+                for p, (qw, sc, _) in shard.items():
+                    mq, ms, _ = tier.mirror_layers[L][s][p]
+                    for e in (2, 3, 7):
+                        assert np.array_equal(mq[e], qw[e]) and (sc is None or np.array_equal(ms[e], sc[e]))
+            per_expert = sum(tier.expert_pages(L, e) * PAGE for e in (2, 3, 7))
+            assert tier.counters["bytes_demand"] == per_expert and tier.counters["bytes_prefetch"] == 0
+            assert [k for k, _ in stall.started] == ["demand"] * len(stall.started)
+            assert stall.started[0][1] == [2, 3]          # reads start in the order the experts were asked for
+            tier.release(gs)
+        finally:
+            stall.gate.set()
+            tier.close()
+
+
+def test_prefetch_reads_wait_for_demand_reads(default_converted):
+    """A prefetch read starts only while no demand read runs or waits: with a demand read in flight the other
+    reader thread leaves the queued prefetch alone, a demand read queued after it goes first, and the prefetch
+    reads run once the demand reads are done."""
+    with load_model(default_converted, device="cpu") as lm:
+        c = lm.converted
+        tier = ExpertRamTier(c, 1 << 30, io_threads=2)
+        stall = StalledReader(tier)
+        try:
+            L1, L2 = c.geometry.moe_layers[:2]
+            gs1, each1 = tier.ensure_each(L1, [0])                 # both threads take one of its reads and stall
+            assert tier.prefetch(L2, [9]) == 1
+            gs2, each2 = tier.ensure_each(L1, [12])                # queued after the prefetch
+            time.sleep(0.2)
+            assert tier._queue.running == [2, 0] and [k for k, _ in stall.started] == ["demand", "demand"]
+            stall.gate.set()
+            tier.wait(each1 + each2)
+            tier.drain()
+            kinds = [k for k, _ in stall.started]
+            assert kinds.index("prefetch") > max(i for i, k in enumerate(kinds) if k == "demand")
+            assert tier.counters["bytes_prefetch"] == tier.expert_pages(L2, 9) * PAGE
+            tier.release(gs1 + gs2)
+        finally:
+            stall.gate.set()
+            tier.close()
+
+
 def test_prefetch_throttles_to_a_rare_probe_while_its_guesses_go_unused(default_converted):
-    """While fewer than PREFETCH_MIN_USE of the recent prefetches were used, a prefetch call reads at most its
-    best-ranked expert, and only on one call in PROBE_EVERY; with good guesses every prediction is read."""
-    from ktrun.expert_tier import PREFETCH_WINDOW, PROBE_EVERY
+    """While fewer than PREFETCH_MIN_USE of the recent prefetches were used (or fewer than the disk's recent busy
+    share), or callers hardly waited on reads, a prefetch call reads at most its best-ranked expert, and only once
+    per PROBE_LOADS demand loads; with good guesses, on a disk that is waited on and idle, every prediction is read."""
+    from ktrun.expert_tier import PREFETCH_WINDOW, PROBE_LOADS
+
+    def shares(busy, waited):             # the recent busy / wait shares, as if measured
+        tier._shares, tier._busy_at = (busy, waited), (time.perf_counter(), tier.disk_busy_s, tier.wait_s)
     with load_model(default_converted, device="cpu") as lm:
         c = lm.converted
         tier = ExpertRamTier(c, 1 << 30)
         try:
-            L = c.geometry.moe_layers[1]
+            L, E = c.geometry.moe_layers[1], c.geometry.n_experts
             tier._outcomes.extend([False] * PREFETCH_WINDOW)
-            issued = [tier.prefetch(L, [2 * i, 2 * i + 1]) for i in range(PROBE_EVERY + 1)]
-            assert issued == [1] + [0] * (PROBE_EVERY - 1) + [1]
-            assert tier.counters["prefetch_throttled"] == PROBE_EVERY + 1
+            issued = []
+            for i in range(4):
+                tier._since_probe = PROBE_LOADS if i in (0, 3) else PROBE_LOADS - 1
+                shares(0.0, 0.5)
+                issued.append(tier.prefetch(L, [2 * i, 2 * i + 1]))
+            assert issued == [1, 0, 0, 1] and tier.counters["prefetch_throttled"] == 4
             tier._outcomes.extend([True] * PREFETCH_WINDOW)
-            E = c.geometry.n_experts
+            shares(0.0, 0.5)
             assert tier.prefetch(L, [E - 3, E - 2, E - 1]) == 3
+            tier.drain()
+            # guesses used 3 times in 4: read on an idle, waited-on disk; probed on a busy one or an unwaited one
+            tier._outcomes.extend([True, True, True, False] * (PREFETCH_WINDOW // 4))
+            thr = tier.counters["prefetch_throttled"]
+            shares(0.0, 0.5)
+            assert tier.prefetch(L, [E - 6, E - 5]) == 2 and tier.counters["prefetch_throttled"] == thr
+            tier.drain()
+            for busy, waited in ((0.9, 0.5), (0.0, 0.01)):
+                shares(busy, waited)
+                tier.prefetch(L, [E - 8, E - 7])
+            assert tier.counters["prefetch_throttled"] == thr + 2
             tier.drain()
         finally:
             tier.close()
@@ -392,10 +491,13 @@ def test_tier_lines_report_the_issue_metrics():
     after = dict(before, ram_tier_io="direct", ram_tier_peak_resident_bytes=90,
                  ram_tier_bytes_read=4000, ram_tier_disk_busy_s=0.002, ram_tier_demand_experts=10, ram_tier_ram_hits=7,
                  ram_tier_pred_predicted=8, ram_tier_pred_correct=6, ram_tier_pred_actual=10,
-                 ram_tier_prefetch_issued=4, ram_tier_prefetch_used=3)
+                 ram_tier_prefetch_issued=4, ram_tier_prefetch_used=3, ram_tier_bytes_demand=3000,
+                 ram_tier_bytes_prefetch=1000, ram_tier_bytes_prefetch_used=600)
     lines = dict(line.split(": ", 1) for line in tier_lines(before, after, tokens=2, measured=80))
     assert lines["ram_tier_measured_resident"] == "80 bytes"
     assert lines["ram_tier_disk_bytes_per_token"] == "2000 bytes"
+    assert lines["ram_tier_needed_bytes_per_token"] == "1800 bytes"
+    assert lines["ram_tier_prefetch_bytes_per_token"] == "500 bytes"
     assert lines["ram_tier_disk_read_rate"] == "0.002 GB/s"
     assert lines["ram_tier_hit_ratio"] == "0.7000"
     assert lines["ram_tier_prefetch_hit_ratio"] == "0.7500"
