@@ -16,7 +16,10 @@ representable in the stored dtype) and codes (R, L) as signed integers in float3
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+from ktlayouts import cpu_expert
+from ktlayouts.constants import SUB6_RANGE
 
 SCALE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 FP16_MAX = 65504.0
@@ -95,88 +98,117 @@ def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtyp
     return torch.where(zero, torch.zeros_like(s), s), torch.where(zero[:, None], torch.zeros_like(q), q)
 
 
-# --- two-level scales: one super-scale per super-block of groups, a small signed integer sub-scale per group --------
+# --- two-level scales (ktlayouts cpu-expert-int4 version 3, `sub6`): a float16 super-scale d per super-block of
+# groups, a small signed integer sub-scale q per group; the group's scale is d * q -----------------------------------
 
-def round_super_scale(d: torch.Tensor, sig_bits: int = 11) -> torch.Tensor:
-    """d float32 -> the nearest float16 value with at most sig_bits significant bits (significand rounded half to even),
-    as float32. With sig_bits + the sub-scales' magnitude bits <= 11 every product d * q is a float16 value as well
-    (in float16's normal range), so GPU formats with float16 scales hold the two-level scales exactly."""
-    d = d.to(torch.float32).clamp(-FP16_MAX, FP16_MAX)
-    m, e = torch.frexp(d)                                        # d = m 2^e, 0.5 <= |m| < 1
-    m = torch.round(m * float(1 << sig_bits)) / float(1 << sig_bits)
-    return torch.ldexp(m, e.to(torch.float32)).clamp(-FP16_MAX, FP16_MAX).to(torch.float16).to(torch.float32)
+def round_super_scale(d: torch.Tensor) -> torch.Tensor:
+    """The stored super-scale of d: float16 with SUB6_SUPER_SIG_BITS significant bits (ktlayouts' rounding)."""
+    return torch.from_numpy(cpu_expert.round_super_scale(d.detach().to(torch.float32).numpy()))
 
 
-def sub_scales_for(s: torch.Tensor, d: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Nearest integer sub-scales q = clamp(rint(s / d), lo, hi) of group scales s (R, S) under d (R,); 0 where d = 0."""
+def sub_scales_for(s: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Nearest sub-scales q = clamp(rint(s / d), SUB6_RANGE) of group scales s (R, S) under d (R,); 0 where d = 0."""
     safe = torch.where(d != 0, d, torch.ones_like(d))[:, None]
-    q = torch.round(s / safe).clamp_(lo, hi)
+    q = torch.round(s / safe).clamp_(*SUB6_RANGE)
     return torch.where(d[:, None] != 0, q, torch.zeros_like(q))
 
 
-def search_two_level(x: torch.Tensor, w: torch.Tensor | None, bits: int, sub_range: tuple[int, int],
-                     sig_bits: int, steps: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two-level scales of super-blocks x (R, S, L) (S groups of L values), importance w (R, S, L), (S, L) or None:
-    -> (d (R,) super-scales, q (R, S) integer sub-scales in sub_range as float32, codes (R, S, L) signed), minimizing
-    sum w (x - d q code)^2.
-
-    1. each group's best free scale s_g and its codes (search_scales, float32), and the curvature of the group's error
-       around it, c_g = sum w code^2 (the error grows as c_g (s - s_g)^2 with the codes held);
-    2. d from trials: the largest |s_g| divided by the top sub-scale codes (hi, and lo for signed ranges) minus
-       0 .. steps/2 in half steps, plus the weighted least-squares refit sum c s q / sum c q^2 of the best trial,
-       each rounded to the stored super-scale (round_super_scale) and scored by sum c (s - d q)^2 with
-       q = rint(s / d);
-    3. per group, q - 1, q, q + 1 scored by the real weighted error with the codes re-rounded against d q;
-    4. the codes of the final stored scales d q.
-    Deterministic (ties keep the first candidate)."""
-    x = x.to(torch.float32)
-    r, n_sub, length = x.shape
-    if w is None:
-        w = torch.ones_like(x)
-    else:
-        w = w.to(torch.float32).expand(r, n_sub, length)
-    xg, wg = x.reshape(r * n_sub, length), w.reshape(r * n_sub, length)
-    s, code = search_scales(xg, wg, bits, "f32")
-    c = (wg * code * code).sum(1).double().reshape(r, n_sub)
-    return fit_two_level(xg, wg, s.reshape(r, n_sub), c, bits, sub_range, sig_bits, steps)
-
-
-def fit_two_level(xg, wg, s, c, bits, sub_range, sig_bits, steps=8):
-    """Steps 2-4 of search_two_level from the groups' free scales s (R, S) and curvatures c (R, S)."""
+def best_sub_scales(xg: torch.Tensor, wg: torch.Tensor, s: torch.Tensor, d: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per group (R * S groups xg (R * S, L), weights wg, free scales s (R, S)) the sub-scale among rint(s / d) - 1,
+    +0, +1 (in SUB6_RANGE) whose stored scale d q, with the codes re-rounded against it, has the least weighted
+    squared error -> q (R, S) float32 (ties keep rint)."""
     r, n_sub = s.shape
-    length = xg.shape[1]
-    lo, hi = sub_range
-    top = s.gather(1, s.abs().argmax(1, keepdim=True))[:, 0]                  # (R,) the largest |s_g|, signed
-    tops = [hi - 0.5 * i for i in range(steps)] + ([lo + 0.5 * i for i in range(steps)] if lo < 0 else [])
-
-    def score(d):
-        q = sub_scales_for(s, d, lo, hi)
-        return (c * (s.double() - d.double()[:, None] * q.double()) ** 2).sum(1)
-
-    best_d = torch.zeros(r)
-    best_e = torch.full((r,), float("inf"), dtype=torch.float64)
-    for t in tops:
-        d = round_super_scale(top / t, sig_bits)
-        e = score(d)
-        better = e < best_e
-        best_e, best_d = torch.where(better, e, best_e), torch.where(better, d, best_d)
-    q = sub_scales_for(s, best_d, lo, hi).double()
-    den = (c * q * q).sum(1)
-    d = round_super_scale(torch.where(den > 0, (c * s.double() * q).sum(1) / den.clamp_min(1e-300), 0.0).float(),
-                          sig_bits)
-    e = score(d)
-    best_d = torch.where(e < best_e, d, best_d)
-    # 3. the sub-scales by the real error of their re-rounded codes
-    q0 = sub_scales_for(s, best_d, lo, hi)
+    q0 = sub_scales_for(s, d)
     best_q, best_err = q0, None
     for dq in (0.0, -1.0, 1.0):
-        qq = (q0 + dq).clamp(lo, hi)
-        sc = (best_d[:, None] * qq).reshape(-1)
+        qq = (q0 + dq).clamp(*SUB6_RANGE)
+        sc = (d[:, None] * qq).reshape(-1)
         err = weighted_error(xg, wg, sc, codes_for(xg, sc, bits)).reshape(r, n_sub)
         if best_err is None:
             best_err = err
         else:
             better = err < best_err
             best_err, best_q = torch.where(better, err, best_err), torch.where(better, qq, best_q)
-    sc = (best_d[:, None] * best_q).reshape(-1)
-    return best_d, best_q, codes_for(xg, sc, bits).reshape(r, n_sub, length)
+    return best_q
+
+
+def _super_scale(s: torch.Tensor, c: torch.Tensor, steps: int = 8) -> torch.Tensor:
+    """d (R,) for free group scales s (R, S) with curvatures c (R, S) (the error grows as c_g (d q_g - s_g)^2 with
+    the codes held): trials max|s| / t, t = 31, 30.5, ... and -32, -31.5, ... (steps each), and the least-squares
+    refit sum c s q / sum c q^2 of the best one, each rounded to the stored super-scale and scored by
+    sum c (s - d rint(s / d))^2."""
+    r = s.shape[0]
+    lo, hi = SUB6_RANGE
+    top = s.gather(1, s.abs().argmax(1, keepdim=True))[:, 0]                  # (R,) the largest |s_g|, signed
+
+    def score(d):
+        q = sub_scales_for(s, d).double()
+        return (c * (s.double() - d.double()[:, None] * q) ** 2).sum(1)
+
+    best_d, best_e = torch.zeros(r), torch.full((r,), float("inf"), dtype=torch.float64)
+    trials = [top / (hi - 0.5 * i) for i in range(steps)] + [top / (lo + 0.5 * i) for i in range(steps)]
+    for d in trials + [None]:
+        if d is None:                                   # the weighted least-squares refit of the best trial
+            q = sub_scales_for(s, best_d).double()
+            den = (c * q * q).sum(1)
+            d = torch.where(den > 0, (c * s.double() * q).sum(1) / den.clamp_min(1e-300), 0.0).float()
+        d = round_super_scale(d)
+        e = score(d)
+        better = e < best_e
+        best_e, best_d = torch.where(better, e, best_e), torch.where(better, d, best_d)
+    return best_d
+
+
+def free_scales(xg: torch.Tensor, wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups xg (G, L) -> (each group's best free scale (G,) float32, the curvature sum w code^2 (G,) float64)."""
+    s, code = search_scales(xg, wg, bits, "f32")
+    return s, (wg * code * code).sum(1).double()
+
+
+def two_level_super_scale(x: torch.Tensor, w: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """The super-scales alone (R,) of super-blocks x (R, S, L) (GPTQ fixes d at a super-block's first column and
+    picks each group's sub-scale when it reaches it: best_sub_scales)."""
+    r, n_sub, _ = x.shape
+    xg, wg = _flat_groups(x, w)
+    s, c = free_scales(xg, wg, bits)
+    return _super_scale(s.reshape(r, n_sub), c.reshape(r, n_sub))
+
+
+def _flat_groups(x, w):
+    x = x.to(torch.float32)
+    r, n_sub, length = x.shape
+    w = torch.ones_like(x) if w is None else w.to(torch.float32).expand(r, n_sub, length)
+    return x.reshape(r * n_sub, length), w.reshape(r * n_sub, length)
+
+
+def search_two_level(x: torch.Tensor, w: torch.Tensor | None, bits: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two-level scales of super-blocks x (R, S, L) (S groups of L values), importance w (R, S, L), (S, L) or None
+    -> (d (R,) stored super-scales, q (R, S) sub-scales in SUB6_RANGE (float32), codes (R, S, L) signed), minimizing
+    sum w (x - d q code)^2:
+    1. each group's best free scale s_g (search_scales, float32) and the curvature of its error around it;
+    2. d by _super_scale (trials and a least-squares refit on the sub-scale grid, rounded to the stored super-scale);
+    3. each q among rint(s / d) - 1, +0, +1 by the real weighted error of its re-rounded codes (best_sub_scales);
+    4. the codes of the final stored scales d q;
+    floor: never worse per super-block than the layout's reference rule (ktlayouts two_level_rule on the groups'
+    largest magnitudes onto -2^(b-1)). Deterministic (ties keep the first candidate)."""
+    r, n_sub, length = x.shape
+    xg, wg = _flat_groups(x, w)
+    s, c = free_scales(xg, wg, bits)
+    s, c = s.reshape(r, n_sub), c.reshape(r, n_sub)
+    d = _super_scale(s, c)
+    q = best_sub_scales(xg, wg, s, d, bits)
+    sc = d[:, None] * q
+    hi, lo = xg.amax(1), xg.amin(1)
+    peak = torch.where(hi >= -lo, hi, lo) / -(1 << (bits - 1))
+    rule = torch.from_numpy(cpu_expert.two_level_rule(peak.reshape(r, n_sub).numpy()))
+
+    def err(v):                                   # (R,) summed over the super-block's groups
+        return weighted_error(xg, wg, v.reshape(-1), codes_for(xg, v.reshape(-1), bits)).reshape(r, n_sub).sum(1)
+    worse = err(sc) > err(rule)
+    if bool(worse.any()):
+        d_rule, q_rule = cpu_expert.two_level_decompose(rule.numpy())
+        d = torch.where(worse, torch.from_numpy(d_rule[:, 0]), d)
+        q = torch.where(worse[:, None], torch.from_numpy(q_rule.astype(np.float32)), q)
+        sc = d[:, None] * q
+    return d, q, codes_for(xg, sc.reshape(-1), bits).reshape(r, n_sub, length)

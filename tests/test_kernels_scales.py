@@ -102,7 +102,7 @@ def test_two_level_records_at_the_edges_reach_every_backend_exactly():
     d = (rng.standard_normal((geom.n_pad, geom.n_groups // 8)) * 0.01).astype(np.float16).astype(np.float32)
     d[1], d[2, 0], d[3] = -0.004, 2.0 ** -24, 0.0
     rec = pack_two_level(d, q, geom)
-    dd, qq = unpack_two_level(rec)
+    _, qq = unpack_two_level(rec)
     assert np.array_equal(qq.transpose(0, 2, 1).reshape(geom.n_pad, -1), q)
     for name in ("gate_s", "up_s"):
         getattr(layer.shards[0], name)[:] = rec

@@ -7,7 +7,10 @@ U of H^-1. Updates inside a block of 128 columns are applied at once ("lazy batc
 Group scales are computed when the first column of a group is reached, from the weights as updated so far: by
 default (scale_rule "search") the scale of ktconvert.scale_search.search_scales minimizing the group's
 squared error weighted by diag(H) (each input channel's activation energy), never worse than the largest magnitude
-onto the most negative code; scale_rule "vllm" keeps the reference rule max|w| / ((2^b - 1) / 2).
+onto the most negative code; scale_rule "vllm" keeps the reference rule max|w| / ((2^b - 1) / 2). Two-level scales
+(scale_dtype "sub6", CPU experts of layout version 3): at the first column of a super-block of 8 groups its float16
+super-scale d is chosen from the weights as updated so far (two_level_super_scale), and at each group's first column
+the group's sub-scale q given d (best_sub_scales): the columns are rounded against the final stored scale d q.
 Quantization is symmetric with the rounding of ktconvert.gpu.rtn, so RTN and GPTQ results share one layout.
 """
 from __future__ import annotations
@@ -47,6 +50,9 @@ class GptqConfig:
             raise ValueError(f"scale_rule must be 'search' or 'vllm', got {self.scale_rule!r}")
         if not 0 < self.percdamp <= 1:
             raise ValueError(f"percdamp must be in (0, 1], got {self.percdamp}")
+        if self.scale_dtype == "sub6" and (self.group_size <= 0 or self.block % (8 * self.group_size) or self.act_order):
+            raise ValueError(f"two-level scales need static groups (no act-order) and a block of whole super-blocks "
+                             f"(8 groups), got group {self.group_size}, block {self.block}, act_order {self.act_order}")
         if self.block <= 0 or (self.group_size > 0 and self.block % self.group_size):
             raise ValueError(f"block {self.block} must be a multiple of the group size {self.group_size}")
 
@@ -155,12 +161,18 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: st
     return q, float(loss)
 
 
-def group_scales(w_group: torch.Tensor, importance: torch.Tensor, cfg: GptqConfig) -> torch.Tensor:
-    """w_group (N, L) columns of one group, importance (L,) -> (N,) scales, representable in cfg.scale_dtype."""
+def group_scales(w_group: torch.Tensor, importance: torch.Tensor, cfg: GptqConfig,
+                 super_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """w_group (N, L) columns of one group, importance (L,) -> (N,) scales, representable in cfg.scale_dtype
+    (two-level: super_scale (N,) times the best sub-scale)."""
     if cfg.scale_rule == "vllm":
         return scales_for(w_group, cfg.bits)
-    from ktconvert.scale_search import search_scales
-    return search_scales(w_group, importance, cfg.bits, cfg.scale_dtype)[0]
+    from ktconvert.scale_search import best_sub_scales, free_scales, search_scales
+    if cfg.scale_dtype != "sub6":
+        return search_scales(w_group, importance, cfg.bits, cfg.scale_dtype)[0]
+    wg = importance.to(torch.float32)[None, :].expand_as(w_group)
+    s, _ = free_scales(w_group, wg, cfg.bits)
+    return super_scale * best_sub_scales(w_group, wg, s[:, None], super_scale, cfg.bits)[:, 0]
 
 
 def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg: GptqConfig,
@@ -184,9 +196,14 @@ def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg:
         for i in range(i2 - i1):
             col = i1 + i
             if col % group == 0:
+                if cfg.scale_dtype == "sub6" and col % (8 * group) == 0:     # a super-block's first column
+                    from ktconvert.scale_search import two_level_super_scale
+                    d = two_level_super_scale(w1[:, i:i + 8 * group].reshape(n, 8, group),
+                                              hdiag[col:col + 8 * group].reshape(1, 8, group), cfg.bits)
                 if cfg.group_size != -1:
                     # group scale from the weights as updated so far: the group lies inside this block
-                    scales[col // group] = group_scales(w1[:, i:i + group], hdiag[col:col + group], cfg)
+                    scales[col // group] = group_scales(w1[:, i:i + group], hdiag[col:col + group], cfg,
+                                                        d if cfg.scale_dtype == "sub6" else None)
                 s = scales[col // group]
                 safe = torch.where(s != 0, s, torch.ones_like(s))   # all-zero group: scale 0, any code
             c = torch.clamp_(torch.round_(w1[:, i] / safe).add_(zero), 0.0, maxq)   # same rounding as rtn
