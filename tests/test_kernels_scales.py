@@ -46,16 +46,23 @@ def test_scale_conversion_covers_subnormal_and_negative_float16():
     for name in ("gate_s", "up_s", "down_s"):
         a = getattr(layer.shards[0], name)
         a.reshape(-1)[: vals.size] = vals.reshape(-1).astype(np.float16)    # edge values into the real arrays
-    x = rng.standard_normal((3, 64)).astype(np.float32)
-    ids, w = routing(rng, 3, 2, 2)
+    _same_on_every_backend(layer, rng, 64)
+
+
+def _same_on_every_backend(layer: PackedLayer, rng: np.random.Generator, hidden: int):
+    """3 tokens through the scalar, AVX-512 and AVX2 backends this CPU has: bit-identical -> (x, ids, w, output)."""
+    from ktrun.cpu_moe import backend_supported
+
+    x = rng.standard_normal((3, hidden)).astype(np.float32)
+    ids, w = routing(rng, 3, 2, layer.E)
     outs = []
     for backend in ("scalar", "avx512", "avx2"):
-        from ktrun.cpu_moe import backend_supported
         if backend_supported(backend):
             with MoEKernels(n_threads=1, backend=backend) as moe:
                 layer.add_to(moe)
                 outs.append(moe.forward(0, x, ids, w))
     assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+    return x, ids, w, outs[0]
 
 
 def test_mixed_scale_dtypes_in_one_layer_are_refused():
@@ -106,21 +113,12 @@ def test_two_level_records_at_the_edges_reach_every_backend_exactly():
     assert np.array_equal(qq.transpose(0, 2, 1).reshape(geom.n_pad, -1), q)
     for name in ("gate_s", "up_s"):
         getattr(layer.shards[0], name)[:] = rec
-    x = rng.standard_normal((3, 256)).astype(np.float32)
-    ids, w = routing(rng, 3, 2, 2)
-    outs = []
-    from ktrun.cpu_moe import backend_supported
-    for backend in ("scalar", "avx512", "avx2"):
-        if backend_supported(backend):
-            with MoEKernels(n_threads=1, backend=backend) as moe:
-                layer.add_to(moe)
-                outs.append(moe.forward(0, x, ids, w))
-    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+    x, ids, w, out = _same_on_every_backend(layer, rng, 256)
     scale = np.repeat(d[:, :, None] * q.reshape(geom.n_pad, -1, 8), 32, axis=2).reshape(geom.n_pad, -1)
     for p in ("gate", "up"):              # W = (code - 8) * d * q, from numpy's own float16 -> float32
         codes = np.stack([unpack_codes(c, geom) for c in getattr(layer.shards[0], p + "_q")]).astype(np.float64)
         layer.deq[0][p][:] = (codes - 8) * scale
-    assert_close(outs[0], layer.reference(x, ids, w), 2e-3, "edge records vs numpy")
+    assert_close(out, layer.reference(x, ids, w), 2e-3, "edge records vs numpy")
 
 
 def test_two_level_scales_need_int4_group_32_and_whole_super_blocks():
