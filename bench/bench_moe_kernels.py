@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--backend", default=None, help="scalar|avx2|avx512|amx (default: best of this CPU)")
     ap.add_argument("--scales", nargs="+", default=["f32", "f16"], choices=["f32", "f16", "bf16", "sub6"],
                     help="scale dtypes to compare (one layer each, timed alternately; sub6: int4 group 32 only)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="calls per layer and configuration (best kept; default 20 for T <= 4, 8 up to 64, else 2)")
     ap.add_argument("--group", type=int, nargs="+", default=[128],
                     help="scale group sizes to compare (32, a multiple of 64, or -1)")
     args = ap.parse_args()
@@ -148,7 +150,7 @@ def main() -> None:
                 after = probe(moe)
                 for T in args.tokens:
                     before = after
-                    reps = 20 if T <= 4 else 8 if T <= 64 else 2
+                    reps = args.reps or (20 if T <= 4 else 8 if T <= 64 else 2)
                     results = time_layers(moe, list(range(len(combos))), T, n_experts, reps, rng)
                     after = probe(moe)
                     bw, peak = max(before[0], after[0]), max(before[1], after[1])

@@ -180,13 +180,11 @@ def free_scales(xg: torch.Tensor, wg: torch.Tensor, bits: int) -> tuple[torch.Te
     return s, (wg * code * code).sum(1).double()
 
 
-def two_level_super_scale(x: torch.Tensor, w: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """The super-scales alone (R,) of super-blocks x (R, S, L) (GPTQ fixes d at a super-block's first column and
-    picks each group's sub-scale when it reaches it: best_sub_scales)."""
-    r, n_sub, _ = x.shape
-    xg, wg = _flat_groups(x, w)
-    s, c = free_scales(xg, wg, bits)
-    return super_scale(s.reshape(r, n_sub), c.reshape(r, n_sub))
+def fit_two_level(s: torch.Tensor, c: torch.Tensor, grid: TwoLevelGrid = SUB6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-level values for given group scales s (R, S) with curvatures c (R, S) (GPTQ's first pass): d by
+    super_scale, q = rint(s / d) (the proxy's optimum for that d) -> (d (R,), q (R, S))."""
+    d = super_scale(s, c, grid)
+    return d, sub_scales_for(s, d, grid)
 
 
 def _flat_groups(x, w):

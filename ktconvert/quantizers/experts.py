@@ -185,8 +185,7 @@ class ExpertQuantizer:
 
         h = 2.0 * rows.T @ rows / max(1, rows.shape[0])
         group = -1 if geom.group == geom.k_pad and geom.group_size == -1 else geom.group
-        unit = geom.group * (SUB6_SUPER_GROUPS if scale_dtype == "sub6" else 1)     # a block holds whole super-blocks
-        cfg = GptqConfig(bits=geom.bits, group_size=group, percdamp=self.percdamp, block=max(128, unit),
+        cfg = GptqConfig(bits=geom.bits, group_size=group, percdamp=self.percdamp, block=max(128, geom.group),
                          scale_dtype=scale_dtype)
         q, _ = gptq_quantize(wp, h, cfg, name="routed expert")
         codes = np.ascontiguousarray(q.codes_kn.T)                                   # (N_pad, K_pad), zero point Z
