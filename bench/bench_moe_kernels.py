@@ -7,15 +7,17 @@ layer (best of the reps), where it went (kt_profile phases, CPU share the worker
 second and that as a fraction of the memory read bandwidth measured in the same run (kt_measure_read_bandwidth, same
 threads, the better of the probes just before and just after that configuration); for T >= 64 also int8 GOP/s
 against the measured register-only vpdpbusd peak (kt_measure_int8_peak, same threads, same bracketing).
-Scale dtypes (--scales, default f32 = layout version 1 and f16 = version 2) and group sizes (--group, default 128):
-one layer per (dtype, group) in the same pool, timed alternately call by call (best of the reps each), with a time
-ratio against the first combination per configuration (`..._f16_vs_f32`, `..._f16_g32_vs_f32_g128`). Names carry the
-group only when more than one is compared. Output lines are `name: value unit`.
+Scale dtypes (--scales, default f32 = layout version 1 and f16 = version 2; sub6 = version 3's two-level scales,
+int4 group 32 only) and group sizes (--group, default 128): one layer per valid (dtype, group) in the same pool, timed
+alternately call by call (best of the reps each), with a time ratio against the first combination per configuration
+(`..._f16_vs_f32`, `..._f16_g32_vs_f32_g128`). Names carry the group only when more than one is compared. Output
+lines are `name: value unit`.
 
     .venv/bin/python bench/bench_moe_kernels.py                       # everything (a few minutes)
     .venv/bin/python bench/bench_moe_kernels.py --tokens 1 --threads 2 --bits 4
     .venv/bin/python bench/bench_moe_kernels.py --scales f32 f16 bf16 --bits 4
     .venv/bin/python bench/bench_moe_kernels.py --scales f32 f16 --group 128 32 --bits 4 --tokens 1 4 --threads 2
+    .venv/bin/python bench/bench_moe_kernels.py --scales f16 sub6 --group 64 32 --bits 4 --tokens 1 4 16 64
 """
 from __future__ import annotations
 
@@ -23,13 +25,22 @@ import argparse
 import time
 
 import numpy as np
-from ktlayouts.cpu_expert import MatrixGeometry
+from ktlayouts.cpu_expert import LayoutError, MatrixGeometry, pack_two_level
 from ktrun.cpu_moe import ExpertShard, MoEKernels
 
 HIDDEN, INTER, TOP_K = 7168, 2048, 8
 
 
 SCALE_NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+
+
+def valid(bits: int, scale_dtype: str, group: int) -> bool:
+    """Whether the layout stores this combination (two-level scales: int4 group 32 only)."""
+    try:
+        MatrixGeometry(n=INTER, k=HIDDEN, bits=bits, group_size=group, scale_dtype=scale_dtype)
+    except LayoutError:
+        return False
+    return True
 
 
 def expert_bytes(bits: int, scale_dtype: str = "f32", group: int = 128) -> int:
@@ -56,6 +67,10 @@ def packed_layer(bits: int, n_experts: int, rng: np.random.Generator, scale_dtyp
         return a
 
     def scales(geom):
+        if scale_dtype == "sub6":     # valid records (d ~ 1e-4, q in [-32, 31]) of one expert, repeated
+            d = (rng.standard_normal((geom.n_pad, geom.n_groups // 8)) * 1e-4).astype(np.float16).astype(np.float32)
+            one = pack_two_level(d, rng.integers(-32, 32, size=(geom.n_pad, geom.n_groups)), geom)
+            return np.tile(one[None], (n_experts, 1, 1, 1))
         s = (rng.standard_normal((n_experts, *geom.scales_shape)) * 1e-3).astype(np.float32)
         if scale_dtype == "bf16":
             return (s.view(np.uint32) >> 16).astype(np.uint16)
@@ -103,18 +118,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--backend", default=None, help="scalar|avx2|avx512|amx (default: best of this CPU)")
-    ap.add_argument("--scales", nargs="+", default=["f32", "f16"], choices=["f32", "f16", "bf16"],
-                    help="scale dtypes to compare (one layer each, timed alternately)")
+    ap.add_argument("--scales", nargs="+", default=["f32", "f16"], choices=["f32", "f16", "bf16", "sub6"],
+                    help="scale dtypes to compare (one layer each, timed alternately; sub6: int4 group 32 only)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="calls per layer and configuration (best kept; default 20 for T <= 4, 8 up to 64, else 2)")
     ap.add_argument("--group", type=int, nargs="+", default=[128],
                     help="scale group sizes to compare (32, a multiple of 64, or -1)")
     args = ap.parse_args()
-    combos = [(sd, g) for g in args.group for sd in args.scales]     # one layer each, timed alternately
-    tag = {c: c[0] if len(args.group) == 1 else f"{c[0]}_g{c[1]}" for c in combos}
     rng = np.random.default_rng(0)
 
     # This VM shares its cores and memory system with other work, so the limits drift: each configuration is
     # bracketed by probes with the same pool (just before and just after) and divided by the better of the two.
     for bits in args.bits:
+        combos = [(sd, g) for g in args.group for sd in args.scales if valid(bits, sd, g)]   # timed alternately
+        tag = {c: c[0] if len(args.group) == 1 else f"{c[0]}_g{c[1]}" for c in combos}
         per_expert = {c: expert_bytes(bits, *c) for c in combos}
         n_experts = max(TOP_K, int(args.budget_gb / len(combos) * 1e9 // max(per_expert.values())))
         t0 = time.perf_counter()
@@ -133,7 +150,7 @@ def main() -> None:
                 after = probe(moe)
                 for T in args.tokens:
                     before = after
-                    reps = 20 if T <= 4 else 8 if T <= 64 else 2
+                    reps = args.reps or (20 if T <= 4 else 8 if T <= 64 else 2)
                     results = time_layers(moe, list(range(len(combos))), T, n_experts, reps, rng)
                     after = probe(moe)
                     bw, peak = max(before[0], after[0]), max(before[1], after[1])

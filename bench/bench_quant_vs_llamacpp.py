@@ -81,6 +81,8 @@ OUR_ROWS = [
     ("experts", "int4-g32-f16", [*E4, "--group-size", "32", *G16]),
     ("experts", "int4-g64-f16", [*E4, "--group-size", "64", *G16]),
     ("experts", "int4-g128-f16", [*E4, "--group-size", "128", *G16]),
+    # two-level scales (layout version 3): a float16 super-scale per 256 input channels, a 6-bit sub-scale per 32
+    ("experts", "int4-g32-sub6", [*E4, "--group-size", "32", "--scale-dtype", "sub6"]),
     ("non-expert", "rtn-int4-g32", [*NE, "rtn-int4", "--gpu-group-size", "32"]),
     ("non-expert", "search-int4-g32", [*NE, "search-int4", "--gpu-group-size", "32"]),
     ("non-expert", "gptq-int4-g128", [*NE, "gptq-int4", "--gpu-group-size", "128"]),
@@ -93,6 +95,8 @@ OUR_ROWS = [
     *[("whole", f"int4-g{eg}-f16+gptq-int4-g{gg}", ["--method", "int4-amx", "--group-size", str(eg), *G16,
                                                     "--gpu-method", "gptq-int4", "--gpu-group-size", str(gg)])
       for eg, gg in ((128, 128), (64, 64), (128, 32), (64, 32), (32, 64), (32, 32))],
+    ("whole", "int4-g32-sub6+gptq-int4-g32", ["--method", "int4-amx", "--group-size", "32", "--scale-dtype", "sub6",
+                                              "--gpu-method", "gptq-int4", "--gpu-group-size", "32"]),
     ("whole", "int8-g32-f16+search-int8-g32", ["--method", "int8-amx", "--group-size", "32", *G16, "--gpu-method",
                                                "search-int8", "--gpu-group-size", "32"]),
 ]
@@ -239,7 +243,10 @@ def our_bits(conv: Path, tset: str) -> tuple[float, float]:
         for _ in ex["moe_layers"]:
             for n, k in ((i, h), (i, h), (h, i)):
                 groups = 0 if bits == 16 else (1 if g == -1 else -(-k // g))
-                logical_bits += e * (n * k * bits + n * groups * scale_bits)
+                if ex.get("scale_dtype") == "sub6":      # two-level: 6 bits a group, 16 per (started) super-block of 8
+                    logical_bits += e * (n * k * bits + n * (6 * groups + 16 * -(-groups // 8)))
+                else:
+                    logical_bits += e * (n * k * bits + n * groups * scale_bits)
     if tset in ("non-expert", "whole"):
         for rel, f in m["files"].items():
             quantized: dict[str, dict] = {}
@@ -264,7 +271,7 @@ def _scale_bits(manifest: dict) -> int:
     for f in manifest["files"].values():
         for name, t in f.get("tensors", {}).items():
             if name.endswith(".scales") and t["layout"].startswith("cpu-expert"):
-                return {"F32": 32, "F16": 16, "BF16": 16}[t["dtype"]]
+                return {"F32": 32, "F16": 16, "BF16": 16, "U8": 8}[t["dtype"]]   # U8: two-level (see our_bits)
     return 32
 
 

@@ -7,17 +7,29 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
-from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, METHOD_TO_LAYOUT
+from ktlayouts.constants import (
+    CPU_EXPERT_LAYOUTS,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_SCALE_DTYPE,
+    METHOD_TO_LAYOUT,
+    SCALE_DTYPES,
+    SUB6_GROUP,
+    scale_dtype_bits,
+)
 from ktlayouts.converted_dir import MANIFEST_NAME, ExpertGeometry, ManifestError
+from ktlayouts.cpu_expert import LayoutError
 from ktrun.byte_sizes import human, parse_bytes
 
 
 def expert_bytes_per_method(geo_args: dict, group_size: int, scale_dtype: str = "f32") -> dict[str, int]:
     """CPU bytes of all routed experts for each --method (one NUMA shard; more shards add no bytes), with scales of
-    `scale_dtype` (the CLI passes quantize's default)."""
+    `scale_dtype` (the CLI passes quantize's default) where the method's layout stores it (two-level sub6: int4 only;
+    int8 then shows the default 16-bit scales)."""
     out = {}
     for method in METHOD_TO_LAYOUT:
-        geo = ExpertGeometry(method=method, group_size=group_size, numa_nodes=1, scale_dtype=scale_dtype, **geo_args)
+        bits = CPU_EXPERT_LAYOUTS[METHOD_TO_LAYOUT[method]][0]
+        sd = scale_dtype if bits == 16 or bits in scale_dtype_bits(scale_dtype) else DEFAULT_SCALE_DTYPE
+        geo = ExpertGeometry(method=method, group_size=group_size, numa_nodes=1, scale_dtype=sd, **geo_args)
         per_expert = sum(g.qweight_nbytes + g.scales_nbytes
                          for g in (geo.matrix_geometry(p, 0) for p in ("gate", "up", "down")))
         out[method] = per_expert * geo.n_experts * len(geo.moe_layers)
@@ -116,10 +128,11 @@ def inspect_converted(path: Path) -> dict:
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--gpu-mem", default=None, help="GPU memory to check against, e.g. 24GB or 80GiB.")
 @click.option("--cpu-mem", default=None, help="CPU memory (RAM) to check against, e.g. 512GB.")
-@click.option("--group-size", type=int, default=DEFAULT_GROUP_SIZE, show_default=True,
-              help="Group size for the int4/int8 sizes (default: what `ktconvert quantize` writes).")
-@click.option("--scale-dtype", type=click.Choice(["f32", "f16", "bf16"]), default=DEFAULT_SCALE_DTYPE,
-              show_default=True, help="Expert scale dtype for the int4/int8 sizes.")
+@click.option("--group-size", type=int, default=None,
+              help=f"Group size for the int4/int8 sizes (default: what `ktconvert quantize` writes, {DEFAULT_GROUP_SIZE}, "
+                   f"or {SUB6_GROUP} with --scale-dtype sub6).")
+@click.option("--scale-dtype", type=click.Choice(list(SCALE_DTYPES)), default=DEFAULT_SCALE_DTYPE,
+              show_default=True, help="Expert scale dtype for the int4/int8 sizes (sub6: two-level, int4 only).")
 @click.option("--kv-mem", default=None, metavar="SIZE",
               help="KV-cache budget the hot-expert plan leaves free (default: 4096 tokens of one sequence).")
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -135,6 +148,7 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
     Examples:
       ktconvert inspect ./DeepSeek-V3
       ktconvert inspect ./DeepSeek-V3 --gpu-mem 24GB --cpu-mem 512GB
+      ktconvert inspect ./DeepSeek-V3 --scale-dtype sub6      # int4 bytes with two-level scales
       ktconvert inspect ./DeepSeek-V3-Q4_K_M-00001-of-00009.gguf --cpu-mem 512GB
       ktconvert inspect converted/ --gpu-mem 24GB --cpu-mem 512GB
       ktconvert inspect converted/ --gpu-mem 24GB --kv-mem 4GB --profile profile.json   # hot experts that fit
@@ -145,13 +159,15 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
     from ktconvert.cmd_quantize import resolve_source_arg
     from ktconvert.sources.roles import SourceError
 
+    if group_size is None:
+        group_size = SUB6_GROUP if scale_dtype == "sub6" else DEFAULT_GROUP_SIZE
     gpu_limit = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem else None
     cpu_limit = parse_bytes(cpu_mem, "--cpu-mem") if cpu_mem else None
     p = Path(path)
     try:
         info = inspect_converted(p) if (p / MANIFEST_NAME).exists() else inspect_source(resolve_source_arg(path),
                                                                                         group_size, scale_dtype)
-    except (SourceError, ManifestError) as e:
+    except (SourceError, ManifestError, LayoutError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{info['kind']}: {p}")
     click.echo(f"architecture: {info['model_type']}, {info['layers']} layers, {len(info['moe_layers'])} MoE layers, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 import click
-from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, METHOD_TO_LAYOUT
+from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, METHOD_TO_LAYOUT, SCALE_DTYPES
 from ktlayouts.converted_dir import ManifestError
 from ktlayouts.cpu_expert import LayoutError
 from ktrun.byte_sizes import parse_bytes
@@ -51,7 +51,7 @@ def resolve_source_arg(src: str | None):
                    "source's experts exactly (its codes and scales copied), else int4-amx.")
 @click.option("--group-size", type=int, default=None,
               help=f"Input channels per scale: 32, a multiple of 64, or -1 for one scale per row (default "
-                   f"{DEFAULT_GROUP_SIZE}; with --method auto, the source's).")
+                   f"{DEFAULT_GROUP_SIZE}, 32 with --scale-dtype sub6; with --method auto, the source's).")
 @click.option("--numa-nodes", type=int, default=1, show_default=True,
               help="Split every expert into this many shards (one file per node); servable on any node count.")
 @click.option("--expert-quantizer", type=click.Choice(["auto", "gptq", "search", "rtn"]), default="auto",
@@ -61,9 +61,11 @@ def resolve_source_arg(src: str | None):
                    "largest magnitude onto the most negative code, no calibration.")
 @click.option("--expert-gptq-min-tokens", type=click.IntRange(0), default=0, show_default=True,
               help="Routed calibration tokens an expert needs for GPTQ (0: half the matrix's input size).")
-@click.option("--scale-dtype", type=click.Choice(["f32", "f16", "bf16"]), default=DEFAULT_SCALE_DTYPE, show_default=True,
+@click.option("--scale-dtype", type=click.Choice(list(SCALE_DTYPES)), default=DEFAULT_SCALE_DTYPE, show_default=True,
               help="Expert scales: f16 or bf16 (layout version 2: 16 bits per scale, 0.5 bit/weight less at group "
-                   "32), or f32 (version 1, readable by older ktrun).")
+                   "32), f32 (version 1, readable by older ktrun), or sub6: two-level scales like GGUF's Q4_K (layout "
+                   "version 3, int4 only, group 32 by default): a float16 super-scale per 256 input channels and a "
+                   "6-bit sub-scale per 32, searched together; 4.25 bits/weight, the bytes of group 64 with f16.")
 @click.option("--report-kl", is_flag=True,
               help="After converting, print the conversion's perplexity and KL divergence against the source (float32, "
                    "layer by layer) on the held-out quarter of the calibration text (ktrun perplexity's protocol).")
@@ -108,6 +110,7 @@ def quantize(src, out_dir, method, group_size, numa_nodes, expert_quantizer, exp
       ktconvert quantize ./DeepSeek-V3 --calib domain.txt --calib-tokens 65536 -o dsv3/    # more experts get GPTQ
       ktconvert quantize ./Qwen3-30B-A3B -o q3/ --report-kl     # then: ppl / kl_mean / kl_p99 / top1_agreement
       ktconvert quantize ./Qwen3-30B-A3B --group-size 32 --bf16-scales --gpu-format compressed-tensors -o q3-raw/
+      ktconvert quantize ./DeepSeek-V3 --scale-dtype sub6 -o dsv3-k/   # two-level expert scales, 4.25 bits/weight
       ktconvert quantize ./DeepSeek-V3 -o converted/ --profile profile.json --gpu-mem 24GB --placement per-layer
 
     With --profile (from `ktconvert profile`) and a budget (--gpu-experts N per MoE layer, --gpu-experts-ratio R,

@@ -26,6 +26,7 @@ from ktlayouts.constants import (
     GROUP_PER_ROW,
     METHOD_TO_LAYOUT,
     SCALE_DTYPES,
+    SUB6_GROUP,
 )
 from ktlayouts.converted_dir import MANIFEST_NAME, PROJECTIONS, ExpertGeometry, expert_tensor
 from ktlayouts.cpu_expert import pack_expert_codes, unpack_codes, unpack_expert_matrix, unpack_scales
@@ -61,7 +62,8 @@ class ConvertOptions:
     calib_tokens: int = 2048       # calibration tokens (GPTQ Hessians, importance) for GPU layers and experts
     expert_quantizer: str = "auto"  # auto | gptq | search | rtn (ktconvert.quantizers.experts)
     expert_gptq_min_tokens: int = 0   # routed tokens an expert needs for GPTQ (0: K/2 of the matrix)
-    scale_dtype: str = DEFAULT_SCALE_DTYPE   # expert scales: f16 (layout version 2), bf16, or f32 (version 1)
+    scale_dtype: str = DEFAULT_SCALE_DTYPE   # expert scales: f16 (layout version 2), bf16, f32 (version 1), or
+                                             # sub6 (version 3: two-level, int4 group 32)
     workers: int = 2
     bf16_scales: bool = False      # expert scales rounded to bf16 before quantizing (exact in bf16-scale formats)
     hot_experts: object = None     # ktconvert.hot_placement.HotPlacementOptions: write gpu_experts.json
@@ -77,6 +79,10 @@ class ConvertOptions:
             raise ConvertError(f"--scale-dtype {self.scale_dtype!r}: choose one of {', '.join(SCALE_DTYPES)}")
         if self.bf16_scales and self.method == "bf16":
             raise ConvertError("--bf16-scales rounds the scales of quantized experts; --method bf16 has none")
+        if self.scale_dtype == "sub6" and (self.method not in ("int4-amx", "auto") or self.bf16_scales):
+            raise ConvertError(f"--scale-dtype sub6 (two-level scales) is an int4 layout without bf16 scales: use it "
+                               f"with --method int4-amx and without --bf16-scales (got --method {self.method}"
+                               f"{' --bf16-scales' if self.bf16_scales else ''})")
 
 
 class _KillHook:
@@ -277,8 +283,9 @@ def skipped_parts(src, names: list[str]) -> dict[str, int]:
 def resolve_method(src, opts: ConvertOptions) -> ConvertOptions:
     """--method auto -> the exact target of the source's routed experts (or int4-amx); a group size left open
     (None) -> the chosen one (auto) or DEFAULT_GROUP_SIZE. The log says which and why."""
-    if opts.method != "auto":
-        return opts if opts.group_size is not None else replace(opts, group_size=DEFAULT_GROUP_SIZE)
+    if opts.method != "auto":       # two-level scales sit on groups of 32: their default group
+        default = SUB6_GROUP if opts.scale_dtype == "sub6" else DEFAULT_GROUP_SIZE
+        return opts if opts.group_size is not None else replace(opts, group_size=default)
     method, group, why = choose_method(src)
     group = group if opts.group_size is None else opts.group_size
     log.info("--method auto: %s --group-size %d (%s)", method, group, why)

@@ -16,7 +16,12 @@ representable in the stored dtype) and codes (R, L) as signed integers in float3
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
+from ktlayouts import cpu_expert
+from ktlayouts.constants import SUB6_RANGE, SUB6_SUPER_SIG_BITS
 
 SCALE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 FP16_MAX = 65504.0
@@ -93,3 +98,132 @@ def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtyp
     s, q = torch.where(worse, s0, s), torch.where(worse[:, None], q0, q)
     zero = peak == 0
     return torch.where(zero, torch.zeros_like(s), s), torch.where(zero[:, None], torch.zeros_like(q), q)
+
+
+# --- two-level scales (ktlayouts cpu-expert-int4 version 3, `sub6`): a float16 super-scale d per super-block of
+# groups, a small integer sub-scale q per group; the group's scale is d * q ------------------------------------------
+
+@dataclass(frozen=True)
+class TwoLevelGrid:
+    """Sub-scale codes [lo, hi] and the super-scale's significant bits. SUB6 is the layout's (version 3); the others
+    exist for the measurements that chose it (bench/two_level_grid.py: 8-bit and unsigned sub-scales)."""
+    lo: int
+    hi: int
+    sig_bits: int
+
+
+SUB6 = TwoLevelGrid(SUB6_RANGE[0], SUB6_RANGE[1], SUB6_SUPER_SIG_BITS)
+
+
+def round_super_scale(d: torch.Tensor, grid: TwoLevelGrid = SUB6) -> torch.Tensor:
+    """The stored super-scale of d: float16 with grid.sig_bits significant bits (ktlayouts' rounding)."""
+    return torch.from_numpy(cpu_expert.round_super_scale(d.detach().to(torch.float32).numpy(), grid.sig_bits))
+
+
+def sub_scales_for(s: torch.Tensor, d: torch.Tensor, grid: TwoLevelGrid = SUB6) -> torch.Tensor:
+    """Nearest sub-scales q = clamp(rint(s / d), lo, hi) of group scales s (R, S) under d (R,); 0 where d = 0."""
+    safe = torch.where(d != 0, d, torch.ones_like(d))[:, None]
+    q = torch.round(s / safe).clamp_(grid.lo, grid.hi)
+    return torch.where(d[:, None] != 0, q, torch.zeros_like(q))
+
+
+def best_sub_scales(xg: torch.Tensor, wg: torch.Tensor, s: torch.Tensor, d: torch.Tensor, bits: int,
+                    grid: TwoLevelGrid = SUB6) -> torch.Tensor:
+    """Per group (R * S groups xg (R * S, L), weights wg, free scales s (R, S)) the sub-scale among rint(s / d) - 1,
+    +0, +1 (in the grid) whose stored scale d q, with the codes re-rounded against it, has the least weighted
+    squared error -> q (R, S) float32 (ties keep rint)."""
+    r, n_sub = s.shape
+    q0 = sub_scales_for(s, d, grid)
+    best_q, best_err = q0, None
+    for dq in (0.0, -1.0, 1.0):
+        qq = (q0 + dq).clamp(grid.lo, grid.hi)
+        sc = (d[:, None] * qq).reshape(-1)
+        err = weighted_error(xg, wg, sc, codes_for(xg, sc, bits)).reshape(r, n_sub)
+        if best_err is None:
+            best_err = err
+        else:
+            better = err < best_err
+            best_err, best_q = torch.where(better, err, best_err), torch.where(better, qq, best_q)
+    return best_q
+
+
+def super_scale(s: torch.Tensor, c: torch.Tensor, grid: TwoLevelGrid = SUB6, steps: int = 8) -> torch.Tensor:
+    """d (R,) for free group scales s (R, S) with curvatures c (R, S) (the error grows as c_g (d q_g - s_g)^2 with
+    the codes held): trials max|s| / t, t = hi, hi - 0.5, ... and (signed grids) lo, lo + 0.5, ... (steps each), and
+    the least-squares refit sum c s q / sum c q^2 of the best one, each rounded to the stored super-scale and scored
+    by sum c (s - d rint(s / d))^2."""
+    r = s.shape[0]
+    top = s.gather(1, s.abs().argmax(1, keepdim=True))[:, 0]                  # (R,) the largest |s_g|, signed
+
+    def score(d):
+        q = sub_scales_for(s, d, grid).double()
+        return (c * (s.double() - d.double()[:, None] * q) ** 2).sum(1)
+
+    best_d, best_e = torch.zeros(r), torch.full((r,), float("inf"), dtype=torch.float64)
+    trials = [top / (grid.hi - 0.5 * i) for i in range(steps)]
+    trials += [top / (grid.lo + 0.5 * i) for i in range(steps)] if grid.lo < 0 else []
+    for d in trials + [None]:
+        if d is None:                                   # the weighted least-squares refit of the best trial
+            q = sub_scales_for(s, best_d, grid).double()
+            den = (c * q * q).sum(1)
+            d = torch.where(den > 0, (c * s.double() * q).sum(1) / den.clamp_min(1e-300), 0.0).float()
+        d = round_super_scale(d, grid)
+        e = score(d)
+        better = e < best_e
+        best_e, best_d = torch.where(better, e, best_e), torch.where(better, d, best_d)
+    return best_d
+
+
+def free_scales(xg: torch.Tensor, wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups xg (G, L) -> (each group's best free scale (G,) float32, the curvature sum w code^2 (G,) float64)."""
+    s, code = search_scales(xg, wg, bits, "f32")
+    return s, (wg * code * code).sum(1).double()
+
+
+def fit_two_level(s: torch.Tensor, c: torch.Tensor, grid: TwoLevelGrid = SUB6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-level values for given group scales s (R, S) with curvatures c (R, S) (GPTQ's first pass): d by
+    super_scale, q = rint(s / d) (the proxy's optimum for that d) -> (d (R,), q (R, S))."""
+    d = super_scale(s, c, grid)
+    return d, sub_scales_for(s, d, grid)
+
+
+def _flat_groups(x, w):
+    x = x.to(torch.float32)
+    r, n_sub, length = x.shape
+    w = torch.ones_like(x) if w is None else w.to(torch.float32).expand(r, n_sub, length)
+    return x.reshape(r * n_sub, length), w.reshape(r * n_sub, length)
+
+
+def search_two_level(x: torch.Tensor, w: torch.Tensor | None, bits: int, grid: TwoLevelGrid = SUB6
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two-level scales of super-blocks x (R, S, L) (S groups of L values), importance w (R, S, L), (S, L) or None
+    -> (d (R,) stored super-scales, q (R, S) sub-scales of the grid (float32), codes (R, S, L) signed), minimizing
+    sum w (x - d q code)^2:
+    1. each group's best free scale s_g (search_scales, float32) and the curvature of its error around it;
+    2. d by super_scale (trials and a least-squares refit on the sub-scale grid, rounded to the stored super-scale);
+    3. each q among rint(s / d) - 1, +0, +1 by the real weighted error of its re-rounded codes (best_sub_scales);
+    4. the codes of the final stored scales d q;
+    floor (the layout's grid): never worse per super-block than the layout's reference rule (ktlayouts
+    two_level_rule on the groups' largest magnitudes onto -2^(b-1)). Deterministic (ties keep the first candidate)."""
+    r, n_sub, length = x.shape
+    xg, wg = _flat_groups(x, w)
+    s, c = free_scales(xg, wg, bits)
+    s, c = s.reshape(r, n_sub), c.reshape(r, n_sub)
+    d = super_scale(s, c, grid)
+    q = best_sub_scales(xg, wg, s, d, bits, grid)
+    sc = d[:, None] * q
+    if grid != SUB6:
+        return d, q, codes_for(xg, sc.reshape(-1), bits).reshape(r, n_sub, length)
+    hi, lo = xg.amax(1), xg.amin(1)
+    peak = torch.where(hi >= -lo, hi, lo) / -(1 << (bits - 1))
+    rule = torch.from_numpy(cpu_expert.two_level_rule(peak.reshape(r, n_sub).numpy()))
+
+    def err(v):                                   # (R,) summed over the super-block's groups
+        return weighted_error(xg, wg, v.reshape(-1), codes_for(xg, v.reshape(-1), bits)).reshape(r, n_sub).sum(1)
+    worse = err(sc) > err(rule)
+    if bool(worse.any()):
+        d_rule, q_rule = cpu_expert.two_level_decompose(rule.numpy())
+        d = torch.where(worse, torch.from_numpy(d_rule[:, 0]), d)
+        q = torch.where(worse[:, None], torch.from_numpy(q_rule.astype(np.float32)), q)
+        sc = d[:, None] * q
+    return d, q, codes_for(xg, sc.reshape(-1), bits).reshape(r, n_sub, length)

@@ -30,19 +30,36 @@ CPU_EXPERT_LAYOUTS = {
 }
 # Scales of the int layouts: version 1 stores them as float32; version 2 in 16 bits, float16 (the default) or
 # bfloat16, named by the scales tensors' dtype and manifest experts.scale_dtype. Readers take both versions.
-SCALE_DTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}     # --scale-dtype -> safetensors dtype
-SCALE_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+SCALE_DTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "sub6": "U8"}     # --scale-dtype -> safetensors dtype
+# bytes per (column, group): sub6 stores a 128-byte record per 16 columns x 8 groups, i.e. 1 byte per (column, group)
+SCALE_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "sub6": 1}
 # What `ktconvert quantize` writes without --scale-dtype: f16 (version 2). Chosen by measurement (bench/README.md,
 # bench_quant_vs_llamacpp.py): the scale search picks float16 values even when it stores float32, so f16 gives the
 # same KL as f32 at half the scale bytes; version-1 (f32) files keep loading, and --scale-dtype f32 still writes them.
 DEFAULT_SCALE_DTYPE = "f16"
-CPU_EXPERT_LAYOUT_VERSIONS = (1, 2)
-SCALE_DTYPES_OF_VERSION = {1: ("f32",), 2: ("f16", "bf16")}      # int layouts: what each version stores
+CPU_EXPERT_LAYOUT_VERSIONS = (1, 2, 3)
+SCALE_DTYPES_OF_VERSION = {1: ("f32",), 2: ("f16", "bf16"), 3: ("sub6",)}      # int layouts: what each version stores
+
+# Version 3, two-level scales (`--scale-dtype sub6`, cpu-expert-int4 only, group 32; README.md "Two-level scales"):
+# per column and super-block of 8 groups (256 input channels) one float16 super-scale d, per group a signed 6-bit
+# sub-scale q in [-32, 31]; the group's scale is d * q (exact in float32). 4 + 6/32 + 16/256 = 4.25 bits per weight.
+SUB6_GROUP = 32                   # input channels per sub-scale (the group size)
+SUB6_SUPER_GROUPS = 8             # groups per super-block (256 input channels)
+SUB6_RECORD_BYTES = 128           # one (16-column block, super-block): 64 bytes low nibbles, 16 f16 d, 32 bytes high bits
+SUB6_RANGE = (-32, 31)            # sub-scale codes (6-bit two's complement)
+# The quantizers keep d to 6 significant bits: with |q| <= 32 (5 significant bits) every product d * q is then a
+# float16 value (in float16's normal range), so GPU formats with float16 scales (Marlin hot experts) hold it exactly.
+SUB6_SUPER_SIG_BITS = 6
 
 
 def scale_layout_version(scale_dtype: str) -> int:
-    """Layout version of int expert files with these scales: 1 for float32, 2 for 16-bit."""
-    return 1 if scale_dtype == "f32" else 2
+    """Layout version of int expert files with these scales: 1 for float32, 2 for 16-bit, 3 for two-level (sub6)."""
+    return {"f32": 1, "sub6": 3}.get(scale_dtype, 2)
+
+
+def scale_dtype_bits(scale_dtype: str) -> tuple[int, ...]:
+    """The int layouts (bits) that store this scale dtype: two-level scales exist for int4 only."""
+    return (4,) if scale_dtype == "sub6" else (4, 8)
 
 
 METHOD_TO_LAYOUT = {"int8-amx": "cpu-expert-int8", "int4-amx": "cpu-expert-int4", "bf16": "cpu-expert-bf16"}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from .constants import (
@@ -109,7 +109,8 @@ class ExpertGeometry:
     intermediate: int
     numa_nodes: int
     moe_layers: tuple[int, ...]
-    scale_dtype: str = "f32"      # f32 (layout version 1) | f16 | bf16 (version 2); unused by the bf16 method
+    scale_dtype: str = "f32"      # f32 (layout version 1) | f16 | bf16 (version 2) | sub6 (version 3, two-level);
+                                  # unused by the bf16 method
 
     @property
     def layout(self) -> str:
@@ -125,12 +126,12 @@ class ExpertGeometry:
 
     @property
     def shard_plan(self) -> ShardPlan:
-        return ShardPlan(self.intermediate, self.group_size, self.numa_nodes, bits=self.bits)
+        return ShardPlan(self.intermediate, self.group_size, self.numa_nodes, bits=self.bits,
+                         scale_dtype=self.scale_dtype if self.bits != 16 else "f32")
 
     def matrix_geometry(self, proj: str, shard: int) -> MatrixGeometry:
         plan = self.shard_plan
-        g = plan.down_geometry(shard, self.hidden) if proj == "down" else plan.gate_up_geometry(shard, self.hidden)
-        return g if self.bits == 16 else replace(g, scale_dtype=self.scale_dtype)
+        return plan.down_geometry(shard, self.hidden) if proj == "down" else plan.gate_up_geometry(shard, self.hidden)
 
     def to_json(self) -> dict:
         plan = self.shard_plan

@@ -7,7 +7,9 @@ int8 / int4: symmetric per-group quantization along K, unsigned codes with zero 
     W[n, k] ~= (code[n, k] - ZERO) * scale[n, k // G]
 Codes are tiled as AMX B tiles of 16 output columns x 64 K (VNNI: 4 consecutive K per 32-bit word):
     qweight: (N_pad/16, K_pad/64, TILE_BYTES) uint8, TILE_BYTES = 1024 (int8) or 512 (int4)
-    scales:  (N_pad/16, n_groups, 16) float32 (layout version 1) or float16 / bfloat16 (version 2)
+    scales:  (N_pad/16, n_groups, 16) float32 (layout version 1) or float16 / bfloat16 (version 2), or uint8
+             two-level records (version 3, `sub6`, int4 group 32): per 16 columns x 8 groups one 128-byte record of
+             16 x 8 signed 6-bit sub-scales q and 16 float16 super-scales d, scale = d * q (README.md)
 int4 packs tile rows in pairs: byte j of chunk c (64 bytes) = row 2c at bits 0-3, row 2c+1 at bits 4-7.
 bf16: (N_pad/16, K_pad/32, 1024) bytes, each tile 16 rows (K pairs) x 16 columns x 2 bf16 (TDPBF16PS B tile).
 """
@@ -23,6 +25,11 @@ from .constants import (
     ACT_QMAX,
     GROUP_PER_ROW,
     SCALE_DTYPE_BYTES,
+    SUB6_GROUP,
+    SUB6_RANGE,
+    SUB6_RECORD_BYTES,
+    SUB6_SUPER_GROUPS,
+    SUB6_SUPER_SIG_BITS,
     TILE_K,
     TILE_N,
     TILE_ROW_BYTES,
@@ -41,9 +48,19 @@ def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def group_unit(group_size: int) -> int:
-    """K granularity that keeps both tile and group boundaries: lcm(64, G), or 64 for per-row."""
+def group_unit(group_size: int, scale_dtype: str = "f32") -> int:
+    """K granularity that keeps tile, group (and two-level super-block) boundaries: lcm(64, G), 64 for per-row,
+    lcm(64, 8 G) = 256 for two-level scales."""
+    if scale_dtype == "sub6":
+        return lcm(TILE_K, SUB6_SUPER_GROUPS * group_size)
     return TILE_K if group_size == GROUP_PER_ROW else lcm(TILE_K, group_size)
+
+
+def check_scale_dtype(scale_dtype: str, bits: int, group_size: int) -> None:
+    """Two-level scales (sub6) exist for int4 with group 32 only: an error naming the flags otherwise."""
+    if scale_dtype == "sub6" and (bits != 4 or group_size != SUB6_GROUP):
+        raise LayoutError(f"two-level scales (--scale-dtype sub6) need int4 (--method int4-amx) and --group-size "
+                          f"{SUB6_GROUP}, got {bits}-bit group {group_size}")
 
 
 def check_group_size(group_size: int) -> None:
@@ -59,7 +76,7 @@ class MatrixGeometry:
     k: int
     bits: int          # 4, 8 or 16 (bf16)
     group_size: int    # as requested: 32, 64m, or -1 for per row
-    scale_dtype: str = "f32"   # f32 (layout version 1), f16 or bf16 (version 2)
+    scale_dtype: str = "f32"   # f32 (layout version 1), f16 or bf16 (version 2), sub6 (version 3, two-level)
 
     def __post_init__(self):
         if self.n <= 0 or self.k <= 0:
@@ -70,6 +87,7 @@ class MatrixGeometry:
             raise LayoutError(f"bits must be 4, 8 or 16, got {self.bits}")
         if self.bits != 16:
             check_group_size(self.group_size)
+            check_scale_dtype(self.scale_dtype, self.bits, self.group_size)
 
     @property
     def n_pad(self) -> int:
@@ -77,7 +95,7 @@ class MatrixGeometry:
 
     @property
     def k_pad(self) -> int:
-        return round_up(self.k, TILE_K if self.bits == 16 else group_unit(self.group_size))
+        return round_up(self.k, TILE_K if self.bits == 16 else group_unit(self.group_size, self.scale_dtype))
 
     @property
     def group(self) -> int:
@@ -138,6 +156,7 @@ def pad_weight(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
 
 def quantize(w: np.ndarray, geom: MatrixGeometry, bf16_scales: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-group quantization. w: (N, K) -> codes (N_pad, K_pad) uint8, scales (N_pad, n_groups) f32.
+    Two-level scales (sub6): the group scales of this rule become d * q by `two_level_rule`.
 
     The scale maps the group's largest-magnitude value (the positive one on a tie) onto the most negative code
     (-2^(b-1)), so all 2^b levels are used (as llama.cpp's Q4_0/Q8_0 do); a scale may therefore be negative.
@@ -154,9 +173,14 @@ def quantize(w: np.ndarray, geom: MatrixGeometry, bf16_scales: bool = False) -> 
     hi, lo = wp.max(axis=2), wp.min(axis=2)
     peak = np.where(hi >= -lo, hi, lo)                                  # (N_pad, n_groups) signed
     scale = (peak / np.float32(qmin)).astype(np.float32)
-    if bf16_scales:
-        scale = round_to_bf16(scale)
-    scale = round_scales(scale, geom.scale_dtype)
+    if geom.scale_dtype == "sub6":
+        if bf16_scales:
+            raise LayoutError("two-level scales (sub6) cannot be bfloat16 values (--bf16-scales)")
+        scale = two_level_rule(scale)
+    else:
+        if bf16_scales:
+            scale = round_to_bf16(scale)
+        scale = round_scales(scale, geom.scale_dtype)
     inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
     q = wp * inv[..., None]                                             # one pass each, in place
     np.rint(q, out=q)
@@ -211,6 +235,8 @@ def unpack_codes(qweight: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
 def round_scales(s: np.ndarray, scale_dtype: str) -> np.ndarray:
     """float32 values rounded to the stored scale dtype (round to nearest even), as float32."""
     s = np.asarray(s, dtype=np.float32)
+    if scale_dtype == "sub6":
+        raise LayoutError("two-level scales (sub6) are not rounded value by value: use two_level_rule or a search")
     if scale_dtype == "f16":
         if np.any(np.abs(s) > 65504):
             raise LayoutError(f"a scale of {float(np.abs(s).max()):g} does not fit float16 (use --scale-dtype bf16)")
@@ -223,14 +249,23 @@ def round_scales(s: np.ndarray, scale_dtype: str) -> np.ndarray:
 def scales_representable(s: np.ndarray, scale_dtype: str) -> bool:
     """Whether float32 scales are stored exactly in scale_dtype (exact take-over of already-quantized sources)."""
     s = np.asarray(s, dtype=np.float32)
+    if scale_dtype == "sub6":          # (rows, groups): zero groups up to whole super-blocks change nothing
+        s = s.reshape(-1, s.shape[-1]) if s.ndim else s.reshape(1, 1)
+        s = np.pad(s, ((0, 0), (0, -s.shape[1] % SUB6_SUPER_GROUPS)))
+        return two_level_decompose(s) is not None
     if scale_dtype == "f16" and np.any(np.abs(s) > 65504):
         return False
     return bool(np.array_equal(round_scales(s, scale_dtype), s))
 
 
 def scales_to_f32(packed: np.ndarray, scale_dtype: str) -> np.ndarray:
-    """Stored scales (float32, float16, or bfloat16 bit patterns as uint16) -> float32, exactly."""
+    """Stored scales (float32, float16, bfloat16 bit patterns as uint16, or two-level records of shape
+    (..., n_groups, 16) uint8) -> float32 of the same shape, exactly."""
     a = np.asarray(packed)
+    if scale_dtype == "sub6":
+        d, q = unpack_two_level(a)
+        q = q.reshape(*d.shape[:-1], SUB6_SUPER_GROUPS, TILE_N).astype(np.float32)
+        return (d[..., None, :] * q).reshape(a.shape)
     if scale_dtype == "bf16":
         return bf16_bits_to_f32(a.view(np.uint16) if a.dtype != np.uint16 else a)
     return a.astype(np.float32)
@@ -239,6 +274,11 @@ def scales_to_f32(packed: np.ndarray, scale_dtype: str) -> np.ndarray:
 def pack_scales(scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     """scales (N_pad, n_groups) -> (NB, n_groups, 16) in the stored dtype (float32 / float16 / bfloat16 bits as
     uint16): the 16 scales of a column block for one group are one vector. Values must already be representable."""
+    if geom.scale_dtype == "sub6":
+        dq = two_level_decompose(np.asarray(scales, dtype=np.float32).reshape(geom.n_pad, geom.n_groups))
+        if dq is None:
+            raise LayoutError("scales are not two-level values d * q (float16 d per 8 groups, q in [-32, 31])")
+        return pack_two_level(*dq, geom)
     s = np.asarray(scales, dtype=np.float32).reshape(geom.n_blocks, TILE_N, geom.n_groups)
     s = np.ascontiguousarray(s.transpose(0, 2, 1))
     if geom.scale_dtype == "f16":
@@ -250,8 +290,95 @@ def pack_scales(scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
 
 def unpack_scales(packed: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     """Inverse of pack_scales -> (N_pad, n_groups) float32."""
-    s = scales_to_f32(np.asarray(packed).reshape(geom.scales_shape), geom.scale_dtype)
+    s = scales_to_f32(np.asarray(packed).reshape(geom.scales_shape), geom.scale_dtype)      # (NB, n_groups, 16)
     return np.ascontiguousarray(s.transpose(0, 2, 1)).reshape(geom.n_pad, geom.n_groups)
+
+
+# --- two-level scales (layout version 3, sub6) --------------------------------------------------------------------
+
+def round_super_scale(d: np.ndarray, sig_bits: int = SUB6_SUPER_SIG_BITS) -> np.ndarray:
+    """The nearest float16 values with at most sig_bits significant bits (significand rounded half to even), as
+    float32. The layout stores any float16 d; the rule and the quantizers keep 6 bits so that every d * q is a float16
+    value too (|q| <= 32: at most 11 significant bits), which GPU formats with float16 scales hold exactly."""
+    d = np.clip(np.asarray(d, dtype=np.float32), -65504, 65504)
+    m, e = np.frexp(d)                                            # d = m 2^e, 0.5 <= |m| < 1
+    r = np.ldexp(np.rint(m * np.float32(1 << sig_bits)) / np.float32(1 << sig_bits), e)
+    return np.clip(r, -65504, 65504).astype(np.float16).astype(np.float32)
+
+
+def two_level_rule(scales: np.ndarray) -> np.ndarray:
+    """The reference rule's group scales (N, n_groups), n_groups a multiple of 8 -> two-level values d * q: per row
+    and super-block d = round_super_scale(max |s| / 31), q = clip(rint(s / d), -32, 31) (0 where d = 0)."""
+    s = np.asarray(scales, dtype=np.float32).reshape(scales.shape[0], -1, SUB6_SUPER_GROUPS)
+    d = round_super_scale(np.abs(s).max(axis=2) / np.float32(SUB6_RANGE[1]))
+    q = np.clip(np.rint(np.divide(s, d[..., None], out=np.zeros_like(s), where=d[..., None] != 0)), *SUB6_RANGE)
+    return (d[..., None] * q).reshape(scales.shape).astype(np.float32)
+
+
+def two_level_decompose(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Group scales (N, n_groups) -> (d (N, n_groups / 8) float32 holding float16 values, q (N, n_groups) int8) with
+    d * q == scales exactly, or None when some super-block has no such pair. Canonical: per super-block, the first
+    sub-scale t of its largest-magnitude group s (the first such group) for which d = float16(s / t) represents all
+    8 groups, trying |t| = 32, 31, ..., 1 and, per magnitude, d > 0 before d < 0 (all-zero super-blocks: d = 0,
+    q = 0), so the stored bytes are a function of the scale values alone."""
+    s = np.asarray(scales, dtype=np.float32)
+    if s.ndim != 2 or s.shape[1] % SUB6_SUPER_GROUPS:
+        raise LayoutError(f"two-level scales need (N, 8 m) group scales, got shape {s.shape}")
+    s = s.reshape(s.shape[0], -1, SUB6_SUPER_GROUPS)                      # (N, n_super, 8)
+    top = np.take_along_axis(s, np.abs(s).argmax(axis=2)[..., None], axis=2)[..., 0]
+    d = np.zeros(top.shape, np.float32)
+    q = np.zeros(s.shape, np.float32)
+    done = top == 0
+    lo, hi = SUB6_RANGE
+    sign = np.where(top < 0, -1.0, 1.0)
+    for t in [k * p for k in range(-lo, 0, -1) for p in (1.0, -1.0)]:         # t * sign: d > 0 first
+        if done.all():
+            break
+        tt = t * sign
+        with np.errstate(over="ignore", invalid="ignore"):
+            dt = np.where((tt >= lo) & (tt <= hi), top.astype(np.float64) / tt, 0).astype(np.float16).astype(np.float32)
+        qt = np.rint(np.divide(s, dt[..., None], out=np.zeros_like(s), where=dt[..., None] != 0))
+        ok = ~done & (dt != 0) & np.all((qt >= lo) & (qt <= hi) & (dt[..., None] * qt == s), axis=2)
+        d, q, done = np.where(ok, dt, d), np.where(ok[..., None], qt, q), done | ok
+    if not done.all():
+        return None
+    return d, q.reshape(scales.shape).astype(np.int8)
+
+
+def pack_two_level(d: np.ndarray, q: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+    """d (N_pad, n_super) float16 values, q (N_pad, n_groups) in [-32, 31] -> scales (NB, n_groups, 16) uint8: per
+    column block and super-block one 128-byte record (two cache lines): bytes 0-63 `ql` (byte 16 j + c: low 4 bits
+    of u(j, c) in bits 0-3, of u(j + 4, c) in bits 4-7), bytes 64-95 the 16 columns' d (float16), bytes 96-127 `qh`
+    (byte 16 h + c: bits 2 i, 2 i + 1 = bits 4-5 of u(4 h + i, c)), u = q & 63 (6-bit two's complement), j the
+    group within the super-block (0..7), c the column within the block."""
+    nb, ns = geom.n_blocks, geom.n_groups // SUB6_SUPER_GROUPS
+    dd = np.ascontiguousarray(np.asarray(d, np.float32).reshape(nb, TILE_N, ns).transpose(0, 2, 1), np.float16)
+    u = (np.asarray(q).astype(np.int16) & 63).astype(np.uint8)
+    u = u.reshape(nb, TILE_N, ns, SUB6_SUPER_GROUPS).transpose(0, 2, 3, 1)                        # (NB, ns, 8, 16)
+    ql = (u[:, :, :4] & 15) | ((u[:, :, 4:] & 15) << 4)                                           # (NB, ns, 4, 16)
+    hi = (u >> 4).reshape(nb, ns, 2, 4, TILE_N)
+    qh = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)    # (NB, ns, 2, 16)
+    rec = np.concatenate([ql.reshape(nb, ns, 64), dd.view(np.uint8).reshape(nb, ns, 32), qh.reshape(nb, ns, 32)],
+                         axis=2)
+    return np.ascontiguousarray(rec).reshape(geom.scales_shape)
+
+
+def unpack_two_level(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Two-level records (..., n_groups, 16) uint8 -> (d (..., n_super, 16) float32, q (..., n_groups, 16) int8),
+    in the stored (block, group, column) order."""
+    a = np.ascontiguousarray(packed, dtype=np.uint8)
+    lead, ng = a.shape[:-2], a.shape[-2]
+    if a.shape[-1] != TILE_N or ng % SUB6_SUPER_GROUPS:
+        raise LayoutError(f"two-level scale records need shape (..., 8 m, 16) uint8, got {a.shape}")
+    rec = a.reshape(*lead, ng // SUB6_SUPER_GROUPS, SUB6_RECORD_BYTES)
+    ql = rec[..., :64].reshape(*rec.shape[:-1], 4, TILE_N)
+    d = rec[..., 64:96].copy().view(np.float16).astype(np.float32)                 # (..., ns, 16)
+    qh = rec[..., 96:].reshape(*rec.shape[:-1], 2, TILE_N)
+    lo = np.concatenate([ql & 15, ql >> 4], axis=-2)                               # (..., ns, 8, 16)
+    hi = np.stack([(qh >> (2 * i)) & 3 for i in range(4)], axis=-2).reshape(lo.shape)
+    u = (lo | (hi << 4)).astype(np.int16)
+    q = np.where(u >= 32, u - 64, u).astype(np.int8)
+    return d, q.reshape(*lead, ng, TILE_N)
 
 
 def pack_bf16(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:

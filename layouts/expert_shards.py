@@ -2,7 +2,8 @@
 
 Every expert is split into S shards over I: shard s holds gate/up rows [i0, i1) and down columns [i0, i1), so
 out = sum_s down_s(silu(gate_s x) * up_s x). Boundaries sit on multiples of the unit U = lcm(64, G) (64 for per-row
-scales), which is a tile boundary for gate/up (N) and a tile *and group* boundary for down (K). I is padded with
+scales, lcm(64, 8 G) = 256 for two-level scales), which is a tile boundary for gate/up (N) and a tile *and group*
+(and super-block) boundary for down (K). I is padded with
 zeros to I_pad = round_up(I, U); padded rows give silu(0) * 0 = 0 and contribute nothing.
 
 Serving files written for S shards on M NUMA nodes (see README.md): M == S one shard per node; M < S node m takes the
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .constants import GROUP_PER_ROW, TILE_N, ZERO_POINT
-from .cpu_expert import LayoutError, MatrixGeometry, check_group_size, group_unit, round_up
+from .cpu_expert import LayoutError, MatrixGeometry, check_group_size, check_scale_dtype, group_unit, round_up
 
 
 @dataclass(frozen=True)
@@ -30,20 +31,23 @@ class ShardPlan:
     group_size: int         # G for the int layouts (ignored for bf16)
     n_shards: int           # S
     bits: int = 8
+    scale_dtype: str = "f32"   # two-level scales (sub6) cut on super-block boundaries
 
     def __post_init__(self):
         if self.bits != 16:
             check_group_size(self.group_size)
+            check_scale_dtype(self.scale_dtype, self.bits, self.group_size)
         if self.n_shards < 1:
             raise LayoutError(f"--numa-nodes must be >= 1, got {self.n_shards}")
         if self.n_shards > self.n_units:
             raise LayoutError(
                 f"cannot split intermediate size {self.intermediate} into {self.n_shards} NUMA shards: it has only "
-                f"{self.n_units} unit(s) of {self.unit} (lcm of tile 64 and group {self.group_size}); use fewer --numa-nodes")
+                f"{self.n_units} unit(s) of {self.unit} (lcm of tile 64 and group {self.group_size}"
+                f"{', super-block 8 groups' if self.scale_dtype == 'sub6' else ''}); use fewer --numa-nodes")
 
     @property
     def unit(self) -> int:
-        return 64 if self.bits == 16 else group_unit(self.group_size)
+        return 64 if self.bits == 16 else group_unit(self.group_size, self.scale_dtype)
 
     @property
     def intermediate_pad(self) -> int:
@@ -64,11 +68,13 @@ class ShardPlan:
 
     def gate_up_geometry(self, s: int, hidden: int) -> MatrixGeometry:
         i0, i1 = self.shard_range(s)
-        return MatrixGeometry(n=i1 - i0, k=hidden, bits=self.bits, group_size=self.group_size)
+        return MatrixGeometry(n=i1 - i0, k=hidden, bits=self.bits, group_size=self.group_size,
+                              scale_dtype=self.scale_dtype if self.bits != 16 else "f32")
 
     def down_geometry(self, s: int, hidden: int) -> MatrixGeometry:
         i0, i1 = self.shard_range(s)
-        return MatrixGeometry(n=hidden, k=i1 - i0, bits=self.bits, group_size=self.group_size)
+        return MatrixGeometry(n=hidden, k=i1 - i0, bits=self.bits, group_size=self.group_size,
+                              scale_dtype=self.scale_dtype if self.bits != 16 else "f32")
 
 
 def nodes_for_shards(n_shards: int, n_nodes: int) -> list[list[tuple[int, float, float]]]:

@@ -12,8 +12,10 @@ Each file holds one (N, K) expert matrix:
   int layouts:  weight (N, K) float16 (packed as float32), codes (N_pad, K_pad) uint8, scales (N_pad, n_groups)
                 float32 (quantize's output), qweight (NB, KT, TB) uint8 and packed_scales (NB, n_groups, 16) in the
                 version's stored dtype (what goes on disk): float32 for version 1; float16, or bfloat16 as its uint16
-                bits, for version 2 (one file per scale dtype, `scale_dtype` in the index). Every version uses the
-                same weights (same seeds), so the tests can check a 16-bit version against version 1's scales.
+                bits, for version 2 (one file per scale dtype, `scale_dtype` in the index); uint8 two-level records
+                for version 3 (int4 group 32 only, `sub6`), whose files also hold the decomposition: super_scales
+                (N_pad, n_groups / 8) float32 (float16 values) and sub_scales (N_pad, n_groups) int8. Every version
+                uses the same weights (same seeds), so the tests can check a version against version 1's scales.
   bf16 layout:  weight (N, K) float32, bits (N_pad, K_pad) uint16 (the rounded, padded bf16 values), qweight
 """
 from __future__ import annotations
@@ -24,8 +26,22 @@ from pathlib import Path
 
 import numpy as np
 from ktlayouts.bf16 import f32_to_bf16_bits
-from ktlayouts.constants import CPU_EXPERT_LAYOUT_VERSIONS, CPU_EXPERT_LAYOUTS, SCALE_DTYPES_OF_VERSION
-from ktlayouts.cpu_expert import MatrixGeometry, pack_bf16, pack_codes, pack_scales, pad_weight, quantize
+from ktlayouts.constants import (
+    CPU_EXPERT_LAYOUT_VERSIONS,
+    CPU_EXPERT_LAYOUTS,
+    SCALE_DTYPES_OF_VERSION,
+    SUB6_GROUP,
+    scale_dtype_bits,
+)
+from ktlayouts.cpu_expert import (
+    MatrixGeometry,
+    pack_bf16,
+    pack_codes,
+    pack_scales,
+    pad_weight,
+    quantize,
+    two_level_decompose,
+)
 
 HERE = Path(__file__).resolve().parent / "golden"
 INDEX = HERE / "index.json"
@@ -65,6 +81,11 @@ def cases(layout: str, bits: int):
                 yield n, k, g
 
 
+def case_fits(g: int, scale_dtype: str) -> bool:
+    """Two-level scales exist for group 32 only; the others take every group size."""
+    return g == SUB6_GROUP if scale_dtype == "sub6" else True
+
+
 def write_case(layout: str, version: int, bits: int, n: int, k: int, g: int, seed: int,
                scale_dtype: str = "f32") -> dict:
     geom = MatrixGeometry(n, k, bits, g, scale_dtype)
@@ -77,6 +98,8 @@ def write_case(layout: str, version: int, bits: int, n: int, k: int, g: int, see
         codes, scales = quantize(w.astype(np.float32), geom)
         arrays = {"weight": w, "codes": codes, "scales": scales, "qweight": pack_codes(codes, geom),
                   "packed_scales": pack_scales(scales, geom)}
+        if scale_dtype == "sub6":
+            arrays["super_scales"], arrays["sub_scales"] = two_level_decompose(scales)
         tag = "" if scale_dtype == "f32" else f".{scale_dtype}"
         name = f"{layout}.v{version}{tag}.n{n}_k{k}_g{g}.npz"
     path = HERE / name
@@ -90,11 +113,14 @@ def write_case(layout: str, version: int, bits: int, n: int, k: int, g: int, see
 
 def written_versions(layout: str) -> list[tuple[int, tuple[str, ...]]]:
     """(version, scale dtypes) this code still writes for `layout`: every int layout version (version 1 for
-    float32 scales, version 2 for 16-bit ones), the current version of bf16."""
+    float32 scales, version 2 for 16-bit ones, version 3 for two-level ones: int4 only), the current version of
+    bf16."""
     bits, current = CPU_EXPERT_LAYOUTS[layout]
     if bits == 16:
         return [(current, ("f32",))]
-    return [(v, SCALE_DTYPES_OF_VERSION[v]) for v in CPU_EXPERT_LAYOUT_VERSIONS]
+    out = [(v, tuple(sd for sd in SCALE_DTYPES_OF_VERSION[v] if bits in scale_dtype_bits(sd)))
+           for v in CPU_EXPERT_LAYOUT_VERSIONS]
+    return [(v, sds) for v, sds in out if sds]
 
 
 def main() -> None:
@@ -107,8 +133,9 @@ def main() -> None:
                 print(f"{layout} v{version}: already in index.json, left as is")
                 continue
             for sd in scale_dtypes:
-                for i, (n, k, g) in enumerate(cases(layout, bits)):
-                    added.append(write_case(layout, version, bits, n, k, g, seed=1000 * bits + i, scale_dtype=sd))
+                for i, (n, k, g) in enumerate(cases(layout, bits)):     # i: the seed, the same in every version
+                    if case_fits(g, sd):
+                        added.append(write_case(layout, version, bits, n, k, g, seed=1000 * bits + i, scale_dtype=sd))
     index["files"] += added
     INDEX.write_text(json.dumps(index, indent=1) + "\n")
     print(f"wrote {len(added)} golden files, {sum((HERE / e['file']).stat().st_size for e in added)} bytes")

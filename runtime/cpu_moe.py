@@ -17,7 +17,8 @@ Usage (the decode loop)::
 
 - Shard arrays stack all experts of one layer: gate_q (E, (i1-i0)/16, K_pad/64, tile_bytes) uint8,
   gate_s (E, (i1-i0)/16, n_groups, 16) float32 (layout version 1) or float16 / bfloat16 (version 2; numpy holds bfloat16
-  as uint16 bit patterns: pass scale_dtype="bfloat16"), up likewise, down_q (E, round_up(H,16)/16, (i1-i0)/64, tile_bytes),
+  as uint16 bit patterns: pass scale_dtype="bfloat16") or uint8 two-level records (version 3, int4 group 32:
+  scale_dtype="sub6"), up likewise, down_q (E, round_up(H,16)/16, (i1-i0)/64, tile_bytes),
   down_s; bf16 layout (bits=16): scales are None. [i0, i1) are the shard's rows of the padded intermediate size
   (`ktlayouts.expert_shards.ShardPlan.shard_range`, checked). Shards are mapped to the sub-pools with
   `ktlayouts.converted_dir.node_unit_ranges` (M < S: a pool takes whole shards; M > S: pools split a shard's units).
@@ -45,9 +46,10 @@ from ktlayouts.converted_dir import node_unit_ranges
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.expert_shards import ShardPlan
 
-ABI_VERSION = 7
-# scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16) -> the ABI's codes
-SCALE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+ABI_VERSION = 8
+# scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
+# records, uint8 arrays) -> the ABI's codes
+SCALE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "sub6": 3}
 BACKENDS = ("scalar", "avx2", "avx512", "amx")
 # expert activations (ktlayouts.families.ExpertActivation.kind) -> the ABI's codes (KT_ACT_*)
 ACTIVATION_CODES = {"silu": 0, "swiglu_clamped": 1}
@@ -165,13 +167,27 @@ def _shape(a: Any) -> tuple[int, ...]:
 
 
 def _scale_dtype(a: Any, declared: str | None) -> str:
-    """float32 / float16 / bfloat16 of a scales array (numpy uint16 = bfloat16 bit patterns)."""
+    """float32 / float16 / bfloat16 / sub6 of a scales array (numpy uint16 = bfloat16 bit patterns, uint8 = two-level
+    records)."""
     name = _dtype_name(a)
-    name = "bfloat16" if name == "uint16" else name
+    name = {"uint16": "bfloat16", "uint8": "sub6"}.get(name, name)
     if name not in SCALE_DTYPE_CODES or (declared is not None and declared != name):
         raise ValueError(f"scales dtype {name}{'' if declared is None else f' (declared {declared})'}: expected "
-                         f"float32, float16 or bfloat16")
+                         f"float32, float16, bfloat16 or two-level uint8 records (sub6)")
     return name
+
+
+def _layout_scale_dtype(shards: list, declared: str | None) -> str:
+    """The ktlayouts scale dtype (f32 / f16 / bf16 / sub6) of a layer's first scales array: its geometry (two-level
+    scales pad K to 256) is needed before the arrays are checked; add_layer checks that all agree."""
+    a = next((x for sh in shards for x in (sh.gate_s, sh.up_s, sh.down_s) if x is not None), None)
+    if a is None:
+        return "f32"
+    try:
+        name = _scale_dtype(a, declared)
+    except ValueError:
+        return "f32"          # reported with the layer's name below
+    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(name, name)
 
 
 def _check_matrix(q: Any, s: Any, geom: MatrixGeometry, n_experts: int, what: str) -> None:
@@ -246,12 +262,14 @@ class MoEKernels:
 
     def add_layer(self, layer_id: int, shards: list[ExpertShard], n_experts: int, hidden: int, intermediate_pad: int,
                   bits: int, group_size: int, scale_dtype: str | None = None) -> None:
-        """Register one layer's experts (arrays are kept referenced, never copied). scale_dtype: float32, float16 or
-        bfloat16 (default: from the scales arrays' dtype, numpy uint16 meaning bfloat16)."""
+        """Register one layer's experts (arrays are kept referenced, never copied). scale_dtype: float32, float16,
+        bfloat16 or sub6 (default: from the scales arrays' dtype, numpy uint16 meaning bfloat16, uint8 two-level)."""
         if not shards:
             raise ValueError(f"layer {layer_id}: no shards")
+        sd = "f32" if bits == 16 else _layout_scale_dtype(shards, scale_dtype)
         # shard -> sub-pool pieces: ktlayouts' integer unit ranges (M < S: whole shards, M > S: split units)
-        plan = ShardPlan(intermediate=intermediate_pad, group_size=group_size, n_shards=len(shards), bits=bits)
+        plan = ShardPlan(intermediate=intermediate_pad, group_size=group_size, n_shards=len(shards), bits=bits,
+                         scale_dtype=sd)
         got = [(sh.i0, sh.i1) for sh in shards]
         if got != plan.shard_ranges():
             raise ValueError(f"layer {layer_id}: shard ranges {got} are not the {len(shards)}-shard split of "
@@ -261,8 +279,8 @@ class MoEKernels:
             for s_idx, u0, u1 in parts:
                 sh = shards[s_idx]
                 width = sh.i1 - sh.i0
-                gu = MatrixGeometry(n=width, k=hidden, bits=bits, group_size=group_size)
-                dn = MatrixGeometry(n=hidden, k=width, bits=bits, group_size=group_size)
+                gu = MatrixGeometry(n=width, k=hidden, bits=bits, group_size=group_size, scale_dtype=sd)
+                dn = MatrixGeometry(n=hidden, k=width, bits=bits, group_size=group_size, scale_dtype=sd)
                 what = f"layer {layer_id} shard {s_idx} [{sh.i0}, {sh.i1})"
                 _check_matrix(sh.gate_q, sh.gate_s, gu, n_experts, what + " gate")
                 _check_matrix(sh.up_q, sh.up_s, gu, n_experts, what + " up")

@@ -32,7 +32,8 @@ class PackedLayer:
     def __init__(self, rng: np.random.Generator, n_experts: int, hidden: int, inter: int, bits: int,
                  group_size: int, n_shards: int = 1, scale_dtype: str = "f32"):
         self.E, self.H, self.I, self.bits, self.G = n_experts, hidden, inter, bits, group_size
-        self.plan = ShardPlan(intermediate=inter, group_size=group_size, n_shards=n_shards, bits=bits)
+        self.plan = ShardPlan(intermediate=inter, group_size=group_size, n_shards=n_shards, bits=bits,
+                              scale_dtype=scale_dtype if bits != 16 else "f32")
         ip = self.plan.intermediate_pad
         w = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
         gate, up, down = (np.zeros((n_experts, ip, hidden), np.float32), np.zeros((n_experts, ip, hidden), np.float32),

@@ -31,12 +31,14 @@ def _scale_dtype(e):
     return e.get("scale_dtype", "f32")      # version-1 entries predate the field: float32
 
 
-# every version this code still writes: int layouts version 1 (float32 scales) and 2 (float16 / bfloat16), bf16 its one
+# every version this code still writes: int layouts version 1 (float32 scales), 2 (float16 / bfloat16) and 3 (two-level,
+# int4 group 32), bf16 its one
 CURRENT = [e for e in INDEX if e["layout"] in CPU_EXPERT_LAYOUTS
            and any(e["layout_version"] == v for v, _ in written_versions(e["layout"]))]
 INT = [e for e in CURRENT if e["bits"] != 16]
 INT_F32 = [e for e in INT if _scale_dtype(e) == "f32"]
-INT_16 = [e for e in INT if _scale_dtype(e) != "f32"]
+INT_16 = [e for e in INT if _scale_dtype(e) in ("f16", "bf16")]
+INT_SUB6 = [e for e in INT if _scale_dtype(e) == "sub6"]
 BF16 = [e for e in CURRENT if e["bits"] == 16]
 
 
@@ -109,10 +111,13 @@ def test_int_unpack_reads_the_golden_bytes(entry):
     got = unpack_expert_matrix(d["qweight"], d["packed_scales"], geom)
     assert np.array_equal(got, want[: geom.n, : geom.k])
     # and the codes are a faithful quantization of the stored weight: within half a step (one step where the
-    # opposite of the group's peak clips to the top code), padding is weight 0
+    # opposite of the group's peak clips to the top code; two-level scales d * q may sit below the group's peak
+    # scale, so there values may clip at either end code), padding is weight 0
     step = np.abs(np.repeat(d["scales"], geom.group, axis=1))[: geom.n, : geom.k]
     err = np.abs(got - d["weight"].astype(np.float32))
-    assert np.all(err <= step * (1 + 1e-6)) and np.mean(err <= 0.5 * step * (1 + 1e-6)) > 0.99
+    c = d["codes"][: geom.n, : geom.k]
+    clipped = ((c == 0) | (c == (1 << geom.bits) - 1)) if geom.scale_dtype == "sub6" else np.zeros_like(c, bool)
+    assert np.all((err <= step * (1 + 1e-6)) | clipped) and np.mean(err <= 0.5 * step * (1 + 1e-6)) > 0.97
     assert np.all(want[geom.n:] == 0) and np.all(want[:, geom.k:] == 0)
 
 
@@ -163,9 +168,27 @@ def test_golden_bytes_follow_the_readme_tile_formula(entry):
         assert d["qweight"].tobytes() == _spec_bf16_tiles(d["bits"], geom).tobytes()
         return
     assert d["qweight"].tobytes() == _spec_int_tiles(d["codes"], geom).tobytes()
+    if geom.scale_dtype == "sub6":
+        assert d["packed_scales"].tobytes() == _spec_sub6_records(d["super_scales"], d["sub_scales"], geom)
+        return
     # scales: (NB, n_groups, 16), the 16 scales of a column block for one group together, in the stored dtype
     want = np.stack([d["scales"][16 * nb: 16 * nb + 16].T for nb in range(geom.n_blocks)])
     assert d["packed_scales"].tobytes() == _torch_bytes(want, geom.scale_dtype)
+
+
+def _spec_sub6_records(dsup: np.ndarray, q: np.ndarray, geom: MatrixGeometry) -> bytes:
+    """README: per column block nb and super-block j a 128-byte record: ql[16 g' + c] = low nibble u(g', c) | low
+    nibble u(g' + 4, c) << 4 (g' < 4), then the 16 d as float16 (torch's bytes), then qh[16 h + c] = sum_i bits 4-5
+    of u(4 h + i, c) << 2 i, u = q mod 64; groups g = 8 j + g', columns 16 nb + c."""
+    out = bytearray()
+    for nb in range(geom.n_blocks):
+        for j in range(geom.n_groups // 8):
+            u = [[int(q[16 * nb + c, 8 * j + g]) % 64 for c in range(16)] for g in range(8)]
+            ql = bytes((u[g][c] & 15) | ((u[g + 4][c] & 15) << 4) for g in range(4) for c in range(16))
+            qh = bytes(sum(((u[4 * h + i][c] >> 4) & 3) << (2 * i) for i in range(4)) for h in range(2) for c in range(16))
+            dd = torch.tensor([float(dsup[16 * nb + c, j]) for c in range(16)]).to(torch.float16).numpy().tobytes()
+            out += ql + dd + qh
+    return bytes(out)
 
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -187,7 +210,7 @@ def test_every_written_version_and_scale_dtype_has_golden_files(layout):
                     and (e["bits"] == 16 or _scale_dtype(e) == sd)]
             assert mine, f"{layout} version {version} ({sd} scales) has no golden files: run python -m ktlayouts.write_golden"
             if CPU_EXPERT_LAYOUTS[layout][0] != 16:
-                assert {e["group_size"] for e in mine} == {32, 64, 128, -1}
+                assert {e["group_size"] for e in mine} == ({32} if sd == "sub6" else {32, 64, 128, -1})
 
 
 def _v1_twin(e):
@@ -226,3 +249,35 @@ def test_bf16_scales_on_bf16_storage_is_the_golden_path(entry):
     d, geom = _load(entry)
     qweight, packed = pack_expert_matrix(d["weight"].astype(np.float32), geom, bf16_scales=True)
     assert qweight.tobytes() == d["qweight"].tobytes() and packed.tobytes() == d["packed_scales"].tobytes()
+
+
+@pytest.mark.parametrize("entry", INT_SUB6, ids=_ids)
+def test_two_level_scales_are_the_rule_on_version_1_scales_and_codes_follow_them(entry):
+    """Version 3 (sub6) against an independent reference: per row and super-block of 8 groups, d = max |s| / 31 (s:
+    version 1's reference-rule scales) rounded to 6 significant bits (here by log2 and a power-of-two step) and to
+    float16 (torch), every scale d * q with q = clip(rint(s / d), -32, 31), every product a float16 value (exact in
+    Marlin's scales); the stored decomposition multiplies out to them; the codes are round-to-nearest against d * q,
+    and the records take 1 byte per (column, group)."""
+    d, geom = _load(entry)
+    v1 = _v1_twin(entry)
+    assert np.array_equal(d["weight"], v1["weight"])
+    s1 = np.zeros((geom.n_pad, geom.n_groups))                  # version 1 pads K less (lcm(64, G), not 256)
+    s1[:, : v1["scales"].shape[1]] = v1["scales"]
+    s1 = s1.reshape(geom.n_pad, -1, 8)
+    amax = np.abs(s1).max(axis=2) / 31
+    step = 2.0 ** (np.floor(np.log2(np.where(amax > 0, amax, 1))) - 5)
+    d_rule = torch.from_numpy(np.rint(amax / step) * step).to(torch.float16).double().numpy()
+    q_rule = np.clip(np.rint(np.divide(s1, d_rule[..., None], out=np.zeros_like(s1), where=d_rule[..., None] != 0)),
+                     -32, 31)
+    scales = (d_rule[..., None] * q_rule).reshape(geom.n_pad, geom.n_groups)
+    assert np.array_equal(d["scales"].astype(np.float64), scales)
+    dsup, q = d["super_scales"].astype(np.float64), d["sub_scales"].astype(np.float64)
+    assert np.array_equal(np.repeat(dsup, 8, axis=1) * q, scales) and q.min() >= -32 and q.max() <= 31
+    assert np.array_equal(torch.from_numpy(scales).to(torch.float16).double().numpy(), scales)
+    w = np.zeros((geom.n_pad, geom.k_pad), np.float64)
+    w[: geom.n, : geom.k] = d["weight"]
+    s = np.repeat(scales, geom.group, axis=1)
+    codes = np.clip(np.rint(np.divide(w, s, out=np.zeros_like(w), where=s != 0)), -8, 7) + 8
+    diff = np.abs(codes - d["codes"].astype(np.float64))
+    assert diff.max() <= 1 and np.mean(diff == 0) > 0.999
+    assert d["packed_scales"].nbytes == geom.scales_nbytes == geom.n_blocks * geom.n_groups * 16

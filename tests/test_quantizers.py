@@ -162,3 +162,72 @@ def test_expert_gptq_conversion_is_deterministic(ds3, tmp_path):
     _convert(ds3, b, expert_quantizer="gptq", numa_nodes=2, workers=1)
     for f in sorted(a.glob("experts/*.safetensors")):
         assert f.read_bytes() == (b / f.relative_to(a)).read_bytes(), f.name
+
+
+# --- two-level scales (cpu-expert-int4 layout version 3, --scale-dtype sub6) -------------------------------------
+
+@pytest.mark.parametrize("dist", ["normal", "heavy"])
+def test_two_level_search_is_near_brute_force_never_worse_than_the_rule_and_close_to_group_32(dist):
+    """search_two_level against: the layout's reference rule (floor, per super-block), a brute force over every
+    stored super-scale of 6 significant bits within +-15% of max |s| / 31 with every sub-scale tried per group
+    (exhaustive given d), and the free float16 group-32 search it approximates (same codes per group, 0.25 fewer
+    bits/weight)."""
+    from ktlayouts.cpu_expert import round_super_scale, scales_representable, two_level_rule
+
+    from ktconvert.scale_search import search_two_level
+
+    x = _groups(dist, r=24 * 8, seed=7).reshape(24, 8, 32) * torch.linspace(0.2, 1.0, 8)[None, :, None]
+    w = torch.rand(8, 32, generator=torch.Generator().manual_seed(2)) + 0.1
+    d, q, codes = search_two_level(x, w, 4)
+    xg, wg = x.reshape(-1, 32), w.reshape(1, -1).expand(24, -1).reshape(-1, 32)
+    sc = (d[:, None] * q).reshape(-1)
+    assert torch.equal(codes.reshape(-1, 32), codes_for(xg, sc, 4))
+    assert q.min() >= -32 and q.max() <= 31 and np.array_equal(round_super_scale(d.numpy()), d.numpy())
+    assert scales_representable(sc.reshape(24, 8).numpy(), "sub6")
+    got = _err(xg, wg, sc, codes_for(xg, sc, 4)).reshape(24, 8).sum(1)
+    peak = torch.where(xg.amax(1) >= -xg.amin(1), xg.amax(1), xg.amin(1)) / -8
+    rule = torch.from_numpy(two_level_rule(peak.reshape(24, 8).numpy())).reshape(-1)
+    assert torch.all(got <= _err(xg, wg, rule, codes_for(xg, rule, 4)).reshape(24, 8).sum(1) * (1 + 1e-9))
+    # brute force: every 6-significant-bit d in range (both signs), each group's best q of all 64
+    s_free, _ = search_scales(xg, wg, 4, "f32")
+    base = s_free.reshape(24, 8).abs().amax(1) / 31
+    best = torch.full((24,), float("inf"), dtype=torch.float64)
+    qs = torch.arange(-32, 32, dtype=torch.float32)[:, None, None]                   # (64, 1, 1)
+    for t in np.unique(round_super_scale(np.linspace(0.85, 1.15, 100))):
+        for sign in (1.0, -1.0):
+            dd = torch.from_numpy(round_super_scale((sign * t * base).numpy()))
+            s_all = (qs * dd[None, :, None]).expand(64, 24, 8).reshape(64, -1, 1)   # (64 q, 192 groups, 1)
+            safe = torch.where(s_all != 0, s_all, torch.ones_like(s_all))
+            c = torch.where(s_all != 0, torch.round(xg / safe).clamp(-8, 7), 0.0)
+            per_q = ((xg - s_all * c) ** 2 * wg).sum(2).double()                    # (64, 192)
+            best = torch.minimum(best, per_q.min(0).values.reshape(24, 8).sum(1))
+    assert float(got.mean()) <= 1.02 * float(best.mean()), (float(got.mean()), float(best.mean()))
+    s16, q16 = search_scales(xg, wg, 4, "f16")
+    assert float(got.mean()) <= 1.03 * float(_err(xg, wg, s16, q16).mean() * 8)
+
+
+def test_two_level_gptq_rounds_against_the_stored_scales_and_beats_the_search():
+    """GPTQ with sub6 (routed experts of layout version 3, two passes): every group's scale is d * q of the layout
+    (decomposable per super-block), the output error on the calibration inputs is below the two-level search's (the
+    same scales' family without error feedback) and within 5% of GPTQ with free float16 group-32 scales."""
+    from ktlayouts.cpu_expert import scales_representable
+
+    from ktconvert.gpu.gptq import GptqConfig, gptq_quantize
+    from ktconvert.scale_search import search_two_level
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1024, 256, generator=g) * (torch.rand(256, generator=g) * 3 + 0.2)
+    w = torch.randn(48, 256, generator=g) * 0.05
+    h = 2 * x.T @ x / x.shape[0]
+    q, _ = gptq_quantize(w, h, GptqConfig(group_size=32, scale_dtype="sub6"))
+    s = q.scales_gn.astype(np.float32).T                                        # (N, 8) float32
+    assert q.scales_gn.dtype == np.float32 and scales_representable(s, "sub6")
+    d, qq, codes = search_two_level(w.reshape(48, 8, 32), torch.diag(h).reshape(8, 32), 4)
+    w_search = (d[:, None, None] * qq[:, :, None] * codes).reshape(48, 256)
+    e_gptq = float(((x @ (q.dequantize() - w).T) ** 2).mean())
+    e_search = float(((x @ (w_search - w).T) ** 2).mean())
+    assert e_gptq < 0.9 * e_search, (e_gptq, e_search)
+    q16, _ = gptq_quantize(w, h, GptqConfig(group_size=32, scale_dtype="f16"))
+    assert e_gptq < 1.05 * float(((x @ (q16.dequantize() - w).T) ** 2).mean())
+    with pytest.raises(ValueError, match="two-level"):
+        GptqConfig(group_size=32, scale_dtype="sub6", act_order=True)

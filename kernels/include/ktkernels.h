@@ -13,10 +13,11 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 7   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 8   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
-                              7: kt_linear_submit_grouped (per-head products of one Linear) */
+                              7: kt_linear_submit_grouped (per-head products of one Linear);
+                              8: KT_SUB6, two-level expert scales (cpu-expert-int4 layout version 3) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -36,7 +37,8 @@ typedef struct {
     int32_t pool;     /* sub-pool (NUMA node) that computes this piece */
 } kt_shard_piece;
 
-enum { KT_F32 = 0, KT_BF16 = 1, KT_F16 = 2 };   /* dtypes of activations (f32, bf16) and scales (all three) */
+enum { KT_F32 = 0, KT_BF16 = 1, KT_F16 = 2,    /* dtypes of activations (f32, bf16) and scales (all three) */
+       KT_SUB6 = 3 };                          /* two-level scales: uint8 records (int4, group 32; layouts/README.md) */
 
 int kt_abi_version(void);
 const char* kt_last_error(void);
@@ -58,7 +60,9 @@ int kt_thread_pool(const kt_ctx* ctx, int thread);
 /* bits: 4, 8 or 16 (bf16 layout); group_size: 32, 64m or -1 (per row), ignored for bf16. */
 int kt_add_layer(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int intermediate_pad, int bits,
                  int group_size, int n_pieces, const kt_shard_piece* pieces);
-/* The same with the scales' dtype: KT_F32 (layout version 1), KT_F16 or KT_BF16 (version 2). */
+/* The same with the scales' dtype: KT_F32 (layout version 1), KT_F16 or KT_BF16 (version 2), KT_SUB6 (version 3:
+ * scales (E, blocks, n_groups, 16) uint8, one 128-byte record per block and 8 groups; bits 4, group_size 32; the
+ * unit of shard ranges and pieces is 256). */
 int kt_add_layer_ex(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int intermediate_pad, int bits,
                     int group_size, int scale_dtype, int n_pieces, const kt_shard_piece* pieces);
 

@@ -59,6 +59,7 @@ void qgemm_amx_st(const QView& w, int n_blocks, const ActRows& a, int m, float* 
         configure_tiles(mt, kstep);
         for (int nb = 0; nb < n_blocks; ++nb) {
             const uint8_t* qb = w.q + (size_t)nb * w.q_block_stride;
+            TileScales<ST, 1> scales(w, nb);
             for (int i = 0; i < mt; ++i) Isa::zero16(y + (size_t)(i0 + i) * ldy + nb * 16);
             for (int g = 0; g < n_groups; ++g) {
                 _tile_zero(0);
@@ -78,12 +79,11 @@ void qgemm_amx_st(const QView& w, int n_blocks, const ActRows& a, int m, float* 
                     _tile_dpbsud(0, 1, 2);
                 }
                 _tile_stored(0, cbuf, 64);
+                const Isa::S sv = scales.get(0, g);
                 for (int i = 0; i < mt; ++i) {
                     const __m512i c = _mm512_sub_epi32(_mm512_load_si512(cbuf + 16 * i),
                                                        _mm512_set1_epi32(Z * a.sum[i0 + i][g]));
-                    Isa::finish(y + (size_t)(i0 + i) * ldy + nb * 16, c,
-                                Isa::load_scales((const ST*)w.s + (size_t)nb * w.s_block_stride + (size_t)g * 16),
-                                a.s[i0 + i][g]);
+                    Isa::finish(y + (size_t)(i0 + i) * ldy + nb * 16, c, sv, a.s[i0 + i][g]);
                 }
             }
         }
@@ -95,6 +95,7 @@ template <int BITS>
 void qgemm_amx(const QView& w, int n_blocks, const ActRows& a, int m, float* y, int ldy) {
     if (w.s_type == kScaleF16) qgemm_amx_st<BITS, ScaleF16>(w, n_blocks, a, m, y, ldy);
     else if (w.s_type == kScaleBF16) qgemm_amx_st<BITS, ScaleBF16>(w, n_blocks, a, m, y, ldy);
+    else if (BITS == 4 && w.s_type == kScaleSub6) qgemm_amx_st<BITS, ScaleSub6>(w, n_blocks, a, m, y, ldy);
     else qgemm_amx_st<BITS, float>(w, n_blocks, a, m, y, ldy);
 }
 

@@ -14,10 +14,11 @@ struct QView {
     const uint8_t* q;        // tile (block 0, k-tile 0) of the view
     const void* s;           // scales (block 0, group 0) of the view: 16 scales per (block, group), of s_type
     size_t q_block_stride;   // bytes between column blocks: K_tiles_full * tile_bytes
-    size_t s_block_stride;   // scales (elements, not bytes) between column blocks: n_groups_full * 16
+    size_t s_block_stride;   // scales (elements, not bytes) between column blocks: n_groups_full * 16 (two-level
+                             // records: 1-byte elements, 128-byte records of 8 groups; views start on a record)
     int n_rows4;             // K of the view / 4 (tile rows of 4 K values)
     int group_rows;          // rows per scale group: G / 4 (the whole view for per-row scales)
-    int s_type;              // ScaleType (scale_types.h): f32, bf16 or f16
+    int s_type;              // ScaleType (scale_types.h): f32, bf16, f16 or two-level (sub6)
 };
 
 // Quantized activations of m rows (tokens), each row indexed by the view's K (k = 0 at the view's first K).

@@ -23,11 +23,15 @@ void MoEEngine::add_layer(int id, int E, int H, int I_pad, int bits, int G, int 
     const bool per_row = bits == 16 || G == -1;
     if (bits != 16 && !(G == -1 || G == 32 || (G > 0 && G % 64 == 0)))
         bad("group size " + std::to_string(G) + " is not supported: use 32, a multiple of 64, or -1 (per row)");
-    const int unit = per_row ? 64 : std::lcm(64, G);
+    if (scale_dtype != kScaleF32 && scale_dtype != kScaleF16 && scale_dtype != kScaleBF16 && scale_dtype != kScaleSub6)
+        bad("scale dtype " + std::to_string(scale_dtype) + " is not KT_F32, KT_F16, KT_BF16 or KT_SUB6");
+    const bool two_level = bits != 16 && scale_dtype == kScaleSub6;
+    if (two_level && (bits != 4 || G != 32))
+        bad("two-level scales (KT_SUB6) need int4 with group 32, got " + std::to_string(bits) + "-bit group " + std::to_string(G));
+    // K unit: whole tiles and groups (and super-blocks of 8 groups for two-level scales)
+    const int unit = per_row ? 64 : std::lcm(64, two_level ? kSub6Groups * G : G);
     if (I_pad % unit) bad("intermediate_pad " + std::to_string(I_pad) + " is not a multiple of the unit " + std::to_string(unit));
     if (n_pieces < 1 || !pcs) bad("needs at least one shard piece");
-    if (scale_dtype != kScaleF32 && scale_dtype != kScaleF16 && scale_dtype != kScaleBF16)
-        bad("scale dtype " + std::to_string(scale_dtype) + " is not KT_F32, KT_F16 or KT_BF16");
     Layer L;
     L.n_experts = E; L.hidden = H; L.inter_pad = I_pad; L.bits = bits; L.group = G;
     L.s_type = scale_dtype; L.s_bytes = scale_bytes(scale_dtype);

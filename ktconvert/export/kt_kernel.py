@@ -138,6 +138,12 @@ def plan_kt_export(conv: ConvertedDir, config: dict, adapter, gpu_fmt: GpuLinear
             f"exact for these experts (CPU group size {geo.group_size}, hidden {geo.hidden}, intermediate "
             f"{geo.intermediate}); reconvert with --group-size 32 --bf16-scales")
     check_rawint4(geo.hidden, geo.intermediate, n_parts, RAWINT4_GROUP)
+    if geo.scale_dtype == "sub6":
+        raise KtExportError(
+            "RAWINT4: kt-kernel's RAWINT4 reads one bf16 scale per group of 32, and two-level scales (--scale-dtype "
+            "sub6) are float16 super-scales times 6-bit sub-scales, not bf16 values (rounding them would change the "
+            "weights); reconvert with `ktconvert quantize --group-size 32 --bf16-scales` (f16 or bf16 scales), or "
+            "use --kt-method GPTQ_INT4 (float32 scales, exact for two-level scales)")
     bad = non_bf16_scales(conv)
     if bad:
         raise KtExportError(

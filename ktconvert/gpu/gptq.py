@@ -7,14 +7,18 @@ U of H^-1. Updates inside a block of 128 columns are applied at once ("lazy batc
 Group scales are computed when the first column of a group is reached, from the weights as updated so far: by
 default (scale_rule "search") the scale of ktconvert.scale_search.search_scales minimizing the group's
 squared error weighted by diag(H) (each input channel's activation energy), never worse than the largest magnitude
-onto the most negative code; scale_rule "vllm" keeps the reference rule max|w| / ((2^b - 1) / 2).
+onto the most negative code; scale_rule "vllm" keeps the reference rule max|w| / ((2^b - 1) / 2). Two-level scales
+(scale_dtype "sub6", CPU experts of layout version 3) take two passes: the first with free float32 group scales
+tells what scale each group wants once the error feedback has reached it; their two-level fit (one float16 d per
+super-block of 8 groups, q = rint(s / d), weighted by each group's curvature sum diag(H) code^2) is then fixed, and
+the second pass rounds every column against those final stored scales d q, so GPTQ also compensates their error.
 Quantization is symmetric with the rounding of ktconvert.gpu.rtn, so RTN and GPTQ results share one layout.
 """
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -47,6 +51,9 @@ class GptqConfig:
             raise ValueError(f"scale_rule must be 'search' or 'vllm', got {self.scale_rule!r}")
         if not 0 < self.percdamp <= 1:
             raise ValueError(f"percdamp must be in (0, 1], got {self.percdamp}")
+        if self.scale_dtype == "sub6" and (self.group_size <= 0 or self.act_order):
+            raise ValueError(f"two-level scales need static groups (no act-order), got group {self.group_size}, "
+                             f"act_order {self.act_order}")
         if self.block <= 0 or (self.group_size > 0 and self.block % self.group_size):
             raise ValueError(f"block {self.block} must be a multiple of the group size {self.group_size}")
 
@@ -144,7 +151,8 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: st
     u, _ = _inverse_cholesky(h, cfg.percdamp, name)
 
     with _threads_for(n * cfg.block):
-        codes, scales, loss = _quantize_columns(w, u, geom, cfg, torch.diag(h))
+        fixed = _two_level_scales(w, u, geom, cfg, torch.diag(h)) if cfg.scale_dtype == "sub6" else None
+        codes, scales, loss = _quantize_columns(w, u, geom, cfg, torch.diag(h), fixed)
 
     inv = torch.argsort(perm)
     codes_kn = codes[:, inv].T.contiguous().to(torch.uint8).numpy()      # back to input-channel order
@@ -163,10 +171,31 @@ def group_scales(w_group: torch.Tensor, importance: torch.Tensor, cfg: GptqConfi
     return search_scales(w_group, importance, cfg.bits, cfg.scale_dtype)[0]
 
 
+def _two_level_scales(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg: GptqConfig,
+                      hdiag: torch.Tensor) -> torch.Tensor:
+    """Two-level scales' first pass: GPTQ on a copy of w with free float32 group scales, then the fit of those
+    scales (ktconvert.scale_search.fit_two_level, per row and super-block of 8 groups, each group weighted by
+    sum diag(H) code^2) -> the final stored scales d q (n_groups, N) for the second pass."""
+    from ktconvert.scale_search import fit_two_level
+
+    n = w.shape[0]
+    codes, scales, _ = _quantize_columns(w.clone(), u, geom, replace(cfg, scale_dtype="f32"), hdiag)
+    q = codes - float(1 << (cfg.bits - 1))
+    curv = (hdiag[None, :] * q * q).reshape(n, geom.n_groups, geom.group).sum(2).double()     # (N, n_groups)
+    sb = 8
+    pad = -geom.n_groups % sb                 # a last partial super-block (K not a multiple of 8 groups)
+    s = torch.nn.functional.pad(scales.T, (0, pad)).reshape(-1, sb)
+    c = torch.nn.functional.pad(curv, (0, pad)).reshape(-1, sb)
+    d, qq = fit_two_level(s, c)
+    return (d[:, None] * qq).reshape(n, -1)[:, : geom.n_groups].T.contiguous()
+
+
 def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg: GptqConfig,
-                      hdiag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      hdiag: torch.Tensor, fixed: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GPTQ column loop: w (N, K) in processing order (updated in place), u (K, K), hdiag (K,) the Hessian's
-    diagonal in processing order -> codes (N, K) float, scales (n_groups, N), loss."""
+    diagonal in processing order, fixed: (n_groups, N) scales to use instead of choosing them -> codes (N, K) float,
+    scales (n_groups, N), loss."""
     n, k = w.shape
     group = geom.group
     zero, maxq = float(1 << (cfg.bits - 1)), float((1 << cfg.bits) - 1)
@@ -184,7 +213,9 @@ def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg:
         for i in range(i2 - i1):
             col = i1 + i
             if col % group == 0:
-                if cfg.group_size != -1:
+                if fixed is not None:
+                    scales[col // group] = fixed[col // group]
+                elif cfg.group_size != -1:
                     # group scale from the weights as updated so far: the group lies inside this block
                     scales[col // group] = group_scales(w1[:, i:i + group], hdiag[col:col + group], cfg)
                 s = scales[col // group]

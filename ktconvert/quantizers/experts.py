@@ -7,7 +7,8 @@ from its float weights. Modes (`ktconvert quantize --expert-quantizer`):
 
   rtn     the layout's reference rule (ktlayouts.cpu_expert.quantize: largest magnitude onto the most negative code),
           no calibration;
-  search  per-group scale search (ktconvert.scale_search) minimizing the squared error weighted by each input
+  search  per-group scale search (ktconvert.scale_search; two-level scales: the super-scale and 8 sub-scales of a
+          super-block together, search_two_level) minimizing the squared error weighted by each input
           channel's importance, mean(x_k^2) over the expert's routed tokens (gate/up: X_e, down: A_e), shrunk toward
           the mean over all tokens of the layer for experts with few tokens:
           imp = (sum_routed x^2 + PRIOR_TOKENS * mean_all x^2) / (n_e + PRIOR_TOKENS); uniform without calibration;
@@ -29,10 +30,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from ktlayouts.constants import ZERO_POINT
+from ktlayouts.constants import SUB6_SUPER_GROUPS, ZERO_POINT
 from ktlayouts.cpu_expert import MatrixGeometry, pack_codes, pack_expert_matrix, pack_scales, pad_weight
 
-from ktconvert.scale_search import search_scales
+from ktconvert.scale_search import search_scales, search_two_level
 
 log = logging.getLogger(__name__)
 
@@ -161,12 +162,23 @@ class ExpertQuantizer:
         return imp, rows
 
     def _search(self, wp: torch.Tensor, imp: torch.Tensor | None, geom: MatrixGeometry, scale_dtype: str):
+        if scale_dtype == "sub6":
+            return self._search_two_level(wp, imp, geom)
         n, g = geom.n_pad, geom.group
         groups = wp.reshape(n * geom.n_groups, g)
         w = None if imp is None else imp.reshape(1, geom.n_groups, g).expand(n, -1, -1).reshape(-1, g)
         s, q = search_scales(groups, w, geom.bits, scale_dtype)
         codes = (q + ZERO_POINT[geom.bits]).to(torch.uint8).reshape(geom.n_pad, geom.k_pad).numpy()
         return codes, s.reshape(n, geom.n_groups).numpy().astype(np.float32)
+
+    def _search_two_level(self, wp: torch.Tensor, imp: torch.Tensor | None, geom: MatrixGeometry):
+        """Two-level scales (layout version 3): super-blocks of 8 groups searched together (search_two_level)."""
+        n, g, sb = geom.n_pad, geom.group, SUB6_SUPER_GROUPS
+        blocks = wp.reshape(n * geom.n_groups // sb, sb, g)
+        w = None if imp is None else imp.reshape(1, -1, sb, g).expand(n, -1, -1, -1).reshape(-1, sb, g)
+        d, q, codes = search_two_level(blocks, w, geom.bits)
+        codes = (codes + ZERO_POINT[geom.bits]).to(torch.uint8).reshape(n, geom.k_pad).numpy()
+        return codes, (d[:, None] * q).reshape(n, geom.n_groups).numpy().astype(np.float32)
 
     def _gptq(self, wp: torch.Tensor, rows: torch.Tensor, geom: MatrixGeometry, scale_dtype: str):
         from ktconvert.gpu.gptq import GptqConfig, gptq_quantize
