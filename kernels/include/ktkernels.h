@@ -13,10 +13,11 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 7   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 9   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
-                              7: kt_linear_submit_grouped (per-head products of one Linear) */
+                              7: kt_linear_submit_grouped (per-head products of one Linear);
+                              9: kt_submit_shared (a shared expert inside the routed job) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -84,6 +85,17 @@ int kt_submit(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtyp
 int kt_submit_masked(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
                      const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate,
                      const uint8_t* skip);
+/* kt_submit_masked with a shared expert in the same job (no job of its own, its work in the same queue):
+ *   out[t, :H] (=|+=) sum_j weights[t,j] * expert_{ids[t,j]}(x[t]) + shared_weights[t] * shared(x[t])
+ * shared_layer_id: a layer added with n_experts = 1 and this layer's hidden size (the shared expert's gate, up and
+ * down tiles: cpu-linear tiles are cpu-expert matrices, so a shared expert's Linears register as is; any bits, group
+ * size, scale dtype or intermediate size); shared_weights (T) f32, or NULL for 1 (read during this call only).
+ * Each output column adds the routed experts in ascending order, then the shared expert: with one sub-pool, out is
+ * bit for bit kt_submit_masked's result plus, in float32, shared_weights[t] times the shared layer's own kt_submit
+ * with expert 0 and weight 1. */
+int kt_submit_shared(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
+                     const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate,
+                     const uint8_t* skip, int shared_layer_id, const float* shared_weights);
 int kt_sync(kt_ctx* ctx);
 
 /* --- dense Linears: y = x W^T on cpu-linear-int4/int8 (one cpu-expert matrix: layouts/README.md) ---------------

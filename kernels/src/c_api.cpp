@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "../include/ktkernels.h"
@@ -108,6 +109,16 @@ int kt_submit_masked(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int
     return guarded([&] {
         ctx->engine.submit(layer_id, n_tokens, x, x_dtype, x_stride, k, ids, weights, out, out_stride, accumulate != 0,
                            skip);
+    });
+}
+
+int kt_submit_shared(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
+                     const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate,
+                     const uint8_t* skip, int shared_layer_id, const float* shared_weights) {
+    return guarded([&] {
+        if (shared_layer_id < 0) throw std::invalid_argument("shared expert layer id must be >= 0");
+        ctx->engine.submit(layer_id, n_tokens, x, x_dtype, x_stride, k, ids, weights, out, out_stride, accumulate != 0,
+                           skip, shared_layer_id, shared_weights);
     });
 }
 
