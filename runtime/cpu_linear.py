@@ -196,30 +196,37 @@ class LinearKernels:
         self._inflight = (x, outs)   # alive until sync (the C side has waited for any earlier job)
         return outs[0] if single else outs
 
-    def submit_grouped(self, linear_id: int, x: Any, out: Any, row0: int, row_step: int) -> None:
-        """Start out[:, j] = x[:, j] W[row0 + j*row_step : + rows]^T for every group j (per-head products of one
-        Linear, each head with its own input: MLA's absorbed kv_b). x: (T, J, K) float32/bfloat16 CPU tensor, out:
-        (T, J, rows) float32 CPU tensor (rows a multiple of 16), any strides with contiguous last dims. Call sync()
-        before reading out."""
+    def submit_grouped(self, linear_id: int, x: Any, out: Any, row0: int, row_step: int,
+                       x_scale: torch.Tensor | None = None) -> None:
+        """Start out[:, j] = x_j W[row0 + j*row_step : + rows]^T for every group j (per-head products of one
+        Linear, each head with its own input: MLA's absorbed kv_b). out: (T, J, rows) float32 CPU tensor (rows a
+        multiple of 16); x: (T, Jx, K) float32/bfloat16 CPU tensor with J a multiple of Jx: groups j*Jx/J .. share
+        input x[:, j // (J/Jx)]; x_scale: (J, K) float32, contiguous: group j's input is multiplied by x_scale[j]
+        (float32) before the int8 quantization. Any strides with contiguous last dims. Call sync() before reading
+        out."""
         geom = self.geometry(linear_id)
         if x.dim() != 3 or x.shape[2] != geom.k or x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"linear {linear_id} grouped x: {x.dtype} {tuple(x.shape)}, expected float32/bfloat16 "
                              f"(T, J, {geom.k})")
-        T, J, rows = x.shape[0], x.shape[1], out.shape[-1] if out.dim() == 3 else -1
-        if out.dim() != 3 or tuple(out.shape[:2]) != (T, J) or out.dtype != torch.float32:
+        T, J, rows = x.shape[0], out.shape[1] if out.dim() == 3 else -1, out.shape[-1] if out.dim() == 3 else -1
+        if out.dim() != 3 or out.shape[0] != T or out.dtype != torch.float32 or x.shape[1] < 1 or J % x.shape[1]:
             raise ValueError(f"linear {linear_id} grouped out: {out.dtype} {tuple(out.shape)}, expected float32 "
-                             f"({T}, {J}, rows)")
+                             f"({T}, J, rows) with J a multiple of x's {x.shape[1]} groups")
         if (x.numel() and x.stride(2) != 1) or (out.numel() and out.stride(2) != 1):
             raise ValueError(f"linear {linear_id} grouped: the last dim of x and out must be contiguous")
         if x.device.type != "cpu" or out.device.type != "cpu":
             raise ValueError(f"linear {linear_id} grouped: x and out must be CPU tensors")
-        rc = self._lib.kt_linear_submit_grouped(
+        if x_scale is not None and (tuple(x_scale.shape) != (J, geom.k) or x_scale.dtype != torch.float32
+                                    or not x_scale.is_contiguous() or x_scale.device.type != "cpu"):
+            raise ValueError(f"linear {linear_id} grouped x_scale: {x_scale.dtype} {tuple(x_scale.shape)}, expected "
+                             f"contiguous float32 ({J}, {geom.k})")
+        rc = self._lib.kt_linear_submit_grouped_scaled(
             self.kernels.handle, linear_id, J, row0, row_step, rows, T, x.data_ptr(),
-            0 if x.dtype == torch.float32 else 1, x.stride(0), x.stride(1), out.data_ptr(), out.stride(0),
-            out.stride(1))
+            0 if x.dtype == torch.float32 else 1, x.stride(0), x.stride(1), J // x.shape[1],
+            None if x_scale is None else x_scale.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1))
         if rc != 0:
             raise KernelError(_err(self._lib))
-        self._inflight = (x, out)
+        self._inflight = (x, out, x_scale)
 
     @staticmethod
     def _output(o: Any, T: int, n: int, linear_id: int) -> tuple[int, int]:

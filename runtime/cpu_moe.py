@@ -108,6 +108,8 @@ def load_library() -> ctypes.CDLL:
         "kt_linear_submit": (c_int, [c_p, c_int, c_p, c_int, c_p, c_int, c_i64, c_p, c_p]),
         "kt_linear_submit_grouped": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64,
                                              c_p, c_i64, c_i64]),
+        "kt_linear_submit_grouped_scaled": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_int, c_i64,
+                                                    c_i64, c_int, c_p, c_p, c_i64, c_i64]),
         "kt_linear_repack": (c_int, [c_p, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64, c_p, c_i64, c_i64,
                                      c_p, c_p]),
     }

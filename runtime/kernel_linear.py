@@ -144,9 +144,9 @@ class AbsorbedKvB:
         self.uk_id = lin.n_linears
         self.uk_q, self.uk_s = lin.repack(codes_kn, np.ones((1, nh * R), np.float16), g.bits, GROUP_PER_ROW)
         lin.add(self.uk_id, self.uk_q, self.uk_s, n=nh * R, k=dn, bits=g.bits, group_size=GROUP_PER_ROW)
-        # s_uk[h, g, d] = s[h*(dn+dv) + d, g]: the input scaling of head h's scale group g
+        # s_uk[h*ng + g, d] = s[h*(dn+dv) + d, g]: the input scaling of head h's scale group g
         self.s_uk = torch.from_numpy(np.ascontiguousarray(
-            scales.reshape(nh, dn + dv, ng)[:, :dn].transpose(0, 2, 1)))          # (nh, ng, dn) float32
+            scales.reshape(nh, dn + dv, ng)[:, :dn].transpose(0, 2, 1)).reshape(nh * ng, dn))   # float32
 
     @staticmethod
     def supported(kv_b, nh: int, dn: int, dv: int, R: int) -> bool:
@@ -161,12 +161,12 @@ class AbsorbedKvB:
                 + self.kv_b.nbytes * self.dv // (self.dn + self.dv))
 
     def q_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_nope (m, nh, dn) -> q_lat (m, nh, R) float32."""
-        m, nh, dn, R, G = q_nope.shape[0], self.nh, self.dn, self.R, self.G
-        x = (q_nope.float()[:, :, None, :] * self.s_uk[None]).view(m, nh * (R // G), dn)   # (m, nh*ng, dn)
+        """q_nope (m, nh, dn) float32/bfloat16, last dim contiguous (a view of q is fine) -> q_lat (m, nh, R)
+        float32. Head h's ng = R/G row groups read q_nope[:, h] scaled by s_uk[h*ng + g] (inside the op)."""
+        m, nh, R, G = q_nope.shape[0], self.nh, self.R, self.G
         out = torch.empty((m, nh * (R // G), G), dtype=torch.float32)                          # = (m, nh, R)
         if m:
-            self.kv_b.lin.submit_grouped(self.uk_id, x, out, 0, G)
+            self.kv_b.lin.submit_grouped(self.uk_id, q_nope, out, 0, G, x_scale=self.s_uk)
             self.kv_b.lin.sync()
         return out.view(m, nh, R)
 

@@ -17,7 +17,8 @@ extern "C" {
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
-                              9: kt_submit_shared (a shared expert inside the routed job) */
+                              9: kt_submit_shared (a shared expert inside the routed job),
+                                 kt_linear_submit_grouped_scaled (groups sharing a scaled input) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -124,6 +125,16 @@ int kt_linear_submit(kt_ctx* ctx, int n_linears, const int32_t* ids, int n_token
 int kt_linear_submit_grouped(kt_ctx* ctx, int linear_id, int n_groups, int row0, int row_step, int rows,
                              int n_tokens, const void* x, int x_dtype, int64_t x_stride, int64_t x_group_stride,
                              float* out, int64_t out_stride, int64_t out_group_stride);
+
+/* kt_linear_submit_grouped where x_group_div consecutive groups read one input vector, each scaled elementwise by
+ * its own row of x_scale before the int8 quantization (NULL: no scaling):
+ *   x_j[t] = (x + (j / x_group_div)*x_group_stride + t*x_stride) * x_scale[j*K .. j*K + K)
+ * x_scale (n_groups, K) f32, read until kt_sync. MLA's absorbed W_uk: one query vector per head, one scaling per
+ * head and kv_b scale group (ktrun.kernel_linear.AbsorbedKvB). */
+int kt_linear_submit_grouped_scaled(kt_ctx* ctx, int linear_id, int n_groups, int row0, int row_step, int rows,
+                                    int n_tokens, const void* x, int x_dtype, int64_t x_stride,
+                                    int64_t x_group_stride, int x_group_div, const float* x_scale, float* out,
+                                    int64_t out_stride, int64_t out_group_stride);
 
 enum { KT_CODES_U8 = 0, KT_CODES_PACKED_K = 1 };
 

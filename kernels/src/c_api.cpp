@@ -148,6 +148,16 @@ int kt_linear_submit_grouped(kt_ctx* ctx, int linear_id, int n_groups, int row0,
     });
 }
 
+int kt_linear_submit_grouped_scaled(kt_ctx* ctx, int linear_id, int n_groups, int row0, int row_step, int rows,
+                                    int n_tokens, const void* x, int x_dtype, int64_t x_stride,
+                                    int64_t x_group_stride, int x_group_div, const float* x_scale, float* out,
+                                    int64_t out_stride, int64_t out_group_stride) {
+    return guarded([&] {
+        ctx->linear.submit_grouped(linear_id, n_groups, row0, row_step, rows, n_tokens, x, x_dtype, x_stride,
+                                   x_group_stride, out, out_stride, out_group_stride, x_group_div, x_scale);
+    });
+}
+
 int kt_linear_repack(kt_ctx* ctx, int n, int k, int bits, int group_size, const void* codes, int codes_kind,
                      int64_t code_stride_k, int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g,
                      int64_t scale_stride_n, void* qweight, float* scales_out) {
