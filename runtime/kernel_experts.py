@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from ktlayouts.cpu_expert import group_unit
+from ktlayouts.cpu_expert import MatrixGeometry, group_unit
 
 from .cpu_moe import ExpertShard, MoEKernels
 from .expert_activation import expert_biases
@@ -78,8 +78,14 @@ class KernelExperts:
         if not all(isinstance(li, KernelLinear) and li.lin.kernels is self.moe and li.perm is None for li in lins):
             return False
         (I, H), bits, g = gate.shape, gate.bits, gate.group_size
-        if (up.shape != (I, H) or down.shape != (H, I) or gate.k_op != H or up.k_op != H or down.k_op != I
-                or any(li.bits != bits or li.group_size != g for li in lins) or I % group_unit(g)):
+        if (up.shape != (I, H) or down.shape != (H, I) or any(li.bits != bits or li.group_size != g for li in lins)
+                or I % group_unit(g)):
+            return False
+        # the tiles must be those of the one-expert layer: the same padded K (a Linear's K padding holds zero-point
+        # codes, and the layer zero-pads x past H as the Linear pads its input) and I a whole number of K units
+        gu, dn = MatrixGeometry(I, H, bits, g), MatrixGeometry(H, I, bits, g)
+        if any(li.qweight.shape != geom.qweight_shape or li.scales.shape != geom.scales_shape
+               for li, geom in ((gate, gu), (up, gu), (down, dn))):
             return False
         sid = SHARED_LAYER_ID0 + layer
         self.moe.add_layer(sid, [ExpertShard(gate.qweight[None], gate.scales[None], up.qweight[None],
@@ -89,9 +95,12 @@ class KernelExperts:
         return True
 
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-               skip=None, shared_weights: torch.Tensor | None = None):
-        """skip: (E,) uint8 mask of experts computed elsewhere (GPU-resident), handed to the kernels as is. A layer
-        with a fused shared expert (fuse_shared) adds it to out, times shared_weights (T,) if given."""
+               skip=None, shared: bool = False, shared_weights: torch.Tensor | None = None):
+        """skip: (E,) uint8 mask of experts computed elsewhere (GPU-resident), handed to the kernels as is.
+        shared: also compute the layer's shared expert (registered by fuse_shared) in the same job and add it to out,
+        times shared_weights (T,) if given."""
+        if shared and layer not in self._shared:
+            raise KeyError(f"layer {layer}: no shared expert was fused (fuse_shared)")
         if self._pending is not None:
             raise RuntimeError("submit() called twice without sync()")
         t0 = time.perf_counter()
@@ -100,9 +109,9 @@ class KernelExperts:
         direct = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
         buf = out if direct else torch.empty(out.shape, dtype=torch.float32)
         ids_c, w_c = ids.cpu(), weights.float().cpu()
-        shared = self._shared.get(layer)
-        self.moe.submit(layer, xc, ids_c, w_c, buf, skip=skip, shared=shared,
-                        shared_weights=None if shared is None or shared_weights is None else shared_weights.reshape(-1))
+        sid = self._shared[layer] if shared else None
+        self.moe.submit(layer, xc, ids_c, w_c, buf, skip=skip, shared=sid,
+                        shared_weights=None if sid is None or shared_weights is None else shared_weights.reshape(-1))
         self._pending = (t0, xc, buf, out, direct)
         self._staged = (layer, xc, ids_c, w_c, buf)
         self.stats["expert_token_slots"] += ids.numel()

@@ -81,7 +81,7 @@ class MoEModel:
         out = torch.empty_like(h)
         scale = getattr(self.arch, "shared_expert_scale", None)               # Qwen3-Next: a sigmoid gate
         if i in self.shared_fused:                                           # the shared expert in the same job
-            self.experts.submit(i, h, ids, wts, out, shared_weights=None if scale is None else
+            self.experts.submit(i, h, ids, wts, out, shared=True, shared_weights=None if scale is None else
                                 scale(self.cfg, self.w, p, h).float())
             t0 = time.perf_counter()
             self.experts.sync()
