@@ -31,7 +31,7 @@ import torch
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.cpu_linear import gpu_group_count, linear_geometry
 
-from .cpu_moe import KernelError, MoEKernels, _dtype_name, _err, _pointer, _shape, load_library
+from .cpu_moe import SCALE_DTYPE_CODES, KernelError, MoEKernels, _dtype_name, _err, _pointer, _shape, load_library
 
 CODES_U8, CODES_PACKED_K = 0, 1   # ktkernels.h KT_CODES_U8 / KT_CODES_PACKED_K
 
@@ -100,25 +100,28 @@ class LinearKernels:
 
     def add(self, linear_id: int, qweight: Any, scales: Any, n: int, k: int, bits: int, group_size: int
             ) -> MatrixGeometry:
-        """Register one Linear's packed tensors (kept referenced, read in place)."""
-        geom = linear_geometry(n, k, bits, group_size)
+        """Register one Linear's packed tensors (kept referenced, read in place); scales float32 or float16."""
+        sdt = _dtype_name(scales)
+        geom = linear_geometry(n, k, bits, group_size, "f16" if sdt == "float16" else "f32")
         what = f"linear {linear_id}"
         if _shape(qweight) != geom.qweight_shape or _dtype_name(qweight) != "uint8":
             raise ValueError(f"{what} qweight: {_dtype_name(qweight)} {_shape(qweight)}, expected uint8 "
                              f"{geom.qweight_shape} for {geom}")
-        if _shape(scales) != geom.scales_shape or _dtype_name(scales) != "float32":
-            raise ValueError(f"{what} scales: {_dtype_name(scales)} {_shape(scales)}, expected float32 "
+        if _shape(scales) != geom.scales_shape or sdt not in ("float32", "float16"):
+            raise ValueError(f"{what} scales: {sdt} {_shape(scales)}, expected float32 or float16 "
                              f"{geom.scales_shape} for {geom}")
         q_ptr, s_ptr = _pointer(qweight, f"{what} qweight"), _pointer(scales, f"{what} scales")
         self.sync()
-        if self._lib.kt_add_linear(self.kernels.handle, linear_id, n, k, bits, group_size, q_ptr, s_ptr) != 0:
+        if self._lib.kt_add_linear_ex(self.kernels.handle, linear_id, n, k, bits, group_size, SCALE_DTYPE_CODES[sdt],
+                                      q_ptr, s_ptr) != 0:
             raise KernelError(_err(self._lib))
         self._linears[linear_id] = (geom, qweight, scales)
         self._calls.clear()
         return geom
 
     def repack(self, codes: Any, scales: Any, bits: int, group_size: int, packed: bool = False,
-               out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+               out: tuple[np.ndarray, np.ndarray] | None = None, scale_dtype: str = "f32"
+               ) -> tuple[np.ndarray, np.ndarray]:
         """GPU codes -> (qweight, scales) of cpu-linear-int{bits} (bit-exact; reference:
         ktlayouts.cpu_linear.repack_gpu_codes), on this context's threads.
 
@@ -126,7 +129,12 @@ class LinearKernels:
         packed=True the codes packed along K, 32/bits per int32 word LSB first: (K*bits/32, N) words (gptq qweight
         as stored; compressed-tensors weight_packed.T). scales: (n_groups, N) float16, any strides
         (compressed-tensors weight_scale.T). out: preallocated (qweight, scales) to write into (e.g. a mapped file).
+        scale_dtype: the tiles' scales, "f32" (widened) or "f16" (the float16 bits moved: half the scale bytes a
+        decode step reads, the same results).
         """
+        if scale_dtype not in ("f32", "f16"):
+            raise ValueError(f"scale_dtype {scale_dtype!r}: expected f32 or f16")
+        s_np = np.float16 if scale_dtype == "f16" else np.float32
         c = _numpy(codes, "codes")
         s = _numpy(scales, "scales")
         if packed:
@@ -143,16 +151,17 @@ class LinearKernels:
             raise ValueError(f"scales: {s.dtype} {s.shape}, expected float16 ({gpu_group_count(geom)}, {n})")
         ssg, ssn = _strides(s, "scales")
         if out is None:
-            qw, sc = np.empty(geom.qweight_shape, np.uint8), np.empty(geom.scales_shape, np.float32)
+            qw, sc = np.empty(geom.qweight_shape, np.uint8), np.empty(geom.scales_shape, s_np)
         else:
             qw, sc = out
             if _shape(qw) != geom.qweight_shape or _shape(sc) != geom.scales_shape:
                 raise ValueError(f"out: shapes {_shape(qw)} / {_shape(sc)}, expected {geom.qweight_shape} / "
                                  f"{geom.scales_shape}")
-        rc = self._lib.kt_linear_repack(self.kernels.handle, n, k, bits, group_size, c.ctypes.data,
-                                        CODES_PACKED_K if packed else CODES_U8, csk, csn, s.ctypes.data, ssg, ssn,
-                                        _pointer(qw, "out qweight", np.dtype(np.uint8)),
-                                        _pointer(sc, "out scales", np.dtype(np.float32)))
+        rc = self._lib.kt_linear_repack_ex(self.kernels.handle, n, k, bits, group_size, c.ctypes.data,
+                                           CODES_PACKED_K if packed else CODES_U8, csk, csn, s.ctypes.data, ssg, ssn,
+                                           _pointer(qw, "out qweight", np.dtype(np.uint8)),
+                                           _pointer(sc, "out scales", np.dtype(s_np)),
+                                           SCALE_DTYPE_CODES["float16" if scale_dtype == "f16" else "float32"])
         if rc != 0:
             raise KernelError(_err(self._lib))
         return qw, sc

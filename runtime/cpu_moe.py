@@ -105,6 +105,7 @@ def load_library() -> ctypes.CDLL:
         "kt_measure_int8_peak": (ctypes.c_double, [c_p, ctypes.c_double]),
         # the dense Linear op (ktrun.cpu_linear)
         "kt_add_linear": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
+        "kt_add_linear_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
         "kt_linear_submit": (c_int, [c_p, c_int, c_p, c_int, c_p, c_int, c_i64, c_p, c_p]),
         "kt_linear_submit_grouped": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64,
                                              c_p, c_i64, c_i64]),
@@ -112,6 +113,8 @@ def load_library() -> ctypes.CDLL:
                                                     c_i64, c_int, c_p, c_p, c_i64, c_i64]),
         "kt_linear_repack": (c_int, [c_p, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64, c_p, c_i64, c_i64,
                                      c_p, c_p]),
+        "kt_linear_repack_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64, c_p, c_i64, c_i64,
+                                        c_p, c_p, c_int]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

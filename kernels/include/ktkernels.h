@@ -18,7 +18,8 @@ extern "C" {
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
                               9: kt_submit_shared (a shared expert inside the routed job),
-                                 kt_linear_submit_grouped_scaled (groups sharing a scaled input) */
+                                 kt_linear_submit_grouped_scaled (groups sharing a scaled input),
+                                 kt_add_linear_ex / kt_linear_repack_ex (float16 scales of dense Linears) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -109,6 +110,11 @@ int kt_sync(kt_ctx* ctx);
  * 1024 (int8). bits 4 or 8; group_size 32, 64m or -1 (per row). Re-adding an id replaces it. */
 int kt_add_linear(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_size, const void* qweight,
                   const float* scales);
+/* The same with the scales' dtype: KT_F32, or KT_F16 (cpu-linear tiles with the GPU layers' float16 scales moved,
+ * not widened: 2 bytes per group instead of 4; every backend converts them to f32 exactly, so results are those of
+ * the widened scales, bit for bit). */
+int kt_add_linear_ex(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_size, int scale_dtype,
+                     const void* qweight, const void* scales);
 
 /* outs[i][t, :N_i] = x[t] W_i^T for the n_linears linears ids[i], which share the input x (same K and group size:
  * x is quantized once and their work shares one queue; e.g. q_a + kv_a, gate + up).
@@ -150,6 +156,11 @@ enum { KT_CODES_U8 = 0, KT_CODES_PACKED_K = 1 };
 int kt_linear_repack(kt_ctx* ctx, int n, int k, int bits, int group_size, const void* codes, int codes_kind,
                      int64_t code_stride_k, int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g,
                      int64_t scale_stride_n, void* qweight, float* scales_out);
+/* kt_linear_repack writing scales_out as scales_dtype: KT_F32 (widened) or KT_F16 (the float16 bits moved; padding
+ * +0), for kt_add_linear_ex. */
+int kt_linear_repack_ex(kt_ctx* ctx, int n, int k, int bits, int group_size, const void* codes, int codes_kind,
+                        int64_t code_stride_k, int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g,
+                        int64_t scale_stride_n, void* qweight, void* scales_out, int scales_dtype);
 
 /* Where the last MoE job's time went: 9 doubles (seconds) per worker thread: x quantization (0 when the submitting
  * thread did it: few tokens), barrier wait, gate/up (+ silu + h quantization), barrier wait, down, barrier wait and

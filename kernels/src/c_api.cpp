@@ -131,6 +131,11 @@ int kt_add_linear(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_
     return guarded([&] { ctx->linear.add(linear_id, n, k, bits, group_size, qweight, scales); });
 }
 
+int kt_add_linear_ex(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_size, int scale_dtype,
+                     const void* qweight, const void* scales) {
+    return guarded([&] { ctx->linear.add(linear_id, n, k, bits, group_size, qweight, scales, scale_dtype); });
+}
+
 int kt_linear_submit(kt_ctx* ctx, int n_linears, const int32_t* ids, int n_tokens, const void* x, int x_dtype,
                      int64_t x_stride, float* const* outs, const int64_t* out_strides) {
     return guarded([&] {
@@ -164,6 +169,15 @@ int kt_linear_repack(kt_ctx* ctx, int n, int k, int bits, int group_size, const 
     return guarded([&] {
         ctx->linear.repack(n, k, bits, group_size, codes, codes_kind, code_stride_k, code_stride_n, scales,
                            scale_stride_g, scale_stride_n, (uint8_t*)qweight, scales_out);
+    });
+}
+
+int kt_linear_repack_ex(kt_ctx* ctx, int n, int k, int bits, int group_size, const void* codes, int codes_kind,
+                        int64_t code_stride_k, int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g,
+                        int64_t scale_stride_n, void* qweight, void* scales_out, int scales_dtype) {
+    return guarded([&] {
+        ctx->linear.repack(n, k, bits, group_size, codes, codes_kind, code_stride_k, code_stride_n, scales,
+                           scale_stride_g, scale_stride_n, (uint8_t*)qweight, scales_out, scales_dtype);
     });
 }
 

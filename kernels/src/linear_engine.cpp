@@ -34,13 +34,16 @@ LinearEngine::LinearEngine(ThreadPool& pool, const KernelTable& table)
 
 LinearEngine::~LinearEngine() { pool_.wait(); }
 
-void LinearEngine::add(int id, int n, int k, int bits, int group, const void* qweight, const float* scales) {
+void LinearEngine::add(int id, int n, int k, int bits, int group, const void* qweight, const void* scales,
+                       int scale_dtype) {
     auto bad = [&](const std::string& m) { throw std::invalid_argument("linear " + std::to_string(id) + ": " + m); };
     if (n < 1 || k < 1) bad("n and k must be >= 1, got (" + std::to_string(n) + ", " + std::to_string(k) + ")");
     if (bits != 4 && bits != 8) bad("bits must be 4 or 8 (cpu-linear-int4/int8), got " + std::to_string(bits));
     if (!(group == -1 || group == 32 || (group > 0 && group % 64 == 0)))
         bad("group size " + std::to_string(group) + " is not supported: use 32, a multiple of 64, or -1 (per row)");
     if (!qweight || !scales) bad("missing qweight or scales pointer");
+    if (scale_dtype != kScaleF32 && scale_dtype != kScaleF16)
+        bad("scale dtype " + std::to_string(scale_dtype) + " is not KT_F32 or KT_F16");
     if (pool_.busy()) pool_.wait();   // a job in flight may read the entry being replaced
     Linear L;
     L.n = n; L.k = k; L.bits = bits; L.group = group;
@@ -48,7 +51,8 @@ void LinearEngine::add(int id, int n, int k, int bits, int group, const void* qw
     L.glen = group == -1 ? L.kx : group;
     L.n_blocks = round_up(n, 16) / 16;
     L.q = (const uint8_t*)qweight;
-    L.s = scales;
+    L.s = (const uint8_t*)scales;
+    L.s_type = scale_dtype; L.s_bytes = scale_bytes(scale_dtype);
     L.q_block_stride = (size_t)(L.kx / 64) * (bits == 4 ? 512 : 1024);
     L.s_block_stride = (size_t)(L.kx / L.glen) * 16;
     linears_[id] = L;
@@ -225,12 +229,12 @@ void LinearEngine::compute(const Item& it, int worker) {
     const int b0 = n_groups_ ? g_block0_ + it.g * g_block_step_ + it.nb0 : it.nb0;   // first column block
     QView v;
     v.q = L.q + (size_t)b0 * L.q_block_stride;
-    v.s = L.s + (size_t)b0 * L.s_block_stride;
+    v.s = L.s + (size_t)b0 * L.s_block_stride * L.s_bytes;
     v.q_block_stride = L.q_block_stride;
     v.s_block_stride = L.s_block_stride;
     v.n_rows4 = L.kx / 4;
     v.group_rows = L.glen / 4;
-    v.s_type = kScaleF32;   // dense Linears keep float32 scales (kt_add_linear)
+    v.s_type = L.s_type;
     const QGemmFn fn = L.bits == 8 ? table_.qgemm8 : table_.qgemm4;
     const int64_t ld = out_strides_[it.lin];
     if (n_groups_) {   // per group: whole blocks of its rows, its input rows, at its output
@@ -238,7 +242,7 @@ void LinearEngine::compute(const Item& it, int worker) {
             if (g > it.g) {
                 const size_t db = (size_t)(g - it.g) * g_block_step_;
                 v.q = L.q + (b0 + db) * L.q_block_stride;
-                v.s = L.s + (b0 + db) * L.s_block_stride;
+                v.s = L.s + (b0 + db) * L.s_block_stride * L.s_bytes;
             }
             const int r0 = g * T_ + it.t0;   // quantized input rows of this group
             const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0};

@@ -29,9 +29,10 @@ struct Linear {
     int glen;                  // group length along K_pad (kx for per row)
     int n_blocks;              // N_pad / 16
     const uint8_t* q;          // (n_blocks, kx / 64, tile_bytes)
-    const float* s;            // (n_blocks, kx / glen, 16)
+    const uint8_t* s;          // (n_blocks, kx / glen, 16) scales of s_type
+    int s_type, s_bytes;       // float32 or float16 (scale_types.h)
     size_t q_block_stride;     // bytes
-    size_t s_block_stride;     // floats
+    size_t s_block_stride;     // scales (elements)
 };
 
 class LinearEngine {
@@ -39,7 +40,9 @@ public:
     LinearEngine(ThreadPool& pool, const KernelTable& table);
     ~LinearEngine();
 
-    void add(int id, int n, int k, int bits, int group, const void* qweight, const float* scales);  // throws
+    // scales of scale_dtype: KT_F32 or KT_F16 (the GPU layers' own float16 scales, moved)
+    void add(int id, int n, int k, int bits, int group, const void* qweight, const void* scales,
+             int scale_dtype = kScaleF32);   // throws
     // outs[i]: (T, N_i) f32 with row stride out_strides[i] (elements), overwritten.
     void submit(int n_linears, const int* ids, int T, const void* x, int x_dtype, int64_t x_stride,
                 float* const* outs, const int64_t* out_strides);
@@ -55,7 +58,7 @@ public:
     // GPU codes -> tiles + f32 scales (ktkernels.h kt_linear_repack), on the pool; synchronous.
     void repack(int n, int k, int bits, int group, const void* codes, int codes_kind, int64_t code_stride_k,
                 int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g, int64_t scale_stride_n,
-                uint8_t* qweight, float* scales_out);
+                uint8_t* qweight, void* scales_out, int scales_dtype = kScaleF32);
 
 private:
     // linear (index into job), column blocks (relative to the group's first block), token rows, row groups g..g+ng

@@ -127,7 +127,7 @@ class MoEModel:
     def _forward(self, batch: Batch, all_logits: bool) -> torch.Tensor:
         t0 = time.perf_counter()
         cfg, w = self.cfg, self.w
-        x = F.embedding(batch.tokens.to(self.device), w[self.names.embed])               # (T, H)
+        x = F.embedding(batch.tokens.to(self.device), w[self.names.embed]).to(self.dtype)  # (T, H); stored bf16 widens
         cos, sin = self.rope.cos_sin(batch.positions.to(self.device), self.dtype)
         tm, clock = self.timing, time.perf_counter
         for i in range(cfg.num_layers):
