@@ -190,11 +190,25 @@ def convert_peer(src: Path, work: Path, convert_script: Path, quantize_bin: Path
 
 # --- timing ----------------------------------------------------------------------------------------------------
 
+# llama-bench flags added after the default configuration aborted (see peer_round), for the rest of the run
+PEER_FALLBACK: list[str] = []
+
+
 def peer_round(llama_bench: Path, gguf: Path, threads: int, tg: int, pps: list[int]) -> dict[str, float]:
-    """One llama-bench repetition of tg and each pp (its own warm-up run first): test name -> tokens/s."""
+    """One llama-bench repetition of tg and each pp (its own warm-up run first): test name -> tokens/s.
+
+    With its default weight repacking, llama.cpp 0.3.36's build aborts on this model's graph on an AMX CPU
+    (GGML_ASSERT(*cur_backend_id != -1) in ggml_backend_sched_split_graph: the per-head 3-D k_b/v_b products of
+    MLA land in the AMX/repacked buffer type, which cannot run them); it then runs with `--repack 0` (the plain CPU
+    buffer type for every weight), said in the output."""
     cmd = [str(llama_bench), "-m", str(gguf), "-t", str(threads), "-n", str(tg), "-p", ",".join(map(str, pps)),
-           "-r", "1", "-o", "json"]
+           "-r", "1", "-o", "json", *PEER_FALLBACK]
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, errors="replace")
+    if r.returncode and not PEER_FALLBACK and "cur_backend_id != -1" in r.stderr:
+        PEER_FALLBACK.extend(["--repack", "0"])
+        print("llama-bench aborted in ggml_backend_sched_split_graph with its default weight repacking: running it "
+              "with --repack 0 from now on", flush=True)
+        return peer_round(llama_bench, gguf, threads, tg, pps)
     if r.returncode:
         sys.exit(f"llama-bench failed (exit {r.returncode}): {' '.join(cmd)}\n{r.stderr[-4000:]}")
     res = {}
@@ -410,6 +424,8 @@ def main(argv=None) -> None:
           f"{pool_threads}), torch threads {args.torch_threads or f'{args.threads} (decode 1)'}, "
           f"{args.rounds} alternated rounds; ktrun dense part: {o0.lm.converted.gpu_weights or 'dense'} "
           f"({str(o0.lm.converted.dtype)[6:]})")
+    if PEER_FALLBACK:
+        print(f"llamacpp_flags: {' '.join(PEER_FALLBACK)} (its default repacking aborts on this model here)")
     print(f"read_bandwidth: {mean_sd([b / 1e9 for b in bws])} GB/s")
     print(f"load_average: {load0[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end (1 min)")
     summary = []
