@@ -136,6 +136,17 @@ def _absorbed(w: dict, p: str, nh: int, dn: int, dv: int, R: int):
     return w[key]
 
 
+def prepare_absorbed(cfg: ModelConfig, w: dict, layer_prefixes: list[str]) -> None:
+    """Derive every MLA layer's absorbed kv_b on the quantized Linear op now, at load (AbsorbedKvB): its one-time
+    unpack / transpose temporaries (tens of MB for V3's kv_b) then come before the routed experts' pages are
+    resident and never raise a run's peak RSS. The float32 pair of other paths stays lazy (67 MB per layer)."""
+    nh, dn, dv, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    for p in layer_prefixes:
+        kv_b = w.get(p + "kv_b_proj.weight")
+        if kv_b is not None and AbsorbedKvB.supported(kv_b, nh, dn, dv, R):
+            _absorbed(w, p, nh, dn, dv, R)
+
+
 def _naive_is_cheaper(n: int, S: int, dn: int, dr: int, dv: int, R: int) -> bool:
     """Multiply-adds per head: absorbed (n query rows through W_uk, over S latent rows of R + dr and R, through
     W_uv) vs expanded (S latent rows through kv_b into keys and values, then n x S attention of head dims)."""

@@ -21,6 +21,7 @@ from ktlayouts.families import ModelConfig, get_family
 
 from ..packed_linear import linear
 from . import arch_module, cache_layers
+from .attention import prepare_absorbed
 from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache
 from .layers import Rope, rms_norm, swiglu_mlp
 
@@ -39,6 +40,8 @@ class MoEModel:
         self.has_recurrent_state = "linear_attention" in cfg.layer_types
         self.moe_layers = set(cfg.moe_layers)
         self.moe_prefix = [self._moe_prefix(i) for i in range(cfg.num_layers)]
+        if cfg.is_mla:                                     # MLA's absorbed kv_b on the kernels' op: built now
+            prepare_absorbed(cfg, weights, [self.names.layer(i) + "self_attn." for i in range(cfg.num_layers)])
         self.shared_fused = self._fuse_shared()           # MoE layers whose executor computes the shared expert
         # torch intra-op threads of decode forwards (None: leave torch's setting): 1 when the experts run on the
         # kernels' pool in this process on the CPU
