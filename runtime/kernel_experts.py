@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import torch
-
 from ktlayouts.cpu_expert import MatrixGeometry, group_unit
 
 from .cpu_moe import ExpertShard, MoEKernels
