@@ -347,8 +347,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2, help="threads of both systems (torch + kernel pool for ktrun)")
     ap.add_argument("--torch-threads", default=None,
                     help="torch intra-op threads of ktrun, comma-separated to compare several in the same run "
-                         "(alternated like the systems; decode forwards too); default: --threads, and decode "
-                         "forwards on 1 (the runtime's own policy, ktrun.models.model.DECODE_ROWS)")
+                         "(alternated like the systems; default: --threads)")
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--pp", default="64,512", help="comma-separated prompt lengths")
     ap.add_argument("--rounds", type=int, default=3, help="alternation rounds")
@@ -402,8 +401,6 @@ def main(argv=None) -> None:
             for side, tt in sides if rnd % 2 == 0 else sides[::-1]:
                 if side == "ours":
                     torch.set_num_threads(tt)
-                    if args.torch_threads:            # compared as given, decode forwards included
-                        ours[p.name].model.decode_torch_threads = tt
                     add(ours_name(p, tt), ours[p.name].round(args.tg, pps))
                 else:
                     add(f"llamacpp_{p.peer_type.lower()}", peer_round(args.llama_bench, ggufs[p.name], args.threads,
@@ -421,7 +418,7 @@ def main(argv=None) -> None:
           f"MLA heads (q_lora {cfg.q_lora_rank}, kv_lora {cfg.kv_lora_rank}), {cfg.num_layers} MoE layers x "
           f"{cfg.num_experts} experts (top-{cfg.top_k}, I {shape['moe_intermediate_size']}) + shared, "
           f"vocab {cfg.vocab_size}; {args.threads} threads (llama.cpp; ktrun's kernel pool has "
-          f"{pool_threads}), torch threads {args.torch_threads or f'{args.threads} (decode 1)'}, "
+          f"{pool_threads}), torch threads {args.torch_threads or args.threads}, "
           f"{args.rounds} alternated rounds; ktrun dense part: {o0.lm.converted.gpu_weights or 'dense'} "
           f"({str(o0.lm.converted.dtype)[6:]})")
     if PEER_FALLBACK:

@@ -3,12 +3,7 @@
 Per layer: x += attention(norm(x)); then x += mlp(norm(x)) where the MoE mlp submits the routed experts to the
 expert executor (CPU kernels or the torch reference, asynchronously), computes the shared experts meanwhile, then
 waits and adds the two. On the CPU kernels the shared experts join the routed job instead (the executor's
-fuse_shared: one job per MoE layer, the shared expert added after the routed ones).
-
-Threads on the CPU kernels: a decode forward (at most DECODE_ROWS tokens) runs torch's ops on one intra-op thread
-(decode_torch_threads): they are small (norms, RoPE, one row of attention per head), and a second torch thread only
-waits for a core that the kernel pool's pinned workers hold (measured on the DeepSeek-V3-shaped bench: bench/README.md);
-prefill chunks keep torch's setting, where attention's matrix products are large. Dense weights are hub-named tensors in `weights` (already on the compute device/dtype), under
+fuse_shared: one job per MoE layer, the shared expert added after the routed ones). Dense weights are hub-named tensors in `weights` (already on the compute device/dtype), under
 the family's names (ktlayouts.families HubNames: Kimi-K2.5's text model sits under `language_model.`).
 """
 from __future__ import annotations
@@ -24,8 +19,6 @@ from . import arch_module, cache_layers
 from .attention import prepare_absorbed
 from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache
 from .layers import Rope, rms_norm, swiglu_mlp
-
-DECODE_ROWS = 8   # tokens per forward up to which the kernels stream weights (kDecodeMaxRows) and torch runs 1 thread
 
 
 class MoEModel:
@@ -43,10 +36,6 @@ class MoEModel:
         if cfg.is_mla:                                     # MLA's absorbed kv_b on the kernels' op: built now
             prepare_absorbed(cfg, weights, [self.names.layer(i) + "self_attn." for i in range(cfg.num_layers)])
         self.shared_fused = self._fuse_shared()           # MoE layers whose executor computes the shared expert
-        # torch intra-op threads of decode forwards (None: leave torch's setting): 1 when the experts run on the
-        # kernels' pool in this process on the CPU
-        on_pool = self.device.type == "cpu" and getattr(experts, "moe", None) is not None
-        self.decode_torch_threads: int | None = 1 if on_pool else None
         self.lm_head = weights.get(self.names.head)
         if self.lm_head is None:
             if not cfg.tie_word_embeddings:
@@ -117,17 +106,6 @@ class MoEModel:
     @torch.inference_mode()
     def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """-> float32 logits: (T, V) for every token if all_logits, else (B, V) for each request's last token."""
-        threads = self.decode_torch_threads
-        if threads is None or batch.tokens.numel() > DECODE_ROWS or threads == torch.get_num_threads():
-            return self._forward(batch, all_logits)
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return self._forward(batch, all_logits)
-        finally:
-            torch.set_num_threads(before)
-
-    def _forward(self, batch: Batch, all_logits: bool) -> torch.Tensor:
         t0 = time.perf_counter()
         cfg, w = self.cfg, self.w
         x = F.embedding(batch.tokens.to(self.device), w[self.names.embed]).to(self.dtype)  # (T, H); stored bf16 widens
