@@ -13,7 +13,9 @@ Random bf16 weights are written as a hub checkpoint (safetensors shards + config
 Each round times every system once (tg32, pp64, pp512), the order flipped every round, and the machine's read
 bandwidth; lines are means over rounds. Pairs: ktrun int4 vs llama.cpp Q4_0, ktrun int8 vs llama.cpp Q8_0. Without
 the peer the limit is the roofline: weight bytes a decode step reads (the routed experts it selects, the dense part
-as ktrun holds it in memory, the head) over the read bandwidth measured in the same run.
+as ktrun holds it in memory, the head) over the read bandwidth measured in the same run. Then the peak RSS of
+`ktrun generate` on each conversion (a subprocess) against the issue's bound, and a `must_show` summary: every
+target of issue 14 with the value measured in this run and met / missed (load average printed at start and end).
 
 Artifacts are kept in --workdir and reused when complete (the checkpoint's config.json, a conversion's
 manifest.json and a GGUF are written last): the first full-size run writes ~20 GB and takes ~15 min on 2 cores.
@@ -54,6 +56,12 @@ TINY_SHAPE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads
 # runs it), V3's scaling.
 COMMON = {"first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0,
           "routed_scaling_factor": 2.5, "norm_topk_prob": True, "max_position_embeddings": 4096}
+
+
+# Issue 14's targets: (pair, test) -> minimum ratio ours / peer; decode step vs the roofline.
+TARGETS = {("int4", "tg"): 1.2, ("int8", "tg"): 1.1, ("int4", "pp"): 2.0}
+ROOFLINE_TARGET = 0.85
+RSS_SLACK = 300e6   # peak RSS of `ktrun generate` <= converted directory + KV cache + 300 MB
 
 
 @dataclass(frozen=True)
@@ -182,11 +190,25 @@ def convert_peer(src: Path, work: Path, convert_script: Path, quantize_bin: Path
 
 # --- timing ----------------------------------------------------------------------------------------------------
 
+# llama-bench flags added after the default configuration aborted (see peer_round), for the rest of the run
+PEER_FALLBACK: list[str] = []
+
+
 def peer_round(llama_bench: Path, gguf: Path, threads: int, tg: int, pps: list[int]) -> dict[str, float]:
-    """One llama-bench repetition of tg and each pp (its own warm-up run first): test name -> tokens/s."""
+    """One llama-bench repetition of tg and each pp (its own warm-up run first): test name -> tokens/s.
+
+    With its default weight repacking, llama.cpp 0.3.36's build aborts on this model's graph on an AMX CPU
+    (GGML_ASSERT(*cur_backend_id != -1) in ggml_backend_sched_split_graph: the per-head 3-D k_b/v_b products of
+    MLA land in the AMX/repacked buffer type, which cannot run them); it then runs with `--repack 0` (the plain CPU
+    buffer type for every weight), said in the output."""
     cmd = [str(llama_bench), "-m", str(gguf), "-t", str(threads), "-n", str(tg), "-p", ",".join(map(str, pps)),
-           "-r", "1", "-o", "json"]
+           "-r", "1", "-o", "json", *PEER_FALLBACK]
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, errors="replace")
+    if r.returncode and not PEER_FALLBACK and "cur_backend_id != -1" in r.stderr:
+        PEER_FALLBACK.extend(["--repack", "0"])
+        print("llama-bench aborted in ggml_backend_sched_split_graph with its default weight repacking: running it "
+              "with --repack 0 from now on", flush=True)
+        return peer_round(llama_bench, gguf, threads, tg, pps)
     if r.returncode:
         sys.exit(f"llama-bench failed (exit {r.returncode}): {' '.join(cmd)}\n{r.stderr[-4000:]}")
     res = {}
@@ -273,6 +295,27 @@ class Ours:
         self.lm.close()
 
 
+def dir_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
+# Peak RSS of the ktrun process itself (VmHWM at exit), not of this benchmark's process.
+_HWM = ("import atexit, sys; atexit.register(lambda: print('VmHWM', open('/proc/self/status').read()"
+        ".split('VmHWM:')[1].split()[0], file=sys.stderr)); from ktrun.cli import main; main()")
+
+
+def generate_peak_rss(conv: Path, ctx: int, tokens: int) -> tuple[int, int]:
+    """-> (peak RSS bytes of `ktrun generate` on conv, bytes of its KV cache at ctx): a subprocess, greedy tokens."""
+    cfg = json.loads((conv / "config.json").read_text())
+    kv = cfg["num_hidden_layers"] * ctx * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4   # float32 latent
+    r = subprocess.run([sys.executable, "-c", _HWM, "generate", str(conv), "--prompt", "The quick brown fox",
+                        "--max-tokens", str(tokens), "--ignore-eos", "--ctx", str(ctx), "--json"],
+                       capture_output=True, text=True, errors="replace", check=False)
+    if r.returncode:
+        sys.exit(f"ktrun generate failed (exit {r.returncode}) on {conv}\n{r.stderr[-3000:]}")
+    return int(r.stderr.rsplit("VmHWM", 1)[1].split()[0]) * 1024, kv
+
+
 def read_bandwidth(ours: list[Ours]) -> float:
     """The machine's read bandwidth, bytes/s, by the kernels' own probe (the pool's threads), best of 3."""
     for o in ours:
@@ -311,6 +354,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prepare-only", action="store_true", help="write the checkpoint and conversions, time nothing")
     ap.add_argument("--dense-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="ktrun's dense part on the CPU (auto: the runtime's default)")
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs of `ktrun generate`")
+    ap.add_argument("--rss-ctx", type=int, default=4096, help="--ctx of the `ktrun generate` RSS runs")
     args = ap.parse_args(argv)
     if (args.llama_bench is None) != (args.convert_script is None):
         ap.error("--llama-bench and --convert-script go together")
@@ -324,6 +369,7 @@ def main(argv=None) -> None:
     shape = TINY_SHAPE if args.tiny else V3_SHAPE
     tts = [int(x) for x in (args.torch_threads or str(args.threads)).split(",")]
     torch.set_num_threads(tts[0])
+    load0 = os.getloadavg()
 
     work = args.workdir / ("tiny" if args.tiny else "v3")
     src = write_checkpoint(work / "hf", shape)
@@ -363,15 +409,23 @@ def main(argv=None) -> None:
 
     bw = statistics.fmean(bws)
     o0 = next(iter(ours.values()))
+    pool_threads = getattr(getattr(o0.model.experts, "moe", None), "n_threads", "?")
+    for o in ours.values():
+        o.close()
+    rss = {} if args.no_rss else {p.name: generate_peak_rss(convs[p.name], args.rss_ctx, args.tg) for p in pairs}
     cfg = o0.model.cfg
     print(f"model: deepseek_v3-shaped{' (tiny)' if args.tiny else ''}: hidden {cfg.hidden_size}, {cfg.num_heads} "
           f"MLA heads (q_lora {cfg.q_lora_rank}, kv_lora {cfg.kv_lora_rank}), {cfg.num_layers} MoE layers x "
           f"{cfg.num_experts} experts (top-{cfg.top_k}, I {shape['moe_intermediate_size']}) + shared, "
           f"vocab {cfg.vocab_size}; {args.threads} threads (llama.cpp; ktrun's kernel pool has "
-          f"{getattr(getattr(o0.model.experts, 'moe', None), 'n_threads', '?')}), torch threads {args.torch_threads or args.threads}, "
+          f"{pool_threads}), torch threads {args.torch_threads or args.threads}, "
           f"{args.rounds} alternated rounds; ktrun dense part: {o0.lm.converted.gpu_weights or 'dense'} "
           f"({str(o0.lm.converted.dtype)[6:]})")
+    if PEER_FALLBACK:
+        print(f"llamacpp_flags: {' '.join(PEER_FALLBACK)} (its default repacking aborts on this model here)")
     print(f"read_bandwidth: {mean_sd([b / 1e9 for b in bws])} GB/s")
+    print(f"load_average: {load0[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end (1 min)")
+    summary = []
     for p in pairs:
         o, peer_name = ours[p.name], f"llamacpp_{p.peer_type.lower()}"
         names = [ours_name(p, tt) for tt in tts]
@@ -383,6 +437,9 @@ def main(argv=None) -> None:
                 for name in names:
                     ratio = statistics.fmean(res[name][t]) / statistics.fmean(res[peer_name][t])
                     print(f"{t}_{name}_over_{peer_name}: {ratio:.3f} ratio")
+                    want = TARGETS.get((p.name, t[:2]))
+                    if want is not None:
+                        summary.append((f"{t} {name} / {peer_name}", ratio, want))
         print(f"ktrun_{p.name}_weight_bytes_per_token: {o.bytes_per_token / 1e6:.1f} MB")
         print(f"ktrun_{p.name}_expert_bytes_per_token: {o.expert_bytes_per_token / 1e6:.1f} MB")
         print(f"ktrun_{p.name}_dense_and_head_bytes_per_token: {o.dense_bytes_per_token / 1e6:.1f} MB")
@@ -391,6 +448,8 @@ def main(argv=None) -> None:
             step = statistics.fmean(res[name]["step_s"])
             print(f"{name}_decode_step: {step * 1e3:.2f} ms")
             print(f"{name}_roofline_over_step: {o.bytes_per_token / bw / step:.3f} ratio")
+            summary.append((f"decode step of {name} at the roofline (bytes / measured bandwidth / step)",
+                            o.bytes_per_token / bw / step, ROOFLINE_TARGET))
             for part in ("experts_wait", "attention", "router_shared_dense_mlp", "head_norm_embed", "loop_overhead"):
                 print(f"{name}_step_{part}: {statistics.fmean(res[name][part + '_ms']):.2f} ms")
         if peer:
@@ -399,8 +458,18 @@ def main(argv=None) -> None:
             print(f"{peer_name}_weight_bytes_per_token: {pb / 1e6:.1f} MB")
             print(f"{peer_name}_decode_step: {pstep * 1e3:.2f} ms")
             print(f"{peer_name}_roofline_over_step: {pb / bw / pstep:.3f} ratio")
-    for o in ours.values():
-        o.close()
+        if p.name in rss:
+            peak, kv = rss[p.name]
+            limit = dir_bytes(convs[p.name]) + kv + RSS_SLACK
+            print(f"ktrun_{p.name}_generate_peak_rss: {peak / 1e6:.1f} MB")
+            print(f"ktrun_{p.name}_generate_rss_limit: {limit / 1e6:.1f} MB (directory + KV at --ctx {args.rss_ctx} "
+                  f"+ 300 MB)")
+            summary.append((f"ktrun generate peak RSS / limit, {p.name}", peak / limit, None))
+    print("\nmust_show (issue 14): value, target, met")
+    for what, value, want in summary:
+        met = value <= 1.0 if want is None else value >= want
+        print(f"  {what}: {value:.3f} (target {'<= 1' if want is None else f'>= {want}'}) "
+              f"{'met' if met else 'MISSED'}")
 
 
 if __name__ == "__main__":

@@ -5,13 +5,14 @@ op. Its bytes are exactly those of ONE cpu-expert-int4/int8 matrix, so the geome
 and the kernels run the routed experts' inner loops on it:
 
     qweight: (N_pad/16, K_pad/64, tile_bytes) uint8     tile_bytes 512 (int4) / 1024 (int8)
-    scales:  (N_pad/16, n_groups, 16) float32
+    scales:  (N_pad/16, n_groups, 16) float32, or float16 (scale_dtype "f16": the GPU layers' float16 scales
+             moved as they are, half the bytes; the kernels widen them to float32 exactly, so results are the same)
     W[n, k] = (code[n, k] - Z) * scale[n, k // G]       Z = 2^(bits-1) (8 / 128), G = 32, 64m, or -1 (per row)
 
 The quantization is the GPU layers' (ktlayouts.gptq: same symmetric codes, same zero point, groups 32/64/128/-1 of
 consecutive input channels), so a conversion's GPU codes become CPU tiles without requantization:
-`repack_gpu_codes` moves the codes and widens the float16 scales to float32 (exact). libktkernels' kt_linear_repack
-does the same in C++ at load time; this module is its reference.
+`repack_gpu_codes` moves the codes and widens the float16 scales to float32 (exact), or keeps them float16.
+libktkernels' kt_linear_repack(_ex) does the same in C++ at load time; this module is its reference.
 """
 from __future__ import annotations
 
@@ -37,11 +38,13 @@ def layout_name(bits: int) -> str:
     raise LayoutError(f"no cpu-linear layout for {bits} bits (4 or 8)")
 
 
-def linear_geometry(n: int, k: int, bits: int, group_size: int) -> MatrixGeometry:
-    """Geometry of one (N, K) Linear: a single cpu-expert matrix (int4 / int8 only)."""
+def linear_geometry(n: int, k: int, bits: int, group_size: int, scale_dtype: str = "f32") -> MatrixGeometry:
+    """Geometry of one (N, K) Linear: a single cpu-expert matrix (int4 / int8 only); scales f32 or f16."""
     if bits not in (4, 8):
         raise LayoutError(f"cpu-linear layouts are int4 or int8, got {bits} bits")
-    return MatrixGeometry(n=n, k=k, bits=bits, group_size=group_size)
+    if scale_dtype not in ("f32", "f16"):
+        raise LayoutError(f"cpu-linear scales are f32 or f16, got {scale_dtype!r}")
+    return MatrixGeometry(n=n, k=k, bits=bits, group_size=group_size, scale_dtype=scale_dtype)
 
 
 def gpu_group_count(geom: MatrixGeometry) -> int:
@@ -86,20 +89,20 @@ def unpack_linear(qweight: np.ndarray, scales: np.ndarray, geom: MatrixGeometry)
 
 # --- GPU codes <-> CPU tiles --------------------------------------------------------------------
 
-def repack_gpu_codes(codes_kn: np.ndarray, scales_gn: np.ndarray, bits: int, group_size: int
-                     ) -> tuple[MatrixGeometry, np.ndarray, np.ndarray]:
+def repack_gpu_codes(codes_kn: np.ndarray, scales_gn: np.ndarray, bits: int, group_size: int,
+                     scale_dtype: str = "f32") -> tuple[MatrixGeometry, np.ndarray, np.ndarray]:
     """GPU codes -> CPU tiles, bit-exact (the reference of libktkernels' kt_linear_repack).
 
     codes_kn: (K, N) uint8 with zero point 2^(bits-1) (ktlayouts.gptq convention: gptq_unpack, ct_unpack and
     marlin_unpack all give this), scales_gn: (n_groups, N) float16 (n_groups = K / G, or 1 for G = -1).
-    -> (geometry, qweight, scales float32). The zero points are the same, so codes are only moved; float16 widens
-    to float32 exactly. Act-order (permuted g_idx) weights must be reordered first: the groups here are k // G.
+    -> (geometry, qweight, scales float32, or float16 with scale_dtype "f16"). The zero points are the same, so
+    codes are only moved; float16 widens to float32 exactly (or stays float16). Act-order (permuted g_idx) weights must be reordered first: the groups here are k // G.
     """
     codes_kn, scales_gn = np.asarray(codes_kn), np.asarray(scales_gn)
     if codes_kn.ndim != 2 or codes_kn.dtype != np.uint8:
         raise LayoutError(f"GPU codes must be (K, N) uint8, got {codes_kn.dtype} {codes_kn.shape}")
     k, n = codes_kn.shape
-    geom = linear_geometry(n, k, bits, group_size)
+    geom = linear_geometry(n, k, bits, group_size, scale_dtype)
     if group_size != GROUP_PER_ROW and k % group_size:
         raise LayoutError(f"K={k} is not a multiple of the GPU group size {group_size}")
     if scales_gn.dtype != np.float16 or scales_gn.shape != (gpu_group_count(geom), n):

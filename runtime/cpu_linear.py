@@ -31,7 +31,7 @@ import torch
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.cpu_linear import gpu_group_count, linear_geometry
 
-from .cpu_moe import KernelError, MoEKernels, _dtype_name, _err, _pointer, _shape, load_library
+from .cpu_moe import SCALE_DTYPE_CODES, KernelError, MoEKernels, _dtype_name, _err, _pointer, _shape, load_library
 
 CODES_U8, CODES_PACKED_K = 0, 1   # ktkernels.h KT_CODES_U8 / KT_CODES_PACKED_K
 
@@ -100,25 +100,28 @@ class LinearKernels:
 
     def add(self, linear_id: int, qweight: Any, scales: Any, n: int, k: int, bits: int, group_size: int
             ) -> MatrixGeometry:
-        """Register one Linear's packed tensors (kept referenced, read in place)."""
-        geom = linear_geometry(n, k, bits, group_size)
+        """Register one Linear's packed tensors (kept referenced, read in place); scales float32 or float16."""
+        sdt = _dtype_name(scales)
+        geom = linear_geometry(n, k, bits, group_size, "f16" if sdt == "float16" else "f32")
         what = f"linear {linear_id}"
         if _shape(qweight) != geom.qweight_shape or _dtype_name(qweight) != "uint8":
             raise ValueError(f"{what} qweight: {_dtype_name(qweight)} {_shape(qweight)}, expected uint8 "
                              f"{geom.qweight_shape} for {geom}")
-        if _shape(scales) != geom.scales_shape or _dtype_name(scales) != "float32":
-            raise ValueError(f"{what} scales: {_dtype_name(scales)} {_shape(scales)}, expected float32 "
+        if _shape(scales) != geom.scales_shape or sdt not in ("float32", "float16"):
+            raise ValueError(f"{what} scales: {sdt} {_shape(scales)}, expected float32 or float16 "
                              f"{geom.scales_shape} for {geom}")
         q_ptr, s_ptr = _pointer(qweight, f"{what} qweight"), _pointer(scales, f"{what} scales")
         self.sync()
-        if self._lib.kt_add_linear(self.kernels.handle, linear_id, n, k, bits, group_size, q_ptr, s_ptr) != 0:
+        if self._lib.kt_add_linear_ex(self.kernels.handle, linear_id, n, k, bits, group_size, SCALE_DTYPE_CODES[sdt],
+                                      q_ptr, s_ptr) != 0:
             raise KernelError(_err(self._lib))
         self._linears[linear_id] = (geom, qweight, scales)
         self._calls.clear()
         return geom
 
     def repack(self, codes: Any, scales: Any, bits: int, group_size: int, packed: bool = False,
-               out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+               out: tuple[np.ndarray, np.ndarray] | None = None, scale_dtype: str = "f32"
+               ) -> tuple[np.ndarray, np.ndarray]:
         """GPU codes -> (qweight, scales) of cpu-linear-int{bits} (bit-exact; reference:
         ktlayouts.cpu_linear.repack_gpu_codes), on this context's threads.
 
@@ -126,7 +129,12 @@ class LinearKernels:
         packed=True the codes packed along K, 32/bits per int32 word LSB first: (K*bits/32, N) words (gptq qweight
         as stored; compressed-tensors weight_packed.T). scales: (n_groups, N) float16, any strides
         (compressed-tensors weight_scale.T). out: preallocated (qweight, scales) to write into (e.g. a mapped file).
+        scale_dtype: the tiles' scales, "f32" (widened) or "f16" (the float16 bits moved: half the scale bytes a
+        decode step reads, the same results).
         """
+        if scale_dtype not in ("f32", "f16"):
+            raise ValueError(f"scale_dtype {scale_dtype!r}: expected f32 or f16")
+        s_np = np.float16 if scale_dtype == "f16" else np.float32
         c = _numpy(codes, "codes")
         s = _numpy(scales, "scales")
         if packed:
@@ -143,16 +151,17 @@ class LinearKernels:
             raise ValueError(f"scales: {s.dtype} {s.shape}, expected float16 ({gpu_group_count(geom)}, {n})")
         ssg, ssn = _strides(s, "scales")
         if out is None:
-            qw, sc = np.empty(geom.qweight_shape, np.uint8), np.empty(geom.scales_shape, np.float32)
+            qw, sc = np.empty(geom.qweight_shape, np.uint8), np.empty(geom.scales_shape, s_np)
         else:
             qw, sc = out
             if _shape(qw) != geom.qweight_shape or _shape(sc) != geom.scales_shape:
                 raise ValueError(f"out: shapes {_shape(qw)} / {_shape(sc)}, expected {geom.qweight_shape} / "
                                  f"{geom.scales_shape}")
-        rc = self._lib.kt_linear_repack(self.kernels.handle, n, k, bits, group_size, c.ctypes.data,
-                                        CODES_PACKED_K if packed else CODES_U8, csk, csn, s.ctypes.data, ssg, ssn,
-                                        _pointer(qw, "out qweight", np.dtype(np.uint8)),
-                                        _pointer(sc, "out scales", np.dtype(np.float32)))
+        rc = self._lib.kt_linear_repack_ex(self.kernels.handle, n, k, bits, group_size, c.ctypes.data,
+                                           CODES_PACKED_K if packed else CODES_U8, csk, csn, s.ctypes.data, ssg, ssn,
+                                           _pointer(qw, "out qweight", np.dtype(np.uint8)),
+                                           _pointer(sc, "out scales", np.dtype(s_np)),
+                                           SCALE_DTYPE_CODES["float16" if scale_dtype == "f16" else "float32"])
         if rc != 0:
             raise KernelError(_err(self._lib))
         return qw, sc
@@ -196,30 +205,37 @@ class LinearKernels:
         self._inflight = (x, outs)   # alive until sync (the C side has waited for any earlier job)
         return outs[0] if single else outs
 
-    def submit_grouped(self, linear_id: int, x: Any, out: Any, row0: int, row_step: int) -> None:
-        """Start out[:, j] = x[:, j] W[row0 + j*row_step : + rows]^T for every group j (per-head products of one
-        Linear, each head with its own input: MLA's absorbed kv_b). x: (T, J, K) float32/bfloat16 CPU tensor, out:
-        (T, J, rows) float32 CPU tensor (rows a multiple of 16), any strides with contiguous last dims. Call sync()
-        before reading out."""
+    def submit_grouped(self, linear_id: int, x: Any, out: Any, row0: int, row_step: int,
+                       x_scale: torch.Tensor | None = None) -> None:
+        """Start out[:, j] = x_j W[row0 + j*row_step : + rows]^T for every group j (per-head products of one
+        Linear, each head with its own input: MLA's absorbed kv_b). out: (T, J, rows) float32 CPU tensor (rows a
+        multiple of 16); x: (T, Jx, K) float32/bfloat16 CPU tensor with J a multiple of Jx: groups j*Jx/J .. share
+        input x[:, j // (J/Jx)]; x_scale: (J, K) float32, contiguous: group j's input is multiplied by x_scale[j]
+        (float32) before the int8 quantization. Any strides with contiguous last dims. Call sync() before reading
+        out."""
         geom = self.geometry(linear_id)
         if x.dim() != 3 or x.shape[2] != geom.k or x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"linear {linear_id} grouped x: {x.dtype} {tuple(x.shape)}, expected float32/bfloat16 "
                              f"(T, J, {geom.k})")
-        T, J, rows = x.shape[0], x.shape[1], out.shape[-1] if out.dim() == 3 else -1
-        if out.dim() != 3 or tuple(out.shape[:2]) != (T, J) or out.dtype != torch.float32:
+        T, J, rows = x.shape[0], out.shape[1] if out.dim() == 3 else -1, out.shape[-1] if out.dim() == 3 else -1
+        if out.dim() != 3 or out.shape[0] != T or out.dtype != torch.float32 or x.shape[1] < 1 or J % x.shape[1]:
             raise ValueError(f"linear {linear_id} grouped out: {out.dtype} {tuple(out.shape)}, expected float32 "
-                             f"({T}, {J}, rows)")
+                             f"({T}, J, rows) with J a multiple of x's {x.shape[1]} groups")
         if (x.numel() and x.stride(2) != 1) or (out.numel() and out.stride(2) != 1):
             raise ValueError(f"linear {linear_id} grouped: the last dim of x and out must be contiguous")
         if x.device.type != "cpu" or out.device.type != "cpu":
             raise ValueError(f"linear {linear_id} grouped: x and out must be CPU tensors")
-        rc = self._lib.kt_linear_submit_grouped(
+        if x_scale is not None and (tuple(x_scale.shape) != (J, geom.k) or x_scale.dtype != torch.float32
+                                    or not x_scale.is_contiguous() or x_scale.device.type != "cpu"):
+            raise ValueError(f"linear {linear_id} grouped x_scale: {x_scale.dtype} {tuple(x_scale.shape)}, expected "
+                             f"contiguous float32 ({J}, {geom.k})")
+        rc = self._lib.kt_linear_submit_grouped_scaled(
             self.kernels.handle, linear_id, J, row0, row_step, rows, T, x.data_ptr(),
-            0 if x.dtype == torch.float32 else 1, x.stride(0), x.stride(1), out.data_ptr(), out.stride(0),
-            out.stride(1))
+            0 if x.dtype == torch.float32 else 1, x.stride(0), x.stride(1), J // x.shape[1],
+            None if x_scale is None else x_scale.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1))
         if rc != 0:
             raise KernelError(_err(self._lib))
-        self._inflight = (x, out)
+        self._inflight = (x, out, x_scale)
 
     @staticmethod
     def _output(o: Any, T: int, n: int, linear_id: int) -> tuple[int, int]:

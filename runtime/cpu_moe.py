@@ -46,7 +46,7 @@ from ktlayouts.converted_dir import node_unit_ranges
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.expert_shards import ShardPlan
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays) -> the ABI's codes
 SCALE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "sub6": 3}
@@ -98,6 +98,8 @@ def load_library() -> ctypes.CDLL:
                                     ctypes.POINTER(_Piece)]),
         "kt_submit": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int]),
         "kt_submit_masked": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int, c_p]),
+        "kt_submit_shared": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int, c_p,
+                                     c_int, c_p]),
         "kt_sync": (c_int, [c_p]),
         "kt_set_layer_activation": (c_int, [c_p, c_int, c_int, ctypes.c_float, ctypes.c_float, c_p, c_p, c_p]),
         "kt_profile": (c_int, [c_p, ctypes.POINTER(ctypes.c_double), c_int]),
@@ -105,11 +107,16 @@ def load_library() -> ctypes.CDLL:
         "kt_measure_int8_peak": (ctypes.c_double, [c_p, ctypes.c_double]),
         # the dense Linear op (ktrun.cpu_linear)
         "kt_add_linear": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
+        "kt_add_linear_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
         "kt_linear_submit": (c_int, [c_p, c_int, c_p, c_int, c_p, c_int, c_i64, c_p, c_p]),
         "kt_linear_submit_grouped": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64,
                                              c_p, c_i64, c_i64]),
+        "kt_linear_submit_grouped_scaled": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_int, c_i64,
+                                                    c_i64, c_int, c_p, c_p, c_i64, c_i64]),
         "kt_linear_repack": (c_int, [c_p, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64, c_p, c_i64, c_i64,
                                      c_p, c_p]),
+        "kt_linear_repack_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64, c_p, c_i64, c_i64,
+                                        c_p, c_p, c_int]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -335,11 +342,20 @@ class MoEKernels:
         meta["activation"] = arrays           # alive while the layer is registered
 
     def submit(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any = None, accumulate: bool = False,
-               skip: np.ndarray | None = None):
+               skip: np.ndarray | None = None, shared: int | None = None, shared_weights: Any = None):
         """Start the layer on the pool and return at once (out, allocated if None). Call sync() before using out.
-        skip: (n_experts,) uint8 mask of experts to leave out (computed elsewhere), or None."""
+        skip: (n_experts,) uint8 mask of experts to leave out (computed elsewhere), or None.
+        shared: a layer id added with one expert (a shared expert's gate/up/down): computed in the same job and added
+        to out after the routed experts, times shared_weights (T,) float32 (None: 1)."""
         if layer_id not in self._layers:
             raise KeyError(f"layer {layer_id} was not added")
+        sw = None
+        if shared is not None:
+            if shared not in self._layers or self._layers[shared][0]["n_experts"] != 1:
+                raise KeyError(f"shared expert layer {shared} was not added with one expert")
+            if shared_weights is not None:
+                sw = np.ascontiguousarray(shared_weights.detach().cpu().float().numpy()
+                                          if hasattr(shared_weights, "cpu") else shared_weights, dtype=np.float32)
         hidden, n_experts = self._layers[layer_id][0]["hidden"], self._layers[layer_id][0]["n_experts"]
         if skip is not None and (not isinstance(skip, np.ndarray) or skip.dtype != np.uint8
                                  or skip.shape != (n_experts,) or not skip.flags.c_contiguous):
@@ -362,7 +378,15 @@ class MoEKernels:
         self.sync()
         args = (self._ctx, layer_id, T, x_ptr, x_dtype, x_stride, ids32.shape[1], ids32.ctypes.data, w_np.ctypes.data,
                 out_ptr, hidden, int(accumulate))
-        rc = self._lib.kt_submit(*args) if skip is None else self._lib.kt_submit_masked(*args, skip.ctypes.data)
+        if shared is not None:
+            if sw is not None and sw.reshape(-1).shape != (T,):
+                raise ValueError(f"shared_weights: shape {sw.shape}, expected ({T},)")
+            rc = self._lib.kt_submit_shared(*args, None if skip is None else skip.ctypes.data, shared,
+                                            None if sw is None else sw.ctypes.data)
+        elif skip is None:
+            rc = self._lib.kt_submit(*args)
+        else:
+            rc = self._lib.kt_submit_masked(*args, skip.ctypes.data)
         if rc != 0:
             raise KernelError(_err(self._lib))
         self._inflight = (x, ids32, w_np, out)   # alive until sync
@@ -377,8 +401,8 @@ class MoEKernels:
             raise KernelError(_err(self._lib))
 
     def forward(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any = None, accumulate: bool = False,
-                skip: np.ndarray | None = None):
-        out = self.submit(layer_id, x, ids, weights, out, accumulate, skip)
+                skip: np.ndarray | None = None, shared: int | None = None, shared_weights: Any = None):
+        out = self.submit(layer_id, x, ids, weights, out, accumulate, skip, shared, shared_weights)
         self.sync()
         return out
 

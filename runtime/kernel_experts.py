@@ -3,6 +3,11 @@ a converted directory in place. Same interface as experts.TorchExperts (submit /
 
 Shards written for S NUMA nodes are handed to the kernels' sub-pools with ktlayouts.nodes_for_shards (inside
 cpu_moe.MoEKernels.add_layer). Activations on a GPU are staged through CPU buffers; the result is copied back at sync.
+
+A layer's shared expert whose Linears run on the same pool (ktrun.kernel_linear.KernelLinear, the CPU default for a
+quantized conversion) can join the routed job (fuse_shared): its gate/up/down tiles are registered as a one-expert
+layer (cpu-linear tiles are cpu-expert matrices: no copy) and every submit of the layer computes it too, added after
+the routed experts (kt_submit_shared), so a decode step spends no job, no Python and no torch op on it.
 """
 from __future__ import annotations
 
@@ -10,9 +15,13 @@ import time
 
 import numpy as np
 import torch
+from ktlayouts.cpu_expert import MatrixGeometry, group_unit
 
 from .cpu_moe import ExpertShard, MoEKernels
 from .expert_activation import expert_biases
+from .kernel_linear import KernelLinear
+
+SHARED_LAYER_ID0 = 1 << 20   # kernel layer id of layer i's shared expert: SHARED_LAYER_ID0 + i (beside the MoE ids)
 
 
 class KernelExperts:
@@ -47,6 +56,7 @@ class KernelExperts:
                     bg, bu = (np.pad(b, ((0, 0), (0, plan.intermediate_pad - b.shape[1]))) for b in (g, u))
                 self.moe.set_activation(layer, act.kind, act.alpha, act.limit, bg, bu, bd)
         self._pending = self._staged = None
+        self._shared: dict[int, int] = {}          # layer -> kernel layer id of its fused shared expert
         self._single_piece = all(len(shards) == 1 for shards in layers.values())
         self.stats = {"expert_compute_s": 0.0, "expert_calls": 0, "expert_token_slots": 0,
                       "expert_staged_calls": 0, "kernel_backend": self.moe.backend}
@@ -59,9 +69,37 @@ class KernelExperts:
         holds one piece per layer (more pools, or more shards in one, sum per piece or pool first)."""
         return self._single_piece and self.moe.numa_pools == 1
 
+    def fuse_shared(self, layer: int, gate, up, down) -> bool:
+        """Compute layer's shared expert (gate/up (I, H), down (H, I)) inside its routed job from now on; True when
+        registered, False (nothing changed) when these Linears cannot join it: not KernelLinears on this pool,
+        act-order or padded inputs, mixed bits / groups, I not a whole number of the layout's K units."""
+        lins = (gate, up, down)
+        if not all(isinstance(li, KernelLinear) and li.lin.kernels is self.moe and li.perm is None for li in lins):
+            return False
+        (I, H), bits, g = gate.shape, gate.bits, gate.group_size
+        if (up.shape != (I, H) or down.shape != (H, I) or any(li.bits != bits or li.group_size != g for li in lins)
+                or I % group_unit(g)):
+            return False
+        # the tiles must be those of the one-expert layer: the same padded K (a Linear's K padding holds zero-point
+        # codes, and the layer zero-pads x past H as the Linear pads its input) and I a whole number of K units
+        gu, dn = MatrixGeometry(I, H, bits, g), MatrixGeometry(H, I, bits, g)
+        if any(li.qweight.shape != geom.qweight_shape or li.scales.shape != geom.scales_shape
+               for li, geom in ((gate, gu), (up, gu), (down, dn))):
+            return False
+        sid = SHARED_LAYER_ID0 + layer
+        self.moe.add_layer(sid, [ExpertShard(gate.qweight[None], gate.scales[None], up.qweight[None],
+                                             up.scales[None], down.qweight[None], down.scales[None], 0, I)],
+                           n_experts=1, hidden=H, intermediate_pad=I, bits=bits, group_size=g)
+        self._shared[layer] = sid
+        return True
+
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-               skip=None):
-        """skip: (E,) uint8 mask of experts computed elsewhere (GPU-resident), handed to the kernels as is."""
+               skip=None, shared: bool = False, shared_weights: torch.Tensor | None = None):
+        """skip: (E,) uint8 mask of experts computed elsewhere (GPU-resident), handed to the kernels as is.
+        shared: also compute the layer's shared expert (registered by fuse_shared) in the same job and add it to out,
+        times shared_weights (T,) if given."""
+        if shared and layer not in self._shared:
+            raise KeyError(f"layer {layer}: no shared expert was fused (fuse_shared)")
         if self._pending is not None:
             raise RuntimeError("submit() called twice without sync()")
         t0 = time.perf_counter()
@@ -70,7 +108,9 @@ class KernelExperts:
         direct = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
         buf = out if direct else torch.empty(out.shape, dtype=torch.float32)
         ids_c, w_c = ids.cpu(), weights.float().cpu()
-        self.moe.submit(layer, xc, ids_c, w_c, buf, skip=skip)
+        sid = self._shared[layer] if shared else None
+        self.moe.submit(layer, xc, ids_c, w_c, buf, skip=skip, shared=sid,
+                        shared_weights=None if sid is None or shared_weights is None else shared_weights.reshape(-1))
         self._pending = (t0, xc, buf, out, direct)
         self._staged = (layer, xc, ids_c, w_c, buf)
         self.stats["expert_token_slots"] += ids.numel()

@@ -48,7 +48,7 @@ class KernelLinear:
                  perm: torch.Tensor | None = None):
         self.name, self.lin, self.id = name, lin, linear_id
         self.n, self.k, self.k_op, self.geom, self.dtype = n, k, k_op, geom, dtype
-        self.qweight, self.scales = qweight, scales      # (N_pad/16, K_pad/64, tile) u8, (N_pad/16, n_groups, 16) f32
+        self.qweight, self.scales = qweight, scales      # (N_pad/16, K_pad/64, tile) u8, (N_pad/16, n_groups, 16) f16/f32
         self.perm = perm                                 # act-order: (K,) int64, input channel order of the tiles
 
     @property
@@ -142,11 +142,12 @@ class AbsorbedKvB:
         codes_kn = np.ascontiguousarray(c_uk.transpose(1, 0, 2)).reshape(dn, nh * R)   # (K=dn, N=nh*R)
         lin = kv_b.lin
         self.uk_id = lin.n_linears
-        self.uk_q, self.uk_s = lin.repack(codes_kn, np.ones((1, nh * R), np.float16), g.bits, GROUP_PER_ROW)
+        self.uk_q, self.uk_s = lin.repack(codes_kn, np.ones((1, nh * R), np.float16), g.bits, GROUP_PER_ROW,
+                                          scale_dtype="f16")
         lin.add(self.uk_id, self.uk_q, self.uk_s, n=nh * R, k=dn, bits=g.bits, group_size=GROUP_PER_ROW)
-        # s_uk[h, g, d] = s[h*(dn+dv) + d, g]: the input scaling of head h's scale group g
+        # s_uk[h*ng + g, d] = s[h*(dn+dv) + d, g]: the input scaling of head h's scale group g
         self.s_uk = torch.from_numpy(np.ascontiguousarray(
-            scales.reshape(nh, dn + dv, ng)[:, :dn].transpose(0, 2, 1)))          # (nh, ng, dn) float32
+            scales.reshape(nh, dn + dv, ng)[:, :dn].transpose(0, 2, 1)).reshape(nh * ng, dn))   # float32
 
     @staticmethod
     def supported(kv_b, nh: int, dn: int, dv: int, R: int) -> bool:
@@ -161,12 +162,12 @@ class AbsorbedKvB:
                 + self.kv_b.nbytes * self.dv // (self.dn + self.dv))
 
     def q_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_nope (m, nh, dn) -> q_lat (m, nh, R) float32."""
-        m, nh, dn, R, G = q_nope.shape[0], self.nh, self.dn, self.R, self.G
-        x = (q_nope.float()[:, :, None, :] * self.s_uk[None]).view(m, nh * (R // G), dn)   # (m, nh*ng, dn)
+        """q_nope (m, nh, dn) float32/bfloat16, last dim contiguous (a view of q is fine) -> q_lat (m, nh, R)
+        float32. Head h's ng = R/G row groups read q_nope[:, h] scaled by s_uk[h*ng + g] (inside the op)."""
+        m, nh, R, G = q_nope.shape[0], self.nh, self.R, self.G
         out = torch.empty((m, nh * (R // G), G), dtype=torch.float32)                          # = (m, nh, R)
         if m:
-            self.kv_b.lin.submit_grouped(self.uk_id, x, out, 0, G)
+            self.kv_b.lin.submit_grouped(self.uk_id, q_nope, out, 0, G, x_scale=self.s_uk)
             self.kv_b.lin.sync()
         return out.view(m, nh, R)
 
@@ -254,10 +255,11 @@ def repack_linear(lin: LinearKernels, linear_id: int, name: str, layout: str, pa
         raise LayoutError(f"{name}: logical K={k} in a {stored.k}-deep {fmt.name} Linear")
     codes = codes[:, :n] if packed else codes[:k_op, :n]
     scales = scales[:n_groups, :n]
-    geom = linear_geometry(n, k_op, fmt.bits, g)
-    if scales.dtype == np.float16:
-        qw, sc = lin.repack(codes, scales, fmt.bits, g, packed=packed)
+    if scales.dtype == np.float16:   # the GPU's float16 scales moved as they are (half the bytes of float32)
+        geom = linear_geometry(n, k_op, fmt.bits, g, "f16")
+        qw, sc = lin.repack(codes, scales, fmt.bits, g, packed=packed, scale_dtype="f16")
     else:   # float32 scales (stored so by some sources): codes through the repack, scales placed here
+        geom = linear_geometry(n, k_op, fmt.bits, g)
         qw, sc = lin.repack(codes, np.ones((n_groups, n), np.float16), fmt.bits, g, packed=packed)
         s = np.zeros((geom.scales_shape[0] * 16, geom.scales_shape[1]), np.float32)   # (N_pad, n_groups)
         s[:n, :n_groups] = scales.T.astype(np.float32)

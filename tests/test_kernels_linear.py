@@ -250,6 +250,41 @@ def test_repack_equals_reference_from_every_container(bits, group, n, k):
         out = (np.zeros_like(q_ref), np.zeros_like(s_ref))
         assert lin.repack(codes, scales, bits, group, out=out)[0] is out[0]
         np.testing.assert_array_equal(out[0], q_ref)
+        # float16 tiles: the GPU scales' bits moved (padding +0), the reference's f16 layout byte for byte
+        geom16, q16_ref, s16_ref = repack_gpu_codes(codes, scales, bits, group, "f16")
+        assert geom16.scale_dtype == "f16" and s16_ref.dtype == np.float16
+        for name, (c, s, packed) in sources.items():
+            q16, s16 = lin.repack(c, s, bits, group, packed=packed, scale_dtype="f16")
+            np.testing.assert_array_equal(q16, q_ref, err_msg=name)
+            np.testing.assert_array_equal(s16.view(np.uint16), s16_ref.view(np.uint16), err_msg=name)
+        np.testing.assert_array_equal(unpack_linear(q16_ref, s16_ref, geom16), unpack_linear(q_ref, s_ref, geom))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64), (4, -1)])
+def test_float16_scale_tiles_run_as_their_float32_widening_bitwise(backend, bits, group):
+    """kt_add_linear_ex with KT_F16 scales: the same outputs, bit for bit, as the float32 scales they widen to, on
+    every backend (decode streams and prefill tiles), plain and grouped submits."""
+    n, k = 88, 192
+    rng = np.random.default_rng(bits * 5 + group)
+    codes, scales = gpu_linear(rng, n, k, bits, group)
+    scales[np.abs(scales) > 1] = 0.5                              # no float16 max: outputs stay finite
+    with LinearKernels(n_threads=2, backend=backend) as lin:
+        q32, s32 = lin.repack(codes, scales, bits, group)
+        q16, s16 = lin.repack(codes, scales, bits, group, scale_dtype="f16")
+        lin.add(0, q32, s32, n, k, bits, group)
+        lin.add(1, q16, s16, n, k, bits, group)
+        assert lin.geometry(1).scale_dtype == "f16"
+        for T in (1, 5, 19):
+            x = rng.standard_normal((T, k)).astype(np.float32)
+            np.testing.assert_array_equal(lin.forward(1, x), lin.forward(0, x), err_msg=f"T={T}")
+            xg, outs = torch.from_numpy(rng.standard_normal((T, 5, k)).astype(np.float32)), []
+            for lid in (0, 1):
+                out = torch.empty((T, 5, 16))
+                lin.submit_grouped(lid, xg, out, 0, 16)
+                lin.sync()
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), f"grouped T={T}"
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors", "marlin"])

@@ -33,8 +33,9 @@ def _grouped_reference(x: np.ndarray, w: np.ndarray, geom, row0: int, step: int,
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group,k", [(32, 96), (64, 128), (-1, 100)])
 @pytest.mark.parametrize("T", [1, 3, 9, 20])
-def test_grouped_submit_matches_numpy_and_scalar(backend, bits, group, k, T):
-    J, row0, step, rows = 5, 16, 48, 32                       # groups overlap nothing, skip rows, end before N
+@pytest.mark.parametrize("rows", [32, 160])                  # whole groups per item; groups cut in block chunks
+def test_grouped_submit_matches_numpy_and_scalar(backend, bits, group, k, T, rows):
+    J, row0, step = 5, 16, rows + 16                          # groups overlap nothing, skip rows, end before N
     n = row0 + (J - 1) * step + rows + 8                      # N not a multiple of 16 past the last group
     rng = np.random.default_rng(bits * 7 + k + T)
     geom = linear_geometry(n, k, bits, group)
@@ -56,6 +57,38 @@ def test_grouped_submit_matches_numpy_and_scalar(backend, bits, group, k, T):
     np.testing.assert_array_equal(outs[backend], outs["scalar"])
 
 
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("bits,group,k", [(4, -1, 128), (8, 32, 96)])
+@pytest.mark.parametrize("T", [1, 3, 12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_submit_with_shared_scaled_inputs(backend, bits, group, k, T, dtype):
+    """x_scale / shared inputs (MLA's W_uk: each head's query read by its ng scale groups, each scaled): equal, bit
+    for bit, to the plain grouped submit of the scaled inputs materialized in float32, and to the scalar twin."""
+    J, div, rows = 12, 4, 16                                  # 3 input vectors, each read by 4 adjacent groups
+    n = J * rows
+    rng = np.random.default_rng(bits + k + T)
+    geom = linear_geometry(n, k, bits, group)
+    qw, sc = pack_linear((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32), geom)
+    base = torch.from_numpy(rng.standard_normal((T, J // div, k + 64)).astype(np.float32)).to(dtype)
+    x = base[:, :, 32:32 + k]                                 # a strided view, as q_nope is of q
+    scale = torch.from_numpy(rng.uniform(0.5, 2.0, (J, k)).astype(np.float32))
+    materialized = (x.float().repeat_interleave(div, dim=1) * scale[None])    # (T, J, K)
+    outs = {}
+    for b in {backend, "scalar"}:
+        with LinearKernels(n_threads=2, backend=b) as lin:
+            lin.add(0, qw, sc, n, k, bits, group)
+            for name, xx, xs in (("scaled", x, scale), ("plain", materialized, None)):
+                out = torch.empty((T, J, rows))
+                lin.submit_grouped(0, xx, out, 0, rows, x_scale=xs)
+                lin.sync()
+                outs[b, name] = out.numpy()
+    np.testing.assert_array_equal(outs[backend, "scaled"], outs[backend, "plain"])
+    np.testing.assert_array_equal(outs[backend, "scaled"], outs["scalar", "scaled"])
+    w = unpack_linear(qw, sc, geom).astype(np.float64)
+    ref = _grouped_reference(materialized.numpy().astype(np.float64), w, geom, 0, rows, rows)
+    assert_close(outs[backend, "scaled"], ref, 1e-5, f"{backend} scaled grouped vs numpy")
+
+
 def test_grouped_submit_bad_input():
     geom = linear_geometry(64, 64, 4, 32)
     qw, sc = pack_linear(np.ones((64, 64), np.float32), geom)
@@ -70,6 +103,10 @@ def test_grouped_submit_bad_input():
             lin.submit_grouped(3, torch.zeros(1, 2, 48), out, 0, 32)
         with pytest.raises(KeyError, match="was not added"):
             lin.submit_grouped(9, x, out, 0, 32)
+        with pytest.raises(ValueError, match="multiple of x's 2 groups"):
+            lin.submit_grouped(3, x, torch.zeros(1, 3, 32), 0, 32)
+        with pytest.raises(ValueError, match="x_scale"):
+            lin.submit_grouped(3, x, out, 0, 32, x_scale=torch.ones(2, 32))
 
 
 def _kv_b(lin: LinearKernels, rng, nh, dn, dv, R, bits, group) -> tuple[KernelLinear, np.ndarray]:
@@ -114,7 +151,7 @@ def test_absorbed_kv_b_matches_float_math_on_the_dequantized_weights(bits, group
         # the transposed codes hold exactly W_uk's codes: the unit-scale tiles times the input scales are W_uk^T
         uk_geom = linear_geometry(nh * R, dn, bits, -1)
         w_t = unpack_linear(ab.uk_q, ab.uk_s, uk_geom).reshape(nh, R, dn)
-        s = ab.s_uk.numpy()                                                      # (nh, ng, dn)
+        s = ab.s_uk.numpy().reshape(nh, -1, dn)                                  # (nh, ng, dn)
         w_t = w_t * np.repeat(s, R // s.shape[1], axis=1)
         np.testing.assert_allclose(w_t, w_uk.transpose(0, 2, 1), rtol=0, atol=1e-7)
         assert ab.nbytes < nh * (dn + dv) * R * 4 / 2     # under half the float32 pair it replaces

@@ -13,11 +13,14 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 8   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 9   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
-                              8: KT_SUB6, two-level expert scales (cpu-expert-int4 layout version 3) */
+                              8: KT_SUB6, two-level expert scales (cpu-expert-int4 layout version 3);
+                              9: kt_submit_shared (a shared expert inside the routed job),
+                                 kt_linear_submit_grouped_scaled (groups sharing a scaled input),
+                                 kt_add_linear_ex / kt_linear_repack_ex (float16 scales of dense Linears) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -88,6 +91,17 @@ int kt_submit(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtyp
 int kt_submit_masked(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
                      const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate,
                      const uint8_t* skip);
+/* kt_submit_masked with a shared expert in the same job (no job of its own, its work in the same queue):
+ *   out[t, :H] (=|+=) sum_j weights[t,j] * expert_{ids[t,j]}(x[t]) + shared_weights[t] * shared(x[t])
+ * shared_layer_id: a layer added with n_experts = 1 and this layer's hidden size (the shared expert's gate, up and
+ * down tiles: cpu-linear tiles are cpu-expert matrices, so a shared expert's Linears register as is; any bits, group
+ * size, scale dtype or intermediate size); shared_weights (T) f32, or NULL for 1 (read during this call only).
+ * Each output column adds the routed experts in ascending order, then the shared expert: with one sub-pool, out is
+ * bit for bit kt_submit_masked's result plus, in float32, shared_weights[t] times the shared layer's own kt_submit
+ * with expert 0 and weight 1. */
+int kt_submit_shared(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
+                     const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate,
+                     const uint8_t* skip, int shared_layer_id, const float* shared_weights);
 int kt_sync(kt_ctx* ctx);
 
 /* --- dense Linears: y = x W^T on cpu-linear-int4/int8 (one cpu-expert matrix: layouts/README.md) ---------------
@@ -100,6 +114,11 @@ int kt_sync(kt_ctx* ctx);
  * 1024 (int8). bits 4 or 8; group_size 32, 64m or -1 (per row). Re-adding an id replaces it. */
 int kt_add_linear(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_size, const void* qweight,
                   const float* scales);
+/* The same with the scales' dtype: KT_F32, or KT_F16 (cpu-linear tiles with the GPU layers' float16 scales moved,
+ * not widened: 2 bytes per group instead of 4; every backend converts them to f32 exactly, so results are those of
+ * the widened scales, bit for bit). */
+int kt_add_linear_ex(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_size, int scale_dtype,
+                     const void* qweight, const void* scales);
 
 /* outs[i][t, :N_i] = x[t] W_i^T for the n_linears linears ids[i], which share the input x (same K and group size:
  * x is quantized once and their work shares one queue; e.g. q_a + kv_a, gate + up).
@@ -117,6 +136,16 @@ int kt_linear_submit_grouped(kt_ctx* ctx, int linear_id, int n_groups, int row0,
                              int n_tokens, const void* x, int x_dtype, int64_t x_stride, int64_t x_group_stride,
                              float* out, int64_t out_stride, int64_t out_group_stride);
 
+/* kt_linear_submit_grouped where x_group_div consecutive groups read one input vector, each scaled elementwise by
+ * its own row of x_scale before the int8 quantization (NULL: no scaling):
+ *   x_j[t] = (x + (j / x_group_div)*x_group_stride + t*x_stride) * x_scale[j*K .. j*K + K)
+ * x_scale (n_groups, K) f32, read until kt_sync. MLA's absorbed W_uk: one query vector per head, one scaling per
+ * head and kv_b scale group (ktrun.kernel_linear.AbsorbedKvB). */
+int kt_linear_submit_grouped_scaled(kt_ctx* ctx, int linear_id, int n_groups, int row0, int row_step, int rows,
+                                    int n_tokens, const void* x, int x_dtype, int64_t x_stride,
+                                    int64_t x_group_stride, int x_group_div, const float* x_scale, float* out,
+                                    int64_t out_stride, int64_t out_group_stride);
+
 enum { KT_CODES_U8 = 0, KT_CODES_PACKED_K = 1 };
 
 /* GPU codes -> cpu-linear tiles (bit-exact; ktlayouts.cpu_linear.repack_gpu_codes is the reference), synchronous,
@@ -131,6 +160,11 @@ enum { KT_CODES_U8 = 0, KT_CODES_PACKED_K = 1 };
 int kt_linear_repack(kt_ctx* ctx, int n, int k, int bits, int group_size, const void* codes, int codes_kind,
                      int64_t code_stride_k, int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g,
                      int64_t scale_stride_n, void* qweight, float* scales_out);
+/* kt_linear_repack writing scales_out as scales_dtype: KT_F32 (widened) or KT_F16 (the float16 bits moved; padding
+ * +0), for kt_add_linear_ex. */
+int kt_linear_repack_ex(kt_ctx* ctx, int n, int k, int bits, int group_size, const void* codes, int codes_kind,
+                        int64_t code_stride_k, int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g,
+                        int64_t scale_stride_n, void* qweight, void* scales_out, int scales_dtype);
 
 /* Where the last MoE job's time went: 9 doubles (seconds) per worker thread: x quantization (0 when the submitting
  * thread did it: few tokens), barrier wait, gate/up (+ silu + h quantization), barrier wait, down, barrier wait and

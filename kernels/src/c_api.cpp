@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "../include/ktkernels.h"
@@ -111,6 +112,16 @@ int kt_submit_masked(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int
     });
 }
 
+int kt_submit_shared(kt_ctx* ctx, int layer_id, int n_tokens, const void* x, int x_dtype, int64_t x_stride, int k,
+                     const int32_t* ids, const float* weights, float* out, int64_t out_stride, int accumulate,
+                     const uint8_t* skip, int shared_layer_id, const float* shared_weights) {
+    return guarded([&] {
+        if (shared_layer_id < 0) throw std::invalid_argument("shared expert layer id must be >= 0");
+        ctx->engine.submit(layer_id, n_tokens, x, x_dtype, x_stride, k, ids, weights, out, out_stride, accumulate != 0,
+                           skip, shared_layer_id, shared_weights);
+    });
+}
+
 int kt_sync(kt_ctx* ctx) {
     return guarded([&] { ctx->engine.sync(); });
 }
@@ -118,6 +129,11 @@ int kt_sync(kt_ctx* ctx) {
 int kt_add_linear(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_size, const void* qweight,
                   const float* scales) {
     return guarded([&] { ctx->linear.add(linear_id, n, k, bits, group_size, qweight, scales); });
+}
+
+int kt_add_linear_ex(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_size, int scale_dtype,
+                     const void* qweight, const void* scales) {
+    return guarded([&] { ctx->linear.add(linear_id, n, k, bits, group_size, qweight, scales, scale_dtype); });
 }
 
 int kt_linear_submit(kt_ctx* ctx, int n_linears, const int32_t* ids, int n_tokens, const void* x, int x_dtype,
@@ -137,12 +153,31 @@ int kt_linear_submit_grouped(kt_ctx* ctx, int linear_id, int n_groups, int row0,
     });
 }
 
+int kt_linear_submit_grouped_scaled(kt_ctx* ctx, int linear_id, int n_groups, int row0, int row_step, int rows,
+                                    int n_tokens, const void* x, int x_dtype, int64_t x_stride,
+                                    int64_t x_group_stride, int x_group_div, const float* x_scale, float* out,
+                                    int64_t out_stride, int64_t out_group_stride) {
+    return guarded([&] {
+        ctx->linear.submit_grouped(linear_id, n_groups, row0, row_step, rows, n_tokens, x, x_dtype, x_stride,
+                                   x_group_stride, out, out_stride, out_group_stride, x_group_div, x_scale);
+    });
+}
+
 int kt_linear_repack(kt_ctx* ctx, int n, int k, int bits, int group_size, const void* codes, int codes_kind,
                      int64_t code_stride_k, int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g,
                      int64_t scale_stride_n, void* qweight, float* scales_out) {
     return guarded([&] {
         ctx->linear.repack(n, k, bits, group_size, codes, codes_kind, code_stride_k, code_stride_n, scales,
                            scale_stride_g, scale_stride_n, (uint8_t*)qweight, scales_out);
+    });
+}
+
+int kt_linear_repack_ex(kt_ctx* ctx, int n, int k, int bits, int group_size, const void* codes, int codes_kind,
+                        int64_t code_stride_k, int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g,
+                        int64_t scale_stride_n, void* qweight, void* scales_out, int scales_dtype) {
+    return guarded([&] {
+        ctx->linear.repack(n, k, bits, group_size, codes, codes_kind, code_stride_k, code_stride_n, scales,
+                           scale_stride_g, scale_stride_n, (uint8_t*)qweight, scales_out, scales_dtype);
     });
 }
 

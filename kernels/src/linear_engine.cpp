@@ -34,13 +34,16 @@ LinearEngine::LinearEngine(ThreadPool& pool, const KernelTable& table)
 
 LinearEngine::~LinearEngine() { pool_.wait(); }
 
-void LinearEngine::add(int id, int n, int k, int bits, int group, const void* qweight, const float* scales) {
+void LinearEngine::add(int id, int n, int k, int bits, int group, const void* qweight, const void* scales,
+                       int scale_dtype) {
     auto bad = [&](const std::string& m) { throw std::invalid_argument("linear " + std::to_string(id) + ": " + m); };
     if (n < 1 || k < 1) bad("n and k must be >= 1, got (" + std::to_string(n) + ", " + std::to_string(k) + ")");
     if (bits != 4 && bits != 8) bad("bits must be 4 or 8 (cpu-linear-int4/int8), got " + std::to_string(bits));
     if (!(group == -1 || group == 32 || (group > 0 && group % 64 == 0)))
         bad("group size " + std::to_string(group) + " is not supported: use 32, a multiple of 64, or -1 (per row)");
     if (!qweight || !scales) bad("missing qweight or scales pointer");
+    if (scale_dtype != kScaleF32 && scale_dtype != kScaleF16)
+        bad("scale dtype " + std::to_string(scale_dtype) + " is not KT_F32 or KT_F16");
     if (pool_.busy()) pool_.wait();   // a job in flight may read the entry being replaced
     Linear L;
     L.n = n; L.k = k; L.bits = bits; L.group = group;
@@ -48,7 +51,8 @@ void LinearEngine::add(int id, int n, int k, int bits, int group, const void* qw
     L.glen = group == -1 ? L.kx : group;
     L.n_blocks = round_up(n, 16) / 16;
     L.q = (const uint8_t*)qweight;
-    L.s = scales;
+    L.s = (const uint8_t*)scales;
+    L.s_type = scale_dtype; L.s_bytes = scale_bytes(scale_dtype);
     L.q_block_stride = (size_t)(L.kx / 64) * (bits == 4 ? 512 : 1024);
     L.s_block_stride = (size_t)(L.kx / L.glen) * 16;
     linears_[id] = L;
@@ -107,7 +111,7 @@ void LinearEngine::submit(int n_linears, const int* ids, int T, const void* x, i
     for (int li = 0; li < n_linears; ++li)
         for (int nb = 0; nb < job_[li]->n_blocks; nb += chunk)
             for (int t0 = 0; t0 < T; t0 += t_chunk)
-                items_.push_back(Item{li, nb, std::min(chunk, job_[li]->n_blocks - nb), t0, std::min(t_chunk, T - t0), 0});
+                items_.push_back(Item{li, nb, std::min(chunk, job_[li]->n_blocks - nb), t0, std::min(t_chunk, T - t0), 0, 1});
     const size_t need = std::max((size_t)k_, (size_t)t_chunk * chunk * 16);
     for (auto& s : scratch_) if (s.size() < need) s.resize(need);
     start(T);
@@ -115,7 +119,8 @@ void LinearEngine::submit(int n_linears, const int* ids, int T, const void* x, i
 
 void LinearEngine::submit_grouped(int id, int n_groups, int row0, int row_step, int rows, int T, const void* x,
                                   int x_dtype, int64_t x_stride, int64_t x_group_stride, float* out,
-                                  int64_t out_stride, int64_t out_group_stride) {
+                                  int64_t out_stride, int64_t out_group_stride, int x_group_div,
+                                  const float* x_scale) {
     auto it = linears_.find(id);
     if (it == linears_.end()) throw std::invalid_argument("linear " + std::to_string(id) + " was not added");
     const Linear& L = it->second;
@@ -132,6 +137,8 @@ void LinearEngine::submit_grouped(int id, int n_groups, int row0, int row_step, 
     if (x_dtype != KT_F32 && x_dtype != KT_BF16) bad("x dtype must be f32 or bf16");
     if (T > 0 && (!x || !out || x_stride < 0 || x_group_stride < 0 || out_stride < 0 || out_group_stride < 0))
         bad("null x / out or a negative stride");
+    if (x_group_div < 1 || n_groups % x_group_div)
+        bad("x_group_div " + std::to_string(x_group_div) + " must be >= 1 and divide n_groups " + std::to_string(n_groups));
     pool_.wait();   // the previous job (this op's or the MoE op's) may still use the buffers below
     if (T == 0) return;
     job_.assign(1, &L);
@@ -140,17 +147,27 @@ void LinearEngine::submit_grouped(int id, int n_groups, int row0, int row_step, 
     T_ = T; x_ = x; x_dtype_ = x_dtype; x_stride_ = x_stride; x_group_stride_ = x_group_stride;
     out_group_stride_ = out_group_stride;
     n_groups_ = n_groups; g_block0_ = row0 / 16; g_block_step_ = row_step / 16;
+    x_group_div_ = x_group_div; x_scale_ = x_scale;
     k_ = L.k; kx_ = L.kx; glen_ = L.glen;
-    // Items: per group, chunks of its column blocks for all T rows (decode: each weight block read once).
+    // Items, each for all T rows (decode: each weight block read once): groups of at most kMaxChunkBlocks blocks go
+    // whole, several to an item (~kItemsPerThread items per thread): MLA's W_uk has 512 groups of 8 blocks of 1 KiB,
+    // and an item per group spent more on the item than on its 8 KiB (0.31 of the bandwidth for the absorbed pair);
+    // larger groups are cut in chunks of their blocks.
     const int blocks = rows / 16, nt = pool_.n_threads();
     const bool prefill = T > kDecodeMaxRows;
-    int chunk = std::max(1, std::min({kMaxChunkBlocks, blocks, blocks * n_groups / (nt * kItemsPerThread)}));
-    if (prefill) chunk = std::max(2, chunk & ~1);
     items_.clear();
-    for (int g = 0; g < n_groups; ++g)
-        for (int nb = 0; nb < blocks; nb += chunk)
-            items_.push_back(Item{0, nb, std::min(chunk, blocks - nb), 0, T, g});
-    const size_t need = (size_t)k_;   // whole blocks only: no partial-block scratch
+    if (blocks <= kMaxChunkBlocks) {
+        const int per_item = std::max(1, n_groups / (nt * kItemsPerThread));
+        for (int g = 0; g < n_groups; g += per_item)
+            items_.push_back(Item{0, 0, blocks, 0, T, g, std::min(per_item, n_groups - g)});
+    } else {
+        int chunk = std::max(1, std::min({kMaxChunkBlocks, blocks * n_groups / (nt * kItemsPerThread)}));
+        if (prefill) chunk = std::max(2, chunk & ~1);
+        for (int g = 0; g < n_groups; ++g)
+            for (int nb = 0; nb < blocks; nb += chunk)
+                items_.push_back(Item{0, nb, std::min(chunk, blocks - nb), 0, T, g, 1});
+    }
+    const size_t need = (size_t)2 * k_;   // bf16 rows and scaled rows as f32; whole blocks: no partial-block scratch
     for (auto& s : scratch_) if (s.size() < need) s.resize(need);
     start(n_groups * T);
 }
@@ -187,14 +204,20 @@ void LinearEngine::run(const WorkerInfo& w) {
 }
 
 void LinearEngine::quantize_x(int r, int worker) {
-    const int64_t elem = n_groups_ ? (int64_t)(r / T_) * x_group_stride_ + (int64_t)(r % T_) * x_stride_
+    const int64_t elem = n_groups_ ? (int64_t)(r / T_ / x_group_div_) * x_group_stride_ + (int64_t)(r % T_) * x_stride_
                                    : (int64_t)r * x_stride_;
     const char* row = (const char*)x_ + (size_t)elem * (x_dtype_ == KT_F32 ? 4 : 2);
     const float* v = (const float*)row;
+    float* tmp = scratch_[worker].data();
     if (x_dtype_ == KT_BF16) {
-        float* tmp = scratch_[worker].data();
         for (int k = 0; k < k_; ++k) tmp[k] = bf16_to_f32(((const uint16_t*)row)[k]);
         v = tmp;
+    }
+    if (n_groups_ && x_scale_) {   // the group's input scaling, one float32 product per value (as torch would)
+        const float* sc = x_scale_ + (size_t)(r / T_) * k_;
+        float* dst = tmp + k_;
+        for (int k = 0; k < k_; ++k) dst[k] = v[k] * sc[k];
+        v = dst;
     }
     const int ng = kx_ / glen_;
     table_.quantize_row(v, k_, kx_, glen_, xq_.data() + (size_t)r * kx_, xs_.data() + (size_t)r * ng,
@@ -206,20 +229,29 @@ void LinearEngine::compute(const Item& it, int worker) {
     const int b0 = n_groups_ ? g_block0_ + it.g * g_block_step_ + it.nb0 : it.nb0;   // first column block
     QView v;
     v.q = L.q + (size_t)b0 * L.q_block_stride;
-    v.s = L.s + (size_t)b0 * L.s_block_stride;
+    v.s = L.s + (size_t)b0 * L.s_block_stride * L.s_bytes;
     v.q_block_stride = L.q_block_stride;
     v.s_block_stride = L.s_block_stride;
     v.n_rows4 = L.kx / 4;
     v.group_rows = L.glen / 4;
-    v.s_type = kScaleF32;   // dense Linears keep float32 scales (kt_add_linear)
-    const int r0 = it.g * T_ + it.t0;   // quantized input rows of this item
-    const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0};
+    v.s_type = L.s_type;
     const QGemmFn fn = L.bits == 8 ? table_.qgemm8 : table_.qgemm4;
     const int64_t ld = out_strides_[it.lin];
-    if (n_groups_) {   // whole blocks of the group's rows, at the group's output
-        fn(v, it.nbn, a, it.tm, outs_[0] + it.g * out_group_stride_ + it.t0 * ld + it.nb0 * 16, (int)ld);
+    if (n_groups_) {   // per group: whole blocks of its rows, its input rows, at its output
+        for (int g = it.g; g < it.g + it.ng; ++g) {
+            if (g > it.g) {
+                const size_t db = (size_t)(g - it.g) * g_block_step_;
+                v.q = L.q + (b0 + db) * L.q_block_stride;
+                v.s = L.s + (b0 + db) * L.s_block_stride * L.s_bytes;
+            }
+            const int r0 = g * T_ + it.t0;   // quantized input rows of this group
+            const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0};
+            fn(v, it.nbn, a, it.tm, outs_[0] + g * out_group_stride_ + it.t0 * ld + it.nb0 * 16, (int)ld);
+        }
         return;
     }
+    const int r0 = it.t0;   // quantized input rows of this item
+    const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0};
     float* out = outs_[it.lin] + it.t0 * ld + it.nb0 * 16;
     const int c0 = it.nb0 * 16, width = it.nbn * 16;
     if (c0 + width <= L.n) {   // whole blocks: straight into the output rows

@@ -29,9 +29,10 @@ struct Linear {
     int glen;                  // group length along K_pad (kx for per row)
     int n_blocks;              // N_pad / 16
     const uint8_t* q;          // (n_blocks, kx / 64, tile_bytes)
-    const float* s;            // (n_blocks, kx / glen, 16)
+    const uint8_t* s;          // (n_blocks, kx / glen, 16) scales of s_type
+    int s_type, s_bytes;       // float32 or float16 (scale_types.h)
     size_t q_block_stride;     // bytes
-    size_t s_block_stride;     // floats
+    size_t s_block_stride;     // scales (elements)
 };
 
 class LinearEngine {
@@ -39,26 +40,29 @@ public:
     LinearEngine(ThreadPool& pool, const KernelTable& table);
     ~LinearEngine();
 
-    void add(int id, int n, int k, int bits, int group, const void* qweight, const float* scales);  // throws
+    // scales of scale_dtype: KT_F32 or KT_F16 (the GPU layers' own float16 scales, moved)
+    void add(int id, int n, int k, int bits, int group, const void* qweight, const void* scales,
+             int scale_dtype = kScaleF32);   // throws
     // outs[i]: (T, N_i) f32 with row stride out_strides[i] (elements), overwritten.
     void submit(int n_linears, const int* ids, int T, const void* x, int x_dtype, int64_t x_stride,
                 float* const* outs, const int64_t* out_strides);
     // One Linear applied to n_groups row ranges, each with its own input (per-head products: MLA's absorbed kv_b).
-    // Group j: rows [row0 + j*row_step, +rows) of W (multiples of 16), inputs x + j*x_group_stride + t*x_stride
-    // (elements), outputs out + j*out_group_stride + t*out_stride, t < T.
+    // Group j: rows [row0 + j*row_step, +rows) of W (multiples of 16), inputs x + (j / x_group_div)*x_group_stride +
+    // t*x_stride (elements), times x_scale[j*K .. +K] elementwise if x_scale is given (float32, before the int8
+    // quantization), outputs out + j*out_group_stride + t*out_stride, t < T.
     void submit_grouped(int id, int n_groups, int row0, int row_step, int rows, int T, const void* x, int x_dtype,
                         int64_t x_stride, int64_t x_group_stride, float* out, int64_t out_stride,
-                        int64_t out_group_stride);
+                        int64_t out_group_stride, int x_group_div = 1, const float* x_scale = nullptr);
     void sync() { pool_.wait(); }
 
     // GPU codes -> tiles + f32 scales (ktkernels.h kt_linear_repack), on the pool; synchronous.
     void repack(int n, int k, int bits, int group, const void* codes, int codes_kind, int64_t code_stride_k,
                 int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g, int64_t scale_stride_n,
-                uint8_t* qweight, float* scales_out);
+                uint8_t* qweight, void* scales_out, int scales_dtype = kScaleF32);
 
 private:
-    // linear (index into job), column blocks (relative to the group's first block), token rows, row group
-    struct Item { int lin, nb0, nbn, t0, tm, g; };
+    // linear (index into job), column blocks (relative to the group's first block), token rows, row groups g..g+ng
+    struct Item { int lin, nb0, nbn, t0, tm, g, ng; };
 
     void prepare_x(int n_rows);          // activation buffers for n_rows quantized rows
     void start(int n_rows);              // quantize here (few rows) or in phase 0, then launch the workers
@@ -83,6 +87,8 @@ private:
     int n_groups_ = 0;            // 0: a plain job; else a grouped one over job_[0]
     int g_block0_ = 0, g_block_step_ = 0;          // column block of group 0, blocks between groups
     int64_t x_group_stride_ = 0, out_group_stride_ = 0;
+    int x_group_div_ = 1;                          // groups per input vector (grouped)
+    const float* x_scale_ = nullptr;               // (n_groups, K) input scaling (grouped), or null
     bool x_ready_ = false;
     std::vector<int8_t> xq_;      // (T, kx)
     std::vector<float> xs_;       // (T, kx / glen)

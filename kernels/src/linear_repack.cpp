@@ -49,7 +49,8 @@ struct Repack {
     const uint16_t* sc;
     int64_t ssg, ssn;
     uint8_t* q;
-    float* s;
+    float* s;                   // f32 scales out, or
+    uint16_t* s16;              // f16 scales out (the GPU's bits, moved)
     size_t q_block, tile_bytes;
 
     // code (k, n) of the GPU matrix, zero point for the padding
@@ -178,11 +179,13 @@ struct Repack {
             for (int nb = nb0; nb < nb1; ++nb)
                 for (int kt = 0; kt < kx / 64; ++kt) all |= tile(nb, kt);
         for (int nb = nb0; nb < nb1; ++nb) {
-            float* sb = s + (size_t)nb * n_groups * 16;
+            const size_t at = (size_t)nb * n_groups * 16;
             for (int g = 0; g < n_groups; ++g)
                 for (int c = 0; c < 16; ++c) {
                     const int nn = 16 * nb + c;
-                    sb[g * 16 + c] = g < gpu_groups && nn < n ? half_to_float(sc[g * ssg + nn * ssn]) : 0.0f;
+                    const uint16_t h = g < gpu_groups && nn < n ? sc[g * ssg + nn * ssn] : 0;   // padding: +0
+                    if (s16) s16[at + g * 16 + c] = h;
+                    else s[at + g * 16 + c] = half_to_float(h);
                 }
         }
         return all;
@@ -193,7 +196,7 @@ struct Repack {
 
 void LinearEngine::repack(int n, int k, int bits, int group, const void* codes, int codes_kind, int64_t code_stride_k,
                           int64_t code_stride_n, const uint16_t* scales, int64_t scale_stride_g,
-                          int64_t scale_stride_n, uint8_t* qweight, float* scales_out) {
+                          int64_t scale_stride_n, uint8_t* qweight, void* scales_out, int scales_dtype) {
     auto bad = [&](const std::string& m) {
         throw std::invalid_argument("repack (" + std::to_string(n) + ", " + std::to_string(k) + ") int" +
                                     std::to_string(bits) + " G=" + std::to_string(group) + ": " + m);
@@ -204,6 +207,7 @@ void LinearEngine::repack(int n, int k, int bits, int group, const void* codes, 
         bad("group size is not supported: use 32, a multiple of 64, or -1 (per row)");
     if (group > 0 && k % group) bad("K is not a multiple of the group size (GPU layouts need whole groups)");
     if (codes_kind != KT_CODES_U8 && codes_kind != KT_CODES_PACKED_K) bad("codes_kind must be KT_CODES_U8 or KT_CODES_PACKED_K");
+    if (scales_dtype != KT_F32 && scales_dtype != KT_F16) bad("output scales must be KT_F32 or KT_F16");
     if (codes_kind == KT_CODES_PACKED_K && k % (32 / bits)) bad("K is not a multiple of the codes per 32-bit word");
     if (!codes || !scales || !qweight || !scales_out) bad("null pointer");
     Repack R;
@@ -218,7 +222,9 @@ void LinearEngine::repack(int n, int k, int bits, int group, const void* codes, 
     R.c8 = (const uint8_t*)codes; R.words = (const uint32_t*)codes;
     R.sk = code_stride_k; R.sn = code_stride_n;
     R.sc = scales; R.ssg = scale_stride_g; R.ssn = scale_stride_n;
-    R.q = qweight; R.s = scales_out;
+    R.q = qweight;
+    R.s = scales_dtype == KT_F32 ? (float*)scales_out : nullptr;
+    R.s16 = scales_dtype == KT_F16 ? (uint16_t*)scales_out : nullptr;
     R.tile_bytes = bits == 4 ? 512 : 1024;
     R.q_block = (size_t)(R.kx / 64) * R.tile_bytes;
     const int n_blocks = (n + 15) / 16;

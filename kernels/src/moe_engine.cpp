@@ -62,15 +62,15 @@ MoEEngine::MoEEngine(int n_threads, int n_pools, const std::string& backend) {
 
 MoEEngine::~MoEEngine() { pool_->wait(); }
 
-QView MoEEngine::gate_view(const Piece& p, const uint8_t* q, const uint8_t* s, int e, int nb) const {
+QView MoEEngine::gate_view(const Layer& L, const Piece& p, const uint8_t* q, const uint8_t* s, int e, int nb) const {
     QView v;
     v.q = q + e * p.g_expert_q + nb * p.g_block_q;
-    v.s = s + (e * p.g_expert_s + nb * p.g_block_s) * L_->s_bytes;
-    v.s_type = L_->s_type;
+    v.s = s + (e * p.g_expert_s + nb * p.g_block_s) * L.s_bytes;
+    v.s_type = L.s_type;
     v.q_block_stride = p.g_block_q;
     v.s_block_stride = p.g_block_s;
-    v.n_rows4 = L_->kx / 4;
-    v.group_rows = L_->kx_glen / 4;
+    v.n_rows4 = L.kx / 4;
+    v.group_rows = L.kx_glen / 4;
     return v;
 }
 
@@ -82,8 +82,10 @@ void MoEEngine::run(const WorkerInfo& w) {
     const double start_delay = t_last - launch_time_, cpu0 = thread_cpu_s();
     auto mark = [&](int phase) { const double t = now_s(); prof[phase] = t - t_last; t_last = t; };
     if (!x_ready_) {
-        for (int t = (int)((int64_t)T_ * w.index / n); t < (int)((int64_t)T_ * (w.index + 1) / n); ++t)
-            quantize_x(t, w.index);
+        for (int pi = 0; pi < n_parts_; ++pi)
+            if (parts_[pi].own_x)
+                for (int t = (int)((int64_t)T_ * w.index / n); t < (int)((int64_t)T_ * (w.index + 1) / n); ++t)
+                    quantize_x(parts_[pi], t, w.index);
         mark(0);
         pool_->global_barrier();
     }
@@ -92,7 +94,8 @@ void MoEEngine::run(const WorkerInfo& w) {
         const Item& it = items1_[p][i];
         gate_up(it, w.index);
         // acq_rel: the last finisher sees every other worker's h rows of this (piece, slot)
-        if (remaining_[(size_t)it.piece * slots_.size() + it.slot].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        const Part& P = parts_[it.part];
+        if (remaining_[P.remaining0 + (size_t)it.piece * P.slots.size() + it.slot].fetch_sub(1, std::memory_order_acq_rel) == 1)
             quantize_h(it);
     }
     mark(2);
@@ -122,12 +125,12 @@ void MoEEngine::run(const WorkerInfo& w) {
     mark(6);
 }
 
-void MoEEngine::quantize_x(int t, int worker) {
-    const Layer& L = *L_;
+void MoEEngine::quantize_x(Part& P, int t, int worker) {
+    const Layer& L = *P.L;
     const int H = L.hidden;
     const char* row = (const char*)x_ + (size_t)t * x_stride_ * (x_dtype_ == KT_F32 ? 4 : 2);
     if (L.bits == 16) {
-        uint16_t* xb = xb_.data() + (size_t)t * L.kx;
+        uint16_t* xb = P.xb.data() + (size_t)t * L.kx;
         for (int k = 0; k < L.kx; ++k)
             xb[k] = k >= H ? 0 : x_dtype_ == KT_BF16 ? ((const uint16_t*)row)[k] : f32_to_bf16(((const float*)row)[k]);
         return;
@@ -139,37 +142,39 @@ void MoEEngine::quantize_x(int t, int worker) {
         v = tmp;
     }
     const int ngx = L.kx / L.kx_glen;
-    table_->quantize_row(v, H, L.kx, L.kx_glen, xq_.data() + (size_t)t * L.kx, xs_.data() + (size_t)t * ngx,
-                 xsum_.data() + (size_t)t * ngx);
+    table_->quantize_row(v, H, L.kx, L.kx_glen, P.xq.data() + (size_t)t * L.kx, P.xs.data() + (size_t)t * ngx,
+                 P.xsum.data() + (size_t)t * ngx);
 }
 
 void MoEEngine::gate_up(const Item& it, int worker) {
-    const Piece& P = L_->pieces[it.piece];
-    const Slot& S = slots_[it.slot];
+    Part& X = parts_[it.part];
+    const Layer& L = *X.L;
+    const Piece& P = L.pieces[it.piece];
+    const Slot& S = X.slots[it.slot];
     const int ldy = it.nbn * 16, e = S.expert;
     float* yg = scratch_[worker].data();
     float* yu = yg + (size_t)S.m * ldy;
-    if (L_->bits == 16) {
-        const BView g{P.gq + e * P.g_expert_q + it.nb0 * P.g_block_q, P.g_block_q, L_->kx / 2};
-        const BView u{P.uq + e * P.g_expert_q + it.nb0 * P.g_block_q, P.g_block_q, L_->kx / 2};
-        table_->bgemm(g, it.nbn, xb_rows_.data() + S.row0, S.m, yg, ldy);
-        table_->bgemm(u, it.nbn, xb_rows_.data() + S.row0, S.m, yu, ldy);
+    if (L.bits == 16) {
+        const BView g{P.gq + e * P.g_expert_q + it.nb0 * P.g_block_q, P.g_block_q, L.kx / 2};
+        const BView u{P.uq + e * P.g_expert_q + it.nb0 * P.g_block_q, P.g_block_q, L.kx / 2};
+        table_->bgemm(g, it.nbn, X.xb_rows.data() + S.row0, S.m, yg, ldy);
+        table_->bgemm(u, it.nbn, X.xb_rows.data() + S.row0, S.m, yu, ldy);
     } else {
-        const ActRows a{xq_rows_.data() + S.row0, xs_rows_.data() + S.row0, xsum_rows_.data() + S.row0};
-        const QGemmFn fn = L_->bits == 8 ? table_->qgemm8 : table_->qgemm4;
-        fn(gate_view(P, P.gq, P.gs, e, it.nb0), it.nbn, a, S.m, yg, ldy);
-        fn(gate_view(P, P.uq, P.us, e, it.nb0), it.nbn, a, S.m, yu, ldy);
+        const ActRows a{X.xq_rows.data() + S.row0, X.xs_rows.data() + S.row0, X.xsum_rows.data() + S.row0};
+        const QGemmFn fn = L.bits == 8 ? table_->qgemm8 : table_->qgemm4;
+        fn(gate_view(L, P, P.gq, P.gs, e, it.nb0), it.nbn, a, S.m, yg, ldy);
+        fn(gate_view(L, P, P.uq, P.us, e, it.nb0), it.nbn, a, S.m, yu, ldy);
     }
     const int cols = P.cols();
     for (int i = 0; i < S.m; ++i) {
-        float* h = pbuf_[it.piece].h.data() + (size_t)(S.row0 + i) * cols + (it.nb0 * 16 - P.r0);
+        float* h = X.pbuf[it.piece].h.data() + (size_t)(S.row0 + i) * cols + (it.nb0 * 16 - P.r0);
         const float* g = yg + (size_t)i * ldy;
         const float* u = yu + (size_t)i * ldy;
-        const Activation& act = L_->act;
+        const Activation& act = L.act;
         if (act.kind == kActSilu && !act.gate_bias) {
             for (int c = 0; c < ldy; ++c) h[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];   // silu(g) * u
         } else {
-            const size_t at = (size_t)e * L_->inter_pad + P.row0 + (it.nb0 * 16 - P.r0);   // this item's first row
+            const size_t at = (size_t)e * L.inter_pad + P.row0 + (it.nb0 * 16 - P.r0);   // this item's first row
             const float* bg = act.gate_bias ? act.gate_bias + at : nullptr;
             const float* bu = act.up_bias ? act.up_bias + at : nullptr;
             for (int c = 0; c < ldy; ++c)
@@ -179,13 +184,14 @@ void MoEEngine::gate_up(const Item& it, int worker) {
 }
 
 void MoEEngine::quantize_h(const Item& it) {
-    const Piece& P = L_->pieces[it.piece];
-    const Slot& S = slots_[it.slot];
-    PieceBuf& B = pbuf_[it.piece];
+    Part& X = parts_[it.part];
+    const Piece& P = X.L->pieces[it.piece];
+    const Slot& S = X.slots[it.slot];
+    PieceBuf& B = X.pbuf[it.piece];
     const int cols = P.cols();
     for (int r = S.row0; r < S.row0 + S.m; ++r) {
         const float* h = B.h.data() + (size_t)r * cols;
-        if (L_->bits == 16) {
+        if (X.L->bits == 16) {
             for (int c = 0; c < cols; ++c) B.hb[(size_t)r * cols + c] = f32_to_bf16(h[c]);
         } else {
             const int ng = cols / P.d_glen;
@@ -196,19 +202,25 @@ void MoEEngine::quantize_h(const Item& it) {
 }
 
 void MoEEngine::down(const Item& it, int pool, int worker) {
-    const Layer& L = *L_;
-    const int H = L.hidden, c0 = it.nb0 * 16, nc = std::min(it.nbn * 16, H - c0), ldy = it.nbn * 16;
+    const int H = L_->hidden, c0 = it.nb0 * 16, nc = std::min(it.nbn * 16, H - c0);
     const bool direct = pool_->n_pools() == 1;
     float* dst = direct ? out_ : partial_[pool].data();
     const int64_t ld = direct ? out_stride_ : H;
     if (!(direct && accumulate_))
         for (int t = 0; t < T_; ++t) memset(dst + t * ld + c0, 0, sizeof(float) * nc);
-    float* y = scratch_[worker].data();
+    // the routed experts in ascending order, then the shared expert: each column's sum in one fixed order
+    for (int pi = 0; pi < n_parts_; ++pi) down_part(parts_[pi], it, pool, dst, ld, scratch_[worker].data());
+}
+
+// One part's experts added into dst for the item's output columns.
+void MoEEngine::down_part(const Part& X, const Item& it, int pool, float* dst, int64_t ld, float* y) {
+    const Layer& L = *X.L;
+    const int H = L.hidden, c0 = it.nb0 * 16, nc = std::min(it.nbn * 16, H - c0), ldy = it.nbn * 16;
     for (int pi = 0; pi < (int)L.pieces.size(); ++pi) {
         const Piece& P = L.pieces[pi];
         if (P.pool != pool) continue;
-        const PieceBuf& B = pbuf_[pi];
-        for (const Slot& S : slots_) {
+        const PieceBuf& B = X.pbuf[pi];
+        for (const Slot& S : X.slots) {
             const size_t eq = S.expert * P.d_expert_q + it.nb0 * P.d_block_q;
             if (L.bits == 16) {
                 const BView v{P.dq + eq + (size_t)(P.r0 / 32) * 1024, P.d_block_q, P.cols() / 2};
@@ -229,8 +241,8 @@ void MoEEngine::down(const Item& it, int pool, int worker) {
             const float* bd = (L.act.down_bias && P.row0 == 0) ? L.act.down_bias + (size_t)S.expert * H + c0 : nullptr;
             for (int i = 0; i < S.m; ++i) {
                 const int r = S.row0 + i;
-                float* d = dst + tok_[r] * ld + c0;
-                const float w = wt_[r];
+                float* d = dst + X.tok[r] * ld + c0;
+                const float w = X.wt[r];
                 const float* yy = y + (size_t)i * ldy;
                 if (bd) {
                     for (int c = 0; c < nc; ++c) d[c] += w * (yy[c] + bd[c]);

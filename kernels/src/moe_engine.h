@@ -12,6 +12,9 @@
 //   2 (each sub-pool)      down over output-column chunks: each item loops over all experts, so the columns it
 //                          owns are written by one worker only; out[t] += w[t,j] * y
 //   3 (all, n_pools > 1)   out = sum of the pools' partial outputs
+// A job has one or two parts: the submitted layer's routed experts and, optionally, a shared expert registered as a
+// one-expert layer of the same hidden size (kt_submit_shared): its gate/up items join the same queue and its down
+// product is added by the same down items after the routed experts, so the shared expert costs no job of its own.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -82,9 +85,12 @@ public:
                    const kt_shard_piece* pieces, int scale_dtype = kScaleF32);   // throws std::invalid_argument
     // the expert activation and biases of a registered layer (bias arrays read in place until the layer goes)
     void set_activation(int id, const Activation& act);   // throws std::invalid_argument
+    // shared_id >= 0: also out[t] += shared_w[t] * shared_expert(x[t]) (shared_w null: weight 1), where shared_id
+    // is a one-expert layer with this layer's hidden size, added after the routed experts of each column
     void submit(int id, int T, const void* x, int x_dtype, int64_t x_stride, int k, const int32_t* ids,
                 const float* weights, float* out, int64_t out_stride, bool accumulate,
-                const uint8_t* skip);   // skip: (n_experts) experts left out (computed elsewhere), or null
+                const uint8_t* skip,   // skip: (n_experts) experts left out (computed elsewhere), or null
+                int shared_id = -1, const float* shared_w = nullptr);
     void sync() { pool_->wait(); }
     // Seconds each worker spent in each phase of the last job (kProfilePhases per worker, see ktkernels.h).
     static constexpr int kProfilePhases = 9;
@@ -102,43 +108,56 @@ private:
         std::vector<const int32_t*> sum_rows;
         std::vector<const uint16_t*> b_rows;
     };
-    struct Item { int piece, slot, nb0, nbn; };
+    // One layer's share of the job (see the header comment): its routing, quantized x and h buffers.
+    struct Part {
+        const Layer* L = nullptr;
+        std::vector<Slot> slots;
+        std::vector<int> tok;         // (R) token of each routed row, rows grouped by slot
+        std::vector<float> wt;        // (R) routing weight
+        bool own_x = true;            // false: x is quantized exactly as for part 0 (same K, groups, dtype): shared
+        std::vector<int8_t> xq;       // (T, kx)
+        std::vector<float> xs;        // (T, kx / kx_glen)
+        std::vector<int32_t> xsum;
+        std::vector<uint16_t> xb;     // (T, kx) bf16 layout
+        std::vector<const int8_t*> xq_rows;
+        std::vector<const float*> xs_rows;
+        std::vector<const int32_t*> xsum_rows;
+        std::vector<const uint16_t*> xb_rows;
+        std::vector<PieceBuf> pbuf;
+        size_t remaining0 = 0;        // its (piece, slot) counters start here in remaining_
+    };
+    struct Item { int part, piece, slot, nb0, nbn; };
+
+    void route(Part& P, const Layer& L, int k, const int32_t* ids, const float* weights, const uint8_t* skip);
+    void prepare(Part& P, const Part* same_x);
 
     void run(const WorkerInfo& w);
-    void quantize_x(int t, int worker);
+    void quantize_x(Part& P, int t, int worker);
     void gate_up(const Item& it, int worker);
     void quantize_h(const Item& it);
     void down(const Item& it, int pool, int worker);
-    QView gate_view(const Piece& p, const uint8_t* q, const uint8_t* s, int e, int nb) const;
+    void down_part(const Part& P, const Item& it, int pool, float* dst, int64_t ld, float* y);
+    QView gate_view(const Layer& L, const Piece& p, const uint8_t* q, const uint8_t* s, int e, int nb) const;
 
     const KernelTable* table_;
     std::unique_ptr<ThreadPool> pool_;
     std::map<int, Layer> layers_;
 
     // the job in flight
-    const Layer* L_ = nullptr;
+    const Layer* L_ = nullptr;    // the submitted layer (part 0)
     int T_ = 0;
     const void* x_ = nullptr;
     int x_dtype_ = KT_F32;
     int64_t x_stride_ = 0, out_stride_ = 0;
     float* out_ = nullptr;
     bool accumulate_ = false;
-    std::vector<Slot> slots_;
-    std::vector<int> tok_;        // (R) token of each routed row, rows grouped by slot
-    std::vector<float> wt_;       // (R) routing weight
-    std::vector<int8_t> xq_;      // (T, kx)
-    std::vector<float> xs_;       // (T, kx / kx_glen)
-    std::vector<int32_t> xsum_;
-    std::vector<uint16_t> xb_;    // (T, kx) bf16 layout
-    std::vector<const int8_t*> xq_rows_;
-    std::vector<const float*> xs_rows_;
-    std::vector<const int32_t*> xsum_rows_;
-    std::vector<const uint16_t*> xb_rows_;
-    std::vector<PieceBuf> pbuf_;
+    Part parts_[2];
+    int n_parts_ = 1;
+    int max_m_ = 1;               // most rows of one slot, over the parts
     std::vector<std::vector<Item>> items1_, items2_;   // per pool
     std::unique_ptr<std::atomic<int>[]> next1_, next2_;
-    // gate/up items still to finish per (piece, slot): the worker finishing the last one quantizes that h (phase 1b
-    // without a barrier of its own)
+    // gate/up items still to finish per (part, piece, slot): the worker finishing the last one quantizes that h
+    // (phase 1b without a barrier of its own)
     std::unique_ptr<std::atomic<int>[]> remaining_;
     size_t remaining_cap_ = 0;
     double launch_time_ = 0.0;

@@ -21,7 +21,7 @@ from ..kernel_linear import AbsorbedKvB
 from ..packed_linear import dense_weight, linear
 from . import indexer as lightning
 from .kv_cache import Batch, causal_scores_mask
-from .layers import Rope, rms_norm
+from .layers import Rope, linears, rms_norm
 
 LORA_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm use the default eps in the reference, not rms_norm_eps
 
@@ -136,6 +136,17 @@ def _absorbed(w: dict, p: str, nh: int, dn: int, dv: int, R: int):
     return w[key]
 
 
+def prepare_absorbed(cfg: ModelConfig, w: dict, layer_prefixes: list[str]) -> None:
+    """Derive every MLA layer's absorbed kv_b on the quantized Linear op now, at load (AbsorbedKvB): its one-time
+    unpack / transpose temporaries (tens of MB for V3's kv_b) then come before the routed experts' pages are
+    resident and never raise a run's peak RSS. The float32 pair of other paths stays lazy (67 MB per layer)."""
+    nh, dn, dv, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    for p in layer_prefixes:
+        kv_b = w.get(p + "kv_b_proj.weight")
+        if kv_b is not None and AbsorbedKvB.supported(kv_b, nh, dn, dv, R):
+            _absorbed(w, p, nh, dn, dv, R)
+
+
 def _naive_is_cheaper(n: int, S: int, dn: int, dr: int, dv: int, R: int) -> bool:
     """Multiply-adds per head: absorbed (n query rows through W_uk, over S latent rows of R + dr and R, through
     W_uv) vs expanded (S latent rows through kv_b into keys and values, then n x S attention of head dims)."""
@@ -159,17 +170,19 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     dn, dr, dv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     scale = cfg.softmax_scale
     ix = None                                         # the lightning indexer's inputs (DeepSeek-V3.2)
+    kv_a = p + "kv_a_proj_with_mqa."
     if cfg.q_lora_rank is None:
         q = linear(x, w[p + "q_proj.weight"])
-    else:
-        qa = linear(x, w[p + "q_a_proj.weight"], w.get(p + "q_a_proj.bias"))
+        ckv = linear(x, w[kv_a + "weight"], w.get(kv_a + "bias"))                               # (T, R + dr)
+    else:                       # q_a and kv_a read the same x: one submission on the CPU kernels
+        qa, ckv = linears(x, [w[p + "q_a_proj.weight"], w[kv_a + "weight"]],
+                          [w.get(p + "q_a_proj.bias"), w.get(kv_a + "bias")])
         q_resid = rms_norm(qa, w[p + "q_a_layernorm.weight"], LORA_NORM_EPS)                 # (T, q_lora_rank)
         q = linear(q_resid, w[p + "q_b_proj.weight"])
         if indexed:
             ix = lightning.project(cfg, w, p, x, q_resid, rope, cos, sin)
     q = q.view(T, nh, dn + dr)
     q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
-    ckv = linear(x, w[p + "kv_a_proj_with_mqa.weight"], w.get(p + "kv_a_proj_with_mqa.bias"))   # (T, R + dr)
     c = rms_norm(ckv[:, :R], w[p + "kv_a_layernorm.weight"], LORA_NORM_EPS)
     k_rot = rope.apply(ckv[:, None, R:], cos, sin)[:, 0]                                       # (T, dr)
     latent = torch.cat([c, k_rot], dim=-1)                                                    # (T, R + dr)

@@ -23,13 +23,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dt)
 
 
+def linears(x: torch.Tensor, ws: list, biases: list | None = None) -> list[torch.Tensor]:
+    """x (..., K) through several Linears (tensors or packed) -> their outputs. On the CPU kernels, Linears sharing
+    the input (same K and group: gate + up, q_a + kv_a) run in one submission (x quantized once, one job)."""
+    if len(ws) > 1 and all(isinstance(w, KernelLinear) and ws[0].shares_input_with(w) for w in ws):
+        ys = run_together(ws, x)
+    else:
+        ys = [linear(x, w) for w in ws]
+    return ys if biases is None else [y if b is None else y + b for y, b in zip(ys, biases)]
+
+
 def swiglu_mlp(x: torch.Tensor, gate, up, down) -> torch.Tensor:
     """x: (T, H); gate/up: (I, H); down: (H, I) (tensors or packed Linears). On the CPU kernels gate and up run
     in one submission (x quantized once)."""
-    if isinstance(gate, KernelLinear) and gate.shares_input_with(up):
-        g, u = run_together([gate, up], x)
-    else:
-        g, u = linear(x, gate), linear(x, up)
+    g, u = linears(x, [gate, up])
     return linear(F.silu(g) * u, down)
 
 

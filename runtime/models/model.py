@@ -2,7 +2,8 @@
 
 Per layer: x += attention(norm(x)); then x += mlp(norm(x)) where the MoE mlp submits the routed experts to the
 expert executor (CPU kernels or the torch reference, asynchronously), computes the shared experts meanwhile, then
-waits and adds the two. Dense weights are hub-named tensors in `weights` (already on the compute device/dtype), under
+waits and adds the two. On the CPU kernels the shared experts join the routed job instead (the executor's
+fuse_shared: one job per MoE layer, the shared expert added after the routed ones). Dense weights are hub-named tensors in `weights` (already on the compute device/dtype), under
 the family's names (ktlayouts.families HubNames: Kimi-K2.5's text model sits under `language_model.`).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ktlayouts.families import ModelConfig, get_family
 
 from ..packed_linear import linear
 from . import arch_module, cache_layers
+from .attention import prepare_absorbed
 from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache, StateLayout
 from .layers import Rope, rms_norm, swiglu_mlp
 
@@ -33,6 +35,9 @@ class MoEModel:
         self.has_recurrent_state = self.state_layout is not None
         self.moe_layers = set(cfg.moe_layers)
         self.moe_prefix = [self._moe_prefix(i) for i in range(cfg.num_layers)]
+        if cfg.is_mla:                                     # MLA's absorbed kv_b on the kernels' op: built now
+            prepare_absorbed(cfg, weights, [self.names.layer(i) + "self_attn." for i in range(cfg.num_layers)])
+        self.shared_fused = self._fuse_shared()           # MoE layers whose executor computes the shared expert
         self.lm_head = weights.get(self.names.head)
         if self.lm_head is None:
             if not cfg.tie_word_embeddings:
@@ -48,6 +53,18 @@ class MoEModel:
             if p + cand + self.names.router + ".weight" in self.w:
                 return p + cand
         return p + self.names.moe_prefix
+
+    def _fuse_shared(self) -> set[int]:
+        fuse = getattr(self.experts, "fuse_shared", None)
+        if fuse is None or not (self.names.shared_prefix and self.cfg.n_shared_experts):
+            return set()
+        fused = set()
+        for i in sorted(self.moe_layers):
+            sp = self.names.layer(i) + self.names.shared_prefix
+            lins = [self.w.get(sp + n + ".weight") for n in ("gate_proj", "up_proj", "down_proj")]
+            if all(li is not None for li in lins) and fuse(i, *lins):
+                fused.add(i)
+        return fused
 
     def cache_layout(self, block_size: int = KV_BLOCK_SIZE) -> BlockLayout:
         return BlockLayout(cache_layers(self.arch, self.cfg), tuple(tuple(w) for w in self.arch.cache_widths(self.cfg)),
@@ -67,13 +84,20 @@ class MoEModel:
         p = self.moe_prefix[i]
         ids, wts = self.arch.route(self.cfg, self.w, p, h)                   # (T, k), (T, k)
         out = torch.empty_like(h)
+        scale = getattr(self.arch, "shared_expert_scale", None)               # Qwen3-Next: a sigmoid gate
+        if i in self.shared_fused:                                           # the shared expert in the same job
+            self.experts.submit(i, h, ids, wts, out, shared=True, shared_weights=None if scale is None else
+                                scale(self.cfg, self.w, p, h).float())
+            t0 = time.perf_counter()
+            self.experts.sync()
+            self.timing["expert_wait_s"] += time.perf_counter() - t0
+            return out
         self.experts.submit(i, h, ids, wts, out)                             # CPU works on routed experts...
         shared = None
         if self.names.shared_prefix and self.cfg.n_shared_experts:           # ...while we do the shared ones
             sp = self.names.layer(i) + self.names.shared_prefix
             shared = swiglu_mlp(h, self.w[sp + "gate_proj.weight"], self.w[sp + "up_proj.weight"],
                                 self.w[sp + "down_proj.weight"])
-            scale = getattr(self.arch, "shared_expert_scale", None)           # Qwen3-Next: a sigmoid gate
             if scale is not None:
                 shared = scale(self.cfg, self.w, p, h) * shared
         t0 = time.perf_counter()
@@ -86,7 +110,7 @@ class MoEModel:
         """-> float32 logits: (T, V) for every token if all_logits, else (B, V) for each request's last token."""
         t0 = time.perf_counter()
         cfg, w = self.cfg, self.w
-        x = F.embedding(batch.tokens.to(self.device), w[self.names.embed])               # (T, H)
+        x = F.embedding(batch.tokens.to(self.device), w[self.names.embed]).to(self.dtype)  # (T, H); stored bf16 widens
         cos, sin = self.rope.cos_sin(batch.positions.to(self.device), self.dtype)
         tm, clock = self.timing, time.perf_counter
         for i in range(cfg.num_layers):
