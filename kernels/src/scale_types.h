@@ -22,7 +22,7 @@ struct ScaleF16 { uint16_t bits; };
 // 64-95 the 16 columns' d (float16), 96-127 qh (byte 16 (j / 4) + c: bits 2 (j % 4), +1 = bits 4-5 of u(j, c)),
 // u = q & 63 (two's complement), j the group in the super-block (layouts/README.md).
 struct ScaleSub6 { uint8_t byte; };
-constexpr int kSub6Groups = 8, kSub6RecordBytes = 128;
+constexpr int kSub6Groups = 8, kSub6RecordBytes = 128, kSub6GroupSize = 32;
 
 inline constexpr int scale_bytes(int type) { return type == kScaleF32 ? 4 : type == kScaleSub6 ? 1 : 2; }
 
