@@ -1,0 +1,58 @@
+"""Which GPU Linears' int8 activations cost KL on the CPU path: `ktrun perplexity` of one conversion against a
+`--kl-divergence-base` file, once as loaded (every GPU-quantized Linear on the kernels' int8 Linear op, the CPU
+default) and once per --take regex with the matching Linears run in float32 on their dequantized weights instead
+(the same codes and scales; only the activation quantization is gone). A fused shared expert taken off the op also
+leaves the routed job. bench/README.md ("int8 against Q8_0 on the CPU path") has the measured table.
+
+    .venv/bin/python bench/int8_op_ablation.py CONV BASE.logprobs --text heldout.txt \\
+        --take . 'layers\\.0\\.mlp\\.' 'layers\\.0\\.mlp\\.down' 'self_attn'
+Output lines are `name: value unit` (kl_mean, kl_p99 per case).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from ktlayouts.logprobs import read_logprobs
+from ktrun.engine import Engine
+from ktrun.kernel_linear import KernelLinear
+from ktrun.perplexity import score, text_chunks
+
+
+def run_case(conv: Path, text: str, reference, ctx: int, chunks: int, take: str | None) -> dict:
+    eng = Engine(conv, ctx=ctx, max_batch=1, gpu_weights="kernels")
+    try:
+        m = eng.model
+        names = [n for n, w in m.w.items() if isinstance(w, KernelLinear) and take is not None and re.search(take, n)]
+        for n in names:
+            m.w[n] = m.w[n].dequantize(m.dtype)
+        m.shared_fused -= {i for i in list(m.shared_fused)
+                           if any(n.startswith(m.names.layer(i) + m.names.shared_prefix) for n in names)}
+        rows = text_chunks(eng.tokenizer, text, ctx, chunks)
+        return score(m, rows, reference=reference).summary() | {"linears": len(names)}
+    finally:
+        eng.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("conversion", type=Path)
+    ap.add_argument("base", type=Path, help="the BF16 conversion's --kl-divergence-base file")
+    ap.add_argument("--text", type=Path, required=True)
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--take", nargs="*", default=["."], help="regexes of hub weight names to take off the op")
+    args = ap.parse_args()
+    reference = read_logprobs(args.base)
+    text = args.text.read_text(encoding="utf-8")
+    for take in [None, *args.take]:
+        s = run_case(args.conversion, text, reference, args.ctx, args.chunks, take)
+        tag = "none" if take is None else re.sub(r"\W+", "_", take).strip("_") or "all"
+        print(f"# {tag}: {s['linears']} Linears off the op ({take!r})")
+        print(f"int8_op_ablation.{tag}.kl_mean: {s['kl_mean']:.6f} nats/token")
+        print(f"int8_op_ablation.{tag}.kl_p99: {s['kl_p99']:.5f} nats/token")
+
+
+if __name__ == "__main__":
+    main()
