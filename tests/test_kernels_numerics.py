@@ -90,3 +90,29 @@ def test_no_tokens_and_no_routes():
         out = np.full((2, 64), 5.0, np.float32)
         moe.forward(0, np.ones((2, 64), np.float32), -np.ones((2, 2)), np.ones((2, 2), np.float32), out)
         assert not out.any(), "tokens without experts get zeros (no accumulate)"
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("group", [32, 64, -1])
+def test_int4_extreme_codes_and_activations_equal_scalar(backend, group):
+    """int4 codes at 0 / 15 and activations at +-127 over a long K (per-row: one 8192-deep group), 1-3 rows (the
+    decode body's split chains, high nibbles multiplied in place as 16 x their codes) and 9 rows: bit for bit
+    the scalar twin, and all-15 codes give the exact 7 * 127 * K."""
+    from ktrun.cpu_linear import LinearKernels
+    rng = np.random.default_rng(15)
+    n, k = 32, 8192
+    codes = np.where(rng.random((k, n)) < 0.5, 0, 15).astype(np.uint8)
+    codes[:, 0] = 15
+    xs = {m: np.where(rng.random((m, k)) < 0.5, -1.0, 1.0).astype(np.float32) for m in (1, 2, 3, 9)}
+    for x in xs.values():
+        x[0] = 1.0
+    outs = {}
+    for b in ("scalar", backend):
+        with LinearKernels(n_threads=2, backend=b) as lin:
+            q, s = lin.repack(codes, np.ones((1 if group == -1 else k // group, n), np.float16), 4, group,
+                              scale_dtype="f16")
+            lin.add(0, q, s, n=n, k=k, bits=4, group_size=group)
+            outs[b] = {m: lin.forward(0, x) for m, x in xs.items()}
+    for m in xs:
+        assert np.array_equal(outs[backend][m], outs["scalar"][m]), f"{backend} m={m} group={group}"
+        assert outs[backend][m][0, 0] == np.float32(7 * k), f"{backend} m={m}: all-15 codes, x = 1"
