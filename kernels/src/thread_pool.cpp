@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -103,7 +104,10 @@ ThreadPool::ThreadPool(int n_threads, int n_pools) : n_pools_(n_pools) {
         }
     }
     global_barrier_.init(n_threads);
-    for (int i = 0; i < n_threads; ++i) threads_.emplace_back(&ThreadPool::worker_main, this, i);
+    const char* env = std::getenv("KT_POOL_CALLER");
+    caller_works_ = !(env && std::string(env) == "0");
+    if (caller_works_) cpus_[0] = -1;   // the caller's thread: never pinned here
+    for (int i = caller_works_ ? 1 : 0; i < n_threads; ++i) threads_.emplace_back(&ThreadPool::worker_main, this, i);
 }
 
 ThreadPool::~ThreadPool() {
@@ -121,21 +125,33 @@ void ThreadPool::launch(std::function<void(const WorkerInfo&)> job) {
     {
         std::lock_guard<std::mutex> lk(mu_);
         job_ = std::move(job);
-        pending_ = n_threads();
+        pending_.store(n_threads(), std::memory_order_relaxed);
+        caller_share_.store(caller_works_, std::memory_order_release);
         generation_.fetch_add(1, std::memory_order_release);
     }
-    cv_work_.notify_all();
+    if (!threads_.empty()) cv_work_.notify_all();
+}
+
+void ThreadPool::finish_one() {
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lk(mu_);   // a waiter checks pending_ under mu_: no lost wake-up
+        cv_done_.notify_all();
+    }
 }
 
 void ThreadPool::wait() {
+    if (caller_share_.load(std::memory_order_acquire) && caller_share_.exchange(false, std::memory_order_acq_rel)) {
+        job_(infos_[0]);
+        finish_one();
+    }
+    // The other workers' last items end about when the caller's do: spin a little before sleeping.
+    for (int s = 0; s < 4000 && pending_.load(std::memory_order_acquire) != 0; ++s) cpu_relax();
+    if (pending_.load(std::memory_order_acquire) == 0) return;
     std::unique_lock<std::mutex> lk(mu_);
-    cv_done_.wait(lk, [&] { return pending_ == 0; });
+    cv_done_.wait(lk, [&] { return pending_.load(std::memory_order_acquire) == 0; });
 }
 
-bool ThreadPool::busy() {
-    std::lock_guard<std::mutex> lk(mu_);
-    return pending_ != 0;
-}
+bool ThreadPool::busy() { return pending_.load(std::memory_order_acquire) != 0; }
 
 void ThreadPool::worker_main(int i) {
     if (cpus_[i] >= 0) {
@@ -157,10 +173,7 @@ void ThreadPool::worker_main(int i) {
             job = &job_;
         }
         (*job)(infos_[i]);
-        {
-            std::lock_guard<std::mutex> lk(mu_);
-            if (--pending_ == 0) cv_done_.notify_all();
-        }
+        finish_one();
     }
 }
 
