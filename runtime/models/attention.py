@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
 
 from ..kernel_linear import AbsorbedKvB
-from ..packed_linear import dense_weight, linear
+from ..packed_linear import dense_weight, linear, linear_start
 from . import indexer as lightning
 from .kv_cache import Batch, causal_scores_mask
 from .layers import SERIAL_MAX_ROWS, Rope, linears, rms_norm, serial_torch
@@ -179,14 +179,16 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         qa, ckv = linears(x, [w[p + "q_a_proj.weight"], w[kv_a + "weight"]],
                           [w.get(p + "q_a_proj.bias"), w.get(kv_a + "bias")])
         q_resid = rms_norm(qa, w[p + "q_a_layernorm.weight"], LORA_NORM_EPS)                 # (T, q_lora_rank)
-        q = linear(q_resid, w[p + "q_b_proj.weight"])
+        q_b = linear_start(q_resid, w[p + "q_b_proj.weight"])   # on the CPU kernels: the latent's glue overlaps it
         if indexed:
             ix = lightning.project(cfg, w, p, x, q_resid, rope, cos, sin)
-    q = q.view(T, nh, dn + dr)
-    q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
     c = rms_norm(ckv[:, :R], w[p + "kv_a_layernorm.weight"], LORA_NORM_EPS)
     k_rot = rope.apply(ckv[:, None, R:], cos, sin)[:, 0]                                       # (T, dr)
     latent = torch.cat([c, k_rot], dim=-1)                                                    # (T, R + dr)
+    if cfg.q_lora_rank is not None:
+        q = q_b()
+    q = q.view(T, nh, dn + dr)
+    q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
     o = torch.empty((T, nh, dv), dtype=x.dtype, device=x.device)
     absorbed = []                                     # (request, its latent cache) in the absorbed form
     for s in batch.seqs:
