@@ -295,6 +295,20 @@ class Ours:
         self.lm.close()
 
 
+def evict_page_cache(paths: list[Path]) -> None:
+    """Drop these files' (or directories' files') clean pages from the page cache (posix_fadvise DONTNEED). Pages
+    ktconvert / llama-quantize just wrote sit there as 4 KiB folios and would stay so; read again through ktrun's
+    expert mapping (MADV_HUGEPAGE, ktrun.loader) they come back as 2 MiB folios mapped as 2 MiB pages, which is what
+    a run after a reboot gets. The GGUFs are evicted too, so each system reads its files its own way."""
+    for root in paths:
+        for f in [root] if root.is_file() else [q for q in root.rglob("*") if q.is_file()]:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def dir_bytes(root: Path) -> int:
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
 
@@ -355,6 +369,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dense-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="ktrun's dense part on the CPU (auto: the runtime's default)")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs of `ktrun generate`")
+    ap.add_argument("--keep-page-cache", action="store_true",
+                    help="do not evict the weight files from the page cache before loading (see evict_page_cache)")
     ap.add_argument("--rss-ctx", type=int, default=4096, help="--ctx of the `ktrun generate` RSS runs")
     args = ap.parse_args(argv)
     if (args.llama_bench is None) != (args.convert_script is None):
@@ -379,6 +395,8 @@ def main(argv=None) -> None:
     if args.prepare_only:
         return
 
+    if not args.keep_page_cache:   # both systems' weights start out of the page cache, as after a reboot
+        evict_page_cache([*convs.values(), *ggufs.values()])
     dtype = None if args.dense_dtype == "auto" else getattr(torch, args.dense_dtype)
     ours = {p.name: Ours(convs[p.name], p, dtype) for p in pairs}
     for o in ours.values():
