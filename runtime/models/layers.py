@@ -39,7 +39,11 @@ def serial_torch(on: bool = True):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: (..., D). Normalize in float32, cast back, then scale (transformers order)."""
+    """x: (..., D). Normalize in float32, cast back, then scale (transformers order). float32 x and weight: torch's
+    one fused op, the same float32 operations in the same order (bit-identical, checked in
+    tests/test_runtime_serial_torch.py), one op instead of seven: a decode step runs 13 norms."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     dt = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
