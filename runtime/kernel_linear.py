@@ -97,7 +97,7 @@ class KernelLinear:
         x2 = self._input(x)
         out = torch.empty((x2.shape[0], self.n), dtype=torch.float32)
         if x2.shape[0]:
-            self.lin.submit(self.id, x2, out)
+            self.lin.submit_prepared((self.id,), x2, [out])
 
         def finish() -> torch.Tensor:
             if x2.shape[0]:
@@ -123,7 +123,8 @@ def run_together(linears: list[KernelLinear], x: torch.Tensor) -> list[torch.Ten
     x2 = first._input(x)
     outs = [torch.empty((x2.shape[0], li.n), dtype=torch.float32) for li in linears]
     if x2.shape[0]:
-        first.lin.forward([li.id for li in linears], x2, outs)
+        first.lin.submit_prepared(tuple(li.id for li in linears), x2, outs)
+        first.lin.sync()
     return [o.reshape(*x.shape[:-1], li.n) if x.dtype == torch.float32 else o.reshape(*x.shape[:-1], li.n).to(x.dtype)
             for o, li in zip(outs, linears)]
 
