@@ -15,7 +15,6 @@ from ktlayouts.families import RopeConfig, yarn_mscale
 from ..kernel_linear import KernelLinear, run_together
 from ..packed_linear import linear
 
-
 SERIAL_MAX_ROWS = 8   # token rows up to which serial_torch() keeps a forward's small torch ops on the calling thread
 
 
