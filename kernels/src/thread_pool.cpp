@@ -23,16 +23,20 @@ static inline void cpu_relax() { __builtin_ia32_pause(); }
 // launch costs a futex wake-up, and the job runs on the caller alone until the worker is back. Counted in time, not
 // in pause instructions: a pause takes ~10 ns on some x86 cores and ~40 ns on others (4000 pauses were 38 us here,
 // so the worker slept between nearly all jobs: DeepSeek-V3-shaped decode, 2 cores, step -1.2 to -2 ms with 0.4 ms).
-constexpr auto kSpinBudget = std::chrono::microseconds(1000);
+// Only with the caller as worker 0: n - 1 spinning threads and the caller's torch work then fit n cores. With every
+// worker a pinned thread (KT_POOL_CALLER=0) they would take the cores the caller needs between jobs (a 1 ms spin
+// there: decode step 38 -> 70 ms), so those spin ~40 us, as before.
+constexpr auto kSpinBudgetCaller = std::chrono::microseconds(1000);
+constexpr auto kSpinBudgetThreads = std::chrono::microseconds(40);
 
-// Spin while !done(), at most kSpinBudget; -> done().
+// Spin while !done(), at most budget; -> done().
 template <class Done>
-static bool spin_until(Done done) {
+static bool spin_until(Done done, std::chrono::microseconds budget) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 1;; ++i) {
         if (done()) return true;
         cpu_relax();
-        if ((i & 63) == 0 && std::chrono::steady_clock::now() - t0 > kSpinBudget) return done();
+        if ((i & 63) == 0 && std::chrono::steady_clock::now() - t0 > budget) return done();
     }
 }
 
@@ -151,6 +155,10 @@ void ThreadPool::launch(std::function<void(const WorkerInfo&)> job) {
     if (!threads_.empty()) cv_work_.notify_all();
 }
 
+std::chrono::microseconds ThreadPool::spin_budget() const {
+    return caller_works_ ? kSpinBudgetCaller : kSpinBudgetThreads;
+}
+
 void ThreadPool::finish_one() {
     if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         std::lock_guard<std::mutex> lk(mu_);   // a waiter checks pending_ under mu_: no lost wake-up
@@ -164,7 +172,7 @@ void ThreadPool::wait() {
         finish_one();
     }
     // The other workers' last items end about when the caller's do: spin before sleeping.
-    if (spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; })) return;
+    if (spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; }, spin_budget())) return;
     std::unique_lock<std::mutex> lk(mu_);
     cv_done_.wait(lk, [&] { return pending_.load(std::memory_order_acquire) == 0; });
 }
@@ -181,7 +189,7 @@ void ThreadPool::worker_main(int i) {
     uint64_t seen = 0;
     for (;;) {
         // A decode loop submits job after job: spin before sleeping to skip the wake-up latency.
-        spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
+        spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, spin_budget());
         std::function<void(const WorkerInfo&)>* job;
         {
             std::unique_lock<std::mutex> lk(mu_);

@@ -10,6 +10,7 @@
 // job's barriers wait for it.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -64,6 +65,7 @@ public:
 private:
     void worker_main(int i);
     void finish_one();   // one worker's share of the job is done
+    std::chrono::microseconds spin_budget() const;   // how long a waiting thread spins before it sleeps
 
     int n_pools_;
     std::vector<WorkerInfo> infos_;
