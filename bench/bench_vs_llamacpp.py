@@ -40,6 +40,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP threads must not spin on the kernels' CPUs
 
+import numpy as np
 import torch
 
 # The issue's model: DeepSeek-V3's per-layer shapes (transformers DeepseekV3Config names), fewer layers and experts.
@@ -278,11 +279,25 @@ class Ours:
         bench_pp(self.model, min(pp, 16), pp + 1, self.gen)
         bench_tg(self.model, min(tg, 4), tg + 2, self.gen)
         self.measure_bytes()
+        self.touch_experts()
+
+    def touch_experts(self) -> None:
+        """Fault every expert page in (one byte per 4 KiB), untimed: after evict_page_cache, a page of an expert the
+        warm-up did not route to would be read from disk inside a timed step; and a host that reclaims file pages
+        left unread for a while (this machine's DAMON pageout scheme: 60 s) takes this conversion's expert pages while
+        the other systems' rounds run, so each round starts with this."""
+        for shards in self.lm.converted.experts.values():
+            for shard in shards:
+                for qw, sc, _geom in shard.values():
+                    for a in (qw, sc):
+                        if a is not None:
+                            np.asarray(a).reshape(-1).view(np.uint8)[::4096].max()
 
     def round(self, tg: int, pps: list[int]) -> dict[str, float]:
         from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
 
         ctx = max([tg + 1, *pps]) + 1
+        self.touch_experts()
         wall, parts = bench_tg(self.model, tg, ctx, self.gen)
         res = {f"tg{tg}": tg / wall, "step_s": wall / tg}
         res.update({k: v for k, v in decode_breakdown([{**parts, "wall_s": wall}], tg).items()
@@ -293,6 +308,20 @@ class Ours:
 
     def close(self) -> None:
         self.lm.close()
+
+
+def evict_page_cache(paths: list[Path]) -> None:
+    """Drop these files' (or directories' files') clean pages from the page cache (posix_fadvise DONTNEED). Pages
+    ktconvert / llama-quantize just wrote sit there as 4 KiB folios and would stay so; read again through ktrun's
+    expert mapping (MADV_HUGEPAGE, ktrun.loader) they come back as 2 MiB folios mapped as 2 MiB pages, which is what
+    a run after a reboot gets. The GGUFs are evicted too, so each system reads its files its own way."""
+    for root in paths:
+        for f in [root] if root.is_file() else [q for q in root.rglob("*") if q.is_file()]:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def dir_bytes(root: Path) -> int:
@@ -355,6 +384,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dense-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="ktrun's dense part on the CPU (auto: the runtime's default)")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs of `ktrun generate`")
+    ap.add_argument("--keep-page-cache", action="store_true",
+                    help="do not evict the weight files from the page cache before loading (see evict_page_cache)")
     ap.add_argument("--rss-ctx", type=int, default=4096, help="--ctx of the `ktrun generate` RSS runs")
     args = ap.parse_args(argv)
     if (args.llama_bench is None) != (args.convert_script is None):
@@ -379,6 +410,8 @@ def main(argv=None) -> None:
     if args.prepare_only:
         return
 
+    if not args.keep_page_cache:   # both systems' weights start out of the page cache, as after a reboot
+        evict_page_cache([*convs.values(), *ggufs.values()])
     dtype = None if args.dense_dtype == "auto" else getattr(torch, args.dense_dtype)
     ours = {p.name: Ours(convs[p.name], p, dtype) for p in pairs}
     for o in ours.values():

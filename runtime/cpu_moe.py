@@ -263,7 +263,8 @@ class MoEKernels:
         return self._lib.kt_n_pools(self._ctx)
 
     def thread_cpus(self) -> list[tuple[int, int]]:
-        """(sub-pool, pinned CPU or -1) per worker thread."""
+        """(sub-pool, pinned CPU or -1) per worker. Worker 0 is the thread calling sync() (it computes its share
+        of the job there; not pinned: -1) unless KT_POOL_CALLER=0 made it a pinned thread too."""
         return [(self._lib.kt_thread_pool(self._ctx, i), self._lib.kt_thread_cpu(self._ctx, i))
                 for i in range(self.n_threads)]
 

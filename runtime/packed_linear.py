@@ -99,6 +99,16 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x, b)
 
 
+def linear_start(x: torch.Tensor, w, b: torch.Tensor | None = None):
+    """linear(x, w, b) started: -> a function returning its result. A Linear on the CPU kernels (KernelLinear.start)
+    runs on the pool meanwhile, so torch work between the two calls overlaps it; any other is computed now."""
+    start = getattr(w, "start", None)
+    if start is not None:
+        return start(x, b)
+    y = linear(x, w, b)
+    return lambda: y
+
+
 def dense_weight(w) -> torch.Tensor:
     """The (N, K) tensor of a Linear, dequantizing a packed one (for weights used other than as a matmul)."""
     return w if isinstance(w, torch.Tensor) else w.dequantize()

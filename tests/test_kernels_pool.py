@@ -1,6 +1,7 @@
 """libktkernels thread pool, NUMA sub-pools, shards, async API, binding and errors."""
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -25,7 +26,8 @@ def test_pool_sizes_and_simulated_numa(layer, threads, pools):
     with MoEKernels(n_threads=threads, numa_pools=pools, backend="scalar" if threads == 1 else None) as moe:
         assert (moe.n_threads, moe.numa_pools) == (threads, pools)
         assert sorted({p for p, _ in moe.thread_cpus()}) == list(range(pools))
-        assert all(cpu >= 0 for _, cpu in moe.thread_cpus()), "workers are pinned to CPUs"
+        cpus = [cpu for _, cpu in moe.thread_cpus()]
+        assert cpus[0] == -1 and all(cpu >= 0 for cpu in cpus[1:]), "worker 0 is the caller, the threads are pinned"
         layer.add_to(moe)
         for T, k in [(1, 4), (12, 6)]:
             x = rng.standard_normal((T, layer.H)).astype(np.float32)
@@ -123,3 +125,36 @@ def test_forced_backend_env(backend):
 def test_unknown_backend_env():
     r = _run_with_backend_env("sse9")
     assert r.returncode != 0 and "unknown kernel backend 'sse9'" in r.stderr
+
+
+_POOL_MODE_RUN = """
+import sys; import numpy as np
+sys.path.insert(0, {tests!r})
+from ktrun.cpu_moe import MoEKernels
+from test_kernels_helpers import PackedLayer, routing
+rng = np.random.default_rng(21)
+layer = PackedLayer(rng, n_experts=6, hidden=96, inter=256, bits=4, group_size=64, n_shards=1)
+x = rng.standard_normal(({T}, layer.H)).astype(np.float32)
+ids, w = routing(rng, {T}, 4, layer.E)
+with MoEKernels(n_threads=2) as moe:
+    layer.add_to(moe)
+    print([cpu for _, cpu in moe.thread_cpus()])
+    np.save({out!r}, moe.forward(0, x, ids, w))
+"""
+
+
+@pytest.mark.parametrize("T", [1, 12])
+def test_caller_worker_and_pinned_threads_agree(tmp_path, T):
+    """Worker 0 computing inside sync() (the default) and every worker a pinned thread (KT_POOL_CALLER=0) split the
+    same items: bit-identical outputs; the caller is reported unpinned (-1) only in the default mode."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    outs = {}
+    for mode in ("1", "0"):
+        out = str(tmp_path / f"out{mode}.npy")
+        r = subprocess.run([sys.executable, "-c", _POOL_MODE_RUN.format(tests=tests, T=T, out=out)], check=False,
+                           env={**os.environ, "KT_POOL_CALLER": mode}, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr
+        cpus = ast.literal_eval(r.stdout.strip().splitlines()[-1])
+        assert (cpus[0] == -1) == (mode == "1") and all(c >= 0 for c in cpus[1:]), cpus
+        outs[mode] = np.load(out)
+    np.testing.assert_array_equal(outs["1"], outs["0"])

@@ -49,14 +49,18 @@ const char* kt_last_error(void);
 /* 1 when the named backend ("scalar", "avx2", "avx512", "amx") can run on this CPU. */
 int kt_backend_supported(const char* name);
 /* n_threads <= 0: all CPUs of the process; n_pools <= 0: one per NUMA node (env KT_NUMA_POOLS overrides);
- * backend NULL or "": env KT_KERNEL_BACKEND, else the best supported. Returns NULL on error. */
+ * backend NULL or "": env KT_KERNEL_BACKEND, else the best supported. Returns NULL on error.
+ * Worker 0 is the thread that calls kt_sync (or a submit, which waits for the job in flight): it computes its share of
+ * the job there, so n_threads workers start n_threads - 1 threads; env KT_POOL_CALLER=0 makes all n pinned threads
+ * (kernels/README.md "The thread pool"). */
 kt_ctx* kt_create(int n_threads, int n_pools, const char* backend);
 void kt_destroy(kt_ctx* ctx);
 const char* kt_backend_name(const kt_ctx* ctx);      /* e.g. "avx512" */
 const char* kt_backend_detail(const kt_ctx* ctx);    /* e.g. "avx512 (int: vpdpbusd zmm, bf16: vdpbf16ps)" */
 int kt_n_threads(const kt_ctx* ctx);
 int kt_n_pools(const kt_ctx* ctx);
-/* CPU the worker thread runs pinned to (-1 if pinning failed), and its sub-pool. */
+/* CPU the worker thread runs pinned to (-1 if pinning failed, or for worker 0 when it is the calling thread), and its
+ * sub-pool. */
 int kt_thread_cpu(const kt_ctx* ctx, int thread);
 int kt_thread_pool(const kt_ctx* ctx, int thread);
 

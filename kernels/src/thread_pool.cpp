@@ -5,7 +5,9 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -15,6 +17,28 @@
 namespace kt {
 
 static inline void cpu_relax() { __builtin_ia32_pause(); }
+
+// How long an idle worker, or a caller waiting for the last items, spins before it sleeps on a condition variable.
+// A decode step runs ~20 jobs with 0.1-0.5 ms of the caller's torch work between them; a worker asleep at the next
+// launch costs a futex wake-up, and the job runs on the caller alone until the worker is back. Counted in time, not
+// in pause instructions: a pause takes ~10 ns on some x86 cores and ~40 ns on others (4000 pauses were 38 us here,
+// so the worker slept between nearly all jobs: DeepSeek-V3-shaped decode, 2 cores, step -1.2 to -2 ms with 0.4 ms).
+// Only with the caller as worker 0: n - 1 spinning threads and the caller's torch work then fit n cores. With every
+// worker a pinned thread (KT_POOL_CALLER=0) they would take the cores the caller needs between jobs (a 1 ms spin
+// there: decode step 38 -> 70 ms), so those spin ~40 us, as before.
+constexpr auto kSpinBudgetCaller = std::chrono::microseconds(1000);
+constexpr auto kSpinBudgetThreads = std::chrono::microseconds(40);
+
+// Spin while !done(), at most budget; -> done().
+template <class Done>
+static bool spin_until(Done done, std::chrono::microseconds budget) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 1;; ++i) {
+        if (done()) return true;
+        cpu_relax();
+        if ((i & 63) == 0 && std::chrono::steady_clock::now() - t0 > budget) return done();
+    }
+}
 
 void SpinBarrier::wait() {
     const unsigned gen = generation_.load(std::memory_order_acquire);
@@ -103,7 +127,10 @@ ThreadPool::ThreadPool(int n_threads, int n_pools) : n_pools_(n_pools) {
         }
     }
     global_barrier_.init(n_threads);
-    for (int i = 0; i < n_threads; ++i) threads_.emplace_back(&ThreadPool::worker_main, this, i);
+    const char* env = std::getenv("KT_POOL_CALLER");
+    caller_works_ = !(env && std::string(env) == "0");
+    if (caller_works_) cpus_[0] = -1;   // the caller's thread: never pinned here
+    for (int i = caller_works_ ? 1 : 0; i < n_threads; ++i) threads_.emplace_back(&ThreadPool::worker_main, this, i);
 }
 
 ThreadPool::~ThreadPool() {
@@ -121,21 +148,36 @@ void ThreadPool::launch(std::function<void(const WorkerInfo&)> job) {
     {
         std::lock_guard<std::mutex> lk(mu_);
         job_ = std::move(job);
-        pending_ = n_threads();
+        pending_.store(n_threads(), std::memory_order_relaxed);
+        caller_share_.store(caller_works_, std::memory_order_release);
         generation_.fetch_add(1, std::memory_order_release);
     }
-    cv_work_.notify_all();
+    if (!threads_.empty()) cv_work_.notify_all();
+}
+
+std::chrono::microseconds ThreadPool::spin_budget() const {
+    return caller_works_ ? kSpinBudgetCaller : kSpinBudgetThreads;
+}
+
+void ThreadPool::finish_one() {
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lk(mu_);   // a waiter checks pending_ under mu_: no lost wake-up
+        cv_done_.notify_all();
+    }
 }
 
 void ThreadPool::wait() {
+    if (caller_share_.load(std::memory_order_acquire) && caller_share_.exchange(false, std::memory_order_acq_rel)) {
+        job_(infos_[0]);
+        finish_one();
+    }
+    // The other workers' last items end about when the caller's do: spin before sleeping.
+    if (spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; }, spin_budget())) return;
     std::unique_lock<std::mutex> lk(mu_);
-    cv_done_.wait(lk, [&] { return pending_ == 0; });
+    cv_done_.wait(lk, [&] { return pending_.load(std::memory_order_acquire) == 0; });
 }
 
-bool ThreadPool::busy() {
-    std::lock_guard<std::mutex> lk(mu_);
-    return pending_ != 0;
-}
+bool ThreadPool::busy() { return pending_.load(std::memory_order_acquire) != 0; }
 
 void ThreadPool::worker_main(int i) {
     if (cpus_[i] >= 0) {
@@ -146,8 +188,8 @@ void ThreadPool::worker_main(int i) {
     }
     uint64_t seen = 0;
     for (;;) {
-        // A decode loop submits layer after layer: spin a little before sleeping to skip the wake-up latency.
-        for (int s = 0; s < 4000 && generation_.load(std::memory_order_acquire) == seen; ++s) cpu_relax();
+        // A decode loop submits job after job: spin before sleeping to skip the wake-up latency.
+        spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, spin_budget());
         std::function<void(const WorkerInfo&)>* job;
         {
             std::unique_lock<std::mutex> lk(mu_);
@@ -157,10 +199,7 @@ void ThreadPool::worker_main(int i) {
             job = &job_;
         }
         (*job)(infos_[i]);
-        {
-            std::lock_guard<std::mutex> lk(mu_);
-            if (--pending_ == 0) cv_done_.notify_all();
-        }
+        finish_one();
     }
 }
 

@@ -1,7 +1,16 @@
 // Persistent worker threads pinned to CPUs, grouped into sub-pools (one per NUMA node, or simulated).
 // One job at a time: launch() returns at once, wait() blocks until every worker finished the job.
+//
+// Worker 0 is, by default, the thread that calls wait() (the one that submitted, in ktrun the Python thread): it runs
+// its share of the job inside wait() instead of sleeping there, so a pool of n workers starts n-1 threads. A decode
+// step submits a job and waits for it at once ~20 times; a sleeping caller paid a futex sleep and a wake-up per job
+// and an extra runnable thread on the cores between jobs. It is not pinned (its CPU is its own business).
+// KT_POOL_CALLER=0 (read at construction) makes every worker a pinned thread again: for callers that do other work
+// between submit and sync (a GPU's launches), since the caller's share of a job then starts only in wait() and a
+// job's barriers wait for it.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -47,13 +56,16 @@ public:
     int cpu_of(int i) const { return cpus_[i]; }
 
     void launch(std::function<void(const WorkerInfo&)> job);
-    void wait();
+    void wait();     // runs worker 0's share first when the caller is worker 0
     bool busy();
+    bool caller_works() const { return caller_works_; }
     void pool_barrier(int pool) { pool_barriers_[pool].wait(); }
     void global_barrier() { global_barrier_.wait(); }
 
 private:
     void worker_main(int i);
+    void finish_one();   // one worker's share of the job is done
+    std::chrono::microseconds spin_budget() const;   // how long a waiting thread spins before it sleeps
 
     int n_pools_;
     std::vector<WorkerInfo> infos_;
@@ -65,7 +77,9 @@ private:
     std::condition_variable cv_work_, cv_done_;
     std::function<void(const WorkerInfo&)> job_;
     std::atomic<uint64_t> generation_{0};
-    int pending_ = 0;
+    std::atomic<int> pending_{0};        // workers (the caller included) still running the job
+    std::atomic<bool> caller_share_{false};   // worker 0's share of the job not taken yet (caller_works_)
+    bool caller_works_ = true;
     bool stop_ = false;
 };
 

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
 
 from ..kernel_linear import AbsorbedKvB
-from ..packed_linear import dense_weight, linear
+from ..packed_linear import dense_weight, linear, linear_start
 from . import indexer as lightning
 from .kv_cache import Batch, causal_scores_mask
-from .layers import Rope, linears, rms_norm
+from .layers import SERIAL_MAX_ROWS, Rope, linears, rms_norm, serial_torch
 
+SERIAL_MAX_SCORES = 16384   # decode scores (heads x tokens x positions) up to which attention's GEMMs run serially
 LORA_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm use the default eps in the reference, not rms_norm_eps
 
 
@@ -178,14 +179,16 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         qa, ckv = linears(x, [w[p + "q_a_proj.weight"], w[kv_a + "weight"]],
                           [w.get(p + "q_a_proj.bias"), w.get(kv_a + "bias")])
         q_resid = rms_norm(qa, w[p + "q_a_layernorm.weight"], LORA_NORM_EPS)                 # (T, q_lora_rank)
-        q = linear(q_resid, w[p + "q_b_proj.weight"])
+        q_b = linear_start(q_resid, w[p + "q_b_proj.weight"])   # on the CPU kernels: the latent's glue overlaps it
         if indexed:
             ix = lightning.project(cfg, w, p, x, q_resid, rope, cos, sin)
-    q = q.view(T, nh, dn + dr)
-    q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
     c = rms_norm(ckv[:, :R], w[p + "kv_a_layernorm.weight"], LORA_NORM_EPS)
     k_rot = rope.apply(ckv[:, None, R:], cos, sin)[:, 0]                                       # (T, dr)
     latent = torch.cat([c, k_rot], dim=-1)                                                    # (T, R + dr)
+    if cfg.q_lora_rank is not None:
+        q = q_b()
+    q = q.view(T, nh, dn + dr)
+    q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
     o = torch.empty((T, nh, dv), dtype=x.dtype, device=x.device)
     absorbed = []                                     # (request, its latent cache) in the absorbed form
     for s in batch.seqs:
@@ -208,33 +211,46 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         probs = _softmax_attend(scores, mask)
         o[rows] = torch.matmul(probs, kv[..., dn:].transpose(0, 1)).transpose(0, 1)           # (n, nh, dv)
     if absorbed:
-        ab = _absorbed(w, p, nh, dn, dv, R)
-        on_op = isinstance(ab, AbsorbedKvB)
-        if len(absorbed) == len(batch.seqs):    # every request (decode): all T rows in order, no gather/scatter
-            idx, m = slice(None), T
-        else:
-            idx = torch.cat([torch.arange(s.offset, s.offset + s.n) for s, _, _ in absorbed]).to(x.device)
-            m = idx.numel()
-        # Absorbed query rows [q_nope W_uk | q_rot] * scale (the softmax scale folded into the m query rows, not
-        # the S keys), scored against the cached latent rows [c | k_rot] in one GEMM per request.
-        if on_op:
-            q_lat = ab.q_latent(q_nope[idx]).transpose(0, 1)                                  # (nh, m, R)
-        else:
-            q_lat = torch.matmul(ab[0], q_nope[idx].permute(1, 2, 0).float()).transpose(1, 2)  # (nh, m, R)
+        _absorbed_attention(w, p, nh, dn, dr, dv, R, scale, x, T, q_nope, q_rot, absorbed, batch, o)
+    return linear(o.reshape(T, nh * dv), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+
+
+def _absorbed_attention(w: dict, p: str, nh: int, dn: int, dr: int, dv: int, R: int, scale: float, x: torch.Tensor,
+                        T: int, q_nope: torch.Tensor, q_rot: torch.Tensor, absorbed: list, batch: Batch,
+                        o: torch.Tensor) -> None:
+    """The absorbed form for the requests in absorbed [(request, its latent cache runs, mask)]: writes their rows
+    of o (T, nh, dv)."""
+    ab = _absorbed(w, p, nh, dn, dv, R)
+    on_op = isinstance(ab, AbsorbedKvB)
+    if len(absorbed) == len(batch.seqs):    # every request (decode): all T rows in order, no gather/scatter
+        idx, m = slice(None), T
+    else:
+        idx = torch.cat([torch.arange(s.offset, s.offset + s.n) for s, _, _ in absorbed]).to(x.device)
+        m = idx.numel()
+    # Absorbed query rows [q_nope W_uk | q_rot] * scale (the softmax scale folded into the m query rows, not
+    # the S keys), scored against the cached latent rows [c | k_rot] in one GEMM per request.
+    if on_op:
+        q_lat = ab.q_latent(q_nope[idx]).transpose(0, 1)                                  # (nh, m, R)
+    else:
+        q_lat = torch.matmul(ab[0], q_nope[idx].permute(1, 2, 0).float()).transpose(1, 2)  # (nh, m, R)
+    small = m <= SERIAL_MAX_ROWS          # decode-sized: no OpenMP wake-up per op (layers.serial_torch)
+    with serial_torch(small):
         q_cat = torch.cat([q_lat.to(x.dtype), q_rot[idx].transpose(0, 1)], dim=-1) * scale
-        out_lat = torch.empty((m, nh, R), dtype=torch.float32, device=x.device)              # (m, nh, R)
-        j = 0
-        for s, lats, mask in absorbed:
-            # All heads and tokens of the request are the M rows of two GEMMs per cache run, read in place: the
-            # per-step work besides them is a fixed number of small ops per run, whatever S is.
+    out_lat = torch.empty((m, nh, R), dtype=torch.float32, device=x.device)                  # (m, nh, R)
+    j = 0
+    for s, lats, mask in absorbed:
+        # All heads and tokens of the request are the M rows of two GEMMs per cache run, read in place: the
+        # per-step work besides them is a fixed number of small ops per run, whatever S is. Serial while the
+        # scores are few (a short context); a long one's GEMMs are worth torch's threads.
+        with serial_torch(small and nh * s.n * (s.start + s.n) <= SERIAL_MAX_SCORES):
             qs = q_cat[:, j:j + s.n].reshape(nh * s.n, R + dr)                                # (nh*n, R + dr)
             scores = _cat_scores([torch.matmul(qs, lat.t()) for lat in lats]).view(nh, s.n, -1)  # (nh, n, S)
             probs = _softmax_attend(scores, mask).view(nh * s.n, -1)
             lat_o = _attend_runs(probs, [lat[:, :R] for lat in lats], torch.matmul).view(nh, s.n, R)
+        with serial_torch(small):
             out_lat[j:j + s.n] = lat_o.transpose(0, 1)
-            j += s.n
-        if on_op:
-            o[idx] = ab.values(out_lat).to(x.dtype)                                          # (m, nh, dv)
-        else:
-            o[idx] = torch.matmul(ab[1], out_lat.permute(1, 2, 0)).permute(2, 0, 1).to(x.dtype)
-    return linear(o.reshape(T, nh * dv), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+        j += s.n
+    if on_op:
+        o[idx] = ab.values(out_lat).to(x.dtype)                                          # (m, nh, dv)
+    else:
+        o[idx] = torch.matmul(ab[1], out_lat.permute(1, 2, 0)).permute(2, 0, 1).to(x.dtype)

@@ -5,6 +5,7 @@ dtype, router math in float32.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -14,9 +15,34 @@ from ktlayouts.families import RopeConfig, yarn_mscale
 from ..kernel_linear import KernelLinear, run_together
 from ..packed_linear import linear
 
+SERIAL_MAX_ROWS = 8   # token rows up to which serial_torch() keeps a forward's small torch ops on the calling thread
+
+
+@contextlib.contextmanager
+def serial_torch(on: bool = True):
+    """Run the torch ops of the block on the calling thread only (when on). For decode-sized glue: an op above torch's
+    grain (32768 elements, e.g. MLA's (128, 1, 576) absorbed query) or an MKL matmul opens a parallel region, which
+    wakes the sleeping OpenMP team (OMP_WAIT_POLICY=PASSIVE, so idle threads leave the cores to the expert kernels):
+    ~80 us per op on an idle 2-core machine against ~9 us serial, several hundred when the other core is busy.
+    Only for ops whose results do not depend on the thread count (elementwise ops; matmuls of the shapes used, checked
+    equal: tests/test_runtime_serial_torch.py), so a token's bits do not depend on the batch it runs in."""
+    n = torch.get_num_threads()
+    if not on or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: (..., D). Normalize in float32, cast back, then scale (transformers order)."""
+    """x: (..., D). Normalize in float32, cast back, then scale (transformers order). float32 x and weight: torch's
+    one fused op, the same float32 operations in the same order (bit-identical, checked in
+    tests/test_runtime_serial_torch.py), one op instead of seven: a decode step runs 13 norms."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     dt = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

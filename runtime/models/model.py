@@ -18,7 +18,7 @@ from ..packed_linear import linear
 from . import arch_module, cache_layers
 from .attention import prepare_absorbed
 from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache, StateLayout
-from .layers import Rope, rms_norm, swiglu_mlp
+from .layers import SERIAL_MAX_ROWS, Rope, rms_norm, serial_torch, swiglu_mlp
 
 
 class MoEModel:
@@ -82,7 +82,8 @@ class MoEModel:
 
     def _moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
         p = self.moe_prefix[i]
-        ids, wts = self.arch.route(self.cfg, self.w, p, h)                   # (T, k), (T, k)
+        with serial_torch(h.shape[0] <= SERIAL_MAX_ROWS):     # a (T, H) x (H, E) matmul: no OpenMP wake-up
+            ids, wts = self.arch.route(self.cfg, self.w, p, h)               # (T, k), (T, k)
         out = torch.empty_like(h)
         scale = getattr(self.arch, "shared_expert_scale", None)               # Qwen3-Next: a sigmoid gate
         if i in self.shared_fused:                                           # the shared expert in the same job
