@@ -54,6 +54,6 @@ def test_tiny_bench_against_llama_cpp(tmp_path):
     for test in ("tg4", "pp8", "pp16"):
         ours, peer = lines[f"{test}_ktrun_int4"][0], lines[f"{test}_llamacpp_q4_0"][0]
         ratio, unit = lines[f"{test}_ktrun_int4_over_llamacpp_q4_0"]
-        assert unit == "ratio" and ratio == pytest.approx(ours / peer, rel=0.02)
+        assert unit == "ratio" and ratio == pytest.approx(ours / peer, rel=0.02, abs=6e-4)   # printed to 3 decimals
     assert (tmp_path / "tiny" / "llamacpp-Q4_0.gguf").is_file()
     assert lines["llamacpp_q4_0_weight_bytes_per_token"][0] > 0

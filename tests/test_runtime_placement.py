@@ -35,7 +35,10 @@ def logits(conv, **kw) -> torch.Tensor:
 
 def _mapped(a: np.ndarray) -> bool:
     while a is not None and not isinstance(a, mmap.mmap):
-        a = getattr(a, "base", None) if not isinstance(a, np.memmap) or a.base is not None else a._mmap
+        if isinstance(a, memoryview):        # np.frombuffer(mmap): the array's base is a memoryview of the map
+            a = a.obj
+        else:
+            a = getattr(a, "base", None) if not isinstance(a, np.memmap) or a.base is not None else a._mmap
     return isinstance(a, mmap.mmap)
 
 
