@@ -157,13 +157,43 @@ def _map_tensors(path: Path, listed: dict, huge_pages: bool = False) -> dict[str
     return out
 
 
+def memory_limit_bytes() -> int:
+    """Memory this process may fill, page cache included: physical RAM, or less where its memory cgroup sets a limit
+    (v2 `memory.max`, v1 `memory.limit_in_bytes`)."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return limit
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            f = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"
+        elif "memory" in controllers.split(","):
+            f = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = min(limit, int(text))
+    return limit
+
+
 def _map_experts(root: Path, manifest: dict, geo: ExpertGeometry) -> tuple[dict[int, list[dict]], int]:
+    # Huge pages only for expert files that fit in memory: where they do not, the page cache evicts and re-reads
+    # them, and each fault on a huge-page mapping then reads 2 MiB instead of 4 KiB (plain mmap at 2x the memory
+    # cgroup's cap read 324-500 MB per token with the advice against 110-130 MB without it: bench_expert_tier.py).
+    files = {expert_file(layer, s, geo.numa_nodes) for layer in geo.moe_layers for s in range(geo.numa_nodes)}
+    huge_pages = sum(int(manifest["files"][rel]["size"]) for rel in files) <= memory_limit_bytes()
     layers, nbytes = {}, 0
     for layer in geo.moe_layers:
         shards = []
         for s in range(geo.numa_nodes):
             rel = expert_file(layer, s, geo.numa_nodes)
-            arrays = _map_tensors(safe_relpath(root, rel), manifest["files"][rel]["tensors"], huge_pages=True)
+            arrays = _map_tensors(safe_relpath(root, rel), manifest["files"][rel]["tensors"], huge_pages)
             shard = {}
             for p in PROJECTIONS:
                 qw = arrays[expert_tensor(p, "qweight")]

@@ -42,6 +42,28 @@ def _mapped(a: np.ndarray) -> bool:
     return isinstance(a, mmap.mmap)
 
 
+def test_huge_pages_only_for_expert_files_that_fit_in_memory(tmp_path_factory, monkeypatch):
+    from ktrun import loader
+
+    advised = []
+    real = loader._map_file
+
+    def spy(path, huge):
+        if path.parent.name == "experts":
+            advised.append(huge)
+        return real(path, huge)
+
+    monkeypatch.setattr(loader, "_map_file", spy)
+    conv = converted(tmp_path_factory, "qwen3_moe", "int4-amx")
+    assert loader.memory_limit_bytes() > 0
+    load_converted(conv, device="cpu")
+    assert advised and all(advised)                       # a few MB of experts: advised
+    advised.clear()
+    monkeypatch.setattr(loader, "memory_limit_bytes", lambda: 4096)
+    load_converted(conv, device="cpu")
+    assert advised and not any(advised)                   # larger than memory: 4 KiB pages, no 2 MiB re-reads
+
+
 def test_expert_tensors_are_views_of_the_mapped_files(tmp_path_factory):
     m = load_converted(converted(tmp_path_factory, "qwen3_moe", "int4-amx"), device="cpu")
     for shards in m.experts.values():
