@@ -3,9 +3,9 @@
 - manifest.json is validated by ktlayouts.converted_dir (structure, format version, expert geometry).
 - Every listed file must exist with the listed size (a missing or truncated shard fails here, before generation);
   `verify=True` also checks sha256 (reads everything, with a progress bar).
-- Expert files are mapped (a read-only mmap of the whole file advised for huge pages, tensors as views at their header offsets): nothing is
-  read at start-up, so start-up time does not grow with expert bytes. Each tensor's offset in the file header must
-  equal the manifest's.
+- Expert files are mapped (a read-only mmap of the whole file, advised for huge pages where the files fit in memory;
+  tensors as views at their header offsets): nothing is read at start-up, so start-up time does not grow with expert
+  bytes. Each tensor's offset in the file header must equal the manifest's.
 - Dense tensors (hub names) are read and placed on CUDA when available, else the CPU; GPU-quantized Linears are
   placed by ktrun.dense_placement (`gpu_weights`): on the CPU repacked once for the kernels' quantized Linear op
   (ktrun.kernel_linear, the default), or dequantized at load, or kept packed in the Marlin layout and run by an
