@@ -13,6 +13,7 @@ blocks, counted in every tier's budget (the device's too), corrupted on disk (de
 from __future__ import annotations
 
 import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,7 @@ def reference(base: Engine, reqs: dict[str, list[int]], n: int = N_GEN) -> dict[
 def test_cached_outputs_equal_uncached(family):
     arch, conv, base = family
     eng = Engine(conv, ctx=CTX, max_batch=8, kv_block_size=B)
-    rng = random.Random(hash(arch) % 1000)
+    rng = random.Random(zlib.crc32(arch.encode()))       # not hash(): str hashes change per process
     system = prompt(rng, 5 * B + 3)                                  # a shared prefix that ends inside a block
     reqs = {"cold": system + prompt(rng, 7), "again": None, "partial": system + prompt(rng, 4)}
     reqs["again"] = list(reqs["cold"])
