@@ -473,9 +473,21 @@ class ExpertRamTier:
         self._busy_at = (now, busy, self.wait_s)
         return self._shares or (0.0, 1.0)
 
-    def prefetch(self, layer: int, experts) -> int:
+    def prefetch_gate(self) -> int | None:
+        """How many predicted experts a prefetch() may read now: None (every one), 1 (a probe is due) or 0 (none: the
+        caller need not predict at all, which saves the predictor's CPU time on every throttled layer). Each call
+        updates the recent shares and counts a throttled call (prefetch() below says when and why)."""
+        with self._cv:
+            busy, waited = self.recent_shares()
+            if self.prefetch_use() >= max(PREFETCH_MIN_USE, busy) and waited >= WAIT_MIN:
+                return None
+            self.counters["prefetch_throttled"] += 1
+            return 1 if self._since_probe >= PROBE_LOADS else 0
+
+    def prefetch(self, layer: int, experts, limit: int | None | str = "ask") -> int:
         """Start reading predicted experts of `layer` (best first) that are not in RAM, as far as unpinned room
-        allows (never waits, never evicts a pinned or just-predicted expert). While the recent prefetches were used
+        allows (never waits, never evicts a pinned or just-predicted expert); at most `limit` of them, as
+        prefetch_gate() answered (asked here unless given). While the recent prefetches were used
         less than max(PREFETCH_MIN_USE, the disk's recent busy share) of the time, only the best-ranked one is
         read, once per PROBE_LOADS demand loads (a probe that keeps measuring); the same while callers waited on reads
         less than WAIT_MIN of the time. A wrong prefetch costs a read and evicts an expert; a right one can at most
@@ -483,14 +495,14 @@ class ExpertRamTier:
         (the default model on a 2 MB/s disk) prefetches used 47% of the time read 17% more bytes and decode ran 16%
         slower; where reads were waited on 2% of the time (unthrottled) they cost CPU time and gained nothing.
         -> reads issued."""
+        if limit == "ask":
+            limit = self.prefetch_gate()
         issued, batch = 0, []
         with self._cv:
             gs = [self.g(layer, e) for e in experts]
             keep = set(gs)
-            busy, waited = self.recent_shares()
-            if self.prefetch_use() < max(PREFETCH_MIN_USE, busy) or waited < WAIT_MIN:
-                self.counters["prefetch_throttled"] += 1
-                gs = [g for g in gs if self._state[g] == ABSENT][:1] if self._since_probe >= PROBE_LOADS else []
+            if limit is not None:
+                gs = [g for g in gs if self._state[g] == ABSENT][:limit]
                 if gs:
                     self._since_probe = 0
             for g in gs:

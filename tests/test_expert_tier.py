@@ -317,7 +317,14 @@ def test_prefetch_throttles_to_a_rare_probe_while_its_guesses_go_unused(default_
                 shares(0.0, 0.5)
                 issued.append(tier.prefetch(L, [2 * i, 2 * i + 1]))
             assert issued == [1, 0, 0, 1] and tier.counters["prefetch_throttled"] == 4
+            shares(0.0, 0.5)                   # the gate alone: nothing to read (the caller skips predicting)
+            assert tier.prefetch_gate() == 0 and tier.counters["prefetch_throttled"] == 5
+            tier._since_probe = PROBE_LOADS
+            shares(0.0, 0.5)
+            assert tier.prefetch_gate() == 1                                   # a probe is due
             tier._outcomes.extend([True] * PREFETCH_WINDOW)
+            shares(0.0, 0.5)
+            assert tier.prefetch_gate() is None
             shares(0.0, 0.5)
             assert tier.prefetch(L, [E - 3, E - 2, E - 1]) == 3
             tier.drain()
@@ -334,6 +341,59 @@ def test_prefetch_throttles_to_a_rare_probe_while_its_guesses_go_unused(default_
             tier.drain()
         finally:
             tier.close()
+
+
+def test_no_prediction_while_the_tier_would_read_none():
+    """TieredExperts asks the tier's gate before predicting: a closed gate (0) skips the predictor (its router
+    matmul and ranking cost ~0.3 ms of CPU per layer for reads that would not be issued); a due probe (1) or an open
+    gate (None) predicts and passes the limit on to prefetch()."""
+    from ktrun.tiered_experts import TieredExperts
+
+    class Tier:
+        n_experts = 8
+
+        def __init__(self, gates):
+            self.gates, self.prefetched = list(gates), []
+
+        def ensure_each(self, layer, need):
+            return [], [None] * len(need)                    # everything resident
+
+        def prefetch_gate(self):
+            return self.gates.pop(0)
+
+        def prefetch(self, layer, experts, limit):
+            self.prefetched.append((layer, experts, limit))
+
+        def release(self, gs):
+            pass
+
+    class Cpu:
+        def submit(self, *a, **k):
+            pass
+
+        def sync(self):
+            pass
+
+    class Predictor:
+        calls = 0
+
+        def observe(self, layer, actual, ids):
+            pass
+
+        def predict(self, layer, x, ids):
+            Predictor.calls += 1
+            return layer + 1, [5, 6]
+
+    tier = Tier([0, 1, None])
+    ex = TieredExperts(Cpu(), tier, Predictor())
+    try:
+        x, ids, w = torch.zeros(1, 4), torch.tensor([[1, 2]]), torch.ones(1, 2)
+        for _ in range(3):
+            ex.submit(0, x, ids, w, torch.zeros(1, 4))
+            ex.sync()
+        assert Predictor.calls == 2 and tier.prefetched == [(1, [5, 6], 1), (1, [5, 6], None)]
+    finally:
+        ex._launcher.shutdown()
 
 
 @pytest.mark.parametrize("T", [1, 6])
