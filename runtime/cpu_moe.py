@@ -66,11 +66,6 @@ class _Piece(ctypes.Structure):
                 ("pool", ctypes.c_int32)]
 
 
-def _torch_f32():
-    import torch          # this module works on numpy arrays without torch; submit_prepared takes torch tensors
-    return torch.float32
-
-
 def _library_path() -> str:
     env = os.environ.get("KT_KERNELS_LIB")
     if env:
@@ -409,7 +404,7 @@ class MoEKernels:
         expert. The C side still checks the layer ids; submit() took ~150 us of a decode step's MoE layer in its
         numpy conversions and checks, caches cold after the previous job."""
         T, hidden = x.shape
-        args = (self._ctx, layer_id, T, x.data_ptr(), 0 if x.dtype == _torch_f32() else 1,
+        args = (self._ctx, layer_id, T, x.data_ptr(), 0 if x.element_size() == 4 else 1,   # float32 / bfloat16
                 x.stride(0) if T > 1 else hidden, ids.shape[1], ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
                 hidden, 0)
         self.sync()
