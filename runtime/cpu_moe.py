@@ -107,6 +107,7 @@ def load_library() -> ctypes.CDLL:
         "kt_measure_int8_peak": (ctypes.c_double, [c_p, ctypes.c_double]),
         "kt_rms_norm": (c_int, [c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_p, ctypes.c_float, c_int, c_p,
                                 c_i64]),
+        "kt_rope": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_i64, c_p, c_p, c_i64, c_int, c_p, c_i64, c_i64]),
         # the dense Linear op (ktrun.cpu_linear)
         "kt_add_linear": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
         "kt_add_linear_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),

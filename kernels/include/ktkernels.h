@@ -22,7 +22,8 @@ extern "C" {
                                  kt_linear_submit_grouped_scaled (groups sharing a scaled input),
                                  kt_add_linear_ex / kt_linear_repack_ex (float16 scales of dense Linears);
                              10: kt_rms_norm (float32 RMSNorm rows, optionally after a residual add, on the calling
-                                 thread, bit-identical to torch's CPU F.rms_norm) */
+                                 thread, bit-identical to torch's CPU F.rms_norm), kt_rope (float32 rotary embedding,
+                                 bit-identical to torch's elementwise formula) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -193,6 +194,14 @@ double kt_measure_int8_peak(kt_ctx* ctx, double seconds);
 int kt_rms_norm(int64_t T, int64_t D, const float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
                 float* sum_out, int64_t sum_stride, const float* weight, float eps, int lanes, float* out,
                 int64_t out_stride);
+
+/* Rotary embedding of T x H rows of 2*half float32 on the calling thread: with x1[i], x2[i] = x[2i], x[2i+1]
+ * (interleaved) or x[i], x[half+i], out[i] = x1 cos[i] - x2 sin[i] and out[half+i] = x2 cos[i] + x1 sin[i], each
+ * product rounded before the add (torch's separate ops; ktrun.models.layers.Rope.apply). cos / sin: (T, half) rows
+ * cs_stride apart; strides in floats; out must not overlap x. Returns -1 for bad arguments. */
+int kt_rope(int64_t T, int64_t H, int64_t half, const float* x, int64_t x_stride_t, int64_t x_stride_h,
+            const float* cos, const float* sin, int64_t cs_stride, int interleaved, float* out, int64_t out_stride_t,
+            int64_t out_stride_h);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -1,5 +1,6 @@
-"""ktrun.cpu_norm: float32 RMSNorm rows (optionally after a residual add) in one libktkernels call (kt_rms_norm),
-bit-identical to torch's CPU float32 F.rms_norm, for the decode step's glue.
+"""ktrun.cpu_glue: the decode step's float32 glue in single libktkernels calls on the calling thread, bit-identical to
+the torch ops they replace: RMSNorm rows, optionally after a residual add (kt_rms_norm, torch's CPU F.rms_norm), and
+the rotary embedding (kt_rope, ktrun.models.layers.Rope.apply's elementwise formula).
 
 Why: torch's F.rms_norm on the CPU is a composite of 8 aten ops (pow, mean = sum + div, add, rsqrt, mul, mul). A
 decode step runs 13 norms between kernel jobs, while the pool idles, and right after a job has streamed hundreds of MB
@@ -24,12 +25,19 @@ _PROBE_D = (16, 100, 512, 1536, 7168, 7171)
 _state: dict = {}        # "lanes": the vector width that matches torch (0: none / no library), "lib"
 
 
-def _lanes() -> int:
-    if "lanes" not in _state:
-        _state["lanes"] = 0
+def _library():
+    if "lib" not in _state:
         try:
             _state["lib"] = load_library()
         except (KernelError, OSError):
+            _state["lib"] = None
+    return _state["lib"]
+
+
+def _lanes() -> int:
+    if "lanes" not in _state:
+        _state["lanes"] = 0
+        if _library() is None:
             return 0
         g = torch.Generator().manual_seed(1234)
         probes = []
@@ -85,3 +93,24 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (x + delta, F.rms_norm(x + delta, (D,), weight, eps)) in one call; x and delta supported, same shape."""
     return _call(x, delta, weight, eps)
+
+
+def rope_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether rope() runs x (T, heads, 2*half) with cos / sin (T, half): float32 CPU, contiguous last dims, the
+    library loaded."""
+    return (x.dtype == torch.float32 and cos.dtype == torch.float32 and sin.dtype == torch.float32 and x.is_cpu
+            and x.dim() == 3 and cos.dim() == 2 and x.shape[2] == 2 * cos.shape[1] and x.shape[0] == cos.shape[0]
+            and sin.shape == cos.shape and x.stride(2) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
+            and _library() is not None)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x (T, heads, 2*half), cos / sin (T, half) -> a new (T, heads, 2*half) tensor: Rope.apply's result, with the
+    interleaved pairs' output in [evens', odds'] order as there (rope_supported(x, cos, sin))."""
+    T, H, D = x.shape
+    out = torch.empty((T, H, D), dtype=torch.float32)
+    if T and H and _state["lib"].kt_rope(T, H, D // 2, x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(),
+                                         sin.data_ptr(), cos.stride(0), int(interleaved), out.data_ptr(), H * D,
+                                         D) != 0:
+        raise KernelError(f"kt_rope: bad arguments (x {tuple(x.shape)}, cos {tuple(cos.shape)})")
+    return out
