@@ -185,15 +185,17 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     c = rms_norm(ckv[:, :R], w[p + "kv_a_layernorm.weight"], LORA_NORM_EPS)
     k_rot = rope.apply(ckv[:, None, R:], cos, sin)[:, 0]                                       # (T, dr)
     latent = torch.cat([c, k_rot], dim=-1)                                                    # (T, R + dr)
+    # every request's cache write before q_b's wait: on the CPU kernels this glue overlaps q_b's job
+    written = [s.cache.write(layer, s.start, [latent[s.offset:s.offset + s.n]]
+                             + ([ix.k[s.offset:s.offset + s.n]] if ix is not None else [])) for s in batch.seqs]
     if cfg.q_lora_rank is not None:
         q = q_b()
     q = q.view(T, nh, dn + dr)
     q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
     o = torch.empty((T, nh, dv), dtype=x.dtype, device=x.device)
     absorbed = []                                     # (request, its latent cache) in the absorbed form
-    for s in batch.seqs:
+    for s, runs in zip(batch.seqs, written):
         rows = slice(s.offset, s.offset + s.n)
-        runs = s.cache.write(layer, s.start, [latent[rows]] + ([ix.k[rows]] if ix is not None else []))
         lats = [r[0] for r in runs]                                                           # [(S_r, R + dr)]
         S = s.start + s.n
         mask = _mask(s, x.device, None)
