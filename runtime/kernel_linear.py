@@ -175,14 +175,23 @@ class AbsorbedKvB:
     def q_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope (m, nh, dn) float32/bfloat16, last dim contiguous (a view of q is fine) -> q_lat (m, nh, R)
         float32. Head h's ng = R/G row groups read q_nope[:, h] scaled by s_uk[h*ng + g] (inside the op)."""
+        return self.q_latent_start(q_nope)()
+
+    def q_latent_start(self, q_nope: torch.Tensor):
+        """Submit q_latent(q_nope) and return a function that waits for the job and returns q_lat: torch work
+        between the two calls overlaps the job (as KernelLinear.start)."""
         m, nh, R, G = q_nope.shape[0], self.nh, self.R, self.G
         out = torch.empty((m, nh * (R // G), G), dtype=torch.float32)                          # = (m, nh, R)
         if m:
             submit = self.kv_b.lin.submit_grouped_prepared if _heads_input(q_nope, nh, self.dn) else \
                 self.kv_b.lin.submit_grouped          # (its checks name what is wrong)
             submit(self.uk_id, q_nope, out, 0, G, x_scale=self.s_uk)
-            self.kv_b.lin.sync()
-        return out.view(m, nh, R)
+
+        def finish() -> torch.Tensor:
+            if m:
+                self.kv_b.lin.sync()
+            return out.view(m, nh, R)
+        return finish
 
     def values(self, lat_out: torch.Tensor) -> torch.Tensor:
         """lat_out (m, nh, R) float32/bfloat16, last dim contiguous -> o (m, nh, dv) float32."""

@@ -231,13 +231,20 @@ def _absorbed_attention(w: dict, p: str, nh: int, dn: int, dr: int, dv: int, R: 
         m = idx.numel()
     # Absorbed query rows [q_nope W_uk | q_rot] * scale (the softmax scale folded into the m query rows, not
     # the S keys), scored against the cached latent rows [c | k_rot] in one GEMM per request.
-    if on_op:
-        q_lat = ab.q_latent(q_nope[idx]).transpose(0, 1)                                  # (nh, m, R)
-    else:
-        q_lat = torch.matmul(ab[0], q_nope[idx].permute(1, 2, 0).float()).transpose(1, 2)  # (nh, m, R)
     small = m <= SERIAL_MAX_ROWS          # decode-sized: no OpenMP wake-up per op (layers.serial_torch)
-    with serial_torch(small):
-        q_cat = torch.cat([q_lat.to(x.dtype), q_rot[idx].transpose(0, 1)], dim=-1) * scale
+    if on_op and small:   # the rotary half is scaled into place while W_uk's job runs, then the latent half
+        q_lat_done = ab.q_latent_start(q_nope[idx])
+        q_cat = torch.empty((nh, m, R + dr), dtype=x.dtype, device=x.device)             # (nh, m, R + dr)
+        with serial_torch():      # the same products as the cat-then-scale below, element by element
+            torch.mul(q_rot[idx].transpose(0, 1), scale, out=q_cat[..., R:])
+            torch.mul(q_lat_done().transpose(0, 1).to(x.dtype), scale, out=q_cat[..., :R])
+    else:
+        if on_op:
+            q_lat = ab.q_latent(q_nope[idx]).transpose(0, 1)                              # (nh, m, R)
+        else:
+            q_lat = torch.matmul(ab[0], q_nope[idx].permute(1, 2, 0).float()).transpose(1, 2)  # (nh, m, R)
+        with serial_torch(small):
+            q_cat = torch.cat([q_lat.to(x.dtype), q_rot[idx].transpose(0, 1)], dim=-1) * scale
     out_lat = torch.empty((m, nh, R), dtype=torch.float32, device=x.device)                  # (m, nh, R)
     j = 0
     for s, lats, mask in absorbed:
