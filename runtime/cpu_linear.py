@@ -261,6 +261,20 @@ class LinearKernels:
             raise KernelError(_err(self._lib))
         self._inflight = (x, out, x_scale)
 
+    def submit_grouped_prepared(self, linear_id: int, x: torch.Tensor, out: torch.Tensor, row0: int, row_step: int,
+                                x_scale: torch.Tensor | None = None) -> None:
+        """submit_grouped() without the Python checks, for a caller that made its tensors itself (ktrun.kernel_linear's
+        AbsorbedKvB, twice per MLA layer in a decode step): the same arguments, already as submit_grouped requires
+        them. The C side still checks the id, the groups and the rows."""
+        J = out.shape[1]
+        rc = self._lib.kt_linear_submit_grouped_scaled(
+            self.kernels.handle, linear_id, J, row0, row_step, out.shape[2], x.shape[0], x.data_ptr(),
+            0 if x.element_size() == 4 else 1, x.stride(0), x.stride(1), J // x.shape[1],
+            None if x_scale is None else x_scale.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1))
+        if rc != 0:
+            raise KernelError(_err(self._lib))
+        self._inflight = (x, out, x_scale)
+
     @staticmethod
     def _output(o: Any, T: int, n: int, linear_id: int) -> tuple[int, int]:
         """-> (pointer, row stride in elements) of a (T, N) float32 output with contiguous rows."""

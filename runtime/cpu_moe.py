@@ -46,7 +46,7 @@ from ktlayouts.converted_dir import node_unit_ranges
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.expert_shards import ShardPlan
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays) -> the ABI's codes
 SCALE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "sub6": 3}
@@ -105,6 +105,9 @@ def load_library() -> ctypes.CDLL:
         "kt_profile": (c_int, [c_p, ctypes.POINTER(ctypes.c_double), c_int]),
         "kt_measure_read_bandwidth": (ctypes.c_double, [c_p, ctypes.c_size_t, c_int]),
         "kt_measure_int8_peak": (ctypes.c_double, [c_p, ctypes.c_double]),
+        "kt_rms_norm": (c_int, [c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_p, ctypes.c_float, c_int, c_p,
+                                c_i64]),
+        "kt_rope": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_i64, c_p, c_p, c_i64, c_int, c_p, c_i64, c_i64]),
         # the dense Linear op (ktrun.cpu_linear)
         "kt_add_linear": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
         "kt_add_linear_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
@@ -392,6 +395,28 @@ class MoEKernels:
             raise KernelError(_err(self._lib))
         self._inflight = (x, ids32, w_np, out)   # alive until sync
         return out
+
+    def submit_prepared(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any, shared: int | None = None,
+                        shared_weights: Any = None) -> None:
+        """submit() without the Python checks and conversions, for a caller that made its arguments itself
+        (ktrun.kernel_experts, every decode step): x a CPU float32/bfloat16 (T, hidden) torch tensor with contiguous
+        rows, ids a contiguous int32 (T, k) tensor, weights contiguous float32 (T, k), out a contiguous float32
+        (T, hidden) tensor, shared_weights None or contiguous float32 (T,); shared a layer id registered with one
+        expert. The C side still checks the layer ids; submit() took ~150 us of a decode step's MoE layer in its
+        numpy conversions and checks, caches cold after the previous job."""
+        T, hidden = x.shape
+        args = (self._ctx, layer_id, T, x.data_ptr(), 0 if x.element_size() == 4 else 1,   # float32 / bfloat16
+                x.stride(0) if T > 1 else hidden, ids.shape[1], ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
+                hidden, 0)
+        self.sync()
+        if shared is None:
+            rc = self._lib.kt_submit(*args)
+        else:
+            rc = self._lib.kt_submit_shared(*args, None, shared,
+                                            None if shared_weights is None else shared_weights.data_ptr())
+        if rc != 0:
+            raise KernelError(_err(self._lib))
+        self._inflight = (x, ids, weights, out, shared_weights)   # alive until sync
 
     def sync(self) -> None:
         if self._inflight is None:

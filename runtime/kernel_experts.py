@@ -24,6 +24,14 @@ from .kernel_linear import KernelLinear
 SHARED_LAYER_ID0 = 1 << 20   # kernel layer id of layer i's shared expert: SHARED_LAYER_ID0 + i (beside the MoE ids)
 
 
+def _prepared(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Whether submit may hand its tensors to the kernels as they are (MoEKernels.submit_prepared)."""
+    return (x.is_cpu and out.is_cpu and ids.is_cpu and weights.is_cpu and x.dim() == 2
+            and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous() and out.dtype == torch.float32
+            and out.is_contiguous() and out.shape == x.shape and ids.dim() == 2 and weights.shape == ids.shape
+            and ids.shape[0] == x.shape[0] and not ids.dtype.is_floating_point)
+
+
 class KernelExperts:
     def __init__(self, converted, n_threads: int | None = None, backend: str | None = None, layers=None):
         """layers: the expert arrays to read (default converted.experts, the file maps; the RAM tier passes its
@@ -103,6 +111,17 @@ class KernelExperts:
         if self._pending is not None:
             raise RuntimeError("submit() called twice without sync()")
         t0 = time.perf_counter()
+        if skip is None and _prepared(x, out, ids, weights):   # a decode step's layer: no conversions, no checks
+            ids32 = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
+            w32 = weights if weights.dtype == torch.float32 and weights.is_contiguous() else \
+                weights.float().contiguous()
+            sid = self._shared[layer] if shared else None
+            sw = None if sid is None or shared_weights is None else shared_weights.reshape(-1).float().contiguous()
+            self.moe.submit_prepared(layer, x, ids32, w32, out, shared=sid, shared_weights=sw)
+            self._pending = (t0, x, out, out, True)
+            self._staged = (layer, x, ids32, w32, out)
+            self.stats["expert_token_slots"] += ids.numel()
+            return
         xc = x if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()) \
             else x.detach().float().cpu().contiguous()
         direct = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()

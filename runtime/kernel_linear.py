@@ -175,21 +175,41 @@ class AbsorbedKvB:
     def q_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope (m, nh, dn) float32/bfloat16, last dim contiguous (a view of q is fine) -> q_lat (m, nh, R)
         float32. Head h's ng = R/G row groups read q_nope[:, h] scaled by s_uk[h*ng + g] (inside the op)."""
+        return self.q_latent_start(q_nope)()
+
+    def q_latent_start(self, q_nope: torch.Tensor):
+        """Submit q_latent(q_nope) and return a function that waits for the job and returns q_lat: torch work
+        between the two calls overlaps the job (as KernelLinear.start)."""
         m, nh, R, G = q_nope.shape[0], self.nh, self.R, self.G
         out = torch.empty((m, nh * (R // G), G), dtype=torch.float32)                          # = (m, nh, R)
         if m:
-            self.kv_b.lin.submit_grouped(self.uk_id, q_nope, out, 0, G, x_scale=self.s_uk)
-            self.kv_b.lin.sync()
-        return out.view(m, nh, R)
+            submit = self.kv_b.lin.submit_grouped_prepared if _heads_input(q_nope, nh, self.dn) else \
+                self.kv_b.lin.submit_grouped          # (its checks name what is wrong)
+            submit(self.uk_id, q_nope, out, 0, G, x_scale=self.s_uk)
+
+        def finish() -> torch.Tensor:
+            if m:
+                self.kv_b.lin.sync()
+            return out.view(m, nh, R)
+        return finish
 
     def values(self, lat_out: torch.Tensor) -> torch.Tensor:
         """lat_out (m, nh, R) float32/bfloat16, last dim contiguous -> o (m, nh, dv) float32."""
         m = lat_out.shape[0]
         out = torch.empty((m, self.nh, self.dv), dtype=torch.float32)
         if m:
-            self.kv_b.lin.submit_grouped(self.kv_b.id, lat_out, out, self.dn, self.dn + self.dv)
+            submit = self.kv_b.lin.submit_grouped_prepared if _heads_input(lat_out, self.nh, self.R) else \
+                self.kv_b.lin.submit_grouped
+            submit(self.kv_b.id, lat_out, out, self.dn, self.dn + self.dv)
             self.kv_b.lin.sync()
         return out
+
+
+def _heads_input(x: torch.Tensor, nh: int, d: int) -> bool:
+    """Whether x is what AbsorbedKvB's grouped submits take as they are: a CPU float32/bfloat16 (m, nh, d) tensor
+    with a contiguous last dim (its outputs and scales are made by AbsorbedKvB itself)."""
+    return (x.is_cpu and x.dim() == 3 and x.shape[1] == nh and x.shape[2] == d and x.stride(2) == 1
+            and x.dtype in (torch.float32, torch.bfloat16))
 
 
 def _supported(group_size: int) -> bool:

@@ -195,3 +195,30 @@ def test_act_order_gptq_runs_on_the_op_through_an_input_permutation(bits, group)
         kl2 = repack_linear(lin, 1, "k_proj.weight", f"gpu-gptq-int{bits}", t2, torch.float32)
         assert kl.shares_input_with(kl) and not kl.shares_input_with(kl2)
     assert act_order_perm(np.array([0, 0, 0, 1]), 2) is None                 # groups of 3 and 1 channels
+
+
+def test_absorbed_attention_overlapped_query_is_the_concatenated_one(monkeypatch):
+    """MLA's absorbed form on the op: decode-sized rows build the scaled query [q_lat | q_rot] * scale in place
+    (the rotary half while W_uk's job runs); larger ones concatenate then scale. Same products: same bits."""
+    from types import SimpleNamespace
+
+    from ktrun.models import attention
+    nh, dn, dr, dv, R, S = 4, 32, 16, 48, 256, 7
+    rng = np.random.default_rng(5)
+    with LinearKernels(n_threads=2) as lin:
+        kv_b, _ = _kv_b(lin, rng, nh, dn, dv, R, 4, 32)
+        w = {"a.kv_b_proj.weight": kv_b}
+        g = torch.Generator().manual_seed(5)
+        outs = []
+        for serial_rows in (attention.SERIAL_MAX_ROWS, 0):
+            monkeypatch.setattr(attention, "SERIAL_MAX_ROWS", serial_rows)
+            g.manual_seed(5)
+            q_nope, q_rot = torch.randn(2, nh, dn, generator=g), torch.randn(2, nh, dr, generator=g)
+            lats = [torch.randn(S, R + dr, generator=g)]
+            seqs = [SimpleNamespace(offset=i, n=1, start=S - 1) for i in range(2)]
+            o = torch.zeros(2, nh, dv)
+            attention._absorbed_attention(w, "a.", nh, dn, dr, dv, R, 0.125, torch.zeros(2, 8), 2, q_nope, q_rot,
+                                          [(s, lats, None) for s in seqs], SimpleNamespace(seqs=seqs), o)
+            outs.append(o)
+        assert isinstance(w["a.kv_b_proj.absorbed"], AbsorbedKvB)
+        assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])

@@ -13,14 +13,17 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 9   /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 10  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
                               8: KT_SUB6, two-level expert scales (cpu-expert-int4 layout version 3);
                               9: kt_submit_shared (a shared expert inside the routed job),
                                  kt_linear_submit_grouped_scaled (groups sharing a scaled input),
-                                 kt_add_linear_ex / kt_linear_repack_ex (float16 scales of dense Linears) */
+                                 kt_add_linear_ex / kt_linear_repack_ex (float16 scales of dense Linears);
+                             10: kt_rms_norm (float32 RMSNorm rows, optionally after a residual add, on the calling
+                                 thread, bit-identical to torch's CPU F.rms_norm), kt_rope (float32 rotary embedding,
+                                 bit-identical to torch's elementwise formula) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -181,6 +184,24 @@ int kt_profile(kt_ctx* ctx, double* out, int capacity);
 double kt_measure_read_bandwidth(kt_ctx* ctx, size_t bytes, int reps);
 /* Register-only int8 dot-product peak (vpdpbusd zmm, or ymm) with the context's threads, int8 ops/s (2 per MAC). */
 double kt_measure_int8_peak(kt_ctx* ctx, double seconds);
+
+/* Float32 RMSNorm of T rows of D contiguous floats on the calling thread (no context, no pool; may run while a job
+ * is in flight): out[t] = (s[t] * r) * weight, r = 1 / sqrt(mean(s[t]^2) + eps), s[t] = x[t], or with delta != NULL
+ * s[t] = x[t] + delta[t], written to sum_out[t] (may alias x). weight may be NULL (then no scale). Strides in floats.
+ * Bit-identical to torch's CPU float32 F.rms_norm (and to its formula pow/mean/add/rsqrt/mul): the mean's sum follows
+ * torch's cascaded vector sum for `lanes` floats per vector (16: its AVX-512 kernels, 8: AVX2 / default).
+ * Needs D >= lanes; returns -1 for bad arguments (lanes not 8 or 16, D < lanes, NULL x / out, delta without sum_out). */
+int kt_rms_norm(int64_t T, int64_t D, const float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
+                float* sum_out, int64_t sum_stride, const float* weight, float eps, int lanes, float* out,
+                int64_t out_stride);
+
+/* Rotary embedding of T x H rows of 2*half float32 on the calling thread: with x1[i], x2[i] = x[2i], x[2i+1]
+ * (interleaved) or x[i], x[half+i], out[i] = x1 cos[i] - x2 sin[i] and out[half+i] = x2 cos[i] + x1 sin[i], each
+ * product rounded before the add (torch's separate ops; ktrun.models.layers.Rope.apply). cos / sin: (T, half) rows
+ * cs_stride apart; strides in floats; out must not overlap x. Returns -1 for bad arguments. */
+int kt_rope(int64_t T, int64_t H, int64_t half, const float* x, int64_t x_stride_t, int64_t x_stride_h,
+            const float* cos, const float* sin, int64_t cs_stride, int interleaved, float* out, int64_t out_stride_t,
+            int64_t out_stride_h);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

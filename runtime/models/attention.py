@@ -185,15 +185,17 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     c = rms_norm(ckv[:, :R], w[p + "kv_a_layernorm.weight"], LORA_NORM_EPS)
     k_rot = rope.apply(ckv[:, None, R:], cos, sin)[:, 0]                                       # (T, dr)
     latent = torch.cat([c, k_rot], dim=-1)                                                    # (T, R + dr)
+    # every request's cache write before q_b's wait: on the CPU kernels this glue overlaps q_b's job
+    written = [s.cache.write(layer, s.start, [latent[s.offset:s.offset + s.n]]
+                             + ([ix.k[s.offset:s.offset + s.n]] if ix is not None else [])) for s in batch.seqs]
     if cfg.q_lora_rank is not None:
         q = q_b()
     q = q.view(T, nh, dn + dr)
     q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
     o = torch.empty((T, nh, dv), dtype=x.dtype, device=x.device)
     absorbed = []                                     # (request, its latent cache) in the absorbed form
-    for s in batch.seqs:
+    for s, runs in zip(batch.seqs, written):
         rows = slice(s.offset, s.offset + s.n)
-        runs = s.cache.write(layer, s.start, [latent[rows]] + ([ix.k[rows]] if ix is not None else []))
         lats = [r[0] for r in runs]                                                           # [(S_r, R + dr)]
         S = s.start + s.n
         mask = _mask(s, x.device, None)
@@ -229,13 +231,20 @@ def _absorbed_attention(w: dict, p: str, nh: int, dn: int, dr: int, dv: int, R: 
         m = idx.numel()
     # Absorbed query rows [q_nope W_uk | q_rot] * scale (the softmax scale folded into the m query rows, not
     # the S keys), scored against the cached latent rows [c | k_rot] in one GEMM per request.
-    if on_op:
-        q_lat = ab.q_latent(q_nope[idx]).transpose(0, 1)                                  # (nh, m, R)
-    else:
-        q_lat = torch.matmul(ab[0], q_nope[idx].permute(1, 2, 0).float()).transpose(1, 2)  # (nh, m, R)
     small = m <= SERIAL_MAX_ROWS          # decode-sized: no OpenMP wake-up per op (layers.serial_torch)
-    with serial_torch(small):
-        q_cat = torch.cat([q_lat.to(x.dtype), q_rot[idx].transpose(0, 1)], dim=-1) * scale
+    if on_op and small:   # the rotary half is scaled into place while W_uk's job runs, then the latent half
+        q_lat_done = ab.q_latent_start(q_nope[idx])
+        q_cat = torch.empty((nh, m, R + dr), dtype=x.dtype, device=x.device)             # (nh, m, R + dr)
+        with serial_torch():      # the same products as the cat-then-scale below, element by element
+            torch.mul(q_rot[idx].transpose(0, 1), scale, out=q_cat[..., R:])
+            torch.mul(q_lat_done().transpose(0, 1).to(x.dtype), scale, out=q_cat[..., :R])
+    else:
+        if on_op:
+            q_lat = ab.q_latent(q_nope[idx]).transpose(0, 1)                              # (nh, m, R)
+        else:
+            q_lat = torch.matmul(ab[0], q_nope[idx].permute(1, 2, 0).float()).transpose(1, 2)  # (nh, m, R)
+        with serial_torch(small):
+            q_cat = torch.cat([q_lat.to(x.dtype), q_rot[idx].transpose(0, 1)], dim=-1) * scale
     out_lat = torch.empty((m, nh, R), dtype=torch.float32, device=x.device)                  # (m, nh, R)
     j = 0
     for s, lats, mask in absorbed:

@@ -18,7 +18,7 @@ from ..packed_linear import linear
 from . import arch_module, cache_layers
 from .attention import prepare_absorbed
 from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache, StateLayout
-from .layers import SERIAL_MAX_ROWS, Rope, rms_norm, serial_torch, swiglu_mlp
+from .layers import SERIAL_MAX_ROWS, Rope, add_rms_norm, rms_norm, serial_torch, swiglu_mlp
 
 
 class MoEModel:
@@ -106,6 +106,13 @@ class MoEModel:
         self.timing["expert_wait_s"] += time.perf_counter() - t0
         return out if shared is None else out + shared
 
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (x + delta, norm(x + delta)) with the family's norm; the default RMSNorm fuses the add (layers)."""
+        if self.norm is rms_norm:
+            return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps)
+        x = x + delta
+        return x, self.norm(x, weight, self.cfg.rms_norm_eps)
+
     @torch.inference_mode()
     def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """-> float32 logits: (T, V) for every token if all_logits, else (B, V) for each request's last token."""
@@ -114,18 +121,24 @@ class MoEModel:
         x = F.embedding(batch.tokens.to(self.device), w[self.names.embed]).to(self.dtype)  # (T, H); stored bf16 widens
         cos, sin = self.rope.cos_sin(batch.positions.to(self.device), self.dtype)
         tm, clock = self.timing, time.perf_counter
-        for i in range(cfg.num_layers):
+        L = cfg.num_layers
+        h = self.norm(x, w[self.names.layer(0) + "input_layernorm.weight"], cfg.rms_norm_eps) if L else x
+        for i in range(L):
             p = self.names.layer(i)
             t1 = clock()
-            h = self.norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            x = x + self.arch.attention(cfg, w, p + "self_attn.", h, batch, i, self.rope, cos, sin)
+            # each residual add runs with the norm after it (one kt_rms_norm call for float32 CPU rows)
+            x, h = self._add_norm(x, self.arch.attention(cfg, w, p + "self_attn.", h, batch, i, self.rope, cos, sin),
+                                  w[p + "post_attention_layernorm.weight"])
             t2 = clock()
-            h = self.norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             if i in self.moe_layers:
-                x = x + self._moe(i, h)
+                m = self._moe(i, h)
             else:
-                x = x + swiglu_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
-                                   w[p + "mlp.down_proj.weight"])
+                m = swiglu_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                               w[p + "mlp.down_proj.weight"])
+            if i + 1 < L:                               # the next layer's input norm
+                x, h = self._add_norm(x, m, w[self.names.layer(i + 1) + "input_layernorm.weight"])
+            else:
+                x = x + m
             t3 = clock()
             tm["attention_s"] += t2 - t1
             tm["mlp_s"] += t3 - t2                      # router + shared/dense MLP + waiting for routed experts
