@@ -111,25 +111,22 @@ class KernelExperts:
         if self._pending is not None:
             raise RuntimeError("submit() called twice without sync()")
         t0 = time.perf_counter()
-        if skip is None and _prepared(x, out, ids, weights):   # a decode step's layer: no conversions, no checks
-            ids32 = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
-            w32 = weights if weights.dtype == torch.float32 and weights.is_contiguous() else \
-                weights.float().contiguous()
-            sid = self._shared[layer] if shared else None
-            sw = None if sid is None or shared_weights is None else shared_weights.reshape(-1).float().contiguous()
-            self.moe.submit_prepared(layer, x, ids32, w32, out, shared=sid, shared_weights=sw)
-            self._pending = (t0, x, out, out, True)
-            self._staged = (layer, x, ids32, w32, out)
-            self.stats["expert_token_slots"] += ids.numel()
-            return
-        xc = x if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()) \
-            else x.detach().float().cpu().contiguous()
-        direct = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
-        buf = out if direct else torch.empty(out.shape, dtype=torch.float32)
-        ids_c, w_c = ids.cpu(), weights.float().cpu()
         sid = self._shared[layer] if shared else None
-        self.moe.submit(layer, xc, ids_c, w_c, buf, skip=skip, shared=sid,
-                        shared_weights=None if sid is None or shared_weights is None else shared_weights.reshape(-1))
+        if skip is None and _prepared(x, out, ids, weights):   # a decode step's layer: no conversions, no checks
+            xc, buf, direct = x, out, True
+            ids_c = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
+            w_c = weights if weights.dtype == torch.float32 and weights.is_contiguous() else \
+                weights.float().contiguous()
+            sw = None if sid is None or shared_weights is None else shared_weights.reshape(-1).float().contiguous()
+            self.moe.submit_prepared(layer, x, ids_c, w_c, out, shared=sid, shared_weights=sw)
+        else:
+            xc = x if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()) \
+                else x.detach().float().cpu().contiguous()
+            direct = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
+            buf = out if direct else torch.empty(out.shape, dtype=torch.float32)
+            ids_c, w_c = ids.cpu(), weights.float().cpu()
+            self.moe.submit(layer, xc, ids_c, w_c, buf, skip=skip, shared=sid, shared_weights=None
+                            if sid is None or shared_weights is None else shared_weights.reshape(-1))
         self._pending = (t0, xc, buf, out, direct)
         self._staged = (layer, xc, ids_c, w_c, buf)
         self.stats["expert_token_slots"] += ids.numel()
