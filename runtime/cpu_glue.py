@@ -1,6 +1,8 @@
 """ktrun.cpu_glue: the decode step's float32 glue in single libktkernels calls on the calling thread, bit-identical to
 the torch ops they replace: RMSNorm rows, optionally after a residual add (kt_rms_norm, torch's CPU F.rms_norm), and
-the rotary embedding (kt_rope, ktrun.models.layers.Rope.apply's elementwise formula).
+the rotary embedding (kt_rope, ktrun.models.layers.Rope.apply's elementwise formula). And one op that is not
+torch's bits: MLA's absorbed decode attention core (kt_mla_attend) and the sigmoid router of a few tokens
+(kt_route_sigmoid), below.
 
 Why: torch's F.rms_norm on the CPU is a composite of 8 aten ops (pow, mean = sum + div, add, rsqrt, mul, mul). A
 decode step runs 13 norms between kernel jobs, while the pool idles, and right after a job has streamed hundreds of MB
@@ -14,6 +16,8 @@ torch), every norm stays torch's. Rows longer than torch's grain (32768 floats) 
 summed by several threads there.
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
@@ -114,3 +118,84 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
                                          D) != 0:
         raise KernelError(f"kt_rope: bad arguments (x {tuple(x.shape)}, cos {tuple(cos.shape)})")
     return out
+
+
+# Attention scores (heads x positions) up to which mla_attend runs on the calling thread; a longer context keeps
+# torch's GEMMs on its threads (as layers.serial_torch's limit for the same GEMMs)
+MLA_ATTEND_MAX_SCORES = 16384
+
+
+def mla_attend_supported(lats: list[torch.Tensor], R: int, nh: int) -> bool:
+    """Whether mla_attend() takes one request's decode row of nh heads (q_lat (nh, R) and the roped q_rot (nh, dr)
+    float32 with contiguous last dims): its cache runs float32 CPU (S_r, R + dr) views with one row stride and
+    contiguous rows, R and dr multiples of 16, nh x S within MLA_ATTEND_MAX_SCORES, the library loaded."""
+    if not lats or R % 16 or _library() is None:
+        return False
+    dr, S = lats[0].shape[-1] - R, 0
+    for lat in lats:
+        if lat.dtype != torch.float32 or not lat.is_cpu or lat.dim() != 2 or lat.shape[-1] != R + dr or \
+                lat.stride(-1) != 1 or (lat.shape[0] > 1 and lat.stride(0) != lats[0].stride(0)):
+            return False
+        S += lat.shape[0]
+    return dr >= 0 and dr % 16 == 0 and 0 < nh * S <= MLA_ATTEND_MAX_SCORES
+
+
+def mla_attend(q_lat: torch.Tensor, q_rot: torch.Tensor, lats: list[torch.Tensor], scale: float, out: torch.Tensor,
+               kernels=None) -> None:
+    """MLA's absorbed decode attention for one query row per head (ktrun.models.attention, absorbed form), into out
+    (nh, R) float32 (contiguous last dim): scores (q_lat[h] . c_j + q_rot[h] . k_rot_j) * scale over the cached rows
+    [c_j | k_rot_j] of lats (position order), softmax, out[h] = sum_j p[h, j] c_j. For mla_attend_supported inputs.
+    kernels: a MoEKernels context whose pool splits the heads (the caller one of its workers; returns when done),
+    else the calling thread alone.
+
+    Not torch's bits: torch ran this as two MKL GEMMs, a softmax and ~10 small ops (~300 us per MLA layer in a
+    decode step, while the kernel pool waited). The kernel (kernels/src/mla_attend.cpp) sums in one fixed order per
+    head on every ISA, so a request's result depends only on its own row and cache: the same whatever the batch, the
+    cache's block runs or the threads, which is what batch invariance needs."""
+    n = len(lats)
+    ptrs = (ctypes.c_void_p * n)(*[lat.data_ptr() for lat in lats])
+    lens = (ctypes.c_int64 * n)(*[lat.shape[0] for lat in lats])
+    R, dr = q_lat.shape[-1], q_rot.shape[-1]
+    if q_rot.dtype != torch.float32 or q_lat.dtype != torch.float32 or (q_rot.numel() and q_rot.stride(-1) != 1):
+        raise KernelError(f"kt_mla_attend: q_lat {q_lat.dtype}, q_rot {q_rot.dtype}: float32 rows with a contiguous "
+                          "last dim expected")
+    row_stride = next((lat.stride(0) for lat in lats if lat.shape[0] > 1), R + dr)
+    if _library().kt_mla_attend(None if kernels is None else kernels.handle, q_lat.shape[0], R, dr,
+                                q_lat.data_ptr(), q_lat.stride(0), q_rot.data_ptr(), q_rot.stride(0), scale, n, ptrs,
+                                lens, row_stride, out.data_ptr(), out.stride(0)) != 0:
+        raise KernelError(f"kt_mla_attend: bad arguments (q_lat {tuple(q_lat.shape)}, q_rot {tuple(q_rot.shape)}, "
+                          f"runs {[tuple(lat.shape) for lat in lats]})")
+
+
+ROUTE_MAX_ROWS = 8   # tokens up to which route_sigmoid runs (a GEMV per token; prefill's GEMM stays torch's)
+
+
+def route_sigmoid_supported(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether route_sigmoid() takes x (T, K): float32 CPU rows (contiguous last dim) of T <= ROUTE_MAX_ROWS tokens,
+    gate_w (E, K) and bias (E,) float32 CPU and contiguous, K a multiple of 16, the library loaded."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= ROUTE_MAX_ROWS and x.dtype == torch.float32 and x.is_cpu
+            and x.stride(-1) == 1 and gate_w.dtype == torch.float32 and gate_w.is_cpu and gate_w.is_contiguous()
+            and gate_w.dim() == 2 and gate_w.shape[1] == x.shape[1] and x.shape[1] % 16 == 0
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()
+                                  and bias.numel() == gate_w.shape[0]))
+            and _library() is not None)
+
+
+def route_sigmoid(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, n_group: int, topk_group: int,
+                  top_k: int, norm: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ktrun.models.routing.sigmoid_grouped for route_sigmoid_supported inputs, in one call: -> ids (T, top_k)
+    int64 (best first), weights (T, top_k) float32.
+
+    Not torch's bits: torch's router was an MKL GEMV and ~12 small ops (~140 us per MoE layer in a decode step, the
+    kernel pool waiting). The logits here sum in one fixed order on every ISA (kernels/src/router.cpp), so a token's
+    choice depends on its own row only; ties go to the lower index."""
+    T, E = x.shape[0], gate_w.shape[0]
+    ids = torch.empty((T, top_k), dtype=torch.int64)
+    wts = torch.empty((T, top_k), dtype=torch.float32)
+    if _library().kt_route_sigmoid(T, E, x.shape[1], x.data_ptr(), x.stride(0) if T > 1 else x.shape[1],
+                                   gate_w.data_ptr(), gate_w.shape[1], None if bias is None else bias.data_ptr(),
+                                   n_group, topk_group, top_k, int(norm), scaling, ids.data_ptr(),
+                                   wts.data_ptr()) != 0:
+        raise KernelError(f"kt_route_sigmoid: bad arguments (x {tuple(x.shape)}, gate {tuple(gate_w.shape)}, groups "
+                          f"{topk_group}/{n_group}, top_k {top_k})")
+    return ids, wts

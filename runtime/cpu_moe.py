@@ -46,7 +46,7 @@ from ktlayouts.converted_dir import node_unit_ranges
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.expert_shards import ShardPlan
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays) -> the ABI's codes
 SCALE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "sub6": 3}
@@ -108,6 +108,10 @@ def load_library() -> ctypes.CDLL:
         "kt_rms_norm": (c_int, [c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_p, ctypes.c_float, c_int, c_p,
                                 c_i64]),
         "kt_rope": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_i64, c_p, c_p, c_i64, c_int, c_p, c_i64, c_i64]),
+        "kt_route_sigmoid": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_int,
+                                     ctypes.c_float, c_p, c_p]),
+        "kt_mla_attend": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, ctypes.c_float, c_i64, c_p, c_p, c_i64,
+                                  c_p, c_i64]),
         # the dense Linear op (ktrun.cpu_linear)
         "kt_add_linear": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
         "kt_add_linear_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),

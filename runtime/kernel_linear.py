@@ -193,10 +193,15 @@ class AbsorbedKvB:
             return out.view(m, nh, R)
         return finish
 
-    def values(self, lat_out: torch.Tensor) -> torch.Tensor:
-        """lat_out (m, nh, R) float32/bfloat16, last dim contiguous -> o (m, nh, dv) float32."""
+    def values(self, lat_out: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """lat_out (m, nh, R) float32/bfloat16, last dim contiguous -> o (m, nh, dv) float32 (into out if given: a
+        contiguous float32 (m, nh, dv) tensor)."""
         m = lat_out.shape[0]
-        out = torch.empty((m, self.nh, self.dv), dtype=torch.float32)
+        if out is None:
+            out = torch.empty((m, self.nh, self.dv), dtype=torch.float32)
+        elif out.shape != (m, self.nh, self.dv) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"values: out {out.dtype} {tuple(out.shape)}, expected contiguous float32 "
+                             f"({m}, {self.nh}, {self.dv})")
         if m:
             submit = self.kv_b.lin.submit_grouped_prepared if _heads_input(lat_out, self.nh, self.R) else \
                 self.kv_b.lin.submit_grouped

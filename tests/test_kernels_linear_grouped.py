@@ -198,8 +198,10 @@ def test_act_order_gptq_runs_on_the_op_through_an_input_permutation(bits, group)
 
 
 def test_absorbed_attention_overlapped_query_is_the_concatenated_one(monkeypatch):
-    """MLA's absorbed form on the op: decode-sized rows build the scaled query [q_lat | q_rot] * scale in place
-    (the rotary half while W_uk's job runs); larger ones concatenate then scale. Same products: same bits."""
+    """MLA's absorbed form on the op, torch's attention: decode-sized rows build the scaled query [q_lat | q_rot] *
+    scale in place (the rotary half while W_uk's job runs); larger ones concatenate then scale. Same products: same
+    bits. And the decode rows' default, scores / softmax / latent output in kt_mla_attend (its own summation
+    order), within float32 rounding of those."""
     from types import SimpleNamespace
 
     from ktrun.models import attention
@@ -210,15 +212,21 @@ def test_absorbed_attention_overlapped_query_is_the_concatenated_one(monkeypatch
         w = {"a.kv_b_proj.weight": kv_b}
         g = torch.Generator().manual_seed(5)
         outs = []
-        for serial_rows in (attention.SERIAL_MAX_ROWS, 0):
+        serial = attention.SERIAL_MAX_ROWS
+        for serial_rows, on_kernels in ((serial, False), (0, False), (serial, True)):
             monkeypatch.setattr(attention, "SERIAL_MAX_ROWS", serial_rows)
-            g.manual_seed(5)
-            q_nope, q_rot = torch.randn(2, nh, dn, generator=g), torch.randn(2, nh, dr, generator=g)
-            lats = [torch.randn(S, R + dr, generator=g)]
-            seqs = [SimpleNamespace(offset=i, n=1, start=S - 1) for i in range(2)]
-            o = torch.zeros(2, nh, dv)
-            attention._absorbed_attention(w, "a.", nh, dn, dr, dv, R, 0.125, torch.zeros(2, 8), 2, q_nope, q_rot,
-                                          [(s, lats, None) for s in seqs], SimpleNamespace(seqs=seqs), o)
-            outs.append(o)
+            with monkeypatch.context() as m:
+                if not on_kernels:
+                    m.setattr(attention, "_attend_on_kernels", lambda *a: False)
+                g.manual_seed(5)
+                q_nope, q_rot = torch.randn(2, nh, dn, generator=g), torch.randn(2, nh, dr, generator=g)
+                lats = [torch.randn(S, R + dr, generator=g)]
+                seqs = [SimpleNamespace(offset=i, n=1, start=S - 1) for i in range(2)]
+                o = torch.zeros(2, nh, dv)
+                attention._absorbed_attention(w, "a.", nh, dn, dr, dv, R, 0.125, torch.zeros(2, 8), 2, q_nope,
+                                              lambda q_rot=q_rot: q_rot, [(s, lats, None) for s in seqs],
+                                              SimpleNamespace(seqs=seqs), o)
+                outs.append(o)
         assert isinstance(w["a.kv_b_proj.absorbed"], AbsorbedKvB)
         assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])
+        torch.testing.assert_close(outs[2], outs[0], rtol=1e-5, atol=1e-5)

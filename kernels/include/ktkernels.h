@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 10  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 11  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -23,7 +23,11 @@ extern "C" {
                                  kt_add_linear_ex / kt_linear_repack_ex (float16 scales of dense Linears);
                              10: kt_rms_norm (float32 RMSNorm rows, optionally after a residual add, on the calling
                                  thread, bit-identical to torch's CPU F.rms_norm), kt_rope (float32 rotary embedding,
-                                 bit-identical to torch's elementwise formula) */
+                                 bit-identical to torch's elementwise formula);
+                             11: kt_mla_attend (MLA's absorbed decode attention core: scores, softmax, latent
+                                 output of one query row per head, on the calling thread or the context's pool),
+                                 kt_route_sigmoid (the sigmoid router with group-limited top-k, on the calling
+                                 thread) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -202,6 +206,31 @@ int kt_rms_norm(int64_t T, int64_t D, const float* x, int64_t x_stride, const fl
 int kt_rope(int64_t T, int64_t H, int64_t half, const float* x, int64_t x_stride_t, int64_t x_stride_h,
             const float* cos, const float* sin, int64_t cs_stride, int interleaved, float* out, int64_t out_stride_t,
             int64_t out_stride_h);
+
+/* MLA's absorbed decode attention for one query row per head over one request's latent cache. The cache is n_runs
+ * runs of run_len[r] rows, row j of run r at runs[r] + j * row_stride (floats), each row [c (R) | k_rot (dr)];
+ * S = sum of run_len, positions in run order:
+ *   s[h, j] = (q_lat[h] . c_j + q_rot[h] . k_rot_j) * scale, p[h] = softmax_j(s[h]), out[h] = sum_j p[h, j] c_j
+ * q_lat rows (R) q_lat_stride apart, q_rot rows (dr) q_rot_stride apart, out rows (R) out_stride apart, h < nh.
+ * ctx NULL: on the calling thread; else on ctx's pool (heads split between its workers, the caller one of them),
+ * waiting for any job in flight first and returning when done. One summation order per head on every ISA and any
+ * split (kernels/src/mla_attend.cpp): the same bits everywhere, whatever the batch, the runs or the threads.
+ * Needs R a multiple of 16 (>= 16), dr a multiple of 16 (0 allowed), S >= 1, row_stride >= R + dr; returns -1 for bad
+ * arguments. */
+int kt_mla_attend(kt_ctx* ctx, int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_stride,
+                  const float* q_rot, int64_t q_rot_stride, float scale, int64_t n_runs, const float* const* runs,
+                  const int64_t* run_len, int64_t row_stride, float* out, int64_t out_stride);
+
+/* The sigmoid router with group-limited top-k (DeepSeek-V3 "noaux_tc"; one group: MiniMax-M2) of T tokens on the
+ * calling thread: scores = sigmoid(x W^T) ((T, E); x rows of K floats x_stride apart, W (E, K) rows w_stride apart,
+ * K a multiple of 16), choice = scores + bias (bias (E,) or NULL); per token the topk_group of n_group groups
+ * (E / n_group experts each) with the best sum of their two best choices are kept, ids[t] = the top_k best choices
+ * inside them (best first, ties to the lower index), weights[t] = scores at ids, divided by their sum + 1e-20 when
+ * norm, times scaling. ids (T, top_k) int64, weights (T, top_k) float32. Logits in float_dots' fixed order
+ * (kernels/src/mla_attend.h): the same bits on every ISA, whatever T. Returns -1 for bad arguments. */
+int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
+                     int64_t w_stride, const float* bias, int64_t n_group, int64_t topk_group, int64_t top_k, int norm,
+                     float scaling, int64_t* ids, float* weights);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

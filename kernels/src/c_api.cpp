@@ -11,12 +11,14 @@
 #include "../include/ktkernels.h"
 #include "cpu_features.h"
 #include "linear_engine.h"
+#include "mla_attend.h"
 #include "moe_engine.h"
 
 // One pool and one backend table for both ops (the MoE engine owns them; the linear engine borrows them).
 struct kt_ctx {
     kt::MoEEngine engine;
     kt::LinearEngine linear;
+    kt::MlaAttend attend;   // kt_mla_attend's job on this pool
     kt_ctx(int n_threads, int n_pools, const std::string& backend)
         : engine(n_threads, n_pools, backend), linear(engine.pool(), engine.table()) {}
 };
@@ -134,6 +136,27 @@ int kt_add_linear(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_
 int kt_add_linear_ex(kt_ctx* ctx, int linear_id, int n, int k, int bits, int group_size, int scale_dtype,
                      const void* qweight, const void* scales) {
     return guarded([&] { ctx->linear.add(linear_id, n, k, bits, group_size, qweight, scales, scale_dtype); });
+}
+
+int kt_mla_attend(kt_ctx* ctx, int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_stride,
+                  const float* q_rot, int64_t q_rot_stride, float scale, int64_t n_runs, const float* const* runs,
+                  const int64_t* run_len, int64_t row_stride, float* out, int64_t out_stride) {
+    if (!ctx) {   // the calling thread alone
+        thread_local kt::MlaAttend job;
+        if (!job.set(nh, R, dr, q_lat, q_lat_stride, q_rot, q_rot_stride, scale, n_runs, runs, run_len, row_stride,
+                     out, out_stride))
+            return -1;
+        job.run(0, 1);
+        return 0;
+    }
+    kt::ThreadPool& pool = ctx->engine.pool();
+    pool.wait();   // the job in flight may be an earlier attend's
+    if (!ctx->attend.set(nh, R, dr, q_lat, q_lat_stride, q_rot, q_rot_stride, scale, n_runs, runs, run_len,
+                         row_stride, out, out_stride))
+        return -1;
+    pool.launch([ctx](const kt::WorkerInfo& w) { ctx->attend.run(w.index, w.n_threads); });
+    pool.wait();
+    return 0;
 }
 
 int kt_linear_submit(kt_ctx* ctx, int n_linears, const int32_t* ids, int n_tokens, const void* x, int x_dtype,

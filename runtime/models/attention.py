@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
 
+from .. import cpu_glue
 from ..kernel_linear import AbsorbedKvB
 from ..packed_linear import dense_weight, linear, linear_start
 from . import indexer as lightning
@@ -191,7 +192,13 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     if cfg.q_lora_rank is not None:
         q = q_b()
     q = q.view(T, nh, dn + dr)
-    q_nope, q_rot = q[..., :dn], rope.apply(q[..., dn:], cos, sin)
+    q_nope, q_pe = q[..., :dn], q[..., dn:]
+    roped: list[torch.Tensor] = []
+
+    def q_rot() -> torch.Tensor:          # (T, nh, dr), roped on first use: the absorbed decode ropes it during W_uk
+        if not roped:
+            roped.append(rope.apply(q_pe, cos, sin))
+        return roped[0]
     o = torch.empty((T, nh, dv), dtype=x.dtype, device=x.device)
     absorbed = []                                     # (request, its latent cache) in the absorbed form
     for s, runs in zip(batch.seqs, written):
@@ -208,7 +215,7 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         lat_all = _cat_rows(lats)                                                             # (S, R + dr)
         kv = linear(lat_all[:, :R], w[p + "kv_b_proj.weight"]).view(S, nh, dn + dv)           # (S, nh, dn + dv)
         k = torch.cat([kv[..., :dn], lat_all[:, None, R:].expand(S, nh, dr)], dim=-1)        # (S, nh, dn + dr)
-        qh = torch.cat([q_nope[rows], q_rot[rows]], dim=-1).transpose(0, 1) * scale          # (nh, n, dn + dr)
+        qh = torch.cat([q_nope[rows], q_rot()[rows]], dim=-1).transpose(0, 1) * scale        # (nh, n, dn + dr)
         scores = torch.matmul(qh, k.permute(1, 2, 0))                                         # (nh, n, S)
         probs = _softmax_attend(scores, mask)
         o[rows] = torch.matmul(probs, kv[..., dn:].transpose(0, 1)).transpose(0, 1)           # (n, nh, dv)
@@ -218,10 +225,9 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
 
 
 def _absorbed_attention(w: dict, p: str, nh: int, dn: int, dr: int, dv: int, R: int, scale: float, x: torch.Tensor,
-                        T: int, q_nope: torch.Tensor, q_rot: torch.Tensor, absorbed: list, batch: Batch,
-                        o: torch.Tensor) -> None:
+                        T: int, q_nope: torch.Tensor, q_rot, absorbed: list, batch: Batch, o: torch.Tensor) -> None:
     """The absorbed form for the requests in absorbed [(request, its latent cache runs, mask)]: writes their rows
-    of o (T, nh, dv)."""
+    of o (T, nh, dv). q_rot(): the roped (T, nh, dr) query half (made on first call)."""
     ab = _absorbed(w, p, nh, dn, dv, R)
     on_op = isinstance(ab, AbsorbedKvB)
     if len(absorbed) == len(batch.seqs):    # every request (decode): all T rows in order, no gather/scatter
@@ -232,6 +238,9 @@ def _absorbed_attention(w: dict, p: str, nh: int, dn: int, dr: int, dv: int, R: 
     # Absorbed query rows [q_nope W_uk | q_rot] * scale (the softmax scale folded into the m query rows, not
     # the S keys), scored against the cached latent rows [c | k_rot] in one GEMM per request.
     small = m <= SERIAL_MAX_ROWS          # decode-sized: no OpenMP wake-up per op (layers.serial_torch)
+    if on_op and small and _attend_on_kernels(ab, q_nope, q_rot, idx, scale, absorbed, o):
+        return
+    q_rot = q_rot()
     if on_op and small:   # the rotary half is scaled into place while W_uk's job runs, then the latent half
         q_lat_done = ab.q_latent_start(q_nope[idx])
         q_cat = torch.empty((nh, m, R + dr), dtype=x.dtype, device=x.device)             # (nh, m, R + dr)
@@ -263,3 +272,25 @@ def _absorbed_attention(w: dict, p: str, nh: int, dn: int, dr: int, dv: int, R: 
         o[idx] = ab.values(out_lat).to(x.dtype)                                          # (m, nh, dv)
     else:
         o[idx] = torch.matmul(ab[1], out_lat.permute(1, 2, 0)).permute(2, 0, 1).to(x.dtype)
+
+
+def _attend_on_kernels(ab: AbsorbedKvB, q_nope: torch.Tensor, q_rot, idx, scale: float, absorbed: list,
+                       o: torch.Tensor) -> bool:
+    """Decode rows (one new token per request, no mask) of a float32 model with kv_b on the kernels: q_lat from W_uk's
+    job (q_rot() is roped meanwhile), then scores / softmax / latent output in one kt_mla_attend call per request
+    (ktrun.cpu_glue.mla_attend: its own fixed summation order, not torch's GEMMs; on the pool), then W_uv's job,
+    straight into o. False (nothing done) for anything else."""
+    if not all(s.n == 1 and mask is None for s, _, mask in absorbed) or q_nope.dtype != torch.float32 or \
+            not all(cpu_glue.mla_attend_supported(lats, ab.R, ab.nh) for _, lats, _ in absorbed):
+        return False
+    q_lat_done = ab.q_latent_start(q_nope[idx])
+    qr = q_rot()[idx]                                                                        # (m, nh, dr)
+    q_lat = q_lat_done()                                                                     # (m, nh, R)
+    out_lat = torch.empty_like(q_lat)                                                        # (m, nh, R)
+    for j, (_, lats, _) in enumerate(absorbed):
+        cpu_glue.mla_attend(q_lat[j], qr[j], lats, scale, out_lat[j], ab.kv_b.lin.kernels)
+    if isinstance(idx, slice) and o.is_contiguous():
+        ab.values(out_lat, out=o)
+    else:
+        o[idx] = ab.values(out_lat)
+    return True

@@ -26,6 +26,11 @@ def top_k(kind: str, scores: torch.Tensor, k: int, sorted: bool = False) -> torc
     return ids if _hook is None else _hook(kind, scores, ids)
 
 
+def hooked() -> bool:
+    """Whether a hook is installed (a choice made outside top_k, e.g. in one C call, must then come through it)."""
+    return _hook is not None
+
+
 @contextlib.contextmanager
 def choice_hook(hook: ChoiceHook):
     """Every top_k() inside the block goes through hook (tests only; never nested)."""

@@ -17,6 +17,7 @@ from ..kernel_linear import KernelLinear, run_together
 from ..packed_linear import linear
 
 SERIAL_MAX_ROWS = 8   # token rows up to which serial_torch() keeps a forward's small torch ops on the calling thread
+ROPE_TABLE_STEP = 1024   # positions the cos/sin table grows by (a multiple of 16: no scalar tail, see Rope._table)
 
 
 @contextlib.contextmanager
@@ -119,11 +120,35 @@ class Rope:
         inv, self.attn_factor = rope_inv_freq(r)
         self.inv_freq = inv.to(device)
         self.interleaved = r.interleaved
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}   # dtype -> cos, sin (P, dim/2)
+
+    def _table(self, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions 0 .. >= n, computed once (grown in steps of ROPE_TABLE_STEP positions). Each entry
+        comes from the same elementwise ops whatever the table's size: one thread (no chunk boundaries) over a
+        multiple of 16 elements (no scalar tail), so a position's cos/sin are the same bits in every forward, however
+        many tokens it has. A decode step's cos/sin were ~8 torch ops, ~100 us with cold caches; now one lookup."""
+        t = self._tables.get(dtype)
+        if t is None or t[0].shape[0] < n:
+            P = -(-max(n, 1) // ROPE_TABLE_STEP) * ROPE_TABLE_STEP
+            with serial_torch():
+                pos = torch.arange(P, device=self.inv_freq.device)
+                freqs = pos[:, None].float() * self.inv_freq[None, :]
+                t = self._tables[dtype] = ((freqs.cos() * self.attn_factor).to(dtype),
+                                           (freqs.sin() * self.attn_factor).to(dtype))
+        return t
 
     def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: (T,) -> cos, sin: (T, dim/2)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        return (freqs.cos() * self.attn_factor).to(dtype), (freqs.sin() * self.attn_factor).to(dtype)
+        """positions: (T,) -> cos, sin: (T, dim/2): on the CPU rows of the table (_table); elsewhere computed (no
+        device-to-host read of the positions per forward)."""
+        if positions.device.type != "cpu":
+            freqs = positions[:, None].float() * self.inv_freq[None, :]
+            return (freqs.cos() * self.attn_factor).to(dtype), (freqs.sin() * self.attn_factor).to(dtype)
+        n = int(positions.max()) + 1 if positions.numel() else 0
+        cos, sin = self._table(n, dtype)
+        if positions.numel() == 1:                          # decode: a view of the row, no gather
+            p = int(positions[0])
+            return cos[p:p + 1], sin[p:p + 1]
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               interleaved: bool | None = None) -> torch.Tensor:

@@ -135,18 +135,19 @@ class MoEModel:
             else:
                 m = swiglu_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
                                w[p + "mlp.down_proj.weight"])
-            if i + 1 < L:                               # the next layer's input norm
-                x, h = self._add_norm(x, m, w[self.names.layer(i + 1) + "input_layernorm.weight"])
-            else:
-                x = x + m
+            # the next layer's input norm, or after the last layer the final norm (of every row: row-wise, the
+            # same bits for the rows kept below)
+            x, h = self._add_norm(x, m, w[self.names.layer(i + 1) + "input_layernorm.weight"] if i + 1 < L
+                                  else w[self.names.final_norm])
             t3 = clock()
             tm["attention_s"] += t2 - t1
             tm["mlp_s"] += t3 - t2                      # router + shared/dense MLP + waiting for routed experts
         batch.commit()
+        if not L:
+            h = self.norm(x, w[self.names.final_norm], cfg.rms_norm_eps)
         if not all_logits and not all(s.n == 1 for s in batch.seqs):   # decode: the rows are the last tokens
-            x = x[batch.last_token_rows().to(self.device)]
-        x = self.norm(x, w[self.names.final_norm], cfg.rms_norm_eps)
-        logits = linear(x, self.lm_head).float()
+            h = h[batch.last_token_rows().to(self.device)]
+        logits = linear(h, self.lm_head).float()
         self.timing["forward_s"] += time.perf_counter() - t0
         self.timing["forwards"] += 1
         return logits

@@ -1,0 +1,133 @@
+// kt_mla_attend: the core of MLA's absorbed decode attention for one query row per head over one request's latent
+// cache (ktrun.models.attention, the absorbed form), on the calling thread:
+//   s[h, j]   = (q_lat[h] . c_j[:R] + q_rot[h] . c_j[R:R+dr]) * scale        (h < nh, j < S: every cached position)
+//   p[h, :]   = softmax_j(s[h, :])
+//   out[h, :] = sum_j p[h, j] c_j[:R]                                          (in position order)
+// Why not torch: per MLA layer a decode step ran this as two small MKL GEMMs (128 x 576 x S and 128 x S x 512) plus
+// a softmax, scale, cat, transpose and copy, ~300 us per layer with caches cold from the jobs around it, while the
+// kernel pool waited; here it is one call (~10x fewer instructions than MKL's small-shape path pays).
+//
+// Numerics: one fixed order whatever the ISA. Every dot product keeps 16 lane sums (lane l adds the products of
+// elements l, l+16, ... in order as fused multiply-adds: std::fma per lane in the baseline copy, the FMA
+// instructions in the others; nothing else is contracted, see CMakeLists.txt) and ends with a fixed pairwise reduction of the lanes; the softmax's sum and the value sums run in
+// position order. The body (mla_attend_body.inc: GCC vector code, 16 floats per vector) is compiled three times,
+// for AVX-512, AVX2 and the baseline ISA, chosen once by cpuid (KT_KERNEL_BACKEND=scalar / avx2 forces the lower
+// ones); the same elementwise IEEE operations in the same order give the same bits in each: the baseline one is the
+// scalar twin. Results depend only on the request's own query row and cache, not on the batch, the runs the cache is split
+// into, or the thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <immintrin.h>
+#include <string>
+#include <vector>
+
+#include "../include/ktkernels.h"
+#include "cpu_features.h"
+#include "mla_attend.h"
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+
+namespace ref {
+inline v16 madd(v16 a, v16 b, v16 c) {
+    for (int l = 0; l < 16; ++l) c[l] = std::fma(a[l], b[l], c[l]);
+    return c;
+}
+#include "mla_attend_body.inc"
+}  // namespace ref
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+inline v16 madd(v16 a, v16 b, v16 c) {
+    __m256 r[2];
+    for (int h = 0; h < 2; ++h) {
+        __m256 x, y, z;
+        memcpy(&x, (const float*)&a + 8 * h, 32);
+        memcpy(&y, (const float*)&b + 8 * h, 32);
+        memcpy(&z, (const float*)&c + 8 * h, 32);
+        r[h] = _mm256_fmadd_ps(x, y, z);
+    }
+    v16 out;
+    memcpy(&out, r, 64);
+    return out;
+}
+#include "mla_attend_body.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace avx512 {
+inline v16 madd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#include "mla_attend_body.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+
+// once: the widest ISA the CPU has (2 AVX-512, 1 AVX2, 0 baseline), or a lower one KT_KERNEL_BACKEND names (scalar,
+// avx2 / avxvnni: the tests' way to run the twins)
+int isa() {
+    static const int chosen = [] {
+        const kt::CpuFeatures& f = kt::cpu_features();
+        const char* env = std::getenv("KT_KERNEL_BACKEND");
+        const std::string want = env ? env : "";
+        if (want == "scalar") return 0;
+        if (f.avx512 && want != "avx2" && want != "avxvnni") return 2;
+        return f.avx2 ? 1 : 0;
+    }();
+    return chosen;
+}
+
+using AttendFn = decltype(&ref::attend);
+using DotsFn = decltype(&ref::dots);
+const AttendFn kAttend[3] = {ref::attend, avx2::attend, avx512::attend};
+const DotsFn kDots[3] = {ref::dots, avx2::dots, avx512::dots};
+
+constexpr int64_t kHeadBlock = 8;   // heads split between workers in blocks of the body's head tile
+
+}  // namespace
+
+namespace kt {
+
+bool MlaAttend::set(int64_t nh_, int64_t R_, int64_t dr_, const float* q_lat_, int64_t q_lat_stride_,
+                    const float* q_rot_, int64_t q_rot_stride_, float scale_, int64_t n_runs, const float* const* runs,
+                    const int64_t* run_len, int64_t row_stride, float* out_, int64_t out_stride_) {
+    if (nh_ < 1 || R_ < 16 || R_ % 16 || dr_ < 0 || dr_ % 16 || n_runs < 1 || !q_lat_ || (dr_ && !q_rot_) || !runs ||
+        !run_len || !out_ || row_stride < R_ + dr_)
+        return false;
+    int64_t n = 0;
+    for (int64_t r = 0; r < n_runs; ++r) {
+        if (run_len[r] < 0 || (run_len[r] && !runs[r])) return false;
+        n += run_len[r];
+    }
+    if (n < 1) return false;
+    rows.resize((size_t)n);
+    for (int64_t r = 0, j = 0; r < n_runs; ++r)
+        for (int64_t i = 0; i < run_len[r]; ++i) rows[j++] = runs[r] + i * row_stride;
+    nh = nh_; R = R_; dr = dr_; S = n; q_lat = q_lat_; q_lat_stride = q_lat_stride_; q_rot = q_rot_;
+    q_rot_stride = q_rot_stride_; scale = scale_; out = out_; out_stride = out_stride_;
+    return true;
+}
+
+void MlaAttend::run(int index, int n) const {
+    const AttendFn attend = kAttend[isa()];
+    const int64_t blocks = (nh + kHeadBlock - 1) / kHeadBlock;
+    const int64_t h0 = std::min(nh, blocks * index / n * kHeadBlock);
+    const int64_t h1 = std::min(nh, blocks * (index + 1) / n * kHeadBlock);
+    if (h1 <= h0) return;
+    thread_local std::vector<float> s;
+    if (s.size() < (size_t)((h1 - h0) * S)) s.resize((size_t)((h1 - h0) * S));
+    attend(h1 - h0, R, dr, q_lat + h0 * q_lat_stride, q_lat_stride, q_rot + h0 * q_rot_stride, q_rot_stride, scale,
+           rows.data(), S, out + h0 * out_stride, out_stride, s.data());
+}
+
+void float_dots(int64_t n, int64_t K, const float* a, int64_t a_stride, const float* const* rows, int64_t S,
+                float scale, float* out) {
+    kDots[isa()](n, K, a, a_stride, rows, S, scale, out);
+}
+
+}  // namespace kt

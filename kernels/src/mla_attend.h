@@ -1,0 +1,31 @@
+// kt_mla_attend's job (mla_attend.cpp): checked arguments, the cache rows in position order, the heads' split.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace kt {
+
+struct MlaAttend {
+    int64_t nh = 0, R = 0, dr = 0, S = 0;
+    const float* q_lat = nullptr;
+    const float* q_rot = nullptr;
+    int64_t q_lat_stride = 0, q_rot_stride = 0, out_stride = 0;
+    float scale = 0.0f;
+    float* out = nullptr;
+    std::vector<const float*> rows;   // (S): row j of the cache
+
+    // Checks and keeps the arguments of kt_mla_attend (ktkernels.h); false for bad ones.
+    bool set(int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_stride, const float* q_rot,
+             int64_t q_rot_stride, float scale, int64_t n_runs, const float* const* runs, const int64_t* run_len,
+             int64_t row_stride, float* out, int64_t out_stride);
+    // Worker `index` of n computes its share of the heads (whole blocks of 8: each head's result is the same
+    // whatever the split).
+    void run(int index, int n) const;
+};
+
+// out[h * S + j] = (a[h] . rows[j]) * scale for h < n, j < S (K a multiple of 16), in the same fixed order (16 lane
+// sums, fused multiply-adds, a pairwise reduction) on every ISA, on the calling thread
+void float_dots(int64_t n, int64_t K, const float* a, int64_t a_stride, const float* const* rows, int64_t S,
+                float scale, float* out);
+
+}  // namespace kt

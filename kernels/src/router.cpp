@@ -1,0 +1,88 @@
+// kt_route_sigmoid: the sigmoid router with group-limited top-k (DeepSeek-V3 / V3.2, GLM-4.5 "noaux_tc", MiniMax-M2
+// with one group; ktrun.models.routing.sigmoid_grouped) for a few tokens, on the calling thread:
+//   scores = sigmoid(x W^T) (E per token); choice = scores + bias; keep the topk_group groups with the best sum of
+//   their two best choices; ids = the top_k best choices inside them; weights = scores[ids], normalized to sum 1 when
+//   norm (plus 1e-20), times scaling.
+// Why: a decode step's router was an MKL GEMV of 1 x K x E plus ~12 small torch ops, ~140 us per MoE layer with
+// caches cold from the jobs around it, while the kernel pool waited; here one call.
+// Numerics: the logits are float_dots (mla_attend.cpp: one fixed order on every ISA), the rest plain float code in
+// a fixed order, so a token's choice depends on its own row only (not on the batch or the ISA). Ties go to the lower
+// index (expert or group); ids come out best first.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "../include/ktkernels.h"
+#include "mla_attend.h"
+
+namespace {
+
+// indices of the k largest of v[0..n) (skipping -inf-masked ones only by value), best first, ties to the lower index
+void top_k(const float* v, int64_t n, int64_t k, int64_t* out) {
+    for (int64_t i = 0; i < k; ++i) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; ++e) {
+            bool taken = false;
+            for (int64_t j = 0; j < i; ++j) taken = taken || out[j] == e;
+            if (!taken && (best < 0 || v[e] > v[best])) best = e;
+        }
+        out[i] = best;
+    }
+}
+
+}  // namespace
+
+extern "C" int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
+                                int64_t w_stride, const float* bias, int64_t n_group, int64_t topk_group,
+                                int64_t top_k_, int norm, float scaling, int64_t* ids, float* weights) {
+    if (T < 0 || E < 1 || K < 16 || K % 16 || !w || w_stride < K || n_group < 1 || E % n_group || topk_group < 1 ||
+        topk_group > n_group || top_k_ < 1 || top_k_ > E / n_group * topk_group || (T && (!x || x_stride < K || !ids ||
+        !weights)))
+        return -1;
+    if (T == 0) return 0;
+    thread_local std::vector<float> logits, choice, group_score;
+    thread_local std::vector<const float*> rows;
+    thread_local std::vector<int64_t> groups;
+    logits.resize((size_t)(E * T));
+    choice.resize((size_t)E);
+    group_score.resize((size_t)n_group);
+    groups.resize((size_t)topk_group);
+    rows.resize((size_t)T);
+    for (int64_t t = 0; t < T; ++t) rows[t] = x + t * x_stride;
+    kt::float_dots(E, K, w, w_stride, rows.data(), T, 1.0f, logits.data());   // logits[e * T + t]
+    const int64_t per_group = E / n_group;
+    for (int64_t t = 0; t < T; ++t) {
+        float* sc = logits.data();   // sigmoid in place, token t's column
+        for (int64_t e = 0; e < E; ++e) {
+            float& l = sc[e * T + t];
+            l = 1.0f / (1.0f + std::exp(-l));
+            choice[e] = bias ? l + bias[e] : l;
+        }
+        if (topk_group < n_group) {
+            for (int64_t g = 0; g < n_group; ++g) {   // the group's two best choices, best first, summed
+                int64_t two[2];
+                top_k(choice.data() + g * per_group, per_group, per_group < 2 ? per_group : 2, two);
+                const float* c = choice.data() + g * per_group;
+                group_score[g] = per_group < 2 ? c[two[0]] : c[two[0]] + c[two[1]];
+            }
+            top_k(group_score.data(), n_group, topk_group, groups.data());
+            for (int64_t g = 0; g < n_group; ++g) {
+                bool kept = false;
+                for (int64_t j = 0; j < topk_group; ++j) kept = kept || groups[j] == g;
+                if (!kept)
+                    for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) choice[e] = -INFINITY;
+            }
+        }
+        int64_t* id = ids + t * top_k_;
+        float* wt = weights + t * top_k_;
+        top_k(choice.data(), E, top_k_, id);
+        float sum = 0.0f;
+        for (int64_t i = 0; i < top_k_; ++i) {
+            wt[i] = sc[id[i] * T + t];
+            sum += wt[i];
+        }
+        const float denom = sum + 1e-20f;
+        for (int64_t i = 0; i < top_k_; ++i) wt[i] = (norm ? wt[i] / denom : wt[i]) * scaling;
+    }
+    return 0;
+}
