@@ -215,6 +215,9 @@ void LinearEngine::quantize_x(int r, int worker) {
     }
     if (n_groups_ && x_scale_) {   // the group's input scaling, one float32 product per value (as torch would)
         const float* sc = x_scale_ + (size_t)(r / T_) * k_;
+        // the scales of the group 4 rows on (MLA's W_uk: 2048 scaled rows of 128 per decode step, the scales 1 MB
+        // of float32 read cold): its phase 0 went 111 / 147 -> 79 / 110 us per worker (medians, in decode steps)
+        for (int k = 0; k < k_; k += 16) __builtin_prefetch(sc + 4 * (size_t)k_ + k, 0, 2);
         float* dst = tmp + k_;
         for (int k = 0; k < k_; ++k) dst[k] = v[k] * sc[k];
         v = dst;
