@@ -151,7 +151,7 @@ def main():
         ex.record = False
         pp_rates.append(args.pp / t)
         pp_ratios.append(t / replay_kernels(ex, ex.calls, 1))
-    bw = ex.moe.measure_read_bandwidth(1 << 28, 3)
+    bw = ex.moe.measure_read_bandwidth(reps=3)
     step_bytes = statistics.fmean(len(torch.unique(c[2])) for c in calls) * args.layers * conv.nbytes / (
         args.layers * args.experts)                                      # distinct experts streamed per step
 

@@ -315,7 +315,7 @@ def main():
     model.experts = ex
     pp_rates = [args.pp / bench_pp(model, args.pp, ctx, gen) for _ in range(args.reps)]
 
-    bw = ex.moe.measure_read_bandwidth(1 << 28, 3)
+    bw = ex.moe.measure_read_bandwidth(reps=3)
     embed = get_family(cfg.model_type).names.embed
     dense_bytes = sum(t.numel() * t.element_size() for k, t in dense.items() if k != embed)
     expert_step_bytes = conv.nbytes / n_exp * cfg.top_k           # top-k experts of every layer, each token

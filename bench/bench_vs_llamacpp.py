@@ -346,16 +346,17 @@ def generate_peak_rss(conv: Path, ctx: int, tokens: int) -> tuple[int, int]:
 
 
 def read_bandwidth(ours: list[Ours]) -> float:
-    """The machine's read bandwidth, bytes/s, by the kernels' own probe (the pool's threads), best of 3."""
+    """The machine's read bandwidth, bytes/s, by the kernels' own probe (the pool's threads), best of 3, over a
+    buffer 4x the last-level cache (ktrun.cpu_moe.stream_probe_bytes)."""
     for o in ours:
         moe = getattr(o.model.experts, "moe", None)
         if moe is not None:
-            return moe.measure_read_bandwidth(1 << 28, 3)
+            return moe.measure_read_bandwidth(reps=3)
     from ktrun.cpu_moe import MoEKernels
 
     k = MoEKernels()
     try:
-        return k.measure_read_bandwidth(1 << 28, 3)
+        return k.measure_read_bandwidth(reps=3)
     finally:
         k.close()
 

@@ -217,6 +217,27 @@ def _check_matrix(q: Any, s: Any, geom: MatrixGeometry, n_experts: int, what: st
         raise ValueError(f"{what}.scales: shape {None if s is None else _shape(s)}, expected {want_s}")
 
 
+def last_level_cache_bytes() -> int:
+    """This CPU's largest cache (Linux sysfs, cpu0's cache levels), bytes; 0 when unknown."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (d / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        n = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size or 0)
+        best = max(best, n)
+    return best
+
+
+def stream_probe_bytes() -> int:
+    """Buffer size for a read-bandwidth probe: 4x the last-level cache, as the STREAM benchmark asks, at least 1 GiB,
+    at most 4 GiB. On a host reporting a 480 MB L3, a 256 MB probe read 31.6-33.4 GB/s run to run (part of it served by
+    the cache), 1-2 GB steadily 31.1-31.9 (bench_vs_llamacpp.py's roofline used 256 MB until then)."""
+    return min(4 << 30, max(1 << 30, 4 * last_level_cache_bytes()))
+
+
 class MoEKernels:
     """Persistent kernel context: thread pool + registered layers. See the module docstring."""
 
@@ -447,9 +468,10 @@ class MoEKernels:
         self._lib.kt_profile(self._ctx, buf, len(buf))
         return [dict(zip(self.PROFILE_PHASES, buf[n * i: n * (i + 1)])) for i in range(self.n_threads)]
 
-    def measure_read_bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> float:
-        """Memory read bandwidth with this pool's threads, bytes/s (best of reps)."""
-        bw = self._lib.kt_measure_read_bandwidth(self._ctx, nbytes, reps)
+    def measure_read_bandwidth(self, nbytes: int | None = None, reps: int = 5) -> float:
+        """Memory read bandwidth with this pool's threads, bytes/s (best of reps), over nbytes (default
+        stream_probe_bytes(): a buffer the last-level cache cannot hold)."""
+        bw = self._lib.kt_measure_read_bandwidth(self._ctx, nbytes or stream_probe_bytes(), reps)
         if bw <= 0:
             raise KernelError(_err(self._lib))
         return bw
