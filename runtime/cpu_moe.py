@@ -110,8 +110,8 @@ def load_library() -> ctypes.CDLL:
         "kt_rope": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_i64, c_p, c_p, c_i64, c_int, c_p, c_i64, c_i64]),
         "kt_route_sigmoid": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_int,
                                      ctypes.c_float, c_p, c_p]),
-        "kt_mla_attend": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, ctypes.c_float, c_i64, c_p, c_p, c_i64,
-                                  c_p, c_i64]),
+        "kt_mla_attend": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, ctypes.c_float, c_i64, c_p, c_p,
+                                  c_i64, c_p, c_i64]),
         # the dense Linear op (ktrun.cpu_linear)
         "kt_add_linear": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
         "kt_add_linear_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
@@ -219,13 +219,12 @@ def _check_matrix(q: Any, s: Any, geom: MatrixGeometry, n_experts: int, what: st
 
 def last_level_cache_bytes() -> int:
     """This CPU's largest cache (Linux sysfs, cpu0's cache levels), bytes; 0 when unknown."""
-    best = 0
+    best, units = 0, {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
             size = (d / "size").read_text().strip().upper()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         n = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size or 0)
         best = max(best, n)
     return best

@@ -17,7 +17,7 @@
 
 namespace {
 
-// indices of the k largest of v[0..n) (skipping -inf-masked ones only by value), best first, ties to the lower index
+// indices of the k largest of v[0..n), best first, ties to the lower index (masked entries are -inf: chosen last)
 void top_k(const float* v, int64_t n, int64_t k, int64_t* out) {
     for (int64_t i = 0; i < k; ++i) {
         int64_t best = -1;

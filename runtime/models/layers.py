@@ -143,11 +143,11 @@ class Rope:
         if positions.device.type != "cpu":
             freqs = positions[:, None].float() * self.inv_freq[None, :]
             return (freqs.cos() * self.attn_factor).to(dtype), (freqs.sin() * self.attn_factor).to(dtype)
-        n = int(positions.max()) + 1 if positions.numel() else 0
-        cos, sin = self._table(n, dtype)
         if positions.numel() == 1:                          # decode: a view of the row, no gather
             p = int(positions[0])
+            cos, sin = self._table(p + 1, dtype)
             return cos[p:p + 1], sin[p:p + 1]
+        cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 0, dtype)
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
