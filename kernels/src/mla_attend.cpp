@@ -12,15 +12,15 @@
 // instructions in the others; nothing else is contracted, see CMakeLists.txt) and ends with a fixed pairwise
 // reduction of the lanes; the softmax's sum and the value sums run in position order. The body
 // (mla_attend_body.inc: GCC vector code, 16 floats per vector) is compiled three times, for AVX-512, AVX2 and the
-// baseline ISA, chosen once by cpuid (KT_KERNEL_BACKEND=scalar / avx2 forces the lower ones); the same elementwise
+// baseline ISA, chosen once with the kernels' backend (isa() below); the same elementwise
 // IEEE operations in the same order give the same bits in each: the baseline one is the scalar twin. Results depend
 // only on the request's own query row and cache, not on the batch, the runs the cache is split into, the other heads
 // or the thread count. float_dots (the router's logits, router.cpp) is the scores' dot product on its own.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <immintrin.h>
 #include <string>
 #include <vector>
@@ -69,16 +69,17 @@ inline v16 madd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (_
 }  // namespace avx512
 #pragma GCC pop_options
 
-// once: the widest ISA the CPU has (2 AVX-512, 1 AVX2, 0 baseline), or a lower one KT_KERNEL_BACKEND names (scalar,
-// avx2 / avxvnni: the tests' way to run the twins)
+// once: the copy for the kernels' backend (select_backend: KT_KERNEL_BACKEND, else the best this CPU runs): 0 the
+// baseline for scalar, 1 AVX2 for avx2, 2 AVX-512 for avx512 and amx (both imply AVX-512); the tests' way to run the
+// twins. An unknown or unsupported KT_KERNEL_BACKEND (which no kernel context accepts either) takes the baseline.
 int isa() {
     static const int chosen = [] {
-        const kt::CpuFeatures& f = kt::cpu_features();
-        const char* env = std::getenv("KT_KERNEL_BACKEND");
-        const std::string want = env ? env : "";
-        if (want == "scalar") return 0;
-        if (f.avx512 && want != "avx2" && want != "avxvnni") return 2;
-        return f.avx2 ? 1 : 0;
+        try {
+            const std::string name = kt::select_backend("")->name;
+            return name == "scalar" ? 0 : name == "avx2" ? 1 : 2;
+        } catch (const std::exception&) {
+            return 0;
+        }
     }();
     return chosen;
 }
