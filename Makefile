@@ -73,4 +73,4 @@ demo: kernels
 	$(PY) -m ktconvert.default_model.demo
 
 clean:
-	rm -rf build converted runtime/*.so
+	rm -rf build converted runtime/ops/*.so

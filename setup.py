@@ -1,6 +1,6 @@
 """Builds the C++ kernel library in kernels/ with CMake as part of `pip install` (no manual step).
 
-The shared library is placed in the `ktrun` package (runtime/) and loaded with ctypes by ktrun.cpu_moe.
+The shared library is placed in `ktrun.ops` (runtime/ops/) and loaded with ctypes by ktrun.ops.library.
 """
 import os
 import shutil
@@ -46,4 +46,4 @@ class CMakeBuild(build_ext):
 
 
 setup(packages=discover_packages(), package_dir=PACKAGE_DIRS,
-      ext_modules=[CMakeLibrary("ktrun.libktkernels", ROOT / "kernels")], cmdclass={"build_ext": CMakeBuild})
+      ext_modules=[CMakeLibrary("ktrun.ops.libktkernels", ROOT / "kernels")], cmdclass={"build_ext": CMakeBuild})

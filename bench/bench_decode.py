@@ -23,8 +23,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP thre
 
 import torch
 from ktlayouts.families import parse_config
-from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
-from ktrun.kernel_experts import KernelExperts
+from ktrun.cli.cmd_bench import bench_pp, bench_tg, decode_breakdown
+from ktrun.experts.kernel import KernelExperts
 from ktrun.models.model import MoEModel
 from synthetic_experts import SyntheticConversion  # bench/ sits on sys.path as the script's folder
 

@@ -43,9 +43,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP thre
 import torch
 from ktlayouts.families import get_family, parse_config
 from ktrun.cache_budget import kv_bytes_per_token, state_bytes_per_request
-from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
+from ktrun.cli.cmd_bench import bench_pp, bench_tg, decode_breakdown
+from ktrun.experts.kernel import KernelExperts
 from ktrun.generate import prefill
-from ktrun.kernel_experts import KernelExperts
 from ktrun.models.kv_cache import BlockPool
 from ktrun.models.model import MoEModel
 from ktrun.prefix_cache import PrefixCache, PrefixCacheConfig

@@ -243,7 +243,7 @@ class WillneedExperts:
 
     def __init__(self, inner, converted):
         from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor
-        from ktrun.expert_prediction import NextLayerPredictor
+        from ktrun.experts.prediction import NextLayerPredictor
         geo, man = converted.geometry, converted.manifest
         self.inner, self.E = inner, geo.n_experts
         self.predictor = NextLayerPredictor(converted)
@@ -294,7 +294,7 @@ def reader_child(a) -> None:
     `a.budget` random experts at once (what a decode step misses), timed from issue to the last landing."""
     import random
 
-    from ktrun.expert_tier import ExpertRamTier
+    from ktrun.experts.ram_tier import ExpertRamTier
     from ktrun.loaded_model import load_model
     lm = load_model(a.conv, device="cpu")
     c, rng, rates = lm.converted, random.Random(0), []
@@ -352,7 +352,7 @@ def read_rate(files: list[Path], kind: str, limit: int) -> float:
 
 def child(a) -> None:
     import torch
-    from ktrun.expert_ram_option import ExpertRamOptions
+    from ktrun.cli.expert_ram_option import ExpertRamOptions
     from ktrun.generate import decode_one_token, prefill
     from ktrun.loaded_model import load_model
     torch.set_num_threads(1)
@@ -372,7 +372,7 @@ def child(a) -> None:
     for t in toks[1:1 + WARMUP]:
         decode_one_token(m, cache, t)
     if a.mode == "baseline":
-        from ktrun.expert_tier import PAGE, ExpertRamTier
+        from ktrun.experts.ram_tier import PAGE, ExpertRamTier
         rss = rss_anon()
         probe = ExpertRamTier(lm.converted, 1 << 40)          # reads nothing: the smallest budget it would take
         print(json.dumps({"rss_anon": rss, "min_budget": probe.layer_pages * PAGE}))

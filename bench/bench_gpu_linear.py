@@ -1,4 +1,4 @@
-"""Quantized GPU Linears at decode (M = 1 token): dense matmul vs packed Marlin weights, per ktrun.packed_linear.
+"""Quantized GPU Linears at decode (M = 1 token): dense matmul vs packed Marlin weights, per ktrun.ops.packed_linear.
 
 For DeepSeek-V3's non-expert Linear shapes, times one y = x W^T with
   dense          W dequantized once (what `--gpu-weights dequant` runs),
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from ktlayouts.gptq import GptqGeometry
 from ktlayouts.marlin import marlin_pack
-from ktrun.marlin_kernel import find_marlin_kernel
-from ktrun.packed_linear import MarlinLinear
+from ktrun.ops.marlin import find_marlin_kernel
+from ktrun.ops.packed_linear import MarlinLinear
 
 # (name, N, K): DeepSeek-V3 q_a_proj, kv_a_proj_with_mqa (576 = 512 + 64), shared-expert gate, down, o_proj
 SHAPES = [("q_a", 1536, 7168), ("kv_a", 576, 7168), ("shared_gate", 2048, 7168), ("shared_down", 7168, 2048),

@@ -35,9 +35,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from ktlayouts.expert_placement import STRATEGIES
 from ktlayouts.expert_profile import ExpertProfile, ranking, summary_lines
-from ktrun.cmd_bench import bench_tg
-from ktrun.expert_placement import Budget, HotExpertOptions, hit_ratio, plan_placement
-from ktrun.hot_experts import describe
+from ktrun.cli.cmd_bench import bench_tg
+from ktrun.experts.hot import describe
+from ktrun.experts.placement import Budget, HotExpertOptions, hit_ratio, plan_placement
 from ktrun.loaded_model import load_model
 from ktrun.models.kv_cache import Batch
 
@@ -140,10 +140,10 @@ def synthetic_decode(device, tg: int, reps: int, layers: int = 2, experts: int =
 
     import bench_decode as bd
     from ktlayouts.families import parse_config
-    from ktrun.expert_residency import ExpertResidency
-    from ktrun.hot_expert_store import HotExpertStore
-    from ktrun.hybrid_experts import HybridExperts
-    from ktrun.kernel_experts import KernelExperts
+    from ktrun.experts.hot_store import HotExpertStore
+    from ktrun.experts.hybrid import HybridExperts
+    from ktrun.experts.kernel import KernelExperts
+    from ktrun.experts.residency import ExpertResidency
     from ktrun.models.model import MoEModel
 
     cfg = parse_config(bd.v3_config(layers, experts, 16))

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads, as `ktrun` does (runtime/cli.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads, as `ktrun` does (runtime/cli/__init__.py)
 
 import torch
 

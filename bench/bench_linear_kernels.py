@@ -1,4 +1,4 @@
-"""Benchmark: DeepSeek-V3's non-expert Linears on libktkernels' dense Linear op (ktrun.cpu_linear).
+"""Benchmark: DeepSeek-V3's non-expert Linears on libktkernels' dense Linear op (ktrun.ops.linear).
 
 Shapes (N x K): q_a 1536x7168, q_b 24576x1536, kv_a 576x7168, kv_b 32768x512, o_proj 7168x16384, the shared
 expert's gate+up (two 2048x7168 Linears sharing x, one submission) and down 7168x2048, and the head 129280x7168
@@ -29,7 +29,7 @@ import torch
 from bench_moe_kernels import probe
 from ktlayouts.cpu_linear import linear_geometry
 from ktlayouts.gptq import pack_rows
-from ktrun.cpu_linear import LinearKernels
+from ktrun.ops.linear import LinearKernels
 
 GROUP = 128
 # name: list of (N, K) Linears sharing one input (more than one: a fused submission)

@@ -1,5 +1,5 @@
 """Benchmark: MLA's absorbed kv_b at decode (T = 1), DeepSeek-V3's shapes (128 heads, nope 128, v 128, kv_lora 512),
-on the quantized Linear op (ktrun.kernel_linear.AbsorbedKvB: W_uk's transposed codes + W_uv on kv_b's tiles, two
+on the quantized Linear op (ktrun.ops.kernel_linear.AbsorbedKvB: W_uk's transposed codes + W_uv on kv_b's tiles, two
 grouped submits) against the float32 pair it replaced (W_uk^T (nh, R, dn) and W_uv (nh, dv, R), torch batched
 matrix-vector products, the fast orientations).
 
@@ -22,8 +22,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP thre
 import numpy as np
 import torch
 from ktlayouts.cpu_linear import linear_geometry, pack_linear_codes
-from ktrun.cpu_linear import LinearKernels
-from ktrun.kernel_linear import AbsorbedKvB, KernelLinear
+from ktrun.ops.kernel_linear import AbsorbedKvB, KernelLinear
+from ktrun.ops.linear import LinearKernels
 
 NH, DN, DV, R = 128, 128, 128, 512
 

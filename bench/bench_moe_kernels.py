@@ -1,4 +1,4 @@
-"""Benchmark: one DeepSeek-V3-shaped routed-expert layer on libktkernels (ktrun.cpu_moe).
+"""Benchmark: one DeepSeek-V3-shaped routed-expert layer on libktkernels (ktrun.ops.moe).
 
 hidden 7168, expert intermediate 2048, top-8, group size 128 (--group), as many experts as fit in --budget-gb (default 4 GB
 on this 24 GB box shared with other work; the issue asks ~8 GB where memory allows), random routing on every call
@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 from ktlayouts.cpu_expert import LayoutError, MatrixGeometry, pack_two_level
-from ktrun.cpu_moe import ExpertShard, MoEKernels
+from ktrun.ops.moe import ExpertShard, MoEKernels
 
 HIDDEN, INTER, TOP_K = 7168, 2048, 8
 

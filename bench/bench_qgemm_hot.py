@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--cpu", type=int, default=None, help="pin to this CPU (default: the last one allowed)")
     ap.add_argument("--probe-mb", type=int, default=512, help="bytes the read-bandwidth probe streams")
     args = ap.parse_args()
-    from ktrun.cpu_moe import MoEKernels
+    from ktrun.ops.moe import MoEKernels
     cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
     with MoEKernels(n_threads=1) as moe:
         backend = moe.backend

@@ -274,7 +274,7 @@ class Ours:
         self.bytes_per_token = self.expert_bytes_per_token + self.dense_bytes_per_token
 
     def warm_up(self, tg: int, pp: int) -> None:
-        from ktrun.cmd_bench import bench_pp, bench_tg
+        from ktrun.cli.cmd_bench import bench_pp, bench_tg
 
         bench_pp(self.model, min(pp, 16), pp + 1, self.gen)
         bench_tg(self.model, min(tg, 4), tg + 2, self.gen)
@@ -294,7 +294,7 @@ class Ours:
                             np.asarray(a).reshape(-1).view(np.uint8)[::4096].max()
 
     def round(self, tg: int, pps: list[int]) -> dict[str, float]:
-        from ktrun.cmd_bench import bench_pp, bench_tg, decode_breakdown
+        from ktrun.cli.cmd_bench import bench_pp, bench_tg, decode_breakdown
 
         ctx = max([tg + 1, *pps]) + 1
         self.touch_experts()
@@ -347,12 +347,12 @@ def generate_peak_rss(conv: Path, ctx: int, tokens: int) -> tuple[int, int]:
 
 def read_bandwidth(ours: list[Ours]) -> float:
     """The machine's read bandwidth, bytes/s, by the kernels' own probe (the pool's threads), best of 3, over a
-    buffer 4x the last-level cache (ktrun.cpu_moe.stream_probe_bytes)."""
+    buffer 4x the last-level cache (ktrun.ops.library.stream_probe_bytes)."""
     for o in ours:
         moe = getattr(o.model.experts, "moe", None)
         if moe is not None:
             return moe.measure_read_bandwidth(reps=3)
-    from ktrun.cpu_moe import MoEKernels
+    from ktrun.ops.moe import MoEKernels
 
     k = MoEKernels()
     try:

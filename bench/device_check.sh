@@ -41,7 +41,7 @@ if ! $PY -c "import ktrun, ktlayouts, ktconvert" 2>/dev/null; then
   export PYTHONPATH="$PWD/$WORK/pkgs:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
   echo "packages_from_source_tree: 1 bool"
 fi
-if ! $PY -c "from ktrun.cpu_moe import load_library; load_library()" 2>/dev/null; then
+if ! $PY -c "from ktrun.ops.moe import load_library; load_library()" 2>/dev/null; then
   if command -v cmake >/dev/null; then
     timeout 90 cmake -S kernels -B "$WORK/kernels" -DCMAKE_BUILD_TYPE=Release -DKT_BUILD_TESTS=OFF >/dev/null \
       && timeout 90 cmake --build "$WORK/kernels" -j "$(nproc)" >/dev/null
@@ -49,7 +49,7 @@ if ! $PY -c "from ktrun.cpu_moe import load_library; load_library()" 2>/dev/null
     [ -n "$LIB" ] && export KT_KERNELS_LIB="$PWD/$LIB"
   fi
 fi
-if $PY -c "from ktrun.cpu_moe import MoEKernels; m = MoEKernels(); print(f'kernel_backend: {m.backend} name'); print(f'kernel_threads: {m.n_threads} count')"; then
+if $PY -c "from ktrun.ops.moe import MoEKernels; m = MoEKernels(); print(f'kernel_backend: {m.backend} name'); print(f'kernel_threads: {m.n_threads} count')"; then
   :
 else
   echo "kernels_loaded: 0 bool (the CPU side runs the torch reference experts)"

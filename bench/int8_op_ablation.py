@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.logprobs import read_logprobs
 from ktrun.engine import Engine
-from ktrun.kernel_linear import KernelLinear
+from ktrun.ops.kernel_linear import KernelLinear
 from ktrun.perplexity import score, text_chunks
 
 

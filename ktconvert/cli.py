@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import click
-from ktrun.lazy_group import LazyGroup
+from ktrun.cli.lazy_group import LazyGroup
 
 # command name -> "module:attribute" (a click.Command)
 COMMANDS = {

@@ -228,7 +228,7 @@ def hot_expert_plan(info: dict, gpu_mem: int, kv_mem: int | None, prof) -> list[
     biases = parse_config(info["config"]).expert_activation.bias      # gpt-oss: float32 biases beside each expert
     if kv_mem is None:
         import torch
-        from ktrun.hot_experts import kv_bytes_per_token
+        from ktrun.experts.hot import kv_bytes_per_token
 
         from ktconvert.hot_placement import KV_TOKENS
         kv_mem = KV_TOKENS * kv_bytes_per_token(parse_config(info["config"]), torch.bfloat16)
@@ -248,7 +248,7 @@ def hot_expert_plan(info: dict, gpu_mem: int, kv_mem: int | None, prof) -> list[
             line = (f"  {method:<9} {fmt:<6} {human(plan['per_expert_bytes'])} each: {n} of {E * n_layers} experts "
                     f"({100 * n / max(1, E * n_layers):.1f}%, {n / max(1, n_layers):.1f} per MoE layer)")
             if prof is not None and n:
-                from ktrun.expert_placement import Budget, hit_ratio, plan_placement
+                from ktrun.experts.placement import Budget, hit_ratio, plan_placement
                 hits = []
                 for strategy in STRATEGIES:
                     pl = plan_placement(prof, E, info["moe_layers"], Budget(ratio=n / (E * n_layers)), strategy)

@@ -8,7 +8,7 @@ from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, METHOD_
 from ktlayouts.converted_dir import ManifestError
 from ktlayouts.cpu_expert import LayoutError
 from ktrun.byte_sizes import parse_bytes
-from ktrun.hot_experts_option import hot_experts_options
+from ktrun.cli.hot_experts_option import hot_experts_options
 
 from ktconvert.convert_plan import ConvertError
 from ktconvert.gpu import gpu_errors

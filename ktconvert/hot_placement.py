@@ -51,8 +51,8 @@ def write_placement(src, out_dir, opts: HotPlacementOptions, geometry, journal) 
     """Compute the placement and write gpu_experts.json (atomically, journaled); returns its name."""
     import torch
     from ktlayouts.families import parse_config
-    from ktrun.expert_placement import Budget, PlacementError, plan_placement
-    from ktrun.hot_experts import kv_bytes_per_token
+    from ktrun.experts.hot import kv_bytes_per_token
+    from ktrun.experts.placement import Budget, PlacementError, plan_placement
 
     prof = load_checked_profile(opts, src)
     fmt = opts.gpu_format

@@ -85,9 +85,9 @@ def open_model(path: str | Path, use_kernels: bool | None = None):
     import psutil
     import torch
     from ktlayouts.families import parse_config
-    from ktrun.experts import TorchExperts
+    from ktrun.experts.executors import TorchExperts
     from ktrun.models.model import MoEModel
-    from ktrun.tokenizer import Tokenizer
+    from ktrun.text.tokenizer import Tokenizer
 
     from ktconvert.sources import open_source
 
@@ -116,8 +116,8 @@ def run_profile(model, tokenizer, docs: list[str], chunk_tokens: int = 256, held
                 max_tokens: int | None = None, seq_tokens: int = 2048, progress: bool = True,
                 text_info: dict | None = None, model_path: str = "") -> ExpertProfile:
     """Run `docs` through `model` and count its routing (see the module docstring)."""
+    from ktrun.experts.routing_recorder import RoutingRecorder
     from ktrun.models.kv_cache import Batch
-    from ktrun.routing_recorder import RoutingRecorder
 
     cfg = model.cfg
     prof = ExpertProfile.empty(cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers,

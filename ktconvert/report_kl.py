@@ -81,7 +81,7 @@ def report_kl(src_path, out_dir, calib: str | None, ctx: int = REPORT_CTX) -> di
     """Score the conversion in out_dir against its source on the held-out calibration text; prints and returns the
     `ktrun perplexity` summary (ppl, ppl_base, kl_mean, kl_median, kl_p99, kl_max, top1_agreement)."""
     import click
-    from ktrun.cmd_perplexity import print_summary, run_perplexity
+    from ktrun.cli.cmd_perplexity import print_summary, run_perplexity
 
     from ktconvert.sources import open_source
 

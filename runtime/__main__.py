@@ -1,4 +1,4 @@
 """`python -m ktrun ...` is the `ktrun` command."""
-from ktrun.cli import main
+from .cli import main
 
 main()

@@ -2,11 +2,11 @@
 
   dequant  dequantize every quantized Linear once at load (ktlayouts.gpu_formats, float32 on the CPU, then cast):
            fastest per token, 4x (int4) the device memory of the packed weights.
-  packed   Marlin-layout Linears stay packed on the device as ktrun.packed_linear.MarlinLinear: an installed
-           Marlin GEMM (ktrun.marlin_kernel) reads them in place; without one each layer dequantizes itself per
+  packed   Marlin-layout Linears stay packed on the device as ktrun.ops.packed_linear.MarlinLinear: an installed
+           Marlin GEMM (ktrun.ops.marlin) reads them in place; without one each layer dequantizes itself per
            call. gptq / compressed-tensors layouts (written for other engines) are dequantized at load.
   kernels  CPU only: every quantized Linear is repacked once at load into cpu-linear tiles and run by libktkernels'
-           dense Linear op on the experts' thread pool (ktrun.kernel_linear): int4/int8 weights read per token, no
+           dense Linear op on the experts' thread pool (ktrun.ops.kernel_linear): int4/int8 weights read per token, no
            float copy (act-order g_idx: the codes' rows and each call's input permuted by group). Linears the op
            cannot hold exactly (groups of other sizes than G) are dequantized at load.
   auto     CPU: kernels when libktkernels loads, else dequant.  CUDA: packed when a Marlin kernel is installed;
@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.gpu_formats import GpuLinearFormat, dequantize_named, gpu_format, linear_parts, quantized_linears
+from ktrun.ops.marlin import find_marlin_kernel
+from ktrun.ops.packed_linear import MarlinLinear
 
-from .gpu_weights_option import POLICIES
-from .marlin_kernel import find_marlin_kernel
-from .packed_linear import MarlinLinear
+from .defaults import GPU_WEIGHT_POLICIES
 
 
 class PlacementError(ValueError):
@@ -78,27 +78,27 @@ def _packed(weight: str, fmt: GpuLinearFormat, parts: dict, device, dtype, kerne
 
 
 def use_cpu_kernels(policy: str, device: torch.device) -> bool:
-    """Whether the quantized Linears go to the CPU dense Linear op (ktrun.kernel_linear) under this policy."""
-    if policy not in POLICIES:
-        raise PlacementError(f"--gpu-weights {policy!r}: expected one of {', '.join(POLICIES)}")
+    """Whether the quantized Linears go to the CPU dense Linear op (ktrun.ops.kernel_linear) under this policy."""
+    if policy not in GPU_WEIGHT_POLICIES:
+        raise PlacementError(f"--gpu-weights {policy!r}: expected one of {', '.join(GPU_WEIGHT_POLICIES)}")
     if policy == "kernels":
         if device.type != "cpu":
             raise PlacementError(f"--gpu-weights kernels runs the Linears on the CPU kernels, but the device is "
                                  f"{device}: use --device cpu, or packed / dequant")
-        from .experts import kernels_available
+        from ktrun.ops.library import kernels_available
         if not kernels_available():
             raise PlacementError("--gpu-weights kernels: libktkernels does not load here (run `make kernels`)")
         return True
     if policy == "auto" and device.type == "cpu":
-        from .experts import kernels_available
+        from ktrun.ops.library import kernels_available
         return kernels_available()
     return False
 
 
 def choose_policy(policy: str, device: torch.device, dequantized_bytes: int) -> tuple[str, object]:
     """-> ('packed' | 'dequant', MarlinKernel or None) for this device, for the Linears not on the CPU kernels."""
-    if policy not in POLICIES:
-        raise PlacementError(f"--gpu-weights {policy!r}: expected one of {', '.join(POLICIES)}")
+    if policy not in GPU_WEIGHT_POLICIES:
+        raise PlacementError(f"--gpu-weights {policy!r}: expected one of {', '.join(GPU_WEIGHT_POLICIES)}")
     if policy == "kernels":
         return "dequant", None
     kernel = find_marlin_kernel(device)
@@ -116,9 +116,9 @@ def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: tor
                     linear_kernels=None) -> tuple[dict[str, object], str]:
     """quantized: {file (for errors): {name: (array, manifest entry)}} -> ({hub weight name: tensor, MarlinLinear or
     KernelLinear}, a one-line description of what was done, for logs and `ktrun bench`).
-    linear_kernels: a ktrun.cpu_linear.LinearKernels when use_cpu_kernels(policy, device) (the loader makes it)."""
+    linear_kernels: a ktrun.ops.linear.LinearKernels when use_cpu_kernels(policy, device) (the loader makes it)."""
     if linear_kernels is not None:
-        from .kernel_linear import place_on_kernels
+        from ktrun.ops.kernel_linear import place_on_kernels
         try:
             on_kernels, quantized, st = place_on_kernels(quantized, linear_kernels, dtype)
         except LayoutError as e:

@@ -40,11 +40,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # effective only if torch is not loaded yet (see cli.py)
 
 import torch
+from ktrun.models.kv_cache import KV_BLOCK_SIZE, Batch
 
 from .cache_budget import CacheBudgetError, CachePlan, states_per_engine
 from .generate import PREFILL_CHUNK, decode, prefill
 from .loaded_model import load_model
-from .models.kv_cache import KV_BLOCK_SIZE, Batch
 from .prefix_cache import PrefixCache, PrefixCacheConfig
 from .sampling import SamplingParams, TokenLogprobs, prompt_logprobs
 from .sequence import Sequence
@@ -77,9 +77,9 @@ class Engine:
                  dtype: torch.dtype | None = None, gpu_weights: str = "auto", hot_experts=None,
                  prefix_cache: PrefixCacheConfig | bool = True, kv_block_size: int = KV_BLOCK_SIZE,
                  expert_ram=None):
-        """Loads MODEL_DIR with ktrun.loaded_model.load_model (the same options; hot_experts: ktrun.hot_experts.
+        """Loads MODEL_DIR with ktrun.loaded_model.load_model (the same options; hot_experts: ktrun.experts.hot.
         HotExpertOptions, a --gpu-mem plan leaving room for ctx * max_batch tokens of KV cache; expert_ram:
-        ktrun.expert_ram_option.ExpertRamOptions, the routed experts' RAM tier); ctx: tokens per request (prompt +
+        ktrun.cli.expert_ram_option.ExpertRamOptions, the routed experts' RAM tier); ctx: tokens per request (prompt +
         generated); max_batch: requests held at once; prefix_cache: True (default tiers: device + 4 GiB RAM), a
         PrefixCacheConfig (budgets, disk folder) or False (every prompt prefilled in full); kv_block_size: positions
         per KV block (the granularity of prefix reuse). Raises CacheBudgetError when the KV cache of ctx x max_batch

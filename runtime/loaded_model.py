@@ -17,12 +17,12 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # effective only if torch is not loaded yet (see cli.py)
 
 import torch
+from ktrun.experts.executors import make_executor
+from ktrun.experts.hot import HotExpertOptions, build_hot_executor
+from ktrun.models.model import MoEModel
+from ktrun.text.tokenizer import Tokenizer
 
-from .experts import make_executor
-from .hot_experts import HotExpertOptions, build_hot_executor
 from .loader import ConvertedModel, load_converted
-from .models.model import MoEModel
-from .tokenizer import Tokenizer
 
 
 @dataclass
@@ -64,9 +64,8 @@ def eos_ids_of(model_dir: Path, cfg, tokenizer: Tokenizer) -> set[int]:
 def _tiered_executor(converted, opts, use_kernels, hot_experts):
     """The RAM tier's executor (kernels on the tier's mirrors); its eviction counts start from --profile if given."""
     from ktlayouts.expert_profile import ExpertProfile
-
-    from .experts import kernels_available
-    from .tiered_experts import build_tiered_executor
+    from ktrun.experts.tiered import build_tiered_executor
+    from ktrun.ops.library import kernels_available
     if use_kernels is False or not kernels_available():
         raise ValueError("--expert-ram needs the CPU kernels (libktkernels: run `make kernels`); the torch reference "
                          "experts keep dequantized copies outside any budget")
@@ -86,11 +85,11 @@ def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = N
                kv_tokens: int = 4096, expert_ram=None, kv_states: int = 1) -> LoadedModel:
     """Open MODEL_DIR (ktrun.loader.load_converted: validated, experts mapped, dense layers placed), build the
     routed-expert executor (kernels when available; use_kernels=False: the torch reference) and the model forward.
-    hot_experts: which experts run on the GPU (ktrun.hot_experts; None: the conversion's own placement, if any);
+    hot_experts: which experts run on the GPU (ktrun.experts.hot; None: the conversion's own placement, if any);
     kv_tokens: the KV budget a --gpu-mem plan leaves room for, unless it states one; kv_states: the recurrent
     states (linear-attention layers, a fixed size per request) it leaves room for.
-    expert_ram: ktrun.expert_ram_option.ExpertRamOptions: routed experts in a RAM tier of that budget, the rest read
-    from the expert files on demand (ktrun.expert_tier; needs the kernels).
+    expert_ram: ktrun.cli.expert_ram_option.ExpertRamOptions: routed experts in a RAM tier of that budget, the rest read
+    from the expert files on demand (ktrun.experts.ram_tier; needs the kernels).
     dtype of the dense part: None = bfloat16 on CUDA, float32 on the CPU. Raises LoadError / ConfigError /
     TokenizerError (all ValueErrors) naming the file at fault."""
     root = Path(model_dir)

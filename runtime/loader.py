@@ -8,7 +8,7 @@
   bytes. Each tensor's offset in the file header must equal the manifest's.
 - Dense tensors (hub names) are read and placed on CUDA when available, else the CPU; GPU-quantized Linears are
   placed by ktrun.dense_placement (`gpu_weights`): on the CPU repacked once for the kernels' quantized Linear op
-  (ktrun.kernel_linear, the default), or dequantized at load, or kept packed in the Marlin layout and run by an
+  (ktrun.ops.kernel_linear, the default), or dequantized at load, or kept packed in the Marlin layout and run by an
   installed Marlin kernel (else dequantized per call).
 - NUMA: files written for S shards are assigned to this machine's M nodes (ktlayouts nodes_for_shards); with
   `numa_prefault=True` a thread bound to each node's CPUs faults that node's pieces in (page cache lands on the node).
@@ -82,7 +82,7 @@ class ConvertedModel:
     manifest: dict
     geometry: ExpertGeometry
     config: ModelConfig
-    dense: dict[str, object]        # hub name -> tensor, or ktrun.packed_linear.MarlinLinear (packed GPU Linear)
+    dense: dict[str, object]        # hub name -> tensor, or ktrun.ops.packed_linear.MarlinLinear (packed GPU Linear)
     # layer -> list over shards of {proj: (qweight (E, NB, KT, TB) u8, scales (E, NB, G, 16) f32 | None, geom)}
     experts: dict[int, list[dict]]
     device: torch.device
@@ -91,7 +91,7 @@ class ConvertedModel:
     mapped_bytes: int = 0
     prefault_threads: list = field(default_factory=list)   # numa_prefault: join them to wait for the faulting
     gpu_weights: str = ""           # how the GPU-quantized Linears were placed (ktrun.dense_placement)
-    # the kernel context (ktrun.cpu_moe.MoEKernels) whose pool runs the quantized Linears on the CPU (--gpu-weights
+    # the kernel context (ktrun.ops.moe.MoEKernels) whose pool runs the quantized Linears on the CPU (--gpu-weights
     # kernels); the routed-expert executor runs on the same pool (one set of threads). None: not on the kernels.
     kernels: object = None
 
@@ -340,8 +340,8 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
     kernels = lin = None
     if on_kernels and any(is_gpu_layout(t["layout"]) for f in manifest["files"].values()
                           if f["kind"] in ("dense", "globals") for t in f.get("tensors", {}).values()):
-        from .cpu_linear import LinearKernels
-        from .cpu_moe import MoEKernels
+        from ktrun.ops.linear import LinearKernels
+        from ktrun.ops.moe import MoEKernels
         kernels = MoEKernels()
         lin = LinearKernels(kernels)
     try:

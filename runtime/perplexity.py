@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from ktlayouts.logprobs import Logprobs, LogprobsError, LogprobsShape, LogprobsWriter, first_scored
-
-from .models.kv_cache import Batch
+from ktrun.models.kv_cache import Batch
 
 
 class PerplexityError(ValueError):

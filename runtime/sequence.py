@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .models.kv_cache import SeqCache
+from ktrun.models.kv_cache import SeqCache
+from ktrun.text.text_stream import TextStream
+
 from .sampling import Sampler, SamplingParams, TokenLogprobs
-from .text_stream import TextStream
 
 
 class Sequence:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ktrun.cpu_moe import backend_supported
+from ktrun.ops.library import backend_supported
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_qgemm_hot.py"
 

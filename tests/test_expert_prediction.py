@@ -1,4 +1,4 @@
-"""The RAM tier's next-layer predictors (ktrun.expert_prediction): the router predictor ranks the next layer's experts
+"""The RAM tier's next-layer predictors (ktrun.experts.prediction): the router predictor ranks the next layer's experts
 as that layer's router would (checked against torch.topk on the same product), the co-activation predictor learns
 which experts follow which from the routing it observes, and both score themselves (precision / recall)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from ktrun.expert_prediction import CoactivationPredictor, NextLayerPredictor, make_predictor
+from ktrun.experts.prediction import CoactivationPredictor, NextLayerPredictor, make_predictor
 
 E, K, H = 16, 2, 8
 LAYERS = [1, 2, 3]

@@ -1,4 +1,4 @@
-"""The RAM tier for routed experts (ktrun.expert_tier, ktrun.tiered_experts, `--expert-ram`): the kernels compute
+"""The RAM tier for routed experts (ktrun.experts.ram_tier, ktrun.experts.tiered, `--expert-ram`): the kernels compute
 on experts read into a budgeted mirror of the expert files, and everything they return is bit-identical to the
 all-in-RAM run (the file maps). The budget is checked against the kernel's own count of resident pages (mincore),
 after every forward and while reads are in flight, at the smallest budget the tier accepts (one layer's experts),
@@ -15,14 +15,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from ktrun.cli.expert_ram_option import ExpertRamOptions
 from ktrun.engine import Engine, SamplingParams
-from ktrun.expert_placement import Budget, HotExpertOptions
-from ktrun.expert_ram_option import ExpertRamOptions
-from ktrun.expert_tier import PAGE, ExpertRamTier, TierError
-from ktrun.hybrid_experts import HybridExperts
+from ktrun.experts.hybrid import HybridExperts
+from ktrun.experts.placement import Budget, HotExpertOptions
+from ktrun.experts.ram_tier import PAGE, ExpertRamTier, TierError
+from ktrun.experts.tiered import TieredExperts, tier_lines
 from ktrun.loaded_model import load_model
 from ktrun.models.kv_cache import Batch
-from ktrun.tiered_experts import TieredExperts, tier_lines
 
 from tests.runtime_helpers import KTRUN, PROMPT, converted
 
@@ -301,7 +301,7 @@ def test_prefetch_throttles_to_a_rare_probe_while_its_guesses_go_unused(default_
     """While fewer than PREFETCH_MIN_USE of the recent prefetches were used (or fewer than the disk's recent busy
     share), or callers hardly waited on reads, a prefetch call reads at most its best-ranked expert, and only once
     per PROBE_LOADS demand loads; with good guesses, on a disk that is waited on and idle, every prediction is read."""
-    from ktrun.expert_tier import PREFETCH_WINDOW, PROBE_LOADS
+    from ktrun.experts.ram_tier import PREFETCH_WINDOW, PROBE_LOADS
 
     def shares(busy, waited):             # the recent busy / wait shares, as if measured
         tier._shares, tier._busy_at = (busy, waited), (time.perf_counter(), tier.disk_busy_s, tier.wait_s)
@@ -347,7 +347,7 @@ def test_no_prediction_while_the_tier_would_read_none():
     """TieredExperts asks the tier's gate before predicting: a closed gate (0) skips the predictor (its router
     matmul and ranking cost ~0.3 ms of CPU per layer for reads that would not be issued); a due probe (1) or an open
     gate (None) predicts and passes the limit on to prefetch()."""
-    from ktrun.tiered_experts import TieredExperts
+    from ktrun.experts.tiered import TieredExperts
 
     class Tier:
         n_experts = 8
@@ -400,7 +400,7 @@ def test_no_prediction_while_the_tier_would_read_none():
 def test_kernel_runs_in_ascending_expert_order_equal_one_call(default_converted, T):
     """Why per-expert completion keeps the bits: one kernel call on a layer equals calls over ascending runs of its
     experts (the later ones adding into out), bit for bit, wherever KernelExperts.can_stage."""
-    from ktrun.kernel_experts import KernelExperts
+    from ktrun.experts.kernel import KernelExperts
     with load_model(default_converted, device="cpu") as lm:
         c = lm.converted
         ke = KernelExperts(c, n_threads=2)
@@ -472,7 +472,7 @@ def test_budget_below_one_layer_is_refused(default_converted):
 
 
 def test_gpu_hot_experts_bit_identical_and_never_read(default_converted):
-    """Under hot experts (ktrun.hybrid_experts) the tier is the CPU executor: the run equals the same hot placement
+    """Under hot experts (ktrun.experts.hybrid) the tier is the CPU executor: the run equals the same hot placement
     without the tier, bit for bit, and the skip mask keeps GPU-resident experts out of the tier's reads."""
     hot = HotExpertOptions(budget=Budget(4), strategy="uniform")
     budget = min_budget_cached(default_converted)

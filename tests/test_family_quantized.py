@@ -21,7 +21,7 @@ import pytest
 import torch
 from discrete_choices import compare, force_transformers, prompt_and_greedy_with_choices
 from ktrun.engine import Engine
-from ktrun.experts import kernels_available
+from ktrun.ops.library import kernels_available
 from runtime_helpers import (
     PROMPT,
     build_checkpoint,
@@ -53,7 +53,7 @@ SCORE_BOUND = {"reference": dict.fromkeys(("router", "router_group", "indexer"),
 # greedy gaps <= 5.5e-3, router scores <= 1.5e-3, indexer scores <= 1.2e-2, flips at DeepSeek-V3.2 (indexer keys,
 # margin 1.2e-3..4.3e-3; an expert and a group) and MiniMax-M2 (an expert, margin 5e-6).
 BACKENDS = ["reference", pytest.param("kernels", marks=pytest.mark.skipif(
-    not kernels_available(), reason="libktkernels / runtime/cpu_moe.py not available on this machine"))]
+    not kernels_available(), reason="libktkernels / runtime/ops/moe.py not available on this machine"))]
 
 
 def _fused(tensors: dict, arch) -> dict:

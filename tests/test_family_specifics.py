@@ -278,7 +278,7 @@ def test_pull_takes_glm47_flash_shards_and_chat_template(ckpt_dir, tmp_path):
     template as a chat_template.jinja file (as the GLM releases ship it, tokenizer_config.json without one) come;
     README, LICENSE, .gitattributes, images and a pickled copy do not. The pull converts (the MTP layer skipped and
     said so, chat_template.jinja kept) and ktrun renders chats with it as transformers does."""
-    from ktrun.tokenizer import Tokenizer
+    from ktrun.text.tokenizer import Tokenizer
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 

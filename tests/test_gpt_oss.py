@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 from ktrun.engine import Engine, SamplingParams
-from ktrun.experts import PackedExpertSource, kernels_available
+from ktrun.experts.executors import PackedExpertSource
 from ktrun.loader import load_converted
 from ktrun.models.kv_cache import Batch
+from ktrun.ops.library import kernels_available
 from runtime_helpers import (
     INIT_SCALE,
     PROMPT,
@@ -42,7 +43,7 @@ KERNEL_ATOL = 5e-2
 # observed mean 1.6e-3, max 0.19 at one position of the long prompt
 INT4_KL_MEAN, INT4_KL_MAX = 1e-2, 0.5
 BACKENDS = ["reference", pytest.param("kernels", marks=pytest.mark.skipif(
-    not kernels_available(), reason="libktkernels / runtime/cpu_moe.py not available on this machine"))]
+    not kernels_available(), reason="libktkernels / runtime/ops/moe.py not available on this machine"))]
 WINDOW = 6          # the fixture's sliding_window
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from ktlayouts.expert_placement import PLACEMENT_NAME, ExpertPlacement
 from ktlayouts.expert_profile import ExpertProfile
-from ktrun.expert_placement import Budget, hit_ratio, plan_placement
+from ktrun.experts.placement import Budget, hit_ratio, plan_placement
 from runtime_helpers import KTRUN, transformers_model, transformers_tokenizer
 from serve_helpers import ServerProcess, metric, request
 

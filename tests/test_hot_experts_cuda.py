@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ktrun.expert_placement import Budget, HotExpertOptions
-from ktrun.hot_expert_store import HotExpertStore
+from ktrun.experts.hot_store import HotExpertStore
+from ktrun.experts.placement import Budget, HotExpertOptions
 from ktrun.loaded_model import load_model
-from ktrun.marlin_kernel import find_marlin_kernel
 from ktrun.models.kv_cache import Batch
+from ktrun.ops.marlin import find_marlin_kernel
 from runtime_helpers import converted
 from test_hot_experts_runtime import PROMPTS, run_batch
 

@@ -1,5 +1,5 @@
 """Hot-expert placement arithmetic: the profile and placement file formats, the summary numbers, the strategies and
-budgets (ktrun.expert_placement), the memory plan, and the CPU tiles -> GPU format conversion (ktlayouts.expert_gpu)
+budgets (ktrun.experts.placement), the memory plan, and the CPU tiles -> GPU format conversion (ktlayouts.expert_gpu)
 against the tiles' own dequantization."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ktlayouts.expert_profile import (
 )
 from ktlayouts.expert_shards import join_shards, shard_matrices
 from ktlayouts.gpu_formats import gpu_format_for
-from ktrun.expert_placement import Budget, PlacementError, allocate, hit_ratio, plan_placement, validated_curve
+from ktrun.experts.placement import Budget, PlacementError, allocate, hit_ratio, plan_placement, validated_curve
 
 
 def make_profile(fit: dict[int, list[int]], held: dict[int, list[int]] | None = None, top_k: int = 2) -> ExpertProfile:
@@ -173,7 +173,7 @@ def test_marlin_slot_bytes_match_the_plan():
     from types import SimpleNamespace
 
     from ktlayouts.families import SILU
-    from ktrun.hot_expert_store import HotExpertStore
+    from ktrun.experts.hot_store import HotExpertStore
 
     conv = SimpleNamespace(geometry=ExpertGeometry("int4-amx", 128, 4, 256, 160, 1, (1,)), experts={1: []},
                            device=torch.device("cpu"), dtype=torch.float32,

@@ -26,16 +26,16 @@ from ktlayouts.expert_placement import PLACEMENT_NAME, ExpertPlacement
 from ktlayouts.expert_profile import ExpertProfile
 from ktlayouts.files import sha256_file
 from ktrun.engine import Engine
-from ktrun.expert_placement import Budget, HotExpertOptions, hit_ratio
-from ktrun.expert_residency import ExpertResidency
+from ktrun.experts.hot import build_hot_executor, dense_device_bytes
+from ktrun.experts.hot_store import HotExpertStore
+from ktrun.experts.hybrid import HybridExperts
+from ktrun.experts.kernel import KernelExperts
+from ktrun.experts.placement import Budget, HotExpertOptions, hit_ratio
+from ktrun.experts.residency import ExpertResidency
+from ktrun.experts.routing_recorder import RoutingRecorder
 from ktrun.generate import generate
-from ktrun.hot_expert_store import HotExpertStore
-from ktrun.hot_experts import build_hot_executor, dense_device_bytes
-from ktrun.hybrid_experts import HybridExperts
-from ktrun.kernel_experts import KernelExperts
 from ktrun.loaded_model import load_model
 from ktrun.models.kv_cache import Batch
-from ktrun.routing_recorder import RoutingRecorder
 from ktrun.sampling import SamplingParams
 from ktrun.serve.metrics import render_engine_stats
 from runtime_helpers import converted

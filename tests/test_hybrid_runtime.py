@@ -106,7 +106,7 @@ def test_continuing_without_state_is_an_error(four_layers):
 
 def test_kv_blocks_only_for_full_attention_layers(four_layers):
     """Three DeltaNet layers + one full-attention layer: the KV pool holds one layer's k and v per position."""
-    from ktrun.hot_experts import kv_bytes_per_token
+    from ktrun.experts.hot import kv_bytes_per_token
 
     _name, _src, conv, _ref = four_layers
     eng = Engine(conv, ctx=256, use_kernels=False)
@@ -124,8 +124,8 @@ def test_recurrent_state_is_planned_reported_and_refused(four_layers):
     import subprocess
 
     from ktrun.cache_budget import CacheBudgetError, available_bytes
-    from ktrun.expert_placement import Budget, HotExpertOptions, PlacementError
-    from ktrun.hot_experts import dense_device_bytes, kv_bytes_per_token, resolve_placement
+    from ktrun.experts.hot import dense_device_bytes, kv_bytes_per_token, resolve_placement
+    from ktrun.experts.placement import Budget, HotExpertOptions, PlacementError
     from runtime_helpers import KTRUN
 
     _name, _src, conv, _ref = four_layers

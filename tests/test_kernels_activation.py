@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ktrun.cpu_moe import KernelError, MoEKernels, backend_supported
+from ktrun.ops.library import KernelError, backend_supported
+from ktrun.ops.moe import MoEKernels
 from test_kernels_helpers import PackedLayer, assert_close, backend_params, routing
 
 SHAPES = [(4, 32, 96, 96, 1), (8, 32, 96, 80, 1), (8, -1, 64, 64, 1), (16, -1, 64, 64, 1), (4, 64, 64, 256, 2)]

@@ -1,4 +1,4 @@
-"""kt_rms_norm and kt_rope (ABI 10; ktrun.cpu_glue): float32 RMSNorm rows, optionally after a residual add, in one call on the
+"""kt_rms_norm and kt_rope (ABI 10; ktrun.ops.glue): float32 RMSNorm rows, optionally after a residual add, in one call on the
 calling thread. It replaces torch's CPU F.rms_norm for every T, so it must give torch's bits: checked against the
 transformers formula (pow, mean, add, rsqrt, mul, mul as separate torch ops) and F.rms_norm, for row lengths around
 torch's vector and cascade boundaries, strided rows, (T, heads, d) inputs and the residual add; plus the numpy
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from ktrun import cpu_glue
-from ktrun.cpu_moe import load_library
 from ktrun.models import layers
+from ktrun.ops import glue
+from ktrun.ops.library import load_library
 
 # row lengths: one vector, a vector + tail, the 4-vector ilp blocks, the cascade's 16-row level steps (16*4*8 =
 # 512 floats per level step with 8 lanes), DeepSeek-V3's 512 / 1536 / 7168, a long row just under torch's grain
@@ -24,7 +24,7 @@ def _formula(s: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
 
 @pytest.fixture(scope="module")
 def lanes() -> int:
-    n = cpu_glue._lanes()
+    n = glue._lanes()
     assert n in (8, 16), "kt_rms_norm matches neither of torch's vector widths: every norm would fall back to torch"
     return n
 
@@ -61,15 +61,15 @@ def test_strided_rows_heads_and_no_weight(lanes):
     got = layers.rms_norm(q, wh, 1e-6)
     assert got.shape == q.shape and torch.equal(got, _formula(q, wh, 1e-6))
     x = torch.randn(2, 100, generator=g)
-    assert torch.equal(cpu_glue.rms_norm(x, None, 1e-6), _formula(x, None, 1e-6))
+    assert torch.equal(glue.rms_norm(x, None, 1e-6), _formula(x, None, 1e-6))
 
 
 def test_unsupported_inputs_stay_on_torch(lanes):
     w = torch.ones(8)
-    assert not cpu_glue.supported(torch.ones(2, 8), w)                     # shorter than a vector
-    assert not cpu_glue.supported(torch.ones(1, 40000), torch.ones(40000))  # torch sums it over its threads
-    assert not cpu_glue.supported(torch.ones(2, 64, dtype=torch.bfloat16), torch.ones(64))
-    assert not cpu_glue.supported(torch.ones(64, 2).t(), torch.ones(64))    # columns not contiguous
+    assert not glue.supported(torch.ones(2, 8), w)                     # shorter than a vector
+    assert not glue.supported(torch.ones(1, 40000), torch.ones(40000))  # torch sums it over its threads
+    assert not glue.supported(torch.ones(2, 64, dtype=torch.bfloat16), torch.ones(64))
+    assert not glue.supported(torch.ones(64, 2).t(), torch.ones(64))    # columns not contiguous
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     wb = torch.randn(64, dtype=torch.bfloat16)
     assert torch.equal(layers.rms_norm(x, wb, 1e-6), wb * _formula(x.float(), None, 1e-6).to(torch.bfloat16))
@@ -96,11 +96,11 @@ def test_rope_is_the_torch_formula_bits(interleaved):
         cos, sin = rope.cos_sin(torch.arange(5, 5 + T), torch.float32)
         q = torch.randn(T, 128, 192, generator=g)
         for x in (q[..., 128:], q[:, :1, 128:], torch.randn(T, 4, 96, generator=g)):
-            assert cpu_glue.rope_supported(x[..., :64], cos, sin)
+            assert glue.rope_supported(x[..., :64], cos, sin)
             c, s = cos[:, None, :], sin[:, None, :]
             xr = x[..., :64]
             x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :32], xr[..., 32:])
             want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 64:]], dim=-1)
             got = rope.apply(x, cos, sin)
             assert torch.equal(got, want), (T, tuple(x.shape))
-    assert not cpu_glue.rope_supported(torch.randn(1, 2, 64, dtype=torch.bfloat16), cos[:1], sin[:1])
+    assert not glue.rope_supported(torch.randn(1, 2, 64, dtype=torch.bfloat16), cos[:1], sin[:1])

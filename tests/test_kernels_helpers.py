@@ -15,7 +15,8 @@ from ktlayouts.cpu_expert import (
     unpack_expert_matrix,
 )
 from ktlayouts.expert_shards import ShardPlan
-from ktrun.cpu_moe import BACKENDS, ExpertShard, backend_supported
+from ktrun.ops.library import BACKENDS, backend_supported
+from ktrun.ops.moe import ExpertShard
 
 
 def backend_params() -> list:

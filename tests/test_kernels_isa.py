@@ -9,7 +9,7 @@ import shutil
 import subprocess
 
 import pytest
-from ktrun.cpu_moe import _library_path
+from ktrun.ops.library import _library_path
 
 FUNC = re.compile(r"^[0-9a-f]+ <(.*)>:$")
 # VEX/EVEX-encoded mnemonics start with "v" (vmovdqu, vpdpbusd, vzeroupper, ...); AMX ones with "tile"/"tdp"/"ldtilecfg".

@@ -1,4 +1,4 @@
-"""libktkernels' dense Linear op (ktrun.cpu_linear) and the GPU-code repack.
+"""libktkernels' dense Linear op (ktrun.ops.linear) and the GPU-code repack.
 
 Numerics, for every backend of this CPU, group size 32/64/128/per-row, padded shapes and T in {1, 2, 7, 16, 64, 129,
 512}: bit-identical to the scalar reference backend; equal (to float rounding) to numpy on ktlayouts' dequantized
@@ -30,8 +30,9 @@ from ktlayouts.cpu_linear import (
 from ktlayouts.gptq import GptqGeometry, dequantize_kn, gptq_pack
 from ktlayouts.gpu_formats import dequantize_linear
 from ktlayouts.marlin import marlin_pack, marlin_unpack
-from ktrun.cpu_linear import LinearKernels
-from ktrun.cpu_moe import KernelError, MoEKernels
+from ktrun.ops.library import KernelError
+from ktrun.ops.linear import LinearKernels
+from ktrun.ops.moe import MoEKernels
 from test_kernels_helpers import PackedLayer, assert_close, backend_params, routing
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"

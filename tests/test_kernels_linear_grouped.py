@@ -1,5 +1,5 @@
 """The Linear op's grouped submit (kt_linear_submit_grouped: one Linear over row groups, each with its own input) and
-MLA's absorbed kv_b on it (ktrun.kernel_linear.AbsorbedKvB).
+MLA's absorbed kv_b on it (ktrun.ops.kernel_linear.AbsorbedKvB).
 
 References are independent of the op: the weights come from ktlayouts' registered unpack (unpack_linear), the
 products are numpy / torch float math on them. The grouped op equals, per group, numpy on the int8-quantized
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 from ktlayouts.cpu_linear import linear_geometry, pack_linear, to_gpu_codes, unpack_linear
-from ktrun.cpu_linear import LinearKernels
-from ktrun.cpu_moe import KernelError
-from ktrun.kernel_linear import AbsorbedKvB, KernelLinear
+from ktrun.ops.kernel_linear import AbsorbedKvB, KernelLinear
+from ktrun.ops.library import KernelError
+from ktrun.ops.linear import LinearKernels
 from test_kernels_helpers import assert_close, backend_params
 from test_kernels_linear import quantized_reference
 
@@ -171,7 +171,7 @@ def test_act_order_gptq_runs_on_the_op_through_an_input_permutation(bits, group)
     numpy on ktlayouts' dequantization (dequantize_kn with that g_idx) to float rounding of the int8 activations of
     the permuted input."""
     from ktlayouts.gptq import GptqGeometry, dequantize_kn, gptq_pack
-    from ktrun.kernel_linear import act_order_perm, repack_linear
+    from ktrun.ops.kernel_linear import act_order_perm, repack_linear
 
     n, k = 48, 256
     rng = np.random.default_rng(bits * 3 + group)

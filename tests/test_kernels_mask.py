@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ktrun.cpu_moe import MoEKernels
+from ktrun.ops.moe import MoEKernels
 from test_kernels_helpers import PackedLayer, assert_close, backend_params, routing
 
 # (bits, group size, hidden, intermediate, n_shards): int4 / int8 / bf16, padded shapes, two NUMA shards

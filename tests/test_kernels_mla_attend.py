@@ -1,4 +1,4 @@
-"""kt_mla_attend (ABI 11; ktrun.cpu_glue.mla_attend): MLA's absorbed decode attention core (scores, softmax, latent
+"""kt_mla_attend (ABI 11; ktrun.ops.glue.mla_attend): MLA's absorbed decode attention core (scores, softmax, latent
 output of one query row per head) in one call. It is not torch's bits, so it is held to its own promise instead:
 within float32 rounding of a float64 numpy reference; the same bits however the cache is split into runs, on the
 calling thread or split over the pool's workers, and on every ISA copy (the baseline one is the scalar twin: a
@@ -15,8 +15,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from ktrun import cpu_glue
-from ktrun.cpu_moe import KernelError, MoEKernels, backend_supported, load_library
+from ktrun.ops import glue
+from ktrun.ops.library import KernelError, backend_supported, load_library
+from ktrun.ops.moe import MoEKernels
 
 # (heads, R, dr, run lengths): DeepSeek-V3's decode shape, heads outside the 8-head tile, R not a multiple of the
 # 128-column value pass, no rotary part, many runs (KV blocks), one position
@@ -48,9 +49,9 @@ def _reference(q_lat, q_rot, lats, scale):
 @pytest.mark.parametrize("nh,R,dr,runs", SHAPES)
 def test_against_float64_reference(nh, R, dr, runs):
     q_lat, q_rot, lats = _case(nh, R, dr, runs, nh + R)
-    assert cpu_glue.mla_attend_supported(lats, R, nh)
+    assert glue.mla_attend_supported(lats, R, nh)
     out = torch.full((nh, R), float("nan"))
-    cpu_glue.mla_attend(q_lat, q_rot, lats, 0.07, out)
+    glue.mla_attend(q_lat, q_rot, lats, 0.07, out)
     np.testing.assert_allclose(out.numpy(), _reference(q_lat, q_rot, lats, 0.07), rtol=1e-5, atol=2e-6)
 
 
@@ -58,17 +59,17 @@ def test_against_float64_reference(nh, R, dr, runs):
 def test_same_bits_for_any_runs_and_threads(nh, R, dr, runs):
     q_lat, q_rot, lats = _case(nh, R, dr, runs, 3 * nh + R)
     one = torch.empty(nh, R)
-    cpu_glue.mla_attend(q_lat, q_rot, [torch.cat(lats)], 0.1, one)
+    glue.mla_attend(q_lat, q_rot, [torch.cat(lats)], 0.1, one)
     split = torch.empty(nh, R)
-    cpu_glue.mla_attend(q_lat, q_rot, lats, 0.1, split)
+    glue.mla_attend(q_lat, q_rot, lats, 0.1, split)
     assert torch.equal(one, split)
     with MoEKernels(n_threads=2) as k:
         pooled = torch.empty(nh, R)
-        cpu_glue.mla_attend(q_lat, q_rot, lats, 0.1, pooled, k)
+        glue.mla_attend(q_lat, q_rot, lats, 0.1, pooled, k)
         assert torch.equal(one, pooled)
     heads = torch.empty(nh, R)   # a head's row does not depend on the other heads
     for h in range(nh):
-        cpu_glue.mla_attend(q_lat[h:h + 1], q_rot[h:h + 1], lats, 0.1, heads[h:h + 1])
+        glue.mla_attend(q_lat[h:h + 1], q_rot[h:h + 1], lats, 0.1, heads[h:h + 1])
     assert torch.equal(one, heads)
 
 
@@ -76,12 +77,12 @@ _DIGEST = """
 import hashlib, sys, torch
 sys.path.insert(0, {tests!r})
 from test_kernels_mla_attend import SHAPES, _case
-from ktrun import cpu_glue
+from ktrun.ops import glue
 h = hashlib.sha256()
 for i, (nh, R, dr, runs) in enumerate(SHAPES):
     q_lat, q_rot, lats = _case(nh, R, dr, runs, i)
     out = torch.empty(nh, R)
-    cpu_glue.mla_attend(q_lat, q_rot, lats, 0.1, out)
+    glue.mla_attend(q_lat, q_rot, lats, 0.1, out)
     h.update(out.numpy().tobytes())
 print(h.hexdigest())
 """
@@ -104,22 +105,22 @@ def test_every_isa_copy_gives_the_same_bits():
     for i, (nh, R, dr, runs) in enumerate(SHAPES):
         q_lat, q_rot, lats = _case(nh, R, dr, runs, i)
         out = torch.empty(nh, R)
-        cpu_glue.mla_attend(q_lat, q_rot, lats, 0.1, out)
+        glue.mla_attend(q_lat, q_rot, lats, 0.1, out)
         h.update(out.numpy().tobytes())
     assert h.hexdigest() == digests["scalar"]
 
 
 def test_unsupported_inputs_and_bad_arguments():
     q_lat, q_rot, lats = _case(8, 64, 16, [4], 1)
-    assert cpu_glue.mla_attend_supported(lats, 64, 8)
-    assert not cpu_glue.mla_attend_supported([lats[0].double()], 64, 8)                 # float32 only
-    assert not cpu_glue.mla_attend_supported([lats[0].to(torch.bfloat16)], 64, 8)
-    assert not cpu_glue.mla_attend_supported(lats, 56, 8)                               # R, dr not multiples of 16
-    assert not cpu_glue.mla_attend_supported([lats[0], lats[0][:2].clone()], 64, 8)     # two row strides
-    long = [torch.zeros(cpu_glue.MLA_ATTEND_MAX_SCORES // 8 + 1, 80)]
-    assert not cpu_glue.mla_attend_supported(long, 64, 8)                               # a long context: torch's
+    assert glue.mla_attend_supported(lats, 64, 8)
+    assert not glue.mla_attend_supported([lats[0].double()], 64, 8)                 # float32 only
+    assert not glue.mla_attend_supported([lats[0].to(torch.bfloat16)], 64, 8)
+    assert not glue.mla_attend_supported(lats, 56, 8)                               # R, dr not multiples of 16
+    assert not glue.mla_attend_supported([lats[0], lats[0][:2].clone()], 64, 8)     # two row strides
+    long = [torch.zeros(glue.MLA_ATTEND_MAX_SCORES // 8 + 1, 80)]
+    assert not glue.mla_attend_supported(long, 64, 8)                               # a long context: torch's
     with pytest.raises(KernelError, match="float32"):
-        cpu_glue.mla_attend(q_lat, q_rot.double(), lats, 0.1, torch.empty(8, 64))
+        glue.mla_attend(q_lat, q_rot.double(), lats, 0.1, torch.empty(8, 64))
     lib = load_library()
     out = torch.empty(8, 64)
     for bad in ({"R": 40}, {"dr": 8}, {"row_stride": 70}, {"n": 0}):
@@ -130,4 +131,4 @@ def test_unsupported_inputs_and_bad_arguments():
                                q_rot.stride(0), 0.1, args["n"], ptrs, lens, args["row_stride"], out.data_ptr(), 64)
         assert rc == -1, bad
     with pytest.raises(KernelError, match="kt_mla_attend"):
-        cpu_glue.mla_attend(q_lat[:, :40], q_rot, lats, 0.1, out)
+        glue.mla_attend(q_lat[:, :40], q_rot, lats, 0.1, out)

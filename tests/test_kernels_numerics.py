@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ktrun.cpu_moe import MoEKernels
+from ktrun.ops.moe import MoEKernels
 from test_kernels_helpers import PackedLayer, assert_close, backend_params, routing
 
 # (bits, group size, hidden, intermediate): hidden 96 / 100 and intermediate 80 / 200 are padded by the layouts.
@@ -98,7 +98,7 @@ def test_int4_extreme_codes_and_activations_equal_scalar(backend, group):
     """int4 codes at 0 / 15 and activations at +-127 over a long K (per-row: one 8192-deep group), 1-3 rows (the
     decode body's split chains, high nibbles multiplied in place as 16 x their codes) and 9 rows: bit for bit
     the scalar twin, and all-15 codes give the exact 7 * 127 * K."""
-    from ktrun.cpu_linear import LinearKernels
+    from ktrun.ops.linear import LinearKernels
     rng = np.random.default_rng(15)
     n, k = 32, 8192
     codes = np.where(rng.random((k, n)) < 0.5, 0, 15).astype(np.uint8)

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from ktrun.cpu_moe import KernelError, MoEKernels, backend_supported
+from ktrun.ops.library import KernelError, backend_supported
+from ktrun.ops.moe import MoEKernels
 from test_kernels_helpers import PackedLayer, assert_close, routing
 
 
@@ -108,7 +109,7 @@ def test_bad_input_is_reported(layer):
 
 
 def _run_with_backend_env(value: str) -> subprocess.CompletedProcess:
-    code = "from ktrun.cpu_moe import MoEKernels; print(MoEKernels(n_threads=1).backend)"
+    code = "from ktrun.ops.moe import MoEKernels; print(MoEKernels(n_threads=1).backend)"
     return subprocess.run([sys.executable, "-c", code], check=False, env={**os.environ, "KT_KERNEL_BACKEND": value},
                           capture_output=True, text=True, timeout=180)
 
@@ -130,7 +131,7 @@ def test_unknown_backend_env():
 _POOL_MODE_RUN = """
 import sys; import numpy as np
 sys.path.insert(0, {tests!r})
-from ktrun.cpu_moe import MoEKernels
+from ktrun.ops.moe import MoEKernels
 from test_kernels_helpers import PackedLayer, routing
 rng = np.random.default_rng(21)
 layer = PackedLayer(rng, n_experts=6, hidden=96, inter=256, bits=4, group_size=64, n_shards=1)

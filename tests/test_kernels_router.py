@@ -1,4 +1,4 @@
-"""kt_route_sigmoid (ABI 11; ktrun.cpu_glue.route_sigmoid): DeepSeek-V3's sigmoid router with group-limited top-k for
+"""kt_route_sigmoid (ABI 11; ktrun.ops.glue.route_sigmoid): DeepSeek-V3's sigmoid router with group-limited top-k for
 decode rows in one call. Held to a float64 numpy transcription of the reference router (transformers'
 DeepseekV3TopkRouter / MoEGate "noaux_tc": sigmoid, bias for the choice only, top-2 group sums, unbiased normalized
 weights times the scaling factor); ties to the lower index; a token's result independent of the batch and of the ISA
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from ktrun import cpu_glue
-from ktrun.cpu_moe import KernelError, backend_supported
 from ktrun.models import choices, routing
+from ktrun.ops import glue
+from ktrun.ops.library import KernelError, backend_supported
 
 # (experts, groups, groups kept, top-k, hidden): the bench model's one group, DeepSeek-V3's 256 / 8 / 4 / 8, others
 CONFIGS = [(16, 1, 1, 8, 7168), (256, 8, 4, 8, 512), (64, 8, 3, 6, 256), (8, 4, 2, 2, 64)]
@@ -46,11 +46,11 @@ def _reference(x, w, b, n_group, topk_group, k, scaling):
 @pytest.mark.parametrize("E,n_group,topk_group,k,K", CONFIGS)
 def test_against_float64_reference(E, n_group, topk_group, k, K):
     g = torch.Generator().manual_seed(E + K)
-    x = torch.randn(cpu_glue.ROUTE_MAX_ROWS, K, generator=g)
+    x = torch.randn(glue.ROUTE_MAX_ROWS, K, generator=g)
     w = torch.randn(E, K, generator=g) * K ** -0.5
     b = torch.randn(E, generator=g) * 0.05
-    assert cpu_glue.route_sigmoid_supported(x, w, b)
-    ids, wts = cpu_glue.route_sigmoid(x, w, b, n_group, topk_group, k, True, 2.5)
+    assert glue.route_sigmoid_supported(x, w, b)
+    ids, wts = glue.route_sigmoid(x, w, b, n_group, topk_group, k, True, 2.5)
     ref, gaps = _reference(x.numpy(), w.numpy(), b.numpy(), n_group, topk_group, k, 2.5)
     for t in range(x.shape[0]):
         if gaps[t] < 1e-5:            # a near-tie: float32 may pick either (none at these seeds; kept honest)
@@ -66,27 +66,27 @@ def test_against_float64_reference(E, n_group, topk_group, k, K):
 def test_ties_go_to_the_lower_index_and_no_norm():
     x = torch.zeros(2, 64)                     # every logit 0: every score 0.5, every choice equal
     w = torch.randn(16, 64)
-    ids, wts = cpu_glue.route_sigmoid(x, w, None, 1, 1, 4, False, 1.5)
+    ids, wts = glue.route_sigmoid(x, w, None, 1, 1, 4, False, 1.5)
     assert ids.tolist() == [[0, 1, 2, 3]] * 2 and torch.all(wts == 0.75)
-    ids, _ = cpu_glue.route_sigmoid(x, w, None, 4, 2, 3, True, 1.0)   # groups tie too: the first two groups
+    ids, _ = glue.route_sigmoid(x, w, None, 4, 2, 3, True, 1.0)   # groups tie too: the first two groups
     assert ids.tolist() == [[0, 1, 2]] * 2
 
 
 def test_a_tokens_result_does_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(3)
     x, w, b = torch.randn(8, 512, generator=g), torch.randn(256, 512, generator=g) * 0.05, torch.randn(256) * 0.01
-    ids, wts = cpu_glue.route_sigmoid(x, w, b, 8, 4, 8, True, 2.5)
+    ids, wts = glue.route_sigmoid(x, w, b, 8, 4, 8, True, 2.5)
     for t in range(8):
-        i1, w1 = cpu_glue.route_sigmoid(x[t:t + 1], w, b, 8, 4, 8, True, 2.5)
+        i1, w1 = glue.route_sigmoid(x[t:t + 1], w, b, 8, 4, 8, True, 2.5)
         assert torch.equal(i1[0], ids[t]) and torch.equal(w1[0], wts[t])
 
 
 _DIGEST = """
 import hashlib, torch
-from ktrun import cpu_glue
+from ktrun.ops import glue
 g = torch.Generator().manual_seed(5)
 x, w, b = torch.randn(8, 7168, generator=g), torch.randn(256, 7168, generator=g) * 0.01, torch.randn(256, generator=g)
-ids, wts = cpu_glue.route_sigmoid(x, w, b * 0.01, 8, 4, 8, True, 2.5)
+ids, wts = glue.route_sigmoid(x, w, b * 0.01, 8, 4, 8, True, 2.5)
 print(hashlib.sha256(ids.numpy().tobytes() + wts.numpy().tobytes()).hexdigest())
 """
 
@@ -107,9 +107,9 @@ def test_prefill_batches_and_hooks_keep_the_torch_router():
     cfg = SimpleNamespace(num_experts=16, n_group=1, topk_group=1, top_k=4, norm_topk_prob=True,
                           routed_scaling_factor=1.0)
     w = torch.randn(16, 64)
-    assert not cpu_glue.route_sigmoid_supported(torch.randn(cpu_glue.ROUTE_MAX_ROWS + 1, 64), w, None)
-    assert not cpu_glue.route_sigmoid_supported(torch.randn(2, 64).double(), w, None)
-    assert not cpu_glue.route_sigmoid_supported(torch.randn(2, 40), torch.randn(16, 40), None)   # K % 16
+    assert not glue.route_sigmoid_supported(torch.randn(glue.ROUTE_MAX_ROWS + 1, 64), w, None)
+    assert not glue.route_sigmoid_supported(torch.randn(2, 64).double(), w, None)
+    assert not glue.route_sigmoid_supported(torch.randn(2, 40), torch.randn(16, 40), None)   # K % 16
     seen = []
 
     def hook(kind, scores, ids):
@@ -126,4 +126,4 @@ def test_bad_arguments():
     x, w = torch.randn(1, 64), torch.randn(16, 64)
     for args in ((3, 1, 4), (1, 1, 17), (4, 2, 9), (4, 5, 2)):   # 16 % 3, k > E, k > kept experts, kept > groups
         with pytest.raises(KernelError, match="kt_route_sigmoid"):
-            cpu_glue.route_sigmoid(x, w, None, *args, True, 1.0)
+            glue.route_sigmoid(x, w, None, *args, True, 1.0)

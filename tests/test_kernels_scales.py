@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from ktlayouts.cpu_expert import MatrixGeometry, pack_scales, unpack_scales
-from ktrun.cpu_moe import MoEKernels
+from ktrun.ops.moe import MoEKernels
 from test_kernels_helpers import PackedLayer, assert_close, backend_params, routing
 
 
@@ -51,7 +51,7 @@ def test_scale_conversion_covers_subnormal_and_negative_float16():
 
 def _same_on_every_backend(layer: PackedLayer, rng: np.random.Generator, hidden: int):
     """3 tokens through the scalar, AVX-512 and AVX2 backends this CPU has: bit-identical -> (x, ids, w, output)."""
-    from ktrun.cpu_moe import backend_supported
+    from ktrun.ops.library import backend_supported
 
     x = rng.standard_normal((3, hidden)).astype(np.float32)
     ids, w = routing(rng, 3, 2, layer.E)
@@ -122,7 +122,7 @@ def test_two_level_records_at_the_edges_reach_every_backend_exactly():
 
 
 def test_two_level_scales_need_int4_group_32_and_whole_super_blocks():
-    from ktrun.cpu_moe import KernelError
+    from ktrun.ops.library import KernelError
     rng = np.random.default_rng(4)
     layer = PackedLayer(rng, n_experts=2, hidden=256, inter=256, bits=4, group_size=32, scale_dtype="sub6")
     with MoEKernels(n_threads=1) as moe:

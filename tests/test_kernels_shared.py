@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ktrun.cpu_moe import KernelError, MoEKernels
+from ktrun.ops.library import KernelError
+from ktrun.ops.moe import MoEKernels
 from test_kernels_helpers import PackedLayer, assert_close, backend_params, routing
 
 # (routed bits, group, scale dtype), (shared bits, group, intermediate): x shared between the parts (same K and

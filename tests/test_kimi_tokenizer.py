@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 from ktlayouts import tiktoken_bpe
-from ktrun.tokenizer import Tokenizer, TokenizerError
+from ktrun.text.tokenizer import Tokenizer, TokenizerError
 from runtime_helpers import KimiReferenceTokenizer, build_checkpoint, converted, shared_root
 
 CORPUS = [

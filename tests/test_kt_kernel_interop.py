@@ -3,7 +3,7 @@
 For every kt method (GPTQ_INT4, RAWINT4 group 32, AMXINT4, AMXINT8) and 1 and 2 NUMA parts, kt-kernel 0.7.2 (from
 PyPI, `make test-interop` installs it) loads the export with its own loaders and runs its MoE wrapper
 (tests/kt_kernel_driver.py, a process per run) on given activations, expert ids and weights; the result must match
-our kernels (ktrun.cpu_moe) on the same conversion. Three numbers per case, all relative Frobenius errors:
+our kernels (ktrun.ops.moe) on the same conversion. Three numbers per case, all relative Frobenius errors:
     weights  the export as kt-kernel reads it (decoded with ktlayouts) against the conversion's dequantization:
              0 for GPTQ_INT4 / RAWINT4 (asserted bit for bit), the reported re-quantization error for AMX methods
     kt-ref   kt-kernel's output against a float64 MoE on the exported weights (kt-kernel's own arithmetic: int8
@@ -166,7 +166,7 @@ def exported_weights(out: Path, method: str, layer: int, n_experts: int, hidden:
 
 
 def ours(conv_dir: Path, layers, inputs) -> dict:
-    from ktrun.kernel_experts import KernelExperts
+    from ktrun.experts.kernel import KernelExperts
     from ktrun.loader import load_converted
     model = load_converted(conv_dir)
     ex = KernelExperts(model, n_threads=2)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from ktlayouts.cpu_linear import linear_geometry
 from ktlayouts.gpu_formats import gpu_format
-from ktrun.experts import kernels_available
+from ktrun.ops.library import kernels_available
 from runtime_helpers import KTRUN, PROMPT, converted
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="libktkernels not built (make kernels)")
@@ -85,7 +85,7 @@ def test_generate_peak_rss_within_directory_plus_kv_plus_100mb_over_the_interpre
     assert len(json.loads(r.stdout)["token_ids"]) == 16
     # the floor measured in the same run on this machine: an interpreter with the same libraries imported and
     # torch's thread pool started (its size follows the core count), holding no model
-    floor_src = ("import numpy, tokenizers, torch, ktrun.cli, ktrun.engine, ktrun.experts; "
+    floor_src = ("import numpy, tokenizers, torch, ktrun.cli, ktrun.engine, ktrun.experts.executors; "
                  "torch.ones(64, 64) @ torch.ones(64, 64)")
     base = subprocess.run([sys.executable, "-c", _HWM + floor_src], capture_output=True, text=True, timeout=300,
                           check=True)

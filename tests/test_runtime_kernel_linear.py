@@ -1,4 +1,4 @@
-"""GPU-quantized Linears on the CPU through the kernels' dense Linear op (ktrun.kernel_linear, --gpu-weights kernels,
+"""GPU-quantized Linears on the CPU through the kernels' dense Linear op (ktrun.ops.kernel_linear, --gpu-weights kernels,
 the CPU default), for every registered family:
 
 - every quantized Linear of the conversion (attention incl. MLA's kv_b, shared experts, dense MLPs, the head with
@@ -29,10 +29,10 @@ from ktlayouts.cpu_linear import repack_gpu_codes
 from ktlayouts.gpu_formats import dequantize_named, gpu_format, linear_parts
 from ktrun.dense_placement import PlacementError, use_cpu_kernels
 from ktrun.engine import Engine
-from ktrun.experts import kernels_available
-from ktrun.kernel_linear import KernelLinear
 from ktrun.loader import load_converted
 from ktrun.models.kv_cache import Batch
+from ktrun.ops.kernel_linear import KernelLinear
+from ktrun.ops.library import kernels_available
 from runtime_helpers import (
     PROMPT,
     build_checkpoint,

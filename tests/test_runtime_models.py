@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from ktrun.engine import Engine, SamplingParams
-from ktrun.experts import kernels_available
 from ktrun.models.kv_cache import Batch
+from ktrun.ops.library import kernels_available
 from runtime_helpers import (
     PROMPT,
     build_checkpoint,
@@ -25,7 +25,7 @@ from ktconvert.testing import ARCHS  # every registered family (tests/test_famil
 LOGIT_ATOL = {"reference": 1e-4, "kernels": 3e-2}
 GREEDY_GAP = {"reference": 1e-3, "kernels": 3e-2}   # our token's logit may trail transformers' argmax by this
 BACKENDS = ["reference", pytest.param("kernels", marks=pytest.mark.skipif(
-    not kernels_available(), reason="libktkernels / runtime/cpu_moe.py not available on this machine"))]
+    not kernels_available(), reason="libktkernels / runtime/ops/moe.py not available on this machine"))]
 
 
 @pytest.fixture(scope="module")

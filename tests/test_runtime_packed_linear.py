@@ -1,4 +1,4 @@
-"""GPU Linears kept packed in the Marlin layout (ktrun.packed_linear, ktrun.marlin_kernel, ktrun.dense_placement).
+"""GPU Linears kept packed in the Marlin layout (ktrun.ops.packed_linear, ktrun.ops.marlin, ktrun.dense_placement).
 
 - The torch unpacking that undoes Marlin's permutations reproduces the golden codes and scales of vLLM's packers.
 - A model with packed GPU layers gives the logits of the dequantized-at-load model (CPU, per-call dequantization).
@@ -20,9 +20,9 @@ from ktlayouts.gptq import GptqGeometry, dequantize_kn
 from ktlayouts.marlin import marlin_unpack
 from ktrun.dense_placement import PlacementError, choose_policy
 from ktrun.engine import Engine
-from ktrun.marlin_kernel import MarlinKernel, find_marlin_kernel
 from ktrun.models.kv_cache import Batch
-from ktrun.packed_linear import MarlinLinear, marlin_codes, marlin_scales
+from ktrun.ops.marlin import MarlinKernel, find_marlin_kernel
+from ktrun.ops.packed_linear import MarlinLinear, marlin_codes, marlin_scales
 from runtime_helpers import KTRUN, PROMPT, converted, kl
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"

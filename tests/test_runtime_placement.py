@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 from ktrun.engine import Engine
-from ktrun.experts import kernels_available
 from ktrun.loader import load_converted, piece_arrays
 from ktrun.models.kv_cache import Batch
+from ktrun.ops.library import kernels_available
 from runtime_helpers import (
     PROMPT,
     build_checkpoint,
@@ -97,7 +97,7 @@ def test_numa_shard_files_served_on_other_node_counts(tmp_path_factory, monkeypa
     ref = logits(one, use_kernels=False)
     assert (logits(two, use_kernels=False) - ref).abs().max() < 1e-4
     if not kernels_available():
-        pytest.skip("libktkernels / runtime/cpu_moe.py not available on this machine")
+        pytest.skip("libktkernels / runtime/ops/moe.py not available on this machine")
     kern_one = logits(one, use_kernels=True)
     monkeypatch.setenv("KT_NUMA_POOLS", str(pools))
     d = kl(kern_one, logits(two, use_kernels=True))

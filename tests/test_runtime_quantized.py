@@ -9,8 +9,8 @@ import subprocess
 import pytest
 import torch
 from ktrun.engine import Engine
-from ktrun.experts import kernels_available
 from ktrun.models.kv_cache import Batch
+from ktrun.ops.library import kernels_available
 from runtime_helpers import KTRUN, PROMPT, converted, kl
 
 from ktconvert.testing import ARCHS  # every registered family (tests/test_families.py)
@@ -43,7 +43,7 @@ def prompt_logits(conv, use_kernels=None, all_keys: bool = False) -> torch.Tenso
 
 
 BACKENDS = ["reference", pytest.param("kernels", marks=pytest.mark.skipif(
-    not kernels_available(), reason="libktkernels / runtime/cpu_moe.py not available on this machine"))]
+    not kernels_available(), reason="libktkernels / runtime/ops/moe.py not available on this machine"))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,4 +1,4 @@
-"""The shared expert inside the routed-expert job on the CPU kernels (ktrun.kernel_experts.KernelExperts.fuse_shared,
+"""The shared expert inside the routed-expert job on the CPU kernels (ktrun.experts.kernel.KernelExperts.fuse_shared,
 kt_submit_shared): with quantized GPU layers on the kernels' Linear op (the CPU default), a MoE layer's shared
 expert is registered as a one-expert layer on its own KernelLinear tiles (no copy) and computed in the same job.
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ktrun.experts import kernels_available
 from ktrun.loaded_model import load_model
 from ktrun.models.kv_cache import Batch
 from ktrun.models.layers import swiglu_mlp
+from ktrun.ops.library import kernels_available
 from runtime_helpers import PROMPT, build_conversion, shared_root
 
 from ktconvert.testing.checkpoints import make_checkpoint

@@ -1,4 +1,4 @@
-"""The one stop-string rule (ktrun.text_stream.TextStream, used by generate(), the Engine and `ktrun serve`) and the
+"""The one stop-string rule (ktrun.text.text_stream.TextStream, used by generate(), the Engine and `ktrun serve`) and the
 finish rule around it (ktrun.sequence.Sequence), on a byte-level tokenizer: one token per UTF-8 byte, decoded the way
 byte-level BPE tokenizers decode (invalid or incomplete bytes -> U+FFFD).
 
@@ -11,7 +11,7 @@ import random
 import pytest
 from ktrun.sampling_params import SamplingParams
 from ktrun.sequence import Sequence
-from ktrun.text_stream import TextStream
+from ktrun.text.text_stream import TextStream
 
 EOS = 256   # a special token: decodes to nothing (skip_special_tokens)
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 from ktrun.sampling import SamplingParams, filter_logits, make_generator, sample_token
-from ktrun.tokenizer import Tokenizer
+from ktrun.text.tokenizer import Tokenizer
 from runtime_helpers import PROMPT, build_checkpoint, shared_root, transformers_tokenizer
 
 # (tokenizer_config.json edits, tokenizer.json post_processor: "keep" | None) -> BOS/EOS as transformers decides

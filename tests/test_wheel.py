@@ -71,7 +71,7 @@ def test_wheel_holds_the_kernel_library_and_the_package_data(built):
         in_clone = {p.relative_to(folder) for p in folder.rglob("*") if p.is_file()}
         in_wheel = {p.relative_to(site / package) for p in (site / package).rglob("*") if p.is_file()}
         assert in_clone - in_wheel == set(), f"{folder.name}/ files missing from the wheel's {package}/"
-    assert list((site / "ktrun").glob("libktkernels*.so")), "the kernel library is not in the wheel"
+    assert list((site / "ktrun" / "ops").glob("libktkernels*.so")), "the kernel library is not in the wheel"
 
 
 # Runs with `python -I -S`: no PYTHONPATH, no user site, no current directory and no .pth files (so not the

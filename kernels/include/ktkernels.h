@@ -151,7 +151,7 @@ int kt_linear_submit_grouped(kt_ctx* ctx, int linear_id, int n_groups, int row0,
  * its own row of x_scale before the int8 quantization (NULL: no scaling):
  *   x_j[t] = (x + (j / x_group_div)*x_group_stride + t*x_stride) * x_scale[j*K .. j*K + K)
  * x_scale (n_groups, K) f32, read until kt_sync. MLA's absorbed W_uk: one query vector per head, one scaling per
- * head and kv_b scale group (ktrun.kernel_linear.AbsorbedKvB). */
+ * head and kv_b scale group (ktrun.ops.kernel_linear.AbsorbedKvB). */
 int kt_linear_submit_grouped_scaled(kt_ctx* ctx, int linear_id, int n_groups, int row0, int row_step, int rows,
                                     int n_tokens, const void* x, int x_dtype, int64_t x_stride,
                                     int64_t x_group_stride, int x_group_div, const float* x_scale, float* out,

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
+from ktrun.models import indexer as lightning
+from ktrun.ops import glue
+from ktrun.ops.kernel_linear import AbsorbedKvB
+from ktrun.ops.packed_linear import dense_weight, linear, linear_start
 
-from .. import cpu_glue
-from ..kernel_linear import AbsorbedKvB
-from ..packed_linear import dense_weight, linear, linear_start
-from . import indexer as lightning
 from .kv_cache import Batch, causal_scores_mask
 from .layers import SERIAL_MAX_ROWS, Rope, linears, rms_norm, serial_torch
 
@@ -122,7 +122,7 @@ def mla_cache_widths(cfg: ModelConfig, indexed: bool = False) -> list[tuple[int,
 def _absorbed(w: dict, p: str, nh: int, dn: int, dv: int, R: int):
     """kv_b_proj (nh*(dn+dv), R) in the absorbed form, derived once per layer and kept next to the weights:
     - on the CPU kernels (kv_b a KernelLinear): an AbsorbedKvB, both halves on the quantized Linear op (no float
-      copy; ktrun.kernel_linear);
+      copy; ktrun.ops.kernel_linear);
     - otherwise split per head into W_uk^T (nh, R, dn) and W_uv (nh, dv, R), float32 whatever the model dtype (bf16
       widens exactly): these are batched matrix-vector products at decode, and torch's CPU bf16 bmm runs them 2-3x
       slower than float32 reads twice the bytes (bench/README.md, "MLA decode"); the orientations are the fast ones
@@ -278,17 +278,17 @@ def _attend_on_kernels(ab: AbsorbedKvB, q_nope: torch.Tensor, q_rot, idx, scale:
                        o: torch.Tensor) -> bool:
     """Decode rows (one new token per request, no mask) of a float32 model with kv_b on the kernels: q_lat from W_uk's
     job (q_rot() is roped meanwhile), then scores / softmax / latent output in one kt_mla_attend call per request
-    (ktrun.cpu_glue.mla_attend: its own fixed summation order, not torch's GEMMs; on the pool), then W_uv's job,
+    (ktrun.ops.glue.mla_attend: its own fixed summation order, not torch's GEMMs; on the pool), then W_uv's job,
     straight into o. False (nothing done) for anything else."""
     if not all(s.n == 1 and mask is None for s, _, mask in absorbed) or q_nope.dtype != torch.float32 or \
-            not all(cpu_glue.mla_attend_supported(lats, ab.R, ab.nh) for _, lats, _ in absorbed):
+            not all(glue.mla_attend_supported(lats, ab.R, ab.nh) for _, lats, _ in absorbed):
         return False
     q_lat_done = ab.q_latent_start(q_nope[idx])
     qr = q_rot()[idx]                                                                        # (m, nh, dr)
     q_lat = q_lat_done()                                                                     # (m, nh, R)
     out_lat = torch.empty_like(q_lat)                                                        # (m, nh, R)
     for j, (_, lats, _) in enumerate(absorbed):
-        cpu_glue.mla_attend(q_lat[j], qr[j], lats, scale, out_lat[j], ab.kv_b.lin.kernels)
+        glue.mla_attend(q_lat[j], qr[j], lats, scale, out_lat[j], ab.kv_b.lin.kernels)
     if isinstance(idx, slice) and o.is_contiguous():
         ab.values(out_lat, out=o)
     else:

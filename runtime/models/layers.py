@@ -11,10 +11,9 @@ import math
 import torch
 import torch.nn.functional as F
 from ktlayouts.families import RopeConfig, yarn_mscale
-
-from .. import cpu_glue
-from ..kernel_linear import KernelLinear, run_together
-from ..packed_linear import linear
+from ktrun.ops import glue
+from ktrun.ops.kernel_linear import KernelLinear, run_together
+from ktrun.ops.packed_linear import linear
 
 SERIAL_MAX_ROWS = 8   # token rows up to which serial_torch() keeps a forward's small torch ops on the calling thread
 ROPE_TABLE_STEP = 1024   # positions the cos/sin table grows by (a multiple of 16: no scalar tail, see Rope._table)
@@ -43,10 +42,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: (..., D). Normalize in float32, cast back, then scale (transformers order). float32 x and weight: torch's
     one fused op, the same float32 operations in the same order (bit-identical, checked in
     tests/test_runtime_serial_torch.py), one op instead of seven: a decode step runs 13 norms. On the CPU that op
-    is itself 8 aten ops: libktkernels' kt_rms_norm computes the same bits in one call (ktrun.cpu_glue)."""
+    is itself 8 aten ops: libktkernels' kt_rms_norm computes the same bits in one call (ktrun.ops.glue)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        if cpu_glue.supported(x, weight):
-            return cpu_glue.rms_norm(x, weight, eps)
+        if glue.supported(x, weight):
+            return glue.rms_norm(x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     dt = x.dtype
     h = x.float()
@@ -57,10 +56,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (x + delta, rms_norm(x + delta, weight, eps)): a residual add and the next norm, in one kt_rms_norm call
-    for float32 CPU rows (the same bits as the two torch ops: ktrun.cpu_glue)."""
+    for float32 CPU rows (the same bits as the two torch ops: ktrun.ops.glue)."""
     if (delta.shape == x.shape and delta.dtype == x.dtype and delta.device == x.device and delta.stride(-1) == 1
-            and cpu_glue.supported(x, weight)):
-        return cpu_glue.add_rms_norm(x, delta, weight, eps)
+            and glue.supported(x, weight)):
+        return glue.add_rms_norm(x, delta, weight, eps)
     s = x + delta
     return s, rms_norm(s, weight, eps)
 
@@ -157,8 +156,8 @@ class Rope:
         permutation applied to both q and k, so q.k is the same as with interleaved output. interleaved=None: this
         model's layout (DeepSeek-V3.2's indexer ropes halves although its MLA ropes pairs)."""
         dim = 2 * cos.shape[-1]
-        if cpu_glue.rope_supported(x, cos, sin):      # float32 CPU: the same bits in one call
-            return cpu_glue.rope(x, cos, sin, self.interleaved if interleaved is None else interleaved)
+        if glue.rope_supported(x, cos, sin):      # float32 CPU: the same bits in one call
+            return glue.rope(x, cos, sin, self.interleaved if interleaved is None else interleaved)
         if x.shape[-1] > dim:
             return torch.cat([self.apply(x[..., :dim], cos, sin, interleaved), x[..., dim:]], dim=-1)
         c, s = cos[:, None, :], sin[:, None, :]

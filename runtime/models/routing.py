@@ -4,7 +4,7 @@
   e_score_correction_bias (zeros when the checkpoint has none); keep the topk_group groups with the best sum of
   their top-2 choice scores; top-k inside them; weights are the *unbiased* scores, normalized when norm_topk_prob,
   times routed_scaling_factor. Decode rows of a float32 CPU model take the same steps in one C call
-  (ktrun.cpu_glue.route_sigmoid: its own fixed summation order), unless a test's choice hook is installed.
+  (ktrun.ops.glue.route_sigmoid: its own fixed summation order), unless a test's choice hook is installed.
 - softmax_topk (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral).
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
+from ktrun.ops import glue
 
-from .. import cpu_glue
 from .choices import hooked, top_k
 
 
@@ -26,8 +26,8 @@ def _group_mask(choice: torch.Tensor, group_scores: torch.Tensor, cfg: ModelConf
 
 
 def sigmoid_grouped(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None):
-    if not hooked() and cpu_glue.route_sigmoid_supported(x, gate_w, bias):   # decode rows on the CPU: one C call
-        return cpu_glue.route_sigmoid(x, gate_w, bias, cfg.n_group, cfg.topk_group, cfg.top_k, cfg.norm_topk_prob,
+    if not hooked() and glue.route_sigmoid_supported(x, gate_w, bias):   # decode rows on the CPU: one C call
+        return glue.route_sigmoid(x, gate_w, bias, cfg.n_group, cfg.topk_group, cfg.top_k, cfg.norm_topk_prob,
                                       cfg.routed_scaling_factor)
     T, E = x.shape[0], cfg.num_experts
     scores = F.linear(x.float(), gate_w.float()).sigmoid()                    # (T, E)

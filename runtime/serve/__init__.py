@@ -13,7 +13,7 @@ engine loads).
     structured.py     response_format json_object / json_schema enforced by xgrammar
     metrics.py        /metrics with prometheus_client (vLLM's metric names under ktrun_)
 
-The CLI entry is ktrun.cmd_serve; text and stop strings come from ktrun.text_stream (the rule generate() and the
+The CLI entry is ktrun.cli.cmd_serve; text and stop strings come from ktrun.text.text_stream (the rule generate() and the
 Engine use too).
 """
 from .app import DEFAULT_MAX_BODY_BYTES, run_server

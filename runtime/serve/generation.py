@@ -13,8 +13,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..text_stream import TextStream
-from . import responses as R
+from ktrun.serve import responses as R
+from ktrun.text.text_stream import TextStream
+
 from .engine_thread import Token
 from .protocol import ApiError
 from .reasoning import ReasoningSplitter

@@ -24,7 +24,7 @@ def _compiler(tok, vocab_size: int, stop_ids: list[int]):
     with _lock:
         key = id(tok)
         if key not in _compilers:
-            backend = getattr(tok, "backend", None)             # ktrun.tokenizer.Tokenizer: a `tokenizers` object
+            backend = getattr(tok, "backend", None)             # ktrun.text.tokenizer.Tokenizer: a `tokenizers` object
             if backend is not None:
                 from transformers import PreTrainedTokenizerFast
 

@@ -1,5 +1,5 @@
 """Hot experts at load: which placement applies (a budget given now, or the one written into the conversion), the
-memory plan for `--gpu-mem`, and the executor that runs it (ktrun.hybrid_experts over the CPU executor).
+memory plan for `--gpu-mem`, and the executor that runs it (ktrun.experts.hybrid over the CPU executor).
 
     opts = HotExpertOptions(profile="profile.json", budget=Budget(per_layer=8), strategy="per-layer")
     lm = load_model("converted/", hot_experts=opts)       # lm.model.experts is a HybridExperts
@@ -17,14 +17,14 @@ from ktlayouts.expert_gpu import hot_expert_nbytes
 from ktlayouts.expert_placement import PLACEMENT_NAME, ExpertPlacement, PlacementFileError, fit_hot_experts
 from ktlayouts.expert_profile import ExpertProfile, ProfileError
 from ktlayouts.files import sha256_file
+from ktrun.byte_sizes import human
+from ktrun.cache_budget import kv_bytes_per_token, state_bytes_per_request
 
-from .byte_sizes import human
-from .cache_budget import kv_bytes_per_token, state_bytes_per_request
-from .dynamic_experts import DynamicExperts
-from .expert_placement import HotExpertOptions, PlacementError, plan_placement
-from .expert_residency import ExpertResidency
-from .hot_expert_store import HotExpertError, HotExpertStore, resolve_format
-from .hybrid_experts import HybridExperts
+from .dynamic import DynamicExperts
+from .hot_store import HotExpertError, HotExpertStore, resolve_format
+from .hybrid import HybridExperts
+from .placement import HotExpertOptions, PlacementError, plan_placement
+from .residency import ExpertResidency
 
 
 def dense_device_bytes(converted) -> int:

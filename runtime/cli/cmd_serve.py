@@ -5,9 +5,9 @@ import sys
 from pathlib import Path
 
 import click
+from ktrun.byte_sizes import parse_bytes
 from ktrun.serve import DEFAULT_MAX_BODY_BYTES, run_server
 
-from .byte_sizes import parse_bytes
 from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options

@@ -7,7 +7,7 @@
 
 - TorchExperts: the reference. Expert matrices come from an ExpertSource (packed tiles dequantized with ktlayouts,
   or plain float tensors), are cached per expert as float32 and applied with torch. Always correct, not fast.
-- KernelExperts (kernel_experts.py): the C++ kernels through runtime/cpu_moe.py, reading the mapped tiles in place.
+- KernelExperts (kernel_experts.py): the C++ kernels through runtime/ops/moe.py, reading the mapped tiles in place.
 
 Both compute the family's ExpertActivation (ktlayouts.families): silu(g) * u, or gpt-oss's clamped SwiGLU with
 per-expert biases (`expert_biases`).
@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from ktlayouts.cpu_expert import unpack_expert_matrix
 from ktlayouts.expert_shards import join_shards
 from ktlayouts.families import SILU, ExpertActivation
+from ktrun.ops.library import kernels_available
 
-from .expert_activation import Biases, activate, expert_biases
+from .activation import Biases, activate, expert_biases
 
 
 class PackedExpertSource:
@@ -123,22 +124,12 @@ class TorchExperts:
             self._pool.shutdown(wait=True)
 
 
-def kernels_available() -> bool:
-    """True when runtime/cpu_moe.py and its library load on this machine."""
-    try:
-        from . import cpu_moe
-        cpu_moe.load_library()
-    except (ImportError, OSError, RuntimeError):   # missing module or library, ABI mismatch: the reference serves
-        return False
-    return hasattr(cpu_moe, "MoEKernels")
-
-
 def make_executor(converted, use_kernels: bool | None = None):
     """The kernel executor when available (use_kernels None = auto, True = required), else the torch reference."""
     if use_kernels is None:
         use_kernels = kernels_available()
     if use_kernels:
-        from .kernel_experts import KernelExperts
+        from .kernel import KernelExperts
         return KernelExperts(converted)
     return TorchExperts(PackedExpertSource(converted.experts, converted.geometry.intermediate), device="cpu",
                         activation=converted.config.expert_activation, biases=expert_biases(converted))

@@ -1,4 +1,4 @@
-"""ktrun.cpu_glue: the decode step's float32 glue in single libktkernels calls on the calling thread, bit-identical to
+"""ktrun.ops.glue: the decode step's float32 glue in single libktkernels calls on the calling thread, bit-identical to
 the torch ops they replace: RMSNorm rows, optionally after a residual add (kt_rms_norm, torch's CPU F.rms_norm), and
 the rotary embedding (kt_rope, ktrun.models.layers.Rope.apply's elementwise formula). And one op that is not
 torch's bits: MLA's absorbed decode attention core (kt_mla_attend) and the sigmoid router of a few tokens
@@ -22,7 +22,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from .cpu_moe import KernelError, load_library
+from .library import KernelError, load_library
 
 MAX_D = 32767            # torch sums a longer single row in two passes over its threads (a different order)
 _PROBE_D = (16, 100, 512, 1536, 7168, 7171)

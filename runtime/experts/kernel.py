@@ -1,10 +1,10 @@
-"""KernelExperts: the routed-expert executor on libktkernels (runtime/cpu_moe.py), reading the mapped expert tiles of
+"""KernelExperts: the routed-expert executor on libktkernels (runtime/ops/moe.py), reading the mapped expert tiles of
 a converted directory in place. Same interface as experts.TorchExperts (submit / sync / stats / close).
 
 Shards written for S NUMA nodes are handed to the kernels' sub-pools with ktlayouts.nodes_for_shards (inside
 cpu_moe.MoEKernels.add_layer). Activations on a GPU are staged through CPU buffers; the result is copied back at sync.
 
-A layer's shared expert whose Linears run on the same pool (ktrun.kernel_linear.KernelLinear, the CPU default for a
+A layer's shared expert whose Linears run on the same pool (ktrun.ops.kernel_linear.KernelLinear, the CPU default for a
 quantized conversion) can join the routed job (fuse_shared): its gate/up/down tiles are registered as a one-expert
 layer (cpu-linear tiles are cpu-expert matrices: no copy) and every submit of the layer computes it too, added after
 the routed experts (kt_submit_shared), so a decode step spends no job, no Python and no torch op on it.
@@ -16,10 +16,10 @@ import time
 import numpy as np
 import torch
 from ktlayouts.cpu_expert import MatrixGeometry, group_unit
+from ktrun.ops.kernel_linear import KernelLinear
+from ktrun.ops.moe import ExpertShard, MoEKernels
 
-from .cpu_moe import ExpertShard, MoEKernels
-from .expert_activation import expert_biases
-from .kernel_linear import KernelLinear
+from .activation import expert_biases
 
 SHARED_LAYER_ID0 = 1 << 20   # kernel layer id of layer i's shared expert: SHARED_LAYER_ID0 + i (beside the MoE ids)
 
@@ -35,7 +35,7 @@ def _prepared(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weights: to
 class KernelExperts:
     def __init__(self, converted, n_threads: int | None = None, backend: str | None = None, layers=None):
         """layers: the expert arrays to read (default converted.experts, the file maps; the RAM tier passes its
-        mirrors, ktrun.expert_tier)."""
+        mirrors, ktrun.experts.ram_tier)."""
         geo = converted.geometry
         # the pool the loader made for the quantized Linears (--gpu-weights kernels), if any: one set of threads
         # runs both, so they never fight over the cores

@@ -2,17 +2,17 @@
 
 A slot of MoE layer L holds one expert's gate, up and down in a GPU format:
   marlin  the CPU tiles' own codes regrouped by ktlayouts.expert_gpu (exact) and packed by the format registry
-          (ktlayouts.gpu_formats 'marlin', float16 scales): ktrun.packed_linear.MarlinLinear, run by an installed
+          (ktlayouts.gpu_formats 'marlin', float16 scales): ktrun.ops.packed_linear.MarlinLinear, run by an installed
           Marlin GEMM (else dequantized per call, as every packed Linear).
   bf16    the dequantized expert (exactly the CPU tiles' values) rounded to bf16; computed in the dense dtype (on
           the CPU stand-in the rounded values are kept in that dtype, so no call converts them).
 Slot tensors are allocated once; loading an expert copies into them (`pack` on the host, `upload` to the slot), so
-a swap needs no allocation and never touches a slot that a step reads (ktrun.expert_residency says which).
+a swap needs no allocation and never touches a slot that a step reads (ktrun.experts.residency says which).
 
 Families whose experts carry biases and another activation (gpt-oss: gate/up/down biases and the clamped SwiGLU,
 ktlayouts.families.ExpertActivation) get the slot's biases too, float32 beside the weights in either format (packed
 and copied with them, so a dynamic swap moves them together), and compute the family's activation
-(ktrun.expert_activation.activate, the formula the CPU executors run).
+(ktrun.experts.activation.activate, the formula the CPU executors run).
 
 Accuracy against the CPU kernels (which quantize activations to int8 per group): both compute the same dequantized
 weights; bf16 rounds each weight by at most 2^-9 relative, Marlin rounds each scale to float16 (2^-11; an
@@ -27,11 +27,11 @@ from ktlayouts.converted_dir import PROJECTIONS, ExpertGeometry
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.expert_gpu import expert_codes, gpu_group_step, hot_expert_nbytes, hot_format_ok, source_shape
 from ktlayouts.gpu_formats import gpu_format_for
+from ktrun.ops.marlin import find_marlin_kernel
+from ktrun.ops.packed_linear import MarlinLinear, linear
 
-from .expert_activation import activate, expert_biases
-from .experts import PackedExpertSource
-from .marlin_kernel import find_marlin_kernel
-from .packed_linear import MarlinLinear, linear
+from .activation import activate, expert_biases
+from .executors import PackedExpertSource
 
 
 class HotExpertError(ValueError):

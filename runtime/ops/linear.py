@@ -1,10 +1,10 @@
-"""ktrun.cpu_linear: dense quantized Linears y = x W^T on the CPU, computed by libktkernels on the cpu-linear-int4/int8
+"""ktrun.ops.linear: dense quantized Linears y = x W^T on the CPU, computed by libktkernels on the cpu-linear-int4/int8
 tiles (layouts/README.md "CPU dense Linears": one cpu-expert matrix per Linear) in place, on the same persistent
-thread pool as the routed experts (a ktrun.cpu_moe.MoEKernels context).
+thread pool as the routed experts (a ktrun.ops.moe.MoEKernels context).
 
 Usage::
 
-    from ktrun.cpu_linear import LinearKernels
+    from ktrun.ops.linear import LinearKernels
     lin = LinearKernels(moe)                 # moe: a MoEKernels (its pool and backend); or LinearKernels(n_threads=2)
     lin.add(0, qweight, scales, n=1536, k=7168, bits=4, group_size=128)    # arrays kept referenced, never copied
     lin.add_gpu(1, codes_kn, scales_gn, bits=4, group_size=128)            # GPU codes: repacked once (C++)
@@ -31,7 +31,8 @@ import torch
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.cpu_linear import gpu_group_count, linear_geometry
 
-from .cpu_moe import SCALE_DTYPE_CODES, KernelError, MoEKernels, _dtype_name, _err, _pointer, _shape, load_library
+from .library import SCALE_DTYPE_CODES, KernelError, _dtype_name, _err, _pointer, _shape, load_library
+from .moe import MoEKernels
 
 CODES_U8, CODES_PACKED_K = 0, 1   # ktkernels.h KT_CODES_U8 / KT_CODES_PACKED_K
 
@@ -208,7 +209,7 @@ class LinearKernels:
         return outs[0] if single else outs
 
     def submit_prepared(self, ids: tuple[int, ...], x: torch.Tensor, outs: list[torch.Tensor]) -> None:
-        """submit() without the Python checks, for a caller that made its arguments itself (ktrun.kernel_linear):
+        """submit() without the Python checks, for a caller that made its arguments itself (ktrun.ops.kernel_linear):
         x a CPU float32/bfloat16 (T, K) tensor with contiguous rows, outs contiguous float32 (T, N_i) CPU tensors.
         The C side still checks ids, K, strides and pointers. A decode step submits ~20 jobs, and submit()'s checks
         and ctypes arrays took ~3x the C call (50-90 us per job in a decode step, caches cold after the job)."""
@@ -263,7 +264,7 @@ class LinearKernels:
 
     def submit_grouped_prepared(self, linear_id: int, x: torch.Tensor, out: torch.Tensor, row0: int, row_step: int,
                                 x_scale: torch.Tensor | None = None) -> None:
-        """submit_grouped() without the Python checks, for a caller that made its tensors itself (ktrun.kernel_linear's
+        """submit_grouped() without the Python checks, for a caller that made its tensors itself (ktrun.ops.kernel_linear's
         AbsorbedKvB, twice per MLA layer in a decode step): the same arguments, already as submit_grouped requires
         them. The C side still checks the id, the groups and the rows."""
         J = out.shape[1]

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import click
 import torch
+from ktrun.generate import decode_one_token, prefill
 
 from .decode_bytes import read_bandwidth, weight_bytes_per_token
 from .expert_ram_option import expert_ram_from, expert_ram_options
-from .generate import decode_one_token, prefill
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
 
@@ -47,7 +47,7 @@ def bench_tg(model, n: int, ctx: int, gen: torch.Generator) -> tuple[float, dict
 
 
 class _Hits:
-    """GPU hit counts of the timed runs, by phase, when the executor keeps them (ktrun.hybrid_experts)."""
+    """GPU hit counts of the timed runs, by phase, when the executor keeps them (ktrun.experts.hybrid)."""
 
     def __init__(self, experts):
         self.read = getattr(experts, "hit_counts", None)
@@ -83,7 +83,7 @@ def run_bench(model, pp: int, tg: int, reps: int, seed: int = 0, warmup: bool = 
             wall, parts = hits.measure("tg", bench_tg, model, tg, ctx, gen)
             res["tg"].append(tg / wall)
             res["tg_parts"].append({**parts, "wall_s": wall})
-            res["tier"].append((before, stats()))    # RAM-tier counters around the tg run (ktrun.tiered_experts)
+            res["tier"].append((before, stats()))    # RAM-tier counters around the tg run (ktrun.experts.tiered)
     res["hits"] = hits.by_phase                   # phase -> (GPU-served calls, routed calls) per layer
     return res
 
@@ -170,10 +170,9 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
       ktrun bench converted/ --expert-ram 64GB --pp 0 --tg 32    # experts beyond 64 GB read from disk
     """
     from ktlayouts.expert_profile import ExpertProfile, ProfileError, summary_lines
-
-    from .hot_experts import describe
-    from .loaded_model import load_model
-    from .loader import LoadError
+    from ktrun.experts.hot import describe
+    from ktrun.loaded_model import load_model
+    from ktrun.loader import LoadError
 
     ram_opts = expert_ram_from(hot)
     hot_opts = hot_experts_from(hot)
@@ -197,10 +196,10 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
         res = run_bench(m, pp, tg, reps, seed, prompt_ids=prompt_ids)
         read = weight_bytes_per_token(m, conv) if tg else None
         bandwidth = read_bandwidth(m.experts) if tg and conv.device.type == "cpu" else 0.0
-        from .tiered_experts import find_tier
+        from ktrun.experts.tiered import find_tier
         tier = find_tier(m.experts)
         measured = tier.measured_resident_bytes() if tier is not None else None
-        from .cache_budget import cache_lines
+        from ktrun.cache_budget import cache_lines
         cache = cache_lines(m.cfg, m.dtype, max(pp, tg + 1) + 1)
     click.echo(f"quantized GPU layers: {conv.gpu_weights}")
     click.echo(hot_line + "\n")
@@ -225,7 +224,7 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
         click.echo(line)
     lines = hit_ratio_lines(res["hits"], per_layer)
     if res["tier"]:
-        from .tiered_experts import tier_lines
+        from ktrun.experts.tiered import tier_lines
         tier = tier_lines(res["tier"][0][0], res["tier"][-1][1], tg * len(res["tier"]), measured)
         if tier:
             click.echo("")

@@ -57,7 +57,7 @@ class _Swap:
 
 
 class DynamicExperts:
-    """Registered as a before-step hook of ktrun.hybrid_experts.HybridExperts (which calls observe on every submit)."""
+    """Registered as a before-step hook of ktrun.experts.hybrid.HybridExperts (which calls observe on every submit)."""
 
     def __init__(self, store, residency, capacity: dict[int, int], window: int = 2048, hysteresis: float = 0.25,
                  min_gap: float = 2.0, asynchronous: bool = True):

@@ -1,7 +1,7 @@
 """A GPU Linear kept in the Marlin layout (ktlayouts.marlin) on the compute device, never repacked at load.
 
 Forward, in order of preference:
-  1. an installed Marlin W4A16 / W8A16 GEMM (ktrun.marlin_kernel: vLLM's or SGLang's `apply_gptq_marlin_linear`)
+  1. an installed Marlin W4A16 / W8A16 GEMM (ktrun.ops.marlin: vLLM's or SGLang's `apply_gptq_marlin_linear`)
      reads qweight and the permuted scales in place: 4 or 8 bits per weight cross the memory bus, not 16;
   2. otherwise the layer dequantizes itself on its device for the call (torch ops that undo the Marlin
      permutations; the same arithmetic as ktlayouts' numpy reference, float32) and runs a dense matmul; the
@@ -65,7 +65,7 @@ class MarlinLinear:
         self.group_size = group_size_for(self.k_pad, scales.shape[0], name)
         # (n_groups, N_pad), Marlin column order: float16 as stored; the kernel wants the activation dtype (as vLLM)
         self.scales = scales.to(dtype) if kernel is not None else scales
-        self.kernel = kernel                                        # ktrun.marlin_kernel.MarlinKernel or None
+        self.kernel = kernel                                        # ktrun.ops.marlin.MarlinKernel or None
         self.kernel_state = kernel.prepare(self) if kernel is not None else None
 
     @property

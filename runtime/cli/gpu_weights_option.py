@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import click
-
-POLICIES = ("auto", "packed", "dequant", "kernels")
+from ktrun.defaults import GPU_WEIGHT_POLICIES
 
 gpu_weights_option = click.option(
-    "--gpu-weights", type=click.Choice(POLICIES), default="auto", show_default=True,
+    "--gpu-weights", type=click.Choice(GPU_WEIGHT_POLICIES), default="auto", show_default=True,
     help="GPU-quantized Linears: 'kernels' (CPU) repacks them once at load for the CPU kernels' quantized Linear "
          "op (int4/int8 read per token, no float copy); 'packed' keeps Marlin-layout weights packed on the device "
          "and runs them with an installed Marlin kernel (vLLM or SGLang; else dequantized per call); 'dequant' dequantizes them once at "

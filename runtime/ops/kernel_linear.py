@@ -33,7 +33,7 @@ from ktlayouts.gpu_formats import gpu_format, linear_parts, quantized_linears
 from ktlayouts.marlin import unpack_scales as marlin_unpack_scales
 from ktlayouts.marlin import weight_perm
 
-from .cpu_linear import LinearKernels
+from .linear import LinearKernels
 
 
 def _round_up(a: int, b: int) -> int:

@@ -51,12 +51,11 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
     """
     import torch
     from ktlayouts.families import ConfigError
-
-    from .generate import generate as run_generate
-    from .loaded_model import load_model
-    from .loader import LoadError
-    from .sampling import SamplingParams
-    from .tokenizer import TokenizerError
+    from ktrun.generate import generate as run_generate
+    from ktrun.loaded_model import load_model
+    from ktrun.loader import LoadError
+    from ktrun.sampling import SamplingParams
+    from ktrun.text.tokenizer import TokenizerError
 
     ram_opts = expert_ram_from(hot)
     hot_opts = hot_experts_from(hot)
@@ -75,10 +74,10 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
             prompt_ids = tok.encode(prompt)
     except (LoadError, ConfigError, TokenizerError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    # streamed text: never an incomplete character or the start of a possible stop string (ktrun.text_stream)
+    # streamed text: never an incomplete character or the start of a possible stop string (ktrun.text.text_stream)
     streamer = None if as_json else (lambda delta: (sys.stdout.write(delta), sys.stdout.flush()))
     if hot_opts is not None and not as_json:
-        from .hot_experts import describe
+        from ktrun.experts.hot import describe
         click.echo(describe(lm.model.experts), err=True)
     with lm:
         if len(prompt_ids) >= ctx:

@@ -1,4 +1,4 @@
-"""ktrun.cpu_moe: the routed-expert part of MoE layers on the CPU, computed by libktkernels on the packed
+"""ktrun.ops.moe: the routed-expert part of MoE layers on the CPU, computed by libktkernels on the packed
 cpu-expert layouts (layouts/README.md) in place: the weight arrays are read where they lie (numpy memmaps of the
 converted safetensors files), never copied.
 
@@ -6,7 +6,7 @@ For T tokens with k routed experts each:  out[t] = sum_j w[t, j] * down_e(silu(g
 
 Usage (the decode loop)::
 
-    from ktrun.cpu_moe import ExpertShard, MoEKernels
+    from ktrun.ops.moe import ExpertShard, MoEKernels
     moe = MoEKernels()                       # all CPUs, one sub-pool per NUMA node, best backend of this CPU
     moe.add_layer(3, shards=[ExpertShard(gate_q, gate_s, up_q, up_s, down_q, down_s, i0, i1), ...],
                   n_experts=256, hidden=7168, intermediate_pad=2048, bits=4, group_size=128)
@@ -30,15 +30,12 @@ Usage (the decode loop)::
 - Backend: `backend=` or env KT_KERNEL_BACKEND = scalar | avx2 | avx512 | amx (error if this CPU lacks it);
   default the best one. Threads: `n_threads=` (default all CPUs of the process), `numa_pools=` (default env
   KT_NUMA_POOLS, else one per NUMA node; more pools than nodes splits the CPUs, to simulate NUMA).
-- Library: `libktkernels*.so` next to this module (built by `make kernels`), or the path in env KT_KERNELS_LIB.
+- Library: loaded once by ktrun.ops.library (its path, ABI check and the whole C signature table).
 """
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,100 +43,19 @@ from ktlayouts.converted_dir import node_unit_ranges
 from ktlayouts.cpu_expert import MatrixGeometry
 from ktlayouts.expert_shards import ShardPlan
 
-ABI_VERSION = 11
-# scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
-# records, uint8 arrays) -> the ABI's codes
-SCALE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "sub6": 3}
-BACKENDS = ("scalar", "avx2", "avx512", "amx")
-# expert activations (ktlayouts.families.ExpertActivation.kind) -> the ABI's codes (KT_ACT_*)
-ACTIVATION_CODES = {"silu": 0, "swiglu_clamped": 1}
-
-
-class KernelError(RuntimeError):
-    """An error reported by libktkernels (bad arguments, unsupported backend)."""
-
-
-class _Piece(ctypes.Structure):
-    _fields_ = [("gate_q", ctypes.c_void_p), ("gate_s", ctypes.c_void_p), ("up_q", ctypes.c_void_p),
-                ("up_s", ctypes.c_void_p), ("down_q", ctypes.c_void_p), ("down_s", ctypes.c_void_p),
-                ("i0", ctypes.c_int32), ("i1", ctypes.c_int32), ("r0", ctypes.c_int32), ("r1", ctypes.c_int32),
-                ("pool", ctypes.c_int32)]
-
-
-def _library_path() -> str:
-    env = os.environ.get("KT_KERNELS_LIB")
-    if env:
-        return env
-    found = sorted(glob.glob(str(Path(__file__).resolve().parent / "libktkernels*.so")))
-    if not found:
-        raise KernelError(f"libktkernels*.so not found in {Path(__file__).resolve().parent}: run `make kernels`")
-    return found[0]
-
-
-_LIB: ctypes.CDLL | None = None
-
-
-def load_library() -> ctypes.CDLL:
-    global _LIB
-    if _LIB is not None:
-        return _LIB
-    path = _library_path()
-    lib = ctypes.CDLL(path)
-    c_int, c_p, c_i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
-    sigs = {
-        "kt_abi_version": (c_int, []), "kt_last_error": (ctypes.c_char_p, []),
-        "kt_backend_supported": (c_int, [ctypes.c_char_p]),
-        "kt_create": (c_p, [c_int, c_int, ctypes.c_char_p]), "kt_destroy": (None, [c_p]),
-        "kt_backend_name": (ctypes.c_char_p, [c_p]), "kt_backend_detail": (ctypes.c_char_p, [c_p]),
-        "kt_n_threads": (c_int, [c_p]), "kt_n_pools": (c_int, [c_p]),
-        "kt_thread_cpu": (c_int, [c_p, c_int]), "kt_thread_pool": (c_int, [c_p, c_int]),
-        "kt_add_layer": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_int, ctypes.POINTER(_Piece)]),
-        "kt_add_layer_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_int,
-                                    ctypes.POINTER(_Piece)]),
-        "kt_submit": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int]),
-        "kt_submit_masked": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int, c_p]),
-        "kt_submit_shared": (c_int, [c_p, c_int, c_int, c_p, c_int, c_i64, c_int, c_p, c_p, c_p, c_i64, c_int, c_p,
-                                     c_int, c_p]),
-        "kt_sync": (c_int, [c_p]),
-        "kt_set_layer_activation": (c_int, [c_p, c_int, c_int, ctypes.c_float, ctypes.c_float, c_p, c_p, c_p]),
-        "kt_profile": (c_int, [c_p, ctypes.POINTER(ctypes.c_double), c_int]),
-        "kt_measure_read_bandwidth": (ctypes.c_double, [c_p, ctypes.c_size_t, c_int]),
-        "kt_measure_int8_peak": (ctypes.c_double, [c_p, ctypes.c_double]),
-        "kt_rms_norm": (c_int, [c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_p, ctypes.c_float, c_int, c_p,
-                                c_i64]),
-        "kt_rope": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_i64, c_p, c_p, c_i64, c_int, c_p, c_i64, c_i64]),
-        "kt_route_sigmoid": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_int,
-                                     ctypes.c_float, c_p, c_p]),
-        "kt_mla_attend": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, ctypes.c_float, c_i64, c_p, c_p,
-                                  c_i64, c_p, c_i64]),
-        # the dense Linear op (ktrun.cpu_linear)
-        "kt_add_linear": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
-        "kt_add_linear_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_p]),
-        "kt_linear_submit": (c_int, [c_p, c_int, c_p, c_int, c_p, c_int, c_i64, c_p, c_p]),
-        "kt_linear_submit_grouped": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64,
-                                             c_p, c_i64, c_i64]),
-        "kt_linear_submit_grouped_scaled": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_p, c_int, c_i64,
-                                                    c_i64, c_int, c_p, c_p, c_i64, c_i64]),
-        "kt_linear_repack": (c_int, [c_p, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64, c_p, c_i64, c_i64,
-                                     c_p, c_p]),
-        "kt_linear_repack_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_p, c_int, c_i64, c_i64, c_p, c_i64, c_i64,
-                                        c_p, c_p, c_int]),
-    }
-    for name, (res, args) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
-    if lib.kt_abi_version() != ABI_VERSION:
-        raise KernelError(f"{path}: ABI version {lib.kt_abi_version()}, this module needs {ABI_VERSION}: run `make kernels`")
-    _LIB = lib
-    return lib
-
-
-def backend_supported(name: str) -> bool:
-    return bool(load_library().kt_backend_supported(name.encode()))
-
-
-def _err(lib: ctypes.CDLL) -> str:
-    return lib.kt_last_error().decode(errors="replace")
+from .library import (
+    ACTIVATION_CODES,
+    BACKENDS,
+    SCALE_DTYPE_CODES,
+    KernelError,
+    _dtype_name,
+    _err,
+    _Piece,
+    _pointer,
+    _shape,
+    load_library,
+    stream_probe_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -153,31 +69,6 @@ class ExpertShard:
     down_s: Any
     i0: int
     i1: int
-
-
-def _pointer(a: Any, what: str, dtype: np.dtype | None = None, contiguous: bool = True) -> int:
-    """Address of a numpy array or CPU torch tensor (checked dtype / contiguity)."""
-    if hasattr(a, "data_ptr"):   # torch
-        if a.device.type != "cpu":
-            raise ValueError(f"{what}: tensor is on {a.device}, the CPU kernels need CPU memory")
-        if contiguous and not a.is_contiguous():
-            raise ValueError(f"{what}: tensor must be contiguous")
-        return int(a.data_ptr())
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{what}: expected a numpy array or torch tensor, got {type(a).__name__}")
-    if dtype is not None and a.dtype != dtype:
-        raise ValueError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
-    if contiguous and not a.flags.c_contiguous:
-        raise ValueError(f"{what}: array must be C-contiguous")
-    return a.ctypes.data
-
-
-def _dtype_name(a: Any) -> str:
-    return str(getattr(a, "dtype", "")).replace("torch.", "")
-
-
-def _shape(a: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in a.shape)
 
 
 def _scale_dtype(a: Any, declared: str | None) -> str:
@@ -217,26 +108,6 @@ def _check_matrix(q: Any, s: Any, geom: MatrixGeometry, n_experts: int, what: st
         raise ValueError(f"{what}.scales: shape {None if s is None else _shape(s)}, expected {want_s}")
 
 
-def last_level_cache_bytes() -> int:
-    """This CPU's largest cache (Linux sysfs, cpu0's cache levels), bytes; 0 when unknown."""
-    best, units = 0, {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            size = (d / "size").read_text().strip().upper()
-        except OSError:
-            continue
-        n = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size or 0)
-        best = max(best, n)
-    return best
-
-
-def stream_probe_bytes() -> int:
-    """Buffer size for a read-bandwidth probe: 4x the last-level cache, as the STREAM benchmark asks, at least 1 GiB,
-    at most 4 GiB. On a host reporting a 480 MB L3, a 256 MB probe read 31.6-33.4 GB/s run to run (part of it served by
-    the cache), 1-2 GB steadily 31.1-31.9 (bench_vs_llamacpp.py's roofline used 256 MB until then)."""
-    return min(4 << 30, max(1 << 30, 4 * last_level_cache_bytes()))
-
-
 class MoEKernels:
     """Persistent kernel context: thread pool + registered layers. See the module docstring."""
 
@@ -268,7 +139,7 @@ class MoEKernels:
 
     @property
     def handle(self) -> int:
-        """The kt_ctx pointer (for ktrun.cpu_linear, which runs on this context's pool)."""
+        """The kt_ctx pointer (for ktrun.ops.linear, which runs on this context's pool)."""
         if not getattr(self, "_ctx", None):
             raise KernelError("the kernel context is closed")
         return self._ctx
@@ -423,7 +294,7 @@ class MoEKernels:
     def submit_prepared(self, layer_id: int, x: Any, ids: Any, weights: Any, out: Any, shared: int | None = None,
                         shared_weights: Any = None) -> None:
         """submit() without the Python checks and conversions, for a caller that made its arguments itself
-        (ktrun.kernel_experts, every decode step): x a CPU float32/bfloat16 (T, hidden) torch tensor with contiguous
+        (ktrun.experts.kernel, every decode step): x a CPU float32/bfloat16 (T, hidden) torch tensor with contiguous
         rows, ids a contiguous int32 (T, k) tensor, weights contiguous float32 (T, k), out a contiguous float32
         (T, hidden) tensor, shared_weights None or contiguous float32 (T,); shared a layer id registered with one
         expert. The C side still checks the layer ids; submit() took ~150 us of a decode step's MoE layer in its

@@ -3,10 +3,10 @@
 Per MoE layer:
   skip (E,) uint8   1 = resident on the GPU: handed as is to the CPU kernels' mask (kt_submit_masked), which leave
                     those experts out; 0 = computed by the CPU kernels
-  slot (E,) int32   the GPU slot holding a resident expert's weights (ktrun.hot_expert_store), -1 elsewhere
+  slot (E,) int32   the GPU slot holding a resident expert's weights (ktrun.experts.hot_store), -1 elsewhere
   free              slots holding no resident expert (a swap copies into one of them first)
 
-Changes happen only between steps (ktrun.hybrid_experts calls them before a forward's first MoE layer), and the
+Changes happen only between steps (ktrun.experts.hybrid calls them before a forward's first MoE layer), and the
 kernels read the mask during submit only, so no step ever sees a half-made change. A future tier (experts streamed
 from NVMe) adds its state here.
 """

@@ -5,8 +5,7 @@ from __future__ import annotations
 import click
 from ktlayouts.expert_gpu import HOT_FORMATS
 from ktlayouts.expert_placement import STRATEGIES
-
-from .byte_sizes import parse_bytes
+from ktrun.byte_sizes import parse_bytes
 
 DEFAULT_STRATEGY = "frequency"
 
@@ -55,9 +54,9 @@ def hot_experts_options(dynamic: bool = True):
 
 
 def hot_experts_from(kw: dict):
-    """Pop the hot_* options of a click command's kwargs -> ktrun.hot_experts.HotExpertOptions (or None when none
+    """Pop the hot_* options of a click command's kwargs -> ktrun.experts.hot.HotExpertOptions (or None when none
     was given, so a placement written into the conversion applies)."""
-    from .expert_placement import Budget, HotExpertOptions, PlacementError
+    from ktrun.experts.placement import Budget, HotExpertOptions, PlacementError
 
     profile, n, ratio = kw.pop("hot_profile", None), kw.pop("hot_per_layer", None), kw.pop("hot_ratio", None)
     gpu_mem, kv_mem = kw.pop("hot_gpu_mem", None), kw.pop("hot_kv_mem", None)

@@ -1,10 +1,10 @@
-"""TieredExperts: the routed-expert executor over a RAM tier (ktrun.expert_tier): the CPU kernels read the tier's
+"""TieredExperts: the routed-expert executor over a RAM tier (ktrun.experts.ram_tier): the CPU kernels read the tier's
 mirrors, and each layer's experts are made resident before its kernels start. Same interface as the other
-executors (submit / sync / stats / close); ktrun.hybrid_experts wraps it like any CPU executor (its skip mask
+executors (submit / sync / stats / close); ktrun.experts.hybrid wraps it like any CPU executor (its skip mask
 leaves GPU-resident experts out of the reads too).
 
     submit(layer, x, ids, w, out): pin the layer's routed experts and start reading the missing ones (ascending
-        expert order); predict the next MoE layer's experts (ktrun.expert_prediction) and start reading those; then
+        expert order); predict the next MoE layer's experts (ktrun.experts.prediction) and start reading those; then
         launch the kernels: at once when everything was resident, else expert by expert as the reads land (below)
     sync(): waits for the kernels, unpins the layer's experts
 
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .expert_prediction import NextLayerPredictor, make_predictor
+from .prediction import NextLayerPredictor, make_predictor
 
 __all__ = ["NextLayerPredictor", "TieredExperts", "build_tiered_executor", "find_tier", "tier_lines"]
 
@@ -140,10 +140,10 @@ class TieredExperts:
 def build_tiered_executor(converted, budget_bytes: int, predict: bool = True, io: str = "direct",
                           io_threads: int = 4, extra: int = 0, profile_counts=None, n_threads: int | None = None,
                           predictor: str = "router"):
-    """KernelExperts on the tier's mirrors, wrapped in TieredExperts (with `predictor`, ktrun.expert_prediction,
+    """KernelExperts on the tier's mirrors, wrapped in TieredExperts (with `predictor`, ktrun.experts.prediction,
     if predict)."""
-    from .expert_tier import ExpertRamTier
-    from .kernel_experts import KernelExperts
+    from .kernel import KernelExperts
+    from .ram_tier import ExpertRamTier
     tier = ExpertRamTier(converted, budget_bytes, io=io, io_threads=io_threads, profile_counts=profile_counts)
     cpu = KernelExperts(converted, n_threads=n_threads, layers=tier.mirror_layers)
     shared_pool = cpu.moe is getattr(converted, "kernels", None)

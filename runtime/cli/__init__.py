@@ -9,13 +9,13 @@ import click
 # run on (measured on bench_decode: decode step 379 ms -> 128 ms on 2 cores).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from ktrun.lazy_group import LazyGroup
+from .lazy_group import LazyGroup
 
 COMMANDS = {
-    "generate": "ktrun.cmd_generate:generate",
-    "bench": "ktrun.cmd_bench:bench",
-    "serve": "ktrun.cmd_serve:serve",
-    "perplexity": "ktrun.cmd_perplexity:perplexity",
+    "generate": "ktrun.cli.cmd_generate:generate",
+    "bench": "ktrun.cli.cmd_bench:bench",
+    "serve": "ktrun.cli.cmd_serve:serve",
+    "perplexity": "ktrun.cli.cmd_perplexity:perplexity",
 }
 
 

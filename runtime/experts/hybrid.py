@@ -1,5 +1,5 @@
-"""HybridExperts: routed experts split between the GPU (hot experts, ktrun.hot_expert_store) and the CPU executor
-(the kernels, or the torch reference), by ktrun.expert_residency. Same interface as the other executors.
+"""HybridExperts: routed experts split between the GPU (hot experts, ktrun.experts.hot_store) and the CPU executor
+(the kernels, or the torch reference), by ktrun.experts.residency. Same interface as the other executors.
 
     submit(layer, x, ids, w, out): the CPU executor starts on the experts not resident on the GPU (the residency's
         mask goes to the kernels as is: no copy of ids), then the GPU side launches its experts with the same routed

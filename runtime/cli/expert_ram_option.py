@@ -1,15 +1,14 @@
-"""The RAM-tier options shared by `ktrun generate|bench|serve` (--expert-ram SIZE and its knobs; ktrun.expert_tier).
+"""The RAM-tier options shared by `ktrun generate|bench|serve` (--expert-ram SIZE and its knobs; ktrun.experts.ram_tier).
 Torch-free: imported by the CLIs before torch loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import click
+from ktrun.byte_sizes import parse_bytes
 
-from .byte_sizes import parse_bytes
-
-IO_MODES = ("direct", "pread")      # ktrun.expert_tier.IO_MODES (that module imports numpy; this one stays light)
-PREDICTORS = ("router", "coact")    # ktrun.expert_prediction.PREDICTORS
+IO_MODES = ("direct", "pread")      # ktrun.experts.ram_tier.IO_MODES (that module imports numpy; this one stays light)
+PREDICTORS = ("router", "coact")    # ktrun.experts.prediction.PREDICTORS
 
 
 @dataclass(frozen=True)

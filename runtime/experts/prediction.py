@@ -1,7 +1,7 @@
 """Which experts the next MoE layer will route to, guessed while this layer runs, so the RAM tier
-(ktrun.expert_tier) can start reading them before they are asked for (`--expert-ram-predictor`).
+(ktrun.experts.ram_tier) can start reading them before they are asked for (`--expert-ram-predictor`).
 
-Both predictors have one interface, called by ktrun.tiered_experts for each MoE layer L, in order:
+Both predictors have one interface, called by ktrun.experts.tiered for each MoE layer L, in order:
 
     observe(L, actual, ids)   L's routing is known: `actual` the experts it must compute (a set), `ids` (T, k) its
                               routed ids; scores the prediction made for L against it (precision / recall in stats)
@@ -28,8 +28,7 @@ import itertools
 import numpy as np
 import torch
 from ktlayouts.families import get_family
-
-from .models import arch_module
+from ktrun.models import arch_module
 
 PREDICTORS = ("router", "coact")
 

@@ -1,0 +1,22 @@
+"""ktrun.experts: where and how the routed experts of MoE layers run. Every executor has one asynchronous interface
+(submit, then sync; executors.py), and the model forward sees nothing else.
+
+    executors.py        the interface, TorchExperts (the reference), expert sources, make_executor()
+    kernel.py           KernelExperts: our CPU kernels (ktrun.ops.moe) on the mapped expert tiles
+    activation.py       the family's expert activation and biases, as every executor computes them
+    residency.py        where each (layer, expert) runs: the one place that decides it
+    placement.py        hot experts for the GPU: a byte budget spread over the MoE layers by a strategy
+    hot.py              hot experts at load: which placement applies, its memory plan, the executor it builds
+    hot_store.py        hot experts' weights on the GPU, in slots, and their computation
+    hybrid.py           HybridExperts: hot experts on the GPU, the rest on the CPU executor, overlapped
+    dynamic.py          hot placement that follows the traffic while serving (windowed counts, hysteresis)
+    ram_tier.py         ExpertRamTier: experts held in RAM under a byte budget, the rest read from NVMe on demand
+    tiered.py           TieredExperts: the CPU executor over a RAM tier
+    prediction.py       which experts the next MoE layer will route to, so the tier reads them early
+    routing_recorder.py counting routed calls per expert into an activation profile
+
+The way in: make_executor() and the builders in hot.py / tiered.py; the modules for everything else.
+"""
+from .executors import DenseExpertSource, PackedExpertSource, TorchExperts, make_executor
+
+__all__ = ["DenseExpertSource", "PackedExpertSource", "TorchExperts", "make_executor"]
