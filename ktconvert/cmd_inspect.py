@@ -19,6 +19,7 @@ from ktlayouts.constants import (
 from ktlayouts.converted_dir import MANIFEST_NAME, ExpertGeometry, ManifestError
 from ktlayouts.cpu_expert import LayoutError
 from ktrun.byte_sizes import human, parse_bytes
+from ktrun.defaults import KV_BUDGET_TOKENS
 
 
 def expert_bytes_per_method(geo_args: dict, group_size: int, scale_dtype: str = "f32") -> dict[str, int]:
@@ -134,7 +135,7 @@ def inspect_converted(path: Path) -> dict:
 @click.option("--scale-dtype", type=click.Choice(list(SCALE_DTYPES)), default=DEFAULT_SCALE_DTYPE,
               show_default=True, help="Expert scale dtype for the int4/int8 sizes (sub6: two-level, int4 only).")
 @click.option("--kv-mem", default=None, metavar="SIZE",
-              help="KV-cache budget the hot-expert plan leaves free (default: 4096 tokens of one sequence).")
+              help=f"KV-cache budget the hot-expert plan leaves free (default: {KV_BUDGET_TOKENS} tokens of one sequence).")
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Expert activation profile (ktconvert profile): print its summary and, with --gpu-mem, the hit "
                    "ratio each placement strategy gets on it.")
@@ -228,11 +229,9 @@ def hot_expert_plan(info: dict, gpu_mem: int, kv_mem: int | None, prof) -> list[
     biases = parse_config(info["config"]).expert_activation.bias      # gpt-oss: float32 biases beside each expert
     if kv_mem is None:
         import torch
-        from ktrun.experts.hot import kv_bytes_per_token
-
-        from ktconvert.hot_placement import KV_TOKENS
-        kv_mem = KV_TOKENS * kv_bytes_per_token(parse_config(info["config"]), torch.bfloat16)
-        kv_what = f"{human(kv_mem)} ({KV_TOKENS} tokens)"
+        from ktrun.cache_budget import kv_bytes_per_token
+        kv_mem = KV_BUDGET_TOKENS * kv_bytes_per_token(parse_config(info["config"]), torch.bfloat16)
+        kv_what = f"{human(kv_mem)} ({KV_BUDGET_TOKENS} tokens)"
     else:
         kv_what = human(kv_mem)
     n_layers, E = len(info["moe_layers"]), info["n_experts"]

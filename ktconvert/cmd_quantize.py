@@ -7,8 +7,7 @@ import click
 from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, METHOD_TO_LAYOUT, SCALE_DTYPES
 from ktlayouts.converted_dir import ManifestError
 from ktlayouts.cpu_expert import LayoutError
-from ktrun.byte_sizes import parse_bytes
-from ktrun.cli.hot_experts_option import hot_experts_options
+from ktrun.cli.hot_experts_option import hot_experts_from, hot_experts_options
 
 from ktconvert.convert_plan import ConvertError
 from ktconvert.gpu import gpu_errors
@@ -17,23 +16,6 @@ from ktconvert.progress import OutputDirError
 from ktconvert.sources.roles import SourceError
 
 CONVERT_ERRORS = (ConvertError, SourceError, OutputDirError, LayoutError, ManifestError)
-
-
-def hot_placement_from(kw: dict):
-    """Pop the hot-expert options -> HotPlacementOptions, or None when no placement was asked for."""
-    from ktconvert.hot_placement import HotPlacementOptions
-
-    profile, n, ratio = kw.pop("hot_profile", None), kw.pop("hot_per_layer", None), kw.pop("hot_ratio", None)
-    gpu_mem, kv_mem = kw.pop("hot_gpu_mem", None), kw.pop("hot_kv_mem", None)
-    strategy, fmt = kw.pop("hot_strategy"), kw.pop("hot_format")
-    given = [x is not None for x in (n, ratio, gpu_mem)]
-    if profile is None and not any(given):
-        return None
-    if profile is None or sum(given) != 1:
-        raise click.UsageError("a placement written into the conversion needs --profile P and one of --gpu-experts, "
-                               "--gpu-experts-ratio and --gpu-mem")
-    return HotPlacementOptions(profile, n, ratio, parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem else None,
-                               parse_bytes(kv_mem, "--kv-mem") if kv_mem else None, strategy, fmt)
 
 
 def resolve_source_arg(src: str | None):
@@ -119,7 +101,7 @@ def quantize(src, out_dir, method, group_size, numa_nodes, expert_quantizer, exp
     """
     from ktconvert.pipeline import ConvertOptions, convert
 
-    hot = hot_placement_from(gpu)
+    hot = hot_experts_from(gpu, written=True)
     try:
         logging.basicConfig(level=logging.INFO, format="ktconvert: %(message)s")
         opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers,

@@ -6,38 +6,25 @@ The GPU format is resolved here ('auto': Marlin when the CPU codes fit it exactl
 depends on it; ktrun uses the written format unless told otherwise."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ktlayouts.expert_gpu import hot_expert_nbytes, hot_format_ok
 from ktlayouts.expert_placement import PLACEMENT_NAME, fit_hot_experts
 from ktlayouts.expert_profile import ExpertProfile, ProfileError
 from ktlayouts.files import sha256_file
+from ktrun.defaults import KV_BUDGET_TOKENS
+from ktrun.experts.placement import HotExpertOptions
 
 from ktconvert.convert_plan import ConvertError
 from ktconvert.writer import atomic_write_bytes
 
-KV_TOKENS = 4096    # the KV budget of a --gpu-mem plan when --kv-mem is not given: one sequence of 4096 tokens
+
+def placement_params(opts: HotExpertOptions) -> dict:
+    """What makes two runs write the same placement (the resume journal compares these)."""
+    b = opts.budget
+    return {"profile_sha256": sha256_file(opts.profile), "per_layer": b.per_layer, "ratio": b.ratio,
+            "gpu_mem": b.gpu_mem, "kv_mem": b.kv_mem, "strategy": opts.strategy, "gpu_format": opts.gpu_format}
 
 
-@dataclass(frozen=True)
-class HotPlacementOptions:
-    """What quantize was asked for (the CLI's hot-expert options without the dynamic ones)."""
-    profile: str
-    per_layer: int | None = None
-    ratio: float | None = None
-    gpu_mem: int | None = None
-    kv_mem: int | None = None
-    strategy: str = "frequency"
-    gpu_format: str = "auto"
-
-    def params(self) -> dict:
-        """What makes two runs write the same placement (the resume journal compares these)."""
-        return {"profile_sha256": sha256_file(self.profile), "per_layer": self.per_layer, "ratio": self.ratio,
-                "gpu_mem": self.gpu_mem, "kv_mem": self.kv_mem, "strategy": self.strategy,
-                "gpu_format": self.gpu_format}
-
-
-def load_checked_profile(opts: HotPlacementOptions, src) -> ExpertProfile:
+def load_checked_profile(opts: HotExpertOptions, src) -> ExpertProfile:
     a = src.arch
     try:
         prof = ExpertProfile.load(opts.profile)
@@ -47,12 +34,12 @@ def load_checked_profile(opts: HotPlacementOptions, src) -> ExpertProfile:
     return prof
 
 
-def write_placement(src, out_dir, opts: HotPlacementOptions, geometry, journal) -> str:
+def write_placement(src, out_dir, opts: HotExpertOptions, geometry, journal) -> str:
     """Compute the placement and write gpu_experts.json (atomically, journaled); returns its name."""
     import torch
     from ktlayouts.families import parse_config
-    from ktrun.experts.hot import kv_bytes_per_token
-    from ktrun.experts.placement import Budget, PlacementError, plan_placement
+    from ktrun.cache_budget import kv_bytes_per_token
+    from ktrun.experts.placement import PlacementError, plan_placement
 
     prof = load_checked_profile(opts, src)
     fmt = opts.gpu_format
@@ -62,14 +49,14 @@ def write_placement(src, out_dir, opts: HotPlacementOptions, geometry, journal) 
     if why:
         raise ConvertError(f"--gpu-expert-format {fmt}: {why}")
     try:
-        budget = Budget(opts.per_layer, opts.ratio, opts.gpu_mem, opts.kv_mem)
+        budget = opts.budget
         fit = plan = None
-        if opts.gpu_mem is not None:
+        if budget.gpu_mem is not None:
             dense = sum(rec["size"] for rel, rec in journal.files.items() if rel.startswith("dense/"))
-            kv = opts.kv_mem if opts.kv_mem is not None else KV_TOKENS * kv_bytes_per_token(
+            kv = budget.kv_mem if budget.kv_mem is not None else KV_BUDGET_TOKENS * kv_bytes_per_token(
                 parse_config(src.config, "config.json"), torch.bfloat16)
             biases = parse_config(src.config, "config.json").expert_activation.bias
-            fit, plan = fit_hot_experts(opts.gpu_mem, dense, kv, hot_expert_nbytes(geometry, fmt, biases))
+            fit, plan = fit_hot_experts(budget.gpu_mem, dense, kv, hot_expert_nbytes(geometry, fmt, biases))
         placement = plan_placement(prof, geometry.n_experts, geometry.moe_layers, budget, opts.strategy, fmt, fit,
                                    sha256_file(opts.profile), plan)
     except PlacementError as e:

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from ktconvert.convert_plan import ConvertError, ConvertPlan, FileJob, make_plan
 from ktconvert.exact_paths import PathLog, choose_method, expert_codes, quant_format, relative_error
 from ktconvert.gpu import GPU_OPTION_FIELDS, dense_encoder_for
-from ktconvert.hot_placement import load_checked_profile, write_placement
+from ktconvert.hot_placement import load_checked_profile, placement_params, write_placement
 from ktconvert.manifest import copy_side_files, write_manifest
 from ktconvert.progress import Journal, prepare_output
 from ktconvert.quantizers import make_expert_quantizer
@@ -66,7 +66,7 @@ class ConvertOptions:
                                              # sub6 (version 3: two-level, int4 group 32)
     workers: int = 2
     bf16_scales: bool = False      # expert scales rounded to bf16 before quantizing (exact in bf16-scale formats)
-    hot_experts: object = None     # ktconvert.hot_placement.HotPlacementOptions: write gpu_experts.json
+    hot_experts: object = None     # ktrun.experts.placement.HotExpertOptions: write gpu_experts.json
 
     def __post_init__(self):
         if self.method not in METHOD_TO_LAYOUT and self.method != "auto":
@@ -304,7 +304,7 @@ def conversion_params(src, opts: ConvertOptions) -> dict:
             **({} if opts.expert_quantizer in ("rtn", "none") else
                {k: getattr(opts, k) for k in ("expert_quantizer", "expert_gptq_min_tokens", "calib", "calib_tokens")}),
             **({"bf16_scales": True} if opts.bf16_scales else {}),
-            **({} if opts.hot_experts is None else {"hot_experts": opts.hot_experts.params()})}
+            **({} if opts.hot_experts is None else {"hot_experts": placement_params(opts.hot_experts)})}
 
 
 def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, resume: bool = False,

@@ -20,6 +20,7 @@ PLACEMENT_KIND = "placement"             # its manifest.json "kind"
 PLACEMENT_FORMAT = "ktconvert-gpu-experts"
 PLACEMENT_VERSION = 1
 STRATEGIES = ("uniform", "frequency", "per-layer")
+DEFAULT_STRATEGY = "frequency"          # --placement without a value
 GPU_RESERVE_FRACTION = 0.05              # of --gpu-mem kept free for activations, workspaces, allocator slack
 
 

@@ -18,6 +18,8 @@ def parse_bytes(text: str, flag: str) -> int:
 
 
 def human(n: float) -> str:
+    """Bytes for messages, in decimal units like the flags take them (24e9 -> '24.00 GB'); the one formatter of ktrun
+    and ktconvert."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

@@ -43,6 +43,7 @@ import torch
 from ktrun.models.kv_cache import KV_BLOCK_SIZE, Batch
 
 from .cache_budget import CacheBudgetError, CachePlan, states_per_engine
+from .defaults import DEFAULT_CTX, DEFAULT_MAX_BATCH
 from .generate import PREFILL_CHUNK, decode, prefill
 from .loaded_model import load_model
 from .prefix_cache import PrefixCache, PrefixCacheConfig
@@ -72,7 +73,7 @@ class StepOutput(tuple):
 
 
 class Engine:
-    def __init__(self, model_dir, ctx: int = 4096, max_batch: int = 16, device=None, verify: bool = False,
+    def __init__(self, model_dir, ctx: int = DEFAULT_CTX, max_batch: int = DEFAULT_MAX_BATCH, device=None, verify: bool = False,
                  use_kernels: bool | None = None, quiet: bool = True, numa_prefault: bool = False,
                  dtype: torch.dtype | None = None, gpu_weights: str = "auto", hot_experts=None,
                  prefix_cache: PrefixCacheConfig | bool = True, kv_block_size: int = KV_BLOCK_SIZE,

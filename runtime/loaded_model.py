@@ -22,6 +22,7 @@ from ktrun.experts.hot import HotExpertOptions, build_hot_executor
 from ktrun.models.model import MoEModel
 from ktrun.text.tokenizer import Tokenizer
 
+from .defaults import KV_BUDGET_TOKENS
 from .loader import ConvertedModel, load_converted
 
 
@@ -82,7 +83,7 @@ def _tiered_executor(converted, opts, use_kernels, hot_experts):
 def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = None, verify: bool = False,
                quiet: bool = True, numa_prefault: bool = False, gpu_weights: str = "auto",
                use_kernels: bool | None = None, hot_experts: HotExpertOptions | None = None,
-               kv_tokens: int = 4096, expert_ram=None, kv_states: int = 1) -> LoadedModel:
+               kv_tokens: int = KV_BUDGET_TOKENS, expert_ram=None, kv_states: int = 1) -> LoadedModel:
     """Open MODEL_DIR (ktrun.loader.load_converted: validated, experts mapped, dense layers placed), build the
     routed-expert executor (kernels when available; use_kernels=False: the torch reference) and the model forward.
     hot_experts: which experts run on the GPU (ktrun.experts.hot; None: the conversion's own placement, if any);

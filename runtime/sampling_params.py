@@ -10,7 +10,7 @@ MAX_LOGPROBS = 20   # top alternatives per token, as the OpenAI API allows
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 0.0
+    temperature: float = 0.0            # greedy; an API request without one gets ktrun.defaults.API_TEMPERATURE
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None

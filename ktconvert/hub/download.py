@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 from ktlayouts.files import sha256_file
+from ktrun.byte_sizes import human
 from tqdm.auto import tqdm
 
 from ktconvert.hub import record as rec_io
@@ -24,7 +25,6 @@ from ktconvert.hub.plan import (
     default_local_dir,
     free_bytes,
     hub_errors,
-    human,
     is_repo_id,
     plan_pull,
 )

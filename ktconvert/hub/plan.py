@@ -19,6 +19,7 @@ from pathlib import Path, PurePosixPath
 import click
 import httpx2
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+from ktrun.byte_sizes import human
 
 from ktconvert.hub.fetch import PARTIAL_DIR, RemoteFile, partial_path
 from ktconvert.hub.record import SOURCE_RECORD, entry_still_valid, ktconvert_home, read_source_record
@@ -85,15 +86,6 @@ def free_bytes(directory: Path) -> int:
     while not probe.exists():
         probe = probe.parent
     return shutil.disk_usage(probe).free
-
-
-def human(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError
 
 
 @dataclass

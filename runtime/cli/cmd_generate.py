@@ -5,6 +5,7 @@ import json
 import sys
 
 import click
+from ktrun.defaults import DEFAULT_CTX
 
 from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
@@ -21,7 +22,7 @@ from .hot_experts_option import hot_experts_from, hot_experts_options
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = off.")
 @click.option("--seed", default=None, type=int, help="Sampling seed (reproducible output with temperature > 0).")
-@click.option("--ctx", default=4096, show_default=True, type=click.IntRange(1), help="Context limit in tokens.")
+@click.option("--ctx", default=DEFAULT_CTX, show_default=True, type=click.IntRange(1), help="Context limit in tokens.")
 @click.option("--stop", multiple=True, metavar="TEXT",
               help="Stop when the text contains TEXT (repeatable); the output ends before it.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")

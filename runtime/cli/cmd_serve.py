@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 from ktrun.byte_sizes import parse_bytes
+from ktrun.defaults import DEFAULT_CTX, DEFAULT_MAX_BATCH
 from ktrun.serve import DEFAULT_MAX_BODY_BYTES, run_server
 
 from .expert_ram_option import expert_ram_from, expert_ram_options
@@ -26,9 +27,9 @@ def _size(ctx, param, value):
               help="TCP port (0: pick a free one; the chosen address is printed on stderr).")
 @click.option("--api-key", default=None, envvar="KTRUN_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (env: KTRUN_API_KEY).")
-@click.option("--ctx", default=4096, show_default=True, type=click.IntRange(1),
+@click.option("--ctx", default=DEFAULT_CTX, show_default=True, type=click.IntRange(1),
               help="Context length per request in tokens (prompt + generated).")
-@click.option("--max-batch", default=16, show_default=True, type=click.IntRange(1, 4096),
+@click.option("--max-batch", default=DEFAULT_MAX_BATCH, show_default=True, type=click.IntRange(1, 4096),
               help="Requests decoded together; more wait in line for a free slot.")
 @click.option("--device", default=None, help="torch device for the GPU layers (default: cuda if present, else cpu).")
 @click.option("--verify", is_flag=True, help="Check every file's sha256 against the manifest before serving.")

@@ -15,8 +15,7 @@
     prediction.py       which experts the next MoE layer will route to, so the tier reads them early
     routing_recorder.py counting routed calls per expert into an activation profile
 
-The way in: make_executor() and the builders in hot.py / tiered.py; the modules for everything else.
+The ways in: executors.make_executor(), hot.build_hot_executor() and tiered.build_tiered_executor() build an
+executor; placement.py (torch-free, like residency.py) is what the command lines and ktconvert use. This file imports
+nothing, so importing a torch-free module of the wing never loads torch.
 """
-from .executors import DenseExpertSource, PackedExpertSource, TorchExperts, make_executor
-
-__all__ = ["DenseExpertSource", "PackedExpertSource", "TorchExperts", "make_executor"]

@@ -19,6 +19,7 @@ from ktlayouts.expert_profile import ExpertProfile, ProfileError
 from ktlayouts.files import sha256_file
 from ktrun.byte_sizes import human
 from ktrun.cache_budget import kv_bytes_per_token, state_bytes_per_request
+from ktrun.defaults import KV_BUDGET_TOKENS
 
 from .dynamic import DynamicExperts
 from .hot_store import HotExpertError, HotExpertStore, resolve_format
@@ -45,7 +46,7 @@ def _written_placement(converted) -> ExpertPlacement | None:
         raise PlacementError(str(e)) from None
 
 
-def resolve_placement(converted, opts: HotExpertOptions, kv_tokens: int = 4096,
+def resolve_placement(converted, opts: HotExpertOptions, kv_tokens: int = KV_BUDGET_TOKENS,
                       kv_states: int = 1) -> tuple[ExpertPlacement | None, str]:
     """(the placement to apply or None, the GPU format) for a loaded conversion. The --gpu-mem plan leaves room
     for kv_tokens tokens of KV cache (unless --kv-mem says) and kv_states recurrent states (linear attention)."""
@@ -101,7 +102,8 @@ def resolve_placement(converted, opts: HotExpertOptions, kv_tokens: int = 4096,
     return None, fmt
 
 
-def build_hot_executor(converted, cpu, opts: HotExpertOptions | None, kv_tokens: int = 4096, kv_states: int = 1):
+def build_hot_executor(converted, cpu, opts: HotExpertOptions | None, kv_tokens: int = KV_BUDGET_TOKENS,
+                       kv_states: int = 1):
     """The executor for these options: `cpu` itself without hot experts, else a HybridExperts over it."""
     if opts is None:
         opts = HotExpertOptions()

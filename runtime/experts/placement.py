@@ -22,8 +22,9 @@ import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
-from ktlayouts.expert_placement import STRATEGIES, ExpertPlacement
+from ktlayouts.expert_placement import DEFAULT_STRATEGY, STRATEGIES, ExpertPlacement
 from ktlayouts.expert_profile import ExpertProfile, ranking
+from ktrun.defaults import DYNAMIC_WINDOW_TOKENS
 
 
 class PlacementError(ValueError):
@@ -72,10 +73,10 @@ class Budget:
 class HotExpertOptions:
     profile: str | None = None          # profile.json (ktconvert profile)
     budget: Budget = field(default_factory=Budget)
-    strategy: str = "frequency"         # uniform | frequency | per-layer
+    strategy: str = DEFAULT_STRATEGY    # uniform | frequency | per-layer
     gpu_format: str = "auto"            # auto | marlin | bf16
     dynamic: bool = False
-    window: int = 2048                  # dynamic: tokens in the frequency window
+    window: int = DYNAMIC_WINDOW_TOKENS  # dynamic: tokens in the frequency window
     hysteresis: float = 0.25            # dynamic: a newcomer must beat the coldest resident by this factor ...
     min_gap: float = 2.0                # ... plus this many calls
     spare_slots: int = 1                # dynamic: slots per layer beyond the hot experts, for copies in flight

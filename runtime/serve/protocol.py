@@ -11,6 +11,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi import HTTPException
+from ktrun.defaults import API_TEMPERATURE
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
@@ -183,7 +184,7 @@ class SamplingFields(Strict):
     model: str = Field(min_length=1, description="the served model's id (GET /v1/models)")
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
                                    description="default: 16 for completions, the rest of the context for chat")
-    temperature: float | None = Field(None, ge=0, le=2, description="default 1.0; 0 = greedy")
+    temperature: float | None = Field(None, ge=0, le=2, description=f"default {API_TEMPERATURE}; 0 = greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="0 or -1 = off")
     min_p: float | None = Field(None, ge=0, le=1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.routing import APIRoute
+from ktrun.defaults import API_TEMPERATURE, API_TOP_P
 from ktrun.serve import responses as R
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -282,8 +283,8 @@ async def _generate(request: Request, req, kind: str):
         processors.append(processor_factory(compiled))
     try:  # stop strings are matched here (TextStream), on the text sent, so the engine gets none
         plan.params = state.sampling_params_cls(
-            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed, stop=[],
+            max_tokens=max_tokens, temperature=API_TEMPERATURE if req.temperature is None else req.temperature,
+            top_p=API_TOP_P if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed, stop=[],
             ignore_eos=req.ignore_eos, min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
