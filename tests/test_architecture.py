@@ -69,6 +69,19 @@ def test_contracts_cover_every_product_package():
     assert layers and set(layers[0]["layers"]) == tops, layers
 
 
+def test_runtime_wing_contracts_name_every_module_of_ktrun():
+    """The contracts that order ktrun's wings list its children by name: a new module or wing must be added to them
+    (or it would escape them), and none may be listed that does not exist."""
+    folder = package_dirs()["ktrun"]
+    children = {f"ktrun.{p.stem}" for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    children |= {f"ktrun.{p.name}" for p in folder.iterdir() if (p / "__init__.py").is_file()}
+    contracts = {c["id"]: c for c in importlinter_config()["contracts"]}
+    front_ends = {"ktrun.cli", "ktrun.serve"}
+    assert set(contracts["runtime-front-ends"]["source_modules"]) == children - front_ends
+    assert set(contracts["runtime-front-ends"]["forbidden_modules"]) == front_ends
+    assert set(contracts["ops-at-the-bottom"]["forbidden_modules"]) == children - {"ktrun.ops"}
+
+
 def test_lint_imports_keeps_every_contract():
     assert LINT_IMPORTS.is_file(), f"{LINT_IMPORTS} missing: install the test extra (pip install -e '.[test]')"
     rc, out, status = lint_imports(REPO)
@@ -128,6 +141,12 @@ def violations_for(case: str, mods: dict[str, Path]) -> tuple[list[tuple[str, st
     if case == "runtime imports converter":
         importer = deepest_module(mods, "ktrun")
         return [(importer, deepest_module(mods, "ktconvert"))], {"runtime-without-converter", "layers"}, importer
+    if case == "runtime wing imports the command line":
+        importer = deepest_module({m: f for m, f in mods.items() if m.startswith("ktrun.experts.")}, "ktrun")
+        return [(importer, "ktrun.cli")], {"runtime-front-ends"}, importer
+    if case == "ops imports a wing above it":
+        importer = deepest_module({m: f for m, f in mods.items() if m.startswith("ktrun.ops.")}, "ktrun")
+        return [(importer, "ktrun.experts.residency")], {"ops-at-the-bottom"}, importer
     if case == "import cycle":
         a, b = sibling_pair(mods)
         return [(a, b), (b, a)], {"no-cycles"}, a.rsplit(".", 1)[0]  # reported as a cycle in their package
@@ -143,7 +162,8 @@ def test_lint_imports_passes_on_an_untouched_copy(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["layouts imports converter", "layouts imports runtime",
-                                  "runtime imports converter", "import cycle"])
+                                  "runtime imports converter", "runtime wing imports the command line",
+                                  "ops imports a wing above it", "import cycle"])
 def test_lint_imports_fails_on_a_deliberate_violation(tmp_path, case):
     mods = copy_product(tmp_path / "src")
     shutil.copy(REPO / "pyproject.toml", tmp_path)
