@@ -20,16 +20,17 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .constants import (
-    CPU_EXPERT_LAYOUT_VERSIONS,
-    CPU_EXPERT_LAYOUTS,
-    FILE_ALIGN,
-    FORMAT_VERSION,
-    METHOD_TO_LAYOUT,
-    SCALE_DTYPES,
-    scale_layout_version,
-)
+from .constants import FILE_ALIGN, FORMAT_VERSION
 from .cpu_expert import LayoutError, MatrixGeometry
+from .expert_formats import (
+    UNDECLARED_SCALE_DTYPE,
+    ExpertFormat,
+    expert_format_of_method,
+    layout_versions,
+    methods,
+    scale_encoding,
+    scale_encodings,
+)
 from .expert_shards import ShardPlan
 
 MANIFEST_NAME = "manifest.json"
@@ -109,25 +110,30 @@ class ExpertGeometry:
     intermediate: int
     numa_nodes: int
     moe_layers: tuple[int, ...]
-    scale_dtype: str = "f32"      # f32 (layout version 1) | f16 | bf16 (version 2) | sub6 (version 3, two-level);
-                                  # unused by the bf16 method
+    scale_dtype: str = UNDECLARED_SCALE_DTYPE   # f32 (layout version 1) | f16 | bf16 (version 2) | sub6 (version 3,
+                                                # two-level); unused by the bf16 method
+
+    @property
+    def format(self) -> ExpertFormat:
+        """The method's record (ktlayouts.expert_formats)."""
+        return expert_format_of_method(self.method)
 
     @property
     def layout(self) -> str:
-        return METHOD_TO_LAYOUT[self.method]
+        return self.format.layout
 
     @property
     def layout_version(self) -> int:
-        return CPU_EXPERT_LAYOUTS[self.layout][1] if self.bits == 16 else scale_layout_version(self.scale_dtype)
+        return self.format.layout_version(self.scale_dtype)
 
     @property
     def bits(self) -> int:
-        return CPU_EXPERT_LAYOUTS[self.layout][0]
+        return self.format.bits
 
     @property
     def shard_plan(self) -> ShardPlan:
         return ShardPlan(self.intermediate, self.group_size, self.numa_nodes, bits=self.bits,
-                         scale_dtype=self.scale_dtype if self.bits != 16 else "f32")
+                         scale_dtype=self.format.scale_dtype_of(self.scale_dtype))
 
     def matrix_geometry(self, proj: str, shard: int) -> MatrixGeometry:
         plan = self.shard_plan
@@ -136,7 +142,7 @@ class ExpertGeometry:
     def to_json(self) -> dict:
         plan = self.shard_plan
         return {"method": self.method, "layout": self.layout, "layout_version": self.layout_version,
-                **({} if self.bits == 16 else {"scale_dtype": self.scale_dtype}),
+                **({"scale_dtype": self.scale_dtype} if self.format.quantized else {}),
                 "bits": self.bits, "group_size": self.group_size, "n_experts": self.n_experts, "hidden": self.hidden,
                 "intermediate": self.intermediate, "intermediate_pad": plan.intermediate_pad, "unit": plan.unit,
                 "numa_nodes": self.numa_nodes, "shard_ranges": [list(r) for r in plan.shard_ranges()],
@@ -147,17 +153,18 @@ class ExpertGeometry:
         try:
             g = cls(method=d["method"], group_size=int(d["group_size"]), n_experts=int(d["n_experts"]),
                     hidden=int(d["hidden"]), intermediate=int(d["intermediate"]), numa_nodes=int(d["numa_nodes"]),
-                    moe_layers=tuple(int(x) for x in d["moe_layers"]), scale_dtype=str(d.get("scale_dtype", "f32")))
+                    moe_layers=tuple(int(x) for x in d["moe_layers"]), scale_dtype=str(d.get("scale_dtype", UNDECLARED_SCALE_DTYPE)))
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"manifest 'experts' section is malformed: {e!r}") from None
-        if g.method not in METHOD_TO_LAYOUT:
-            raise ManifestError(f"manifest 'experts.method' {g.method!r} is not one of {sorted(METHOD_TO_LAYOUT)}")
-        if g.scale_dtype not in SCALE_DTYPES:
-            raise ManifestError(f"manifest 'experts.scale_dtype' {g.scale_dtype!r} is not one of {sorted(SCALE_DTYPES)}")
+        if g.method not in methods():
+            raise ManifestError(f"manifest 'experts.method' {g.method!r} is not one of {sorted(methods())}")
+        if g.scale_dtype not in {r.name for r in scale_encodings()}:
+            raise ManifestError(f"manifest 'experts.scale_dtype' {g.scale_dtype!r} is not one of "
+                                f"{sorted(r.name for r in scale_encodings())}")
         version = d.get("layout_version", 1)
-        if version not in CPU_EXPERT_LAYOUT_VERSIONS:
+        if version not in layout_versions():
             raise ManifestError(f"manifest 'experts.layout_version' {version!r}: this reader knows versions "
-                                f"{list(CPU_EXPERT_LAYOUT_VERSIONS)}; upgrade ktconvert")
+                                f"{list(layout_versions())}; upgrade ktconvert")
         try:
             want = cls.to_json(g)
         except LayoutError as e:
@@ -173,8 +180,9 @@ class ExpertGeometry:
         for proj in PROJECTIONS:
             geom = self.matrix_geometry(proj, shard)
             out[expert_tensor(proj, "qweight")] = ([self.n_experts, *geom.qweight_shape], "U8")
-            if self.bits != 16:
-                out[expert_tensor(proj, "scales")] = ([self.n_experts, *geom.scales_shape], SCALE_DTYPES[self.scale_dtype])
+            if self.format.quantized:
+                out[expert_tensor(proj, "scales")] = ([self.n_experts, *geom.scales_shape],
+                                                      scale_encoding(self.scale_dtype).safetensors_dtype)
         return out
 
 

@@ -12,20 +12,23 @@ Codes are tiled as AMX B tiles of 16 output columns x 64 K (VNNI: 4 consecutive 
              16 x 8 signed 6-bit sub-scales q and 16 float16 super-scales d, scale = d * q (README.md)
 int4 packs tile rows in pairs: byte j of chunk c (64 bytes) = row 2c at bits 0-3, row 2c+1 at bits 4-7.
 bf16: (N_pad/16, K_pad/32, 1024) bytes, each tile 16 rows (K pairs) x 16 columns x 2 bf16 (TDPBF16PS B tile).
+
+Which format a geometry is comes from its records (ktlayouts.expert_formats: MatrixGeometry.format by bits,
+.encoding by scale dtype), never from comparing names; each record's reference pack/unpack is a codec class below
+(WeightCodec / ScaleCodec), registered under the record's `packing`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import lcm
+from typing import ClassVar
 
 import numpy as np
 
 from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits, round_to_bf16
-from .constants import (
-    ACT_QMAX,
+from .constants import ACT_QMAX
+from .expert_formats import (
     GROUP_PER_ROW,
-    SCALE_DTYPE_BYTES,
-    SUB6_GROUP,
     SUB6_RANGE,
     SUB6_RECORD_BYTES,
     SUB6_SUPER_GROUPS,
@@ -34,39 +37,44 @@ from .constants import (
     TILE_N,
     TILE_ROW_BYTES,
     TILE_ROWS,
+    UNDECLARED_SCALE_DTYPE,
     VNNI_BF16,
     VNNI_INT8,
-    ZERO_POINT,
+    ExpertFormat,
+    LayoutError,
+    ScaleEncoding,
+    expert_format_of_bits,
+    scale_encoding,
+    scale_encodings,
 )
-
-
-class LayoutError(ValueError):
-    """A shape or parameter that the layout cannot represent."""
 
 
 def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def group_unit(group_size: int, scale_dtype: str = "f32") -> int:
-    """K granularity that keeps tile, group (and two-level super-block) boundaries: lcm(64, G), 64 for per-row,
-    lcm(64, 8 G) = 256 for two-level scales."""
-    if scale_dtype == "sub6":
-        return lcm(TILE_K, SUB6_SUPER_GROUPS * group_size)
-    return TILE_K if group_size == GROUP_PER_ROW else lcm(TILE_K, group_size)
+def group_unit(group_size: int, scale_dtype: str = UNDECLARED_SCALE_DTYPE) -> int:
+    """K granularity of the int layouts that keeps tile, group and scale-record boundaries: lcm(64, G), 64 for
+    per-row, lcm(64, 8 G) = 256 for two-level scales (their records span 8 groups)."""
+    if group_size == GROUP_PER_ROW:
+        return TILE_K
+    return lcm(TILE_K, scale_encoding(scale_dtype).super_groups * group_size)
+
+
+def k_unit(bits: int, group_size: int, scale_dtype: str = UNDECLARED_SCALE_DTYPE) -> int:
+    """K granularity of the bits-bit layout: group_unit for the int layouts, a tile (64) for unquantized ones."""
+    return group_unit(group_size, scale_dtype) if expert_format_of_bits(bits).quantized else TILE_K
 
 
 def check_scale_dtype(scale_dtype: str, bits: int, group_size: int) -> None:
-    """Two-level scales (sub6) exist for int4 with group 32 only: an error naming the flags otherwise."""
-    if scale_dtype == "sub6" and (bits != 4 or group_size != SUB6_GROUP):
-        raise LayoutError(f"two-level scales (--scale-dtype sub6) need int4 (--method int4-amx) and --group-size "
-                          f"{SUB6_GROUP}, got {bits}-bit group {group_size}")
+    """Scales the bits-bit layout with this group cannot store (two-level scales: int4 group 32 only): an error naming
+    the flags."""
+    scale_encoding(scale_dtype).check(bits, group_size)
 
 
-def check_group_size(group_size: int) -> None:
-    if group_size == GROUP_PER_ROW or group_size == 32 or (group_size > 0 and group_size % TILE_K == 0):
-        return
-    raise LayoutError(f"group size {group_size} is not supported: use 32, a multiple of 64, or -1 (per row)")
+def check_group_size(group_size: int, bits: int = 8) -> None:
+    """The group rule of the bits-bit int layout: 32, a multiple of 64, or -1 (per row)."""
+    expert_format_of_bits(bits).check_group_size(group_size)
 
 
 @dataclass(frozen=True)
@@ -74,20 +82,26 @@ class MatrixGeometry:
     """Padded sizes and byte counts of one packed (N, K) expert matrix."""
     n: int
     k: int
-    bits: int          # 4, 8 or 16 (bf16)
+    bits: int          # 4, 8 or 16 (bf16): the ExpertFormat record of these bits (ktlayouts.expert_formats)
     group_size: int    # as requested: 32, 64m, or -1 for per row
-    scale_dtype: str = "f32"   # f32 (layout version 1), f16 or bf16 (version 2), sub6 (version 3, two-level)
+    scale_dtype: str = UNDECLARED_SCALE_DTYPE   # a ScaleEncoding's name: f32 (layout version 1), f16 or bf16
+                                                # (version 2), sub6 (version 3, two-level)
 
     def __post_init__(self):
         if self.n <= 0 or self.k <= 0:
             raise LayoutError(f"cannot tile an empty matrix of shape ({self.n}, {self.k})")
-        if self.scale_dtype not in SCALE_DTYPE_BYTES:
-            raise LayoutError(f"scale dtype {self.scale_dtype!r} is not one of {sorted(SCALE_DTYPE_BYTES)}")
-        if self.bits not in (4, 8, 16):
-            raise LayoutError(f"bits must be 4, 8 or 16, got {self.bits}")
-        if self.bits != 16:
-            check_group_size(self.group_size)
-            check_scale_dtype(self.scale_dtype, self.bits, self.group_size)
+        scale_encoding(self.scale_dtype)
+        self.format.check(self.group_size, self.scale_dtype)
+
+    @property
+    def format(self) -> ExpertFormat:
+        """The weights' record: bits, zero point, tiles, packing."""
+        return expert_format_of_bits(self.bits)
+
+    @property
+    def encoding(self) -> ScaleEncoding:
+        """The scales' record (unquantized formats: the undeclared one; they store no scales)."""
+        return scale_encoding(self.scale_dtype)
 
     @property
     def n_pad(self) -> int:
@@ -95,12 +109,12 @@ class MatrixGeometry:
 
     @property
     def k_pad(self) -> int:
-        return round_up(self.k, TILE_K if self.bits == 16 else group_unit(self.group_size, self.scale_dtype))
+        return round_up(self.k, k_unit(self.bits, self.group_size, self.scale_dtype))
 
     @property
     def group(self) -> int:
-        """Effective group length along K (k_pad for per-row)."""
-        return self.k_pad if self.group_size == GROUP_PER_ROW or self.bits == 16 else self.group_size
+        """Effective group length along K (k_pad for per-row and unquantized formats)."""
+        return self.k_pad if self.group_size == GROUP_PER_ROW or not self.format.quantized else self.group_size
 
     @property
     def n_groups(self) -> int:
@@ -113,7 +127,7 @@ class MatrixGeometry:
     @property
     def k_per_tile(self) -> int:
         """Input channels per tile: 64 for int tiles, 32 for bf16 tiles."""
-        return TILE_K if self.bits != 16 else TILE_ROWS * VNNI_BF16
+        return self.format.k_per_tile
 
     @property
     def k_tiles(self) -> int:
@@ -122,7 +136,8 @@ class MatrixGeometry:
 
     @property
     def tile_bytes(self) -> int:
-        return {8: TILE_ROWS * TILE_ROW_BYTES, 4: TILE_ROWS * TILE_ROW_BYTES // 2, 16: TILE_ROWS * TILE_ROW_BYTES}[self.bits]
+        """1024 (int8, bf16), 512 (int4): 16 columns x k_per_tile x bits."""
+        return self.format.tile_bytes
 
     @property
     def qweight_shape(self) -> tuple[int, int, int]:
@@ -138,7 +153,9 @@ class MatrixGeometry:
 
     @property
     def scales_nbytes(self) -> int:
-        return 0 if self.bits == 16 else self.n_blocks * self.n_groups * TILE_N * SCALE_DTYPE_BYTES[self.scale_dtype]
+        if not self.format.quantized:
+            return 0
+        return self.n_blocks * self.n_groups * TILE_N * self.encoding.nbytes
 
 
 # --- quantization -------------------------------------------------------------------------------
@@ -166,21 +183,13 @@ def quantize(w: np.ndarray, geom: MatrixGeometry, bf16_scales: bool = False) -> 
     normal range), so the stored scales are exact in bf16 (formats with bf16 scales, e.g. kt-kernel's RAWINT4, then
     take them over without rounding).
     """
-    if geom.bits == 16:
-        raise LayoutError("bf16 is not quantized; use pack_bf16")
+    if not geom.format.quantized:
+        raise LayoutError(f"{geom.format.layout} is not quantized; use pack_expert_matrix")
     wp = pad_weight(w, geom).reshape(geom.n_pad, geom.n_groups, geom.group)
     qmin = -(1 << (geom.bits - 1))
     hi, lo = wp.max(axis=2), wp.min(axis=2)
     peak = np.where(hi >= -lo, hi, lo)                                  # (N_pad, n_groups) signed
-    scale = (peak / np.float32(qmin)).astype(np.float32)
-    if geom.scale_dtype == "sub6":
-        if bf16_scales:
-            raise LayoutError("two-level scales (sub6) cannot be bfloat16 values (--bf16-scales)")
-        scale = two_level_rule(scale)
-    else:
-        if bf16_scales:
-            scale = round_to_bf16(scale)
-        scale = round_scales(scale, geom.scale_dtype)
+    scale = scale_codec(geom.scale_dtype).rule((peak / np.float32(qmin)).astype(np.float32), bf16_scales)
     inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
     q = wp * inv[..., None]                                             # one pass each, in place
     np.rint(q, out=q)
@@ -192,7 +201,7 @@ def quantize(w: np.ndarray, geom: MatrixGeometry, bf16_scales: bool = False) -> 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     """codes (N_pad, K_pad) uint8, scales (N_pad, n_groups) -> (N_pad, K_pad) float32."""
-    z = ZERO_POINT[geom.bits]
+    z = geom.format.zero_point
     q = codes.astype(np.float32).reshape(geom.n_pad, geom.n_groups, geom.group) - z
     return (q * scales[..., None].astype(np.float32)).reshape(geom.n_pad, geom.k_pad)
 
@@ -211,81 +220,35 @@ def _from_tiles(t: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
 
 
 def pack_codes(codes: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
-    """codes (N_pad, K_pad) uint8 -> qweight (NB, K_pad/64, tile_bytes) uint8."""
-    t = np.ascontiguousarray(_to_tiles(codes, geom, VNNI_INT8))              # (NB, KT, 16, 16, 4)
-    if geom.bits == 8:
-        return t.reshape(geom.qweight_shape)
-    if codes.max(initial=0) > 15:
-        raise LayoutError("int4 codes must be in 0..15")
-    rows = t.reshape(geom.n_blocks, geom.k_tiles, TILE_ROWS // 2, 2, TILE_ROW_BYTES)
-    packed = rows[:, :, :, 0, :] | (rows[:, :, :, 1, :] << 4)
-    return np.ascontiguousarray(packed).reshape(geom.qweight_shape)
+    """codes (N_pad, K_pad) uint8 -> qweight (NB, K_pad/64, tile_bytes) uint8 (the format's WeightCodec)."""
+    return weight_codec(geom.format).pack_codes(codes, geom)
 
 
 def unpack_codes(qweight: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     """Inverse of pack_codes: qweight (NB, KT, tile_bytes) -> codes (N_pad, K_pad) uint8."""
-    q = np.asarray(qweight, dtype=np.uint8).reshape(geom.qweight_shape)
-    if geom.bits == 4:
-        chunks = q.reshape(geom.n_blocks, geom.k_tiles, TILE_ROWS // 2, TILE_ROW_BYTES)
-        q = np.stack([chunks & 0x0F, chunks >> 4], axis=3)                # (NB, KT, 8, 2, 64)
-    t = q.reshape(geom.n_blocks, geom.k_tiles, TILE_ROWS, TILE_N, VNNI_INT8)
-    return _from_tiles(t, geom)
+    return weight_codec(geom.format).unpack_codes(qweight, geom)
 
 
 def round_scales(s: np.ndarray, scale_dtype: str) -> np.ndarray:
     """float32 values rounded to the stored scale dtype (round to nearest even), as float32."""
-    s = np.asarray(s, dtype=np.float32)
-    if scale_dtype == "sub6":
-        raise LayoutError("two-level scales (sub6) are not rounded value by value: use two_level_rule or a search")
-    if scale_dtype == "f16":
-        if np.any(np.abs(s) > 65504):
-            raise LayoutError(f"a scale of {float(np.abs(s).max()):g} does not fit float16 (use --scale-dtype bf16)")
-        return s.astype(np.float16).astype(np.float32)
-    if scale_dtype == "bf16":
-        return bf16_bits_to_f32(f32_to_bf16_bits(s))
-    return s
+    return scale_codec(scale_dtype).round(np.asarray(s, dtype=np.float32))
 
 
 def scales_representable(s: np.ndarray, scale_dtype: str) -> bool:
     """Whether float32 scales are stored exactly in scale_dtype (exact take-over of already-quantized sources)."""
-    s = np.asarray(s, dtype=np.float32)
-    if scale_dtype == "sub6":          # (rows, groups): zero groups up to whole super-blocks change nothing
-        s = s.reshape(-1, s.shape[-1]) if s.ndim else s.reshape(1, 1)
-        s = np.pad(s, ((0, 0), (0, -s.shape[1] % SUB6_SUPER_GROUPS)))
-        return two_level_decompose(s) is not None
-    if scale_dtype == "f16" and np.any(np.abs(s) > 65504):
-        return False
-    return bool(np.array_equal(round_scales(s, scale_dtype), s))
+    return scale_codec(scale_dtype).representable(np.asarray(s, dtype=np.float32))
 
 
 def scales_to_f32(packed: np.ndarray, scale_dtype: str) -> np.ndarray:
     """Stored scales (float32, float16, bfloat16 bit patterns as uint16, or two-level records of shape
     (..., n_groups, 16) uint8) -> float32 of the same shape, exactly."""
-    a = np.asarray(packed)
-    if scale_dtype == "sub6":
-        d, q = unpack_two_level(a)
-        q = q.reshape(*d.shape[:-1], SUB6_SUPER_GROUPS, TILE_N).astype(np.float32)
-        return (d[..., None, :] * q).reshape(a.shape)
-    if scale_dtype == "bf16":
-        return bf16_bits_to_f32(a.view(np.uint16) if a.dtype != np.uint16 else a)
-    return a.astype(np.float32)
+    return scale_codec(scale_dtype).to_f32(np.asarray(packed))
 
 
 def pack_scales(scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     """scales (N_pad, n_groups) -> (NB, n_groups, 16) in the stored dtype (float32 / float16 / bfloat16 bits as
     uint16): the 16 scales of a column block for one group are one vector. Values must already be representable."""
-    if geom.scale_dtype == "sub6":
-        dq = two_level_decompose(np.asarray(scales, dtype=np.float32).reshape(geom.n_pad, geom.n_groups))
-        if dq is None:
-            raise LayoutError("scales are not two-level values d * q (float16 d per 8 groups, q in [-32, 31])")
-        return pack_two_level(*dq, geom)
-    s = np.asarray(scales, dtype=np.float32).reshape(geom.n_blocks, TILE_N, geom.n_groups)
-    s = np.ascontiguousarray(s.transpose(0, 2, 1))
-    if geom.scale_dtype == "f16":
-        return s.astype(np.float16)
-    if geom.scale_dtype == "bf16":
-        return f32_to_bf16_bits(s).reshape(s.shape)
-    return s
+    return scale_codec(geom.scale_dtype).pack(np.asarray(scales, dtype=np.float32), geom)
 
 
 def unpack_scales(packed: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
@@ -399,22 +362,19 @@ def pack_expert_matrix(w: np.ndarray, geom: MatrixGeometry,
                        bf16_scales: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """w (N, K) float -> (qweight, packed scales or None for bf16). The converter's single entry point.
     bf16_scales: scales rounded to bfloat16 before the codes are computed (see quantize)."""
-    if geom.bits == 16:
-        return pack_bf16(w, geom), None
-    codes, scales = quantize(w, geom, bf16_scales)
-    return pack_codes(codes, geom), pack_scales(scales, geom)
+    return weight_codec(geom.format).pack_matrix(w, geom, bf16_scales)
 
 
 def pack_expert_codes(codes: np.ndarray, scales: np.ndarray, geom: MatrixGeometry) -> tuple[np.ndarray, np.ndarray]:
     """Already-quantized weights (codes (N, K) uint8 with this layout's zero point, scales (N, K / G) float32) ->
     packed (qweight, scales), padding with code ZERO and scale 0. For sources whose blocks map exactly onto the
     layout (GGUF Q8_0 -> int8 group 32): no float round trip. Scales the stored dtype cannot hold exactly raise."""
-    if geom.bits == 16 or geom.group_size == GROUP_PER_ROW or codes.shape != (geom.n, geom.k) \
+    if not geom.format.quantized or geom.group_size == GROUP_PER_ROW or codes.shape != (geom.n, geom.k) \
             or geom.k % geom.group or scales.shape != (geom.n, geom.k // geom.group):
         raise LayoutError(f"codes {codes.shape} / scales {scales.shape} do not fit {geom}")
     if not scales_representable(scales, geom.scale_dtype):
         raise LayoutError(f"scales are not exactly representable as {geom.scale_dtype}: no exact take-over")
-    c = np.full((geom.n_pad, geom.k_pad), ZERO_POINT[geom.bits], dtype=np.uint8)
+    c = np.full((geom.n_pad, geom.k_pad), geom.format.zero_point, dtype=np.uint8)
     c[: geom.n, : geom.k] = codes
     sc = np.zeros((geom.n_pad, geom.n_groups), dtype=np.float32)
     sc[: geom.n, : scales.shape[1]] = scales
@@ -423,11 +383,208 @@ def pack_expert_codes(codes: np.ndarray, scales: np.ndarray, geom: MatrixGeometr
 
 def unpack_expert_matrix(qweight: np.ndarray, scales: np.ndarray | None, geom: MatrixGeometry) -> np.ndarray:
     """Packed tensors -> dequantized (N, K) float32 (padding removed)."""
-    if geom.bits == 16:
-        full = unpack_bf16(qweight, geom)
-    else:
-        full = dequantize(unpack_codes(qweight, geom), unpack_scales(scales, geom), geom)
-    return full[: geom.n, : geom.k]
+    return weight_codec(geom.format).unpack_matrix(qweight, scales, geom)[: geom.n, : geom.k]
+
+
+# --- the reference pack/unpack of each record, registered by the record's `packing` --------------------------------
+# As gguf-py registers one class per quant type, each packing a record names (ExpertFormat.packing,
+# ScaleEncoding.packing) is one class here, found by that name; the module functions above dispatch to them.
+
+class WeightCodec:
+    """Reference pack/unpack of an ExpertFormat's weights. A subclass registers under `packing=`."""
+    packings: ClassVar[dict[str, type[WeightCodec]]] = {}
+
+    def __init_subclass__(cls, packing: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if packing is not None:
+            WeightCodec.packings[packing] = cls
+
+    def __init__(self, fmt: ExpertFormat):
+        self.fmt = fmt
+
+    def pack_matrix(self, w: np.ndarray, geom: MatrixGeometry, bf16_scales: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        raise NotImplementedError
+
+    def unpack_matrix(self, qweight: np.ndarray, scales: np.ndarray | None, geom: MatrixGeometry) -> np.ndarray:
+        """-> (N_pad, K_pad) float32."""
+        raise NotImplementedError
+
+    def pack_codes(self, codes: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+        raise LayoutError(f"{self.fmt.layout} holds no integer codes")
+
+    unpack_codes = pack_codes
+
+
+class IntTiles(WeightCodec, packing="int-tiles"):
+    """Unsigned codes in AMX B tiles (VNNI: 4 consecutive K per 32-bit word); below 8 bits, 8 / bits consecutive tile
+    rows share the bytes of one 64-byte chunk, row p of the chunk at bits p x bits (int4: even rows in the low
+    nibbles, odd rows in the high ones)."""
+
+    def pack_codes(self, codes: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+        t = np.ascontiguousarray(_to_tiles(codes, geom, VNNI_INT8))              # (NB, KT, 16, 16, 4)
+        per_byte = 8 // geom.bits
+        if per_byte == 1:
+            return t.reshape(geom.qweight_shape)
+        if codes.max(initial=0) >= 1 << geom.bits:
+            raise LayoutError(f"int{geom.bits} codes must be in 0..{(1 << geom.bits) - 1}")
+        rows = t.reshape(geom.n_blocks, geom.k_tiles, TILE_ROWS // per_byte, per_byte, TILE_ROW_BYTES)
+        packed = rows[:, :, :, 0, :]
+        for p in range(1, per_byte):
+            packed = packed | (rows[:, :, :, p, :] << (p * geom.bits))
+        return np.ascontiguousarray(packed).reshape(geom.qweight_shape)
+
+    def unpack_codes(self, qweight: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+        q = np.asarray(qweight, dtype=np.uint8).reshape(geom.qweight_shape)
+        t = self.tile_rows(q.reshape(geom.n_blocks, geom.k_tiles, -1))
+        return _from_tiles(t.reshape(geom.n_blocks, geom.k_tiles, TILE_ROWS, TILE_N, VNNI_INT8), geom)
+
+    def tile_rows(self, raw: np.ndarray) -> np.ndarray:
+        """Packed tiles (..., tile_bytes) -> (..., 16, 64) code bytes, as a tile load sees them."""
+        per_byte = 8 // self.fmt.bits
+        chunks = raw.reshape(*raw.shape[:-1], TILE_ROWS // per_byte, TILE_ROW_BYTES)
+        if per_byte > 1:
+            mask = (1 << self.fmt.bits) - 1
+            chunks = np.stack([(chunks >> (p * self.fmt.bits)) & mask for p in range(per_byte)], axis=-2)
+        return chunks.reshape(*raw.shape[:-1], TILE_ROWS, TILE_ROW_BYTES)
+
+    def pack_matrix(self, w, geom, bf16_scales):
+        codes, scales = quantize(w, geom, bf16_scales)
+        return self.pack_codes(codes, geom), pack_scales(scales, geom)
+
+    def unpack_matrix(self, qweight, scales, geom):
+        return dequantize(self.unpack_codes(qweight, geom), unpack_scales(scales, geom), geom)
+
+
+class Bf16Tiles(WeightCodec, packing="bf16-tiles"):
+    """bfloat16 weights in TDPBF16PS B tiles (2 consecutive K per 32-bit word); no scales."""
+
+    def pack_matrix(self, w, geom, bf16_scales):
+        return pack_bf16(w, geom), None
+
+    def unpack_matrix(self, qweight, scales, geom):
+        return unpack_bf16(qweight, geom)
+
+
+class ScaleCodec:
+    """Reference rounding, pack and unpack of a ScaleEncoding. A subclass registers under `packing=`."""
+    packings: ClassVar[dict[str, type[ScaleCodec]]] = {}
+
+    def __init_subclass__(cls, packing: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if packing is not None:
+            ScaleCodec.packings[packing] = cls
+
+    def __init__(self, enc: ScaleEncoding):
+        self.enc = enc
+
+    def round(self, s: np.ndarray) -> np.ndarray:
+        """float32 scales -> the nearest stored values, as float32."""
+        raise NotImplementedError
+
+    def rule(self, s: np.ndarray, bf16_scales: bool) -> np.ndarray:
+        """The reference rule's group scales (N_pad, n_groups) float32 -> the stored values (quantize); bf16_scales:
+        bfloat16 values first."""
+        return self.round(round_to_bf16(s) if bf16_scales else s)
+
+    def representable(self, s: np.ndarray) -> bool:
+        """Whether float32 scales (rows, groups) are stored exactly."""
+        raise NotImplementedError
+
+    def pack(self, s: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
+        """(N_pad, n_groups) float32 values already representable -> (NB, n_groups, 16) stored."""
+        raise NotImplementedError
+
+    def to_f32(self, a: np.ndarray) -> np.ndarray:
+        """Stored (..., n_groups, 16) -> float32 of the same shape, exactly."""
+        raise NotImplementedError
+
+
+class FloatScales(ScaleCodec, packing="float"):
+    """One floating-point value per (column, group) in a numpy dtype (float32, float16), round to nearest even."""
+
+    def _store(self, s: np.ndarray) -> np.ndarray:
+        return s.astype(self.enc.array_dtype, copy=False)
+
+    def _load(self, a: np.ndarray) -> np.ndarray:
+        return a.astype(np.float32)
+
+    def _fits(self, s: np.ndarray) -> bool:
+        return self.enc.finite_max is None or not np.any(np.abs(s) > self.enc.finite_max)
+
+    def round(self, s):
+        if not self._fits(s):
+            wider = [r.name for r in scale_encodings() if r.elementwise and r.finite_max is None
+                     and r.nbytes == self.enc.nbytes]
+            raise LayoutError(f"a scale of {float(np.abs(s).max()):g} does not fit {self.enc.what}"
+                              + (f" (use --scale-dtype {' or '.join(wider)})" if wider else ""))
+        return self._load(self._store(s))
+
+    def representable(self, s):
+        return self._fits(s) and bool(np.array_equal(self.round(s), s))
+
+    def pack(self, s, geom):
+        s = s.reshape(geom.n_blocks, TILE_N, geom.n_groups)
+        return self._store(np.ascontiguousarray(s.transpose(0, 2, 1)))
+
+    def to_f32(self, a):
+        return self._load(a)
+
+
+class Bf16BitScales(FloatScales, packing="bf16-bits"):
+    """bfloat16 values, stored as their uint16 bit patterns (numpy has no bfloat16)."""
+
+    def _store(self, s):
+        return f32_to_bf16_bits(s).reshape(s.shape)
+
+    def _load(self, a):
+        return bf16_bits_to_f32(a.view(np.uint16) if a.dtype != np.uint16 else a)
+
+
+class TwoLevelScales(ScaleCodec, packing="two-level"):
+    """Records of 16 columns x SUB6_SUPER_GROUPS groups: float16 super-scales d, 6-bit sub-scales q (scale = d q)."""
+
+    def round(self, s):
+        raise LayoutError(f"{self.enc.what} ({self.enc.name}) are not rounded value by value: use two_level_rule or "
+                          "a search")
+
+    def rule(self, s, bf16_scales):
+        if bf16_scales:
+            raise LayoutError(f"{self.enc.what} ({self.enc.name}) cannot be bfloat16 values (--bf16-scales)")
+        return two_level_rule(s)
+
+    def representable(self, s):         # (rows, groups): zero groups up to whole super-blocks change nothing
+        s = s.reshape(-1, s.shape[-1]) if s.ndim else s.reshape(1, 1)
+        s = np.pad(s, ((0, 0), (0, -s.shape[1] % SUB6_SUPER_GROUPS)))
+        return two_level_decompose(s) is not None
+
+    def pack(self, s, geom):
+        dq = two_level_decompose(s.reshape(geom.n_pad, geom.n_groups))
+        if dq is None:
+            raise LayoutError("scales are not two-level values d * q (float16 d per 8 groups, q in [-32, 31])")
+        return pack_two_level(*dq, geom)
+
+    def to_f32(self, a):
+        d, q = unpack_two_level(a)
+        q = q.reshape(*d.shape[:-1], SUB6_SUPER_GROUPS, TILE_N).astype(np.float32)
+        return (d[..., None, :] * q).reshape(a.shape)
+
+
+def weight_codec(fmt: ExpertFormat) -> WeightCodec:
+    """The reference pack/unpack of a format's weights (the codec registered under its packing)."""
+    try:
+        return WeightCodec.packings[fmt.packing](fmt)
+    except KeyError:
+        raise LayoutError(f"{fmt.layout}: no reference pack/unpack is registered as {fmt.packing!r}") from None
+
+
+def scale_codec(scale_dtype: str) -> ScaleCodec:
+    """The reference rounding, pack and unpack of a scale dtype (the codec registered under its packing)."""
+    enc = scale_encoding(scale_dtype)
+    try:
+        return ScaleCodec.packings[enc.packing](enc)
+    except KeyError:
+        raise LayoutError(f"scale dtype {enc.name}: no reference pack/unpack is registered as {enc.packing!r}") \
+            from None
 
 
 # --- activations and the AMX-semantics reference -----------------------------------------------
@@ -456,11 +613,7 @@ def _tdpbsud(a_tile: np.ndarray, b_tile: np.ndarray) -> np.ndarray:
 
 def _b_tile_rows(qweight: np.ndarray, geom: MatrixGeometry, nb: int, kt: int) -> np.ndarray:
     """The 16 x 64 byte B tile as a tile load would see it (int4 expanded nibble-pair-wise to bytes)."""
-    raw = qweight[nb, kt]
-    if geom.bits == 8:
-        return raw.reshape(TILE_ROWS, TILE_ROW_BYTES)
-    chunks = raw.reshape(TILE_ROWS // 2, TILE_ROW_BYTES)
-    return np.stack([chunks & 0x0F, chunks >> 4], axis=1).reshape(TILE_ROWS, TILE_ROW_BYTES)
+    return weight_codec(geom.format).tile_rows(qweight[nb, kt])
 
 
 def amx_reference_matmul(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
@@ -471,7 +624,7 @@ def amx_reference_matmul(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
     y += a_s[:, g] * s_w[g, n] * (C - ZERO * sum_k A_g[:, k]).
     """
     a_q, a_s = quantize_activations(x, geom)
-    z = ZERO_POINT[geom.bits]
+    z = geom.format.zero_point
     qw = np.asarray(qweight).reshape(geom.qweight_shape)
     sw = scales_to_f32(np.asarray(scales).reshape(geom.scales_shape), geom.scale_dtype)
     rows_per_group = geom.group // VNNI_INT8                  # 8 for G=32, 16 per 64 otherwise

@@ -21,8 +21,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .constants import GROUP_PER_ROW, TILE_N, ZERO_POINT
-from .cpu_expert import LayoutError, MatrixGeometry, check_group_size, check_scale_dtype, group_unit, round_up
+from .cpu_expert import LayoutError, MatrixGeometry, k_unit, round_up
+from .expert_formats import (
+    GROUP_PER_ROW,
+    TILE_N,
+    UNDECLARED_SCALE_DTYPE,
+    ExpertFormat,
+    expert_format_of_bits,
+    scale_encoding,
+)
 
 
 @dataclass(frozen=True)
@@ -31,23 +38,30 @@ class ShardPlan:
     group_size: int         # G for the int layouts (ignored for bf16)
     n_shards: int           # S
     bits: int = 8
-    scale_dtype: str = "f32"   # two-level scales (sub6) cut on super-block boundaries
+    scale_dtype: str = UNDECLARED_SCALE_DTYPE   # two-level scales (sub6) cut on super-block boundaries
 
     def __post_init__(self):
-        if self.bits != 16:
-            check_group_size(self.group_size)
-            check_scale_dtype(self.scale_dtype, self.bits, self.group_size)
+        self.format.check(self.group_size, self.scale_dtype)
         if self.n_shards < 1:
             raise LayoutError(f"--numa-nodes must be >= 1, got {self.n_shards}")
         if self.n_shards > self.n_units:
             raise LayoutError(
                 f"cannot split intermediate size {self.intermediate} into {self.n_shards} NUMA shards: it has only "
-                f"{self.n_units} unit(s) of {self.unit} (lcm of tile 64 and group {self.group_size}"
-                f"{', super-block 8 groups' if self.scale_dtype == 'sub6' else ''}); use fewer --numa-nodes")
+                f"{self.n_units} unit(s) of {self.unit} (lcm of tile 64 and group {self.group_size}{self._record_words}"
+                "); use fewer --numa-nodes")
+
+    @property
+    def _record_words(self) -> str:
+        n = scale_encoding(self.scale_dtype).super_groups if self.format.quantized else 1
+        return f", super-block {n} groups" if n > 1 else ""
+
+    @property
+    def format(self) -> ExpertFormat:
+        return expert_format_of_bits(self.bits)
 
     @property
     def unit(self) -> int:
-        return 64 if self.bits == 16 else group_unit(self.group_size, self.scale_dtype)
+        return k_unit(self.bits, self.group_size, self.scale_dtype)
 
     @property
     def intermediate_pad(self) -> int:
@@ -69,12 +83,12 @@ class ShardPlan:
     def gate_up_geometry(self, s: int, hidden: int) -> MatrixGeometry:
         i0, i1 = self.shard_range(s)
         return MatrixGeometry(n=i1 - i0, k=hidden, bits=self.bits, group_size=self.group_size,
-                              scale_dtype=self.scale_dtype if self.bits != 16 else "f32")
+                              scale_dtype=self.format.scale_dtype_of(self.scale_dtype))
 
     def down_geometry(self, s: int, hidden: int) -> MatrixGeometry:
         i0, i1 = self.shard_range(s)
         return MatrixGeometry(n=hidden, k=i1 - i0, bits=self.bits, group_size=self.group_size,
-                              scale_dtype=self.scale_dtype if self.bits != 16 else "f32")
+                              scale_dtype=self.format.scale_dtype_of(self.scale_dtype))
 
 
 def nodes_for_shards(n_shards: int, n_nodes: int) -> list[list[tuple[int, float, float]]]:
@@ -165,9 +179,9 @@ def shard_codes(exact: dict[str, tuple[np.ndarray, np.ndarray]], plan: ShardPlan
                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """One expert's already-quantized {proj: (codes (N, K) uint8, scales (N, K / G))} in source shape -> the shard's,
     padded with code ZERO and scale 0 (weight 0)."""
-    if plan.bits == 16 or plan.group_size == GROUP_PER_ROW:
+    if not plan.format.quantized or plan.group_size == GROUP_PER_ROW:
         raise LayoutError(f"already-quantized codes need int groups, not bits={plan.bits} group {plan.group_size}")
-    z = ZERO_POINT[plan.bits]
+    z = plan.format.zero_point
     out = {}
     for p, (codes, scales) in exact.items():
         per = plan.group_size if p == "down" else 1        # down's scales run over I in groups of G

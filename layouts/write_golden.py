@@ -1,4 +1,4 @@
-"""Write the golden files of the CPU expert layouts' CURRENT versions (ktlayouts.constants.CPU_EXPERT_LAYOUTS) from
+"""Write the golden files of the CPU expert layouts' CURRENT versions (ktlayouts.expert_formats' records) from
 today's packer. Run once per layout version, by hand:
 
     .venv/bin/python -m ktlayouts.write_golden
@@ -26,13 +26,6 @@ from pathlib import Path
 
 import numpy as np
 from ktlayouts.bf16 import f32_to_bf16_bits
-from ktlayouts.constants import (
-    CPU_EXPERT_LAYOUT_VERSIONS,
-    CPU_EXPERT_LAYOUTS,
-    SCALE_DTYPES_OF_VERSION,
-    SUB6_GROUP,
-    scale_dtype_bits,
-)
 from ktlayouts.cpu_expert import (
     MatrixGeometry,
     pack_bf16,
@@ -41,6 +34,15 @@ from ktlayouts.cpu_expert import (
     pad_weight,
     quantize,
     two_level_decompose,
+)
+from ktlayouts.expert_formats import (
+    UNDECLARED_SCALE_DTYPE,
+    LayoutError,
+    expert_format,
+    expert_formats,
+    layout_records,
+    layout_versions,
+    scale_encoding,
 )
 
 HERE = Path(__file__).resolve().parent / "golden"
@@ -72,7 +74,7 @@ def bf16_weight(n: int, k: int, seed: int) -> np.ndarray:
 
 
 def cases(layout: str, bits: int):
-    if bits == 16:
+    if not expert_format(layout).quantized:
         for n, k in BF16_SHAPES:
             yield n, k, 128
     else:
@@ -83,13 +85,13 @@ def cases(layout: str, bits: int):
 
 def case_fits(g: int, scale_dtype: str) -> bool:
     """Two-level scales exist for group 32 only; the others take every group size."""
-    return g == SUB6_GROUP if scale_dtype == "sub6" else True
+    return scale_encoding(scale_dtype).fixed_group in (None, g)
 
 
 def write_case(layout: str, version: int, bits: int, n: int, k: int, g: int, seed: int,
-               scale_dtype: str = "f32") -> dict:
+               scale_dtype: str = UNDECLARED_SCALE_DTYPE) -> dict:
     geom = MatrixGeometry(n, k, bits, g, scale_dtype)
-    if bits == 16:
+    if not geom.format.quantized:
         w = bf16_weight(n, k, seed)
         arrays = {"weight": w, "bits": f32_to_bf16_bits(pad_weight(w, geom)), "qweight": pack_bf16(w, geom)}
         name = f"{layout}.v{version}.n{n}_k{k}.npz"
@@ -98,16 +100,17 @@ def write_case(layout: str, version: int, bits: int, n: int, k: int, g: int, see
         codes, scales = quantize(w.astype(np.float32), geom)
         arrays = {"weight": w, "codes": codes, "scales": scales, "qweight": pack_codes(codes, geom),
                   "packed_scales": pack_scales(scales, geom)}
-        if scale_dtype == "sub6":
+        if not scale_encoding(scale_dtype).elementwise:       # two-level: the decomposition too
             arrays["super_scales"], arrays["sub_scales"] = two_level_decompose(scales)
-        tag = "" if scale_dtype == "f32" else f".{scale_dtype}"
+        tag = "" if scale_dtype == UNDECLARED_SCALE_DTYPE else f".{scale_dtype}"
         name = f"{layout}.v{version}{tag}.n{n}_k{k}_g{g}.npz"
     path = HERE / name
     if path.exists():
         raise SystemExit(f"{path} exists; golden files are written once (bump the layout version instead)")
     np.savez_compressed(path, **arrays)
     return {"file": name, "layout": layout, "layout_version": version, "bits": bits, "n": n, "k": k,
-            "group_size": g, **({} if bits == 16 or scale_dtype == "f32" else {"scale_dtype": scale_dtype}),
+            "group_size": g, **({} if not geom.format.quantized or scale_dtype == UNDECLARED_SCALE_DTYPE
+                                else {"scale_dtype": scale_dtype}),
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
@@ -115,19 +118,23 @@ def written_versions(layout: str) -> list[tuple[int, tuple[str, ...]]]:
     """(version, scale dtypes) this code still writes for `layout`: every int layout version (version 1 for
     float32 scales, version 2 for 16-bit ones, version 3 for two-level ones: int4 only), the current version of
     bf16."""
-    bits, current = CPU_EXPERT_LAYOUTS[layout]
-    if bits == 16:
-        return [(current, ("f32",))]
-    out = [(v, tuple(sd for sd in SCALE_DTYPES_OF_VERSION[v] if bits in scale_dtype_bits(sd)))
-           for v in CPU_EXPERT_LAYOUT_VERSIONS]
-    return [(v, sds) for v, sds in out if sds]
+    fmt = expert_format(layout)
+    if not fmt.quantized:
+        return [(fmt.layout_version(), (UNDECLARED_SCALE_DTYPE,))]
+    out = []
+    for v in layout_versions():
+        try:
+            out.append((v, tuple(r.name for r in layout_records(layout, v)[1])))
+        except LayoutError:        # no such version of this layout (version 3 of int8)
+            continue
+    return out
 
 
 def main() -> None:
     index = json.loads(INDEX.read_text()) if INDEX.exists() else {"files": []}
     done = {(e["layout"], e["layout_version"]) for e in index["files"]}
     added = []
-    for layout, (bits, _current) in CPU_EXPERT_LAYOUTS.items():
+    for layout, bits in ((f.layout, f.bits) for f in expert_formats()):
         for version, scale_dtypes in written_versions(layout):
             if (layout, version) in done:
                 print(f"{layout} v{version}: already in index.json, left as is")
