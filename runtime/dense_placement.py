@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.gpu_formats import GpuLinearFormat, dequantize_named, gpu_format, linear_parts, quantized_linears
-from ktrun.ops.marlin import find_marlin_kernel
-from ktrun.ops.packed_linear import MarlinLinear
 
 from .defaults import GPU_WEIGHT_POLICIES
+from .ops.marlin import find_marlin_kernel
+from .ops.packed_linear import MarlinLinear
 
 
 class PlacementError(ValueError):
@@ -85,12 +85,12 @@ def use_cpu_kernels(policy: str, device: torch.device) -> bool:
         if device.type != "cpu":
             raise PlacementError(f"--gpu-weights kernels runs the Linears on the CPU kernels, but the device is "
                                  f"{device}: use --device cpu, or packed / dequant")
-        from ktrun.ops.library import kernels_available
+        from .ops.library import kernels_available
         if not kernels_available():
             raise PlacementError("--gpu-weights kernels: libktkernels does not load here (run `make kernels`)")
         return True
     if policy == "auto" and device.type == "cpu":
-        from ktrun.ops.library import kernels_available
+        from .ops.library import kernels_available
         return kernels_available()
     return False
 
@@ -118,7 +118,7 @@ def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: tor
     KernelLinear}, a one-line description of what was done, for logs and `ktrun bench`).
     linear_kernels: a ktrun.ops.linear.LinearKernels when use_cpu_kernels(policy, device) (the loader makes it)."""
     if linear_kernels is not None:
-        from ktrun.ops.kernel_linear import place_on_kernels
+        from .ops.kernel_linear import place_on_kernels
         try:
             on_kernels, quantized, st = place_on_kernels(quantized, linear_kernels, dtype)
         except LayoutError as e:

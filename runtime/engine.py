@@ -40,12 +40,12 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # effective only if torch is not loaded yet (see cli.py)
 
 import torch
-from ktrun.models.kv_cache import KV_BLOCK_SIZE, Batch
 
 from .cache_budget import CacheBudgetError, CachePlan, states_per_engine
 from .defaults import DEFAULT_CTX, DEFAULT_MAX_BATCH
 from .generate import PREFILL_CHUNK, decode, prefill
 from .loaded_model import load_model
+from .models.kv_cache import KV_BLOCK_SIZE, Batch
 from .prefix_cache import PrefixCache, PrefixCacheConfig
 from .sampling import SamplingParams, TokenLogprobs, prompt_logprobs
 from .sequence import Sequence

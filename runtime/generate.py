@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from ktrun.models.kv_cache import Batch, SeqCache
 
+from .models.kv_cache import Batch, SeqCache
 from .sampling import SamplingParams
 from .sequence import Sequence
 

@@ -17,13 +17,13 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # effective only if torch is not loaded yet (see cli.py)
 
 import torch
-from ktrun.experts.executors import make_executor
-from ktrun.experts.hot import HotExpertOptions, build_hot_executor
-from ktrun.models.model import MoEModel
-from ktrun.text.tokenizer import Tokenizer
 
 from .defaults import KV_BUDGET_TOKENS
+from .experts.executors import make_executor
+from .experts.hot import HotExpertOptions, build_hot_executor
 from .loader import ConvertedModel, load_converted
+from .models.model import MoEModel
+from .text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -65,8 +65,9 @@ def eos_ids_of(model_dir: Path, cfg, tokenizer: Tokenizer) -> set[int]:
 def _tiered_executor(converted, opts, use_kernels, hot_experts):
     """The RAM tier's executor (kernels on the tier's mirrors); its eviction counts start from --profile if given."""
     from ktlayouts.expert_profile import ExpertProfile
-    from ktrun.experts.tiered import build_tiered_executor
-    from ktrun.ops.library import kernels_available
+
+    from .experts.tiered import build_tiered_executor
+    from .ops.library import kernels_available
     if use_kernels is False or not kernels_available():
         raise ValueError("--expert-ram needs the CPU kernels (libktkernels: run `make kernels`); the torch reference "
                          "experts keep dequantized copies outside any budget")

@@ -340,8 +340,8 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
     kernels = lin = None
     if on_kernels and any(is_gpu_layout(t["layout"]) for f in manifest["files"].values()
                           if f["kind"] in ("dense", "globals") for t in f.get("tensors", {}).values()):
-        from ktrun.ops.linear import LinearKernels
-        from ktrun.ops.moe import MoEKernels
+        from .ops.linear import LinearKernels
+        from .ops.moe import MoEKernels
         kernels = MoEKernels()
         lin = LinearKernels(kernels)
     try:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from ktlayouts.logprobs import Logprobs, LogprobsError, LogprobsShape, LogprobsWriter, first_scored
-from ktrun.models.kv_cache import Batch
+
+from .models.kv_cache import Batch
 
 
 class PerplexityError(ValueError):

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ktrun.models.kv_cache import SeqCache
-from ktrun.text.text_stream import TextStream
-
+from .models.kv_cache import SeqCache
 from .sampling import Sampler, SamplingParams, TokenLogprobs
+from .text.text_stream import TextStream
 
 
 class Sequence:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 import torch
-from ktrun.generate import decode_one_token, prefill
 
+from ..generate import decode_one_token, prefill
 from .decode_bytes import read_bandwidth, weight_bytes_per_token
 from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
@@ -170,9 +170,10 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
       ktrun bench converted/ --expert-ram 64GB --pp 0 --tg 32    # experts beyond 64 GB read from disk
     """
     from ktlayouts.expert_profile import ExpertProfile, ProfileError, summary_lines
-    from ktrun.experts.hot import describe
-    from ktrun.loaded_model import load_model
-    from ktrun.loader import LoadError
+
+    from ..experts.hot import describe
+    from ..loaded_model import load_model
+    from ..loader import LoadError
 
     ram_opts = expert_ram_from(hot)
     hot_opts = hot_experts_from(hot)
@@ -196,10 +197,10 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
         res = run_bench(m, pp, tg, reps, seed, prompt_ids=prompt_ids)
         read = weight_bytes_per_token(m, conv) if tg else None
         bandwidth = read_bandwidth(m.experts) if tg and conv.device.type == "cpu" else 0.0
-        from ktrun.experts.tiered import find_tier
+        from ..experts.tiered import find_tier
         tier = find_tier(m.experts)
         measured = tier.measured_resident_bytes() if tier is not None else None
-        from ktrun.cache_budget import cache_lines
+        from ..cache_budget import cache_lines
         cache = cache_lines(m.cfg, m.dtype, max(pp, tg + 1) + 1)
     click.echo(f"quantized GPU layers: {conv.gpu_weights}")
     click.echo(hot_line + "\n")
@@ -224,7 +225,7 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
         click.echo(line)
     lines = hit_ratio_lines(res["hits"], per_layer)
     if res["tier"]:
-        from ktrun.experts.tiered import tier_lines
+        from ..experts.tiered import tier_lines
         tier = tier_lines(res["tier"][0][0], res["tier"][-1][1], tg * len(res["tier"]), measured)
         if tier:
             click.echo("")

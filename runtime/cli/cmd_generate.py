@@ -5,8 +5,8 @@ import json
 import sys
 
 import click
-from ktrun.defaults import DEFAULT_CTX
 
+from ..defaults import DEFAULT_CTX
 from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
@@ -52,11 +52,12 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
     """
     import torch
     from ktlayouts.families import ConfigError
-    from ktrun.generate import generate as run_generate
-    from ktrun.loaded_model import load_model
-    from ktrun.loader import LoadError
-    from ktrun.sampling import SamplingParams
-    from ktrun.text.tokenizer import TokenizerError
+
+    from ..generate import generate as run_generate
+    from ..loaded_model import load_model
+    from ..loader import LoadError
+    from ..sampling import SamplingParams
+    from ..text.tokenizer import TokenizerError
 
     ram_opts = expert_ram_from(hot)
     hot_opts = hot_experts_from(hot)
@@ -78,7 +79,7 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
     # streamed text: never an incomplete character or the start of a possible stop string (ktrun.text.text_stream)
     streamer = None if as_json else (lambda delta: (sys.stdout.write(delta), sys.stdout.flush()))
     if hot_opts is not None and not as_json:
-        from ktrun.experts.hot import describe
+        from ..experts.hot import describe
         click.echo(describe(lm.model.experts), err=True)
     with lm:
         if len(prompt_ids) >= ctx:

@@ -22,9 +22,10 @@ def run_perplexity(model_dir, text: str | None, ctx: int, chunks: int | None, ba
                    quiet: bool = False, text_name: str = "--text") -> dict[str, float]:
     """Load MODEL_DIR, score the text's chunks (or the reference's tokens), return the summary numbers."""
     from ktlayouts.logprobs import read_logprobs
-    from ktrun.engine import Engine
-    from ktrun.perplexity import PerplexityError, score, text_chunks, writer_for
     from tqdm import tqdm
+
+    from ..engine import Engine
+    from ..perplexity import PerplexityError, score, text_chunks, writer_for
 
     reference = read_logprobs(reference_path) if reference_path else None
     eng = Engine(model_dir, ctx=ctx, max_batch=1, device=device, dtype=dtype, use_kernels=use_kernels,
@@ -66,7 +67,8 @@ def _first_chunks(reference, n: int):
     from dataclasses import replace
 
     from ktlayouts.logprobs import LogprobsShape
-    from ktrun.perplexity import PerplexityError
+
+    from ..perplexity import PerplexityError
     if n > reference.shape.n_chunks:
         raise PerplexityError(f"{reference.path}: holds {reference.shape.n_chunks} chunks, this run has {n}")
     s = reference.shape
@@ -108,9 +110,10 @@ def perplexity(model_dir, text_file, ctx, chunks, base_out, reference, batch, de
     import torch
     from ktlayouts.families import ConfigError
     from ktlayouts.logprobs import LogprobsError
-    from ktrun.loader import LoadError
-    from ktrun.perplexity import PerplexityError
-    from ktrun.text.tokenizer import TokenizerError
+
+    from ..loader import LoadError
+    from ..perplexity import PerplexityError
+    from ..text.tokenizer import TokenizerError
 
     text = None
     if text_file is not None:

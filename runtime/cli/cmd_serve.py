@@ -5,10 +5,10 @@ import sys
 from pathlib import Path
 
 import click
-from ktrun.byte_sizes import parse_bytes
-from ktrun.defaults import DEFAULT_CTX, DEFAULT_MAX_BATCH
-from ktrun.serve import DEFAULT_MAX_BODY_BYTES, run_server
 
+from ..byte_sizes import parse_bytes
+from ..defaults import DEFAULT_CTX, DEFAULT_MAX_BATCH
+from ..serve import DEFAULT_MAX_BODY_BYTES, run_server
 from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
@@ -101,7 +101,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
     hot_opts = hot_experts_from(hot)
 
     def load_engine():  # runs after the socket is bound, so /health answers 503 during the (torch) import too
-        from ktrun.engine import Engine, PrefixCacheConfig
+        from ..engine import Engine, PrefixCacheConfig
 
         prefix = False if no_prefix_cache else PrefixCacheConfig(
             device_bytes=prefix_cache_device, ram_bytes=prefix_cache_ram, disk_dir=prefix_cache_dir,
@@ -110,7 +110,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
                       gpu_weights=gpu_weights, hot_experts=hot_opts, prefix_cache=prefix, expert_ram=ram_opts)
 
     def sampling_params(**kw):
-        from ktrun.engine import SamplingParams
+        from ..engine import SamplingParams
 
         return SamplingParams(**kw)
 

@@ -59,9 +59,9 @@ def read_bandwidth(experts) -> float:
     moe = getattr(experts, "moe", None) or getattr(getattr(experts, "cpu", None), "moe", None)
     if moe is not None:
         return moe.measure_read_bandwidth()
-    from ktrun.ops.library import kernels_available
+    from ..ops.library import kernels_available
     if not kernels_available():
         return 0.0
-    from ktrun.ops.moe import MoEKernels
+    from ..ops.moe import MoEKernels
     with MoEKernels() as k:
         return k.measure_read_bandwidth()

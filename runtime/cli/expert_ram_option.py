@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import click
-from ktrun.byte_sizes import parse_bytes
+
+from ..byte_sizes import parse_bytes
 
 IO_MODES = ("direct", "pread")      # ktrun.experts.ram_tier.IO_MODES (that module imports numpy; this one stays light)
 PREDICTORS = ("router", "coact")    # ktrun.experts.prediction.PREDICTORS

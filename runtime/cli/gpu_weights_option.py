@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import click
-from ktrun.defaults import GPU_WEIGHT_POLICIES
+
+from ..defaults import GPU_WEIGHT_POLICIES
 
 gpu_weights_option = click.option(
     "--gpu-weights", type=click.Choice(GPU_WEIGHT_POLICIES), default="auto", show_default=True,

@@ -6,8 +6,9 @@ from __future__ import annotations
 import click
 from ktlayouts.expert_gpu import HOT_FORMATS
 from ktlayouts.expert_placement import DEFAULT_STRATEGY, STRATEGIES
-from ktrun.byte_sizes import parse_bytes
-from ktrun.defaults import DYNAMIC_WINDOW_TOKENS, KV_BUDGET_TOKENS
+
+from ..byte_sizes import parse_bytes
+from ..defaults import DYNAMIC_WINDOW_TOKENS, KV_BUDGET_TOKENS
 
 
 def hot_experts_options(dynamic: bool = True):
@@ -59,7 +60,7 @@ def hot_experts_from(kw: dict, written: bool = False):
     """Pop the hot_* options of a click command's kwargs -> ktrun.experts.placement.HotExpertOptions, or None when
     none was given (for ktrun: a placement written into the conversion then applies). written=True: `ktconvert
     quantize`'s rule, a placement written into the conversion needs --profile and exactly one budget."""
-    from ktrun.experts.placement import Budget, HotExpertOptions, PlacementError
+    from ..experts.placement import Budget, HotExpertOptions, PlacementError
 
     profile, n, ratio = kw.pop("hot_profile", None), kw.pop("hot_per_layer", None), kw.pop("hot_ratio", None)
     gpu_mem, kv_mem = kw.pop("hot_gpu_mem", None), kw.pop("hot_kv_mem", None)

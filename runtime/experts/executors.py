@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from ktlayouts.cpu_expert import unpack_expert_matrix
 from ktlayouts.expert_shards import join_shards
 from ktlayouts.families import SILU, ExpertActivation
-from ktrun.ops.library import kernels_available
 
+from ..ops.library import kernels_available
 from .activation import Biases, activate, expert_biases
 
 

@@ -17,10 +17,10 @@ from ktlayouts.expert_gpu import hot_expert_nbytes
 from ktlayouts.expert_placement import PLACEMENT_NAME, ExpertPlacement, PlacementFileError, fit_hot_experts
 from ktlayouts.expert_profile import ExpertProfile, ProfileError
 from ktlayouts.files import sha256_file
-from ktrun.byte_sizes import human
-from ktrun.cache_budget import kv_bytes_per_token, state_bytes_per_request
-from ktrun.defaults import KV_BUDGET_TOKENS
 
+from ..byte_sizes import human
+from ..cache_budget import kv_bytes_per_token, state_bytes_per_request
+from ..defaults import KV_BUDGET_TOKENS
 from .dynamic import DynamicExperts
 from .hot_store import HotExpertError, HotExpertStore, resolve_format
 from .hybrid import HybridExperts

@@ -27,9 +27,9 @@ from ktlayouts.converted_dir import PROJECTIONS, ExpertGeometry
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.expert_gpu import expert_codes, gpu_group_step, hot_expert_nbytes, hot_format_ok, source_shape
 from ktlayouts.gpu_formats import gpu_format_for
-from ktrun.ops.marlin import find_marlin_kernel
-from ktrun.ops.packed_linear import MarlinLinear, linear
 
+from ..ops.marlin import find_marlin_kernel
+from ..ops.packed_linear import MarlinLinear, linear
 from .activation import activate, expert_biases
 from .executors import PackedExpertSource
 

@@ -16,9 +16,9 @@ import time
 import numpy as np
 import torch
 from ktlayouts.cpu_expert import MatrixGeometry, group_unit
-from ktrun.ops.kernel_linear import KernelLinear
-from ktrun.ops.moe import ExpertShard, MoEKernels
 
+from ..ops.kernel_linear import KernelLinear
+from ..ops.moe import ExpertShard, MoEKernels
 from .activation import expert_biases
 
 SHARED_LAYER_ID0 = 1 << 20   # kernel layer id of layer i's shared expert: SHARED_LAYER_ID0 + i (beside the MoE ids)

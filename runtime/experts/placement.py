@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from ktlayouts.expert_placement import DEFAULT_STRATEGY, STRATEGIES, ExpertPlacement
 from ktlayouts.expert_profile import ExpertProfile, ranking
-from ktrun.defaults import DYNAMIC_WINDOW_TOKENS
+
+from ..defaults import DYNAMIC_WINDOW_TOKENS
 
 
 class PlacementError(ValueError):

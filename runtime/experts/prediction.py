@@ -28,7 +28,8 @@ import itertools
 import numpy as np
 import torch
 from ktlayouts.families import get_family
-from ktrun.models import arch_module
+
+from ..models import arch_module
 
 PREDICTORS = ("router", "coact")
 

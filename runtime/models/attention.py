@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
-from ktrun.models import indexer as lightning
-from ktrun.ops import glue
-from ktrun.ops.kernel_linear import AbsorbedKvB
-from ktrun.ops.packed_linear import dense_weight, linear, linear_start
 
+from ..ops import glue
+from ..ops.kernel_linear import AbsorbedKvB
+from ..ops.packed_linear import dense_weight, linear, linear_start
+from . import indexer as lightning
 from .kv_cache import Batch, causal_scores_mask
 from .layers import SERIAL_MAX_ROWS, Rope, linears, rms_norm, serial_torch
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from ktrun.ops.packed_linear import linear
 
+from ..ops.packed_linear import linear
 from .attention import gqa_attention, gqa_cache_widths
 from .choices import top_k
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
-from ktrun.ops.packed_linear import linear
 
+from ..ops.packed_linear import linear
 from .choices import top_k
 from .layers import Rope
 

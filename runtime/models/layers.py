@@ -11,9 +11,10 @@ import math
 import torch
 import torch.nn.functional as F
 from ktlayouts.families import RopeConfig, yarn_mscale
-from ktrun.ops import glue
-from ktrun.ops.kernel_linear import KernelLinear, run_together
-from ktrun.ops.packed_linear import linear
+
+from ..ops import glue
+from ..ops.kernel_linear import KernelLinear, run_together
+from ..ops.packed_linear import linear
 
 SERIAL_MAX_ROWS = 8   # token rows up to which serial_torch() keeps a forward's small torch ops on the calling thread
 ROPE_TABLE_STEP = 1024   # positions the cos/sin table grows by (a multiple of 16: no scalar tail, see Rope._table)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
-from ktrun.ops.packed_linear import linear
 
+from ..ops.packed_linear import linear
 from .kv_cache import Batch
 
 CHUNK = 64   # tokens per chunk of the chunked delta rule (prefill)

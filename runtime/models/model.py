@@ -13,9 +13,9 @@ import time
 import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig, get_family
-from ktrun.models import arch_module, cache_layers
-from ktrun.ops.packed_linear import linear
 
+from ..ops.packed_linear import linear
+from . import arch_module, cache_layers
 from .attention import prepare_absorbed
 from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache, StateLayout
 from .layers import SERIAL_MAX_ROWS, Rope, add_rms_norm, rms_norm, serial_torch, swiglu_mlp

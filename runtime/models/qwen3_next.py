@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 from ktlayouts.families import ModelConfig
-from ktrun.ops.packed_linear import linear
 
+from ..ops.packed_linear import linear
 from .attention import gqa_attend, gqa_cache_widths
 from .kv_cache import Batch, StateLayout
 from .layers import Rope

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
-from ktrun.ops import glue
 
+from ..ops import glue
 from .choices import hooked, top_k
 
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktlayouts import kv_block_file as kvf
-from ktrun.models.kv_cache import BlockPool, SeqCache, StateLayout
 
+from ..models.kv_cache import BlockPool, SeqCache, StateLayout
 from .disk_tier import DiskTier
 from .keys import chain_keys, identity_digest, root_key, state_key
 from .ram_tier import BlockData, EntryKind, RamTier

@@ -13,9 +13,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ktrun.serve import responses as R
-from ktrun.text.text_stream import TextStream
-
+from ..text.text_stream import TextStream
+from . import responses as R
 from .engine_thread import Token
 from .protocol import ApiError
 from .reasoning import ReasoningSplitter

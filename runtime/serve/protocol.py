@@ -11,8 +11,9 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi import HTTPException
-from ktrun.defaults import API_TEMPERATURE
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..defaults import API_TEMPERATURE
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256

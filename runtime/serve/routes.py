@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.routing import APIRoute
-from ktrun.defaults import API_TEMPERATURE, API_TOP_P
-from ktrun.serve import responses as R
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..defaults import API_TEMPERATURE, API_TOP_P
+from . import responses as R
 from .generation import ClientGone, Generation, Plan, decode
 from .protocol import (
     ApiError,
