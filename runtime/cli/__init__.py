@@ -1,4 +1,16 @@
-"""`ktrun` command line. Each subcommand lives in its own module and is imported only when used."""
+"""`ktrun` command line (the entry point `ktrun = ktrun.cli:main`). Each subcommand lives in its own module and is
+imported only when used, so `ktrun --help` never loads torch. The top wing of ktrun: nothing else imports it.
+
+    cmd_generate.py        `ktrun generate`: one prompt, streamed
+    cmd_bench.py           `ktrun bench`: ppN / tgN like llama-bench, and the decode step against its roofline
+    decode_bytes.py        bytes of weights one decoded token reads (the roofline of `ktrun bench`)
+    cmd_serve.py           `ktrun serve`: the OpenAI-compatible server (ktrun.serve) around an Engine
+    cmd_perplexity.py      `ktrun perplexity`: llama-perplexity's protocol, KL divergence against a base
+    hot_experts_option.py  --profile / --gpu-experts / --gpu-mem ...: the one parser, shared with `ktconvert quantize`
+    expert_ram_option.py   --expert-ram and its knobs (the RAM tier)
+    gpu_weights_option.py  --gpu-weights
+    lazy_group.py          the click group that imports a subcommand only when it runs (ktconvert uses it too)
+"""
 from __future__ import annotations
 
 import os
