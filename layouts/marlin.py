@@ -17,7 +17,7 @@ scales: (n_groups, N) float16, each run of 64 columns (grouped) or 32 columns (o
 
 Tiling constraints: N % 64 == 0 and K % 128 == 0 (Marlin's smallest thread tile is 64 N wide, and 128 K deep
 for the configurations the kernel picks for small batches); a group size must divide K. `check_marlin_shape` raises LayoutError naming the tensor when a shape does not tile;
-the converter pads with zeros instead (README: "Marlin padding").
+the converter pads with zeros instead (layouts/README.md, "Marlin padding").
 """
 from __future__ import annotations
 

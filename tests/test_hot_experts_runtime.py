@@ -3,7 +3,7 @@ placement (none, uniform, frequency, per-layer, dynamic after swaps) against the
 accounting, and dynamic swaps during a running batch; the same for gpt-oss (expert biases, clamped SwiGLU) on its
 fixture. Without CUDA the "GPU" side is torch on the CPU.
 
-The bound (README "Hot experts"): the GPU formats compute hot experts from the CPU tiles' own weights (Marlin: the
+The bound (runtime/README.md "Hot experts"): the GPU formats compute hot experts from the CPU tiles' own weights (Marlin: the
 same int codes, scales in float16; bf16: the dequantized weights rounded to bf16), without the kernels' int8
 activation quantization. So a hybrid run may differ from the all-CPU run by about as much as the all-CPU run
 differs from exact arithmetic (the torch reference on the dequantized weights), and no more:

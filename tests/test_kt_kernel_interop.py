@@ -38,7 +38,7 @@ INTEROP_DIR = Path(os.environ.get("KT_KERNEL_PATH", ROOT / "build" / "interop"))
 DIMS = {"hidden_size": 256, "moe_intermediate_size": 256}      # kt-kernel's AMX rules: H % 128, (I / N) % 128
 T = 7                                                            # tokens per layer
 # Bounds, relative Frobenius errors of kt-kernel's MoE output (measured on this machine, AVX-512 VNNI, kt-kernel's
-# avx512_bf16 build; the table is in README.md "Serving beyond one machine"):
+# avx512_bf16 build; the table is in runtime/serve/README.md "Serving beyond one machine"):
 #   kt-ref  against float64 on the exported weights; measured GPTQ_INT4 0.0035-0.0040, RAWINT4 0.0115-0.0118,
 #           AMXINT4 0.016-0.020, AMXINT8 0.015-0.020 (kt-kernel's int8 activations; GPTQ_INT4 keeps them float)
 #   kt-ours against our kernels on the conversion: KT_OURS_BOUND + 2 x the exported weights' error (0 for the exact

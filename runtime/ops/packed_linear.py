@@ -8,7 +8,7 @@ Forward, in order of preference:
      dense copy lives only for that call, so device memory stays that of the packed weights plus one layer.
 
 Shapes: qweight (K_pad/16, N_pad*16*bits/32) int32; scales (n_groups, N_pad) in Marlin column order;
-the Linear is (N, K) = weight_shape, zero padded by the converter up to (N_pad, K_pad) (README "Marlin padding").
+the Linear is (N, K) = weight_shape, zero padded by the converter up to (N_pad, K_pad) (layouts/README.md, "Marlin padding").
 """
 from __future__ import annotations
 
