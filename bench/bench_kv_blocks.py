@@ -127,11 +127,12 @@ LAYER_SHAPES = {
 
 def layer_setup(name: str):
     """(cfg, weights, attention fn, cache widths) of one random attention layer."""
+    from ktlayouts.families import parse_config
     from ktrun.models import arch_module
-    from ktrun.models.config import parse_config
 
     hub = dict(LAYER_SHAPES[name], vocab_size=16, num_hidden_layers=1, intermediate_size=64,
-               moe_intermediate_size=64, n_routed_experts=1, num_experts=1, num_experts_per_tok=1)
+               moe_intermediate_size=64, n_routed_experts=2, num_experts=2, num_experts_per_tok=1, n_group=1,
+               topk_group=1)
     cfg = parse_config(hub)
     arch = arch_module(cfg.model_type)
     g = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""The import rules of the house (DEVELOPERS.md), enforced on every `make test`.
+"""The import rules of the house (README.md, section "Repository"), enforced on every `make test`.
 
 1. The layer contracts in pyproject.toml ([tool.importlinter]) hold: `lint-imports`, the installed import-linter
    tool, is run on the tree and must keep every contract (ktlayouts imports neither ktconvert nor ktrun; ktrun never

@@ -5,7 +5,7 @@ stated logit gap.
 
 "The same quantized model" is the hub checkpoint with every converted tensor replaced by its value in the converted
 files, as ktconvert.converted_reader reads them (ktlayouts' reference unpack, itself checked against
-shared/golden bytes and gguf-py / compressed-tensors elsewhere); transformers then runs its own class on it. So the
+tests/golden bytes and gguf-py / compressed-tensors elsewhere); transformers then runs its own class on it. So the
 comparison isolates ktrun's forward on quantized weights (MLA, the V3.2 indexer, partial rotary, q/k norms,
 routing, the int4/int8 expert executors) from the quantization error itself, which tests/test_runtime_quantized.py
 bounds separately (KL against the bf16 conversion, = transformers' bf16 forward within 1e-4 by

@@ -1,10 +1,10 @@
 """FP8 block dequantization against golden vectors from an independent implementation (compressed-tensors)."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from golden_data import GOLDEN
 
 from ktconvert.sources.fp8 import (
     E4M3FN_TO_F32,
@@ -15,7 +15,6 @@ from ktconvert.sources.fp8 import (
     quantize_fp8_block,
 )
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 FP8_FILES = ["fp8block_n200_k130.npz", "fp8block_n256_k384.npz", "fp8block_n576_k896.npz"]
 
 

@@ -1,10 +1,9 @@
 """GPU-layer encoder on real fixture checkpoints: which tensors, planned shapes, every format's CPU dequantization."""
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from golden_data import GOLDEN, linear_entries
 from ktlayouts.gpu_formats import dequantize_linear, dequantize_named, quantized_linears
 
 from ktconvert.gpu.calib import CalibrationError
@@ -21,7 +20,6 @@ from ktconvert.gpu.rtn import quantize_rtn
 from ktconvert.sources import open_source
 from ktconvert.testing import make_checkpoint
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 FORMATS = ("marlin", "gptq", "compressed-tensors")
 
 
@@ -100,8 +98,7 @@ def test_unpaddable_format_names_the_tensor(ds3):
         enc.plan(name, "BF16", tuple(ds3.info(name).shape), ds3.arch.classify(name))
 
 
-@pytest.mark.parametrize("entry", [e for e in json.loads((GOLDEN / "index.json").read_text())
-                                   if e["file"].startswith("w")], ids=lambda e: e["file"])
+@pytest.mark.parametrize("entry", linear_entries(), ids=lambda e: e["file"])
 def test_encoder_path_is_byte_exact_from_the_float_weight(entry):
     """RTN from the golden float weight, then each format's packing: the reference tensors, byte for byte."""
     d = np.load(GOLDEN / entry["file"])

@@ -1,17 +1,15 @@
 """RTN and GPTQ for GPU layers: reference rounding, error compensation, damping and its failure modes."""
-import json
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from golden_data import GOLDEN, linear_entries
 
 from ktconvert.gpu.gptq import GptqConfig, GptqError, HessianAccumulator, gptq_quantize
 from ktconvert.gpu.rtn import quantize_rtn
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
-ENTRIES = [e for e in json.loads((GOLDEN / "index.json").read_text()) if e["file"].startswith("w")]
+ENTRIES = linear_entries()
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e["file"])

@@ -1,16 +1,14 @@
 """GPU layouts (gptq, marlin, compressed-tensors) against golden vectors from the public reference packers."""
 import hashlib
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from golden_data import GOLDEN, linear_entries
 from ktlayouts import compressed_tensors as ct
 from ktlayouts import gptq, marlin
 from ktlayouts.cpu_expert import LayoutError
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
-ENTRIES = [e for e in json.loads((GOLDEN / "index.json").read_text()) if e["file"].startswith("w")]
+ENTRIES = linear_entries()
 
 
 def _load(entry):

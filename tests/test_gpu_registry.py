@@ -1,11 +1,11 @@
 """The GPU Linear format registry (ktlayouts.gpu_formats): every registered format packs and unpacks losslessly,
 matches the stored shapes it announces, dequantizes the public reference packers' golden bytes
-(../shared/golden) to the reference formula, and names a bad layout name."""
+(tests/golden) to the reference formula, and names a bad layout name."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from golden_data import GOLDEN, linear_entries
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.gptq import GptqGeometry
 from ktlayouts.gpu_formats import (
@@ -20,8 +20,7 @@ from ktlayouts.gpu_formats import (
 
 from ktconvert.gpu.options import GPU_FORMATS
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
-ENTRIES = [e for e in json.loads((GOLDEN / "index.json").read_text()) if e["file"].startswith("w")]
+ENTRIES = linear_entries()
 # the golden arrays holding each family's parts (the rest of a family's parts: weight_shape, derived)
 GOLDEN_PARTS = {
     "marlin": {"qweight": "marlin_qweight", "scales": "marlin_scales"},

@@ -10,13 +10,12 @@ container (gptq / compressed-tensors words as stored, (K, N) and (N, K) bytes, M
 GPU formats' weights (ktlayouts.gpu_formats dequantization as the reference)."""
 from __future__ import annotations
 
-import json
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from golden_data import GOLDEN, linear_entries
 from ktlayouts.compressed_tensors import ct_pack
 from ktlayouts.cpu_expert import quantize_activations
 from ktlayouts.cpu_linear import (
@@ -35,8 +34,7 @@ from ktrun.ops.linear import LinearKernels
 from ktrun.ops.moe import MoEKernels
 from test_kernels_helpers import PackedLayer, assert_close, backend_params, routing
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
-GOLDEN_LINEARS = [e for e in json.loads((GOLDEN / "index.json").read_text()) if e["file"].startswith("w")]
+GOLDEN_LINEARS = linear_entries()
 TOKENS = (1, 2, 7, 16, 64, 129, 512)
 # (group, N, K): N never a multiple of 16 (partial last column block); K not a multiple of the group unit lcm(64, G)
 # (K_pad > K) except where K % G is the only constraint left (G = 64, 128: K % G != 0 pads the last group)
@@ -322,7 +320,7 @@ def test_gpu_layers_run_repacked(fmt, bits):
 
 @pytest.mark.parametrize("entry", GOLDEN_LINEARS, ids=lambda e: e["file"])
 def test_golden_gpu_tensors_repack_and_run(entry):
-    """shared/golden: tensors written by the public packers (vLLM's gptq/Marlin helpers, compressed-tensors). Every
+    """tests/golden: tensors written by the public packers (vLLM's gptq/Marlin helpers, compressed-tensors). Every
     container, repacked in C++, gives the reference tiles; the op on them is within the activation-quantization
     bound of x @ W^T for W = (code - Z) * scale (the golden README's formula, in float64)."""
     d = np.load(GOLDEN / entry["file"])

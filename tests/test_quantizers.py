@@ -3,7 +3,7 @@ quantization with calibration (experts see only the tokens routed to them).
 
 References: a brute-force grid over the scale (the search must get within 2% of its mean error and never be worse
 than the two closed-form rules it starts from), vLLM's reference RTN (ktconvert.gpu.rtn.quantize_rtn, itself checked
-against ../shared/golden), and a plain float computation of each expert's output on its routed tokens.
+against tests/golden), and a plain float computation of each expert's output on its routed tokens.
 """
 from __future__ import annotations
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from golden_data import GOLDEN, linear_entries
 from ktlayouts.gptq import GptqGeometry, dequantize_kn
 from ktlayouts.marlin import marlin_unpack
 from ktrun.dense_placement import PlacementError, choose_policy
@@ -25,8 +25,7 @@ from ktrun.ops.marlin import MarlinKernel, find_marlin_kernel
 from ktrun.ops.packed_linear import MarlinLinear, marlin_codes, marlin_scales
 from runtime_helpers import KTRUN, PROMPT, converted, kl
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
-ENTRIES = [e for e in json.loads((GOLDEN / "index.json").read_text()) if e["file"].startswith("w")]
+ENTRIES = linear_entries()
 GPU = {"gpu_method": "rtn-int4", "gpu_format": "marlin", "gpu_group_size": 64, "quantize_head": True}
 has_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
