@@ -3,10 +3,10 @@
 ktrun ships no CUDA code. vLLM and SGLang both expose `apply_gptq_marlin_linear(input, weight, weight_scale,
 weight_zp, g_idx, g_idx_sort_indices, workspace, <type>, output_size_per_partition, input_size_per_partition,
 is_k_full, ...)` next to helpers that build the workspace and empty g_idx / zero-point tensors. Our Marlin
-qweight and scales are byte-identical to what their GPTQ-Marlin loaders produce (tests against
-tests/golden/, copies of ../shared/golden/), so the kernel reads them as they are. The positional order and the name of the type argument
-have changed between releases (`wtype` / `quant_type` / `num_bits`), so arguments are passed by name, chosen from
-the installed function's signature.
+qweight and scales are byte-identical to what their GPTQ-Marlin loaders produce (tests against tests/golden/,
+copies of ../shared/golden/), so the kernel reads them as they are. The positional order and the name of the type
+argument have changed between releases (`wtype` / `quant_type` / `num_bits`), so arguments are passed by name, chosen
+from the installed function's signature.
 
 KTRUN_MARLIN=off disables the kernel (the layer then dequantizes per call); KTRUN_MARLIN=vllm|sglang picks one.
 """
