@@ -6,23 +6,18 @@ to an uninterrupted one, and it is written last: a directory without it is not a
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from ktlayouts import tiktoken_bpe
 from ktlayouts.constants import FORMAT_VERSION
 from ktlayouts.converted_dir import MANIFEST_NAME, SOURCE_RECORD_NAME, is_pad_tensor, validate_manifest
 from ktlayouts.expert_placement import PLACEMENT_KIND
-from ktlayouts.files import sha256_file
+from ktlayouts.files import allowed_roots, resolve_inside, sha256_file
 
 from ktconvert import __version__
 from ktconvert.gpu import converted_config_json
+from ktconvert.sources.side_files import side_files
 from ktconvert.writer import atomic_write_bytes, build_header
-
-# Top-level source files copied verbatim (config.json is rewritten: see _converted_config).
-SIDE_FILE_RE = re.compile(r"^(config\.json|generation_config\.json|tokenizer[\w.-]*|special_tokens_map\.json|"
-                          r"added_tokens\.json|vocab[\w.-]*|merges\.txt|chat_template[\w.-]*|[\w.-]+\.tiktoken|"
-                          r"tiktoken\.model|preprocessor_config\.json)$")
 
 
 def _converted_config(raw: bytes) -> bytes:
@@ -37,11 +32,16 @@ def _converted_config(raw: bytes) -> bytes:
 def _side_file_reader(src) -> dict:
     """{name: () -> bytes} of the source's config and tokenizer files: files beside the shards, or, for sources
     that carry them inside (GGUF metadata), what the source's side_files() builds. A tiktoken tokenizer without
-    tokenizer.json (Kimi-K2 / K2.5) also gets the tokenizer.json converted from it (ktlayouts.tiktoken_bpe)."""
+    tokenizer.json (Kimi-K2 / K2.5) also gets the tokenizer.json converted from it (ktlayouts.tiktoken_bpe).
+    Files beside the shards were checked when the source opened (ktconvert.sources.side_files: inside the source
+    or its hub cache, JSON that parses); they are read through their checked paths."""
     if hasattr(src, "side_files"):
         return {name: (lambda raw=raw: raw) for name, raw in src.side_files().items()}
     root = Path(src.path)
-    files = {p.name: p.read_bytes for p in root.iterdir() if p.is_file() and SIDE_FILE_RE.match(p.name)}
+    paths = getattr(src, "side_paths", None)
+    if paths is None:
+        paths = side_files(root, allowed_roots(root))
+    files = {name: p.read_bytes for name, p in paths.items()}
     if "tokenizer.json" not in files and "tiktoken.model" in files:
         files["tokenizer.json"] = lambda: tiktoken_bpe.tokenizer_files(root)["tokenizer.json"]
     return files
@@ -66,8 +66,8 @@ def source_record(src_dir: Path) -> dict:
     """repo_id / revision / commit of a pulled source, when its .ktconvert-source.json says so."""
     p = Path(src_dir) / SOURCE_RECORD_NAME
     try:
-        rec = json.loads(p.read_text()) if p.is_file() else {}
-    except (ValueError, UnicodeDecodeError):
+        rec = json.loads(resolve_inside(p, allowed_roots(src_dir)).read_text()) if p.is_file() else {}
+    except (ValueError, UnicodeDecodeError):     # OutsideRootError too: a link out of the source is no record
         rec = {}
     return {k: rec[k] for k in ("repo_id", "revision", "commit") if isinstance(rec, dict) and rec.get(k)}
 

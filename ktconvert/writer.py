@@ -10,6 +10,7 @@ is padded with spaces so the data buffer starts at a multiple of 64.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -146,12 +147,20 @@ class AlignedWriter:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write data to path via path.partial + fsync + rename (+ fsync of the directory)."""
+    """Write data to path via path.partial + fsync + rename (+ fsync of the directory). A failed write (disk full)
+    leaves no path.partial behind, and its OSError names `path`."""
     path = Path(path)
     tmp = path.with_name(path.name + PARTIAL_SUFFIX)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if e.filename is None:        # write() / fsync() errors name no file
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     fsync_dir(path.parent)

@@ -55,7 +55,10 @@ def eos_ids_of(model_dir: Path, cfg, tokenizer: Tokenizer) -> set[int]:
     ids = set(cfg.eos_token_ids)
     gc = model_dir / "generation_config.json"
     if gc.is_file():
-        v = json.loads(gc.read_text()).get("eos_token_id")
+        try:
+            v = json.loads(gc.read_bytes()).get("eos_token_id")
+        except (ValueError, AttributeError) as e:    # not JSON, or not an object
+            raise ValueError(f"{gc}: not a valid JSON object ({e})") from None
         ids |= set(v if isinstance(v, list) else [] if v is None else [v])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

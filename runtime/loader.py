@@ -40,7 +40,7 @@ from ktlayouts.converted_dir import (
 )
 from ktlayouts.expert_shards import unit_piece
 from ktlayouts.families import MODEL_TYPE_ALIASES, ModelConfig, get_family, load_config
-from ktlayouts.files import sha256_file
+from ktlayouts.files import OutsideRootError, allowed_roots, resolve_inside, sha256_file
 from ktlayouts.gpu_formats import is_gpu_layout
 
 from .dense_placement import PlacementError, place_quantized, use_cpu_kernels
@@ -98,6 +98,18 @@ class ConvertedModel:
     def close(self) -> None:
         if self.kernels is not None:
             self.kernels.close()
+
+
+def _check_inside(root: Path, rels) -> None:
+    """Every file ktrun reads resolves (links followed) inside the converted folder: a tokenizer_config.json linked
+    to /etc/passwd is refused, naming both (ktlayouts.files.resolve_inside; contents are the manifest's sha256's
+    business). A link to the whole folder is fine."""
+    roots = allowed_roots(root)
+    for rel in rels:
+        try:
+            resolve_inside(safe_relpath(root, rel), roots)
+        except OutsideRootError as e:
+            raise LoadError(str(e)) from None
 
 
 def _check_files(root: Path, manifest: dict, verify: bool, quiet: bool) -> None:
@@ -324,10 +336,12 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
     root = Path(model_dir)
     if not root.is_dir():
         raise LoadError(f"{root}: not a directory")
+    _check_inside(root, [converted_dir.MANIFEST_NAME])
     try:
         manifest, geo = load_manifest(root)
     except ManifestError as e:
         raise LoadError(f"{root}: {e}") from None
+    _check_inside(root, manifest["files"])
     cfg = _config_for(root, manifest, geo)
     _check_files(root, manifest, verify, quiet)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -14,12 +14,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from ktlayouts.bf16 import bf16_bits_to_f32
+from ktlayouts.files import allowed_roots
 
 from ktconvert.sources.base import SourceBase
 from ktconvert.sources.fp8 import FP8_FMTS, FP8_SCALE_FMTS, dequant_fp8_block, fp8_e4m3_to_f32
 from ktconvert.sources.fused_experts import FusedExpertScheme
 from ktconvert.sources.quantized import QuantTensorInfo, scheme_for
 from ktconvert.sources.roles import ArchAdapter, SourceError, adapter_for
+from ktconvert.sources.side_files import checked_path, side_files
 from ktconvert.sources.st_header import DTYPE_SIZES, TensorInfo, parse_shard
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -48,9 +50,10 @@ def fp8_block_size(qc: dict, where) -> tuple[int, int]:
     return tuple(block)
 
 
-def _safe_shard_path(root: Path, shard: str, where: str) -> Path:
+def _safe_shard_path(root: Path, shard: str, where: str, roots: tuple[Path, ...]) -> Path:
     if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
         raise SourceError(f"{where}: shard name {shard!r} is not a plain file name inside {root}")
+    checked_path(root / shard, roots)
     return root / shard
 
 
@@ -59,9 +62,12 @@ class Source(SourceBase):
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        # every file read (config, index, shards, side files) resolves inside these (ktconvert.sources.side_files)
+        self.roots = allowed_roots(self.path)
         cfg_path = self.path / "config.json"
         if not cfg_path.is_file():
             raise SourceError(f"{self.path}: no config.json (not a checkpoint directory)")
+        self.side_paths = side_files(self.path, self.roots)     # config.json among them: checked before reading
         try:
             self.config: dict = json.loads(cfg_path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -89,6 +95,7 @@ class Source(SourceBase):
     def _load_index(self) -> None:
         index_path = self.path / INDEX_NAME
         if index_path.is_file():
+            checked_path(index_path, self.roots)
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
             except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
@@ -102,7 +109,7 @@ class Source(SourceBase):
             raise SourceError(f"{self.path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
         per_shard: dict[str, dict[str, TensorInfo]] = {}
         for shard in shard_names:
-            p = _safe_shard_path(self.path, shard, str(index_path))
+            p = _safe_shard_path(self.path, shard, str(index_path), self.roots)
             if not p.is_file():
                 raise SourceError(f"{index_path}: shard {shard} named in the index is missing on disk ({p})")
             per_shard[shard], _ = parse_shard(p)

@@ -21,11 +21,13 @@ import numpy as np
 import torch
 from ktlayouts.families import gguf_arch
 from ktlayouts.families.gguf_names import IGNORED, Join
+from ktlayouts.files import allowed_roots
 
 from ktconvert.sources.base import SourceBase
 from ktconvert.sources.gguf_meta import Meta, config_from_gguf
 from ktconvert.sources.gguf_tokenizer import tokenizer_files
 from ktconvert.sources.roles import SourceError, adapter_for, as_source_error
+from ktconvert.sources.side_files import checked_path
 
 EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4}        # ggml types that are integers times one f16 scale per 32 values
 # MXFP4 block (17 bytes): E8M0 exponent e, 16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31, each an
@@ -60,6 +62,9 @@ def split_paths(path: Path) -> list[Path]:
     missing = [p.name for p in parts if not p.is_file()]
     if missing:
         raise SourceError(f"{path}: split GGUF set of {n} parts is incomplete: missing {', '.join(missing)}")
+    roots = allowed_roots(path.parent) + (path.resolve().parent,)    # the parts found beside the one named
+    for p in parts:
+        checked_path(p, roots)
     return parts
 
 

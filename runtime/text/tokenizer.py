@@ -16,11 +16,13 @@ from datetime import datetime
 from pathlib import Path
 
 from ktlayouts import tiktoken_bpe
+from ktlayouts.files import OutsideRootError, allowed_roots, resolve_inside
 from tokenizers import Tokenizer as HFTokenizer
 
 from .chat_templates import builtin_template
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "tiktoken.model")
 
 
 class TokenizerError(ValueError):
@@ -66,9 +68,35 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
+def _json_file(path: Path) -> dict:
+    """A JSON object file, or {} when absent; TokenizerError naming the file when it does not parse."""
+    if not path.is_file():
+        return {}
+    try:
+        out = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:     # bad UTF-8 or JSON
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise TokenizerError(f"{path}: not a JSON object")
+    return out
+
+
+def _check_links(d: Path) -> None:
+    """The files read here resolve inside the folder (or its hub cache): none is a link to elsewhere."""
+    roots = allowed_roots(d)
+    for name in FILES:
+        p = d / name
+        if p.is_symlink():
+            try:
+                resolve_inside(p, roots)
+            except OutsideRootError as e:
+                raise TokenizerError(str(e)) from None
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
         d = Path(model_dir)
+        _check_links(d)
         tj = d / "tokenizer.json"
         try:
             converted = tiktoken_bpe.tokenizer_files(d)        # tiktoken.model only (Kimi): converted exactly
@@ -81,10 +109,8 @@ class Tokenizer:
         else:
             raise TokenizerError(f"{d}: tokenizer.json is missing (ktrun reads fast tokenizers, and tiktoken.model "
                                  f"for Kimi)")
-        cfg_path = d / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        stm_path = d / "special_tokens_map.json"
-        stm = json.loads(stm_path.read_text()) if stm_path.is_file() else {}
+        cfg = _json_file(d / "tokenizer_config.json")
+        stm = _json_file(d / "special_tokens_map.json")
         self.special_tokens = {k: _token_str(cfg.get(k, stm.get(k))) for k in SPECIAL_KEYS}
         self.special_tokens = {k: v for k, v in self.special_tokens.items() if v is not None}
         self.bos_token_id = self._id(self.special_tokens.get("bos_token"))
