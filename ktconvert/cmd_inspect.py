@@ -7,37 +7,31 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
-from ktlayouts.constants import (
-    CPU_EXPERT_LAYOUTS,
-    DEFAULT_GROUP_SIZE,
-    DEFAULT_SCALE_DTYPE,
-    METHOD_TO_LAYOUT,
-    SCALE_DTYPES,
-    SUB6_GROUP,
-    scale_dtype_bits,
-)
+from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, SCALE_DTYPES, default_group_size
 from ktlayouts.converted_dir import MANIFEST_NAME, ExpertGeometry, ManifestError
 from ktlayouts.cpu_expert import LayoutError
+from ktlayouts.expert_formats import UNDECLARED_SCALE_DTYPE, expert_formats, scale_encoding, scale_encodings
 from ktrun.byte_sizes import human, parse_bytes
 from ktrun.defaults import KV_BUDGET_TOKENS
 
 
-def expert_bytes_per_method(geo_args: dict, group_size: int, scale_dtype: str = "f32") -> dict[str, int]:
+def expert_bytes_per_method(geo_args: dict, group_size: int, scale_dtype: str = UNDECLARED_SCALE_DTYPE
+                            ) -> dict[str, int]:
     """CPU bytes of all routed experts for each --method (one NUMA shard; more shards add no bytes), with scales of
     `scale_dtype` (the CLI passes quantize's default) where the method's layout stores it (two-level sub6: int4 only;
     int8 then shows the default 16-bit scales)."""
     out = {}
-    for method in METHOD_TO_LAYOUT:
-        bits = CPU_EXPERT_LAYOUTS[METHOD_TO_LAYOUT[method]][0]
-        sd = scale_dtype if bits == 16 or bits in scale_dtype_bits(scale_dtype) else DEFAULT_SCALE_DTYPE
-        geo = ExpertGeometry(method=method, group_size=group_size, numa_nodes=1, scale_dtype=sd, **geo_args)
+    enc = scale_encoding(scale_dtype)
+    for fmt in expert_formats():
+        sd = scale_dtype if not fmt.quantized or fmt.bits in enc.weight_bits() else DEFAULT_SCALE_DTYPE
+        geo = ExpertGeometry(method=fmt.method, group_size=group_size, numa_nodes=1, scale_dtype=sd, **geo_args)
         per_expert = sum(g.qweight_nbytes + g.scales_nbytes
                          for g in (geo.matrix_geometry(p, 0) for p in ("gate", "up", "down")))
-        out[method] = per_expert * geo.n_experts * len(geo.moe_layers)
+        out[fmt.method] = per_expert * geo.n_experts * len(geo.moe_layers)
     return out
 
 
-def inspect_source(path: Path, group_size: int, scale_dtype: str = "f32") -> dict:
+def inspect_source(path: Path, group_size: int, scale_dtype: str = UNDECLARED_SCALE_DTYPE) -> dict:
     from ktconvert.exact_paths import choose_method, quant_format
     from ktconvert.sources import open_source
 
@@ -131,7 +125,8 @@ def inspect_converted(path: Path) -> dict:
 @click.option("--cpu-mem", default=None, help="CPU memory (RAM) to check against, e.g. 512GB.")
 @click.option("--group-size", type=int, default=None,
               help=f"Group size for the int4/int8 sizes (default: what `ktconvert quantize` writes, {DEFAULT_GROUP_SIZE}, "
-                   f"or {SUB6_GROUP} with --scale-dtype sub6).")
+                   + ", ".join(f"or {r.fixed_group} with --scale-dtype {r.name}" for r in scale_encodings()
+                               if r.fixed_group) + ").")
 @click.option("--scale-dtype", type=click.Choice(list(SCALE_DTYPES)), default=DEFAULT_SCALE_DTYPE,
               show_default=True, help="Expert scale dtype for the int4/int8 sizes (sub6: two-level, int4 only).")
 @click.option("--kv-mem", default=None, metavar="SIZE",
@@ -161,7 +156,7 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
     from ktconvert.sources.roles import SourceError
 
     if group_size is None:
-        group_size = SUB6_GROUP if scale_dtype == "sub6" else DEFAULT_GROUP_SIZE
+        group_size = default_group_size(scale_dtype)
     gpu_limit = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem else None
     cpu_limit = parse_bytes(cpu_mem, "--cpu-mem") if cpu_mem else None
     p = Path(path)

@@ -15,13 +15,25 @@ from ktlayouts.converted_dir import (
     read_safetensors_header,
     safe_relpath,
 )
+from ktlayouts.expert_formats import expert_formats
 
-# Default limit on ||W_hat - W|| / ||W|| per tensor: a wrong layout or scale gives errors near 1 or above.
-DEFAULT_MAX_REL_ERROR = {"int4-amx": 0.15, "int8-amx": 0.01, "bf16": 0.005}
+# Default limit on ||W_hat - W|| / ||W|| per tensor, per --method: each expert format's record (max_rel_error; int4
+# 0.15, int8 0.01, bf16 0.005). A wrong layout or scale gives errors near 1 or above.
+DEFAULT_MAX_REL_ERROR = {m: f.max_rel_error for f in expert_formats() for m in f.methods}
 DENSE_MAX_REL_ERROR = 0.01     # BF16 rounding of non-expert tensors
 # Experts quantized by GPTQ (manifest "expert_quantizer": "gptq") trade weight error for output error on the routed
-# tokens, as the GPU layers' GPTQ does: a looser weight-space limit (a wrong layout or scale still gives ~1).
-GPTQ_EXPERT_MAX_REL_ERROR = {"int4-amx": 0.25, "int8-amx": 0.02}
+# tokens, as the GPU layers' GPTQ does: a looser weight-space limit (a wrong layout or scale still gives ~1); the
+# records' gptq_max_rel_error (int4 0.25, int8 0.02).
+GPTQ_EXPERT_MAX_REL_ERROR = {m: f.gptq_max_rel_error for f in expert_formats() for m in f.methods
+                             if f.gptq_max_rel_error is not None}
+
+
+def _limits_help() -> str:
+    fmts = sorted(expert_formats(), key=lambda f: f.bits)
+    plain = ", ".join(f"{f.name} {f.max_rel_error:g}" for f in fmts)
+    gptq = ", ".join(f"{f.name} {f.gptq_max_rel_error:g}" for f in fmts
+                     if f.gptq_max_rel_error is not None)
+    return f"default: {plain}; GPTQ-quantized experts: {gptq}"
 
 
 def check_structure(root: Path, manifest: dict) -> list[str]:
@@ -111,8 +123,7 @@ def compare_to_source(conv, src_path: str, per_expert: bool = False) -> list[tup
               help="Source checkpoint (directory or GGUF) to compare dequantized weights to; a quantized source is "
                    "compared with its own dequantization.")
 @click.option("--max-rel-error", type=float, default=None,
-              help="Fail above this relative error for experts (default: int4 0.15, int8 0.01, bf16 0.005; "
-                   "GPTQ-quantized experts: int4 0.25, int8 0.02).")
+              help=f"Fail above this relative error for experts ({_limits_help()}).")
 @click.option("--per-expert", is_flag=True, help="With --against: one line per routed expert tensor, not per layer.")
 @click.option("--quiet", is_flag=True, help="Print only failures and the summary.")
 def verify(directory, src, max_rel_error, per_expert, quiet):

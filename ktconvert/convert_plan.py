@@ -15,7 +15,8 @@ from ktlayouts.constants import (
     META_LAYOUT_VERSION,
 )
 from ktlayouts.converted_dir import GLOBALS_FILE, META_GEOMETRY, PROJECTIONS, ExpertGeometry, dense_file, expert_file
-from ktlayouts.cpu_expert import LayoutError, check_group_size
+from ktlayouts.cpu_expert import LayoutError
+from ktlayouts.expert_formats import UNDECLARED_SCALE_DTYPE, expert_format_of_method
 
 from ktconvert.writer import TensorSpec
 
@@ -84,12 +85,13 @@ def _check_expert_shapes(src, adapter, geo: ExpertGeometry, present: set[str]) -
 
 
 def make_plan(src, adapter, method: str, group_size: int, numa_nodes: int, encoder,
-              scale_dtype: str = "f32") -> ConvertPlan:
-    if method != "bf16":
-        try:
-            check_group_size(group_size)
-        except LayoutError as e:
-            raise ConvertError(f"--group-size: {e}") from None
+              scale_dtype: str = UNDECLARED_SCALE_DTYPE) -> ConvertPlan:
+    try:
+        fmt = expert_format_of_method(method)
+        if fmt.quantized:
+            fmt.check_group_size(group_size)
+    except LayoutError as e:
+        raise ConvertError(f"--group-size: {e}") from None
     try:
         geo = ExpertGeometry(method, group_size, adapter.n_experts, adapter.hidden_size, adapter.moe_intermediate_size,
                              numa_nodes, tuple(adapter.moe_layers()), scale_dtype=scale_dtype)

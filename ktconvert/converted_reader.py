@@ -81,7 +81,7 @@ class ConvertedDir:
         for p in PROJECTIONS:
             geom = geo.matrix_geometry(p, shard)
             q = f.get_slice(expert_tensor(p, "qweight"))[expert: expert + 1][0].numpy()
-            s = None if geo.bits == 16 else to_numpy(f.get_slice(expert_tensor(p, "scales"))[expert: expert + 1][0])
+            s = None if not geo.format.quantized else to_numpy(f.get_slice(expert_tensor(p, "scales"))[expert: expert + 1][0])
             out[p] = unpack_expert_matrix(q, s, geom)
         return out
 

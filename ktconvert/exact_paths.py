@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from ktlayouts.constants import GROUP_PER_ROW
 from ktlayouts.cpu_expert import MatrixGeometry, pack_scales, scales_representable, unpack_scales
+from ktlayouts.expert_formats import INT4, UNDECLARED_SCALE_DTYPE, LayoutError, expert_format_of_bits
 
 from ktconvert.sources.quantized.grid import IntGrid, fits_bits, symmetric_codes, target_scales
 
@@ -40,11 +41,11 @@ def int_grid(src, name: str) -> IntGrid | None:
 
 # --- routed experts: the CPU layouts -----------------------------------------------------------------------------
 
-def cpu_scales_ok(scales: np.ndarray, bits: int, group_size: int, scale_dtype: str = "f32") -> bool:
+def cpu_scales_ok(scales: np.ndarray, bits: int, group_size: int, scale_dtype: str = UNDECLARED_SCALE_DTYPE) -> bool:
     """Whether the CPU expert layout stores these scale values unchanged (its own pack/unpack of scales in
     `scale_dtype`: f32 = layout version 1, f16 / bf16 = version 2)."""
     n, ng = scales.shape
-    if scale_dtype != "f32" and not scales_representable(scales, scale_dtype):
+    if not scales_representable(scales, scale_dtype):
         return False              # pack_scales would round them (or, for float16, overflow)
     geom = MatrixGeometry(n, ng * group_size, bits, group_size, scale_dtype)
     padded = np.zeros((geom.n_pad, geom.n_groups), dtype=np.float32)
@@ -53,14 +54,14 @@ def cpu_scales_ok(scales: np.ndarray, bits: int, group_size: int, scale_dtype: s
     return bool(np.array_equal(back, scales.astype(back.dtype)) and np.array_equal(back.astype(np.float32), scales))
 
 
-def expert_codes(src, names: dict[str, str], bits: int, group_size: int, scale_dtype: str = "f32"
+def expert_codes(src, names: dict[str, str], bits: int, group_size: int, scale_dtype: str = UNDECLARED_SCALE_DTYPE
                  ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]] | None, str, str]:
     """{proj: (codes (N, K) uint8, scales (N, K/G) float32)} of one expert taken over exactly into int`bits` with
     groups of `group_size`, or None; plus why not (empty when exact) and what the source format is."""
     formats = {p: quant_format(src, n) for p, n in names.items()}
     what = next((f.label for f in formats.values() if f is not None), "")
-    if bits == 16:
-        return None, "the bf16 layout holds no integer codes", what
+    if not expert_format_of_bits(bits).quantized:
+        return None, f"the {expert_format_of_bits(bits).name} layout holds no integer codes", what
     if group_size == GROUP_PER_ROW:
         return None, "per-row scales are computed per NUMA shard", what
     if any(f is None or f.kind not in ("int", "mxfp4") for f in formats.values()):
@@ -74,8 +75,8 @@ def expert_codes(src, names: dict[str, str], bits: int, group_size: int, scale_d
         if got is None:
             return None, why, grid.what
         if not cpu_scales_ok(got[1], bits, group_size, scale_dtype):
-            return None, ("the layout cannot store the source's scale values unchanged"
-                          + ("" if scale_dtype == "f32" else f" as {scale_dtype} (--scale-dtype)")), grid.what
+            as_what = "" if scale_dtype == UNDECLARED_SCALE_DTYPE else f" as {scale_dtype} (--scale-dtype)"
+            return None, "the layout cannot store the source's scale values unchanged" + as_what, grid.what
         out[p] = got
         what = grid.what
     return out, "", what
@@ -99,7 +100,7 @@ def choose_method(src) -> tuple[str, int, str]:
     layers = a.moe_layers()
     names = [a.expert_tensor_name(layers[0], 0, p) for p in ("gate", "up", "down")] if layers else []
     fmts = [quant_format(src, n) for n in names]
-    default = ("int4-amx", 128)
+    default = (INT4.method, 128)
     if not fmts or any(f is None for f in fmts):
         return (*default, "the routed experts are not quantized in the source")
     f = fmts[0]
@@ -112,9 +113,13 @@ def choose_method(src) -> tuple[str, int, str]:
         group = _cpu_group_for(f, a.hidden_size, a.moe_intermediate_size)
     else:
         return (*default, f"{f.label} is not an integer grid: re-quantized")
-    if bits not in (4, 8) or group is None:
+    try:
+        fmt = expert_format_of_bits(bits)
+    except LayoutError:
+        fmt = None
+    if fmt is None or not fmt.quantized or group is None:
         return (*default, f"no CPU layout holds {f.label} exactly")
-    return f"int{bits}-amx", group, f"exact target of {f.label}"
+    return fmt.method, group, f"exact target of {f.label}"
 
 
 # --- GPU layers ----------------------------------------------------------------------------------------------------

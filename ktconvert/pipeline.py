@@ -26,11 +26,18 @@ from ktlayouts.constants import (
     GROUP_PER_ROW,
     METHOD_TO_LAYOUT,
     SCALE_DTYPES,
-    SUB6_GROUP,
+    default_group_size,
 )
 from ktlayouts.converted_dir import MANIFEST_NAME, PROJECTIONS, ExpertGeometry, expert_tensor
 from ktlayouts.cpu_expert import pack_expert_codes, unpack_codes, unpack_expert_matrix, unpack_scales
 from ktlayouts.cpu_expert import pack_expert_matrix as reference_pack
+from ktlayouts.expert_formats import (
+    DEFAULT_METHOD,
+    UNDECLARED_SCALE_DTYPE,
+    expert_format_of_method,
+    expert_formats,
+    scale_encoding,
+)
 from ktlayouts.expert_shards import shard_codes, shard_matrices
 from tqdm import tqdm
 
@@ -50,7 +57,7 @@ TEST_KILL_ENV = "KTCONVERT_TEST_KILL_AT"   # "event:n": SIGKILL self at the n-th
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    method: str = "int4-amx"       # or "auto": the exact target of an already-quantized source (exact_paths)
+    method: str = DEFAULT_METHOD   # or "auto": the exact target of an already-quantized source (exact_paths)
     group_size: int | None = DEFAULT_GROUP_SIZE   # None: the default, or the source's group with method "auto"
     numa_nodes: int = 1
     gpu_method: str = "bf16"       # encoder of non-expert tensors: bf16 | auto | gptq-int4 | rtn-int4 | rtn-int8
@@ -77,12 +84,18 @@ class ConvertOptions:
             raise ConvertError(f"--workers must be >= 1, got {self.workers}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ConvertError(f"--scale-dtype {self.scale_dtype!r}: choose one of {', '.join(SCALE_DTYPES)}")
-        if self.bf16_scales and self.method == "bf16":
-            raise ConvertError("--bf16-scales rounds the scales of quantized experts; --method bf16 has none")
-        if self.scale_dtype == "sub6" and (self.method not in ("int4-amx", "auto") or self.bf16_scales):
-            raise ConvertError(f"--scale-dtype sub6 (two-level scales) is an int4 layout without bf16 scales: use it "
-                               f"with --method int4-amx and without --bf16-scales (got --method {self.method}"
-                               f"{' --bf16-scales' if self.bf16_scales else ''})")
+        fmt = None if self.method == "auto" else expert_format_of_method(self.method)
+        if self.bf16_scales and fmt is not None and not fmt.quantized:
+            raise ConvertError(f"--bf16-scales rounds the scales of quantized experts; --method {self.method} has none")
+        enc = scale_encoding(self.scale_dtype)
+        wrong_bits = fmt is not None and fmt.bits not in enc.weight_bits()
+        if (enc.bits is not None and wrong_bits) or (not enc.elementwise and self.bf16_scales):
+            fmts = [f for f in expert_formats() if f.bits in enc.weight_bits()]
+            raise ConvertError(
+                f"--scale-dtype {enc.name} ({enc.what}) is an {' or '.join(f.name for f in fmts)} layout"
+                f"{'' if enc.elementwise else ' without bf16 scales'}: use it with --method "
+                f"{' or '.join(f.method for f in fmts)}{'' if enc.elementwise else ' and without --bf16-scales'} "
+                f"(got --method {self.method}{' --bf16-scales' if self.bf16_scales else ''})")
 
 
 class _KillHook:
@@ -105,7 +118,7 @@ def pack_expert_matrix(w: np.ndarray, geom, quantizer=None, proj: str = "", stat
                        ) -> tuple[np.ndarray, np.ndarray | None]:
     """One expert matrix (N, K) -> (qweight, scales) with the conversion's quantizer (None or mode rtn: the
     layout's reference rule, ktlayouts.cpu_expert.pack_expert_matrix). bf16_scales: scales on the bf16 grid."""
-    if quantizer is None or quantizer.mode == "rtn" or geom.bits == 16:
+    if quantizer is None or quantizer.mode == "rtn" or not geom.format.quantized:
         return reference_pack(w, geom, bf16_scales)
     return quantizer.pack(proj, w, geom, stats, k_range, bf16_scales=bf16_scales)
 
@@ -122,7 +135,7 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: 
     if bf16_scales and exact:
         exact, why = None, "--bf16-scales re-fits the scales"
     w = None if exact else {p: src.read(n).numpy() for p, n in names.items()}
-    custom = quantizer is not None and quantizer.mode != "rtn" and not exact and geo.bits != 16
+    custom = quantizer is not None and quantizer.mode != "rtn" and not exact and geo.format.quantized
     stats = quantizer.expert_stats(layer, e, w) if custom else None
     if custom and geo.numa_nodes > 1 and geo.group_size != GROUP_PER_ROW and all(
             k % geo.group_size == 0 for k in (geo.hidden, geo.intermediate)):
@@ -259,7 +272,7 @@ class Converter:
 
     def target(self) -> str:
         g = self.plan.geometry
-        return g.method if g.bits == 16 else f"{g.method} group {g.group_size}"
+        return f"{g.method} group {g.group_size}" if g.format.quantized else g.method
 
     def _drain_one(self, window, writers, per_expert) -> None:
         e, fut = window.popleft()
@@ -284,8 +297,7 @@ def resolve_method(src, opts: ConvertOptions) -> ConvertOptions:
     """--method auto -> the exact target of the source's routed experts (or int4-amx); a group size left open
     (None) -> the chosen one (auto) or DEFAULT_GROUP_SIZE. The log says which and why."""
     if opts.method != "auto":       # two-level scales sit on groups of 32: their default group
-        default = SUB6_GROUP if opts.scale_dtype == "sub6" else DEFAULT_GROUP_SIZE
-        return opts if opts.group_size is not None else replace(opts, group_size=default)
+        return opts if opts.group_size is not None else replace(opts, group_size=default_group_size(opts.scale_dtype))
     method, group, why = choose_method(src)
     group = group if opts.group_size is None else opts.group_size
     log.info("--method auto: %s --group-size %d (%s)", method, group, why)
@@ -298,7 +310,7 @@ def conversion_params(src, opts: ConvertOptions) -> dict:
     return {"format_version": FORMAT_VERSION, "source": str(Path(src.path).resolve()),
             "source_files": [list(x) for x in shard_files], "method": opts.method,
             "group_size": opts.group_size, "numa_nodes": opts.numa_nodes, "gpu_method": opts.gpu_method,
-            **({} if opts.scale_dtype == "f32" else {"scale_dtype": opts.scale_dtype}),
+            **({} if opts.scale_dtype == UNDECLARED_SCALE_DTYPE else {"scale_dtype": opts.scale_dtype}),
             **({} if opts.gpu_method == "bf16" else
                {k: getattr(opts, k) for k in ("gpu_group_size", "gpu_format", "quantize_head", "gpu_act_order")}),
             **({} if opts.expert_quantizer in ("rtn", "none") else
@@ -317,7 +329,8 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
         encoder = dense_encoder_for(src, **{k: getattr(opts, k) for k in GPU_OPTION_FIELDS})
         quantizer = make_expert_quantizer(src, opts, encoder)
         opts = replace(opts, gpu_method=encoder.name,     # "auto" resolved (the log says which)
-                       expert_quantizer=quantizer.mode if quantizer else "rtn" if opts.method != "bf16" else "none")
+                       expert_quantizer=quantizer.mode if quantizer else
+                       "rtn" if expert_format_of_method(opts.method).quantized else "none")
         plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder, opts.scale_dtype)
         if opts.hot_experts is not None:
             load_checked_profile(opts.hot_experts, src)   # a profile of another model fails before any work

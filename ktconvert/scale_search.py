@@ -21,10 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from ktlayouts import cpu_expert
-from ktlayouts.constants import SUB6_RANGE, SUB6_SUPER_SIG_BITS
-
-SCALE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-FP16_MAX = 65504.0
+from ktlayouts.constants import DEFAULT_SCALE_DTYPE, SUB6_RANGE, SUB6_SUPER_SIG_BITS
+from ktlayouts.expert_formats import F32_SCALES, scale_encoding
 
 
 def trial_divisors(bits: int, steps: int = 10, span: float = 0.125) -> list[float]:
@@ -36,12 +34,14 @@ def trial_divisors(bits: int, steps: int = 10, span: float = 0.125) -> list[floa
 
 
 def round_scales(s: torch.Tensor, scale_dtype: str) -> torch.Tensor:
-    """Round to the stored dtype and back to float32 (float16: clamped to its finite range)."""
-    if scale_dtype == "f32":
-        return s
-    if scale_dtype == "f16":
-        s = s.clamp(-FP16_MAX, FP16_MAX)
-    return s.to(SCALE_DTYPES[scale_dtype]).to(torch.float32)
+    """Round to the stored dtype (the scale encoding's torch dtype, ScaleEncoding.runtime_name) and back to float32
+    (float16: clamped to its finite range, ScaleEncoding.finite_max)."""
+    enc = scale_encoding(scale_dtype)
+    if not enc.elementwise:
+        raise ValueError(f"{enc.what} ({enc.name}) are not rounded value by value: use search_two_level")
+    if enc.finite_max is not None:
+        s = s.clamp(-enc.finite_max, enc.finite_max)
+    return s.to(getattr(torch, enc.runtime_name)).to(torch.float32)
 
 
 def codes_for(x: torch.Tensor, s: torch.Tensor, bits: int) -> torch.Tensor:
@@ -58,7 +58,7 @@ def weighted_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, q: torch.T
     return (w.double() * d * d).sum(1)
 
 
-def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtype: str = "f16",
+def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtype: str = DEFAULT_SCALE_DTYPE,
                   divisors: list[float] | None = None, refine: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (scales (R,), signed codes (R, L)) minimizing sum w (x - s q)^2 per group over the trial scales."""
     x = x.to(torch.float32)
@@ -176,7 +176,7 @@ def super_scale(s: torch.Tensor, c: torch.Tensor, grid: TwoLevelGrid = SUB6, ste
 
 def free_scales(xg: torch.Tensor, wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups xg (G, L) -> (each group's best free scale (G,) float32, the curvature sum w code^2 (G,) float64)."""
-    s, code = search_scales(xg, wg, bits, "f32")
+    s, code = search_scales(xg, wg, bits, F32_SCALES.name)            # free: float32, not rounded
     return s, (wg * code * code).sum(1).double()
 
 

@@ -29,7 +29,8 @@ __all__ = [
     "DEFAULT_GROUP_SIZE", "DEFAULT_SCALE_DTYPE", "FILE_ALIGN", "FORMAT_VERSION", "GROUP_PER_ROW", "META_FORMAT_VERSION",
     "META_LAYOUT", "META_LAYOUT_VERSION", "METHOD_TO_LAYOUT", "SCALE_DTYPES", "SCALE_DTYPES_OF_VERSION",
     "SCALE_DTYPE_BYTES", "SUB6_GROUP", "SUB6_RANGE", "SUB6_RECORD_BYTES", "SUB6_SUPER_GROUPS", "SUB6_SUPER_SIG_BITS",
-    "TILE_K", "TILE_N", "TILE_ROWS", "TILE_ROW_BYTES", "VNNI_BF16", "VNNI_INT8", "ZERO_POINT", "scale_dtype_bits",
+    "TILE_K", "TILE_N", "TILE_ROWS", "TILE_ROW_BYTES", "VNNI_BF16", "VNNI_INT8", "ZERO_POINT", "default_group_size",
+    "scale_dtype_bits",
     "scale_layout_version",
 ]
 
@@ -81,6 +82,12 @@ ZERO_POINT = {f.bits: f.zero_point for f in _formats() if f.quantized}
 # compressed-tensors all take it).
 DEFAULT_GROUP_SIZE = 64
 DEFAULT_GPU_GROUP_SIZE = 32
+
+
+def default_group_size(scale_dtype: str) -> int:
+    """The expert group `ktconvert quantize` writes with these scales when --group-size is left open: the scale
+    encoding's own group (two-level sub6: 32), else DEFAULT_GROUP_SIZE."""
+    return _scale_encoding(scale_dtype).fixed_group or DEFAULT_GROUP_SIZE
 
 # Activation quantization used by the int kernels (documented in README.md): int8, symmetric,
 # one scale per token per weight group, scale = max|x_g| / 127, round half to even.

@@ -153,7 +153,8 @@ class ExpertGeometry:
         try:
             g = cls(method=d["method"], group_size=int(d["group_size"]), n_experts=int(d["n_experts"]),
                     hidden=int(d["hidden"]), intermediate=int(d["intermediate"]), numa_nodes=int(d["numa_nodes"]),
-                    moe_layers=tuple(int(x) for x in d["moe_layers"]), scale_dtype=str(d.get("scale_dtype", UNDECLARED_SCALE_DTYPE)))
+                    moe_layers=tuple(int(x) for x in d["moe_layers"]),
+                    scale_dtype=str(d.get("scale_dtype", UNDECLARED_SCALE_DTYPE)))
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"manifest 'experts' section is malformed: {e!r}") from None
         if g.method not in methods():

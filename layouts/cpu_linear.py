@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .constants import CPU_LINEAR_LAYOUTS, GROUP_PER_ROW, ZERO_POINT
+from .constants import CPU_LINEAR_LAYOUTS, GROUP_PER_ROW
 from .cpu_expert import (
     LayoutError,
     MatrixGeometry,
@@ -28,6 +28,7 @@ from .cpu_expert import (
     unpack_codes,
     unpack_scales,
 )
+from .expert_formats import UNDECLARED_SCALE_DTYPE, scale_encodings
 
 
 def layout_name(bits: int) -> str:
@@ -38,13 +39,20 @@ def layout_name(bits: int) -> str:
     raise LayoutError(f"no cpu-linear layout for {bits} bits (4 or 8)")
 
 
-def linear_geometry(n: int, k: int, bits: int, group_size: int, scale_dtype: str = "f32") -> MatrixGeometry:
-    """Geometry of one (N, K) Linear: a single cpu-expert matrix (int4 / int8 only); scales f32 or f16."""
+def linear_geometry(n: int, k: int, bits: int, group_size: int,
+                    scale_dtype: str = UNDECLARED_SCALE_DTYPE) -> MatrixGeometry:
+    """Geometry of one (N, K) Linear: a single cpu-expert matrix (int4 / int8 only); scales f32 or f16 (the scale
+    encodings the kernels' dense Linear op reads, ScaleEncoding.dense_linear)."""
     if bits not in (4, 8):
         raise LayoutError(f"cpu-linear layouts are int4 or int8, got {bits} bits")
-    if scale_dtype not in ("f32", "f16"):
-        raise LayoutError(f"cpu-linear scales are f32 or f16, got {scale_dtype!r}")
+    if scale_dtype not in linear_scale_dtypes():
+        raise LayoutError(f"cpu-linear scales are {' or '.join(linear_scale_dtypes())}, got {scale_dtype!r}")
     return MatrixGeometry(n=n, k=k, bits=bits, group_size=group_size, scale_dtype=scale_dtype)
+
+
+def linear_scale_dtypes() -> tuple[str, ...]:
+    """The scale dtypes of the cpu-linear layouts: f32, f16."""
+    return tuple(r.name for r in scale_encodings() if r.dense_linear)
 
 
 def gpu_group_count(geom: MatrixGeometry) -> int:
@@ -67,7 +75,7 @@ def pack_linear_codes(codes_nk: np.ndarray, scales_ng: np.ndarray, geom: MatrixG
     if codes_nk.shape != (geom.n, geom.k) or scales_ng.shape != (geom.n, ng):
         raise LayoutError(f"codes {codes_nk.shape} / scales {scales_ng.shape} do not fit {geom}: expected "
                           f"({geom.n}, {geom.k}) / ({geom.n}, {ng})")
-    c = np.full((geom.n_pad, geom.k_pad), ZERO_POINT[geom.bits], dtype=np.uint8)
+    c = np.full((geom.n_pad, geom.k_pad), geom.format.zero_point, dtype=np.uint8)
     c[: geom.n, : geom.k] = codes_nk
     s = np.zeros((geom.n_pad, geom.n_groups), dtype=np.float32)
     s[: geom.n, :ng] = scales_ng
@@ -83,14 +91,14 @@ def unpack_linear_codes(qweight: np.ndarray, scales: np.ndarray, geom: MatrixGeo
 def unpack_linear(qweight: np.ndarray, scales: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     """Packed tensors -> dequantized W (N, K) float32: (code - Z) * scale, one float32 product per weight."""
     codes, s = unpack_linear_codes(qweight, scales, geom)
-    q = codes.astype(np.float32) - np.float32(ZERO_POINT[geom.bits])
+    q = codes.astype(np.float32) - np.float32(geom.format.zero_point)
     return q * np.repeat(s, geom.group, axis=1)[:, : geom.k]
 
 
 # --- GPU codes <-> CPU tiles --------------------------------------------------------------------
 
 def repack_gpu_codes(codes_kn: np.ndarray, scales_gn: np.ndarray, bits: int, group_size: int,
-                     scale_dtype: str = "f32") -> tuple[MatrixGeometry, np.ndarray, np.ndarray]:
+                     scale_dtype: str = UNDECLARED_SCALE_DTYPE) -> tuple[MatrixGeometry, np.ndarray, np.ndarray]:
     """GPU codes -> CPU tiles, bit-exact (the reference of libktkernels' kt_linear_repack).
 
     codes_kn: (K, N) uint8 with zero point 2^(bits-1) (ktlayouts.gptq convention: gptq_unpack, ct_unpack and
@@ -108,8 +116,8 @@ def repack_gpu_codes(codes_kn: np.ndarray, scales_gn: np.ndarray, bits: int, gro
     if scales_gn.dtype != np.float16 or scales_gn.shape != (gpu_group_count(geom), n):
         raise LayoutError(f"GPU scales must be ({gpu_group_count(geom)}, {n}) float16, got {scales_gn.dtype} "
                           f"{scales_gn.shape}")
-    if bits == 4 and codes_kn.max(initial=0) > 15:
-        raise LayoutError("int4 GPU codes must be in 0..15")
+    if codes_kn.max(initial=0) >= 1 << bits:
+        raise LayoutError(f"int{bits} GPU codes must be in 0..{(1 << bits) - 1}")
     qweight, scales = pack_linear_codes(codes_kn.T, scales_gn.T.astype(np.float32), geom)
     return geom, qweight, scales
 

@@ -79,7 +79,7 @@ class ScaleEncoding:
         if bits in self.weight_bits() and self.fixed_group in (None, group_size):
             return
         fmts = [f for f in expert_formats() if f.bits in self.weight_bits()]
-        need = (f"{' or '.join(f'int{f.bits}' for f in fmts)} (--method {' or '.join(f.method for f in fmts)})"
+        need = (f"{' or '.join(f.name for f in fmts)} (--method {' or '.join(f.method for f in fmts)})"
                 + ("" if self.fixed_group is None else f" and --group-size {self.fixed_group}"))
         raise LayoutError(f"{self.what} (--scale-dtype {self.name}) need {need}, got {bits}-bit group {group_size}")
 
@@ -87,6 +87,7 @@ class ScaleEncoding:
 @dataclass(frozen=True)
 class ExpertFormat:
     """How the weights of a routed expert are stored (one `--method`, one layout name)."""
+    name: str                    # in messages and help: "int4"
     layout: str                  # kt.layout of the expert files, manifest experts.layout
     methods: tuple[str, ...]     # `ktconvert quantize --method` names; the first is the one manifests record
     bits: int                    # bits per weight (16: bfloat16, not quantized)
@@ -266,11 +267,11 @@ def layout_versions() -> tuple[int, ...]:
 
 # --- the records --------------------------------------------------------------------------------------------------
 
-INT8 = register(ExpertFormat(layout="cpu-expert-int8", methods=("int8-amx",), bits=8, packing="int-tiles",
+INT8 = register(ExpertFormat(name="int8", layout="cpu-expert-int8", methods=("int8-amx",), bits=8, packing="int-tiles",
                              vnni=VNNI_INT8, zero_point=128, max_rel_error=0.01, gptq_max_rel_error=0.02))
-INT4 = register(ExpertFormat(layout="cpu-expert-int4", methods=("int4-amx",), bits=4, packing="int-tiles",
+INT4 = register(ExpertFormat(name="int4", layout="cpu-expert-int4", methods=("int4-amx",), bits=4, packing="int-tiles",
                              vnni=VNNI_INT8, zero_point=8, max_rel_error=0.15, gptq_max_rel_error=0.25))
-BF16 = register(ExpertFormat(layout="cpu-expert-bf16", methods=("bf16",), bits=16, packing="bf16-tiles",
+BF16 = register(ExpertFormat(name="bf16", layout="cpu-expert-bf16", methods=("bf16",), bits=16, packing="bf16-tiles",
                              vnni=VNNI_BF16, zero_point=None, max_rel_error=0.005, version=1))
 
 # Scales of the int layouts: version 1 stores them as float32; version 2 in 16 bits, float16 (the default) or
@@ -293,6 +294,8 @@ SUB6_SCALES = register(ScaleEncoding(
 # bench_quant_vs_llamacpp.py): the scale search picks float16 values even when it stores float32, so f16 gives the
 # same KL as f32 at half the scale bytes; version-1 (f32) files keep loading, and --scale-dtype f32 still writes them.
 DEFAULT_SCALE_DTYPE = F16_SCALES.name
+# What `ktconvert quantize` writes without --method.
+DEFAULT_METHOD = INT4.method
 # What files, manifests and geometries that name no scale dtype hold: version 1's float32 (and the unquantized
 # formats' geometries, which store no scales).
 UNDECLARED_SCALE_DTYPE = F32_SCALES.name

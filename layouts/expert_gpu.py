@@ -58,7 +58,7 @@ def column_groups(geo: ExpertGeometry, proj: str) -> np.ndarray:
 def gpu_group_step(geo: ExpertGeometry) -> int | None:
     """The GPU group length that keeps the CPU scales exact (CHANNEL for one scale per row); None if there is none
     (or the experts are bf16, which have no codes)."""
-    if geo.bits == 16:
+    if not geo.format.quantized:
         return None
     groups = {p: column_groups(geo, p) for p in PROJECTIONS}
     if all(np.all(g == g[0]) for g in groups.values()):
@@ -101,8 +101,8 @@ def hot_format_ok(geo: ExpertGeometry, family: str) -> str | None:
         return None
     if family not in HOT_FORMATS:
         return f"unknown hot-expert format {family!r}: choose one of {', '.join(HOT_FORMATS)}"
-    if geo.bits == 16:
-        return "the experts are bf16 (no int codes for Marlin)"
+    if not geo.format.quantized:
+        return f"the experts are {geo.format.name} (no int codes for Marlin)"
     step = gpu_group_step(geo)
     if step is None:
         return (f"no GPU group length in {GPU_STEPS} divides hidden {geo.hidden} and intermediate {geo.intermediate} "

@@ -303,5 +303,5 @@ def export_total_bytes(converted: str | Path, experts: str = "quantized") -> int
                 if f["kind"] in ("dense", "globals") for t in f.get("tensors", {}).values())
     geo = conv.geometry
     weights = len(geo.moe_layers) * geo.n_experts * 3 * geo.hidden * geo.intermediate
-    per_weight = 2 if experts == "bf16" or geo.bits == 16 else geo.bits / 8 + 4 / 32
+    per_weight = 2 if experts == "bf16" or not geo.format.quantized else geo.bits / 8 + 4 / 32
     return dense + int(weights * per_weight)

@@ -103,8 +103,9 @@ def quantized_expert_tensors(conv: ConvertedDir, adapter, fmt: GpuLinearFormat,
     """Every routed expert Linear in `fmt`: (hub name of the part, array), e.g. ...experts.3.gate_proj.weight_packed.
     step: the export group length (default export_step; another exact one, see exact_steps, may be given)."""
     geo = conv.geometry
-    if geo.bits == 16:
-        raise ExpertExportError("the conversion stores BF16 experts (--method bf16); export them with --experts bf16")
+    if not geo.format.quantized:
+        raise ExpertExportError(f"the conversion stores {geo.format.name.upper()} experts (--method {geo.method}); "
+                                "export them with --experts bf16")
     step = export_step(conv) if step is None else step
     geoms = {p: gptq_geometry(conv, p, step) for p in PROJECTIONS}
     for layer in geo.moe_layers:

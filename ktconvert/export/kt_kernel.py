@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from ktlayouts.constants import ZERO_POINT
 from ktlayouts.converted_dir import PROJECTIONS, expert_file, expert_tensor
 from ktlayouts.cpu_expert import LayoutError, scales_to_f32, unpack_codes, unpack_scales
+from ktlayouts.expert_formats import BF16_SCALES, expert_format_of_bits, expert_formats, scale_encoding
 from ktlayouts.expert_shards import paste_shard
 from ktlayouts.gpu_formats import GpuLinearFormat
 from ktlayouts.kt_kernel import (
@@ -70,11 +70,13 @@ class KtPlan:
     report: dict = field(default_factory=dict)
 
 
-def _int4_only(conv: ConvertedDir, method: str) -> None:
-    if conv.geometry.bits != 4:
-        raise KtExportError(f"{method} holds int4 codes, the conversion has {conv.geometry.bits}-bit experts "
+def _codes_of(conv: ConvertedDir, method: str) -> None:
+    """GPTQ_INT4 / RAWINT4 take the conversion's codes as they are: its experts must have the method's bits."""
+    bits = KT_METHOD_GPU_FORMAT[method].bits
+    if conv.geometry.bits != bits:
+        raise KtExportError(f"{method} holds int{bits} codes, the conversion has {conv.geometry.bits}-bit experts "
                             f"({conv.geometry.method}); export it with --kt-method AMXINT8 (re-quantized per row) or "
-                            "reconvert with --method int4-amx")
+                            f"reconvert with --method {expert_format_of_bits(bits).method}")
 
 
 def _check_names(conv: ConvertedDir, adapter, method: str) -> None:
@@ -99,14 +101,15 @@ def plan_kt_export(conv: ConvertedDir, config: dict, adapter, gpu_fmt: GpuLinear
     if method not in KT_METHODS:
         raise KtExportError(f"--kt-method {method!r}: choose one of {', '.join(KT_METHODS)}")
     geo = conv.geometry
-    if geo.bits == 16:
-        raise KtExportError("the conversion stores BF16 experts (--method bf16); kt-kernel's methods are quantized: "
-                            "reconvert with --method int4-amx or int8-amx")
+    if not geo.format.quantized:
+        quantized = " or ".join(f.method for f in sorted(expert_formats(), key=lambda f: f.bits) if f.quantized)
+        raise KtExportError(f"the conversion stores unquantized experts (--method {geo.method}); kt-kernel's methods "
+                            f"are quantized: reconvert with --method {quantized}")
     check_parts(geo.intermediate, n_parts)
     if method in AMX_METHOD_BITS:
         check_amx(geo.hidden, geo.intermediate, n_parts, AMX_METHOD_BITS[method])
         return KtPlan(method, n_parts, KT_EXPERT_DIR)
-    _int4_only(conv, method)
+    _codes_of(conv, method)
     _check_names(conv, adapter, method)
     want = KT_METHOD_GPU_FORMAT[method]    # the experts' format; the GPU layers may be int8 of the same family
     if gpu_fmt is None or gpu_fmt.family != want.family:
@@ -138,12 +141,13 @@ def plan_kt_export(conv: ConvertedDir, config: dict, adapter, gpu_fmt: GpuLinear
             f"exact for these experts (CPU group size {geo.group_size}, hidden {geo.hidden}, intermediate "
             f"{geo.intermediate}); reconvert with --group-size 32 --bf16-scales")
     check_rawint4(geo.hidden, geo.intermediate, n_parts, RAWINT4_GROUP)
-    if geo.scale_dtype == "sub6":
+    enc = scale_encoding(geo.scale_dtype)
+    if not enc.elementwise:
         raise KtExportError(
-            "RAWINT4: kt-kernel's RAWINT4 reads one bf16 scale per group of 32, and two-level scales (--scale-dtype "
-            "sub6) are float16 super-scales times 6-bit sub-scales, not bf16 values (rounding them would change the "
-            "weights); reconvert with `ktconvert quantize --group-size 32 --bf16-scales` (f16 or bf16 scales), or "
-            "use --kt-method GPTQ_INT4 (float32 scales, exact for two-level scales)")
+            f"RAWINT4: kt-kernel's RAWINT4 reads one bf16 scale per group of 32, and {enc.what} (--scale-dtype "
+            f"{enc.name}) are not stored value by value as bf16 (rounding them would change the weights); reconvert "
+            "with `ktconvert quantize --group-size 32 --bf16-scales` (f16 or bf16 scales), or use --kt-method "
+            f"GPTQ_INT4 (float32 scales, exact for {enc.what})")
     bad = non_bf16_scales(conv)
     if bad:
         raise KtExportError(
@@ -157,7 +161,7 @@ def non_bf16_scales(conv: ConvertedDir) -> int:
     """How many stored expert scales are not exactly a bfloat16 value (checked on their float32 values; none with
     bf16-stored scales, layout version 2)."""
     geo, bad = conv.geometry, 0
-    if geo.scale_dtype == "bf16":
+    if geo.scale_dtype == BF16_SCALES.name:
         return 0
     for layer in geo.moe_layers:
         for s in range(geo.numa_nodes):
@@ -241,7 +245,7 @@ def amx_part(codes: np.ndarray, scales: np.ndarray, conv_bits: int, bits: int, r
              stats: ErrorStats, proj: str) -> tuple[np.ndarray, np.ndarray]:
     """One kt part of one projection: (signed q (n, k), kt scale (n,)) from the conversion's codes/column scales."""
     c, sc = codes[rows, cols], scales[rows, cols]
-    ref = (c.astype(np.float32) - ZERO_POINT[conv_bits]) * sc              # the conversion's weights
+    ref = (c.astype(np.float32) - expert_format_of_bits(conv_bits).zero_point) * sc      # the conversion's weights
     row_step = None
     if bits >= conv_bits:                     # the conversion's grid, refined 2^(bits - conv_bits) times
         one = np.all(sc == sc[:, :1], axis=1)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from ktlayouts.expert_formats import F16_SCALES, F32_SCALES, scale_encoding
 from ktlayouts.gptq import GptqGeometry
 
 from ktconvert.gpu.rtn import QuantizedLinear, scales_for
@@ -44,15 +45,16 @@ class GptqConfig:
     block: int = BLOCK
     act_order: bool = False
     scale_rule: str = "search"  # "search": importance-weighted scale search; "vllm": max|w| / ((2^b - 1) / 2)
-    scale_dtype: str = "f16"    # dtype the scales are stored in (their rounding is part of the search)
+    scale_dtype: str = F16_SCALES.name   # dtype the scales are stored in (their rounding is part of the search)
 
     def __post_init__(self):
         if self.scale_rule not in ("search", "vllm"):
             raise ValueError(f"scale_rule must be 'search' or 'vllm', got {self.scale_rule!r}")
         if not 0 < self.percdamp <= 1:
             raise ValueError(f"percdamp must be in (0, 1], got {self.percdamp}")
-        if self.scale_dtype == "sub6" and (self.group_size <= 0 or self.act_order):
-            raise ValueError(f"two-level scales need static groups (no act-order), got group {self.group_size}, "
+        enc = scale_encoding(self.scale_dtype)
+        if not enc.elementwise and (self.group_size <= 0 or self.act_order):
+            raise ValueError(f"{enc.what} need static groups (no act-order), got group {self.group_size}, "
                              f"act_order {self.act_order}")
         if self.block <= 0 or (self.group_size > 0 and self.block % self.group_size):
             raise ValueError(f"block {self.block} must be a multiple of the group size {self.group_size}")
@@ -151,14 +153,15 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: st
     u, _ = _inverse_cholesky(h, cfg.percdamp, name)
 
     with _threads_for(n * cfg.block):
-        fixed = _two_level_scales(w, u, geom, cfg, torch.diag(h)) if cfg.scale_dtype == "sub6" else None
+        two_level = not scale_encoding(cfg.scale_dtype).elementwise
+        fixed = _two_level_scales(w, u, geom, cfg, torch.diag(h)) if two_level else None
         codes, scales, loss = _quantize_columns(w, u, geom, cfg, torch.diag(h), fixed)
 
     inv = torch.argsort(perm)
     codes_kn = codes[:, inv].T.contiguous().to(torch.uint8).numpy()      # back to input-channel order
     g_idx = (inv // geom.group).to(torch.int32).numpy() if cfg.act_order else geom.default_g_idx()
     # float16 for the GPU layouts; other scale dtypes (CPU expert layouts) keep float32 holding their values
-    sdt = torch.float16 if cfg.scale_dtype == "f16" else torch.float32
+    sdt = torch.float16 if cfg.scale_dtype == F16_SCALES.name else torch.float32
     q = QuantizedLinear(codes_kn, scales.to(sdt).numpy(), np.ascontiguousarray(g_idx), geom)
     return q, float(loss)
 
@@ -179,10 +182,10 @@ def _two_level_scales(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg:
     from ktconvert.scale_search import fit_two_level
 
     n = w.shape[0]
-    codes, scales, _ = _quantize_columns(w.clone(), u, geom, replace(cfg, scale_dtype="f32"), hdiag)
+    codes, scales, _ = _quantize_columns(w.clone(), u, geom, replace(cfg, scale_dtype=F32_SCALES.name), hdiag)
     q = codes - float(1 << (cfg.bits - 1))
     curv = (hdiag[None, :] * q * q).reshape(n, geom.n_groups, geom.group).sum(2).double()     # (N, n_groups)
-    sb = 8
+    sb = scale_encoding(cfg.scale_dtype).super_groups
     pad = -geom.n_groups % sb                 # a last partial super-block (K not a multiple of 8 groups)
     s = torch.nn.functional.pad(scales.T, (0, pad)).reshape(-1, sb)
     c = torch.nn.functional.pad(curv, (0, pad)).reshape(-1, sb)

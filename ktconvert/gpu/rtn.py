@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from ktlayouts.expert_formats import F16_SCALES
 from ktlayouts.gptq import GptqGeometry, zero_point
 
 FP16_MAX = 65504.0
@@ -63,7 +64,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedL
 
 
 def quantize_search(weight: torch.Tensor, bits: int, group_size: int, importance: torch.Tensor | None = None,
-                    scale_dtype: str = "f16") -> QuantizedLinear:
+                    scale_dtype: str = F16_SCALES.name) -> QuantizedLinear:
     """weight (N, K) -> QuantizedLinear: round to nearest with each group's scale chosen by
     ktconvert.scale_search.search_scales (squared error weighted by `importance` (K,), the input channels'
     activation energy diag(H), or uniform; never worse than the largest magnitude onto the most negative code)."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 def make_expert_quantizer(src, opts, encoder):
     """The routed-expert quantizer of a conversion (ConvertOptions), or None for the plain reference rule / bf16.
     Shares the GPU encoder's calibration pass when it has one, else runs its own (float weights kept)."""
-    if opts.method == "bf16" or opts.expert_quantizer == "rtn":
+    from ktlayouts.expert_formats import expert_format_of_method
+
+    if not expert_format_of_method(opts.method).quantized or opts.expert_quantizer == "rtn":
         return None
     import logging
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from ktlayouts.constants import SUB6_SUPER_GROUPS, ZERO_POINT
 from ktlayouts.cpu_expert import MatrixGeometry, pack_codes, pack_expert_matrix, pack_scales, pad_weight
+from ktlayouts.expert_formats import BF16_SCALES, F16_SCALES, F32_SCALES, UNDECLARED_SCALE_DTYPE, scale_encoding
 
 from ktconvert.scale_search import search_scales, search_two_level
 
@@ -59,7 +59,7 @@ class LayerReport:
 
 
 class ExpertQuantizer:
-    def __init__(self, mode: str, calibrator_fn=None, min_tokens: int = 0, scale_dtype: str = "f32",
+    def __init__(self, mode: str, calibrator_fn=None, min_tokens: int = 0, scale_dtype: str = UNDECLARED_SCALE_DTYPE,
                  percdamp: float = 0.01):
         """calibrator_fn: () -> LayerwiseGptq with capture_experts, or None when there is no calibration."""
         if mode not in EXPERT_QUANTIZERS:
@@ -126,7 +126,8 @@ class ExpertQuantizer:
         gptq / compressed-tensors exports) then hold them exactly, at no measurable cost (bench/README.md)."""
         if self.mode == "rtn":
             return pack_expert_matrix(mat, geom, bf16_scales)
-        sd = "bf16" if bf16_scales else "f16" if self.scale_dtype == "f32" else self.scale_dtype
+        sd = BF16_SCALES.name if bf16_scales else F16_SCALES.name if self.scale_dtype == F32_SCALES.name \
+            else self.scale_dtype
         wp = torch.from_numpy(pad_weight(np.asarray(mat, np.float32), geom).copy())     # (N_pad, K_pad)
         imp, h = self._importance(proj, stats, geom, k_range)
         use_gptq = self.mode == "gptq" and stats is not None and stats.n_tokens >= self._gptq_tokens(geom)
@@ -162,22 +163,22 @@ class ExpertQuantizer:
         return imp, rows
 
     def _search(self, wp: torch.Tensor, imp: torch.Tensor | None, geom: MatrixGeometry, scale_dtype: str):
-        if scale_dtype == "sub6":
+        if not scale_encoding(scale_dtype).elementwise:       # two-level: super-blocks searched together
             return self._search_two_level(wp, imp, geom)
         n, g = geom.n_pad, geom.group
         groups = wp.reshape(n * geom.n_groups, g)
         w = None if imp is None else imp.reshape(1, geom.n_groups, g).expand(n, -1, -1).reshape(-1, g)
         s, q = search_scales(groups, w, geom.bits, scale_dtype)
-        codes = (q + ZERO_POINT[geom.bits]).to(torch.uint8).reshape(geom.n_pad, geom.k_pad).numpy()
+        codes = (q + geom.format.zero_point).to(torch.uint8).reshape(geom.n_pad, geom.k_pad).numpy()
         return codes, s.reshape(n, geom.n_groups).numpy().astype(np.float32)
 
     def _search_two_level(self, wp: torch.Tensor, imp: torch.Tensor | None, geom: MatrixGeometry):
         """Two-level scales (layout version 3): super-blocks of 8 groups searched together (search_two_level)."""
-        n, g, sb = geom.n_pad, geom.group, SUB6_SUPER_GROUPS
+        n, g, sb = geom.n_pad, geom.group, geom.encoding.super_groups
         blocks = wp.reshape(n * geom.n_groups // sb, sb, g)
         w = None if imp is None else imp.reshape(1, -1, sb, g).expand(n, -1, -1, -1).reshape(-1, sb, g)
         d, q, codes = search_two_level(blocks, w, geom.bits)
-        codes = (codes + ZERO_POINT[geom.bits]).to(torch.uint8).reshape(n, geom.k_pad).numpy()
+        codes = (codes + geom.format.zero_point).to(torch.uint8).reshape(n, geom.k_pad).numpy()
         return codes, (d[:, None] * q).reshape(n, geom.n_groups).numpy().astype(np.float32)
 
     def _gptq(self, wp: torch.Tensor, rows: torch.Tensor, geom: MatrixGeometry, scale_dtype: str):
