@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ktlayouts.constants import GROUP_PER_ROW
 from ktlayouts.cpu_expert import LayoutError, MatrixGeometry
 from ktlayouts.cpu_linear import linear_geometry, unpack_linear, unpack_linear_codes
+from ktlayouts.expert_formats import F16_SCALES
 from ktlayouts.gptq import stored_scales, unpack_cols, unpack_rows, zero_point
 from ktlayouts.gpu_formats import gpu_format, linear_parts, quantized_linears
 from ktlayouts.marlin import unpack_scales as marlin_unpack_scales
@@ -154,7 +155,7 @@ class AbsorbedKvB:
         lin = kv_b.lin
         self.uk_id = lin.n_linears
         self.uk_q, self.uk_s = lin.repack(codes_kn, np.ones((1, nh * R), np.float16), g.bits, GROUP_PER_ROW,
-                                          scale_dtype="f16")
+                                          scale_dtype=F16_SCALES.name)
         lin.add(self.uk_id, self.uk_q, self.uk_s, n=nh * R, k=dn, bits=g.bits, group_size=GROUP_PER_ROW)
         # s_uk[h*ng + g, d] = s[h*(dn+dv) + d, g]: the input scaling of head h's scale group g
         self.s_uk = torch.from_numpy(np.ascontiguousarray(
@@ -292,8 +293,8 @@ def repack_linear(lin: LinearKernels, linear_id: int, name: str, layout: str, pa
     codes = codes[:, :n] if packed else codes[:k_op, :n]
     scales = scales[:n_groups, :n]
     if scales.dtype == np.float16:   # the GPU's float16 scales moved as they are (half the bytes of float32)
-        geom = linear_geometry(n, k_op, fmt.bits, g, "f16")
-        qw, sc = lin.repack(codes, scales, fmt.bits, g, packed=packed, scale_dtype="f16")
+        geom = linear_geometry(n, k_op, fmt.bits, g, F16_SCALES.name)
+        qw, sc = lin.repack(codes, scales, fmt.bits, g, packed=packed, scale_dtype=F16_SCALES.name)
     else:   # float32 scales (stored so by some sources): codes through the repack, scales placed here
         geom = linear_geometry(n, k_op, fmt.bits, g)
         qw, sc = lin.repack(codes, np.ones((n_groups, n), np.float16), fmt.bits, g, packed=packed)

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ktlayouts.expert_formats import scale_encodings
 
 ABI_VERSION = 11
 
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
-# records, uint8 arrays) -> the ABI's codes
-SCALE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "sub6": 3}
+# records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
+SCALE_DTYPE_CODES = {r.runtime_name: r.abi_code for r in scale_encodings()}
 BACKENDS = ("scalar", "avx2", "avx512", "amx")
 
 

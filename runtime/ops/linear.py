@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 from ktlayouts.cpu_expert import MatrixGeometry
-from ktlayouts.cpu_linear import gpu_group_count, linear_geometry
+from ktlayouts.cpu_linear import gpu_group_count, linear_geometry, linear_scale_dtypes
+from ktlayouts.expert_formats import UNDECLARED_SCALE_DTYPE, scale_encoding
 
-from .library import SCALE_DTYPE_CODES, KernelError, _dtype_name, _err, _pointer, _shape, load_library
+from .library import KernelError, _dtype_name, _err, _pointer, _shape, load_library
 from .moe import MoEKernels
 
 CODES_U8, CODES_PACKED_K = 0, 1   # ktkernels.h KT_CODES_U8 / KT_CODES_PACKED_K
@@ -104,17 +105,19 @@ class LinearKernels:
             ) -> MatrixGeometry:
         """Register one Linear's packed tensors (kept referenced, read in place); scales float32 or float16."""
         sdt = _dtype_name(scales)
-        geom = linear_geometry(n, k, bits, group_size, "f16" if sdt == "float16" else "f32")
+        encs = [scale_encoding(name) for name in linear_scale_dtypes()]
+        enc = next((r for r in encs if sdt == r.array_dtype), None)       # float32, float16
+        geom = linear_geometry(n, k, bits, group_size, UNDECLARED_SCALE_DTYPE if enc is None else enc.name)
         what = f"linear {linear_id}"
         if _shape(qweight) != geom.qweight_shape or _dtype_name(qweight) != "uint8":
             raise ValueError(f"{what} qweight: {_dtype_name(qweight)} {_shape(qweight)}, expected uint8 "
                              f"{geom.qweight_shape} for {geom}")
-        if _shape(scales) != geom.scales_shape or sdt not in ("float32", "float16"):
-            raise ValueError(f"{what} scales: {sdt} {_shape(scales)}, expected float32 or float16 "
-                             f"{geom.scales_shape} for {geom}")
+        if _shape(scales) != geom.scales_shape or enc is None:
+            raise ValueError(f"{what} scales: {sdt} {_shape(scales)}, expected "
+                             f"{' or '.join(r.array_dtype for r in encs)} {geom.scales_shape} for {geom}")
         q_ptr, s_ptr = _pointer(qweight, f"{what} qweight"), _pointer(scales, f"{what} scales")
         self.sync()
-        if self._lib.kt_add_linear_ex(self.kernels.handle, linear_id, n, k, bits, group_size, SCALE_DTYPE_CODES[sdt],
+        if self._lib.kt_add_linear_ex(self.kernels.handle, linear_id, n, k, bits, group_size, enc.abi_code,
                                       q_ptr, s_ptr) != 0:
             raise KernelError(_err(self._lib))
         self._linears[linear_id] = (geom, qweight, scales)
@@ -123,7 +126,7 @@ class LinearKernels:
         return geom
 
     def repack(self, codes: Any, scales: Any, bits: int, group_size: int, packed: bool = False,
-               out: tuple[np.ndarray, np.ndarray] | None = None, scale_dtype: str = "f32"
+               out: tuple[np.ndarray, np.ndarray] | None = None, scale_dtype: str = UNDECLARED_SCALE_DTYPE
                ) -> tuple[np.ndarray, np.ndarray]:
         """GPU codes -> (qweight, scales) of cpu-linear-int{bits} (bit-exact; reference:
         ktlayouts.cpu_linear.repack_gpu_codes), on this context's threads.
@@ -135,9 +138,10 @@ class LinearKernels:
         scale_dtype: the tiles' scales, "f32" (widened) or "f16" (the float16 bits moved: half the scale bytes a
         decode step reads, the same results).
         """
-        if scale_dtype not in ("f32", "f16"):
-            raise ValueError(f"scale_dtype {scale_dtype!r}: expected f32 or f16")
-        s_np = np.float16 if scale_dtype == "f16" else np.float32
+        if scale_dtype not in linear_scale_dtypes():
+            raise ValueError(f"scale_dtype {scale_dtype!r}: expected {' or '.join(linear_scale_dtypes())}")
+        enc = scale_encoding(scale_dtype)
+        s_np = np.dtype(enc.array_dtype)
         c = _numpy(codes, "codes")
         s = _numpy(scales, "scales")
         if packed:
@@ -164,7 +168,7 @@ class LinearKernels:
                                            CODES_PACKED_K if packed else CODES_U8, csk, csn, s.ctypes.data, ssg, ssn,
                                            _pointer(qw, "out qweight", np.dtype(np.uint8)),
                                            _pointer(sc, "out scales", np.dtype(s_np)),
-                                           SCALE_DTYPE_CODES["float16" if scale_dtype == "f16" else "float32"])
+                                           enc.abi_code)
         if rc != 0:
             raise KernelError(_err(self._lib))
         return qw, sc

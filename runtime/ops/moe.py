@@ -41,6 +41,13 @@ from typing import Any
 import numpy as np
 from ktlayouts.converted_dir import node_unit_ranges
 from ktlayouts.cpu_expert import MatrixGeometry
+from ktlayouts.expert_formats import (
+    UNDECLARED_SCALE_DTYPE,
+    LayoutError,
+    expert_format_of_bits,
+    scale_encoding_of_array,
+    scale_encodings,
+)
 from ktlayouts.expert_shards import ShardPlan
 
 from .library import (
@@ -75,10 +82,15 @@ def _scale_dtype(a: Any, declared: str | None) -> str:
     """float32 / float16 / bfloat16 / sub6 of a scales array (numpy uint16 = bfloat16 bit patterns, uint8 = two-level
     records)."""
     name = _dtype_name(a)
-    name = {"uint16": "bfloat16", "uint8": "sub6"}.get(name, name)
+    try:
+        name = scale_encoding_of_array(name).runtime_name
+    except LayoutError:
+        pass
     if name not in SCALE_DTYPE_CODES or (declared is not None and declared != name):
+        kinds = [r.runtime_name if r.elementwise else f"{r.what} ({r.name}, {r.array_dtype} records)"
+                 for r in scale_encodings()]
         raise ValueError(f"scales dtype {name}{'' if declared is None else f' (declared {declared})'}: expected "
-                         f"float32, float16, bfloat16 or two-level uint8 records (sub6)")
+                         f"{', '.join(kinds[:-1])} or {kinds[-1]}")
     return name
 
 
@@ -87,19 +99,18 @@ def _layout_scale_dtype(shards: list, declared: str | None) -> str:
     scales pad K to 256) is needed before the arrays are checked; add_layer checks that all agree."""
     a = next((x for sh in shards for x in (sh.gate_s, sh.up_s, sh.down_s) if x is not None), None)
     if a is None:
-        return "f32"
+        return UNDECLARED_SCALE_DTYPE
     try:
-        name = _scale_dtype(a, declared)
+        return scale_encoding_of_array(_scale_dtype(a, declared)).name
     except ValueError:
-        return "f32"          # reported with the layer's name below
-    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(name, name)
+        return UNDECLARED_SCALE_DTYPE          # reported with the layer's name below
 
 
 def _check_matrix(q: Any, s: Any, geom: MatrixGeometry, n_experts: int, what: str) -> None:
     want_q = (n_experts, *geom.qweight_shape)
     if _shape(q) != want_q or _dtype_name(q) != "uint8":
         raise ValueError(f"{what}.qweight: shape {_shape(q)}, expected uint8 {want_q}")
-    if geom.bits == 16:
+    if not geom.format.quantized:
         if s is not None:
             raise ValueError(f"{what}.scales: the bf16 layout has no scales")
         return
@@ -172,7 +183,8 @@ class MoEKernels:
         bfloat16 or sub6 (default: from the scales arrays' dtype, numpy uint16 meaning bfloat16, uint8 two-level)."""
         if not shards:
             raise ValueError(f"layer {layer_id}: no shards")
-        sd = "f32" if bits == 16 else _layout_scale_dtype(shards, scale_dtype)
+        sd = _layout_scale_dtype(shards, scale_dtype) if expert_format_of_bits(bits).quantized \
+            else UNDECLARED_SCALE_DTYPE
         # shard -> sub-pool pieces: ktlayouts' integer unit ranges (M < S: whole shards, M > S: split units)
         plan = ShardPlan(intermediate=intermediate_pad, group_size=group_size, n_shards=len(shards), bits=bits,
                          scale_dtype=sd)
