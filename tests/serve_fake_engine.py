@@ -182,6 +182,10 @@ def main(argv=None):
     ap.add_argument("--tool-call-parser", default="none")
     ap.add_argument("--reasoning-parser", default="none")
     ap.add_argument("--reasoning-inline", action="store_true")
+    limits = {"header-timeout": float, "body-timeout": float, "keep-alive-timeout": float, "max-header-bytes": int,
+              "max-connections": int, "drain-timeout": float}     # run_server's defaults unless given
+    for flag, kind in limits.items():
+        ap.add_argument(f"--{flag}", type=kind)
     a = ap.parse_args(argv)
     sys.path.insert(0, ".")
     from ktrun.serve import run_server
@@ -192,7 +196,9 @@ def main(argv=None):
 
     return run_server(factory, SamplingParams, port=a.port, api_key=a.api_key, max_batch=a.max_batch,
                       max_body_bytes=a.max_body_bytes, tool_call_parser=a.tool_call_parser,
-                      reasoning_parser=a.reasoning_parser, separate_reasoning=not a.reasoning_inline)
+                      reasoning_parser=a.reasoning_parser, separate_reasoning=not a.reasoning_inline,
+                      **{k.replace("-", "_"): getattr(a, k.replace("-", "_")) for k in limits
+                         if getattr(a, k.replace("-", "_")) is not None})
 
 
 if __name__ == "__main__":

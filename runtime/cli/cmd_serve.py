@@ -1,6 +1,8 @@
 """`ktrun serve`: an OpenAI-compatible HTTP server for a converted directory."""
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +11,14 @@ import click
 from ..byte_sizes import parse_bytes
 from ..defaults import DEFAULT_CTX, DEFAULT_MAX_BATCH
 from ..serve import DEFAULT_MAX_BODY_BYTES, run_server
+from ..serve.server import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEP_ALIVE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HEADER_BYTES,
+)
 from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
@@ -35,6 +45,24 @@ def _size(ctx, param, value):
 @click.option("--verify", is_flag=True, help="Check every file's sha256 against the manifest before serving.")
 @click.option("--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
               help="Largest request body accepted (larger: 413).")
+@click.option("--max-header-bytes", default=DEFAULT_MAX_HEADER_BYTES, show_default=True, type=click.IntRange(1024),
+              help="Largest request head (request line and headers) accepted (larger: 431).")
+@click.option("--header-timeout", default=DEFAULT_HEADER_TIMEOUT, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds a client has to send a request's headers, from connecting or its first byte on a "
+                   "kept-alive connection (then: 408 and closed), as nginx's client_header_timeout.")
+@click.option("--body-timeout", default=DEFAULT_BODY_TIMEOUT, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds a request body may pause between two reads before the connection is closed, as nginx's "
+                   "client_body_timeout.")
+@click.option("--keep-alive-timeout", default=DEFAULT_KEEP_ALIVE_TIMEOUT, show_default=True,
+              type=click.FloatRange(min=0.1),
+              help="Seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive).")
+@click.option("--max-connections", default=DEFAULT_MAX_CONNECTIONS, show_default=True, type=click.IntRange(0),
+              help="Open connections (or running requests) beyond which requests get 503 (uvicorn's "
+                   "limit_concurrency; 0: no limit).")
+@click.option("--drain-timeout", default=DEFAULT_DRAIN_TIMEOUT, show_default=True, type=click.FloatRange(min=0),
+              help="On SIGTERM/SIGINT: stop accepting, let running requests finish for up to this many seconds, "
+                   "then end the rest with an error (streams: an error event and [DONE]; others: 503) and exit 0. "
+                   "A second signal exits at once.")
 @click.option("--log-requests", is_flag=True, help="Print an access log line per HTTP request on stderr.")
 @click.option("--tool-call-parser", default="auto", show_default=True,
               type=click.Choice(["auto", "none", "deepseek_v3", "deepseek_v31", "hermes", "glm45", "kimi_k2"]),
@@ -64,7 +92,8 @@ def _size(ctx, param, value):
 @gpu_weights_option
 @hot_experts_options()
 @expert_ram_options
-def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, log_requests,
+def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, max_header_bytes,
+          header_timeout, body_timeout, keep_alive_timeout, max_connections, drain_timeout, log_requests,
           tool_call_parser, reasoning_parser, reasoning_inline, no_timings_log, no_prefix_cache, prefix_cache_dir,
           prefix_cache_disk, prefix_cache_ram, prefix_cache_device, prefix_cache_state_every, gpu_weights, **hot):
     """Serve MODEL_DIR (a `ktconvert quantize` output) over the OpenAI API.
@@ -114,7 +143,15 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
 
         return SamplingParams(**kw)
 
-    sys.exit(run_server(load_engine, sampling_params, host=host, port=port, api_key=api_key, max_batch=max_batch,
+    code = run_server(load_engine, sampling_params, host=host, port=port, api_key=api_key, max_batch=max_batch,
                         max_body_bytes=max_body_bytes, log_requests=log_requests, tool_call_parser=tool_call_parser,
                         reasoning_parser=reasoning_parser, separate_reasoning=not reasoning_inline,
-                        log_timings=not no_timings_log))
+                        log_timings=not no_timings_log, header_timeout=header_timeout, body_timeout=body_timeout,
+                        keep_alive_timeout=keep_alive_timeout, max_header_bytes=max_header_bytes,
+                        max_connections=max_connections, drain_timeout=drain_timeout)
+    # The server has shut down (engine stopped, prefix cache written): exit without the interpreter's teardown of
+    # torch and the model's memory (0.7-1.5 s of CPU), so a drained server is gone within --drain-timeout + 2 s.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

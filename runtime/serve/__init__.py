@@ -2,6 +2,8 @@
 engine loads).
 
     app.py            the FastAPI app and run_server: state, API key, error envelope, bind-then-load, uvicorn
+    server.py         uvicorn as run: h11 connections with read deadlines and a head size limit (HTTP/1.0 streams
+                      unchunked), and the graceful drain on SIGTERM/SIGINT
     routes.py         the endpoints: /health, /v1/models, /metrics, /tokenize, /detokenize, /tokenizer_info, and the
                       generation routes (request body limits and strict JSON in KtrunRequest)
     protocol.py       request models (pydantic), the strict JSON reader, ApiError and the error envelope

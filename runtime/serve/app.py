@@ -4,7 +4,9 @@ and the single EngineThread (engine_thread.py) that runs the model.
     create_app(state)  the FastAPI app: routes (routes.py), API-key check and request counting (ASGI middleware),
                        every error as the OpenAI envelope (pydantic's 422 becomes a 400 naming the field)
     run_server(...)    bind the socket first (and print it), then serve; the model loads in a background thread
-                       meanwhile (/health answers 503 until it is ready); SIGINT/SIGTERM stop it with exit code 0
+                       meanwhile (/health answers 503 until it is ready); SIGINT/SIGTERM drain it (server.py: running
+                       requests finish up to --drain-timeout, the rest end with an error) and exit 0; a second
+                       signal exits at once (1)
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +32,16 @@ from .protocol import ApiError, error_param
 from .reasoning import uses_thinking
 from .responses import error_body, now
 from .routes import router
+from .server import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEP_ALIVE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HEADER_BYTES,
+    DrainingServer,
+    connection_protocol,
+)
 from .tool_parsers import PARSERS, detect
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -40,9 +53,14 @@ class ServerState:
 
     def __init__(self, engine_factory, sampling_params_cls, api_key: str | None, max_body_bytes: int,
                  max_batch: int, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
-                 separate_reasoning: bool = True, log_timings: bool = True):
+                 separate_reasoning: bool = True, log_timings: bool = True,
+                 max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES):
         self.engine_factory, self.sampling_params_cls = engine_factory, sampling_params_cls
         self.api_key, self.max_body_bytes, self.max_batch = api_key, max_body_bytes, max_batch
+        self.max_header_bytes = max_header_bytes
+        self.draining = False            # shutting down: new requests get 503 (server.DrainingServer)
+        self.stopping = False            # the drain timeout passed: generations still running are ended
+        self.generations: weakref.WeakSet = weakref.WeakSet()   # generation.Generation objects submitted
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.separate_reasoning, self.log_timings = separate_reasoning, log_timings
         self.engine = None
@@ -135,7 +153,16 @@ class ServerState:
                 traceback.print_exc()
             on_failure()
 
+    def end_generations(self) -> None:
+        """The drain is over: every running generation ends now with a 503 error (event loop only)."""
+        self.stopping = True
+        for gen in list(self.generations):
+            gen.end()
+
     def require_ready(self):
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another server or once it is back",
+                           "service_unavailable", "shutting_down")
         if self.engine is None:
             raise ApiError(503, "the model is still loading; retry when GET /health returns 200",
                            "service_unavailable", "model_loading")
@@ -177,9 +204,17 @@ class ApiKeyAndCounting:
             await send(message)
 
         try:
+            head = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+            if head > self.state.max_header_bytes:   # a head that arrived in one read, past h11's check (server.py)
+                await _error_response(431, f"the request headers are {head} bytes, over the limit of "
+                                           f"{self.state.max_header_bytes} bytes (--max-header-bytes)",
+                                      "invalid_request_error", "header_too_large",
+                                      headers={"Connection": "close"})(scope, receive, counting_send)
+                return
             if self.state.api_key is not None and path.startswith(PROTECTED) and not self._key_ok(scope):
                 await _error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      "authentication_error", "invalid_api_key")(scope, receive, counting_send)
+                                      "authentication_error", "invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})(scope, receive, counting_send)
                 return
             await self.app(scope, receive, counting_send)
         finally:
@@ -250,8 +285,13 @@ def create_app(state: ServerState) -> FastAPI:
 def run_server(engine_factory, sampling_params_cls, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, max_batch: int = 16, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                log_requests: bool = False, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
-               separate_reasoning: bool = True, log_timings: bool = True) -> int:
-    """Bind, print the address, load the engine in the background, serve until SIGINT/SIGTERM. Returns an exit code."""
+               separate_reasoning: bool = True, log_timings: bool = True,
+               header_timeout: float = DEFAULT_HEADER_TIMEOUT, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+               keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT,
+               max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+               drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> int:
+    """Bind, print the address, load the engine in the background, serve until SIGINT/SIGTERM (then drain: see
+    server.DrainingServer). Returns an exit code."""
     import signal
 
     import uvicorn
@@ -261,7 +301,7 @@ def run_server(engine_factory, sampling_params_cls, host: str = "127.0.0.1", por
               f"{', '.join(PARSERS)})", file=sys.stderr, flush=True)
         return 2
     state = ServerState(engine_factory, sampling_params_cls, api_key, max_body_bytes, max_batch, tool_call_parser,
-                        reasoning_parser, separate_reasoning, log_timings)
+                        reasoning_parser, separate_reasoning, log_timings, max_header_bytes)
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -276,9 +316,11 @@ def run_server(engine_factory, sampling_params_cls, host: str = "127.0.0.1", por
     bound_host, bound_port = sock.getsockname()[:2]
     print(f"ktrun serve: listening on http://{bound_host}:{bound_port} (loading model...)", file=sys.stderr,
           flush=True)
-    config = uvicorn.Config(create_app(state), log_level="warning", access_log=log_requests,
-                            timeout_keep_alive=30, timeout_graceful_shutdown=5, lifespan="on")
-    server = uvicorn.Server(config)
+    config = uvicorn.Config(create_app(state), log_level="warning", access_log=log_requests, lifespan="on", ws="none",
+                            http=connection_protocol(header_timeout, body_timeout, max_header_bytes),
+                            h11_max_incomplete_event_size=max_header_bytes, timeout_keep_alive=keep_alive_timeout,
+                            limit_concurrency=max_connections or None, timeout_graceful_shutdown=drain_timeout + 1)
+    server = DrainingServer(config, state, drain_timeout)
 
     def stop_serving():
         server.should_exit = True
@@ -293,9 +335,12 @@ def run_server(engine_factory, sampling_params_cls, host: str = "127.0.0.1", por
         pass
     finally:
         sock.close()
-        if state.engine_thread is not None:
-            state.engine_thread.shutdown()
+        if state.engine_thread is not None:   # a forced exit neither writes the prefix cache nor waits
+            state.engine_thread.shutdown(timeout=0.5 if server.forced else 30.0, flush=not server.forced)
     if state.load_error is not None:
         print(f"ktrun serve: error: could not load the model: {state.load_error}", file=sys.stderr, flush=True)
+        return 1
+    if server.forced:
+        print("ktrun serve: stopped by a second signal, without draining", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -67,6 +67,7 @@ class EngineThread:
         self._aborts: list[tuple[str, int | None]] = []
         self._running: dict[str, RequestHandle] = {}  # engine thread only (read elsewhere for metrics)
         self._stop = False
+        self._flush = True
         self.aborted = 0                              # running requests stopped by abort()
         self.steps = 0
         self.step_seconds = 0.0
@@ -88,10 +89,12 @@ class EngineThread:
             self._aborts.append((req_id, index))
             self._cond.notify()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop; it aborts what runs and writes the prefix cache to its disk tier first (hence the wait)."""
+    def shutdown(self, timeout: float = 30.0, flush: bool = True) -> None:
+        """Stop the loop; it aborts what runs and writes the prefix cache to its disk tier first (hence the wait).
+        flush=False: no cache write (a forced exit does not wait for it)."""
         with self._cond:
             self._stop = True
+            self._flush = flush
             self._cond.notify()
         self._thread.join(timeout)
 
@@ -130,7 +133,8 @@ class EngineThread:
                 self._step()
         for req_id in list(self._running):
             self._abort_running(req_id)
-        self._flush_prefix_cache()
+        if self._flush:
+            self._flush_prefix_cache()
 
     def _flush_prefix_cache(self) -> None:
         """At shutdown, on this thread (the engine's only one): cached KV blocks to the disk tier, for a warm restart."""

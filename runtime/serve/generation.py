@@ -3,7 +3,8 @@
 (tool_parsers.py), with logprobs alongside; out go SSE chunks (stream) or one response, plus timings and metrics.
 
 A client that goes away aborts the request at once: a streamed response is cancelled by Starlette when the
-disconnect arrives; a non-streamed one has a watcher on the connection that wakes the waiting handler.
+disconnect arrives; a non-streamed one has a watcher on the connection that wakes the waiting handler. A server
+shutting down ends the requests still running at its drain timeout (`end`): a 503 error, as an event in a stream.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class ClientGone(Exception):
 
 
 GONE = object()   # put in a request's queue by the disconnect watcher
+ENDED = object()  # put in a request's queue when the server's drain timeout passed (ServerState.end_generations)
 
 
 def decode(tok, ids: list[int], skip_special: bool = True) -> str:
@@ -173,6 +175,14 @@ class Generation:
         self.state.metrics.prompt_len.observe(len(self.plan.prompt_ids))
         self.handle = self.state.engine_thread.submit(self.rid, self.plan.prompt_ids, self.plan.params,
                                                       sink=self.queue)
+        self.state.generations.add(self)
+        if self.state.stopping:        # submitted after the drain timeout: ends at once
+            self.end()
+
+    def end(self) -> None:
+        """Stop waiting for the engine: the request ends with a 503 (the server is shutting down)."""
+        if not self.done:
+            self.queue.put_nowait(ENDED)
 
     async def items(self):
         """Engine items (Token) until every choice finished; raises ClientGone / ApiError."""
@@ -181,6 +191,10 @@ class Generation:
             batch = await self.queue.get()
             if batch is GONE:
                 raise ClientGone()
+            if batch is ENDED:
+                self.abort()
+                raise ApiError(503, "the server shut down before this request finished (its drain timeout passed); "
+                                    "retry it", "service_unavailable", "shutting_down")
             for item in batch:
                 if isinstance(item, BaseException):
                     self.done = True

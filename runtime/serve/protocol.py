@@ -152,6 +152,14 @@ class ChatMessage(Strict):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
+    @model_validator(mode="after")
+    def _content_given(self):
+        """As OpenAI: every message has content; an assistant's may be left out when it carries tool_calls."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"'content' is required in a {self.role} message"
+                             + (" (or 'tool_calls')" if self.role == "assistant" else ""))
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)

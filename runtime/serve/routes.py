@@ -30,7 +30,7 @@ from .tool_parsers import PARSERS
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 DRAIN_LIMIT_BYTES = 64 << 20
-ERRORS = {s: {"model": R.ErrorResponse} for s in (400, 401, 404, 413, 500, 503)}
+ERRORS = {s: {"model": R.ErrorResponse} for s in (400, 401, 404, 413, 415, 500, 503)}
 
 
 class KtrunRequest(Request):
@@ -67,13 +67,28 @@ class KtrunRequest(Request):
             self._json = parse_json_body(await self.body())
         return self._json
 
+    async def check_json_type(self) -> None:
+        """A body sent as something other than JSON: 415 naming its Content-Type (read first, within the limit, so
+        the client gets the answer). No Content-Type at all is read as JSON (as FastAPI does)."""
+        ctype = self.headers.get("content-type")
+        if ctype is None:
+            return
+        main = ctype.split(";", 1)[0].strip().lower()
+        if main != "application/json" and not (main.startswith("application/") and main.endswith("+json")):
+            await self.body()
+            raise ApiError(415, f"the request body is sent as Content-Type {ctype!r}: send JSON with "
+                                f"'Content-Type: application/json'", code="unsupported_media_type")
+
 
 class KtrunRoute(APIRoute):
     def get_route_handler(self):
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
-            return await handler(KtrunRequest(request.scope, request.receive))
+            req = KtrunRequest(request.scope, request.receive)
+            if req.method == "POST":
+                await req.check_json_type()
+            return await handler(req)
 
         return route
 

@@ -10,6 +10,7 @@ A schema xgrammar cannot compile is a 400 naming the reason.
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 from .protocol import ApiError
@@ -50,8 +51,19 @@ def compile_response_format(fmt, tok, vocab_size: int, stop_ids: list[int]):
         return comp.compile_json_schema(json.dumps(schema), any_whitespace=False,
                                         strict_mode=fmt.json_schema.strict is not False)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise ApiError(400, f"response_format: this JSON schema is not supported: {str(e)[:300]}",
+        raise ApiError(400, f"response_format: this JSON schema is not supported: {_reason(e)}",
                        code="invalid_parameter", param="response_format") from None
+
+
+# what xgrammar's C++ logging puts before a message: "[18:01:15] /project/cpp/json_schema_converter.cc:5088: "
+_LOG_PREFIX = re.compile(r"^\s*\[\d{1,2}:\d{2}:\d{2}\]\s+\S+:\d+:\s*")
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its log prefix (time, source file and line) or a C++ stack trace."""
+    lines = [_LOG_PREFIX.sub("", line).strip() for line in str(e).splitlines()]
+    lines = [x for x in lines if x and not x.lower().startswith("stack trace")]
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 class GrammarProcessor:
