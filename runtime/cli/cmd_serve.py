@@ -120,7 +120,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
 
     Requests take OpenAI's fields plus vLLM's extras (top_k, min_p, repetition_penalty, stop_token_ids,
     ignore_eos, chat_template_kwargs): logprobs, n, penalties, logit_bias, tools (parsed per model family),
-    reasoning_content, response_format json_object / json_schema (grammar-enforced). README: what is refused.
+    reasoning_content, response_format json_object / json_schema (grammar-enforced). runtime/serve/README.md: what is refused.
     """
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"ktrun serve: warning: listening on {host} without --api-key: anyone who can reach this port "
