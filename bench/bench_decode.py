@@ -5,7 +5,7 @@ shared expert, MLA attention with V3's ranks (q_lora 1536, kv_lora 512, rope 64,
 --heads heads, --layers MoE layers, --experts experts per layer, a 4096-token vocabulary — sized to fit this
 machine. Weights are random (packed codes and scales written straight into the int4 layout).
 
-Peer measured in the same run: the kernels alone (cpu_moe.MoEKernels.forward) replaying exactly the expert calls
+Peer measured in the same run: the kernels alone (ktrun.ops.moe.MoEKernels.forward) replaying exactly the expert calls
 (same layers, activations, routed ids and weights) of the timed decode steps. step/kernel = decode step time over
 kernel time for the same experts; everything above 1 is attention, shared expert, router, head and Python. Also the
 machine's read bandwidth (kernel measurement) as the limit for the expert bytes a decode step streams.

@@ -13,7 +13,7 @@ biases and per-head sinks; sliding-window (128) and full layers alternating).
 Only --layers layers and --experts experts per layer, a 4096-token vocabulary; weights are random (packed codes and
 scales written straight into the expert layout).
 
-Peer measured in the same run: the kernels alone (cpu_moe.MoEKernels.forward) replaying the timed decode steps'
+Peer measured in the same run: the kernels alone (ktrun.ops.moe.MoEKernels.forward) replaying the timed decode steps'
 expert calls, and the dense part alone (routed experts answering zero); the limit: the machine's read bandwidth
 (kernel measurement) against the expert bytes a decode step streams and the dense bytes. Attention time is split by
 layer kind (DeltaNet, full, sliding window) by timing the family's attention calls.

@@ -30,8 +30,7 @@ __all__ = [
     "META_LAYOUT", "META_LAYOUT_VERSION", "METHOD_TO_LAYOUT", "SCALE_DTYPES", "SCALE_DTYPES_OF_VERSION",
     "SCALE_DTYPE_BYTES", "SUB6_GROUP", "SUB6_RANGE", "SUB6_RECORD_BYTES", "SUB6_SUPER_GROUPS", "SUB6_SUPER_SIG_BITS",
     "TILE_K", "TILE_N", "TILE_ROWS", "TILE_ROW_BYTES", "VNNI_BF16", "VNNI_INT8", "ZERO_POINT", "default_group_size",
-    "scale_dtype_bits",
-    "scale_layout_version",
+    "scale_dtype_bits", "scale_layout_version",
 ]
 
 # manifest.json "format_version"; ktrun refuses manifests from a newer major version.

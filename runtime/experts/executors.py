@@ -7,7 +7,7 @@
 
 - TorchExperts: the reference. Expert matrices come from an ExpertSource (packed tiles dequantized with ktlayouts,
   or plain float tensors), are cached per expert as float32 and applied with torch. Always correct, not fast.
-- KernelExperts (kernel_experts.py): the C++ kernels through runtime/ops/moe.py, reading the mapped tiles in place.
+- KernelExperts (kernel.py): the C++ kernels through runtime/ops/moe.py, reading the mapped tiles in place.
 
 Both compute the family's ExpertActivation (ktlayouts.families): silu(g) * u, or gpt-oss's clamped SwiGLU with
 per-expert biases (`expert_biases`).

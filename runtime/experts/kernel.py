@@ -2,7 +2,8 @@
 a converted directory in place. Same interface as experts.TorchExperts (submit / sync / stats / close).
 
 Shards written for S NUMA nodes are handed to the kernels' sub-pools with ktlayouts.nodes_for_shards (inside
-cpu_moe.MoEKernels.add_layer). Activations on a GPU are staged through CPU buffers; the result is copied back at sync.
+ktrun.ops.moe.MoEKernels.add_layer). Activations on a GPU are staged through CPU buffers; the result is copied back at
+sync.
 
 A layer's shared expert whose Linears run on the same pool (ktrun.ops.kernel_linear.KernelLinear, the CPU default for a
 quantized conversion) can join the routed job (fuse_shared): its gate/up/down tiles are registered as a one-expert

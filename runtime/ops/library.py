@@ -20,13 +20,10 @@ from ktlayouts.expert_formats import scale_encodings
 
 ABI_VERSION = 11
 
-
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
 SCALE_DTYPE_CODES = {r.runtime_name: r.abi_code for r in scale_encodings()}
 BACKENDS = ("scalar", "avx2", "avx512", "amx")
-
-
 # expert activations (ktlayouts.families.ExpertActivation.kind) -> the ABI's codes (KT_ACT_*)
 ACTIVATION_CODES = {"silu": 0, "swiglu_clamped": 1}
 
