@@ -60,6 +60,9 @@ class ServerProcess:
                 raise RuntimeError(f"server exited (rc={self.proc.returncode}):\n{self.stderr}")
             try:
                 if request(self, "GET", "/health")[0] == 200:
+                    # the 'ready' line is printed before /health turns 200; the log thread may still be reading it
+                    while "; ready" not in self.stderr and time.monotonic() < deadline:
+                        time.sleep(0.02)
                     return
             except OSError:
                 pass

@@ -142,11 +142,12 @@ class ServerState:
             t0 = time.perf_counter()
             engine = self.engine_factory()
             self.engine_thread = EngineThread(engine, self.max_batch, self.publish)
-            self.engine = engine
             tool = self.tool_parser_for(engine.tokenizer)
+            # the line goes out before /health turns 200: whoever waits for ready can read what was detected
             print(f"ktrun serve: model {engine.model_name!r} loaded in {time.perf_counter() - t0:.1f} s "
                   f"(ctx {engine.ctx}, max batch {self.max_batch}, tool calls: {tool or 'off'}, reasoning split: "
                   f"{'on' if self.reasoning_for(engine.tokenizer) else 'off'}); ready", file=sys.stderr, flush=True)
+            self.engine = engine
         except BaseException as e:  # noqa: BLE001 -- report, then stop: a server that cannot load must not linger
             self.load_error = e
             if not isinstance(e, (ValueError, OSError)):  # bad input gets its message only (printed on exit)
