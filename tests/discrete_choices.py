@@ -66,12 +66,13 @@ class ChoiceLog:
 
 class _KtrunSites:
     """ktrun's top_k calls -> (layer, positions): each forward calls the routers in MoE-layer order and the indexer
-    in layer order (one request per forward in these tests); router rows are the next positions of that layer,
+    in the order of the layers that run one (one request per forward in these tests); router rows are the next positions of that layer,
     an indexer call's (n, S) scores are the queries at positions S-n..S-1."""
 
     def __init__(self, cfg):
         self.sites = {"router": list(cfg.moe_layers), "router_group": list(cfg.moe_layers),
-                      "indexer": list(range(cfg.num_layers))}
+                      "indexer": [i for i in range(cfg.num_layers)          # GLM-5.2's shared layers run none
+                                  if not cfg.indexer_types or cfg.indexer_types[i] == "full"]}
         self.calls = {k: 0 for k in self.sites}
         self.next_pos: dict[tuple[str, int], int] = {}
 

@@ -132,13 +132,18 @@ def test_defaults_are_transformers_defaults(name):
             "tie_word_embeddings": hf.tie_word_embeddings, "attention_bias": getattr(hf, "attention_bias", False)}
     if hasattr(hf, "norm_topk_prob"):
         got["norm_topk_prob"], want["norm_topk_prob"] = ours.norm_topk_prob, hf.norm_topk_prob
-    if name.startswith("deepseek"):
+    if name.startswith("deepseek") or name == "glm_moe_dsa":
         got.update(first_k_dense=ours.first_k_dense, n_shared_experts=ours.n_shared_experts,
                    routed_scaling_factor=ours.routed_scaling_factor, n_group=ours.n_group,
                    topk_group=ours.topk_group, q_lora_rank=ours.q_lora_rank)
         want.update(first_k_dense=hf.first_k_dense_replace, n_shared_experts=hf.n_shared_experts,
                     routed_scaling_factor=hf.routed_scaling_factor, n_group=hf.n_group or 1,
                     topk_group=hf.topk_group or 1, q_lora_rank=hf.q_lora_rank)
+    if name in ("deepseek_v32", "glm_moe_dsa"):   # the lightning indexer (GLM-5.2: which layers run one)
+        got.update(index=(ours.index_n_heads, ours.index_head_dim, ours.index_topk),
+                   indexer_types=ours.indexer_types or None)
+        want.update(index=(hf.index_n_heads, hf.index_head_dim, hf.index_topk),
+                    indexer_types=tuple(hf.indexer_types) if name == "glm_moe_dsa" else None)
     if name in ("qwen3_next", "qwen3_5_moe"):   # hybrid: layer kinds, DeltaNet dims, partial rotary, shared expert
         la = ours.linear_attention
         got.update(layer_types=ours.layer_types, la=(la.conv_kernel, la.num_k_heads, la.num_v_heads, la.k_head_dim,

@@ -19,6 +19,7 @@ EXPERT_NAME = {
     "minimax_m2": re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$"),
     "deepseek_v32": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "glm4_moe_lite": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
+    "glm_moe_dsa": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "qwen3_5_moe": re.compile(r"model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "kimi_k25": re.compile(r"language_model\.model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     # gpt-oss: the hub keeps each layer's experts fused, as transformers holds them (E, H, 2I) / (E, I, H)
@@ -188,7 +189,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="deepseek_v3"):
         make_checkpoint("mixtral", "/nonexistent-never-written", fp8=True)
     assert set(ARCHS) == {"deepseek_v3", "qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe", "minimax_m2",
-                          "deepseek_v32", "kimi_k25", "qwen3_next", "glm4_moe_lite", "gpt_oss", "qwen3_5_moe"}
+                          "deepseek_v32", "kimi_k25", "qwen3_next", "glm4_moe_lite", "gpt_oss", "qwen3_5_moe",
+                          "glm_moe_dsa"}
 
 
 def test_layers_and_dims_overrides(tmp_path):

@@ -156,6 +156,24 @@ FIXTURES = {
         tokenizer="glm", mtp=True, hub_drop_keys=("mlp_layer_types",),
         hub_extra_keys={"first_k_dense_replace": 1, "num_nextn_predict_layers": 1, "moe_layer_freq": 1,
                         "topk_method": "noaux_tc", "partial_rotary_factor": 1.0}),
+    # GLM-5.2: V3.2's MLA + indexer (index_topk 8, shorter than the test prompts; the indexer ropes interleaved
+    # pairs) with index sharing: index_topk_freq 3 / index_skip_topk_offset 2 make the layers full, full, shared,
+    # shared, full (a shared layer after a shared one, a full one after them); a dense first layer, 2 expert groups,
+    # v_head_dim 48 != qk_nope_head_dim 32 (the release's 256 != 192), an MTP layer. The hub's config.json keeps
+    # indexer_types and mlp_layer_types beside the freq / offset they follow from, as GLM-5.2's does.
+    "glm_moe_dsa": FixtureFamily(
+        config={
+            "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 80, "n_routed_experts": 8,
+            "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "num_hidden_layers": 5, "num_attention_heads": 5, "num_key_value_heads": 5,
+            "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 48,
+            "index_n_heads": 8, "index_head_dim": 32, "index_topk": 8, "index_topk_freq": 3,
+            "index_skip_topk_offset": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+            "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "pad_token_id": 0, "eos_token_id": 0},
+        tokenizer="glm", mtp=True, hub_drop_keys=("layer_types",),
+        hub_extra_keys={"num_nextn_predict_layers": 1, "moe_layer_freq": 1, "topk_method": "noaux_tc",
+                        "scoring_func": "sigmoid", "rope_interleave": True, "indexer_rope_interleave": True,
+                        "index_topk_freq": 3, "index_skip_topk_offset": 2, "index_share_for_mtp_iteration": True}),
     # Kimi-K2.5: Kimi-K2's text model (1 expert group, 3 heads) under language_model., a tiny vision tower beside it,
     # and Kimi's tiktoken tokenizer (tiktoken.model + tokenizer_config.json, no tokenizer.json).
     "kimi_k25": FixtureFamily(

@@ -125,6 +125,10 @@ class ModelConfig:
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
+    index_rope_interleaved: bool = False  # the indexer ropes interleaved pairs (GLM-5), not halves (V3.2)
+    # GLM-5.2's index sharing: "full" | "shared" per layer; a shared layer runs no indexer and attends to the keys the
+    # previous full layer selected (empty: every indexed layer selects its own)
+    indexer_types: tuple[str, ...] = ()
     # gpt-oss: every other layer attends within a sliding window (layer_types "sliding_attention"), each head adds a
     # learned sink logit to its softmax; routed experts carry biases and a clamped SwiGLU (ExpertActivation)
     attention_sinks: bool = False

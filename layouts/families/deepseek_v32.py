@@ -31,12 +31,17 @@ DEFAULTS = {"first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "norm_top
 def parse(f: Fields) -> ModelConfig:
     cfg = deepseek_v2.parse_mla(f, defaults=DEFAULTS, experts_alias="num_experts", scoring="sigmoid",
                                 topk_method="noaux_tc", interleaved=True, mtp=True)
-    f.check(cfg.q_lora_rank is not None, "q_lora_rank is null: DeepSeek-V3.2's indexer reads the q LoRA "
-                                         "activations, so q_lora_rank must be set")
-    cfg = deepseek_v2.with_mlp_layer_types(f, cfg)
-    heads = f.get("index_n_heads", DEFAULTS["index_n_heads"], cast=int)
-    dim = f.get("index_head_dim", DEFAULTS["index_head_dim"], cast=int)
-    topk = f.get("index_topk", DEFAULTS["index_topk"], cast=int)
+    return deepseek_v2.with_mlp_layer_types(f, with_indexer(f, cfg, DEFAULTS))
+
+
+def with_indexer(f: Fields, cfg: ModelConfig, defaults: dict) -> ModelConfig:
+    """The lightning indexer's fields (index_n_heads, index_head_dim, index_topk; `defaults`: the family's
+    transformers defaults), checked against the MLA's (V3.2 and GLM-5)."""
+    f.check(cfg.q_lora_rank is not None, "q_lora_rank is null: the lightning indexer reads the q LoRA activations, "
+                                         "so q_lora_rank must be set")
+    heads = f.get("index_n_heads", defaults["index_n_heads"], cast=int)
+    dim = f.get("index_head_dim", defaults["index_head_dim"], cast=int)
+    topk = f.get("index_topk", defaults["index_topk"], cast=int)
     f.check(heads >= 1, f"index_n_heads={heads} must be >= 1")
     f.check(topk >= 1, f"index_topk={topk} must be >= 1")
     if cfg.qk_rope_head_dim is not None:

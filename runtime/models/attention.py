@@ -158,7 +158,8 @@ def _naive_is_cheaper(n: int, S: int, dn: int, dr: int, dv: int, R: int) -> bool
 
 
 def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
-                  cos: torch.Tensor, sin: torch.Tensor, indexed: bool = False) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, indexed: bool = False,
+                  selections: list | None = None) -> torch.Tensor:
     """Multi-head latent attention. The cache holds c_kv = norm(W_dkv x) (R) and the roped shared key (r) per
     position. Per request, the cheaper of two exact forms:
       absorbed (decode, short chunks): kv_b_proj is absorbed, q_nope is mapped into latent space and the latent
@@ -167,7 +168,10 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
       expanded (prefill): the latent rows go through kv_b_proj (the Linear as stored, quantized or not) into
         per-head keys and values, then ordinary attention: fewer multiply-adds once n is large.
     indexed (DeepSeek-V3.2): the lightning indexer's keys are cached too and each query attends only to the keys it
-    selects (the same mask in both forms).  x: (T, H) -> (T, H)."""
+    selects (the same mask in both forms). selections (GLM-5's index sharing), one entry per request of batch: with
+    indexed, this layer's selections are stored in it; without, this layer runs no indexer and attends to the keys
+    stored there by an earlier layer of the same forward (each request's (n, S) mask, or None: all visible).
+    x: (T, H) -> (T, H)."""
     T, nh = x.shape[0], cfg.num_heads
     dn, dr, dv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     scale = cfg.softmax_scale
@@ -201,7 +205,9 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         return roped[0]
     o = torch.empty((T, nh, dv), dtype=x.dtype, device=x.device)
     absorbed = []                                     # (request, its latent cache) in the absorbed form
-    for s, runs in zip(batch.seqs, written):
+    if selections is not None and ix is not None:
+        selections[:] = [None] * len(batch.seqs)
+    for j, (s, runs) in enumerate(zip(batch.seqs, written)):
         rows = slice(s.offset, s.offset + s.n)
         lats = [r[0] for r in runs]                                                           # [(S_r, R + dr)]
         S = s.start + s.n
@@ -209,6 +215,11 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         if ix is not None:                     # the indexer's top-k over every cached key: (S, d_index) in one piece
             keys = runs[0][1] if len(runs) == 1 else torch.cat([r[1] for r in runs])
             mask = lightning.select(cfg, ix.q[rows], keys, ix.weights[rows], mask)
+        if selections is not None:               # GLM-5: hand this layer's selection on, or take an earlier one's
+            if ix is not None:
+                selections[j] = mask
+            else:
+                mask = selections[j]
         if not _naive_is_cheaper(s.n, S, dn, dr, dv, R):
             absorbed.append((s, lats, mask))
             continue

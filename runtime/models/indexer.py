@@ -4,8 +4,8 @@ may see.
 Per token (all in float32 for the scores, as the reference computes them):
   q_idx = wq_b(q_resid)               (T, Hi, Di)   q_resid: the MLA's normalized q LoRA activations
   k_idx = LayerNorm(wk(x))            (T, Di)       cached per position beside the MLA latent (SeqCache tensor 1)
-  both roped on their first qk_rope_head_dim dims in the halves layout (the MLA itself ropes interleaved pairs),
-  with the model's cos/sin (YaRN factor included)
+  both roped on their first qk_rope_head_dim dims in the halves layout (the MLA itself ropes interleaved pairs;
+  GLM-5's indexer ropes pairs too: cfg.index_rope_interleaved), with the model's cos/sin (YaRN factor included)
   w     = weights_proj(x) * Hi^-0.5   (T, Hi)
   score(t, s) = sum_h w[t, h] * relu(q_idx[t, h] . k_idx[s]) * Di^-0.5
 Each query keeps the index_topk visible keys with the highest scores (every visible key while there are at most
@@ -47,8 +47,9 @@ def project(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, q_resid: torch.T
     k = linear(x, w[ip + "wk.weight"])
     k = F.layer_norm(k.float(), (di,), w[ip + "k_norm.weight"].float(), w[ip + "k_norm.bias"].float(),
                      K_NORM_EPS).to(x.dtype)
-    q = rope.apply(q, cos, sin, interleaved=False)
-    k = rope.apply(k[:, None], cos, sin, interleaved=False)[:, 0]
+    # V3.2 ropes halves although its MLA ropes pairs; GLM-5 ropes pairs in both
+    q = rope.apply(q, cos, sin, interleaved=cfg.index_rope_interleaved)
+    k = rope.apply(k[:, None], cos, sin, interleaved=cfg.index_rope_interleaved)[:, 0]
     wp = w[ip + "weights_proj.weight"]          # a tensor (float32 math, as transformers) or a quantized Linear
     weights = linear(x.float(), wp.float() if isinstance(wp, torch.Tensor) else wp).float() * hi ** -0.5
     return IndexerInputs(q.float(), k, weights)

@@ -326,6 +326,9 @@ class Batch:
     tokens: torch.Tensor          # (T,) int64, all requests' new tokens concatenated
     positions: torch.Tensor       # (T,) int64
     seqs: list[SeqSlice]
+    # what one layer of this forward hands on to a later one, by name (GLM-5's shared indexer layers: the keys the
+    # last full layer selected for each request)
+    carried: dict = field(default_factory=dict)
 
     @staticmethod
     def build(items: list[tuple[SeqCache, list[int]]], device) -> Batch:
