@@ -52,7 +52,7 @@ def make_config(arch: str, num_layers: int | None = None, **config_overrides):
     if fixture.tokenizer in TOKEN_IDS:       # bos/eos ids of a tokenizer whose special tokens follow its vocabulary
         text.update(TOKEN_IDS[fixture.tokenizer])
     if num_layers is not None:
-        text["num_hidden_layers"] = num_layers
+        text[fixture.layers_key] = num_layers
     text.update(config_overrides)
     return AutoConfig.for_model(arch, **kw)
 

@@ -35,6 +35,8 @@ class FixtureFamily:
     mxfp4: bool = False                             # also released with MXFP4 experts (gpt-oss's quant_method mxfp4)
     random_biases: bool = False                     # transformers inits the biases (and sinks) to zero: randomize
     hub_rope_parameters: bool = False               # the hub keeps transformers' rope_parameters (Qwen3.5-MoE)
+    layers_key: str = "num_hidden_layers"          # the transformers config's decoder-layer count (LongCat-Flash:
+                                                    # num_layers; its num_hidden_layers is 2 x num_layers)
 
 
 # Tiny dimensions that still exercise padding: expert sizes not multiples of 64, FP8 dims > 128 and not
@@ -206,5 +208,19 @@ FIXTURES = {
             "bos_token_id": 0, "eos_token_id": 2},
         tokenizer="chatml", fused_experts=True, mxfp4=True, random_biases=True,
         hub_drop_keys=("swiglu_alpha",)),
+    # LongCat-Flash: 2 decoder layers (4 MLA sublayers: 4 KV cache slots), 8 routed + 4 zero (identity) experts
+    # picked 3 at a time (the correction bias makes zero experts common, as in the release), experts 80 wide (not a
+    # multiple of 64), dense MLPs 200 wide, head_dim = qk_rope_head_dim (transformers ropes head_dim dims). The
+    # release's tokenizer has <unk>/<s>/</s>-style ids 0/1/2 (the mistral style's).
+    "longcat_flash": FixtureFamily(
+        config={
+            "hidden_size": 96, "ffn_hidden_size": 200, "expert_ffn_hidden_size": 80, "n_routed_experts": 8,
+            "zero_expert_num": 4, "moe_topk": 3, "num_layers": 2, "num_attention_heads": 4,
+            "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "head_dim": 16,
+            "qk_nope_head_dim": 32, "v_head_dim": 32, "routed_scaling_factor": 6.0,
+            "max_position_embeddings": 1024, "bos_token_id": 1, "eos_token_id": 2},
+        tokenizer="mistral", layers_key="num_layers",
+        hub_extra_keys={"zero_expert_type": "identity", "mla_scale_q_lora": True, "mla_scale_kv_lora": True,
+                        "router_bias": False, "attention_method": "MLA"}),
 }
 ARCHS = tuple(FIXTURES)

@@ -133,6 +133,9 @@ class ModelConfig:
     # learned sink logit to its softmax; routed experts carry biases and a clamped SwiGLU (ExpertActivation)
     attention_sinks: bool = False
     expert_activation: ExpertActivation = field(default_factory=lambda: SILU)
+    # LongCat-Flash: identity ("zero") experts the router may pick beside the routed ones (router ids num_experts ..
+    # num_experts + zero_experts - 1); a token's zero experts add its MoE input times their weights, no weights
+    zero_experts: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)

@@ -122,8 +122,16 @@ class MoEModel:
         cos, sin = self.rope.cos_sin(batch.positions.to(self.device), self.dtype)
         tm, clock = self.timing, time.perf_counter
         L = cfg.num_layers
-        h = self.norm(x, w[self.names.layer(0) + "input_layernorm.weight"], cfg.rms_norm_eps) if L else x
+        # a family whose decoder layer is not attention -> MLP (LongCat-Flash's two sublayers + shortcut MoE) runs
+        # its module's decoder_layer(model, i, x, h, batch, cos, sin) -> (x, h): h is layer i's normed input as the
+        # previous call left it (None for layer 0: the hook norms x itself); after the last layer, the final norm
+        layer_hook = getattr(self.arch, "decoder_layer", None)
+        h = None if layer_hook is not None else (
+            self.norm(x, w[self.names.layer(0) + "input_layernorm.weight"], cfg.rms_norm_eps) if L else x)
         for i in range(L):
+            if layer_hook is not None:
+                x, h = layer_hook(self, i, x, h, batch, cos, sin)
+                continue
             p = self.names.layer(i)
             t1 = clock()
             # each residual add runs with the norm after it (one kt_rms_norm call for float32 CPU rows)
