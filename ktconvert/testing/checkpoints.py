@@ -147,6 +147,8 @@ def hub_state_dict(model, arch: str) -> dict[str, torch.Tensor]:
                     out[_expert_name(arch, prefix, e, "down")] = t[e]
             continue
         out[name] = t
+    for pattern, repl in FIXTURES[arch].hub_renames:    # the release's own names (DeepSeek-V4)
+        out = {re.sub(pattern, repl, k): v for k, v in out.items()}
     return out
 
 

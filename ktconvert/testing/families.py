@@ -35,6 +35,8 @@ class FixtureFamily:
     mxfp4: bool = False                             # also released with MXFP4 experts (gpt-oss's quant_method mxfp4)
     random_biases: bool = False                     # transformers inits the biases (and sinks) to zero: randomize
     hub_rope_parameters: bool = False               # the hub keeps transformers' rope_parameters (Qwen3.5-MoE)
+    hub_renames: tuple = ()                         # (regex, replacement) pairs applied in order to every hub name
+                                                    # (DeepSeek-V4's release names differ from transformers')
     layers_key: str = "num_hidden_layers"          # the transformers config's decoder-layer count (LongCat-Flash:
                                                     # num_layers; its num_hidden_layers is 2 x num_layers)
 
@@ -208,6 +210,27 @@ FIXTURES = {
             "bos_token_id": 0, "eos_token_id": 2},
         tokenizer="chatml", fused_experts=True, mxfp4=True, random_biases=True,
         hub_drop_keys=("swiglu_alpha",)),
+    # MiMo-V2-Flash: transformers' default layer kinds for 3 layers (full, sliding, sliding; the first a dense MLP),
+    # window 8 (sliding_window_size 7, shorter than the test prompts), 4 query heads over 1 kv head in the full
+    # layer and 2 in the sliding ones (the release's 4 / 8), q/k heads 48 wide with partial rotary on 16 dims, v heads
+    # 32 wide, sinks on the sliding layers, 16 experts 80 wide (not a multiple of 64) picked 4 at a time. config.json
+    # in the release's own keys (hybrid_layer_pattern, moe_layer_freq, swa_*, rope_theta / swa_rope_theta,
+    # layernorm_epsilon): transformers reads it back with its defaults for what it ignores, which these match.
+    "mimo_v2_flash": FixtureFamily(
+        config={
+            "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 80, "n_routed_experts": 16,
+            "num_experts_per_tok": 4, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": 48, "v_head_dim": 32, "sliding_window_size": 7, "routed_scaling_factor": 1.5,
+            "max_position_embeddings": 1024, "bos_token_id": 0, "eos_token_id": 2},
+        tokenizer="chatml", hub_drop_keys=("layer_types", "mlp_layer_types"),
+        hub_key_renames={"rms_norm_eps": "layernorm_epsilon"},
+        hub_extra_keys={"hybrid_layer_pattern": [0, 1, 1], "moe_layer_freq": [0, 1, 1], "sliding_window": 7,
+                        "rope_theta": 5000000.0, "swa_rope_theta": 10000.0, "partial_rotary_factor": 0.334,
+                        "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 48,
+                        "swa_v_head_dim": 32, "add_swa_attention_sink_bias": True,
+                        "add_full_attention_sink_bias": False, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                        "n_shared_experts": None, "attention_chunk_size": 7},
+        hub_renames=((r"\.self_attn\.sinks$", ".self_attn.attention_sink_bias"),)),
     # LongCat-Flash: 2 decoder layers (4 MLA sublayers: 4 KV cache slots), 8 routed + 4 zero (identity) experts
     # picked 3 at a time (the correction bias makes zero experts common, as in the release), experts 80 wide (not a
     # multiple of 64), dense MLPs 200 wide, head_dim = qk_rope_head_dim (transformers ropes head_dim dims). The

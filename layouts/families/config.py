@@ -78,6 +78,15 @@ SILU = ExpertActivation()
 
 
 @dataclass(frozen=True)
+class SlidingAttention:
+    """The GQA attention of a family's "sliding_attention" layers where it differs from its full-attention layers'
+    beyond the window (MiMo-V2-Flash: twice the kv heads, its own RoPE theta, a sink logit per head)."""
+    num_kv_heads: int
+    rope: RopeConfig | None               # None when parsed for conversion
+    sinks: bool                           # a learned sink logit per head joins each query's softmax
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str                       # the family's name (an alias such as kimi_k2 reads as deepseek_v3)
     num_layers: int                       # main decoder layers (multi-token-prediction layers not counted)
@@ -133,6 +142,13 @@ class ModelConfig:
     # learned sink logit to its softmax; routed experts carry biases and a clamped SwiGLU (ExpertActivation)
     attention_sinks: bool = False
     expert_activation: ExpertActivation = field(default_factory=lambda: SILU)
+    # LongCat-Flash: identity ("zero") experts the router may pick beside the routed ones (router ids num_experts ..
+    # num_experts + zero_experts - 1); a token's zero experts add its MoE input times their weights, no weights
+    zero_experts: int = 0
+    # MiMo-V2-Flash: sliding layers' own kv heads, rope and sinks (attention_sinks then says whether the full layers
+    # have sinks); values scaled by value_scale before attention; v_head_dim (above) is GQA's value head dim too
+    sliding_attention: SlidingAttention | None = None
+    value_scale: float = 1.0
     # LongCat-Flash: identity ("zero") experts the router may pick beside the routed ones (router ids num_experts ..
     # num_experts + zero_experts - 1); a token's zero experts add its MoE input times their weights, no weights
     zero_experts: int = 0

@@ -90,12 +90,14 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
 
 def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
                layer: int, window: int | None | str = "config", sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Write each request's k/v into its cache and attend over its cached positions: q (T, nh, hd), k/v
-    (T, nkv, hd) roped -> (T, nh, hd). window: keys per query (sliding window; "config": cfg.sliding_window,
-    None: all); sinks (nh,): per-head sink logits (_softmax_attend). The cache keeps every position either way."""
+    """Write each request's k/v into its cache and attend over its cached positions: q (T, nh, hd), k (T, nkv, hd)
+    roped, v (T, nkv, vd) -> (T, nh, vd) (vd: the value head dim, hd but for MiMo-V2-Flash). window: keys per
+    query (sliding window; "config": cfg.sliding_window, None: all); sinks (nh,): per-head sink logits
+    (_softmax_attend). The cache keeps every position either way."""
     window = cfg.sliding_window if window == "config" else window
-    T, nh, nkv, hd = q.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    out = torch.empty((T, nh, hd), dtype=q.dtype, device=q.device)
+    T, nh, hd = q.shape
+    nkv, vd = k.shape[1], v.shape[-1]
+    out = torch.empty((T, nh, vd), dtype=q.dtype, device=q.device)
     rep, scale = nh // nkv, cfg.softmax_scale
     # Query heads grouped by the kv head they share: (nkv, rep, T, hd), scaled once (T rows, not S).
     qg = (q * scale).view(T, nkv, rep, hd).permute(1, 2, 0, 3)
@@ -109,8 +111,8 @@ def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         scores = _cat_scores([torch.matmul(qs, kr.permute(1, 2, 0)) for kr, _ in runs])   # (nkv, rep*n, S)
         probs = _softmax_attend(scores.view(nh, s.n, -1), _mask(s, q.device, window), sinks)
         o = _attend_runs(probs.view(nkv, rep * s.n, -1), [vr for _, vr in runs],
-                         lambda p, vr: torch.matmul(p, vr.transpose(0, 1)))      # (nkv, rep*n, hd)
-        out[rows] = o.view(nh, s.n, hd).transpose(0, 1)
+                         lambda p, vr: torch.matmul(p, vr.transpose(0, 1)))      # (nkv, rep*n, vd)
+        out[rows] = o.view(nh, s.n, vd).transpose(0, 1)
     return out
 
 
