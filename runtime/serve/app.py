@@ -26,10 +26,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
+from .anthropic_errors import AnthropicErrors
 from .engine_thread import EngineThread
 from .metrics import ServeMetrics
 from .protocol import ApiError, error_param
 from .reasoning import uses_thinking
+from .response_store import ResponseStore
 from .responses import error_body, now
 from .routes import router
 from .server import (
@@ -68,6 +70,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = now()
+        self.responses = ResponseStore()   # /v1/responses kept for previous_response_id (bounded, in memory)
         self.metrics = ServeMetrics(lambda: dict(getattr(self.engine, "stats", None) or {}), self._prefix_cache_stats)
         self._detected: dict[str, object] = {}
         m = self.metrics
@@ -213,7 +216,8 @@ class ApiKeyAndCounting:
                                       headers={"Connection": "close"})(scope, receive, counting_send)
                 return
             if self.state.api_key is not None and path.startswith(PROTECTED) and not self._key_ok(scope):
-                await _error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                await _error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or "
+                                           "'x-api-key: <key>')",
                                       "authentication_error", "invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer"})(scope, receive, counting_send)
                 return
@@ -222,8 +226,10 @@ class ApiKeyAndCounting:
             self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
 
     def _key_ok(self, scope) -> bool:
-        got = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        token = got[7:].strip() if got[:7].lower() == "bearer " else ""
+        headers = dict(scope["headers"])
+        got = headers.get(b"authorization", b"").decode("latin-1")
+        # Anthropic's clients send the key as x-api-key
+        token = got[7:].strip() if got[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1")
         return bool(token) and hmac.compare_digest(token.encode(), self.state.api_key.encode())
 
 
@@ -280,6 +286,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     known = {r.path for r in router.routes} | {"/docs", "/openapi.json"}
     app.add_middleware(ApiKeyAndCounting, state=state, known_paths=known)
+    app.add_middleware(AnthropicErrors)   # outermost: rewrites every error under /v1/messages, the 401 included
     return app
 
 

@@ -268,18 +268,26 @@ class Generation:
         return R.usage(len(self.plan.prompt_ids), sum(c.n_tokens for c in self.choices), cached)
 
     # -- non-streaming ----------------------------------------------------------------------------------------
-    async def collect(self):
+    async def run(self, each=None) -> R.Timings:
+        """Non-streamed: submit, feed every token to its choice until all finished (each(choice, pieces) sees what
+        each token released), watching the connection; -> timings. The Responses and Messages APIs build their own
+        answers from the choices."""
         watcher = asyncio.ensure_future(self._watch_disconnect())
         self.submit()
         try:
             async for choice, item in self.items():
-                choice.feed(item)
+                pieces = choice.feed(item)
+                if each is not None:
+                    each(choice, pieces)
         except ClientGone:
             self.abort()
             raise
         finally:
             watcher.cancel()
-        timings = self.finished()
+        return self.finished()
+
+    async def collect(self):
+        timings = await self.run()
         if self.plan.kind == "chat":
             return R.ChatCompletionResponse(id=self.rid, created=self.created, model=self.plan.model,
                                             choices=[self._chat_choice(c) for c in self.choices],

@@ -15,6 +15,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..defaults import API_TEMPERATURE, API_TOP_P
 from . import responses as R
 from .generation import ClientGone, Generation, Plan, decode
+from .messages_api import MessagesAnswer
+from .messages_request import CountTokensRequest, MessagesRequest
+from .messages_request import to_chat as messages_to_chat
 from .protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -25,6 +28,9 @@ from .protocol import (
     parse_json_body,
 )
 from .reasoning import prompt_opens_thinking
+from .responses_api import ResponsesAnswer
+from .responses_request import ResponsesRequest
+from .responses_request import to_chat as responses_to_chat
 from .structured import compile_response_format, processor_factory
 from .tool_parsers import PARSERS
 
@@ -222,6 +228,38 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await _generate(request, body, "chat")
 
 
+# -- the Responses and Messages APIs: translated into a chat request, generated as chat, answered in their shapes --
+@router.post("/v1/responses", responses=ERRORS)
+async def responses_create(body: ResponsesRequest, request: Request):
+    store = _state(request).responses
+    chat, conversation = responses_to_chat(body, store)
+    gen = await prepare(request, chat, "chat")
+    return await ResponsesAnswer(gen, body, conversation, store).answer()
+
+
+@router.get("/v1/responses/{response_id}", responses=ERRORS)
+async def responses_get(response_id: str, request: Request):
+    _state(request).require_ready()
+    stored = _state(request).responses.get(response_id)
+    if stored is None:
+        raise ApiError(404, f"Response with id {response_id!r} not found", "invalid_request_error", "not_found",
+                       "response_id")
+    return JSONResponse(stored.response)
+
+
+@router.post("/v1/messages", responses=ERRORS)
+async def messages_create(body: MessagesRequest, request: Request):
+    gen = await prepare(request, messages_to_chat(body), "chat")
+    return await MessagesAnswer(gen, body).answer()
+
+
+@router.post("/v1/messages/count_tokens", responses=ERRORS)
+async def messages_count_tokens(body: CountTokensRequest, request: Request):
+    engine = _state(request).require_ready()
+    _check_model(engine, body.model)
+    return JSONResponse({"input_tokens": len(chat_prompt(engine.tokenizer, messages_to_chat(body))[1])})
+
+
 def _check_lengths(req, kind: str, n_prompt: int, ctx: int) -> int:
     if n_prompt == 0:
         raise bad_param("prompt", "the prompt is empty (0 tokens)")
@@ -239,6 +277,18 @@ def _check_lengths(req, kind: str, n_prompt: int, ctx: int) -> int:
 
 
 async def _generate(request: Request, req, kind: str):
+    gen = await prepare(request, req, kind)   # it submits to the engine once its response has started
+    if req.stream:
+        return StreamingResponse(gen.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        return _json(await gen.collect())
+    except ClientGone:   # nobody to answer; the request is aborted and counted (499: client closed the request)
+        return Response(status_code=499)
+
+
+async def prepare(request: Request, req, kind: str) -> Generation:
+    """A completion or chat request -> its Generation, not yet submitted (every check done). The Responses and
+    Messages APIs translate their requests into a chat request and come here too."""
     state = _state(request)
     plan = Plan(kind=kind, model=req.model, prompt_ids=[], params=None, stream=req.stream,
                 include_usage=req.include_usage, stop=list(req.stop or []))
@@ -307,11 +357,4 @@ async def _generate(request: Request, req, kind: str):
             prompt_logprobs=(plan.logprobs or 0) if plan.prompt_logprobs else None, logits_processors=processors)
     except ValueError as e:
         raise ApiError(400, f"invalid sampling parameters: {e}", code="invalid_parameter") from None
-
-    gen = Generation(state, plan, request)   # it submits to the engine once its response has started
-    if req.stream:
-        return StreamingResponse(gen.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    try:
-        return _json(await gen.collect())
-    except ClientGone:   # nobody to answer; the request is aborted and counted (499: client closed the request)
-        return Response(status_code=499)
+    return Generation(state, plan, request)

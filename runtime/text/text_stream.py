@@ -29,6 +29,7 @@ class TextStream:
         self._text = ""                # generated text decoded so far
         self._sent = 0                 # characters of _text already handed out
         self.stopped = False           # a stop string was found; the text ends before it
+        self.stop_string: str | None = None   # which one (Anthropic's stop_sequence names it)
 
     @property
     def text(self) -> str:
@@ -71,9 +72,10 @@ class TextStream:
         if self._stop:
             text = self._text + pending
             start = max(0, self._sent - max(map(len, self._stop)))   # older text was checked (and sent) already
-            hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+            hits = [(i, s) for s in self._stop for i in (text.find(s, start),) if i >= 0]
             if hits:
-                self._text = text[: min(hits)]
+                first, self.stop_string = min(hits, key=lambda h: h[0])
+                self._text = text[:first]
                 self.stopped = True
                 final = True
         end = len(self._text) if final else len(self._text) - self._held_back()
