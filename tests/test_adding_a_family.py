@@ -45,8 +45,7 @@ ROWS = COMMON_ROWS + [
 FAMILY = Family(
     name="hypo_moe", title="Hypo-MoE", architectures=("HypoMoeForCausalLM",), parse=parse,
     names=HubNames(ROWS, "model.layers.{layer}.moe.experts.{expert}.{proj}.weight",
-                   {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}, moe_prefix="moe."),
-    runtime_module="mixtral")
+                   {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}, moe_prefix="moe."))
 '''
 
 RENAMES = [("block_sparse_moe.experts.", "moe.experts."), ("block_sparse_moe.gate.", "moe.gate."),
@@ -139,7 +138,7 @@ def test_a_new_family_is_one_file(overlay):
             "f = family_for({'model_type': 'hypo_moe', 'architectures': ['HypoMoeForCausalLM']});"
             "print(f.name, m.arch_module('hypo_moe').__name__)")
     out = run([sys.executable, "-c", code], env, root).stdout.split()
-    assert out == ["hypo_moe", "ktrun.models.mixtral"]
+    assert out == ["hypo_moe", "ktrun.models.generic"]
 
 
 def test_it_converts_and_runs_like_the_family_whose_math_it_reuses(overlay, tmp_path):

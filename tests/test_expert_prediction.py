@@ -18,7 +18,7 @@ def fake_converted(dense=None, n_group=1, topk_group=1):
     """What the predictors read of a ConvertedModel: config (top_k, num_experts, moe_layers, what DeepSeek-V3's
     routing reads) and the dense tensors."""
     cfg = SimpleNamespace(model_type="deepseek_v3", top_k=K, num_experts=E, moe_layers=LAYERS, n_group=n_group,
-                          topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=1.0)
+                          topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=1.0, scoring="sigmoid")
     return SimpleNamespace(config=cfg, dense=dense or {})
 
 

@@ -117,7 +117,11 @@ class ModelConfig:
     n_mtp_layers: int = 0                 # multi-token-prediction layers after the main ones (skipped)
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
-    scoring: str = "softmax"              # "softmax" | "sigmoid"
+    scoring: str = "softmax"              # "softmax" | "sigmoid": the router's scores (ktrun.models.generic)
+    router_float32: bool = False          # softmax router logits from float32 x and weights (DeepSeek-V2's own);
+                                          # False: in the activations' dtype (Qwen3-MoE, Mixtral)
+    router_renormalizes: bool = True      # the softmax router honours norm_topk_prob (transformers' DeepSeek-V2
+                                          # router reads it nowhere: False)
     topk_method: str = "greedy"           # "greedy" | "group_limited_greedy" | "noaux_tc"
     n_group: int = 1
     topk_group: int = 1
@@ -149,9 +153,6 @@ class ModelConfig:
     # have sinks); values scaled by value_scale before attention; v_head_dim (above) is GQA's value head dim too
     sliding_attention: SlidingAttention | None = None
     value_scale: float = 1.0
-    # LongCat-Flash: identity ("zero") experts the router may pick beside the routed ones (router ids num_experts ..
-    # num_experts + zero_experts - 1); a token's zero experts add its MoE input times their weights, no weights
-    zero_experts: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)

@@ -114,8 +114,10 @@ def parse(f: Fields) -> ModelConfig:
     method = f.get("topk_method", DEFAULTS["topk_method"])
     f.check(method in ("greedy", "group_limited_greedy"),
             f"topk_method {method!r} is not one of 'greedy', 'group_limited_greedy'")
-    return parse_mla(f, defaults=DEFAULTS, experts_alias="num_experts", scoring="softmax", topk_method=method,
-                     interleaved=True, mtp=False)
+    # transformers' DeepSeek-V2 router: logits in float32, and norm_topk_prob read nowhere
+    return dataclasses.replace(
+        parse_mla(f, defaults=DEFAULTS, experts_alias="num_experts", scoring="softmax", topk_method=method,
+                  interleaved=True, mtp=False), router_float32=True, router_renormalizes=False)
 
 
 # --- GGUF: llama.cpp's "deepseek2" (DeepSeek-V2, V3, Kimi-K2, and GLM-4.7-Flash) ---------------------------------
@@ -216,4 +218,4 @@ GGUF = GGUFArch("deepseek2", _DEEPSEEK2_ROWS, _deepseek2_config)
 
 FAMILY = Family(
     name="deepseek_v2", title="DeepSeek-V2", architectures=("DeepseekV2ForCausalLM",), parse=parse,
-    names=hub_names(mtp=False), runtime_module="deepseek_v2", gguf=GGUF)
+    names=hub_names(mtp=False), gguf=GGUF)

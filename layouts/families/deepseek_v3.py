@@ -22,5 +22,5 @@ def parse(f: Fields) -> ModelConfig:
 
 FAMILY = Family(
     name="deepseek_v3", title="DeepSeek-V3 / R1, Kimi-K2", architectures=("DeepseekV3ForCausalLM",),
-    aliases=("kimi_k2",), parse=parse, names=deepseek_v2.hub_names(mtp=True), runtime_module="deepseek_v3",
+    aliases=("kimi_k2",), parse=parse, names=deepseek_v2.hub_names(mtp=True),
     gguf=deepseek_v2.GGUF)

@@ -54,5 +54,4 @@ def with_indexer(f: Fields, cfg: ModelConfig, defaults: dict) -> ModelConfig:
 FAMILY = Family(
     name="deepseek_v32", title="DeepSeek-V3.2", architectures=("DeepseekV32ForCausalLM",), parse=parse,
     names=HubNames(ROWS, deepseek_v2.EXPERT_NAME, deepseek_v2.GATE_UP_DOWN, moe_prefix="mlp.",
-                   shared_prefix="mlp.shared_experts.", mtp=True),
-    runtime_module="deepseek_v32")
+                   shared_prefix="mlp.shared_experts.", mtp=True))

@@ -18,8 +18,9 @@ class Family:
     architectures: tuple[str, ...]            # config.json "architectures" class names of this family
     parse: Callable[[Fields], ModelConfig]    # config.json fields -> ModelConfig (errors name the field)
     names: HubNames                           # hub tensor names and roles
-    runtime_module: str                       # ktrun.models.<runtime_module> runs it (a name: ktlayouts never
-                                              # imports ktrun)
+    runtime_module: str = "generic"           # ktrun.models.<runtime_module> runs it (a name: ktlayouts never
+                                              # imports ktrun); "generic" picks attention and router from the
+                                              # ModelConfig: only a family with new math names a module of its own
     aliases: tuple[str, ...] = ()             # other model_type values read as this family (same tensors, math)
     gguf: GGUFArch | None = None              # llama.cpp's architecture for it, when llama.cpp converts it
     text_config_key: str | None = None        # config.json key holding the text model's config (Kimi-K2.5's

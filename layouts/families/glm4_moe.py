@@ -107,5 +107,4 @@ GGUF = GGUFArch("glm4moe", GLOBAL_ROWS + ATTN_NORM_ROWS[:1] + DENSE_MLP_ROWS + e
 FAMILY = Family(
     name="glm4_moe", title="GLM-4.5 / 4.6 / 4.7", architectures=("Glm4MoeForCausalLM",), parse=parse,
     names=HubNames(ROWS, "model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight", GATE_UP_DOWN,
-                   moe_prefix="mlp.", shared_prefix="mlp.shared_experts.", mtp=True),
-    runtime_module="glm4_moe", gguf=GGUF)
+                   moe_prefix="mlp.", shared_prefix="mlp.shared_experts.", mtp=True), gguf=GGUF)

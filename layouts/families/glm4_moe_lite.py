@@ -42,5 +42,4 @@ def parse(f: Fields) -> ModelConfig:
 FAMILY = Family(
     name="glm4_moe_lite", title="GLM-4.7-Flash", architectures=("Glm4MoeLiteForCausalLM",), parse=parse,
     names=HubNames(ROWS, deepseek_v2.EXPERT_NAME, deepseek_v2.GATE_UP_DOWN, moe_prefix="mlp.",
-                   shared_prefix="mlp.shared_experts.", mtp=True),
-    runtime_module="deepseek_v3", gguf=deepseek_v2.GGUF)
+                   shared_prefix="mlp.shared_experts.", mtp=True), gguf=deepseek_v2.GGUF)

@@ -34,5 +34,4 @@ def parse(f: Fields) -> ModelConfig:
 FAMILY = Family(
     name="kimi_k25", title="Kimi-K2.5", architectures=("Kimi_K25ForConditionalGeneration",), parse=parse,
     names=HubNames(ROWS, PREFIX + deepseek_v2.EXPERT_NAME, deepseek_v2.GATE_UP_DOWN, moe_prefix="mlp.",
-                   shared_prefix="mlp.shared_experts.", mtp=True, prefix=PREFIX),
-    runtime_module="deepseek_v3", gguf=deepseek_v2.GGUF, text_config_key="text_config")
+                   shared_prefix="mlp.shared_experts.", mtp=True, prefix=PREFIX), gguf=deepseek_v2.GGUF, text_config_key="text_config")

@@ -92,5 +92,4 @@ GGUF = GGUFArch("minimax-m2", GLOBAL_ROWS + ATTN_NORM_ROWS + expert_rows("block_
 FAMILY = Family(
     name="minimax_m2", title="MiniMax-M2 / M2.1", architectures=("MiniMaxM2ForCausalLM",), parse=parse,
     names=HubNames(ROWS, "model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight",
-                   {"gate": "w1", "up": "w3", "down": "w2"}, moe_prefix="block_sparse_moe.", mtp=True),
-    runtime_module="minimax_m2", gguf=GGUF)
+                   {"gate": "w1", "up": "w3", "down": "w2"}, moe_prefix="block_sparse_moe.", mtp=True), gguf=GGUF)

@@ -62,5 +62,4 @@ GGUF = GGUFArch("llama", GLOBAL_ROWS + ATTN_NORM_ROWS + expert_rows("block_spars
 FAMILY = Family(
     name="mixtral", title="Mixtral", architectures=("MixtralForCausalLM",), parse=parse,
     names=HubNames(ROWS, "model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight",
-                   {"gate": "w1", "up": "w3", "down": "w2"}, moe_prefix="block_sparse_moe."),
-    runtime_module="mixtral", gguf=GGUF)
+                   {"gate": "w1", "up": "w3", "down": "w2"}, moe_prefix="block_sparse_moe."), gguf=GGUF)

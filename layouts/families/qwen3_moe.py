@@ -61,5 +61,4 @@ GGUF = GGUFArch("qwen3moe", GLOBAL_ROWS + ATTN_NORM_ROWS + expert_rows("mlp", HU
 
 FAMILY = Family(
     name="qwen3_moe", title="Qwen3-MoE", architectures=("Qwen3MoeForCausalLM",), parse=parse,
-    names=HubNames(ROWS, "model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight", GATE_UP_DOWN),
-    runtime_module="qwen3_moe", gguf=GGUF)
+    names=HubNames(ROWS, "model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight", GATE_UP_DOWN), gguf=GGUF)

@@ -5,7 +5,8 @@
   their top-2 choice scores; top-k inside them; weights are the *unbiased* scores, normalized when norm_topk_prob,
   times routed_scaling_factor. Decode rows of a float32 CPU model take the same steps in one C call
   (ktrun.ops.glue.route_sigmoid: its own fixed summation order), unless a test's choice hook is installed.
-- softmax_topk (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral).
+- softmax_topk (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral): the logits' precision and whether
+  norm_topk_prob renormalizes come from the config (router_float32, router_renormalizes), not from the family.
 """
 from __future__ import annotations
 
@@ -44,13 +45,13 @@ def sigmoid_grouped(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bia
 
 def softmax_topk(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor):
     T, E = x.shape[0], cfg.num_experts
-    logits = F.linear(x.float(), gate_w.float()) if cfg.is_mla else F.linear(x, gate_w.to(x.dtype))
+    logits = F.linear(x.float(), gate_w.float()) if cfg.router_float32 else F.linear(x, gate_w.to(x.dtype))
     scores = F.softmax(logits, dim=-1, dtype=torch.float32)                   # (T, E)
     if cfg.topk_method == "group_limited_greedy":
         gs = scores.view(T, cfg.n_group, E // cfg.n_group).max(dim=-1).values
         scores = scores.masked_fill(~_group_mask(scores, gs, cfg), 0.0)
-    ids = top_k("router", scores, cfg.top_k, sorted=not cfg.is_mla)
+    ids = top_k("router", scores, cfg.top_k, sorted=not cfg.router_float32)  # (V2's reference: unsorted)
     wts = scores.gather(1, ids)
-    if cfg.norm_topk_prob and not cfg.is_mla:                                 # V2's router never normalizes
+    if cfg.norm_topk_prob and cfg.router_renormalizes:
         wts = wts / wts.sum(dim=-1, keepdim=True)
     return ids, wts * cfg.routed_scaling_factor
