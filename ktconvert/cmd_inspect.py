@@ -55,7 +55,7 @@ def inspect_source(path: Path, group_size: int, scale_dtype: str = UNDECLARED_SC
             n = math.prod(info.shape)
             params[role.kind] += n
             if role.kind != "expert":
-                gpu_bytes += n * (4 if role.kind == "router_bias" else 2)
+                gpu_bytes += n * (4 if role.kind in ("router_bias", "kept") else 2)
         geo_args = {"n_experts": a.n_experts, "hidden": a.hidden_size, "intermediate": a.moe_intermediate_size,
                         "moe_layers": tuple(a.moe_layers())}
         cpu = expert_bytes_per_method(geo_args, group_size, scale_dtype)

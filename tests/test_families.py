@@ -132,7 +132,7 @@ def test_defaults_are_transformers_defaults(name):
             "tie_word_embeddings": hf.tie_word_embeddings, "attention_bias": getattr(hf, "attention_bias", False)}
     if hasattr(hf, "norm_topk_prob"):
         got["norm_topk_prob"], want["norm_topk_prob"] = ours.norm_topk_prob, hf.norm_topk_prob
-    if name.startswith("deepseek") or name == "glm_moe_dsa":
+    if (name.startswith("deepseek") and name != "deepseek_v4") or name == "glm_moe_dsa":   # V4: no dense layers
         got.update(first_k_dense=ours.first_k_dense, n_shared_experts=ours.n_shared_experts,
                    routed_scaling_factor=ours.routed_scaling_factor, n_group=ours.n_group,
                    topk_group=ours.topk_group, q_lora_rank=ours.q_lora_rank)

@@ -26,6 +26,8 @@ EXPERT_NAME = {
     "gpt_oss": re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$"),
 }
 
+    # DeepSeek-V4: the release's own names (no model. prefix, ffn, w1/w3/w2)
+    "deepseek_v4": re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$"),
 
 def _text(cfg: dict) -> dict:
     """The text model's config.json keys (Kimi-K2.5 nests them under text_config)."""
@@ -94,7 +96,11 @@ def test_hub_names_dtypes_and_shards(ckpt_dir, arch):
         n_moe = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
         assert len(main_experts) == n_moe * n_exp * 3
     for name, (dtype, _) in meta.items():
-        assert dtype == ("F32" if name.endswith("e_score_correction_bias") else "BF16"), name
+        if fixture.hub_int and re.match(fixture.hub_int, name):
+            assert dtype == "I32", name
+        else:
+            f32 = name.endswith("e_score_correction_bias") or bool(fixture.hub_f32 and re.match(fixture.hub_f32, name))
+            assert dtype == ("F32" if f32 else "BF16"), name
     if arch == "mixtral":
         assert "model.layers.0.block_sparse_moe.gate.weight" in meta
         assert meta["model.layers.0.block_sparse_moe.experts.7.w1.weight"][1] == (160, 96)

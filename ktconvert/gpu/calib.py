@@ -72,6 +72,20 @@ def split_calibration_text(text: str) -> tuple[str, str]:
 
 
 def tokenizer_for(src):
+# Families whose decoder layers this driver cannot run one at a time from transformers' classes, and why
+NOT_LAYERWISE = {"deepseek_v4": "its decoder layers carry hyper-connection residual streams and route hash layers by "
+                                "token id, and its release names differ from transformers' module names"}
+
+
+def check_layerwise(src) -> None:
+    """CalibrationError when the checkpoint's family cannot be calibrated layer by layer (NOT_LAYERWISE)."""
+    why = NOT_LAYERWISE.get(src.arch.model_type)
+    if why is not None:
+        raise CalibrationError(f"calibration does not run {src.arch.model_type} layer by layer ({why}); quantize "
+                               f"without it: --gpu-method rtn-int4 / search-int4 / bf16, --expert-quantizer "
+                               f"search / rtn")
+
+
     """The checkpoint's tokenizer.json (a GGUF source rebuilds it from its metadata)."""
     from tokenizers import Tokenizer
 
@@ -243,6 +257,7 @@ class LayerwiseGptq:
 
     def result(self, name: str, layer: int | None) -> QuantizedLinear:
         """The quantized weight `name` of decoder layer `layer` (None: lm_head); runs layers as needed."""
+        check_layerwise(src)
         target = self.cfg.num_hidden_layers if layer is None else layer
         for k in [k for k, (li, _) in self.results.items() if li < target]:
             del self.results[k]          # earlier layers not asked for (already written by a resumed run)

@@ -39,14 +39,15 @@ def _is_f32(src_dtype: str) -> bool:
 
 
 class Bf16Encoder:
-    """Every tensor as BF16 under its hub name; router weights and score-correction biases stay F32 if they are."""
+    """Every tensor as BF16 under its hub name; router weights and score-correction biases stay F32 if they are, and
+    "kept" tensors (DeepSeek-V4's hyper-connection mixers, sinks, tid2eid ...) are F32 (integers exactly)."""
     name = "bf16"
 
     def __init__(self):
         self._f32_names: set[str] = set()     # planned as F32, so encode matches plan exactly
 
     def plan(self, name, src_dtype, shape, role):
-        if role.kind in ("router", "router_bias", "shared_expert_gate") and _is_f32(src_dtype):
+        if (role.kind in ("router", "router_bias", "shared_expert_gate") and _is_f32(src_dtype)) or role.kind == "kept":
             self._f32_names.add(name)
             return [DenseOutput(name, "F32", tuple(shape), DENSE_LAYOUT_F32)]
         return [DenseOutput(name, "BF16", tuple(shape), DENSE_LAYOUT_BF16)]

@@ -66,7 +66,7 @@ class GpuLayerOptions:
 def resolve_method(opts: GpuLayerOptions, src=None) -> tuple[str, str]:
     """(method to run, why); 'auto' picks gptq-int4 if calibration text (and, given the source, its tokenizer) is
     available, else rtn-int4."""
-    from ktconvert.gpu.calib import CalibrationError, read_calibration_text, tokenizer_for
+    from ktconvert.gpu.calib import CalibrationError, check_layerwise, read_calibration_text, tokenizer_for
 
     if opts.method != "auto":
         if GPU_METHODS[opts.method] and GPU_METHODS[opts.method][0] == "gptq":
@@ -82,16 +82,18 @@ def resolve_method(opts: GpuLayerOptions, src=None) -> tuple[str, str]:
     try:
         if src is not None:
             tokenizer_for(src)
+            check_layerwise(src)
     except CalibrationError as e:
         return "rtn-int4", f"default; {e}"
     return "gptq-int4", f"default, calibration text {path}"
 
 
 def calibration_available(opts: GpuLayerOptions, src) -> bool:
-    from ktconvert.gpu.calib import CalibrationError, read_calibration_text, tokenizer_for
+    from ktconvert.gpu.calib import CalibrationError, check_layerwise, read_calibration_text, tokenizer_for
     try:
         read_calibration_text(opts.calib)
         tokenizer_for(src)
+        check_layerwise(src)
     except CalibrationError as e:
         if opts.calib is not None:
             raise

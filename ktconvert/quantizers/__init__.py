@@ -39,10 +39,11 @@ def _calibration_available(src, opts) -> bool:
     them); without them `auto` falls back to the uniform search (logged), explicit gptq/search fail naming why."""
     import logging
 
-    from ktconvert.gpu.calib import CalibrationError, hf_config, read_calibration_text, tokenizer_for
+    from ktconvert.gpu.calib import CalibrationError, check_layerwise, hf_config, read_calibration_text, tokenizer_for
     try:
         read_calibration_text(opts.calib)
         tokenizer_for(src)
+        check_layerwise(src)
         try:
             hf_config(src.config, src.arch.model_type)
         except (KeyError, ValueError, TypeError) as e:

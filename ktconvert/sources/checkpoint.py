@@ -137,7 +137,7 @@ class Source(SourceBase):
             info = self._infos[name]
             if info.dtype == "F8_E4M3":
                 self._check_fp8_scale(info)
-            elif info.dtype in _INT_DTYPES:
+            elif info.dtype in _INT_DTYPES and self.arch.classify(name).kind != "kept":
                 raise SourceError(f"{info.file}: tensor {name}: dtype {info.dtype} is not a weight dtype here "
                                   f"(integer tensors belong to a quantized Linear that quantization_config "
                                   f"describes)")
@@ -207,6 +207,8 @@ class Source(SourceBase):
             out = raw.view(np.float32).copy()
         elif info.dtype == "F8_E4M3":
             out = fp8_e4m3_to_f32(raw)
+        elif info.dtype in _INT_DTYPES:      # a kept integer table (DeepSeek-V4's tid2eid): exact below 2^24
+            out = raw.view(_NUMPY_DTYPES[info.dtype]).astype(np.float32)
         else:
             raise SourceError(f"{info.file}: tensor {name}: {info.dtype} is not a float tensor")
         return out.reshape(info.shape)

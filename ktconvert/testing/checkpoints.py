@@ -79,11 +79,16 @@ def _seeded_model(arch: str, config, seed: int):
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init; the hub's are not
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
+            elif name.endswith("tid2eid"):     # DeepSeek-V4's hash routing: k distinct experts per token id
+                n_experts = config.num_local_experts
+                buf.copy_(torch.stack([torch.randperm(n_experts, generator=gen)[:buf.shape[1]]
+                                       for _ in range(buf.shape[0])]))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight") and not p.any():   # zero-centred norms (Qwen3-Next): 1 + w
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-                elif FIXTURES[arch].random_biases and name.endswith(("bias", "sinks")) and not p.any():
+                elif ((FIXTURES[arch].random_biases and name.endswith(("bias", "sinks")) and not p.any())
+                      or (FIXTURES[arch].random_extra and name.endswith(FIXTURES[arch].random_extra))):
                     p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if name.endswith("sinks") else 0.1))
     return model.eval()
 
@@ -244,8 +249,14 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, mxfp4: bool = Fals
     block = FP8_QUANTIZATION_CONFIG["weight_block_size"]
     pow2 = FIXTURES[arch].fp8_config.get("scale_fmt") == "ue8m0"
     tensors: dict[str, torch.Tensor] = {}
+    fixture = FIXTURES[arch]
     for name, t in named.items():
-        tensors.update(to_hub_dtype(name, t, fp8, block, pow2))
+        if fixture.hub_int and re.match(fixture.hub_int, name):
+            tensors[name] = t.to(torch.int32).contiguous()
+        elif fixture.hub_f32 and re.match(fixture.hub_f32, name):
+            tensors[name] = t.float().contiguous()
+        else:
+            tensors.update(to_hub_dtype(name, t, fp8, block, pow2))
     hub_cfg = hub_config(config, arch, fp8)
     if mxfp4:
         tensors = mxfp4_experts(tensors)

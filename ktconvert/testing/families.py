@@ -37,6 +37,10 @@ class FixtureFamily:
     hub_rope_parameters: bool = False               # the hub keeps transformers' rope_parameters (Qwen3.5-MoE)
     hub_renames: tuple = ()                         # (regex, replacement) pairs applied in order to every hub name
                                                     # (DeepSeek-V4's release names differ from transformers')
+    hub_f32: str | None = None                      # regex of hub names stored as F32 (besides the router bias)
+    hub_int: str | None = None                      # regex of hub names stored as I32 (DeepSeek-V4's tid2eid)
+    random_extra: tuple = ()                        # name suffixes of parameters transformers inits constant, drawn
+                                                    # at random so the test sees them (DeepSeek-V4's hc base)
     layers_key: str = "num_hidden_layers"          # the transformers config's decoder-layer count (LongCat-Flash:
                                                     # num_layers; its num_hidden_layers is 2 x num_layers)
 
@@ -231,6 +235,46 @@ FIXTURES = {
                         "add_full_attention_sink_bias": False, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
                         "n_shared_experts": None, "attention_chunk_size": 7},
         hub_renames=((r"\.self_attn\.sinks$", ".self_attn.attention_sink_bias"),)),
+    # DeepSeek-V4: one layer of each attention kind (sliding window 6, CSA every 4 tokens with an indexer keeping 2,
+    # HCA every 8), the first layer hash-routed, 4 residual streams, grouped output projection (2 groups), partial
+    # interleaved rotary on 8 of 32 head dims, YaRN on the compressed layers, a low swiglu_limit so the clamps bite;
+    # experts 96 wide (FP4 blocks of 32), the release's own tensor names. config.json says layer_types and
+    # compress_rates: the release's legacy per-layer compress_ratios can only say 0 / 4 / 128 (transformers' table),
+    # and an HCA rate of 128 would need prompts of hundreds of tokens (tests/test_deepseek_v4.py parses that form).
+    "deepseek_v4": FixtureFamily(
+        config={
+            "hidden_size": 96, "moe_intermediate_size": 96, "n_routed_experts": 8, "num_experts_per_tok": 2,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 32, "partial_rotary_factor": 0.25,
+            "q_lora_rank": 48, "o_groups": 2, "o_lora_rank": 24, "sliding_window": 6,
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                            "compressed_sparse_attention"],
+            "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"], "index_n_heads": 4, "index_head_dim": 16,
+            "index_topk": 2, "hc_mult": 4, "swiglu_limit": 0.5, "max_position_embeddings": 1024,
+            "num_nextn_predict_layers": 1,
+            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                "beta_fast": 32.0, "beta_slow": 1.0},
+            "bos_token_id": 0, "eos_token_id": 1},
+        tokenizer="deepseek", moe_block="ffn", expert_projs={"gate": "w1", "up": "w3", "down": "w2"},
+        hub_extra_keys={"scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
+                        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                         "beta_fast": 32.0, "beta_slow": 1.0}},
+        hub_renames=(
+            (r"^model\.embed_tokens\.", "embed."), (r"^lm_head\.", "head."), (r"^model\.norm\.", "norm."),
+            (r"^model\.hc_head\.hc_", "hc_head_"), (r"^model\.layers\.", "layers."),
+            (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+            (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+            (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+            (r"\.self_attn\.", ".attn."), (r"\.kv_proj\.", ".wkv."), (r"\.gate_proj\.", ".wgate."),
+            (r"\.position_bias$", ".ape"), (r"(compressor\.)kv_norm\.", r"\1norm."), (r"\.q_a_proj\.", ".wq_a."),
+            (r"\.q_a_norm\.", ".q_norm."), (r"\.q_b_proj\.", ".wq_b."), (r"\.o_a_proj\.", ".wo_a."),
+            (r"\.o_b_proj\.", ".wo_b."), (r"\.sinks$", ".attn_sink"), (r"\.input_layernorm\.", ".attn_norm."),
+            (r"\.post_attention_layernorm\.", ".ffn_norm."), (r"\.(attn|ffn)_hc\.", r".hc_\1_"),
+            (r"\.mlp\.gate\.e_score_correction_bias$", ".ffn.gate.bias"), (r"\.mlp\.", ".ffn."),
+            (r"(shared_experts)\.wgate\.", r"\1.w1."), (r"(shared_experts)\.up_proj\.", r"\1.w3."),
+            (r"(shared_experts)\.down_proj\.", r"\1.w2.")),
+        hub_f32=r"(hc_head_|.*\.hc_(attn|ffn)_|.*\.attn_sink$|.*\.ape$|.*\.gate\.bias$)",
+        hub_int=r".*\.gate\.tid2eid$", random_extra=("base", "position_bias", "sinks"), vocab_size=320),
     # LongCat-Flash: 2 decoder layers (4 MLA sublayers: 4 KV cache slots), 8 routed + 4 zero (identity) experts
     # picked 3 at a time (the correction bias makes zero experts common, as in the release), experts 80 wide (not a
     # multiple of 64), dense MLPs 200 wide, head_dim = qk_rope_head_dim (transformers ropes head_dim dims). The

@@ -23,8 +23,10 @@ from .errors import TensorNameError
 # shared_expert_gate: Qwen3-Next's (1, H) sigmoid gate on the shared expert, kept unquantized as the router is
 # expert_bias: gpt-oss's per-expert gate/up and down biases (E, 2I) / (E, H), kept whole beside the router (the
 # kernels add them; they are not quantized)
+# kept: a small non-Linear tensor kept exactly as stored, float32 as float32 and integers as integer values
+# (DeepSeek-V4's hyper-connection mixers, attention sinks, compressor position biases and hash-routing table tid2eid)
 KINDS = ("expert", "router", "router_bias", "shared_expert", "shared_expert_gate", "attention", "dense_mlp",
-         "norm", "embedding", "head", "expert_bias", "skip")
+         "norm", "embedding", "head", "expert_bias", "kept", "skip")
 PROJS = ("gate", "up", "down")
 
 LAYER = r"model\.layers\.(?P<layer>\d+)\."
@@ -109,6 +111,8 @@ class HubNames:
     fused_experts: FusedExperts | None = None   # experts stored fused per layer (gpt-oss), else per expert
     model_root: str = "model."              # where the decoder (layers, embed_tokens, norm) sits under prefix:
                                             # Qwen3.5-MoE's "model.language_model." (lm_head stays at the top)
+    embed_name: str = "embed_tokens.weight"  # the embedding under model_root (DeepSeek-V4's release: embed.weight)
+    head_name: str = "lm_head.weight"       # the output head under prefix (DeepSeek-V4's release: head.weight)
     compiled: list = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self):
@@ -135,7 +139,7 @@ class HubNames:
 
     @property
     def embed(self) -> str:
-        return f"{self.prefix}{self.model_root}embed_tokens.weight"
+        return f"{self.prefix}{self.model_root}{self.embed_name}"
 
     @property
     def final_norm(self) -> str:
@@ -143,7 +147,7 @@ class HubNames:
 
     @property
     def head(self) -> str:
-        return f"{self.prefix}lm_head.weight"
+        return f"{self.prefix}{self.head_name}"
 
     def expert_tensor_name(self, layer: int, expert: int, proj: str) -> str:
         if proj not in PROJS:
