@@ -249,6 +249,7 @@ class LayerwiseGptq:
         self.names = set(src.tensor_names())
         self.next_layer = 0
         self.hidden: torch.Tensor | None = None                      # (S, L, H) inputs of next_layer
+        self.topk: torch.Tensor | None = None                        # GLM-5.2: the last full layer's key selection
         self.results: dict[str, tuple[int, QuantizedLinear]] = {}    # hub name -> (layer, result)
         s, seq = tokens.shape
         self.position_ids = torch.arange(seq)[None].expand(s, seq)
@@ -348,7 +349,12 @@ class LayerwiseGptq:
                 allowed &= k > q - window
             mask = torch.zeros(seq, seq).masked_fill(~allowed, float("-inf")).expand(s, 1, seq, seq)
             mask = mask.to(self.hidden.dtype)
-        out = layer(self.hidden, attention_mask=mask, position_ids=self.position_ids, position_embeddings=pos_emb)
+        attn = getattr(layer, "self_attn", None)
+        shares = hasattr(attn, "skip_topk")       # GLM-5.2: layers hand their indexer's selection to the next ones
+        kw = {"prev_topk_indices": self.topk} if shares else {}
+        out = layer(self.hidden, attention_mask=mask, position_ids=self.position_ids, position_embeddings=pos_emb, **kw)
+        if shares:
+            self.topk = out[1]                    # a shared layer returns the selection it was given
         return out[0] if isinstance(out, tuple) else out
 
     def _build_layer(self, li: int) -> nn.Module:
