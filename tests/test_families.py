@@ -102,6 +102,7 @@ REQUIRED = {"num_hidden_layers", "hidden_size", "n_routed_experts", "num_experts
 SHAPE_FIX = {"deepseek_v3": {"num_hidden_layers": 5}, "mixtral": {"num_attention_heads": 8},
              "glm4_moe": {"num_attention_heads": 8}, "minimax_m2": {"num_attention_heads": 8},
              "gpt_oss": {"num_attention_heads": 8},
+             "mimo_v2_flash": {"num_attention_heads": 8},
              "deepseek_v32": {"num_hidden_layers": 5, "n_routed_experts": 16},
              "kimi_k25": {"num_hidden_layers": 5, "n_routed_experts": 16}}
 
@@ -128,7 +129,7 @@ def test_defaults_are_transformers_defaults(name):
            "rope_theta": ours.rope.theta, "tie_word_embeddings": ours.tie_word_embeddings,
            "attention_bias": ours.attention_bias}
     want = {"num_kv_heads": hf.num_key_value_heads, "rms_norm_eps": hf.rms_norm_eps,
-            "max_position": hf.max_position_embeddings, "rope_theta": hf.rope_parameters["rope_theta"],
+            "max_position": hf.max_position_embeddings, "rope_theta": hf.rope_parameters.get("full_attention", hf.rope_parameters)["rope_theta"],
             "tie_word_embeddings": hf.tie_word_embeddings, "attention_bias": getattr(hf, "attention_bias", False)}
     if hasattr(hf, "norm_topk_prob"):
         got["norm_topk_prob"], want["norm_topk_prob"] = ours.norm_topk_prob, hf.norm_topk_prob
@@ -166,6 +167,17 @@ def test_defaults_are_transformers_defaults(name):
         want.update(layer_types=tuple(hf.layer_types), sliding_window=hf.sliding_window, head_dim=hf.head_dim,
                     rope=(rp["rope_type"], rp["factor"], rp["original_max_position_embeddings"], rp["truncate"]),
                     act=("swiglu_clamped", hf.swiglu_alpha, hf.swiglu_limit, True), sinks=True, n_shared=0)
+    if name == "mimo_v2_flash":   # per-kind layers, window, rope and kv heads; value head dim and scale
+        sa, rp = ours.sliding_attention, hf.rope_parameters
+        got.update(layer_types=ours.layer_types, sliding_window=ours.sliding_window, head_dim=ours.head_dim,
+                   v_head_dim=ours.v_head_dim, value_scale=ours.value_scale, rope_dim=ours.rope.dim,
+                   swa=(sa.num_kv_heads, sa.rope.theta, sa.rope.dim), routed_scaling_factor=ours.routed_scaling_factor)
+        want.update(layer_types=tuple(hf.layer_types), sliding_window=hf.sliding_window, head_dim=hf.head_dim,
+                    v_head_dim=hf.v_head_dim, value_scale=hf.attention_value_scale,
+                    rope_dim=int(hf.head_dim * rp["full_attention"]["partial_rotary_factor"]),
+                    swa=(2 * hf.num_key_value_heads, rp["sliding_attention"]["rope_theta"],
+                         int(hf.head_dim * rp["sliding_attention"]["partial_rotary_factor"])),
+                    routed_scaling_factor=hf.routed_scaling_factor)
     assert got == want
     from ktconvert.testing.checkpoints import model_class
     cls = model_class(name)

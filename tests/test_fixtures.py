@@ -22,6 +22,7 @@ EXPERT_NAME = {
     "glm_moe_dsa": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "qwen3_5_moe": re.compile(r"model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "kimi_k25": re.compile(r"language_model\.model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
+    "mimo_v2_flash": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     # gpt-oss: the hub keeps each layer's experts fused, as transformers holds them (E, H, 2I) / (E, I, H)
     "gpt_oss": re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$"),
 }
@@ -94,6 +95,8 @@ def test_hub_names_dtypes_and_shards(ckpt_dir, arch):
         main_experts = [n for n in experts
                         if int(re.search(r"layers\.(\d+)\.", n).group(1)) < cfg["num_hidden_layers"]]
         n_moe = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
+        if isinstance(cfg.get("moe_layer_freq"), list):       # MiMo-V2-Flash: 0 (dense) / 1 (MoE) per layer
+            n_moe = sum(cfg["moe_layer_freq"])
         assert len(main_experts) == n_moe * n_exp * 3
     for name, (dtype, _) in meta.items():
         if fixture.hub_int and re.match(fixture.hub_int, name):
@@ -194,7 +197,7 @@ def test_bad_arguments():
         make_model("llama")
     with pytest.raises(ValueError, match="deepseek_v3"):
         make_checkpoint("mixtral", "/nonexistent-never-written", fp8=True)
-    assert set(ARCHS) == {"deepseek_v3", "qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe", "minimax_m2",
+    assert set(ARCHS) == {"deepseek_v3", "mimo_v2_flash", "qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe", "minimax_m2",
                           "deepseek_v32", "kimi_k25", "qwen3_next", "glm4_moe_lite", "gpt_oss", "qwen3_5_moe",
                           "glm_moe_dsa"}
 

@@ -18,6 +18,7 @@ calibration, and `ktconvert quantize --report-kl` scores the conversion on it.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -229,7 +230,9 @@ class StreamingExperts(nn.Module):
 
 
 def _checkpoint_name(prefix: str, key: str, names: set[str]) -> str:
-    for cand in (prefix + key, prefix + "block_sparse_moe." + key[4:] if key.startswith("mlp.") else None):
+    for cand in (prefix + key, prefix + "block_sparse_moe." + key[4:] if key.startswith("mlp.") else None,
+                 # MiMo-V2-Flash's release names its sinks attention_sink_bias
+                 prefix + "self_attn.attention_sink_bias" if key == "self_attn.sinks" else None):
         if cand in names:
             return cand
     raise CalibrationError(f"calibration: the layer needs tensor {prefix + key}, which the checkpoint lacks")
@@ -293,7 +296,7 @@ class LayerwiseGptq:
         if self.hidden is None:
             self.hidden = embedding_rows(self.src, self.tokens)
         layer = self._build_layer(li)
-        pos_emb = self.rotary(self.hidden, self.position_ids)
+        pos_emb = self._position_embeddings(li)
         linears = {}
         for mod_name, mod in layer.named_modules():
             if isinstance(mod, nn.Linear):
@@ -332,6 +335,15 @@ class LayerwiseGptq:
         log.info("GPTQ layer %d: %d Linear weights quantized over %d calibration tokens in %.1f s",
                  li, len(linears), self.tokens.numel(), dt)
         self.next_layer += 1
+
+    def _position_embeddings(self, li: int):
+        """cos/sin of the calibration positions for layer li; None for a model without RoPE. MiMo-V2-Flash's
+        rotary takes the layer's kind (its RoPE theta differs between sliding and full layers)."""
+        if self.rotary is None:
+            return None
+        if "layer_type" in inspect.signature(self.rotary.forward).parameters:
+            return self.rotary(self.hidden, self.position_ids, self.cfg.layer_types[li])
+        return self.rotary(self.hidden, self.position_ids)
 
     def _forward(self, layer, pos_emb) -> torch.Tensor:
         mask = None                          # causal attention (sdpa's is_causal)
