@@ -66,6 +66,7 @@ def inspect_source(path: Path, group_size: int, scale_dtype: str = UNDECLARED_SC
                 "geo_args": geo_args, "group_size": group_size, "config": dict(src.config),
                 "n_experts": a.n_experts, "top_k": a.top_k, "moe_layers": a.moe_layers(),
                 "shared_experts": a.n_shared_experts, "gpu": {m: gpu_bytes for m in cpu}, "cpu": cpu,
+                "zero_experts": a.cfg.zero_experts,      # LongCat-Flash's identity experts (no tensors)
                 "source_bytes": src.source_nbytes(), "skipped": dict(skipped)}
 
 
@@ -116,6 +117,7 @@ def inspect_converted(path: Path) -> dict:
             "geo_args": geo_args, "group_size": geo.group_size, "config": config, "numa": geo.numa_nodes,
             "n_experts": geo.n_experts, "top_k": adapter.top_k if adapter else None, "moe_layers": list(geo.moe_layers),
             "shared_experts": adapter.n_shared_experts if adapter else None,
+            "zero_experts": adapter.cfg.zero_experts if adapter else 0,
             "gpu": {geo.method: gpu}, "cpu": {geo.method: cpu}, "method": geo.method, "numa_nodes": geo.numa_nodes}
 
 
@@ -168,7 +170,8 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
     click.echo(f"{info['kind']}: {p}")
     click.echo(f"architecture: {info['model_type']}, {info['layers']} layers, {len(info['moe_layers'])} MoE layers, "
                f"{info['n_experts']} routed experts" + (f" (top {info['top_k']})" if info["top_k"] else "")
-               + (f", {info['shared_experts']} shared" if info["shared_experts"] else ""))
+               + (f", {info['shared_experts']} shared" if info["shared_experts"] else "")
+               + (f", {info['zero_experts']} zero (identity) experts" if info.get("zero_experts") else ""))
     if info["kind"] == "converted":
         click.echo(f"method: {info['method']}, {info['numa_nodes']} NUMA shard(s)")
     elif info["quantized"]:

@@ -94,7 +94,8 @@ def test_registry_is_torch_free():
 # out below, so the registry must fill in what the transformers config class fills in.
 REQUIRED = {"num_hidden_layers", "hidden_size", "n_routed_experts", "num_experts", "num_local_experts",
             "num_experts_per_tok", "moe_intermediate_size", "intermediate_size", "num_attention_heads",
-            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"}
+            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "num_layers", "moe_topk", "expert_ffn_hidden_size", "ffn_hidden_size"}   # LongCat-Flash's names
 # so that the defaults make a model transformers can build: V3's first_k_dense_replace=3 needs > 3 layers;
 # Mixtral's num_key_value_heads=8 needs a multiple of 8 query heads
 # GLM's, MiniMax's and gpt-oss's num_key_value_heads=8 too; DeepSeek-V3.2's and Kimi-K2.5's (V3's) first_k_dense_replace=3

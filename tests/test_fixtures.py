@@ -22,6 +22,7 @@ EXPERT_NAME = {
     "glm_moe_dsa": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "qwen3_5_moe": re.compile(r"model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "kimi_k25": re.compile(r"language_model\.model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
+    "longcat_flash": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "mimo_v2_flash": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     # gpt-oss: the hub keeps each layer's experts fused, as transformers holds them (E, H, 2I) / (E, I, H)
     "gpt_oss": re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$"),
@@ -92,9 +93,9 @@ def test_hub_names_dtypes_and_shards(ckpt_dir, arch):
         assert meta["model.layers.1.self_attn.sinks"][1] == (cfg["num_attention_heads"],)
     else:
         assert not [n for n in names if "gate_up_proj" in n or n.endswith("experts.down_proj")], "fused names leaked"
-        main_experts = [n for n in experts
-                        if int(re.search(r"layers\.(\d+)\.", n).group(1)) < cfg["num_hidden_layers"]]
-        n_moe = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
+        n_layers = cfg[FIXTURES[arch].layers_key]          # LongCat-Flash's config.json counts num_layers
+        main_experts = [n for n in experts if int(re.search(r"layers\.(\d+)\.", n).group(1)) < n_layers]
+        n_moe = n_layers - cfg.get("first_k_dense_replace", 0)
         if isinstance(cfg.get("moe_layer_freq"), list):       # MiMo-V2-Flash: 0 (dense) / 1 (MoE) per layer
             n_moe = sum(cfg["moe_layer_freq"])
         assert len(main_experts) == n_moe * n_exp * 3
@@ -199,7 +200,7 @@ def test_bad_arguments():
         make_checkpoint("mixtral", "/nonexistent-never-written", fp8=True)
     assert set(ARCHS) == {"deepseek_v3", "mimo_v2_flash", "qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe", "minimax_m2",
                           "deepseek_v32", "kimi_k25", "qwen3_next", "glm4_moe_lite", "gpt_oss", "qwen3_5_moe",
-                          "glm_moe_dsa"}
+                          "glm_moe_dsa", "longcat_flash"}
 
 
 def test_layers_and_dims_overrides(tmp_path):

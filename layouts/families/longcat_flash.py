@@ -22,7 +22,7 @@ without it). No GGUF architecture: llama.cpp's converter does not write LongCat-
 """
 from __future__ import annotations
 
-from .config import Fields, ModelConfig, check_routing, parse_rope, token_ids
+from .config import Fields, ModelConfig, parse_rope, token_ids
 from .family import Family
 from .hub_names import COMMON_ROWS, GATE_UP_DOWN, LAYER, MTP_REASON, HubNames
 
@@ -71,7 +71,9 @@ def parse(f: Fields) -> ModelConfig:
     zero = f.get("zero_expert_num", DEFAULTS["zero_expert_num"], cast=int)
     f.check(zero >= 0, f"zero_expert_num={zero} is negative")
     f.check(n_experts >= 1, f"n_routed_experts={n_experts} must be >= 1")
-    check_routing(f, n_experts + zero, top_k, experts_key="n_routed_experts + zero_expert_num")
+    # the router picks among routed and zero experts alike
+    f.check(1 <= top_k <= n_experts + zero, f"moe_topk={top_k} must be in 1..n_routed_experts + zero_expert_num = "
+                                            f"{n_experts + zero}")
     _check_flags(f)
     q_lora = f.get("q_lora_rank", DEFAULTS["q_lora_rank"], cast=int)
     f.check(q_lora >= 1, f"q_lora_rank={q_lora} must be >= 1 (LongCat-Flash always projects q through a LoRA)")
