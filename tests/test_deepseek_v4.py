@@ -6,6 +6,7 @@ the reason (its forward is not implemented: see runtime/models/deepseek_v4.py)."
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -222,3 +223,101 @@ def test_ktrun_refuses_with_the_reason(src, tmp_path_factory):
     with pytest.raises(ConfigError, match="ktrun cannot run DeepSeek-V4"):
         mod.cache_widths(cfg)
 
+
+
+# --- the release's quantization: FP8 blocks + FP4 experts, scales under X.scale -------------------------------------
+@pytest.fixture(scope="module")
+def src_fp8(tmp_path_factory):
+    return build_checkpoint(shared_root(tmp_path_factory), "deepseek_v4", fp8=True)
+
+
+def _stored(d):
+    from safetensors import safe_open
+    wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def read(name):
+        with safe_open(d / wm[name], "pt") as f:
+            return f.get_tensor(name)
+    return wm, read
+
+
+def test_release_format_on_disk(src_fp8):
+    cfg = json.loads((src_fp8 / "config.json").read_text())
+    assert cfg["expert_dtype"] == "fp4"
+    assert cfg["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                          "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    wm, read = _stored(src_fp8)
+    w, s = read("layers.1.ffn.experts.3.w2.weight"), read("layers.1.ffn.experts.3.w2.scale")
+    assert (w.dtype, tuple(w.shape), s.dtype, tuple(s.shape)) == (torch.int8, (96, 48), torch.float8_e8m0fnu, (96, 3))
+    w, s = read("layers.1.attn.wq_b.weight"), read("layers.1.attn.wq_b.scale")
+    assert (w.dtype, tuple(w.shape), s.dtype, tuple(s.shape)) == (torch.float8_e4m3fn, (128, 48),
+                                                                  torch.float8_e8m0fnu, (1, 1))
+    for bf16 in ("layers.1.attn.compressor.wkv.weight", "layers.1.attn.indexer.weights_proj.weight",
+                 "layers.1.ffn.gate.weight", "embed.weight"):
+        assert read(bf16).dtype == torch.bfloat16 and bf16.removesuffix(".weight") + ".scale" not in wm
+
+
+def test_reader_equals_transformers_dequantizer(src_fp8):
+    """Every FP8 / FP4 weight read by ktconvert equals transformers' own Fp8Dequantize of the stored bytes."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    wm, read = _stored(src_fp8)
+    deq = Fp8Dequantize(None)
+    scales = [n for n in wm if n.endswith(".scale")]
+    assert len(scales) == 4 * (8 * 3 + 3 + 5) + 2     # experts, shared expert, attention (+ 2 CSA indexers' wq_b)
+    with open_source(src_fp8) as s:
+        for n in scales:
+            base = n.removesuffix(".scale")
+            ref = deq._dequantize_one(read(base + ".weight"), read(n), torch.float32)
+            assert torch.equal(s.read(base + ".weight"), ref), base
+
+
+def test_auto_takes_the_release_over_exactly(src_fp8, tmp_path_factory, caplog):
+    """--method auto: the FP4 experts' codes and scales copied into int8 g32 (error 0); the FP8 Linears are exact
+    in bf16 GPU layers; verify finds every tensor equal to the source's own dequantized values."""
+    import logging
+
+    from click.testing import CliRunner
+
+    from ktconvert.cli import main
+    with caplog.at_level(logging.INFO, logger="ktconvert"):
+        out = build_conversion(src_fp8, shared_root(tmp_path_factory) / "conv_deepseek_v4_release_auto", "auto",
+                               gpu_method="bf16", group_size=None)
+    assert caplog.text.count("experts: 24 taken over exactly from deepseek-v4 mxfp4") == 4     # every MoE layer
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model_type"] == "deepseek_v4"
+    r = CliRunner().invoke(main, ["verify", str(out), "--against", str(src_fp8)])
+    assert r.exit_code == 0, r.output
+    assert "126 tensors compared, 126 equal to the source's own dequantized values (error 0)" in r.output
+
+
+@pytest.mark.parametrize("tensor, value, message", [
+    ("layers.1.ffn.experts.3.w1.scale", 255, "E8M0 NaN scale"),
+    ("layers.1.attn.wq_b.scale", 255, "E8M0 NaN scale"),
+])
+def test_bad_scales_named(src_fp8, tmp_path, tensor, value, message):
+    from safetensors.torch import load_file, save_file
+    d = tmp_path / "bad"
+    shutil.copytree(src_fp8, d)
+    wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = d / wm[tensor]
+    tensors = load_file(str(shard))
+    bad = tensors[tensor].view(torch.uint8).clone()
+    bad.view(-1)[0] = value
+    tensors[tensor] = bad.view(torch.float8_e8m0fnu)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with open_source(d) as s, pytest.raises(SourceError, match=message):
+        s.read(tensor.removesuffix(".scale") + ".weight")
+
+
+def test_wrong_scale_shape_named(src_fp8, tmp_path):
+    from safetensors.torch import load_file, save_file
+    d = tmp_path / "bad"
+    shutil.copytree(src_fp8, d)
+    name = "layers.2.ffn.experts.0.w3.scale"
+    wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = load_file(str(d / wm[name]))
+    tensors[name] = tensors[name][:, :2].contiguous()
+    save_file(tensors, str(d / wm[name]), metadata={"format": "pt"})
+    with pytest.raises(SourceError, match=r"layers.2.ffn.experts.0.w3.scale.*one E8M0 scale per 32 inputs"):
+        open_source(d)

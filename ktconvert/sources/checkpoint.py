@@ -26,8 +26,8 @@ from ktconvert.sources.st_header import DTYPE_SIZES, TensorInfo, parse_shard
 
 INDEX_NAME = "model.safetensors.index.json"
 _INT_DTYPES = ("I8", "U8", "I16", "I32", "I64")
-_NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8, "I8": np.int8, "U8": np.uint8,
-                 "I16": np.int16, "I32": np.int32, "I64": np.int64}
+_NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8, "F8_E8M0": np.uint8, "I8": np.int8,
+                 "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
 SINGLE_NAME = "model.safetensors"
 
 
@@ -76,6 +76,8 @@ class Source(SourceBase):
         # a wrapped checkpoint (Kimi-K2.5) may keep its quantization_config in the text model's config
         qc = (self.config.get("quantization_config")
               or self.arch.family.text_config(self.config).get("quantization_config") or {})
+        if qc and self.config.get("expert_dtype") is not None and "expert_dtype" not in qc:
+            qc = {**qc, "expert_dtype": self.config["expert_dtype"]}   # DeepSeek-V4's top-level field, as transformers
         # already-quantized Linears (compressed-tensors, GPTQ, AWQ, FP8 per channel, MX): ktconvert.sources.quantized
         fused = self.arch.family.names.fused_experts
         # fused routed experts (gpt-oss: unquantized or MXFP4; Qwen3.5-MoE: unquantized) read as per-expert

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ktconvert.sources.roles import SourceError
 
-DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1,
+DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1,    # E8M0: MX / DeepSeek-V4 scales
                "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8}      # integers: parts of quantized Linears only
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 

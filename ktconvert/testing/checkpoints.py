@@ -10,6 +10,7 @@ transformers is imported lazily: it is a test/benchmark dependency, not a conver
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -250,14 +251,21 @@ def make_checkpoint(arch: str, out_dir, *, fp8: bool = False, mxfp4: bool = Fals
     pow2 = FIXTURES[arch].fp8_config.get("scale_fmt") == "ue8m0"
     tensors: dict[str, torch.Tensor] = {}
     fixture = FIXTURES[arch]
+    writer = (importlib.import_module(f"ktconvert.testing.{fixture.release_quant}")
+              if fp8 and fixture.release_quant else None)     # the release's own quantization (DeepSeek-V4)
     for name, t in named.items():
-        if fixture.hub_int and re.match(fixture.hub_int, name):
+        quantized = writer.release_tensors(name, t) if writer else None
+        if quantized:
+            tensors.update(quantized)
+        elif fixture.hub_int and re.match(fixture.hub_int, name):
             tensors[name] = t.to(torch.int32).contiguous()
         elif fixture.hub_f32 and re.match(fixture.hub_f32, name):
             tensors[name] = t.float().contiguous()
         else:
             tensors.update(to_hub_dtype(name, t, fp8, block, pow2))
     hub_cfg = hub_config(config, arch, fp8)
+    if writer:
+        hub_cfg = writer.release_config(hub_cfg)
     if mxfp4:
         tensors = mxfp4_experts(tensors)
         hub_cfg["quantization_config"] = MXFP4_QUANTIZATION_CONFIG

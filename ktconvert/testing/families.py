@@ -41,6 +41,8 @@ class FixtureFamily:
     hub_int: str | None = None                      # regex of hub names stored as I32 (DeepSeek-V4's tid2eid)
     random_extra: tuple = ()                        # name suffixes of parameters transformers inits constant, drawn
                                                     # at random so the test sees them (DeepSeek-V4's hc base)
+    release_quant: str | None = None                # with fp8=True: ktconvert.testing.<module> writes the release's
+                                                    # own quantization (DeepSeek-V4: FP8 blocks + FP4 experts)
     layers_key: str = "num_hidden_layers"          # the transformers config's decoder-layer count (LongCat-Flash:
                                                     # num_layers; its num_hidden_layers is 2 x num_layers)
 
@@ -274,7 +276,8 @@ FIXTURES = {
             (r"(shared_experts)\.wgate\.", r"\1.w1."), (r"(shared_experts)\.up_proj\.", r"\1.w3."),
             (r"(shared_experts)\.down_proj\.", r"\1.w2.")),
         hub_f32=r"(hc_head_|.*\.hc_(attn|ffn)_|.*\.attn_sink$|.*\.ape$|.*\.gate\.bias$)",
-        hub_int=r".*\.gate\.tid2eid$", random_extra=("base", "position_bias", "sinks"), vocab_size=320),
+        hub_int=r".*\.gate\.tid2eid$", random_extra=("base", "position_bias", "sinks"), vocab_size=320,
+        fp8=True, release_quant="deepseek_v4"),
     # LongCat-Flash: 2 decoder layers (4 MLA sublayers: 4 KV cache slots), 8 routed + 4 zero (identity) experts
     # picked 3 at a time (the correction bias makes zero experts common, as in the release), experts 80 wide (not a
     # multiple of 64), dense MLPs 200 wide, head_dim = qk_rope_head_dim (transformers ropes head_dim dims). The

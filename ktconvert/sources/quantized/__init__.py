@@ -12,6 +12,7 @@ from __future__ import annotations
 from ktconvert.sources.fp8 import FP8_FMTS, FP8_SCALE_FMTS
 from ktconvert.sources.quantized.awq import AwqScheme
 from ktconvert.sources.quantized.compressed_tensors import CompressedTensorsScheme
+from ktconvert.sources.quantized.deepseek_v4 import DeepseekV4Scheme
 from ktconvert.sources.quantized.fp8_scaled import Fp8ScaledScheme
 from ktconvert.sources.quantized.gptq import GptqScheme
 from ktconvert.sources.quantized.grid import IntGrid
@@ -41,6 +42,8 @@ def scheme_for(qc: dict | None, where: str) -> QuantScheme | None:
             raise SourceError(f"{where}: unsupported quantization_config (quant_method='fp8', "
                               f"scale_fmt={qc.get('scale_fmt')!r}): quantization_config.scale_fmt must be absent or "
                               f"{', '.join(f for f in FP8_SCALE_FMTS if f)}")
+        if qc.get("expert_dtype") is not None:      # DeepSeek-V4: FP8 blocks + FP4 experts, scales under X.scale
+            return DeepseekV4Scheme(qc, where)
         return None if "weight_block_size" in qc else Fp8ScaledScheme(qc, where)
     cls = SCHEMES.get(method)
     if cls is None:
