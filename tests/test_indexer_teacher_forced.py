@@ -1,0 +1,157 @@
+"""Sparse attention checked choice by choice (DeepSeek-V3.2 and GLM-5): the lightning indexer teacher-forced.
+
+1. The same inputs into both indexers: transformers' forward of a long prompt runs; at every layer with an indexer
+   its submodule's inputs (the layer's normed hidden states, the q LoRA activations, cos/sin, the causal mask) are
+   captured with its top-k and the scores it took them from; ktrun's indexer (ktrun.models.indexer: project, then
+   select, with the weights as ktrun loaded them from the conversion) runs on those very tensors. At every query
+   position the two sets of selected keys are equal, except where transformers' k-th and (k+1)-th best scores lie
+   within TIE_TOL of each other (relative to the row's top score): those rows are counted and reported, never
+   silently passed. The scores themselves agree within SCORE_TOL.
+2. The whole forward with the reference's choices forced: transformers' own choices (every router, group and
+   indexer top-k) are recorded and ktrun is made to take them (discrete_choices.force_ktrun); its logits then equal
+   transformers' within the bound of the conversion and backend.
+A greedy run is never compared here: one flipped choice would make the rest of the run incomparable."""
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+from discrete_choices import ChoiceLog, force_ktrun, force_transformers
+from ktrun.engine import Engine
+from ktrun.models import choices
+from ktrun.models import indexer as lightning
+from ktrun.models.kv_cache import Batch, causal_scores_mask
+from ktrun.ops.library import kernels_available
+from runtime_helpers import PROMPT, build_checkpoint, converted, reference_logits, shared_root, transformers_model
+
+ARCHS = ("deepseek_v32", "glm_moe_dsa")
+TEXT = PROMPT + " and then it jumps over the quick brown fox again and again, " + PROMPT
+TIE_TOL = 1e-5          # a k-th / (k+1)-th score gap below this (relative) may order either way in float32
+SCORE_TOL = 1e-5        # observed: 0 for both (float32 from the same bf16 weights, the same products)
+# ktrun's logits with transformers' choices forced: float32 dense + reference experts as transformers (observed
+# 3.3e-6 / 2.9e-6); the CPU kernels with int8 experts round activations (observed 1.6e-2 / 2.6e-2)
+FORCED_ATOL = {("bf16", "reference"): 1e-4, ("int8-amx", "kernels"): 8e-2}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_ref(request, tmp_path_factory):
+    src = build_checkpoint(shared_root(tmp_path_factory), request.param)
+    return request.param, src, transformers_model(src)
+
+
+@contextlib.contextmanager
+def _capture_indexers(model):
+    """Every indexer submodule's call: yields {layer: (kwargs-as-called inputs, the (T, N) scores its topk saw, its
+    (T, k) ids)} filled during the block."""
+    seen: dict[int, dict] = {}
+    orig_topk = torch.Tensor.topk
+    current: list[int] = []
+
+    def topk(x, k, dim=-1, largest=True, sorted=True):
+        out = orig_topk(x, k, dim=dim, largest=largest, sorted=sorted)
+        if current and x.dim() == 3:                  # the indexer's (1, T, N) index scores
+            seen[current[-1]]["scores"] = x[0].detach().clone()
+        return out
+
+    handles = []
+    for name, m in model.named_modules():
+        if name.endswith("self_attn.indexer") and m is not None:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+
+            def pre(_m, args, kwargs, layer=layer):
+                names = ("hidden_states", "q_resid", "position_embeddings", "attention_mask")
+                seen[layer] = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
+                current.append(layer)
+
+            def post(_m, _args, _kwargs, out, layer=layer):
+                seen[layer]["ids"] = out[0].long().clone()
+                current.pop()
+            handles += [m.register_forward_pre_hook(pre, with_kwargs=True),
+                        m.register_forward_hook(post, with_kwargs=True)]
+    try:
+        with mock.patch.object(torch.Tensor, "topk", topk):
+            yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _ours(eng: Engine, layer: int, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """ktrun's indexer on transformers' inputs of one layer -> (scores (T, T), ids (T, k)) of its top-k."""
+    model, cfg = eng.model, eng.model.cfg
+    x, q_resid = inputs["hidden_states"][0].float(), inputs["q_resid"][0].float()             # (T, H), (T, q_lora)
+    T = x.shape[0]
+    cos, sin = model.rope.cos_sin(torch.arange(T), torch.float32)
+    p = model.names.layer(layer) + "self_attn."
+    ix = lightning.project(cfg, model.w, p, x, q_resid, model.rope, cos, sin)
+    got = {}
+
+    def hook(kind, scores, ids):
+        got.update(scores=scores.detach().clone(), ids=ids)
+        return ids
+    with choices.choice_hook(hook):
+        lightning.select(cfg, ix.q, ix.k, ix.weights, causal_scores_mask(T, 0, T, x.device))
+    return got["scores"], got["ids"]
+
+
+def test_indexer_selection_teacher_forced_at_every_position(tmp_path_factory, arch_ref):
+    arch, _src, ref = arch_ref
+    eng = Engine(converted(tmp_path_factory, arch, "bf16"), ctx=256, use_kernels=False)
+    cfg, k = eng.model.cfg, eng.model.cfg.index_topk
+    ids = eng.tokenizer.encode(TEXT)
+    assert len(ids) > 8 * k
+    with _capture_indexers(ref) as seen, torch.no_grad():
+        ref(torch.tensor([ids]))
+    full = [i for i in range(cfg.num_layers) if not cfg.indexer_types or cfg.indexer_types[i] == "full"]
+    assert sorted(seen) == full and (arch != "glm_moe_dsa" or full == [0, 1, 4])
+    rows = equal = ties = 0
+    worst_score = 0.0
+    for layer, inputs in seen.items():
+        scores, got_ids = _ours(eng, layer, inputs)
+        theirs = inputs["scores"]                                               # (T, T), -inf past each query
+        finite = torch.isfinite(theirs)
+        assert torch.equal(finite, torch.isfinite(scores)), f"layer {layer}: the two see different keys"
+        top = theirs.masked_fill(~finite, 0).abs().amax(-1, keepdim=True).clamp_min(1e-30)
+        worst_score = max(worst_score, float(((scores - theirs).abs() / top)[finite].max()))
+        for t in range(len(ids)):
+            if t + 1 <= k:                                 # at most k keys visible: every one is taken, no choice
+                continue
+            rows += 1
+            mine, want = set(got_ids[t].tolist()), set(inputs["ids"][t].tolist())
+            if mine == want:
+                equal += 1
+                continue
+            ordered = theirs[t].sort(descending=True).values
+            gap = float(ordered[k - 1] - ordered[k]) / float(top[t])
+            assert gap <= TIE_TOL, f"{arch} layer {layer} position {t}: selections differ {sorted(mine ^ want)} " \
+                                   f"but transformers' k-th and (k+1)-th scores are {gap:.2e} apart"
+            ties += 1
+    eng.close()
+    print(f"{arch}: {rows} query rows with a choice over layers {full}: {equal} equal sets, {ties} near-ties "
+          f"(k-th / (k+1)-th gap <= {TIE_TOL:g}); max score error {worst_score:.1e} of the row's top")
+    assert rows == len(full) * (len(ids) - k) and equal + ties == rows
+    assert worst_score <= SCORE_TOL
+
+
+@pytest.mark.parametrize("method, backend", [("bf16", "reference"), pytest.param(
+    "int8-amx", "kernels", marks=pytest.mark.skipif(not kernels_available(), reason="kernels not available"))])
+def test_logits_with_the_reference_choices_forced(tmp_path_factory, arch_ref, method, backend):
+    """transformers' own choices recorded (every router, group and indexer top-k at every position), ktrun made to
+    take each of them: the logits then agree within the bound, whatever near-ties the two would break apart."""
+    arch, _src, ref = arch_ref
+    eng = Engine(converted(tmp_path_factory, arch, method), ctx=256, use_kernels=backend == "kernels")
+    cfg = eng.model.cfg
+    ids = eng.tokenizer.encode(TEXT)
+    with force_transformers(ref, cfg, ChoiceLog()) as theirs:
+        want = reference_logits(ref, ids)
+    assert {kind for kind, _l, _p in theirs.rows} == {"router", "router_group", "indexer"}
+    with force_ktrun(cfg, theirs) as own:               # asserts every recorded choice was asked for and taken
+        got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+    eng.close()
+    differ = sum(1 for key, c in own.rows.items() if c.taken() != theirs.rows[key].taken())
+    diff = (got - want).abs().max().item()
+    print(f"{arch} {method} {backend}: {len(theirs.rows)} choices forced ({differ} where ktrun's own differed); "
+          f"max |logit diff| {diff:.2e}")
+    assert diff < FORCED_ATOL[method, backend]
