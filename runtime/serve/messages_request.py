@@ -9,6 +9,7 @@ internal chat request, so it is generated exactly as /v1/chat/completions would 
                                            the chat request, with the reason); disable_parallel_tool_use
     stop_sequences, max_tokens, temperature, top_p, top_k -> the sampling fields
     thinking enabled / adaptive / disabled -> the template's enable_thinking (budget_tokens is not enforced)
+    output_config.format json_schema    -> response_format json_schema (enforced by the grammar)
 """
 from __future__ import annotations
 
@@ -39,8 +40,18 @@ class AnthropicToolChoice(Strict):
 
 
 class Thinking(Strict):
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: str                          # enabled, adaptive, ... or disabled
     budget_tokens: int | None = None
+
+
+class OutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    format: OutputFormat | None = None
+    effort: str | None = None
 
 
 class CountTokensRequest(Strict):
@@ -60,6 +71,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
 
 
 def _block_text(block: dict, param: str) -> str:
@@ -170,6 +182,9 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences or None, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, stream=body.stream)
+        fmt = body.output_config.format if body.output_config is not None else None
+        if fmt is not None:           # structured output: the same grammar as chat's response_format
+            fields["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.schema_}}
     try:
         return ChatCompletionRequest(**fields)
     except ValidationError as e:
