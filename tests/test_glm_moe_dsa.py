@@ -25,9 +25,11 @@ from ktrun.engine import Engine, SamplingParams
 from ktrun.models.kv_cache import Batch
 from ktrun.ops.library import kernels_available
 from runtime_helpers import (
+    INIT_SCALE,
     KTRUN,
     PROMPT,
     build_checkpoint,
+    build_conversion,
     converted,
     greedy_gaps,
     kl,
@@ -39,6 +41,7 @@ from runtime_helpers import (
 
 from ktconvert.sources import SourceError, open_source
 from ktconvert.sources.roles import adapter_for
+from ktconvert.testing import make_checkpoint
 
 ARCH = "glm_moe_dsa"
 KTCONVERT = [sys.executable, "-m", "ktconvert"]
@@ -215,6 +218,20 @@ def test_bf16_logits_match_transformers_and_the_sharing_matters(tmp_path_factory
         alt = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
         assert (alt - got).abs().max() > 1e-2, "the test would not see this"
     eng.close()
+
+
+def test_glm5_without_index_sharing_matches_transformers(tmp_path_factory):
+    """GLM-5 / 5.1's layout: index_topk_freq 1, every layer runs its own indexer (and has its tensors)."""
+    root = shared_root(tmp_path_factory) / "glm5_no_sharing"
+    src = make_checkpoint(ARCH, root / "src", init_scale=INIT_SCALE, index_topk_freq=1)
+    eng = Engine(build_conversion(src, root / "conv"), ctx=256, use_kernels=False)
+    assert eng.model.cfg.indexer_types == ("full",) * 5
+    ids = _prompt_ids(eng)
+    with record_ktrun(eng.model.cfg) as log:
+        got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+    eng.close()
+    assert {layer for kind, layer, _p in log.rows if kind == "indexer"} == set(range(5))
+    assert (got - reference_logits(transformers_model(src), ids)).abs().max() < LOGIT_ATOL
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

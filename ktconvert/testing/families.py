@@ -170,7 +170,8 @@ FIXTURES = {
     # pairs) with index sharing: index_topk_freq 3 / index_skip_topk_offset 2 make the layers full, full, shared,
     # shared, full (a shared layer after a shared one, a full one after them); a dense first layer, 2 expert groups,
     # v_head_dim 48 != qk_nope_head_dim 32 (the release's 256 != 192), an MTP layer. The hub's config.json keeps
-    # indexer_types and mlp_layer_types beside the freq / offset they follow from, as GLM-5.2's does.
+    # indexer_types and mlp_layer_types beside the freq / offset they follow from (transformers writes all four),
+    # as GLM-5.2's does.
     "glm_moe_dsa": FixtureFamily(
         config={
             "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 80, "n_routed_experts": 8,
@@ -183,7 +184,7 @@ FIXTURES = {
         tokenizer="glm", mtp=True, hub_drop_keys=("layer_types",),
         hub_extra_keys={"num_nextn_predict_layers": 1, "moe_layer_freq": 1, "topk_method": "noaux_tc",
                         "scoring_func": "sigmoid", "rope_interleave": True, "indexer_rope_interleave": True,
-                        "index_topk_freq": 3, "index_skip_topk_offset": 2, "index_share_for_mtp_iteration": True}),
+                        "index_share_for_mtp_iteration": True}),
     # Kimi-K2.5: Kimi-K2's text model (1 expert group, 3 heads) under language_model., a tiny vision tower beside it,
     # and Kimi's tiktoken tokenizer (tiktoken.model + tokenizer_config.json, no tokenizer.json).
     "kimi_k25": FixtureFamily(

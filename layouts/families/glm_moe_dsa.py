@@ -55,6 +55,11 @@ def _pattern(f: Fields, n_layers: int) -> tuple[str, ...] | None:
     return tuple(pattern)
 
 
+def _check_values(f: Fields, types: tuple) -> None:
+    for i, t in enumerate(types):
+        f.check(t in INDEXER_TYPES, f"field 'indexer_types'[{i}] = {t!r} is not one of 'full', 'shared'")
+
+
 def indexer_types(f: Fields, n_layers: int) -> tuple[str, ...]:
     """Per layer "full" or "shared", as transformers' GlmMoeDsaConfig resolves it (indexer_types, else
     index_topk_pattern, else index_topk_freq / index_skip_topk_offset); a config whose explicit list disagrees with
@@ -62,11 +67,10 @@ def indexer_types(f: Fields, n_layers: int) -> tuple[str, ...]:
     freq = f.get("index_topk_freq", DEFAULTS["index_topk_freq"], cast=int)
     offset = f.get("index_skip_topk_offset", DEFAULTS["index_skip_topk_offset"], cast=int)
     f.check(freq >= 1, f"field 'index_topk_freq' = {freq} must be >= 1")
-    derived = _pattern(f, n_layers)
-    source = "index_topk_pattern"
+    derived, source = _pattern(f, n_layers), "index_topk_pattern"
     if derived is None:
-        derived, source = _schedule(n_layers, freq, offset), f"index_topk_freq={freq} / index_skip_topk_offset=" \
-                                                                 f"{offset}"
+        derived = _schedule(n_layers, freq, offset)
+        source = f"index_topk_freq={freq} / index_skip_topk_offset={offset}"
     types = f.get("indexer_types", None)
     if types is None:
         types = derived
@@ -74,14 +78,14 @@ def indexer_types(f: Fields, n_layers: int) -> tuple[str, ...]:
         f.check(isinstance(types, list) and len(types) == n_layers,
                 f"field 'indexer_types' must list one type per layer (num_hidden_layers={n_layers}), got {types!r}")
         types = tuple(types)
+        _check_values(f, types)
         explicit = any(f.raw.get(k) is not None for k in ("index_topk_pattern", "index_topk_freq",
                                                            "index_skip_topk_offset"))
         if explicit and types != derived:
             i = next(i for i, (a, b) in enumerate(zip(types, derived)) if a != b)
             raise f.error(f"field 'indexer_types'[{i}] = {types[i]!r} disagrees with {source}, which makes layer {i} "
                           f"{derived[i]!r}")
-    for i, t in enumerate(types):
-        f.check(t in INDEXER_TYPES, f"field 'indexer_types'[{i}] = {t!r} is not one of 'full', 'shared'")
+    _check_values(f, types)
     f.check(not types or types[0] == "full", "field 'indexer_types'[0] is 'shared': a shared layer reuses the "
                                              "previous full layer's selection, and layer 0 has none before it")
     return types
