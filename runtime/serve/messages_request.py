@@ -72,6 +72,11 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
+    # vLLM-style extras (extra_body in the clients), checked by the chat request
+    ignore_eos: bool = False
+    seed: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
 
 def _block_text(block: dict, param: str) -> str:
@@ -181,7 +186,8 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
         fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences or None, temperature=body.temperature,
-                      top_p=body.top_p, top_k=body.top_k, stream=body.stream)
+                      top_p=body.top_p, top_k=body.top_k, stream=body.stream, ignore_eos=body.ignore_eos,
+                      seed=body.seed, min_p=body.min_p, repetition_penalty=body.repetition_penalty)
         fmt = body.output_config.format if body.output_config is not None else None
         if fmt is not None:           # structured output: the same grammar as chat's response_format
             fields["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.schema_}}
