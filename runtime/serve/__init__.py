@@ -13,6 +13,11 @@ engine loads).
     tool_parsers.py   tool calls in generated text, per model family (DeepSeek-V3/V3.1, Hermes/Qwen3, GLM-4.5, Kimi-K2)
     reasoning.py      <think> ... </think> split into reasoning_content
     structured.py     response_format json_object / json_schema enforced by xgrammar
+    responses_request.py, responses_api.py   /v1/responses (OpenAI's Responses API) as a chat request; its answer
+    response_store.py the bounded store of responses for previous_response_id
+    messages_request.py, messages_api.py     /v1/messages (Anthropic's Messages API) as a chat request; its answer
+    anthropic_errors.py  errors under /v1/messages in Anthropic's envelope
+    output_blocks.py  a choice's reasoning / text / tool calls as a sequence of blocks (both APIs above)
     metrics.py        /metrics with prometheus_client (vLLM's metric names under ktrun_)
 
 The CLI entry is ktrun.cli.cmd_serve; text and stop strings come from ktrun.text.text_stream (the rule generate() and the
