@@ -26,6 +26,12 @@ requests when it ends; its partial last block is freed. Families with linear att
 of their recurrent state was kept (ktrun.prefix_cache.cache says which block ends get one); requests of one step that
 share a prefix snapshot its end, the first computes it and the others wait one step.
 
+Speculative decoding (speculative=SpeculativeConfig("ngram", k)): in the decode forward each running request runs
+its last token plus up to k drafted tokens (varlen rows in the same batch), and keeps the drafts its sampler
+accepts plus one token of its own (Sequence.advance): step() then yields several tokens for it. The cache is rolled
+back past rejected drafts before its blocks are published to the prefix cache; stats count the drafted and accepted
+tokens (spec_draft_tokens, spec_accepted_tokens, spec_acceptance_rate).
+
 Memory: the KV cache (--ctx x --max-batch tokens at most) and the recurrent states (a fixed size per request) are
 planned at start (ktrun.cache_budget): a configuration that cannot fit the device's free memory is refused.
 """
@@ -43,14 +49,16 @@ import torch
 
 from .cache_budget import CacheBudgetError, CachePlan, states_per_engine
 from .defaults import DEFAULT_CTX, DEFAULT_MAX_BATCH
-from .generate import PREFILL_CHUNK, decode, prefill
+from .generate import PREFILL_CHUNK, prefill, verify
 from .loaded_model import load_model
 from .models.kv_cache import KV_BLOCK_SIZE, Batch
 from .prefix_cache import PrefixCache, PrefixCacheConfig
 from .sampling import SamplingParams, TokenLogprobs, prompt_logprobs
 from .sequence import Sequence
+from .speculative import SpeculativeConfig
 
-__all__ = ["CacheBudgetError", "Engine", "PrefixCacheConfig", "RequestError", "SamplingParams", "StepOutput"]
+__all__ = ["CacheBudgetError", "Engine", "PrefixCacheConfig", "RequestError", "SamplingParams", "SpeculativeConfig",
+           "StepOutput"]
 
 
 PREFILL_BATCH_TOKENS = 512   # new prompts up to this many tokens in all are prefilled together in one forward
@@ -62,13 +70,16 @@ class RequestError(ValueError):
 
 class StepOutput(tuple):
     """(req_id, token, finish_reason), as step() has always yielded, plus .index (which of the request's n choices),
-    .logprobs (TokenLogprobs | None) and .prompt_logprobs (list[TokenLogprobs] | None: with a choice's first token
-    when params.prompt_logprobs is set)."""
+    .logprobs (TokenLogprobs | None), .prompt_logprobs (list[TokenLogprobs] | None: with a choice's first token
+    when params.prompt_logprobs is set) and, with speculative decoding, .drafted / .accepted (the choice's drafted
+    and accepted tokens so far)."""
 
     def __new__(cls, req_id: str, token: int, finish_reason: str | None, index: int = 0,
-                logprobs: TokenLogprobs | None = None, prompt_logprobs: list[TokenLogprobs] | None = None):
+                logprobs: TokenLogprobs | None = None, prompt_logprobs: list[TokenLogprobs] | None = None,
+                drafted: int = 0, accepted: int = 0):
         out = super().__new__(cls, (req_id, token, finish_reason))
         out.index, out.logprobs, out.prompt_logprobs = index, logprobs, prompt_logprobs
+        out.drafted, out.accepted = drafted, accepted
         return out
 
 
@@ -77,14 +88,15 @@ class Engine:
                  use_kernels: bool | None = None, quiet: bool = True, numa_prefault: bool = False,
                  dtype: torch.dtype | None = None, gpu_weights: str = "auto", hot_experts=None,
                  prefix_cache: PrefixCacheConfig | bool = True, kv_block_size: int = KV_BLOCK_SIZE,
-                 expert_ram=None):
+                 expert_ram=None, speculative: SpeculativeConfig | None = None):
         """Loads MODEL_DIR with ktrun.loaded_model.load_model (the same options; hot_experts: ktrun.experts.hot.
         HotExpertOptions, a --gpu-mem plan leaving room for ctx * max_batch tokens of KV cache; expert_ram:
         ktrun.cli.expert_ram_option.ExpertRamOptions, the routed experts' RAM tier); ctx: tokens per request (prompt +
         generated); max_batch: requests held at once; prefix_cache: True (default tiers: device + 4 GiB RAM), a
         PrefixCacheConfig (budgets, disk folder) or False (every prompt prefilled in full); kv_block_size: positions
         per KV block (the granularity of prefix reuse). Raises CacheBudgetError when the KV cache of ctx x max_batch
-        tokens and the recurrent states cannot fit the device's free memory."""
+        tokens and the recurrent states cannot fit the device's free memory. speculative: n-gram drafts verified in
+        the decode forward (None: off)."""
         self.model_dir = Path(model_dir)
         t0 = time.perf_counter()
         if prefix_cache is True:
@@ -112,12 +124,14 @@ class Engine:
             self.loaded.close()
             raise
         self._state_bytes = 0
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
         self.cached_tokens: dict[str, int] = {}    # req_id -> prompt tokens taken from the cache, latest step()
         self._new: list[Sequence] = []
         self._running: dict[tuple[str, int], Sequence] = {}    # (req_id, choice index) -> its sequence
         self.stats = {"load_s": time.perf_counter() - t0, "prompt_tokens": 0, "generated_tokens": 0,
                       "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "requests_finished": 0,
-                      "expert_backend": type(self.experts).__name__}
+                      "expert_backend": type(self.experts).__name__, "spec_draft_tokens": 0,
+                      "spec_accepted_tokens": 0, "spec_acceptance_rate": 0.0}
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -137,7 +151,8 @@ class Engine:
         # the text is decoded only for stop strings (`ktrun serve` matches them itself and sends none)
         decode_text = self.tokenizer.decode if params.stop else None
         choices = [Sequence(prompt_ids, params, self.model.new_cache(self.ctx) if i == 0 else None, self.ctx,
-                            self.eos_ids, decode_text, req_id=req_id, index=i) for i in range(n)]
+                            self.eos_ids, decode_text, req_id=req_id, index=i, speculative=self.speculative)
+                   for i in range(n)]
         choices[0].followers = choices[1:]         # they get a copy of choice 0's cache after its prefill
         self._new.append(choices[0])
 
@@ -213,21 +228,21 @@ class Engine:
         return bool(self._new or self._running)
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def _emit(self, seqs: list[Sequence], logits: torch.Tensor, out: list, first: dict | None = None) -> None:
-        """logits: (len(seqs), V): sample each sequence's next token; finished ones leave the batch.
-        first: id(sequence) -> its prompt logprobs, sent with its first token."""
-        for s, row in zip(seqs, logits):
-            token, lp = s.sample(row)
-            s.append(token)
-            out.append(StepOutput(s.req_id, s.tokens[-1], s.finish_reason, s.index, lp,
-                                  first.get(id(s)) if first else None))
+    def _emit(self, seqs: list[Sequence], picks: list[list], out: list, first: dict | None = None) -> None:
+        """picks: per sequence, the tokens its advance() just took [(token, logprobs, text)] (several with
+        speculative decoding); finished sequences leave the batch. first: id(sequence) -> its prompt logprobs, sent
+        with its first token."""
+        for s, taken in zip(seqs, picks):
+            for j, (token, lp, _) in enumerate(taken):
+                out.append(StepOutput(s.req_id, token, s.finish_reason if j == len(taken) - 1 else None, s.index,
+                                      lp, first.get(id(s)) if first else None, s.drafted, s.accepted))
+            self.stats["generated_tokens"] += len(taken)
             if s.finish_reason:
                 self._running.pop((s.req_id, s.index), None)
                 self._release(s.cache)
                 self.stats["requests_finished"] += 1
             else:
                 self._running[s.req_id, s.index] = s
-        self.stats["generated_tokens"] += len(seqs)
 
     def _match_prefixes(self, new: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """Attach each new request's cached prefix; -> (requests to prefill now, requests that wait one step because
@@ -312,14 +327,22 @@ class Engine:
                     first[id(f)] = first.get(id(r))
                 seqs += [r, *r.followers]
                 logits += [rows[id(r)]] * (1 + len(r.followers))
-            self._emit(seqs, torch.stack(logits), out, first)
+            self._emit(seqs, [s.advance(row[None], []) for s, row in zip(seqs, logits)], out, first)
         if decoding:
             t0 = time.perf_counter()
-            logits = decode(self.model, [(s.cache, s.tokens[-1]) for s in decoding])
+            drafts = [s.draft() for s in decoding]                  # [] each without speculation
+            accepted = sum(s.accepted for s in decoding)
+            rows = verify(self.model, [(s.cache, [s.tokens[-1], *d]) for s, d in zip(decoding, drafts)])
             self.stats["decode_s"] += time.perf_counter() - t0
             self.stats["decode_steps"] += 1
+            picks = [s.advance(r, d) for s, r, d in zip(decoding, rows, drafts)]   # rolls rejected drafts back
             self._publish(decoding)
-            self._emit(decoding, logits, out)
+            self._emit(decoding, picks, out)
+            if self.speculative is not None:
+                st = self.stats
+                st["spec_draft_tokens"] += sum(len(d) for d in drafts)
+                st["spec_accepted_tokens"] += sum(s.accepted for s in decoding) - accepted
+                st["spec_acceptance_rate"] = st["spec_accepted_tokens"] / max(st["spec_draft_tokens"], 1)
         self.stats.update(self.experts.stats)
         self.stats["expert_wait_s"] = self.model.timing["expert_wait_s"]
         self._count_states()

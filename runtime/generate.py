@@ -1,6 +1,11 @@
 """The decode loop, on one screen: prefill the prompt, then decode one token at a time until EOS, a stop string,
 max_tokens or the context limit. One request; the Engine (engine.py) batches many with the same pieces: `prefill`,
-`decode` and a Sequence (sequence.py) per request, which holds the finish rule and the text (stop strings)."""
+`verify` and a Sequence (sequence.py) per request, which holds the finish rule and the text (stop strings).
+
+Speculative decoding (ktrun.speculative) runs in the same loop: each step the Sequence drafts up to k tokens, one
+forward (`verify`) runs the last token and the drafts (1 + k rows), and Sequence.advance keeps the drafts the
+sampler accepts plus one token of its own, rolling the cache back past them. Without drafts a step is a plain
+one-token decode."""
 from __future__ import annotations
 
 import time
@@ -12,6 +17,7 @@ import torch
 from .models.kv_cache import Batch, SeqCache
 from .sampling import SamplingParams
 from .sequence import Sequence
+from .speculative import SpeculativeConfig
 
 PREFILL_CHUNK = 512   # prompt tokens per forward: bounds the (heads, chunk, context) attention scores in memory
 
@@ -33,6 +39,29 @@ def decode_one_token(model, cache: SeqCache, token: int) -> torch.Tensor:
     return decode(model, [(cache, token)])[0]
 
 
+def verify(model, steps: list[tuple[SeqCache, list[int]]]) -> list[torch.Tensor]:
+    """One batched decode forward where each (cache, [last token, *drafts]) runs 1 + k rows; -> per step logits
+    (1 + k, V): row j predicts the token after drafts[:j]. Recurrent layers record their state after every drafted
+    position (SeqCache.spec_states), so SeqCache.keep can roll back to any of them."""
+    if all(len(ids) == 1 for _, ids in steps):
+        return list(decode(model, [(cache, ids[0]) for cache, ids in steps])[:, None])
+    added = []
+    for cache, ids in steps:
+        extra = set()
+        if model.has_recurrent_state and len(ids) > 1:
+            extra = set(range(cache.length + 1, cache.length + len(ids))) - cache.snap_at
+            cache.snap_at |= extra            # the forward cuts its recurrence there and records the state
+        added.append(extra)
+    logits = model.forward(Batch.build(steps, model.device), all_logits=True)        # (T, V)
+    out, row = [], 0
+    for (cache, ids), extra in zip(steps, added):
+        out.append(logits[row:row + len(ids)])
+        row += len(ids)
+        cache.spec_states = {p: cache.snaps.pop(p) for p in extra}
+        cache.snap_at -= extra
+    return out
+
+
 @dataclass
 class Generation:
     prompt_ids: list[int]
@@ -41,26 +70,34 @@ class Generation:
     finish_reason: str | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    drafted: int = 0               # speculative decoding: tokens drafted, of them accepted
+    accepted: int = 0
+    steps: int = 0                 # forwards that produced tokens (prefill's first token included)
 
 
 def generate(model, prompt_ids: list[int], params: SamplingParams, ctx: int, eos_ids: set[int],
              decode_text: Callable[[list[int]], str] | None = None,
-             on_text: Callable[[str], None] | None = None) -> Generation:
+             on_text: Callable[[str], None] | None = None,
+             speculative: SpeculativeConfig | None = None) -> Generation:
     """Greedy/sampled continuation of prompt_ids. With decode_text (ids -> str) the text is decoded as it grows and
-    stop strings end it; on_text(delta) gets each piece of text as soon as it may be shown."""
-    seq = Sequence(prompt_ids, params, model.new_cache(ctx), ctx, eos_ids, decode_text)
+    stop strings end it; on_text(delta) gets each piece of text as soon as it may be shown. speculative: draft and
+    verify several tokens per forward (the same tokens greedy, the same distribution sampled)."""
+    seq = Sequence(prompt_ids, params, model.new_cache(ctx), ctx, eos_ids, decode_text,
+                   speculative=speculative)
     t0 = time.perf_counter()
     try:
-        logits = prefill(model, seq.cache, seq.prompt_ids)
+        rows, drafts = prefill(model, seq.cache, seq.prompt_ids)[None], []
         t1 = time.perf_counter()
         while True:
-            delta = seq.append(seq.sample(logits)[0])
-            if delta and on_text is not None:
-                on_text(delta)
+            for _, _, delta in seq.advance(rows, drafts):      # 1 token, or with drafts up to 1 + k
+                if delta and on_text is not None:
+                    on_text(delta)
             if seq.finish_reason:
                 break
-            logits = decode_one_token(model, seq.cache, seq.tokens[-1])
+            drafts = seq.draft()
+            rows = verify(model, [(seq.cache, [seq.tokens[-1], *drafts])])[0]
     finally:
         seq.cache.release()                        # its KV blocks go back to the model's pool
     return Generation(seq.prompt_ids, seq.tokens, seq.text.text if seq.text else "", seq.finish_reason,
-                      prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
+                      prefill_s=t1 - t0, decode_s=time.perf_counter() - t1, drafted=seq.drafted,
+                      accepted=seq.accepted, steps=seq.steps)

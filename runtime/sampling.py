@@ -130,3 +130,24 @@ class Sampler:
         p = self.params
         token = sample_token(self.shape(logits, output_ids) if p.shapes_logits else logits, p, self.gen)
         return token, (None if p.logprobs is None else token_logprobs(logits, token, p.logprobs))
+
+    def sample_or_accept(self, logits: torch.Tensor, output_ids: list[int],
+                         draft: int) -> tuple[int, bool, TokenLogprobs | None]:
+        """Speculative decoding's rule for one drafted token whose draft distribution is a point mass on `draft`
+        (n-gram drafts): -> (token, whether it is the draft, its logprobs). Greedy: the draft stands iff it is the
+        argmax. Sampled, with p the distribution sample() draws from: the draft stands with probability p(draft);
+        else the token is drawn from p without the draft, renormalized. P(token = x) = p(x) either way, so the
+        output has plain sampling's distribution (it uses the generator differently, so a seed gives other tokens).
+        """
+        p = self.params
+        shaped = (self.shape(logits, output_ids) if p.shapes_logits else logits).float().cpu()
+        if p.temperature == 0.0:
+            token = int(torch.argmax(shaped))
+        else:
+            probs = torch.softmax(filter_logits(shaped / p.temperature, p.top_k, p.top_p, p.min_p), dim=-1)
+            if float(torch.rand((), generator=self.gen)) < float(probs[draft]):
+                token = draft
+            else:
+                probs[draft] = 0.0
+                token = int(torch.multinomial(probs, 1, generator=self.gen))   # multinomial renormalizes
+        return token, token == draft, (None if p.logprobs is None else token_logprobs(logits, token, p.logprobs))

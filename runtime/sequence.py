@@ -4,6 +4,10 @@ cache, sampling generator, generated tokens, text, and the one rule for when it 
 A sequence finishes after a token when: the token is an EOS id (unless ignore_eos) or one of the request's
 stop_token_ids -> "stop"; its text completes a stop string (the TextStream, text_stream.py, decides) -> "stop"; max_tokens tokens are generated, or prompt +
 generated tokens fill the context -> "length".
+
+With speculative decoding (ktrun.speculative) a step may add several tokens: draft() guesses the next ones from
+the context, the model scores them all in one forward, and advance() keeps what the sampler accepts (each kept
+token passes the same finish rule, in order) and rolls the cache back past the rest.
 """
 from __future__ import annotations
 
@@ -11,14 +15,16 @@ from collections.abc import Callable
 
 from .models.kv_cache import SeqCache
 from .sampling import Sampler, SamplingParams, TokenLogprobs
+from .speculative import SpeculativeConfig
 from .text.text_stream import TextStream
 
 
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, cache: SeqCache, ctx: int, eos_ids: set[int],
-                 decode: Callable[[list[int]], str] | None = None, req_id: str = "", index: int = 0):
+                 decode: Callable[[list[int]], str] | None = None, req_id: str = "", index: int = 0,
+                 speculative: SpeculativeConfig | None = None):
         """decode (ids -> text) turns the text on: stop strings are matched only when it is given. index: which of
-        the request's n choices this is (its seed is params.seed + index)."""
+        the request's n choices this is (its seed is params.seed + index). speculative: how it drafts tokens."""
         self.req_id, self.index = req_id, index
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.params, self.cache, self.ctx, self.eos_ids = params, cache, int(ctx), eos_ids
@@ -30,20 +36,57 @@ class Sequence:
         self.finish_reason: str | None = None
         self.cached_tokens = 0                     # prompt tokens the prefix cache supplied (never prefilled)
         self.followers: list[Sequence] = []   # Engine, n > 1: the other choices, prefilled by copying this cache
+        self.draft_tokens = speculative.draft_tokens if speculative is not None else 0
+        self.drafter = speculative.drafter(self.prompt_ids) if speculative is not None else None
+        self.drafted = self.accepted = self.steps = 0   # tokens drafted / accepted; forwards that gave tokens
 
     def sample(self, logits) -> tuple[int, TokenLogprobs | None]:
         """logits: (V,) the model's logits for the next token -> (token, its logprobs when asked for)."""
         return self.sampler.sample(logits, self.tokens)
+
+    def draft(self) -> list[int]:
+        """Tokens to verify after tokens[-1] in the next forward ([] without speculation): at most draft_tokens,
+        and no more than max_tokens and the context leave room for (the forward also yields one token of its own)."""
+        if self.drafter is None:
+            return []
+        room = min(self.params.max_tokens - len(self.tokens), self.ctx - len(self.prompt_ids) - len(self.tokens))
+        drafts = self.drafter.propose(min(self.draft_tokens, room - 1))
+        self.drafted += len(drafts)
+        return drafts
+
+    def advance(self, rows, drafts: list[int]) -> list[tuple[int, TokenLogprobs | None, str]]:
+        """rows: (1 + len(drafts), V) logits of the forward that ran tokens[-1] and the drafts (row j: the token
+        after drafts[:j]). Take the accepted drafts and one sampled token (the correction of the first rejected
+        draft, or one after all of them), each through append(), until the sequence finishes; roll the cache back
+        to the tokens kept. -> [(token, logprobs, text delta)] in order."""
+        out = []
+        self.steps += 1
+        for j, row in enumerate(rows):
+            if j < len(drafts):
+                token, ok, lp = self.sampler.sample_or_accept(row, self.tokens, drafts[j])
+                self.accepted += ok
+            else:
+                token, lp = self.sample(row)
+                ok = False
+            out.append((int(token), lp, self.append(token)))
+            if self.finish_reason or not ok:
+                break
+        if drafts:
+            # the cache holds tokens[-1] before this step and the drafts; keep what precedes the newest token
+            self.cache.keep(self.cache.length - len(rows) + len(out))
+        return out
 
     def append(self, token: int) -> str:
         """Add the token just sampled (not yet in the cache) and decide whether the sequence ends with it;
         -> the text this token releases ("" without decode; never part of a stop string or of a character)."""
         token = int(token)
         self.tokens.append(token)
+        if self.drafter is not None:
+            self.drafter.extend([token])
         if (token in self.eos_ids and not self.params.ignore_eos) or token in self._stop_ids:
             why = "stop"
-        elif len(self.tokens) >= self.params.max_tokens or self.cache.length + 1 >= self.ctx:   # prompt + generated
-            why = "length"                                                                      # fill the context
+        elif len(self.tokens) >= self.params.max_tokens or len(self.prompt_ids) + len(self.tokens) >= self.ctx:
+            why = "length"                                                  # or prompt + generated fill the context
         else:
             why = None
         if self.text is None:

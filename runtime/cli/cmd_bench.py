@@ -1,5 +1,6 @@
 """`ktrun bench`: prompt processing (ppN) and token generation (tgN) rates the way llama-bench reports them, mean ±
-standard deviation over repetitions, plus where a decode step's time goes."""
+standard deviation over repetitions, plus where a decode step's time goes; with --speculative, decode after the
+prompt with and without drafts, alternating, and the acceptance rate."""
 from __future__ import annotations
 
 import statistics
@@ -9,11 +10,13 @@ from pathlib import Path
 import click
 import torch
 
-from ..generate import decode_one_token, prefill
+from ..generate import decode_one_token, generate, prefill
+from ..sampling import SamplingParams
 from .decode_bytes import read_bandwidth, weight_bytes_per_token
 from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
+from .speculative_option import speculative_from, speculative_options
 
 PARTS = ("expert_wait_s", "attention_s", "mlp_s", "forward_s")
 
@@ -44,6 +47,34 @@ def bench_tg(model, n: int, ctx: int, gen: torch.Generator) -> tuple[float, dict
     wall = time.perf_counter() - t0
     after = _snapshot(model)
     return wall, {k: after[k] - before.get(k, 0.0) for k in after if k.endswith("_s")}
+
+
+def bench_speculative(model, tg: int, reps: int, prompt_ids: list[int], spec) -> dict:
+    """Greedy decode of tg tokens after prompt_ids, without and with speculation, alternating per repetition (the
+    same machine state for both); -> decode rates (tokens after the first / decode seconds) and draft counts."""
+    params = SamplingParams(max_tokens=tg, ignore_eos=True)
+    ctx = len(prompt_ids) + tg + 1
+    res = {"plain": [], "spec": [], "drafted": 0, "accepted": 0, "steps": 0, "tokens": 0, "same": True}
+    for _ in range(reps):
+        plain = generate(model, prompt_ids, params, ctx, set())
+        out = generate(model, prompt_ids, params, ctx, set(), speculative=spec)
+        res["plain"].append((len(plain.tokens) - 1) / plain.decode_s)
+        res["spec"].append((len(out.tokens) - 1) / out.decode_s)
+        res["same"] &= plain.tokens == out.tokens
+        res["drafted"] += out.drafted
+        res["accepted"] += out.accepted
+        res["steps"] += out.steps - 1                 # decode forwards (the first token came from the prefill)
+        res["tokens"] += len(out.tokens) - 1
+    return res
+
+
+def speculative_lines(res: dict) -> list[str]:
+    plain, spec = mean_sd(res["plain"]), mean_sd(res["spec"])
+    return [f"spec_acceptance_rate: {res['accepted'] / max(res['drafted'], 1):.4f}",
+            f"spec_draft_tokens: {res['drafted']}",
+            f"spec_tokens_per_forward: {res['tokens'] / max(res['steps'], 1):.3f}",
+            f"spec_decode_speedup: {spec[0] / plain[0] if plain[0] else 0.0:.3f}",
+            f"spec_greedy_tokens_identical: {res['same']}"]
 
 
 class _Hits:
@@ -155,6 +186,7 @@ def roofline_lines(read: dict[str, int], step_s: float, bandwidth: float) -> str
 @gpu_weights_option
 @hot_experts_options()
 @expert_ram_options
+@speculative_options
 def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, device, reference_experts, gpu_weights,
           **hot):
     """Benchmark prompt processing and token generation of the converted model in MODEL_DIR; the KV-cache bytes per
@@ -168,6 +200,11 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
       ktrun bench converted/ --pp 64 --tg 16 --reps 2
       ktrun bench converted/ --profile profile.json --gpu-experts 8 --prompt-file heldout.txt --per-layer
       ktrun bench converted/ --expert-ram 64GB --pp 0 --tg 32    # experts beyond 64 GB read from disk
+      ktrun bench converted/ --prompt-file edit.py --speculative ngram --draft-tokens 4   # decode with drafts
+
+    With --speculative, two more rows time greedy decoding after the prompt (--prompt-file, else pp random
+    tokens), without and with drafts, alternating per repetition; the acceptance rate (accepted / drafted tokens),
+    tokens per decode forward and the speedup follow the table.
     """
     from ktlayouts.expert_profile import ExpertProfile, ProfileError, summary_lines
 
@@ -175,6 +212,7 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
     from ..loaded_model import load_model
     from ..loader import LoadError
 
+    spec = speculative_from(hot)
     ram_opts = expert_ram_from(hot)
     hot_opts = hot_experts_from(hot)
     try:
@@ -195,6 +233,11 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
         backend = f"{conv.device.type} {str(conv.dtype)[6:]} dense + {type(m.experts).__name__}"
         hot_line = describe(m.experts)
         res = run_bench(m, pp, tg, reps, seed, prompt_ids=prompt_ids)
+        spec_res = None
+        if spec is not None and tg:
+            ids = prompt_ids[:pp] if prompt_ids is not None else torch.randint(
+                0, m.cfg.vocab_size, (max(pp, 1),), generator=torch.Generator().manual_seed(seed)).tolist()
+            spec_res = bench_speculative(m, tg, reps, ids, spec)
         read = weight_bytes_per_token(m, conv) if tg else None
         bandwidth = read_bandwidth(m.experts) if tg and conv.device.type == "cpu" else 0.0
         from ..experts.tiered import find_tier
@@ -212,6 +255,15 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
         if n:
             mu, sd = mean_sd(res[key])
             click.echo(f"| {name:<28} | {backend:<36} | {key + str(n):>6} | {mu:>11.2f} ± {sd:>6.2f} |")
+    if spec_res is not None:
+        tag = f"{spec.method}{spec.draft_tokens}"
+        for key, label in (("plain", f"tg{tg}@p"), ("spec", f"tg{tg}+{tag}")):
+            mu, sd = mean_sd(spec_res[key])
+            click.echo(f"| {name:<28} | {backend:<36} | {label:>6} | {mu:>11.2f} ± {sd:>6.2f} |")
+        click.echo(f"\n(tg{tg}@p: greedy decode after the {len(ids)}-token prompt; tg{tg}+{tag}: the same with "
+                   f"{spec.method} drafts of up to {spec.draft_tokens} tokens)")
+        for line in speculative_lines(spec_res):
+            click.echo(line)
     if tg:
         b = decode_breakdown(res["tg_parts"], tg)
         click.echo(f"\ndecode step {b['step_ms']:.2f} ms: waiting on CPU experts {b['experts_wait_ms']:.2f} ms, "

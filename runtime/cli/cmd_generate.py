@@ -10,6 +10,7 @@ from ..defaults import DEFAULT_CTX
 from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
+from .speculative_option import speculative_from, speculative_options
 
 
 @click.command("generate")
@@ -37,6 +38,7 @@ from .hot_experts_option import hot_experts_from, hot_experts_options
 @gpu_weights_option
 @hot_experts_options()
 @expert_ram_options
+@speculative_options
 def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, top_k, seed, ctx, stop, ignore_eos,
              as_json, verify, dense_dtype, device, reference_experts, numa_prefault, gpu_weights, **hot):
     """Generate a continuation of --prompt with the converted model in MODEL_DIR.
@@ -49,6 +51,7 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
       ktrun generate converted/ --prompt "1, 2, 3," --stop "10" --ctx 2048
       ktrun generate converted/ --profile profile.json --gpu-experts 8 --prompt "def f(x):"   # hot experts on GPU
       ktrun generate converted/ --expert-ram 200GB --prompt "Hello"    # experts beyond 200 GB read from disk
+      ktrun generate converted/ --prompt "$(cat edit.py)" --speculative ngram --draft-tokens 6   # prompt lookup
     """
     import torch
     from ktlayouts.families import ConfigError
@@ -59,6 +62,7 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
     from ..sampling import SamplingParams
     from ..text.tokenizer import TokenizerError
 
+    spec = speculative_from(hot)
     ram_opts = expert_ram_from(hot)
     hot_opts = hot_experts_from(hot)
     try:
@@ -85,13 +89,16 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
         if len(prompt_ids) >= ctx:
             raise click.ClickException(f"--prompt is {len(prompt_ids)} tokens, longer than --ctx {ctx} allows (the "
                                        "context holds the prompt and the generated tokens: at least 1)")
-        out = run_generate(lm.model, prompt_ids, params, ctx, lm.eos_ids, decode_text=tok.decode, on_text=streamer)
+        out = run_generate(lm.model, prompt_ids, params, ctx, lm.eos_ids, decode_text=tok.decode, on_text=streamer,
+                           speculative=spec)
     if as_json:
         click.echo(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out.tokens, "text": out.text,
                                "finish_reason": out.finish_reason, "prefill_s": round(out.prefill_s, 6),
-                               "decode_s": round(out.decode_s, 6)}))
+                               "decode_s": round(out.decode_s, 6),
+                               **({"draft_tokens": out.drafted, "accepted_tokens": out.accepted} if spec else {})}))
     else:
         sys.stdout.write("\n")
         rate = (len(out.tokens) - 1) / out.decode_s if out.decode_s > 0 and len(out.tokens) > 1 else 0.0
         click.echo(f"[{len(prompt_ids)} prompt tokens in {out.prefill_s:.2f} s, {len(out.tokens)} generated, "
-                   f"{rate:.2f} tok/s decode, finish: {out.finish_reason}]", err=True)
+                   f"{rate:.2f} tok/s decode, finish: {out.finish_reason}"
+                   + (f", {out.accepted}/{out.drafted} drafted tokens accepted" if spec else "") + "]", err=True)

@@ -22,6 +22,7 @@ from ..serve.server import (
 from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
 from .hot_experts_option import hot_experts_from, hot_experts_options
+from .speculative_option import speculative_from, speculative_options
 
 
 def _size(ctx, param, value):
@@ -92,6 +93,7 @@ def _size(ctx, param, value):
 @gpu_weights_option
 @hot_experts_options()
 @expert_ram_options
+@speculative_options
 def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_body_bytes, max_header_bytes,
           header_timeout, body_timeout, keep_alive_timeout, max_connections, drain_timeout, log_requests,
           tool_call_parser, reasoning_parser, reasoning_inline, no_timings_log, no_prefix_cache, prefix_cache_dir,
@@ -113,6 +115,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
       ktrun serve converted/ --ctx 8192 --max-batch 32 --api-key "$(cat key.txt)"
       ktrun serve converted/ --profile profile.json --gpu-mem 24GB --dynamic-experts   # hot experts, kept fresh
       ktrun serve converted/ --expert-ram 200GB          # experts beyond 200 GB of RAM read from disk
+      ktrun serve converted/ --speculative ngram --draft-tokens 4   # drafts from each request's own context
       ktrun serve qwen3-converted/ --tool-call-parser hermes --reasoning-inline
       ktrun serve converted/ --prefix-cache-dir /nvme/ktrun-cache --prefix-cache-disk 200GB --prefix-cache-ram 32GiB
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -126,6 +129,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
         click.echo(f"ktrun serve: warning: listening on {host} without --api-key: anyone who can reach this port "
                    "can use the model", err=True)
 
+    spec = speculative_from(hot)
     ram_opts = expert_ram_from(hot)
     hot_opts = hot_experts_from(hot)
 
@@ -136,7 +140,8 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
             device_bytes=prefix_cache_device, ram_bytes=prefix_cache_ram, disk_dir=prefix_cache_dir,
             disk_bytes=prefix_cache_disk, state_every=prefix_cache_state_every)
         return Engine(str(model_dir), ctx=ctx, max_batch=max_batch, device=device, verify=verify,
-                      gpu_weights=gpu_weights, hot_experts=hot_opts, prefix_cache=prefix, expert_ram=ram_opts)
+                      gpu_weights=gpu_weights, hot_experts=hot_opts, prefix_cache=prefix, expert_ram=ram_opts,
+                      speculative=spec)
 
     def sampling_params(**kw):
         from ..engine import SamplingParams

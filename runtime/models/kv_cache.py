@@ -209,6 +209,9 @@ class SeqCache:
         self.snap_at: set[int] = set()             # positions (block boundaries) whose state the forward records
         self.snaps: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}   # position -> recorded states, by layer
         self.tail: tuple[int, dict[int, tuple[torch.Tensor, ...]]] | None = None   # state at the last boundary
+        # speculative decoding: the state after each drafted position of the latest verify forward (keep() rolls
+        # back to one of them when drafts are rejected)
+        self.spec_states: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
         # a cache dropped without release() (one-off forwards in tests, `ktrun bench`) gives its blocks back
         self._finalizer = weakref.finalize(self, _release_blocks, pool, self.blocks)
 
@@ -255,6 +258,35 @@ class SeqCache:
         while len(self.blocks) < need:
             self._append(self.pool.allocate(self.blocks[-1] + 1 if self.blocks else None))
 
+    def keep(self, length: int) -> None:
+        """After a forward that verified drafted tokens (speculative decoding): keep positions [0, length), drop
+        the rejected ones after it. Their KV rows stay where they are, to be overwritten; blocks wholly past
+        `length` go back to the pool (never a shared one: a request writes only past its own length). Recurrent
+        layers get back the state after position length-1 (recorded by the forward in spec_states), and `tail`
+        the state at the last block end crossed, as one-token decode steps would have left them."""
+        B = self.pool.block_size
+        crossed = [p for p in self.spec_states if p % B == 0 and p < length]
+        if crossed:
+            self.tail = (max(crossed), self.spec_states[max(crossed)])
+        if length < self.length:
+            if self.recurrent:
+                state = self.spec_states.get(length, {})
+                if set(state) != set(self.recurrent):
+                    raise RuntimeError(f"no recurrent state recorded at position {length} for layers "
+                                       f"{sorted(set(self.recurrent) - set(state))}: cannot roll back")
+                self.recurrent = dict(state)
+            del self.tokens[length:]
+            del self.block_hashes[length // B:]
+            self.length = length
+            while len(self.blocks) > -(-length // B):
+                run = self._runs[-1]
+                run[1] -= 1
+                if not run[1]:
+                    self._runs.pop()
+                self.pool.release(self.blocks.pop())
+            self._table, self._slots = None, None
+        self.spec_states = {}
+
     def release(self) -> None:
         """Give every block back (the prefix cache keeps the full blocks it knows); the cache is empty after."""
         _release_blocks(self.pool, self.blocks)
@@ -266,6 +298,7 @@ class SeqCache:
         self.snap_at.clear()
         self.snaps.clear()
         self.tail = None
+        self.spec_states = {}
 
     def nbytes(self) -> int:
         return len(self.blocks) * self.pool.block_bytes
