@@ -343,6 +343,57 @@ def test_quantized_long_prompt_and_greedy_match_transformers_on_the_same_weights
     assert len(gen) == 32 and max(gaps) <= GREEDY_GAP[backend], gaps
 
 
+def _dequantized_fp8(src, out):
+    """The FP8 release's weights dequantized here, independently of ktconvert's reader: each e4m3 value times its
+    128 x 128 block's weight_scale_inv (partial blocks at the edges), rounded to bf16; a plain hub checkpoint."""
+    from safetensors.torch import load_file, save_file
+    stored = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        stored.update(load_file(str(shard)))
+    tensors = {}
+    for n, t in stored.items():
+        if n.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            s = stored[n + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+            t = (t.float() * s[:t.shape[0], :t.shape[1]]).to(torch.bfloat16)
+        tensors[n] = t
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["quantization_config"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_fp8_release_converts_and_runs_as_its_dequantized_weights(tmp_path_factory, tmp_path):
+    """The release's format: FP8 e4m3 attention projections, dense MLP and experts with 128 x 128 block scales
+    (weight_scale_inv; the fixture's dims are partial blocks), read by the FP8 reader; ktrun's logits of the long
+    prompt (chunked, then token by token) equal transformers' on the dequantized weights."""
+    src = build_checkpoint(shared_root(tmp_path_factory), ARCH, fp8=True)
+    qc = json.loads((src / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["weight_block_size"]) == ("fp8", [128, 128])
+    with open_source(src) as s:
+        fp8 = {n for n in s.tensor_names() if s.info(n).dtype == "F8_E4M3"}
+    assert {"model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
+            "model.layers.2.mlp.experts.3.down_proj.weight"} <= fp8
+    assert "model.layers.1.self_attn.attention_sink_bias" not in fp8 and "model.layers.1.mlp.gate.weight" not in fp8
+    ref = transformers_model(_dequantized_fp8(src, tmp_path / "deq"))
+    eng = Engine(converted(tmp_path_factory, ARCH, "bf16", fp8=True), ctx=256, use_kernels=False)
+    try:
+        ids = _long_ids(eng)
+        got = _chunked_logits(eng, ids)
+    finally:
+        eng.close()
+    want = reference_logits(ref, ids)
+    diff = (got - want).abs().max().item()
+    print(f"fp8 -> bf16 reference: max |logit diff| {diff:.3g}")
+    assert diff < LOGIT_ATOL["reference"]
+
+
 def test_tokenization_matches_transformers(tmp_path_factory, src):
     hf_tok = transformers_tokenizer(src)
     eng = Engine(converted(tmp_path_factory, ARCH, "bf16"), ctx=256, use_kernels=False)

@@ -237,7 +237,7 @@ FIXTURES = {
                         "swa_v_head_dim": 32, "add_swa_attention_sink_bias": True,
                         "add_full_attention_sink_bias": False, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
                         "n_shared_experts": None, "attention_chunk_size": 7},
-        hub_renames=((r"\.self_attn\.sinks$", ".self_attn.attention_sink_bias"),)),
+        hub_renames=((r"\.self_attn\.sinks$", ".self_attn.attention_sink_bias"),), fp8=True),
     # DeepSeek-V4: one layer of each attention kind (sliding window 6, CSA every 4 tokens with an indexer keeping 2,
     # HCA every 8), the first layer hash-routed, 4 residual streams, grouped output projection (2 groups), partial
     # interleaved rotary on 8 of 32 head dims, YaRN on the compressed layers, a low swiglu_limit so the clamps bite;
