@@ -31,6 +31,8 @@ class Token:
     logprobs: object = None
     prompt_logprobs: object = None
     t: float = 0.0                       # perf_counter when the step that made it returned
+    drafted: int = 0                     # speculative decoding: the choice's drafted / accepted tokens so far
+    accepted: int = 0
 
 
 @dataclass
@@ -197,7 +199,8 @@ class EngineThread:
             if req_id in cached:
                 handle.cached_tokens = int(cached[req_id])
             item = Token(int(token), finish_reason, getattr(out, "index", 0), getattr(out, "logprobs", None),
-                         getattr(out, "prompt_logprobs", None), t1)
+                         getattr(out, "prompt_logprobs", None), t1, getattr(out, "drafted", 0),
+                         getattr(out, "accepted", 0))
             per_handle.setdefault(req_id, (handle, []))[1].append(item)
             if finish_reason is not None:
                 handle.open_choices.discard(item.index)

@@ -76,6 +76,7 @@ class Choice:
                       if plan.tool_parser else None)
         self.finish: str | None = None
         self.n_tokens = 0
+        self.drafted = self.accepted = 0   # speculative decoding: tokens drafted / accepted (engine totals)
         self.reasoning, self.content = [], []
         self.logprobs: list = []         # TokenLogprobs of generated tokens (all of them)
         self.pending_lp: list = []       # not yet sent in a chunk
@@ -83,6 +84,7 @@ class Choice:
     def feed(self, item: Token) -> tuple[str, str, list[dict]]:
         """-> (reasoning piece, content piece, tool-call deltas) this token releases."""
         self.n_tokens += 1
+        self.drafted, self.accepted = getattr(item, "drafted", 0), getattr(item, "accepted", 0)
         last = item.finish_reason is not None
         if item.logprobs is not None:
             self.logprobs.append(item.logprobs)
@@ -254,10 +256,14 @@ class Generation:
                       prompt_per_second=len(plan.prompt_ids) / prompt_s, predicted_n=n, predicted_ms=gen_s * 1e3,
                       predicted_per_token_ms=gen_s * 1e3 / steps,
                       predicted_per_second=(per_choice - 1) * len(self.choices) / gen_s if gen_s > 0 else 0.0)
+        drafted = sum(c.drafted for c in self.choices)
+        if drafted:                                  # speculative decoding (llama-server's names)
+            t.draft_n, t.draft_n_accepted = drafted, sum(c.accepted for c in self.choices)
         if self.state.log_timings:
             print(f"ktrun serve: {self.rid} prompt {t.prompt_n} tok in {t.prompt_ms:.1f} ms "
                   f"(queue {t.queue_ms:.1f} ms), generated {n} tok in {t.predicted_ms:.1f} ms "
-                  f"({t.predicted_per_second:.1f} tok/s), finish "
+                  f"({t.predicted_per_second:.1f} tok/s"
+                  + (f", {t.draft_n_accepted}/{t.draft_n} drafted accepted" if drafted else "") + "), finish "
                   f"{','.join(str(c.finish_reason) for c in self.choices)}", file=sys.stderr, flush=True)
         return t
 

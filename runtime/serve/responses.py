@@ -80,6 +80,8 @@ class Timings(Out):
     predicted_ms: float
     predicted_per_token_ms: float
     predicted_per_second: float
+    draft_n: int | None = None                # speculative decoding: tokens drafted, and accepted (when any drafted)
+    draft_n_accepted: int | None = None
 
 
 class ModelCard(Out):
