@@ -140,7 +140,8 @@ def force_transformers(model, cfg, forced: ChoiceLog):
     def kind_of(x: torch.Tensor, k: int) -> str | None:
         if where["layer"] is None:
             return None
-        if x.dim() == 2 and x.shape[-1] == cfg.num_experts and k == cfg.top_k:
+        # the router's scores: LongCat-Flash's also cover its zero (identity) experts
+        if x.dim() == 2 and x.shape[-1] == cfg.num_experts + cfg.zero_experts and k == cfg.top_k:
             return "router"
         if x.dim() == 2 and 1 < cfg.n_group == x.shape[-1] and k == cfg.topk_group:
             return "router_group"

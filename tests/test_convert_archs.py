@@ -13,7 +13,7 @@ from safetensors import safe_open
 from ktconvert.cli import main
 from ktconvert.converted_reader import ConvertedDir
 from ktconvert.sources import open_source
-from ktconvert.testing import ARCHS
+from ktconvert.testing import ARCHS, FIXTURES
 
 
 def run_cli(*args):
@@ -67,7 +67,8 @@ def test_convert_and_verify_against_source(arch, ckpt_dir, fp8_ckpt, tmp_path):
     assert (out / tok).read_bytes() == (src / tok).read_bytes() and (out / "tokenizer.json").is_file()
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     dense = ConvertedDir(out).dense_names()
-    n_layers = cfg.get("text_config", cfg)["num_hidden_layers"]          # Kimi-K2.5: the text model's config
+    layers_key = FIXTURES[arch].layers_key if arch in FIXTURES else "num_hidden_layers"   # LongCat: num_layers
+    n_layers = cfg.get("text_config", cfg)[layers_key]          # Kimi-K2.5: the text model's config
     assert not any(n.endswith("weight_scale_inv") for n in dense)
     assert all(int(m.group(1)) < n_layers for n in dense
                if (m := re.match(r"(?:language_model\.)?model\.layers\.(\d+)\.", n)))

@@ -88,11 +88,6 @@ def _prompt(eng) -> list[int]:
     return eng.tokenizer.encode(PROMPT + " " + PROMPT)
 
 
-def _router_cfg(cfg):
-    """The config as discrete_choices sees the router: its top-k is over routed + zero experts."""
-    return dataclasses.replace(cfg, num_experts=cfg.num_experts + cfg.zero_experts)
-
-
 # --- config.json --------------------------------------------------------------------------------------------------
 
 def test_release_config_reads_as_transformers_does():
@@ -240,7 +235,7 @@ def test_zero_experts_are_chosen_and_never_reach_the_executor(tmp_path_factory):
 
     eng.model.experts.submit = spy
     try:
-        with record_ktrun(_router_cfg(eng.model.cfg)) as log:
+        with record_ktrun(eng.model.cfg) as log:
             eng.model.forward(Batch.build([(eng.model.new_cache(256), _prompt(eng))], "cpu"), all_logits=True)
     finally:
         eng.close()
@@ -266,7 +261,7 @@ def _chunked_logits(eng, ids: list[int]) -> torch.Tensor:
 def test_logits_match_transformers_tie_aware(tmp_path_factory, src, ref, method, backend):
     eng = Engine(converted(tmp_path_factory, ARCH, method), ctx=256, use_kernels=backend == "kernels")
     try:
-        cfg = _router_cfg(eng.model.cfg)
+        cfg = eng.model.cfg
         assert eng.model.cache_layout().num_layers == 4           # two latent caches per layer
         ids = _prompt(eng)
         assert len(ids) > K + Z + E
@@ -292,7 +287,7 @@ def test_logits_match_transformers_tie_aware(tmp_path_factory, src, ref, method,
 @pytest.mark.parametrize("method, backend", CASES[:3])
 def test_greedy_32_tokens_are_transformers_argmax_tie_aware(tmp_path_factory, ref, method, backend):
     eng = Engine(converted(tmp_path_factory, ARCH, method), ctx=256, use_kernels=backend == "kernels")
-    cfg = _router_cfg(eng.model.cfg)
+    cfg = eng.model.cfg
     ids = _prompt(eng)
     try:
         gen, log = greedy_with_choices(eng, ids, 32)
