@@ -165,6 +165,8 @@ def to_chat(body: ResponsesRequest, store: ResponseStore) -> tuple[ChatCompletio
                            "invalid_request_error", "previous_response_not_found", "previous_response_id")
         history = list(prev.messages)
     conversation = history + input_messages(body.input)
+    if not conversation:
+        raise bad_param("input", "input is empty: send a string or at least one item")
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     tools = _tools(body.tools)
     fields = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
