@@ -2,7 +2,7 @@
 `openai` client: greedy text equal to /v1/chat/completions and /v1/messages for the same conversation; streamed
 events in OpenAI's order, their deltas equal to the whole answer; instructions, a tool round trip's history
 (function_call + function_call_output items), previous_response_id (and store: false), reasoning items, text.format
-json_schema; each request's output under 4 concurrent clients (both new APIs) equal to its solo run; errors in
+json_schema; each request's output under 4 and 16 concurrent clients (both new APIs) equal to its solo run; errors in
 OpenAI's envelope. The tiny model never writes a tool call by itself: the model's side of the round trip (the call
 parsed into a function_call item, streamed and not) runs on the fake engine's scripted output, at the end."""
 from __future__ import annotations
@@ -154,27 +154,31 @@ def test_reasoning_item_and_json_schema(oa, model):
         assert st.get_final_response().output_text == r.output_text
 
 
-def test_four_concurrent_clients_equal_their_solo_runs(oa, an, model):
-    prompts = ["def read_config(path):", "Write a Python function `fib(n)`.", "import os\nimport sys\n",
-               "class Stack:"]
+PROMPTS = ["def read_config(path):", "Write a Python function `fib(n)`.", "import os\nimport sys\n", "class Stack:",
+           "def is_prime(n):", "Write a Python function `mean(xs)`.", "from pathlib import Path\n", "class Queue:"]
 
-    def run(i: int, p: str) -> str:
-        if i % 2 == 0:
-            if i % 4 == 0:
-                return oa.responses.create(model=model, input=p, max_output_tokens=24, temperature=0).output_text
-            return "".join(e.delta for e in oa.responses.create(model=model, input=p, max_output_tokens=24,
-                                                                 temperature=0, stream=True)
-                           if e.type == "response.output_text.delta")
-        kw = {"model": model, "max_tokens": 24, "extra_body": GREEDY, "messages": [{"role": "user", "content": p}]}
-        if i % 4 == 1:
-            return an.messages.create(**kw).content[0].text
-        with an.messages.stream(**kw) as st:
-            return "".join(st.text_stream)
 
-    solo = [run(i, p) for i, p in enumerate(prompts)]
-    for _ in range(2):
-        with ThreadPoolExecutor(4) as pool:
-            assert list(pool.map(run, range(4), prompts)) == solo
+def _run(oa, an, model, i: int) -> str:
+    """Client i: prompt i % 8 through one of four ways (Responses whole / streamed, Messages whole / streamed)."""
+    p = PROMPTS[i % len(PROMPTS)]
+    if i % 4 == 0:
+        return oa.responses.create(model=model, input=p, max_output_tokens=24, temperature=0).output_text
+    if i % 4 == 1:
+        return "".join(e.delta for e in oa.responses.create(model=model, input=p, max_output_tokens=24, temperature=0,
+                                                             stream=True) if e.type == "response.output_text.delta")
+    kw = {"model": model, "max_tokens": 24, "extra_body": GREEDY, "messages": [{"role": "user", "content": p}]}
+    if i % 4 == 2:
+        return an.messages.create(**kw).content[0].text
+    with an.messages.stream(**kw) as st:
+        return "".join(st.text_stream)
+
+
+@pytest.mark.parametrize("clients", [4, 16])
+def test_concurrent_clients_equal_their_solo_runs(oa, an, model, clients):
+    """16 clients on --max-batch 8: half of them wait for a slot, and still get their solo text."""
+    solo = [_run(oa, an, model, i) for i in range(clients)]
+    with ThreadPoolExecutor(clients) as pool:
+        assert list(pool.map(lambda i: _run(oa, an, model, i), range(clients))) == solo
 
 
 def test_errors_in_openai_envelope(server, oa, model):
