@@ -55,6 +55,7 @@ class MessagesAnswer:
     def __init__(self, gen: Generation, body: MessagesRequest):
         self.gen, self.body = gen, body
         self.id = "msg_" + uuid.uuid4().hex
+        gen.rid = self.id          # the engine's request id and the timings log line: the id the client sees
         self.seq = BlockSequence()
 
     async def answer(self) -> Response:

@@ -48,6 +48,7 @@ class ResponsesAnswer:
     def __init__(self, gen: Generation, body: ResponsesRequest, conversation: list[dict], store: ResponseStore):
         self.gen, self.body, self.conversation, self.store = gen, body, conversation, store
         self.id, self.created = _id("resp_"), now()
+        gen.rid = self.id          # the engine's request id and the timings log line: the id the client sees
         self.seq = BlockSequence()
         self.item_ids: dict[int, str] = {}
         self.seqno = 0
