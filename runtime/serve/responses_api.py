@@ -131,7 +131,7 @@ class ResponsesAnswer:
     # -- non-streamed ---------------------------------------------------------------------------------------------
     async def collect(self) -> Response:
         try:
-            self.gen_timings = await self.gen.run(lambda c, pieces: self.seq.push(*pieces))
+            await self.gen.run(lambda c, pieces: self.seq.push(*pieces))
         except ClientGone:
             return Response(status_code=499)
         self.seq.ensure_one()
