@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
-from ktrun.models import choices
+from ktrun.models import arch_module, choices
 
 
 @dataclass
@@ -73,6 +73,13 @@ class _KtrunSites:
         self.sites = {"router": list(cfg.moe_layers), "router_group": list(cfg.moe_layers),
                       "indexer": [i for i in range(cfg.num_layers)          # GLM-5.2's shared layers run none
                                   if not cfg.indexer_types or cfg.indexer_types[i] == "full"]}
+        arch = arch_module(cfg.model_type)      # a family whose layers choose otherwise says where (DeepSeek-V4)
+        layers_of = getattr(arch, "choice_layers", None)
+        if layers_of is not None:
+            self.sites.update(layers_of(cfg))
+        # an indexer choosing among compressed entries rather than positions (DeepSeek-V4): its rows are the
+        # queries, located in order as the routers' are
+        self.indexer_by_query = getattr(arch, "INDEXER_OVER_ENTRIES", False)
         self.calls = {k: 0 for k in self.sites}
         self.next_pos: dict[tuple[str, int], int] = {}
 
@@ -81,7 +88,7 @@ class _KtrunSites:
         layer = layers[self.calls[kind] % len(layers)]
         self.calls[kind] += 1
         n = scores.shape[0]
-        if kind == "indexer":
+        if kind == "indexer" and not self.indexer_by_query:
             return layer, range(scores.shape[1] - n, scores.shape[1])
         start = self.next_pos.get((kind, layer), 0)
         self.next_pos[kind, layer] = start + n

@@ -2,7 +2,8 @@
 checked against transformers' DeepseekV4Config), errors naming the field before any weight is read, the release's
 own tensor names and their roles (transformers' conversion mapping reads the fixture back to identical logits:
 tests/test_fixtures.py), conversions in bf16 / int8 / int4 checked by verify, inspect by role. ktrun refuses it with
-the reason (its forward is not implemented: see runtime/models/deepseek_v4.py)."""
+the reason while its swiglu_limit can bind (the kernels lack the clamped SwiGLU; tests/test_deepseek_v4_runtime.py runs
+the forward)."""
 from __future__ import annotations
 
 import json
@@ -216,11 +217,11 @@ def test_calibration_refused_with_the_reason(src, tmp_path):
                 show_progress=False)
 
 
-def test_ktrun_refuses_with_the_reason(src, tmp_path_factory):
+def test_ktrun_refuses_a_binding_clamp_with_the_reason(src, tmp_path_factory):
     from ktrun.models import arch_module
     mod = arch_module("deepseek_v4")
     cfg = parse_config(json.loads((src / "config.json").read_text()))
-    with pytest.raises(ConfigError, match="ktrun cannot run DeepSeek-V4"):
+    with pytest.raises(ConfigError, match="ktrun cannot run this DeepSeek-V4 model.*swiglu_limit L = 0.5"):
         mod.cache_widths(cfg)
 
 

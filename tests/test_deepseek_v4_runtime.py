@@ -1,0 +1,132 @@
+"""DeepSeek-V4 in ktrun against transformers (DeepseekV4ForCausalLM, the release's tensor names read back by its
+conversion mapping): hyper-connections, sliding-window attention with sinks, CSA (compressor + lightning indexer)
+and HCA layers, grouped output projection, sqrt-softplus and hash routing, on a prompt several windows / compression
+rates long, prefilled whole and in chunks then decoded token by token, and 32 greedy tokens; choices that are
+near-ties (the indexer's relu'd scores are often exact ties at these scales) are compared tie-aware: ktrun's choices
+forced on transformers, every flip a near-tie of transformers' own scores (tests/discrete_choices.py).
+
+The fixture's swiglu_limit is 1e4 here: the expert kernels have no clamped SwiGLU, so ktrun refuses a model whose
+clamp could bind (every release; tested), and with 1e4 transformers' clamps are inert at these activations (the
+experts are silu(g) * u on both sides; the shared expert is clamped by ktrun either way)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from discrete_choices import compare, force_transformers, greedy_with_choices, record_ktrun
+from ktlayouts.families import ConfigError
+from ktrun.engine import Engine
+from ktrun.models.kv_cache import Batch
+from ktrun.ops.library import kernels_available
+from runtime_helpers import INIT_SCALE, PROMPT, build_conversion, greedy_gaps, kl, shared_root, transformers_model
+
+from ktconvert.testing import make_checkpoint
+
+# float32 on both sides from identical weights (observed max |logit diff| ~3e-6 at logit scale ~6)
+LOGIT_ATOL = 1e-4
+# bf16 kernel experts round activations to bf16
+KERNEL_ATOL = 5e-2
+# int8 / int4 g32 re-quantized experts: KL bounds (tests/test_runtime_quantized.py's house bounds)
+KL_MEAN = {"int8-amx": 1e-3, "int4-amx": 1e-2}
+# the indexer's and routers' choice scores, relative to the row's top score (kernels: bf16 expert activations)
+SCORE_BOUND = {"reference": {"router": 1e-3, "indexer": 1e-3}, "kernels": {"router": 2e-2, "indexer": 2e-2}}
+BACKENDS = ["reference", pytest.param("kernels", marks=pytest.mark.skipif(
+    not kernels_available(), reason="libktkernels not available on this machine"))]
+N_GREEDY = 32
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    d = shared_root(tmp_path_factory) / "src_deepseek_v4_noclamp"
+    if not (d / "config.json").exists():
+        make_checkpoint("deepseek_v4", d, init_scale=INIT_SCALE, swiglu_limit=1e4)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ref(src):
+    return transformers_model(src)
+
+
+def _conv(src, tmp_path_factory, method):
+    return build_conversion(src, shared_root(tmp_path_factory) / f"conv_deepseek_v4_noclamp_{method}", method)
+
+
+def _ids(eng) -> list[int]:
+    ids = eng.tokenizer.encode(" ".join([PROMPT] * 3))
+    assert len(ids) > 8 * 6          # past the window (6) many times, 12+ HCA entries (8), 24 CSA entries (4)
+    return ids
+
+
+def _forced_reference(ref, cfg, log, ids):
+    with force_transformers(ref, cfg, log) as own, torch.no_grad():
+        logits = ref(torch.tensor([ids])).logits[0].float()
+    return logits, compare(log, own)
+
+
+def _chunked(eng, ids):
+    cache = eng.model.new_cache(256)
+    parts = [ids[:7], ids[7:16]] + [[t] for t in ids[16:]]
+    return torch.cat([eng.model.forward(Batch.build([(cache, p)], "cpu"), all_logits=True) for p in parts])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunked", [False, True], ids=["prefill", "chunked_decode"])
+def test_logits_match_transformers(src, ref, tmp_path_factory, backend, chunked):
+    eng = Engine(_conv(src, tmp_path_factory, "bf16"), ctx=256, use_kernels=backend == "kernels")
+    try:
+        ids = _ids(eng)
+        with record_ktrun(eng.model.cfg) as log:
+            got = _chunked(eng, ids) if chunked else eng.model.forward(
+                Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+        want, ties = _forced_reference(ref, eng.model.cfg, log, ids)
+    finally:
+        eng.close()
+    ties.check(SCORE_BOUND[backend])
+    print(f"\n{backend} {'chunked' if chunked else 'prefill'}: max |logit diff| "
+          f"{(got - want).abs().max():.3g}; {ties}")
+    assert ties.rows["indexer"] > 0 and ties.rows["router"] > 0
+    assert (got - want).abs().max() < (LOGIT_ATOL if backend == "reference" else KERNEL_ATOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_32_tokens_are_transformers_argmax(src, ref, tmp_path_factory, backend):
+    eng = Engine(_conv(src, tmp_path_factory, "bf16"), ctx=256, use_kernels=backend == "kernels")
+    try:
+        ids = _ids(eng)
+        gen, log = greedy_with_choices(eng, ids, N_GREEDY)
+        cfg = eng.model.cfg
+    finally:
+        eng.close()
+    assert len(gen) == N_GREEDY
+    want, ties = _forced_reference(ref, cfg, log, ids + gen[:-1])
+    ties.check(SCORE_BOUND[backend])
+    gaps = greedy_gaps(want, len(ids), gen)
+    print(f"\n{backend}: greedy gaps max {max(gaps):.3g}; {ties}")
+    assert max(gaps) <= (1e-3 if backend == "reference" else 3e-2), gaps
+
+
+@pytest.mark.parametrize("method", ["int8-amx", "int4-amx"])
+def test_quantized_experts_on_the_kernels(src, ref, tmp_path_factory, method):
+    if not kernels_available():
+        pytest.skip("libktkernels not available on this machine")
+    eng = Engine(_conv(src, tmp_path_factory, method), ctx=256, use_kernels=True)
+    try:
+        ids = _ids(eng)
+        with record_ktrun(eng.model.cfg) as log:
+            got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
+    finally:
+        eng.close()
+    want, ties = _forced_reference(ref, eng.model.cfg, log, ids)   # ktrun's choices on quantized experts, forced
+    k = kl(want, got)
+    print(f"\n{method}: KL mean {k.mean():.3g} max {k.max():.3g}; {ties}")
+    assert k.mean() < KL_MEAN[method]
+
+
+def test_release_clamp_is_refused(tmp_path_factory):
+    """A model whose swiglu_limit can bind (the fixture's 0.5; the releases' 10) is refused with the reason."""
+    d = shared_root(tmp_path_factory) / "src_deepseek_v4"
+    if not (d / "config.json").exists():
+        make_checkpoint("deepseek_v4", d, init_scale=INIT_SCALE)
+    conv = build_conversion(d, shared_root(tmp_path_factory) / "conv_deepseek_v4_bf16", "bf16")
+    with pytest.raises(ConfigError, match="clamped SwiGLU.*KT_ACT_SILU_CLAMPED"):
+        Engine(conv, ctx=64, use_kernels=False)
