@@ -1,0 +1,137 @@
+"""Speculative decoding with n-gram drafts (`--speculative ngram`): acceptance rate and decode tokens/s with and
+without drafts, in one run, alternating (each repetition runs plain, then speculative, so the machine's noise hits
+both alike), greedy (the run checks that both give the same tokens).
+
+Scenarios, on the default model's held-out Python source (heldout_eval.txt, not trained on):
+- edit: a code-editing prompt: a ~1500-character stretch of the file, then the same stretch again with a few
+  identifiers renamed, cut after its first lines; the model continues the edited copy, so most of what it writes
+  is in its context already;
+- plain: plain continuation of a ~1500-character stretch of the file.
+Also the cost of the verify forward: one decode step with 1 + k rows vs 1 row (the same cache), so the break-even
+acceptance is visible.
+
+    .venv/bin/python bench/bench_speculative.py                    # the embedded default model, converted int4
+    .venv/bin/python bench/bench_speculative.py --model-dir converted/ --tg 128 --reps 3 --draft-tokens 4
+    .venv/bin/python bench/bench_speculative.py --quick            # seconds: a smoke run
+Output: `name: value unit` lines.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+DEFAULT_MODEL = REPO / "ktconvert" / "data" / "default_model"
+HELDOUT = DEFAULT_MODEL / "heldout_eval.txt"
+RENAMES = (("context", "ctx"), ("other", "rhs"), ("self", "this"))
+
+
+def convert_default(work: Path) -> Path:
+    out = work / "default-model"
+    subprocess.run([str(BIN / "ktconvert"), "quantize", str(DEFAULT_MODEL), "-o", str(out), "--method", "int4-amx",
+                    "--gpu-method", "rtn-int4", "--quiet"], check=True, cwd=REPO)
+    return out
+
+
+def prompts(chars: int) -> dict[str, str]:
+    text = HELDOUT.read_text()
+    start = text.index("\nclass ", len(text) // 3)          # a stretch of real code, not the licence header
+    block = text[start:start + chars]
+    edited = block
+    for a, b in RENAMES:
+        edited = edited.replace(a, b)
+    head = edited[:edited.index("\n", len(edited) // 5) + 1]
+    plain_at = text.index("\n    def ", 2 * len(text) // 3)
+    return {"edit": block + "\n\n# the same code after renaming:\n" + head, "plain": text[plain_at:plain_at + chars]}
+
+
+def verify_cost(model, ids: list[int], k: int, reps: int) -> tuple[float, float]:
+    """Milliseconds of one decode forward with 1 row and with 1 + k rows after the same prompt (median)."""
+    from ktrun.generate import prefill, verify
+
+    def timed(rows: int) -> float:
+        times = []
+        for _ in range(reps):
+            cache = model.new_cache(len(ids) + k + 2)
+            prefill(model, cache, ids)
+            t0 = time.perf_counter()
+            verify(model, [(cache, ids[-rows:])])
+            times.append(time.perf_counter() - t0)
+            cache.release()
+        return 1e3 * statistics.median(times)
+    return timed(1), timed(1 + k)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", type=Path, default=None, help="a converted model (default: convert the default)")
+    ap.add_argument("--tg", type=int, default=128, help="tokens generated per run")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--chars", type=int, default=1500, help="characters of source per prompt")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (the CPU kernels use every core)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: --tg 8 --reps 1 --chars 300")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.tg, a.reps, a.chars = 8, 1, 300
+
+    import torch
+    from ktrun.generate import generate
+    from ktrun.loaded_model import load_model
+    from ktrun.sampling import SamplingParams
+    from ktrun.speculative import SpeculativeConfig
+
+    torch.set_num_threads(a.threads)
+    spec = SpeculativeConfig("ngram", a.draft_tokens)
+    with tempfile.TemporaryDirectory() as work:
+        model_dir = a.model_dir or convert_default(Path(work))
+        with load_model(model_dir, device="cpu") as lm:
+            params = SamplingParams(max_tokens=a.tg, ignore_eos=True)
+            print(f"model: {model_dir.name}")
+            print(f"threads: {a.threads} torch, {os.cpu_count()} cpus")
+            print(f"draft_tokens: {a.draft_tokens}")
+            for name, text in prompts(a.chars).items():
+                ids = lm.tokenizer.encode(text)
+                ctx = len(ids) + a.tg + 1
+                generate(lm.model, ids, SamplingParams(max_tokens=2), ctx, set())         # warm-up
+                rate = {"off": [], "ngram": []}
+                drafted = accepted = steps = tokens = 0
+                same = True
+                for _ in range(a.reps):
+                    plain = generate(lm.model, ids, params, ctx, set())
+                    out = generate(lm.model, ids, params, ctx, set(), speculative=spec)
+                    rate["off"].append((len(plain.tokens) - 1) / plain.decode_s)
+                    rate["ngram"].append((len(out.tokens) - 1) / out.decode_s)
+                    same &= plain.tokens == out.tokens
+                    drafted, accepted = drafted + out.drafted, accepted + out.accepted
+                    steps, tokens = steps + out.steps - 1, tokens + len(out.tokens) - 1
+                off, ngram = statistics.median(rate["off"]), statistics.median(rate["ngram"])
+                print(f"{name}_prompt_tokens: {len(ids)} tokens")
+                print(f"{name}_decode_off: {off:.2f} tok/s")
+                print(f"{name}_decode_ngram: {ngram:.2f} tok/s")
+                print(f"{name}_speedup: {ngram / off:.3f} x")
+                print(f"{name}_acceptance_rate: {accepted / max(drafted, 1):.4f} ratio")
+                print(f"{name}_drafted: {drafted / a.reps:.1f} tokens/run")
+                print(f"{name}_tokens_per_forward: {tokens / max(steps, 1):.3f} tokens")
+                print(f"{name}_greedy_identical: {int(same)} bool")
+                if not same:
+                    print(f"error: {name}: speculative greedy tokens differ from plain ones", file=sys.stderr)
+                    return 1
+            one, many = verify_cost(lm.model, ids, a.draft_tokens, max(3, a.reps))
+            print(f"verify_forward_1_row: {one:.2f} ms")
+            print(f"verify_forward_{1 + a.draft_tokens}_rows: {many:.2f} ms")
+            print(f"verify_cost_ratio: {many / one:.3f} x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
