@@ -322,3 +322,19 @@ def test_wrong_scale_shape_named(src_fp8, tmp_path):
     save_file(tensors, str(d / wm[name]), metadata={"format": "pt"})
     with pytest.raises(SourceError, match=r"layers.2.ffn.experts.0.w3.scale.*one E8M0 scale per 32 inputs"):
         open_source(d)
+
+
+def test_pull_selects_the_release_files():
+    """The release repo's layout: weights, index, configs and tokenizer at the top; DeepSeek's inference code (with
+    its own config JSONs) and chat-encoding code in folders, which conversion never needs (no remote code)."""
+    from ktconvert.hub.plan import select_files
+    listing = ["config.json", "generation_config.json", "model.safetensors.index.json",
+               "model-00001-of-00046.safetensors", "model-00046-of-00046.safetensors", "tokenizer.json",
+               "tokenizer_config.json", "README.md", "LICENSE", "inference/model.py", "inference/kernel.py",
+               "inference/convert.py", "inference/generate.py", "inference/config.json",
+               "inference/requirements.txt", "encoding/encoding_dsv4.py", "encoding/README.md"]
+    selected, skipped = select_files(listing, None, None)
+    assert sorted(selected) == sorted(["config.json", "generation_config.json", "model.safetensors.index.json",
+                                       "model-00001-of-00046.safetensors", "model-00046-of-00046.safetensors",
+                                       "tokenizer.json", "tokenizer_config.json"])
+    assert skipped == []
