@@ -99,6 +99,7 @@ def test_hub_names_dtypes_and_shards(ckpt_dir, arch):
         if isinstance(cfg.get("moe_layer_freq"), list):       # MiMo-V2-Flash: 0 (dense) / 1 (MoE) per layer
             n_moe = sum(cfg["moe_layer_freq"])
         assert len(main_experts) == n_moe * n_exp * 3
+    fixture = FIXTURES[arch]
     for name, (dtype, _) in meta.items():
         if fixture.hub_int and re.match(fixture.hub_int, name):
             assert dtype == "I32", name
@@ -200,7 +201,7 @@ def test_bad_arguments():
         make_checkpoint("mixtral", "/nonexistent-never-written", fp8=True)
     assert set(ARCHS) == {"deepseek_v3", "mimo_v2_flash", "qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe", "minimax_m2",
                           "deepseek_v32", "kimi_k25", "qwen3_next", "glm4_moe_lite", "gpt_oss", "qwen3_5_moe",
-                          "glm_moe_dsa", "longcat_flash"}
+                          "glm_moe_dsa", "longcat_flash", "deepseek_v4"}
 
 
 def test_layers_and_dims_overrides(tmp_path):
