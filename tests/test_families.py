@@ -130,7 +130,7 @@ def test_defaults_are_transformers_defaults(name):
            "rope_theta": ours.rope.theta, "tie_word_embeddings": ours.tie_word_embeddings,
            "attention_bias": ours.attention_bias}
     want = {"num_kv_heads": hf.num_key_value_heads, "rms_norm_eps": hf.rms_norm_eps,
-            "max_position": hf.max_position_embeddings, "rope_theta": hf.rope_parameters.get("full_attention", hf.rope_parameters)["rope_theta"],
+            "max_position": hf.max_position_embeddings, "rope_theta": hf.rope_parameters.get("full_attention", hf.rope_parameters.get("main", hf.rope_parameters))["rope_theta"],
             "tie_word_embeddings": hf.tie_word_embeddings, "attention_bias": getattr(hf, "attention_bias", False)}
     if hasattr(hf, "norm_topk_prob"):
         got["norm_topk_prob"], want["norm_topk_prob"] = ours.norm_topk_prob, hf.norm_topk_prob
