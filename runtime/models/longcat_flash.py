@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
 
-from .attention import mla_attention, mla_cache_widths
+from .attention import mla_attention, mla_cache_widths, prepare_absorbed
 from .choices import top_k
 from .layers import SERIAL_MAX_ROWS, serial_torch, swiglu_mlp
 
@@ -66,8 +66,8 @@ def attention(cfg, w, p, x, batch, layer, rope, cos, sin):
 
 
 def _fold_lora_scales(model) -> None:
-    """Scale every q_a_layernorm by sqrt(hidden / q_lora_rank) and kv_a_layernorm by sqrt(hidden / kv_lora_rank),
-    once: q = q_b(norm_q(.) * w) * s and the latent c = norm_kv(.) * w * s are linear in w. float32 models keep the
+    """Once, before the first forward: scale every q_a_layernorm by sqrt(hidden / q_lora_rank) and kv_a_layernorm by sqrt(hidden / kv_lora_rank)
+    (q = q_b(norm_q(.) * w) * s and the latent c = norm_kv(.) * w * s are linear in w. float32 models keep the
     scaled weights in float32 (no extra rounding of the scale)."""
     cfg, w = model.cfg, model.w
     if w.get(FOLDED):
@@ -81,6 +81,9 @@ def _fold_lora_scales(model) -> None:
                 t = w[p + name]
                 dt = torch.float32 if model.dtype == torch.float32 else t.dtype
                 w[p + name] = (t.float() * s).to(dt).contiguous()
+    # MoEModel derives the absorbed kv_b on the kernels' op for "self_attn." only; the sublayers' here, now, before
+    # the first forward touches the routed experts' pages (attention.prepare_absorbed)
+    prepare_absorbed(cfg, w, [f"{model.names.layer(i)}self_attn.{j}." for i in range(cfg.num_layers) for j in (0, 1)])
     w[FOLDED] = True
 
 
