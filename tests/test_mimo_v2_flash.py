@@ -410,6 +410,20 @@ def test_tokenization_matches_transformers(tmp_path_factory, src):
 
 # --- the commands ---------------------------------------------------------------------------------------------------
 
+def test_pull_selects_the_release_files_without_remote_code():
+    """The release's repo (remote-code modeling / configuration files beside the weights, whose shards also hold the
+    MTP layers): `ktconvert pull` takes weights, index, configs and tokenizer files, never the .py files."""
+    from ktconvert.hub.plan import select_files
+    shards = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    repo = shards + ["model.safetensors.index.json", "config.json", "generation_config.json", "tokenizer.json",
+                     "tokenizer_config.json", "vocab.json", "merges.txt", "configuration_mimo_v2_flash.py",
+                     "modeling_mimo_v2_flash.py", "README.md", "LICENSE", "figures/overview.png"]
+    chosen, skipped = select_files(sorted(repo), None, None)
+    assert sorted(chosen) == sorted(shards + ["model.safetensors.index.json", "config.json",
+                                              "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                                              "vocab.json", "merges.txt"]) and not skipped
+
+
 def test_inspect_reports_parameters_by_role(src):
     r = subprocess.run([*KTCONVERT, "inspect", str(src), "--gpu-mem", "1GB", "--cpu-mem", "1GB"],
                        capture_output=True, text=True, timeout=120, check=False)
