@@ -105,7 +105,17 @@ SHAPE_FIX = {"deepseek_v3": {"num_hidden_layers": 5}, "mixtral": {"num_attention
              "gpt_oss": {"num_attention_heads": 8},
              "mimo_v2_flash": {"num_attention_heads": 8},
              "deepseek_v32": {"num_hidden_layers": 5, "n_routed_experts": 16},
-             "kimi_k25": {"num_hidden_layers": 5, "n_routed_experts": 16}}
+             "kimi_k25": {"num_hidden_layers": 5, "n_routed_experts": 16},
+             "kimi_linear": {"pad_token_id": 0}}      # its default pad id 163839 is past the test's vocabulary
+
+
+def _rope_theta(hf) -> float:
+    """transformers' rope theta (of the full-attention layers where kinds differ); a config without RoPE (Kimi
+    Linear's NoPE MLA) reads as the 10000 ktlayouts keeps for its never-applied table."""
+    rp = getattr(hf, "rope_parameters", None)
+    if rp is None:
+        return 10000.0
+    return rp.get("full_attention", rp.get("main", rp))["rope_theta"]
 
 
 def _minimal(name: str) -> dict:
@@ -130,7 +140,7 @@ def test_defaults_are_transformers_defaults(name):
            "rope_theta": ours.rope.theta, "tie_word_embeddings": ours.tie_word_embeddings,
            "attention_bias": ours.attention_bias}
     want = {"num_kv_heads": hf.num_key_value_heads, "rms_norm_eps": hf.rms_norm_eps,
-            "max_position": hf.max_position_embeddings, "rope_theta": hf.rope_parameters.get("full_attention", hf.rope_parameters.get("main", hf.rope_parameters))["rope_theta"],
+            "max_position": hf.max_position_embeddings, "rope_theta": _rope_theta(hf),
             "tie_word_embeddings": hf.tie_word_embeddings, "attention_bias": getattr(hf, "attention_bias", False)}
     if hasattr(hf, "norm_topk_prob"):
         got["norm_topk_prob"], want["norm_topk_prob"] = ours.norm_topk_prob, hf.norm_topk_prob
@@ -168,6 +178,14 @@ def test_defaults_are_transformers_defaults(name):
         want.update(layer_types=tuple(hf.layer_types), sliding_window=hf.sliding_window, head_dim=hf.head_dim,
                     rope=(rp["rope_type"], rp["factor"], rp["original_max_position_embeddings"], rp["truncate"]),
                     act=("swiglu_clamped", hf.swiglu_alpha, hf.swiglu_limit, True), sinks=True, n_shared=0)
+    if name == "kimi_linear":   # KDA / MLA layers, KDA sizes, grouped sigmoid routing, shared experts
+        la = ours.linear_attention
+        got.update(layer_types=ours.layer_types, la=(la.conv_kernel, la.num_v_heads, la.k_head_dim),
+                   routing=(ours.n_group, ours.topk_group, ours.routed_scaling_factor, ours.n_shared_experts,
+                            ours.q_lora_rank))
+        want.update(layer_types=tuple(hf.layer_types), la=(hf.linear_conv_kernel_dim, hf.linear_num_heads,
+                                                           hf.linear_head_dim),
+                    routing=(hf.n_group, hf.topk_group, hf.routed_scaling_factor, hf.n_shared_experts, hf.q_lora_rank))
     if name == "mimo_v2_flash":   # per-kind layers, window, rope and kv heads; value head dim and scale
         sa, rp = ours.sliding_attention, hf.rope_parameters
         got.update(layer_types=ours.layer_types, sliding_window=ours.sliding_window, head_dim=ours.head_dim,

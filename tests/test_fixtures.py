@@ -23,13 +23,14 @@ EXPERT_NAME = {
     "qwen3_5_moe": re.compile(r"model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "kimi_k25": re.compile(r"language_model\.model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     "longcat_flash": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
+    "kimi_linear": re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$"),
     "mimo_v2_flash": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
     # gpt-oss: the hub keeps each layer's experts fused, as transformers holds them (E, H, 2I) / (E, I, H)
     "gpt_oss": re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$"),
-}
-
     # DeepSeek-V4: the release's own names (no model. prefix, ffn, w1/w3/w2)
     "deepseek_v4": re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$"),
+}
+
 
 def _text(cfg: dict) -> dict:
     """The text model's config.json keys (Kimi-K2.5 nests them under text_config)."""
@@ -200,7 +201,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="deepseek_v3"):
         make_checkpoint("mixtral", "/nonexistent-never-written", fp8=True)
     assert set(ARCHS) == {"deepseek_v3", "mimo_v2_flash", "qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe", "minimax_m2",
-                          "deepseek_v32", "kimi_k25", "qwen3_next", "glm4_moe_lite", "gpt_oss", "qwen3_5_moe",
+                          "deepseek_v32", "kimi_k25", "kimi_linear", "qwen3_next", "glm4_moe_lite", "gpt_oss",
+                          "qwen3_5_moe",
                           "glm_moe_dsa", "longcat_flash", "deepseek_v4"}
 
 

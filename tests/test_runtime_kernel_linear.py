@@ -13,6 +13,7 @@ the CPU default), for every registered family:
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -166,7 +167,10 @@ def test_logits_within_bound_of_the_dequantized_path(tmp_path_factory, arch, sch
 
 def _transformers_name(hub: str) -> str:
     """A hub tensor name -> transformers' parameter name: the same, except for Kimi-K2.5's text model
-    (language_model.model.X -> model.language_model.X, language_model.lm_head -> lm_head)."""
+    (language_model.model.X -> model.language_model.X, language_model.lm_head -> lm_head) and Kimi Linear's MoE block
+    (block_sparse_moe. -> mlp.) and forget gate (self_attn.f_a_proj -> self_attn.forget_gate.f_a_proj)."""
+    hub = re.sub(r"\.self_attn\.(f_a_proj|f_b_proj)\.", r".self_attn.forget_gate.\1.", hub.replace(".block_sparse_moe.",
+                                                                                                 ".mlp."))
     if not hub.startswith("language_model."):
         return hub
     rest = hub.removeprefix("language_model.")

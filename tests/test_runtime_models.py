@@ -103,7 +103,8 @@ def test_greedy_32_tokens_are_transformers_argmax(setup, arch, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "longcat_flash"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "longcat_flash",
+                                  "kimi_linear"])
 def test_batched_decode_equals_running_alone(setup, arch, backend):
     _src, eng, _ref, _tok = setup(arch, backend)
     prompts = {"short": eng.tokenizer.encode("fox"), "long": eng.tokenizer.encode(PROMPT + " " + PROMPT),

@@ -54,7 +54,7 @@ def run(eng: Engine, reqs: dict[str, list[int]], n: int = N_GEN, stagger: bool =
     return {k: (out[k], cached[k]) for k in reqs}
 
 
-RECURRENT = ("qwen3_next", "qwen3_5_moe")    # linear attention: a recurrent state per request
+RECURRENT = ("qwen3_next", "qwen3_5_moe", "kimi_linear")    # linear attention: a recurrent state per request
 
 
 @pytest.fixture(scope="module", params=ARCHS)

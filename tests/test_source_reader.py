@@ -190,7 +190,7 @@ def test_adapter_tables():
 
 def test_unsupported_model_type_lists_supported(ckpt_copy):
     supported = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss",
-                 "kimi_k25", "longcat_flash", "mimo_v2_flash", "minimax_m2", "mixtral", "qwen3_5_moe", "qwen3_moe", "qwen3_next")
+                 "kimi_k25", "kimi_linear", "longcat_flash", "mimo_v2_flash", "minimax_m2", "mixtral", "qwen3_5_moe", "qwen3_moe", "qwen3_next")
     with pytest.raises(SourceError, match="llama4.*" + ", ".join(supported)):
         adapter_for({"model_type": "llama4"})
     assert SUPPORTED_MODEL_TYPES == supported

@@ -72,7 +72,6 @@ def split_calibration_text(text: str) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-def tokenizer_for(src):
 # Families whose decoder layers this driver cannot run one at a time from transformers' classes, and why
 NOT_LAYERWISE = {"deepseek_v4": "its decoder layers carry hyper-connection residual streams and route hash layers by "
                                 "token id, and its release names differ from transformers' module names"}
@@ -87,6 +86,7 @@ def check_layerwise(src) -> None:
                                f"search / rtn")
 
 
+def tokenizer_for(src):
     """The checkpoint's tokenizer.json (a GGUF source rebuilds it from its metadata)."""
     from tokenizers import Tokenizer
 
@@ -172,16 +172,19 @@ def hf_config(config: dict, model_type: str):
 
 def _model_classes(cfg):
     """(DecoderLayer, RotaryEmbedding, RMSNorm) classes beside the config class. A text config of a wrapped model
-    (Qwen3_5MoeTextConfig) names some of them without its "Text" (Qwen3_5MoeDecoderLayer)."""
+    (Qwen3_5MoeTextConfig) names some of them without its "Text" (Qwen3_5MoeDecoderLayer). RotaryEmbedding is None
+    for a model without one (Kimi Linear: no layer applies RoPE)."""
     mod = importlib.import_module(type(cfg).__module__.replace(".configuration_", ".modeling_"))
     prefix = type(cfg).__name__[: -len("Config")]
 
-    def cls(kind: str):
+    def cls(kind: str, optional: bool = False):
         for p in (prefix, prefix.removesuffix("Text")):
             if hasattr(mod, p + kind):
                 return getattr(mod, p + kind)
+        if optional:
+            return None
         raise CalibrationError(f"calibration: transformers' {mod.__name__} has no {prefix}{kind}")
-    return cls("DecoderLayer"), cls("RotaryEmbedding"), cls("RMSNorm")
+    return cls("DecoderLayer"), cls("RotaryEmbedding", optional=mod.__name__.endswith("kimi_linear")), cls("RMSNorm")
 
 
 def _gate_fn(experts: nn.Module):
@@ -229,8 +232,16 @@ class StreamingExperts(nn.Module):
         return out
 
 
+# transformers module keys the checkpoint stores as several tensors, concatenated along dim 0 (Kimi Linear's q/k/v
+# short convs)
+JOINED_KEYS = {"self_attn.conv1d.weight": ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight",
+                                           "self_attn.v_conv1d.weight")}
+
+
 def _checkpoint_name(prefix: str, key: str, names: set[str]) -> str:
+    # Mixtral-style block_sparse_moe; Kimi Linear's forget-gate tensors sit beside the attention's projections
     for cand in (prefix + key, prefix + "block_sparse_moe." + key[4:] if key.startswith("mlp.") else None,
+                 prefix + key.replace(".forget_gate.", ".") if ".forget_gate." in key else None,
                  # MiMo-V2-Flash's release names its sinks attention_sink_bias
                  prefix + "self_attn.attention_sink_bias" if key == "self_attn.sinks" else None):
         if cand in names:
@@ -246,6 +257,7 @@ class LayerwiseGptq:
         self.src, self.tokens, self.quantize_fn, self.is_target = src, tokens, quantize_fn, is_target
         self.quantize_head, self.capture_experts = quantize_head, capture_experts
         self.expert_captures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> (X (T, H), ids (T, k))
+        check_layerwise(src)
         self.cfg = hf_config(*text_model_of(src))
         self.hub = src.arch.family.names                              # layer prefix, embed / norm / head names
         self.layer_cls, rotary_cls, self.norm_cls = _model_classes(self.cfg)
@@ -256,12 +268,11 @@ class LayerwiseGptq:
         self.results: dict[str, tuple[int, QuantizedLinear]] = {}    # hub name -> (layer, result)
         s, seq = tokens.shape
         self.position_ids = torch.arange(seq)[None].expand(s, seq)
-        self.rotary = rotary_cls(config=self.cfg)
+        self.rotary = rotary_cls(config=self.cfg) if rotary_cls is not None else None
         self.stats = {"layers": 0, "linears": 0, "seconds": 0.0}
 
     def result(self, name: str, layer: int | None) -> QuantizedLinear:
         """The quantized weight `name` of decoder layer `layer` (None: lm_head); runs layers as needed."""
-        check_layerwise(src)
         target = self.cfg.num_hidden_layers if layer is None else layer
         for k in [k for k, (li, _) in self.results.items() if li < target]:
             del self.results[k]          # earlier layers not asked for (already written by a resumed run)
@@ -376,8 +387,12 @@ class LayerwiseGptq:
         if moe is not None and hasattr(moe, "experts"):
             moe.experts = StreamingExperts(self.src, li, _gate_fn(moe.experts))
         prefix = self.hub.layer(li)
-        state = {k: self.src.read(_checkpoint_name(prefix, k, self.names)).reshape(v.shape)
-                 for k, v in layer.state_dict().items()}
+        def read(k: str) -> torch.Tensor:
+            parts = JOINED_KEYS.get(k)
+            if parts and prefix + k not in self.names and all(prefix + p in self.names for p in parts):
+                return torch.cat([self.src.read(prefix + p) for p in parts])
+            return self.src.read(_checkpoint_name(prefix, k, self.names))
+        state = {k: read(k).reshape(v.shape) for k, v in layer.state_dict().items()}
         layer.load_state_dict(state, assign=True, strict=True)
         meta = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
         if meta:

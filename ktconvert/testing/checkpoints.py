@@ -155,6 +155,14 @@ def hub_state_dict(model, arch: str) -> dict[str, torch.Tensor]:
         out[name] = t
     for pattern, repl in FIXTURES[arch].hub_renames:    # the release's own names (DeepSeek-V4)
         out = {re.sub(pattern, repl, k): v for k, v in out.items()}
+    for pattern, repls in FIXTURES[arch].hub_splits:     # one tensor stored as parts (Kimi Linear's q/k/v convs)
+        split: dict[str, torch.Tensor] = {}
+        for k, v in out.items():
+            if re.search(pattern, k):
+                split.update(zip([re.sub(pattern, r, k) for r in repls], v.chunk(len(repls), dim=0)))
+            else:
+                split[k] = v
+        out = split
     return out
 
 

@@ -35,6 +35,8 @@ class FixtureFamily:
     mxfp4: bool = False                             # also released with MXFP4 experts (gpt-oss's quant_method mxfp4)
     random_biases: bool = False                     # transformers inits the biases (and sinks) to zero: randomize
     hub_rope_parameters: bool = False               # the hub keeps transformers' rope_parameters (Qwen3.5-MoE)
+    layers_key: str = "num_hidden_layers"          # the transformers config's decoder-layer count (LongCat-Flash:
+                                                    # num_layers; its num_hidden_layers is 2 x num_layers)
     hub_renames: tuple = ()                         # (regex, replacement) pairs applied in order to every hub name
                                                     # (DeepSeek-V4's release names differ from transformers')
     hub_f32: str | None = None                      # regex of hub names stored as F32 (besides the router bias)
@@ -43,8 +45,8 @@ class FixtureFamily:
                                                     # at random so the test sees them (DeepSeek-V4's hc base)
     release_quant: str | None = None                # with fp8=True: ktconvert.testing.<module> writes the release's
                                                     # own quantization (DeepSeek-V4: FP8 blocks + FP4 experts)
-    layers_key: str = "num_hidden_layers"          # the transformers config's decoder-layer count (LongCat-Flash:
-                                                    # num_layers; its num_hidden_layers is 2 x num_layers)
+    hub_splits: tuple = ()                          # (regex, (replacement, ...)): a tensor the hub stores as equal
+                                                    # parts along dim 0 (Kimi Linear's q/k/v short convs)
 
 
 # Tiny dimensions that still exercise padding: expert sizes not multiples of 64, FP8 dims > 128 and not
@@ -293,5 +295,30 @@ FIXTURES = {
         tokenizer="mistral", layers_key="num_layers",
         hub_extra_keys={"zero_expert_type": "identity", "mla_scale_q_lora": True, "mla_scale_kv_lora": True,
                         "router_bias": False, "attention_method": "MLA"}),
+    # Kimi Linear: KDA, KDA, MLA (no RoPE), KDA (linear_attn_config's 1-indexed kda_layers / full_attn_layers), a dense
+    # first layer, 8 KDA heads of 24 (192 channels, not a multiple of 128; b_proj has one row per head, 8 keeps it a
+    # whole qzeros pack) with a kernel-4 short conv, 3 MLA heads
+    # without q LoRA (as the release), 2 expert groups of 4, one shared expert; the hub's block_sparse_moe / w1-w3
+    # names, forget-gate tensors beside the projections and q/k/v convs stored apart. Kimi's tiktoken tokenizer
+    # (the release ships tiktoken.model and remote tokenization code, as Kimi-K2.5's).
+    "kimi_linear": FixtureFamily(
+        config={
+            "hidden_size": 96, "intermediate_size": 200, "moe_intermediate_size": 80, "num_experts": 8,
+            "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "num_hidden_layers": 4,
+            "num_attention_heads": 3, "num_key_value_heads": 3, "kv_lora_rank": 32, "q_lora_rank": None,
+            "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "routed_scaling_factor": 2.446,
+            "norm_topk_prob": True, "max_position_embeddings": 1024, "first_k_dense_replace": 1,
+            "linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3], "num_heads": 8, "head_dim": 24,
+                                   "short_conv_kernel_size": 4}},
+        tokenizer="kimi", moe_block="block_sparse_moe", expert_projs={"gate": "w1", "up": "w3", "down": "w2"},
+        hub_drop_keys=("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads",
+                       "linear_conv_kernel_dim", "head_dim"),
+        hub_extra_keys={"mla_use_nope": True, "moe_router_activation_func": "sigmoid", "use_grouped_topk": True,
+                        "moe_layer_freq": 1, "num_nextn_predict_layers": 0},
+        hub_renames=((r"\.self_attn\.forget_gate\.", ".self_attn."),
+                     (r"\.mlp\.(gate\.e_score_correction_bias|shared_experts\.)", r".block_sparse_moe.\1")),
+        hub_splits=((r"\.self_attn\.conv1d\.weight$", (".self_attn.q_conv1d.weight", ".self_attn.k_conv1d.weight",
+                                                       ".self_attn.v_conv1d.weight")),),
+        vocab_size=672),
 }
 ARCHS = tuple(FIXTURES)

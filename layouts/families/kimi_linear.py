@@ -44,7 +44,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 # transformers KimiLinearConfig's defaults for the fields read here (tests/test_families.py checks them)
 DEFAULTS = {"first_k_dense_replace": 1, "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True,
             "routed_scaling_factor": 2.446, "num_shared_experts": 1, "q_lora_rank": None,
-            "model_max_length": 1048576, "rms_norm_eps": 1e-5, "num_key_value_heads": None,
+            "model_max_length": 1048576, "rms_norm_eps": 1e-5, "num_key_value_heads": 32,
             "linear_num_heads": 32, "linear_head_dim": 128, "linear_conv_kernel_dim": 4, "rope_theta": 10000.0}
 # linear_attn_config's keys (the hub's spelling) -> transformers 5's top-level fields
 LINEAR_KEYS = {"num_heads": "linear_num_heads", "head_dim": "linear_head_dim",
@@ -118,6 +118,8 @@ def parse(f: Fields) -> ModelConfig:
     top_k = f.need("num_experts_per_token", "num_experts_per_tok")
     n_group = f.get("num_expert_group", f.get("n_group", DEFAULTS["num_expert_group"], cast=int), cast=int)
     topk_group = f.get("topk_group", DEFAULTS["topk_group"], cast=int)
+    f.check(n_group >= 1 and (n_experts % n_group == 0), f"num_experts={n_experts} is not a multiple of "
+                                                         f"num_expert_group={n_group}")
     check_routing(f, n_experts, top_k, n_group, topk_group, grouped=True, experts_key="num_experts")
     if n_experts:
         f.check(n_experts // n_group >= 2, f"num_experts={n_experts} / num_expert_group={n_group} leaves fewer than "
@@ -140,7 +142,7 @@ def parse(f: Fields) -> ModelConfig:
         model_type=f.model_type, num_layers=n_layers, hidden_size=hidden, num_experts=n_experts, top_k=top_k,
         moe_intermediate_size=f.need("moe_intermediate_size"), moe_layers=_moe_layers(f, n_layers, n_experts),
         attention="mla", vocab_size=f.run("vocab_size"), num_heads=nh,
-        num_kv_heads=f.get("num_key_value_heads", nh, cast=int),          # unused by MLA
+        num_kv_heads=f.get("num_key_value_heads", DEFAULTS["num_key_value_heads"], cast=int),   # unused by MLA
         head_dim=rope_dim, intermediate_size=f.run("intermediate_size"),
         # NoPE: the rotary table is never applied (ktrun's kimi_linear passes an identity rope); the default kind
         # keeps softmax_scale at (qk_nope + qk_rope)^-1/2 as transformers'

@@ -39,13 +39,16 @@ def kda_recurrent(q, k, v, g, beta, state):
     return out, S
 
 
-def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """Same arguments and result as kda_recurrent, `chunk` tokens at a time (the module docstring's form)."""
+def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, position: int = 0):
+    """Same arguments and result as kda_recurrent, `chunk` tokens at a time (the module docstring's form). position:
+    the first token's position in its request; chunks end at multiples of `chunk` positions, so a prompt split into
+    several forwards (or cut at a snapshot) is summed in the same chunks wherever the pieces allow."""
     S = state.clone()
     L = k.shape[0]
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    for a in range(0, L, chunk):
-        b = min(a + chunk, L)
+    a = 0
+    while a < L:
+        b = min(a + chunk - (position + a) % chunk, L)
         C = b - a
         qc, kc, vc = (t[a:b].transpose(0, 1) for t in (q, k, v))               # (h, C, d)
         gamma = g[a:b].transpose(0, 1).cumsum(1)                                # (h, C, dk)
@@ -63,6 +66,7 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
         out[a:b] = ((qc * gamma.exp()) @ S + qk @ u).transpose(0, 1)
         last = gamma[:, -1:, :]                                                 # (h, 1, dk)
         S = S * last.transpose(1, 2).exp() + (kc * (last - gamma).exp()).transpose(1, 2) @ u
+        a = b
     return out, S
 
 
@@ -125,8 +129,10 @@ def kda_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         cuts = sorted(c - s.start for c in s.cache.snap_at if s.start < c < s.start + s.n) + [s.n]
         a = 0
         for c in cuts:
-            rule = kda_recurrent if c - a == 1 else kda_chunked
-            o, S = rule(qc[a:c], kc[a:c], vc[a:c], gs[a:c], bs[a:c], S)
+            if c - a == 1:
+                o, S = kda_recurrent(qc[a:c], kc[a:c], vc[a:c], gs[a:c], bs[a:c], S)
+            else:
+                o, S = kda_chunked(qc[a:c], kc[a:c], vc[a:c], gs[a:c], bs[a:c], S, position=s.start + a)
             core[s.offset + a:s.offset + c] = o.to(x.dtype)
             if c < s.n:
                 s.cache.snaps.setdefault(s.start + c, {})[layer] = (xin[c:c + K1].clone(), S)
