@@ -213,7 +213,7 @@ def test_inspect_reports_roles_and_placement(src):
     assert "architecture: kimi_linear, 4 layers, 3 MoE layers, 8 routed experts (top 2), 1 shared" in r.stdout
     for role in ("expert", "attention", "shared_expert", "dense_mlp", "router", "router_bias", "norm"):
         assert re.search(rf"^\s+{role}\s+[\d,]+\s+\(", r.stdout, re.MULTILINE), (role, r.stdout)
-    assert re.search(r"int4-amx\s+GPU\s+[\d.]+ KB\s+CPU", r.stdout), r.stdout
+    assert re.search(r"int4-amx\s+GPU\s+[\d.]+ [KM]B\s+CPU", r.stdout), r.stdout
 
 
 # --- the forward ----------------------------------------------------------------------------------------------------
