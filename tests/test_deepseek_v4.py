@@ -1,9 +1,8 @@
 """DeepSeek-V4 in ktconvert: config.json read with every field the release uses (defaults and legacy spellings
 checked against transformers' DeepseekV4Config), errors naming the field before any weight is read, the release's
 own tensor names and their roles (transformers' conversion mapping reads the fixture back to identical logits:
-tests/test_fixtures.py), conversions in bf16 / int8 / int4 checked by verify, inspect by role. ktrun refuses it with
-the reason while its swiglu_limit can bind (the kernels lack the clamped SwiGLU; tests/test_deepseek_v4_runtime.py runs
-the forward)."""
+tests/test_fixtures.py), conversions in bf16 / int8 / int4 checked by verify, inspect by role (the forward:
+tests/test_deepseek_v4_runtime.py)."""
 from __future__ import annotations
 
 import json
@@ -217,12 +216,11 @@ def test_calibration_refused_with_the_reason(src, tmp_path):
                 show_progress=False)
 
 
-def test_ktrun_refuses_a_binding_clamp_with_the_reason(src, tmp_path_factory):
-    from ktrun.models import arch_module
-    mod = arch_module("deepseek_v4")
+def test_the_experts_clamp_is_the_kernels_activation(src):
+    """swiglu_limit becomes the routed experts' ExpertActivation "silu_clamped" (KT_ACT_SILU_CLAMPED in the kernels)."""
     cfg = parse_config(json.loads((src / "config.json").read_text()))
-    with pytest.raises(ConfigError, match="ktrun cannot run this DeepSeek-V4 model.*swiglu_limit L = 0.5"):
-        mod.cache_widths(cfg)
+    assert (cfg.expert_activation.kind, cfg.expert_activation.limit, cfg.expert_activation.bias) == \
+        ("silu_clamped", 0.5, False)
 
 
 

@@ -5,15 +5,14 @@ rates long, prefilled whole and in chunks then decoded token by token, and 32 gr
 near-ties (the indexer's relu'd scores are often exact ties at these scales) are compared tie-aware: ktrun's choices
 forced on transformers, every flip a near-tie of transformers' own scores (tests/discrete_choices.py).
 
-The fixture's swiglu_limit is 1e4 here: the expert kernels have no clamped SwiGLU, so ktrun refuses a model whose
-clamp could bind (every release; tested), and with 1e4 transformers' clamps are inert at these activations (the
-experts are silu(g) * u on both sides; the shared expert is clamped by ktrun either way)."""
+The fixture's swiglu_limit (0.5) binds at these scales, in the routed experts (the executors' "silu_clamped": the
+kernels' KT_ACT_SILU_CLAMPED or the torch reference) and in the shared expert; test_the_clamp_binds shows it moves
+transformers' logits."""
 from __future__ import annotations
 
 import pytest
 import torch
 from discrete_choices import compare, force_transformers, greedy_with_choices, record_ktrun
-from ktlayouts.families import ConfigError
 from ktrun.engine import Engine
 from ktrun.models.kv_cache import Batch
 from ktrun.ops.library import kernels_available
@@ -36,9 +35,9 @@ N_GREEDY = 32
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
-    d = shared_root(tmp_path_factory) / "src_deepseek_v4_noclamp"
+    d = shared_root(tmp_path_factory) / "src_deepseek_v4"
     if not (d / "config.json").exists():
-        make_checkpoint("deepseek_v4", d, init_scale=INIT_SCALE, swiglu_limit=1e4)
+        make_checkpoint("deepseek_v4", d, init_scale=INIT_SCALE)
     return d
 
 
@@ -48,7 +47,7 @@ def ref(src):
 
 
 def _conv(src, tmp_path_factory, method):
-    return build_conversion(src, shared_root(tmp_path_factory) / f"conv_deepseek_v4_noclamp_{method}", method)
+    return build_conversion(src, shared_root(tmp_path_factory) / f"conv_deepseek_v4_{method}", method)
 
 
 def _ids(eng) -> list[int]:
@@ -122,11 +121,25 @@ def test_quantized_experts_on_the_kernels(src, ref, tmp_path_factory, method):
     assert k.mean() < KL_MEAN[method]
 
 
-def test_release_clamp_is_refused(tmp_path_factory):
-    """A model whose swiglu_limit can bind (the fixture's 0.5; the releases' 10) is refused with the reason."""
-    d = shared_root(tmp_path_factory) / "src_deepseek_v4"
-    if not (d / "config.json").exists():
-        make_checkpoint("deepseek_v4", d, init_scale=INIT_SCALE)
-    conv = build_conversion(d, shared_root(tmp_path_factory) / "conv_deepseek_v4_bf16", "bf16")
-    with pytest.raises(ConfigError, match="clamped SwiGLU.*KT_ACT_SILU_CLAMPED"):
-        Engine(conv, ctx=64, use_kernels=False)
+def test_the_clamp_binds(src, ref, tmp_path_factory):
+    """The fixture's swiglu_limit changes transformers' logits (so the tests above check a clamp that binds), and
+    ktrun runs the routed experts' clamp on the kernels' KT_ACT_SILU_CLAMPED."""
+    eng = Engine(_conv(src, tmp_path_factory, "bf16"), ctx=64, use_kernels=False)
+    try:
+        ids = eng.tokenizer.encode(PROMPT)
+        act = eng.model.cfg.expert_activation
+        assert (act.kind, act.limit) == ("silu_clamped", 0.5)
+    finally:
+        eng.close()
+    with torch.no_grad():
+        clamped = ref(torch.tensor([ids])).logits[0]
+        for mod in ref.modules():
+            if hasattr(mod, "limit"):
+                mod.limit = 1e4
+        try:
+            free = ref(torch.tensor([ids])).logits[0]
+        finally:
+            for mod in ref.modules():
+                if hasattr(mod, "limit"):
+                    mod.limit = 0.5
+    assert (clamped - free).abs().max() > 1e-2

@@ -14,9 +14,13 @@ SHAPES = [(4, 32, 96, 96, 1), (8, 32, 96, 80, 1), (8, -1, 64, 64, 1), (16, -1, 6
 ALPHA, LIMIT = 1.702, 0.6      # a low limit: the clamps bite at these scales
 
 
-def clamped_swiglu(g: np.ndarray, u: np.ndarray, alpha: float = ALPHA, limit: float = LIMIT) -> np.ndarray:
+def clamped_swiglu(g: np.ndarray, u: np.ndarray, alpha: float = ALPHA, limit: float = LIMIT,
+                   kind: str = "swiglu_clamped") -> np.ndarray:
+    """gpt-oss's (u + 1) g sigmoid(alpha g), or DeepSeek-V4's silu(g) u ("silu_clamped"), on the clamped g and u."""
     g = np.minimum(g, limit)
     u = np.clip(u, -limit, limit)
+    if kind == "silu_clamped":
+        return g / (1.0 + np.exp(-g)) * u
     return (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
 
 
@@ -28,7 +32,7 @@ def biases(rng, layer: PackedLayer) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return bg, bu, (rng.standard_normal((layer.E, layer.H)) * 0.5).astype(np.float32)
 
 
-def reference(layer: PackedLayer, x, ids, w, bg, bu, bd) -> np.ndarray:
+def reference(layer: PackedLayer, x, ids, w, bg, bu, bd, kind: str = "swiglu_clamped") -> np.ndarray:
     """numpy, following layouts/README.md's activation quantization as PackedLayer.reference does, one pool."""
     out = np.zeros((x.shape[0], layer.H), np.float64)
     for s, ((gu, dn), deq) in enumerate(zip(layer.geoms, layer.deq)):
@@ -38,7 +42,7 @@ def reference(layer: PackedLayer, x, ids, w, bg, bu, bd) -> np.ndarray:
             t, j = np.nonzero(ids == e)
             g = (xa[t] @ deq["gate"][e].T).astype(np.float32) + bg[e, i0:i1]
             u = (xa[t] @ deq["up"][e].T).astype(np.float32) + bu[e, i0:i1]
-            h = clamped_swiglu(g.astype(np.float64), u.astype(np.float64)).astype(np.float32)
+            h = clamped_swiglu(g.astype(np.float64), u.astype(np.float64), kind=kind).astype(np.float32)
             y = layer._act(h, dn) @ deq["down"][e].T
             if s == 0:
                 y = y + bd[e]
@@ -69,6 +73,30 @@ def test_clamped_swiglu_with_biases_matches_numpy_and_scalar(backend, bits, grou
             # the clamps are exercised: some g and u of this input lie beyond the limit
             g0 = x @ layer.deq[0]["gate"][ids[0, 0]].T + bg[ids[0, 0], :layer.plan.shard_range(0)[1]]
             assert (np.abs(g0) > LIMIT).any()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("bits,group,hidden,inter,shards", [SHAPES[1], SHAPES[4]])
+def test_deepseek_v4_clamped_silu_matches_numpy_and_scalar(backend, bits, group, hidden, inter, shards):
+    """KT_ACT_SILU_CLAMPED (DeepSeek-V4's swiglu_limit, no biases): h = silu(min(g, L)) * clamp(u, -L, L)."""
+    rng = np.random.default_rng(bits + inter)
+    layer = PackedLayer(rng, n_experts=8, hidden=hidden, inter=inter, bits=bits, group_size=group, n_shards=shards)
+    zero_g, zero_u = (np.zeros((layer.E, layer.plan.intermediate_pad), np.float32) for _ in range(2))
+    zero_d = np.zeros((layer.E, hidden), np.float32)
+    with MoEKernels(n_threads=2, backend=backend) as moe, MoEKernels(n_threads=1, backend="scalar") as scalar, \
+            MoEKernels(n_threads=2, backend=backend) as plain:
+        for m in (moe, scalar, plain):
+            layer.add_to(m)
+        for m in (moe, scalar):
+            m.set_activation(0, "silu_clamped", limit=LIMIT)
+        for T, k in [(1, 4), (40, 2)]:
+            x = (rng.standard_normal((T, hidden)) * 2).astype(np.float32)
+            ids, w = routing(rng, T, k, layer.E)
+            got = moe.forward(0, x, ids, w)
+            assert_close(got, scalar.forward(0, x, ids, w), 1e-5, f"{backend} T={T} vs scalar")
+            assert_close(got, reference(layer, x, ids, w, zero_g, zero_u, zero_d, kind="silu_clamped"),
+                         2e-3 if bits != 16 else 1e-4, f"{backend} T={T} vs numpy")
+            assert np.abs(got - plain.forward(0, x, ids, w)).max() > 1e-2     # the clamps bind: not plain silu
 
 
 @pytest.mark.parametrize("backend", backend_params())

@@ -80,11 +80,12 @@ int kt_add_layer(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int inter
 int kt_add_layer_ex(kt_ctx* ctx, int layer_id, int n_experts, int hidden, int intermediate_pad, int bits,
                     int group_size, int scale_dtype, int n_pieces, const kt_shard_piece* pieces);
 
-enum { KT_ACT_SILU = 0, KT_ACT_SWIGLU_CLAMPED = 1 };
+enum { KT_ACT_SILU = 0, KT_ACT_SWIGLU_CLAMPED = 1, KT_ACT_SILU_CLAMPED = 2 };
 
 /* The activation between a layer's gate/up and down (default KT_ACT_SILU: h = silu(g) * u) and its expert biases.
  * KT_ACT_SWIGLU_CLAMPED (gpt-oss): g = min(g + gate_bias, limit), u = clamp(u + up_bias, -limit, limit),
- * h = (u + 1) * g * sigmoid(alpha * g); each expert's output is y + down_bias. gate_bias / up_bias (E,
+ * h = (u + 1) * g * sigmoid(alpha * g); each expert's output is y + down_bias. KT_ACT_SILU_CLAMPED (DeepSeek-V4):
+ * g = min(g, limit), u = clamp(u, -limit, limit), h = silu(g) * u (alpha unused). gate_bias / up_bias (E,
  * intermediate_pad) f32 (padded rows 0), down_bias (E, hidden) f32, each NULL for none (gate and up together);
  * read in place: they must stay valid while the layer is used. Same on every backend. */
 int kt_set_layer_activation(kt_ctx* ctx, int layer_id, int activation, float alpha, float limit,

@@ -46,8 +46,9 @@ struct Piece {
 // What runs between gate/up and down (kt_set_layer_activation). kSwigluClamped (gpt-oss):
 //   g = min(g + bg, limit), u = clamp(u + bu, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g)
 // and the expert's down bias bd is added to its output before the routing weight: out += w * (y + bd).
+// kSiluClamped (DeepSeek-V4's swiglu_limit): g = min(g, limit), u = clamp(u, -limit, limit), h = silu(g) * u.
 // Plain C++ in the engine, run the same on every backend (the ISA kernels only compute the products).
-enum { kActSilu = 0, kActSwigluClamped = 1 };
+enum { kActSilu = 0, kActSwigluClamped = 1, kActSiluClamped = 2 };
 struct Activation {
     int kind = kActSilu;
     float alpha = 1.702f, limit = 7.0f;
@@ -59,6 +60,7 @@ inline float activate(const Activation& a, float g, float u) {
     if (a.kind == kActSilu) return g / (1.0f + std::exp(-g)) * u;
     g = std::min(g, a.limit);
     u = std::max(-a.limit, std::min(u, a.limit));
+    if (a.kind == kActSiluClamped) return g / (1.0f + std::exp(-g)) * u;
     return (u + 1.0f) * (g / (1.0f + std::exp(-a.alpha * g)));
 }
 

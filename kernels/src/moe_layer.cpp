@@ -88,10 +88,13 @@ void MoEEngine::set_activation(int id, const Activation& act) {
     if (pool_->busy()) pool_->wait();
     auto it = layers_.find(id);
     if (it == layers_.end()) bad("not registered (kt_add_layer first)");
-    if (act.kind != kActSilu && act.kind != kActSwigluClamped)
-        bad("activation " + std::to_string(act.kind) + " is not KT_ACT_SILU or KT_ACT_SWIGLU_CLAMPED");
+    if (act.kind != kActSilu && act.kind != kActSwigluClamped && act.kind != kActSiluClamped)
+        bad("activation " + std::to_string(act.kind) +
+            " is not KT_ACT_SILU, KT_ACT_SWIGLU_CLAMPED or KT_ACT_SILU_CLAMPED");
     if (act.kind == kActSwigluClamped && !(act.limit > 0.0f && std::isfinite(act.alpha)))
         bad("the clamped SwiGLU needs limit > 0 and a finite alpha");
+    if (act.kind == kActSiluClamped && !(act.limit > 0.0f))
+        bad("the clamped SiLU gate needs limit > 0");
     if ((act.gate_bias == nullptr) != (act.up_bias == nullptr)) bad("gate and up biases come together");
     it->second.act = act;
 }

@@ -58,16 +58,18 @@ class LinearAttentionConfig:
 class ExpertActivation:
     """What a routed expert computes between its gate/up and down projections.
 
-    "silu":  h = silu(g) * u                                        (every family but gpt-oss)
+    "silu":  h = silu(g) * u                                        (most families)
     "swiglu_clamped" (gpt-oss, with per-expert biases on gate, up and down):
              g = min(g, limit), u = clamp(u, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g)
+    "silu_clamped" (DeepSeek-V4, limit = swiglu_limit):
+             g = min(g, limit), u = clamp(u, -limit, limit), h = silu(g) * u
     """
     kind: str = "silu"
     alpha: float = 1.702
     limit: float = 7.0
     bias: bool = False                    # gate/up/down biases per expert (gpt-oss: experts.gate_up_proj_bias ...)
 
-    KINDS = ("silu", "swiglu_clamped")
+    KINDS = ("silu", "swiglu_clamped", "silu_clamped")
 
     def __post_init__(self):
         if self.kind not in self.KINDS:

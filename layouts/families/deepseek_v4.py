@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import Fields, ModelConfig, RopeConfig, check_routing, token_ids
+from .config import ExpertActivation, Fields, ModelConfig, RopeConfig, check_routing, token_ids
 from .family import Family
 from .hub_names import MTP_REASON, HubNames
 
@@ -245,7 +245,9 @@ def parse(f: Fields) -> ModelConfig:
         layer_types=types, index_n_heads=heads, index_head_dim=f.get("index_head_dim", DEFAULTS["index_head_dim"],
                                                                      cast=int),
         index_topk=topk, attention_sinks=True, bos_token_id=f.raw.get("bos_token_id"),
-        eos_token_ids=token_ids(f.raw.get("eos_token_id")), raw=f.raw)
+        eos_token_ids=token_ids(f.raw.get("eos_token_id")), raw=f.raw,
+        # the routed experts' clamped SwiGLU, in the kernels (KT_ACT_SILU_CLAMPED) and the torch executors alike
+        expert_activation=ExpertActivation("silu_clamped", limit=s.swiglu_limit))
 
 
 # --- hub tensor names (the release's own) ----------------------------------------------------------------------

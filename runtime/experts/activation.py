@@ -1,5 +1,5 @@
 """The routed experts' activation and biases as the executors compute them (ktlayouts.families.ExpertActivation):
-silu(g) * u for most families; gpt-oss's clamped SwiGLU with per-expert gate/up/down biases, whose values come from
+silu(g) * u for most families; DeepSeek-V4's with g and u clamped (silu_clamped); gpt-oss's clamped SwiGLU with per-expert gate/up/down biases, whose values come from
 the converted model's dense tensors (the hub's fused bias tensors, kept whole by the converter)."""
 from __future__ import annotations
 
@@ -40,4 +40,6 @@ def activate(act: ExpertActivation, g: torch.Tensor, u: torch.Tensor) -> torch.T
         return F.silu(g) * u
     g = g.clamp(max=act.limit)
     u = u.clamp(min=-act.limit, max=act.limit)
+    if act.kind == "silu_clamped":                                    # DeepSeek-V4
+        return F.silu(g) * u
     return (u + 1) * (g * torch.sigmoid(g * act.alpha))

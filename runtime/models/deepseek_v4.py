@@ -10,9 +10,8 @@ its output back; comb = softmax rows + eps, then Sinkhorn-Knopp (columns, then r
 times, each sum + eps) mixes the old streams: x'[k] = post[k] * out + sum_j comb[j, k] x[j]. After the last layer
 hc_head's pre collapses the streams before the final norm.
 
-The routed experts' clamped SwiGLU silu(min(g, L)) * clamp(u, -L, L) is not an activation of the expert kernels
-(they have silu and gpt-oss's (u + 1) g sigmoid(alpha g)): this module refuses a model whose swiglu_limit could
-bind (below CLAMP_FREE_LIMIT, every release: L = 10) rather than run it unclamped; see REASON.
+The routed experts' clamped SwiGLU silu(min(g, L)) * clamp(u, -L, L) (swiglu_limit L) runs in the expert executors
+(ExpertActivation "silu_clamped": the kernels' KT_ACT_SILU_CLAMPED, or the torch reference); the shared expert's here.
 """
 from __future__ import annotations
 
@@ -28,20 +27,11 @@ from . import deepseek_v4_attention as v4attn
 from .choices import top_k
 from .layers import Rope
 
-CLAMP_FREE_LIMIT = 1.0e4
-REASON = ("ktrun cannot run this DeepSeek-V4 model: its routed experts' clamped SwiGLU silu(min(g, L)) * "
-          "clamp(u, -L, L) with swiglu_limit L = {limit} is not an activation of the CPU expert kernels (kernels/src/"
-          "moe_engine.h knows silu and gpt-oss's clamped (u + 1) g sigmoid(alpha g)); it needs a kernel activation "
-          "kind (KT_ACT_SILU_CLAMPED) and a rebuild")
-
 __all__ = ["attention", "cache_widths", "choice_layers", "decoder_layer", "route"]
 
 
 def _settings(cfg: ModelConfig):
-    s = settings(cfg)
-    if s.swiglu_limit < CLAMP_FREE_LIMIT:
-        raise ConfigError(REASON.format(limit=s.swiglu_limit))
-    return s
+    return settings(cfg)
 
 
 def cache_widths(cfg: ModelConfig) -> list[tuple[int, ...]]:

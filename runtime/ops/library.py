@@ -25,7 +25,7 @@ ABI_VERSION = 11
 SCALE_DTYPE_CODES = {r.runtime_name: r.abi_code for r in scale_encodings()}
 BACKENDS = ("scalar", "avx2", "avx512", "amx")
 # expert activations (ktlayouts.families.ExpertActivation.kind) -> the ABI's codes (KT_ACT_*)
-ACTIVATION_CODES = {"silu": 0, "swiglu_clamped": 1}
+ACTIVATION_CODES = {"silu": 0, "swiglu_clamped": 1, "silu_clamped": 2}
 
 
 class KernelError(RuntimeError):
