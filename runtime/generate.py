@@ -57,7 +57,9 @@ def verify(model, steps: list[tuple[SeqCache, list[int]]]) -> list[torch.Tensor]
     for (cache, ids), extra in zip(steps, added):
         out.append(logits[row:row + len(ids)])
         row += len(ids)
-        cache.spec_states = {p: cache.snaps.pop(p) for p in extra}
+        # positions the prefix cache asked for stay in snaps for it to keep; the rest were ours
+        cache.spec_states = {p: cache.snaps.pop(p) if p in extra else cache.snaps[p]
+                             for p in range(cache.length - len(ids) + 1, cache.length) if p in cache.snaps}
         cache.snap_at -= extra
     return out
 
