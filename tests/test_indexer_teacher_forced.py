@@ -1,4 +1,5 @@
-"""Sparse attention checked choice by choice (DeepSeek-V3.2 and GLM-5): the lightning indexer teacher-forced.
+"""Sparse attention checked choice by choice (DeepSeek-V3.2, GLM-5 and DeepSeek-V4's CSA layers): the lightning
+indexer teacher-forced (observed: every set equal, 0 near-ties, scores bit-equal, on all three).
 
 1. The same inputs into both indexers: transformers' forward of a long prompt runs; at every layer with an indexer
    its submodule's inputs (the layer's normed hidden states, the q LoRA activations, cos/sin, the causal mask) are
@@ -155,3 +156,109 @@ def test_logits_with_the_reference_choices_forced(tmp_path_factory, arch_ref, me
     print(f"{arch} {method} {backend}: {len(theirs.rows)} choices forced ({differ} where ktrun's own differed); "
           f"max |logit diff| {diff:.2e}")
     assert diff < FORCED_ATOL[method, backend]
+
+
+# --- DeepSeek-V4: the CSA layers' indexer over compressed entries ---------------------------------------------------
+@contextlib.contextmanager
+def _capture_v4_indexers(model):
+    """Every DeepseekV4Indexer call: {layer: {"x", "q_res", "positions", "scores" (S, E) as its topk saw them,
+    "ids" (S, k), -1 where the query may see fewer than k entries}}."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
+    seen: dict[int, dict] = {}
+    orig_topk = torch.Tensor.topk
+    current: list[int] = []
+
+    def topk(x, k, dim=-1, largest=True, sorted=True):
+        if current and x.dim() == 3:                  # the indexer's (1, S, E) index scores
+            seen[current[-1]]["scores"] = x[0].detach().clone()
+        return orig_topk(x, k, dim=dim, largest=largest, sorted=sorted)
+
+    def pre(_m, args, kwargs):
+        layer = args[4] if len(args) > 4 else kwargs["layer_idx"]
+        seen[layer] = {"x": args[0][0].detach().float(), "q_res": args[1][0].detach().float(),
+                       "positions": args[2][0].detach()}
+        current.append(layer)
+
+    def post(_m, _args, _kwargs, out):
+        seen[current.pop()]["ids"] = out[0].long().clone()
+
+    handles = []
+    for m in model.modules():
+        if isinstance(m, DeepseekV4Indexer):
+            handles += [m.register_forward_pre_hook(pre, with_kwargs=True),
+                        m.register_forward_hook(post, with_kwargs=True)]
+    try:
+        with mock.patch.object(torch.Tensor, "topk", topk):
+            yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_deepseek_v4_indexer_teacher_forced_at_every_position(tmp_path_factory):
+    """DeepSeek-V4's CSA layers: transformers' indexer inputs (the attention's normed input, its q LoRA activations,
+    the positions) into ktrun's indexer (deepseek_v4_attention._indexer_pick, its own compressor over the same rows):
+    at every query with more visible compressed entries than index_topk, equal sets except near-ties (counted)."""
+    from ktlayouts.families.deepseek_v4 import CSA
+    from ktrun.models import deepseek_v4 as v4
+    from ktrun.models import deepseek_v4_attention as v4attn
+    from ktrun.ops.packed_linear import linear
+
+    src = build_checkpoint(shared_root(tmp_path_factory), "deepseek_v4")
+    ref = transformers_model(src)
+    eng = Engine(converted(tmp_path_factory, "deepseek_v4", "bf16"), ctx=256, use_kernels=False)
+    model, cfg = eng.model, eng.model.cfg
+    st = v4._state(model)
+    s, k = st["s"], cfg.index_topk
+    rate = s.compress_rate(CSA)
+    ids = eng.tokenizer.encode(" ".join([TEXT] * 2))
+    assert len(ids) > 4 * rate * k                          # many more entries than picks for the late queries
+    with _capture_v4_indexers(ref) as seen, torch.no_grad():
+        ref(torch.tensor([ids]))
+    csa = [i for i, t in enumerate(cfg.layer_types) if t == CSA]
+    assert sorted(seen) == csa and csa
+    rows = equal = ties = 0
+    worst_score = 0.0
+    for layer, inp in seen.items():
+        p = model.names.layer(layer) + "attn."
+        ic = p + "indexer.compressor."
+        x, q_res, pos = inp["x"], inp["q_res"], inp["positions"]
+        S = x.shape[0]
+        cos, sin = st["ropes"]["compress"].cos_sin(pos, torch.float32)
+        ikv, igate = linear(x, model.w[ic + "wkv.weight"]), linear(x, model.w[ic + "wgate.weight"])
+        E = S // rate
+        allowed = torch.arange(E)[None, :] < ((pos + 1) // rate)[:, None]                  # (S, E)
+        got = {}
+
+        def hook(kind, scores, chosen, got=got):
+            got.update(scores=scores.detach().clone(), ids=chosen)
+            return chosen
+        with choices.choice_hook(hook), torch.no_grad():
+            v4attn._indexer_pick(cfg, s, model.w, p, x, q_res, ikv, igate, rate, cfg.rms_norm_eps,
+                                 st["ropes"]["compress"], cos, sin, allowed, torch.float32)
+        theirs, mine_scores = inp["scores"], got["scores"][:, :E]                          # (S, E)
+        finite = torch.isfinite(theirs)
+        assert torch.equal(finite, torch.isfinite(mine_scores)), f"layer {layer}: the two see different entries"
+        top = theirs.masked_fill(~finite, 0).abs().amax(-1, keepdim=True).clamp_min(1e-30)
+        if finite.any():
+            worst_score = max(worst_score, float(((mine_scores - theirs).abs() / top)[finite].max()))
+        for t in range(S):
+            visible = int(allowed[t].sum())
+            if visible <= k:                              # every visible entry is taken: no choice
+                continue
+            rows += 1
+            mine = {i for i in got["ids"][t].tolist() if i < E and allowed[t, i]}
+            want = {i for i in inp["ids"][t].tolist() if i >= 0}
+            if mine == want:
+                equal += 1
+                continue
+            ordered = theirs[t].sort(descending=True).values
+            gap = float(ordered[k - 1] - ordered[k]) / float(top[t])
+            assert gap <= TIE_TOL, f"deepseek_v4 layer {layer} position {t}: selections differ " \
+                                   f"{sorted(mine ^ want)} but transformers' k-th and (k+1)-th scores are {gap:.2e} apart"
+            ties += 1
+    eng.close()
+    print(f"deepseek_v4: {rows} query rows with a choice over CSA layers {csa}: {equal} equal sets, {ties} near-ties "
+          f"(k-th / (k+1)-th gap <= {TIE_TOL:g}); max score error {worst_score:.1e} of the row's top")
+    assert rows > 0 and equal + ties == rows
+    assert worst_score <= SCORE_TOL
