@@ -97,6 +97,46 @@ def _ours(eng: Engine, layer: int, inputs: dict) -> tuple[torch.Tensor, torch.Te
     return got["scores"], got["ids"]
 
 
+class Tally:
+    """Query rows with a choice compared over one model's indexer layers: equal sets, near-ties (transformers' k-th
+    and (k+1)-th scores within TIE_TOL of each other, relative to the row's top score) and the worst score error;
+    any other difference fails at once."""
+
+    def __init__(self, arch: str, k: int):
+        self.arch, self.k = arch, k
+        self.rows = self.equal = self.ties = 0
+        self.worst_score = 0.0
+
+    def layer(self, layer: int, theirs: torch.Tensor, scores: torch.Tensor, mine: list[set], want: list[set],
+              has_choice: list[bool]) -> None:
+        """theirs / scores: (T, N) the two indexers' scores (-inf where unseen); mine / want: each query's set."""
+        finite = torch.isfinite(theirs)
+        assert torch.equal(finite, torch.isfinite(scores)), f"layer {layer}: the two see different keys"
+        top = theirs.masked_fill(~finite, 0).abs().amax(-1, keepdim=True).clamp_min(1e-30)
+        if finite.any():
+            self.worst_score = max(self.worst_score, float(((scores - theirs).abs() / top)[finite].max()))
+        for t, choice in enumerate(has_choice):
+            if not choice:                                 # at most k keys visible: every one is taken
+                continue
+            self.rows += 1
+            if mine[t] == want[t]:
+                self.equal += 1
+                continue
+            ordered = theirs[t].sort(descending=True).values
+            gap = float(ordered[self.k - 1] - ordered[self.k]) / float(top[t])
+            assert gap <= TIE_TOL, f"{self.arch} layer {layer} position {t}: selections differ " \
+                                   f"{sorted(mine[t] ^ want[t])} but transformers' k-th and (k+1)-th scores are " \
+                                   f"{gap:.2e} apart"
+            self.ties += 1
+
+    def report(self, layers: list[int]) -> None:
+        print(f"{self.arch}: {self.rows} query rows with a choice over layers {layers}: {self.equal} equal sets, "
+              f"{self.ties} near-ties (k-th / (k+1)-th gap <= {TIE_TOL:g}); max score error {self.worst_score:.1e} "
+              f"of the row's top")
+        assert self.rows > 0 and self.equal + self.ties == self.rows
+        assert self.worst_score <= SCORE_TOL
+
+
 def test_indexer_selection_teacher_forced_at_every_position(tmp_path_factory, arch_ref):
     arch, _src, ref = arch_ref
     eng = Engine(converted(tmp_path_factory, arch, "bf16"), ctx=256, use_kernels=False)
@@ -107,33 +147,14 @@ def test_indexer_selection_teacher_forced_at_every_position(tmp_path_factory, ar
         ref(torch.tensor([ids]))
     full = [i for i in range(cfg.num_layers) if not cfg.indexer_types or cfg.indexer_types[i] == "full"]
     assert sorted(seen) == full and (arch != "glm_moe_dsa" or full == [0, 1, 4])
-    rows = equal = ties = 0
-    worst_score = 0.0
+    tally = Tally(arch, k)
     for layer, inputs in seen.items():
         scores, got_ids = _ours(eng, layer, inputs)
-        theirs = inputs["scores"]                                               # (T, T), -inf past each query
-        finite = torch.isfinite(theirs)
-        assert torch.equal(finite, torch.isfinite(scores)), f"layer {layer}: the two see different keys"
-        top = theirs.masked_fill(~finite, 0).abs().amax(-1, keepdim=True).clamp_min(1e-30)
-        worst_score = max(worst_score, float(((scores - theirs).abs() / top)[finite].max()))
-        for t in range(len(ids)):
-            if t + 1 <= k:                                 # at most k keys visible: every one is taken, no choice
-                continue
-            rows += 1
-            mine, want = set(got_ids[t].tolist()), set(inputs["ids"][t].tolist())
-            if mine == want:
-                equal += 1
-                continue
-            ordered = theirs[t].sort(descending=True).values
-            gap = float(ordered[k - 1] - ordered[k]) / float(top[t])
-            assert gap <= TIE_TOL, f"{arch} layer {layer} position {t}: selections differ {sorted(mine ^ want)} " \
-                                   f"but transformers' k-th and (k+1)-th scores are {gap:.2e} apart"
-            ties += 1
+        tally.layer(layer, inputs["scores"], scores, [set(r.tolist()) for r in got_ids],
+                    [set(r.tolist()) for r in inputs["ids"]], [t + 1 > k for t in range(len(ids))])
     eng.close()
-    print(f"{arch}: {rows} query rows with a choice over layers {full}: {equal} equal sets, {ties} near-ties "
-          f"(k-th / (k+1)-th gap <= {TIE_TOL:g}); max score error {worst_score:.1e} of the row's top")
-    assert rows == len(full) * (len(ids) - k) and equal + ties == rows
-    assert worst_score <= SCORE_TOL
+    tally.report(full)
+    assert tally.rows == len(full) * (len(ids) - k)
 
 
 @pytest.mark.parametrize("method, backend", [("bf16", "reference"), pytest.param(
@@ -217,8 +238,7 @@ def test_deepseek_v4_indexer_teacher_forced_at_every_position(tmp_path_factory):
         ref(torch.tensor([ids]))
     csa = [i for i, t in enumerate(cfg.layer_types) if t == CSA]
     assert sorted(seen) == csa and csa
-    rows = equal = ties = 0
-    worst_score = 0.0
+    tally = Tally("deepseek_v4", k)
     for layer, inp in seen.items():
         p = model.names.layer(layer) + "attn."
         ic = p + "indexer.compressor."
@@ -236,29 +256,9 @@ def test_deepseek_v4_indexer_teacher_forced_at_every_position(tmp_path_factory):
         with choices.choice_hook(hook), torch.no_grad():
             v4attn._indexer_pick(cfg, s, model.w, p, x, q_res, ikv, igate, rate, cfg.rms_norm_eps,
                                  st["ropes"]["compress"], cos, sin, allowed, torch.float32)
-        theirs, mine_scores = inp["scores"], got["scores"][:, :E]                          # (S, E)
-        finite = torch.isfinite(theirs)
-        assert torch.equal(finite, torch.isfinite(mine_scores)), f"layer {layer}: the two see different entries"
-        top = theirs.masked_fill(~finite, 0).abs().amax(-1, keepdim=True).clamp_min(1e-30)
-        if finite.any():
-            worst_score = max(worst_score, float(((mine_scores - theirs).abs() / top)[finite].max()))
-        for t in range(S):
-            visible = int(allowed[t].sum())
-            if visible <= k:                              # every visible entry is taken: no choice
-                continue
-            rows += 1
-            mine = {i for i in got["ids"][t].tolist() if i < E and allowed[t, i]}
-            want = {i for i in inp["ids"][t].tolist() if i >= 0}
-            if mine == want:
-                equal += 1
-                continue
-            ordered = theirs[t].sort(descending=True).values
-            gap = float(ordered[k - 1] - ordered[k]) / float(top[t])
-            assert gap <= TIE_TOL, f"deepseek_v4 layer {layer} position {t}: selections differ " \
-                                   f"{sorted(mine ^ want)} but transformers' k-th and (k+1)-th scores are {gap:.2e} apart"
-            ties += 1
+        mine = [{i for i in r.tolist() if i < E and allowed[t, i]} for t, r in enumerate(got["ids"])]
+        want = [{i for i in r.tolist() if i >= 0} for r in inp["ids"]]
+        tally.layer(layer, inp["scores"], got["scores"][:, :E], mine, want,
+                    (allowed.sum(-1) > k).tolist())
     eng.close()
-    print(f"deepseek_v4: {rows} query rows with a choice over CSA layers {csa}: {equal} equal sets, {ties} near-ties "
-          f"(k-th / (k+1)-th gap <= {TIE_TOL:g}); max score error {worst_score:.1e} of the row's top")
-    assert rows > 0 and equal + ties == rows
-    assert worst_score <= SCORE_TOL
+    tally.report(csa)
