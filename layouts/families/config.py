@@ -288,12 +288,17 @@ def parse_rope(f: Fields, dim: int | None, default_theta: float, max_position: i
 
 
 def check_routing(f: Fields, n_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
-                  grouped: bool = False, experts_key: str = "n_routed_experts") -> None:
-    """Expert count, top-k and group counts agree (before any weight is read)."""
+                  grouped: bool = False, experts_key: str = "n_routed_experts", sigmoid_groups: bool = False,
+                  group_key: str = "n_group") -> None:
+    """Expert count, top-k and group counts agree (before any weight is read). sigmoid_groups: the sigmoid router's
+    group scores sum each group's top 2, so every group needs 2 experts."""
     f.check(n_experts >= 0, f"{experts_key}={n_experts} is negative")
     if n_experts == 0:
         return
     f.check(1 <= top_k <= n_experts, f"num_experts_per_tok={top_k} must be in 1..{experts_key}={n_experts}")
+    if sigmoid_groups:
+        f.check(n_experts // n_group >= 2, f"{experts_key}={n_experts} / {group_key}={n_group} leaves fewer than 2 "
+                                           f"experts per group (group scores sum each group's top 2)")
     if not grouped:
         return
     f.check(n_group >= 1 and n_experts % n_group == 0,

@@ -60,10 +60,7 @@ def parse_mla(f: Fields, *, defaults: dict, experts_alias: str, scoring: str, to
     grouped = topk_method in ("group_limited_greedy", "noaux_tc")
     if topk_method == "group_limited_greedy":
         f.check(f.raw.get("n_group") is not None, "topk_method 'group_limited_greedy' needs field 'n_group'")
-    check_routing(f, n_experts, top_k, n_group, topk_group, grouped=grouped)
-    if scoring == "sigmoid" and n_experts:
-        f.check(n_experts // n_group >= 2, f"n_routed_experts={n_experts} / n_group={n_group} leaves fewer than "
-                                           f"2 experts per group (group scores sum each group's top 2)")
+    check_routing(f, n_experts, top_k, n_group, topk_group, grouped=grouped, sigmoid_groups=scoring == "sigmoid")
     first_dense = f.get("first_k_dense_replace", defaults["first_k_dense_replace"], cast=int)
     nh = f.run("num_attention_heads")
     rope_dim = f.run("qk_rope_head_dim")

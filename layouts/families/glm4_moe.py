@@ -38,10 +38,7 @@ def parse(f: Fields) -> ModelConfig:
     n_experts, top_k = f.need("n_routed_experts", "num_local_experts"), f.need("num_experts_per_tok")
     n_group = f.get("n_group", DEFAULTS["n_group"], cast=int)
     topk_group = f.get("topk_group", DEFAULTS["topk_group"], cast=int)
-    check_routing(f, n_experts, top_k, n_group, topk_group, grouped=True)
-    if n_experts:
-        f.check(n_experts // n_group >= 2, f"n_routed_experts={n_experts} / n_group={n_group} leaves fewer than 2 "
-                                           f"experts per group (group scores sum each group's top 2)")
+    check_routing(f, n_experts, top_k, n_group, topk_group, grouped=True, sigmoid_groups=True)
     first_dense = f.get("first_k_dense_replace", DEFAULTS["first_k_dense_replace"], cast=int)
     f.check(first_dense >= 0, f"first_k_dense_replace={first_dense} is negative")
     nh, nkv, hd = gqa_heads(f, hidden, kv_heads_default=DEFAULTS["num_key_value_heads"])

@@ -120,10 +120,8 @@ def parse(f: Fields) -> ModelConfig:
     topk_group = f.get("topk_group", DEFAULTS["topk_group"], cast=int)
     f.check(n_group >= 1 and (n_experts % n_group == 0), f"num_experts={n_experts} is not a multiple of "
                                                          f"num_expert_group={n_group}")
-    check_routing(f, n_experts, top_k, n_group, topk_group, grouped=True, experts_key="num_experts")
-    if n_experts:
-        f.check(n_experts // n_group >= 2, f"num_experts={n_experts} / num_expert_group={n_group} leaves fewer than "
-                                           f"2 experts per group (group scores sum each group's top 2)")
+    check_routing(f, n_experts, top_k, n_group, topk_group, grouped=True, experts_key="num_experts",
+                  sigmoid_groups=True, group_key="num_expert_group")
     act = f.get("moe_router_activation_func", "sigmoid")
     f.check(act == "sigmoid", f"field 'moe_router_activation_func' = {act!r}: Kimi Linear routes by sigmoid")
     f.check(f.get("mla_use_nope", True) is True, "field 'mla_use_nope' is false: Kimi Linear's MLA layers apply no "

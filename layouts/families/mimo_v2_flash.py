@@ -119,10 +119,7 @@ def parse(f: Fields) -> ModelConfig:
     n_experts, top_k = f.need("n_routed_experts", "num_local_experts"), f.need("num_experts_per_tok")
     n_group = f.get("n_group", DEFAULTS["n_group"], cast=int)
     topk_group = f.get("topk_group", DEFAULTS["topk_group"], cast=int)
-    check_routing(f, n_experts, top_k, n_group, topk_group, grouped=True)
-    if n_experts:
-        f.check(n_experts // n_group >= 2, f"n_routed_experts={n_experts} / n_group={n_group} leaves fewer than 2 "
-                                           f"experts per group (group scores sum each group's top 2)")
+    check_routing(f, n_experts, top_k, n_group, topk_group, grouped=True, sigmoid_groups=True)
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("hidden_act", "silu")):
         got = f.get(key, want)
         f.check(got == want, f"field {key!r} = {got!r} is not {want!r} (the only one MiMo-V2-Flash has)")

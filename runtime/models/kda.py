@@ -21,7 +21,7 @@ from ktlayouts.families import ModelConfig
 
 from ..ops.packed_linear import linear
 from .kv_cache import Batch
-from .linear_attention import causal_depthwise_conv, l2_normalize, state_shapes
+from .linear_attention import causal_depthwise_conv, l2_normalize, request_state, state_shapes
 
 CHUNK = 32   # tokens per chunk of the chunked rule: its pair-decay tensor is heads x C x C x dk floats
 
@@ -110,14 +110,7 @@ def kda_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     core = torch.empty((T, nh, d), dtype=x.dtype, device=x.device)
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
-        state = s.cache.recurrent.get(layer)
-        if state is None:
-            if s.start != 0:
-                raise RuntimeError(f"layer {layer}: request continues at position {s.start} without its recurrent "
-                                   f"state (a linear-attention cache cannot be rebuilt from KV blocks)")
-            state = (torch.zeros(conv_shape, dtype=taps.dtype, device=x.device),
-                     torch.zeros(s_shape, dtype=torch.float32, device=x.device))
-        window, S = state
+        window, S = request_state(s, layer, conv_shape, s_shape, taps.dtype, x.device)
         xin = torch.cat([window, mixed[rows].to(taps.dtype)], dim=0)                     # (K-1 + n, 3 nh d)
         conv = F.silu(causal_depthwise_conv(xin, taps, s.n)).to(x.dtype)
         qc, kc, vc = (t.reshape(s.n, nh, d).float() for t in torch.split(conv, nh * d, dim=-1))

@@ -100,6 +100,19 @@ def state_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (la.conv_kernel - 1, la.conv_dim), (la.num_v_heads, la.k_head_dim, la.v_head_dim)
 
 
+def request_state(s, layer: int, conv_shape, s_shape, conv_dtype: torch.dtype, device) -> tuple:
+    """One request's (conv window, recurrent state S) of a linear-attention layer: the cached one, or zeros at
+    position 0; a request continuing elsewhere without it is an error (the state cannot be rebuilt from KV blocks)."""
+    state = s.cache.recurrent.get(layer)
+    if state is not None:
+        return state
+    if s.start != 0:
+        raise RuntimeError(f"layer {layer}: request continues at position {s.start} without its recurrent state (a "
+                           f"linear-attention cache cannot be rebuilt from KV blocks)")
+    return (torch.zeros(conv_shape, dtype=conv_dtype, device=device),
+            torch.zeros(s_shape, dtype=torch.float32, device=device))
+
+
 def project_fused(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor):
     """Qwen3-Next's fused input projections -> mixed (T, conv_dim) in q|k|v order, z (T, nv, dv), b, a (T, nv)."""
     la = cfg.linear_attention
@@ -139,14 +152,7 @@ def gated_deltanet(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Ba
     K1 = conv_shape[0]
     for s in batch.seqs:
         rows = slice(s.offset, s.offset + s.n)
-        state = s.cache.recurrent.get(layer)
-        if state is None:
-            if s.start != 0:
-                raise RuntimeError(f"layer {layer}: request continues at position {s.start} without its recurrent "
-                                   f"state (a linear-attention cache cannot be rebuilt from KV blocks)")
-            state = (torch.zeros(conv_shape, dtype=conv_w.dtype, device=x.device),
-                     torch.zeros(s_shape, dtype=torch.float32, device=x.device))
-        window, S = state
+        window, S = request_state(s, layer, conv_shape, s_shape, conv_w.dtype, x.device)
         xin = torch.cat([window, mixed[rows].to(conv_w.dtype)], dim=0)           # (K-1 + n, conv_dim)
         conv = causal_depthwise_conv(xin, taps, s.n)                             # (n, conv_dim)
         conv = F.silu(conv).to(x.dtype)
