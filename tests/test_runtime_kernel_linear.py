@@ -13,7 +13,6 @@ the CPU default), for every registered family:
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 import pytest
@@ -47,7 +46,8 @@ from runtime_helpers import (
 )
 from safetensors import safe_open
 
-from ktconvert.testing import ARCHS, FIXTURES
+from ktconvert.testing import ARCHS
+from ktconvert.testing.checkpoints import hub_name
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="libktkernels not built (make kernels)")
 
@@ -123,7 +123,7 @@ def _id(s) -> str:
 def test_every_quantized_linear_runs_on_the_op_as_the_reference_repack(tmp_path_factory, arch, scheme):
     conv = _conv(tmp_path_factory, arch, scheme)
     want = _quantized_linears(conv)
-    assert len(want) >= 6 and FIXTURES[arch].text_prefix + "lm_head.weight" in want   # Kimi-K2.5: language_model.
+    assert len(want) >= 6 and hub_name(arch, "lm_head.weight") in want   # Kimi-K2.5: language_model.; V4: head.
     m = load_converted(conv, device="cpu")
     try:
         assert m.gpu_weights.startswith(f"{len(want)} Linears on the CPU kernels"), m.gpu_weights
@@ -165,19 +165,7 @@ def test_logits_within_bound_of_the_dequantized_path(tmp_path_factory, arch, sch
     assert (want.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
 
 
-def _transformers_name(hub: str) -> str:
-    """A hub tensor name -> transformers' parameter name: the same, except for Kimi-K2.5's text model
-    (language_model.model.X -> model.language_model.X, language_model.lm_head -> lm_head) and Kimi Linear's MoE block
-    (block_sparse_moe. -> mlp.) and forget gate (self_attn.f_a_proj -> self_attn.forget_gate.f_a_proj)."""
-    hub = re.sub(r"\.self_attn\.(f_a_proj|f_b_proj)\.", r".self_attn.forget_gate.\1.", hub.replace(".block_sparse_moe.",
-                                                                                                 ".mlp."))
-    if not hub.startswith("language_model."):
-        return hub
-    rest = hub.removeprefix("language_model.")
-    return "model.language_model." + rest.removeprefix("model.") if rest.startswith("model.") else rest
-
-
-def _transformers_on_dequantized(src, conv):
+def _transformers_on_dequantized(arch, src, conv):
     """transformers' model of the source with the conversion's weights: the GPU Linears dequantized by the format's
     reference (ktlayouts.gpu_formats), the bf16 experts rounded to bf16 as the conversion stored them."""
     model = transformers_model(src)
@@ -186,7 +174,10 @@ def _transformers_on_dequantized(src, conv):
     for name, (layout, parts) in _quantized_linears(conv).items():
         deq[name] = torch.from_numpy(
             dequantize_named(layout, {name.removesuffix("weight") + p: a for p, a in parts.items()}, name))
-    deq = {_transformers_name(n): t for n, t in deq.items()}
+    # hub names (the factory's: Kimi-K2.5's language_model., Kimi Linear's block_sparse_moe, DeepSeek-V4's release
+    # names) back to transformers' parameter names
+    tf_name = {hub_name(arch, n): n for n in sd}
+    deq = {tf_name.get(n, n): t for n, t in deq.items()}
     missing = set(deq) - set(sd)
     assert not missing, f"no transformers parameter for {sorted(missing)[:3]}"
     with torch.no_grad():
@@ -202,7 +193,7 @@ def _transformers_on_dequantized(src, conv):
 def test_greedy_continuation_argmax_consistent_with_transformers(tmp_path_factory, arch):
     src = build_checkpoint(shared_root(tmp_path_factory), arch)
     conv = _conv(tmp_path_factory, arch, ("marlin", "rtn-int4", 64), method="bf16")
-    ref = _transformers_on_dequantized(src, conv)
+    ref = _transformers_on_dequantized(arch, src, conv)
     eng = Engine(conv, ctx=256, use_kernels=False)              # bf16 experts: the torch reference executor
     assert "on the CPU kernels" in eng.converted.gpu_weights
     cfg, ids = eng.model.cfg, eng.tokenizer.encode(PROMPT)

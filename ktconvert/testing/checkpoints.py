@@ -131,6 +131,20 @@ def _hub_name(arch: str, name: str) -> str | None:
     return name
 
 
+def _release_name(arch: str, name: str) -> str:
+    """A hub-layout name under the release's own names where the fixture renames them (DeepSeek-V4)."""
+    for pattern, repl in FIXTURES[arch].hub_renames:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def hub_name(arch: str, name: str) -> str | None:
+    """The hub file's name of a transformers state_dict tensor other than a fused expert tensor (None: not in the
+    text model's file set): what the factory writes it as."""
+    name = _hub_name(arch, name)
+    return None if name is None else _release_name(arch, name)
+
+
 def hub_state_dict(model, arch: str) -> dict[str, torch.Tensor]:
     """The model's tensors under hub names, in module order: fused experts split per expert, the MoE block renamed
     where the hub names it otherwise (Mixtral's and MiniMax's block_sparse_moe), a wrapped text model's names
@@ -153,8 +167,7 @@ def hub_state_dict(model, arch: str) -> dict[str, torch.Tensor]:
                     out[_expert_name(arch, prefix, e, "down")] = t[e]
             continue
         out[name] = t
-    for pattern, repl in FIXTURES[arch].hub_renames:    # the release's own names (DeepSeek-V4)
-        out = {re.sub(pattern, repl, k): v for k, v in out.items()}
+    out = {_release_name(arch, k): v for k, v in out.items()}     # the release's own names (DeepSeek-V4)
     for pattern, repls in FIXTURES[arch].hub_splits:     # one tensor stored as parts (Kimi Linear's q/k/v convs)
         split: dict[str, torch.Tensor] = {}
         for k, v in out.items():

@@ -241,7 +241,7 @@ FIXTURES = {
                         "n_shared_experts": None, "attention_chunk_size": 7},
         hub_renames=((r"\.self_attn\.sinks$", ".self_attn.attention_sink_bias"),), fp8=True),
     # DeepSeek-V4: one layer of each attention kind (sliding window 6, CSA every 4 tokens with an indexer keeping 2,
-    # HCA every 8), the first layer hash-routed, 4 residual streams, grouped output projection (2 groups), partial
+    # HCA every 8; 8 indexer heads: weights_proj one whole qzeros pack), the first layer hash-routed, 4 residual streams, grouped output projection (2 groups), partial
     # interleaved rotary on 8 of 32 head dims, YaRN on the compressed layers, a low swiglu_limit so the clamps bite;
     # experts 96 wide (FP4 blocks of 32), the release's own tensor names. config.json says layer_types and
     # compress_rates: the release's legacy per-layer compress_ratios can only say 0 / 4 / 128 (transformers' table),
@@ -254,7 +254,7 @@ FIXTURES = {
             "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
             "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                             "compressed_sparse_attention"],
-            "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"], "index_n_heads": 4, "index_head_dim": 16,
+            "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"], "index_n_heads": 8, "index_head_dim": 16,
             "index_topk": 2, "hc_mult": 4, "swiglu_limit": 0.5, "max_position_embeddings": 1024,
             "num_nextn_predict_layers": 1,
             "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
