@@ -11,21 +11,19 @@ import shutil
 from pathlib import Path
 
 import pytest
+from run_shared import built_once, run_dir
 
 from ktconvert.testing import ARCHS, make_checkpoint
 
 
 @pytest.fixture(scope="session")
 def ckpt_dir(tmp_path_factory):
-    """Callable arch -> Path of a session-wide BF16 checkpoint (default tiny dims, seed 0). Do not modify it."""
-    built: dict[str, Path] = {}
-
+    """Callable arch -> Path of a run-wide BF16 checkpoint (default tiny dims, seed 0; built once for all xdist
+    workers). Do not modify it."""
     def get(arch: str) -> Path:
         if arch not in ARCHS:
             raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
-        if arch not in built:
-            built[arch] = make_checkpoint(arch, tmp_path_factory.mktemp(f"ckpt_{arch}"))
-        return built[arch]
+        return built_once(run_dir(tmp_path_factory) / f"ckpt_{arch}", lambda out: make_checkpoint(arch, out))
 
     return get
 
@@ -33,12 +31,13 @@ def ckpt_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def fp8_ckpt(tmp_path_factory) -> Path:
     """Session-wide deepseek_v3 checkpoint in FP8 release format (same seed/weights as ckpt_dir('deepseek_v3'))."""
-    return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ckpt_deepseek_v3_fp8"), fp8=True)
+    return built_once(run_dir(tmp_path_factory) / "ckpt_deepseek_v3_fp8",
+                      lambda out: make_checkpoint("deepseek_v3", out, fp8=True))
 
 
 @pytest.fixture(scope="session")
 def default_converted(tmp_path_factory) -> Path:
-    """The shipped default model (ktconvert/data/default_model) converted once per session by `ktconvert quantize`
+    """The shipped default model (ktconvert/data/default_model) converted once per run by `ktconvert quantize`
     (int4 experts, RTN int4 GPU layers: no calibration, fast). Do not modify it."""
     import subprocess
     import sys
@@ -46,10 +45,12 @@ def default_converted(tmp_path_factory) -> Path:
     import ktconvert
 
     src = Path(ktconvert.__file__).resolve().parent / "data" / "default_model"
-    out = tmp_path_factory.mktemp("default_converted") / "default-model"
-    subprocess.run([str(Path(sys.executable).parent / "ktconvert"), "quantize", str(src), "-o", str(out),
-                    "--gpu-method", "rtn-int4", "--quiet"], check=True, capture_output=True)
-    return out
+
+    def build(out: Path) -> None:
+        subprocess.run([str(Path(sys.executable).parent / "ktconvert"), "quantize", str(src), "-o", str(out),
+                        "--gpu-method", "rtn-int4", "--quiet"], check=True, capture_output=True)
+    # one conversion for every xdist worker; the directory keeps its name (tests read the model's name from it)
+    return built_once(run_dir(tmp_path_factory) / "default_converted" / "default-model", build)
 
 
 @pytest.fixture

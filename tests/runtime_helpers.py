@@ -6,6 +6,7 @@ import io
 from pathlib import Path
 
 import torch
+from run_shared import built_once, run_dir
 
 from ktconvert.pipeline import ConvertOptions, convert
 from ktconvert.testing import make_checkpoint
@@ -139,11 +140,14 @@ def shared_root(tmp_path_factory) -> Path:
 
 
 def converted(tmp_path_factory, arch: str, method: str = "bf16", fp8: bool = False, **kw) -> Path:
-    """Session-wide conversion of the peaked fixture checkpoint of arch (built once, then reused)."""
-    root = shared_root(tmp_path_factory)
-    src = build_checkpoint(root, arch, **({"fp8": True} if fp8 else {}))
+    """Run-wide conversion of the peaked fixture checkpoint of arch: built once by whichever xdist worker asks
+    first (run_shared.built_once), then reused by every worker. Read-only."""
+    root = run_dir(tmp_path_factory)
+    src = built_once(root / f"src_{arch}{'_fp8' if fp8 else ''}",
+                     lambda out: make_checkpoint(arch, out, init_scale=INIT_SCALE, **({"fp8": True} if fp8 else {})))
     tag = "_".join([arch, "fp8" if fp8 else "bf16src", method] + [f"{k}{v}" for k, v in sorted(kw.items())])
-    return build_conversion(src, root / f"conv_{tag}", method, **kw)
+    return built_once(root / f"conv_{tag}",
+                      lambda out: convert(src, out, ConvertOptions(method=method, **kw), show_progress=False))
 
 
 # `ktrun` as a real subprocess (the console script's entry point, with this interpreter)

@@ -10,12 +10,15 @@ kernels' KT_ACT_SILU_CLAMPED or the torch reference) and in the shared expert; t
 transformers' logits."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from discrete_choices import compare, force_transformers, greedy_with_choices, record_ktrun
 from ktrun.engine import Engine
 from ktrun.models.kv_cache import Batch
 from ktrun.ops.library import kernels_available
+from ktrun.models.choices import choice_hook
 from runtime_helpers import INIT_SCALE, PROMPT, build_conversion, greedy_gaps, kl, shared_root, transformers_model
 
 from ktconvert.testing import make_checkpoint
@@ -143,3 +146,34 @@ def test_the_clamp_binds(src, ref, tmp_path_factory):
                 if hasattr(mod, "limit"):
                     mod.limit = 0.5
     assert (clamped - free).abs().max() > 1e-2
+
+
+def test_exact_indexer_ties_do_not_depend_on_the_forwards_length(tmp_path_factory):
+    """With 4 indexer heads the CSA indexer's relu'd scores tie exactly at the k-th place at some queries. A query's
+    picks (the lower index among ties), and so the prompt's logits, are the same whether the forward holds the
+    prompt's first tokens or all of it: what a cached prefix and a chunked prefill rely on."""
+    root = shared_root(tmp_path_factory) / "v4_index_heads_4"
+    if not (root / "src" / "config.json").exists():
+        make_checkpoint("deepseek_v4", root / "src", init_scale=INIT_SCALE, index_n_heads=4)
+    eng = Engine(build_conversion(root / "src", root / "conv", "bf16"), ctx=256, use_kernels=False)
+    rng = random.Random(17)
+    ids = [rng.randrange(3, 300) for _ in range(37)]
+    tied = []
+
+    def count_ties(kind, scores, picks):     # queries whose k-th score is shared by a key left out
+        if kind == "indexer":
+            kth = scores.gather(-1, picks).amin(-1, keepdim=True)
+            left_out = (scores == kth).sum(-1) > (scores.gather(-1, picks) == kth).sum(-1)
+            tied.append(int((left_out & torch.isfinite(kth[:, 0])).sum()))
+        return picks
+
+    def logits(toks):
+        return eng.model.forward(Batch.build([(eng.model.new_cache(256), toks)], "cpu"), all_logits=True)
+    try:
+        with choice_hook(count_ties):
+            whole = logits(ids)
+        head = logits(ids[:26])
+    finally:
+        eng.close()
+    assert sum(tied) >= 2, tied
+    torch.testing.assert_close(head, whole[:26], rtol=1e-3, atol=5e-3)

@@ -35,6 +35,24 @@ def _log(scores, ids) -> ChoiceLog:
     return log
 
 
+@pytest.mark.parametrize("sorted_", [False, True])
+def test_indexer_ties_go_to_the_lower_index_whatever_the_row_holds(sorted_):
+    """relu'd index scores: many exact zeros. The picks are the k best by (score desc, index asc), computed here by
+    Python's sort, for the row alone and with later keys (masked, -inf) or lower scores appended: the same picks."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.relu(torch.randn(64, 40, generator=g)).round(decimals=1)       # exact ties, zeros and others
+    scores[:8, :] = 0.0                                                           # rows of nothing but ties
+    scores[8:16, 30:] = float("-inf")                                             # fewer visible keys than k + 1
+    k = 12
+    for extra in (0, 1, 7, 300):
+        row = torch.cat([scores, torch.full((64, extra), float("-inf"))], dim=1)
+        row[:, 40:40 + extra // 2] = -1.0                                         # and lower, finite scores
+        got = choices.top_k("indexer", row, k, sorted=sorted_).tolist()
+        for r, picks in zip(row.tolist(), got):
+            want = sorted(range(len(r)), key=lambda i: (-r[i], i))[:k]
+            assert picks == (want if sorted_ else sorted(want)), (extra, r, picks)
+
+
 def test_a_flip_passes_only_as_a_near_tie_its_score_difference_explains():
     ref = _log([0.5, 0.30001, 0.1, 0.3], [0, 1])
     near = _log([0.5, 0.29999, 0.1, 0.30002], [0, 3])          # 1 and 3, 1e-5 apart, swapped by 2e-5 moves

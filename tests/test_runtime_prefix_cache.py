@@ -317,6 +317,25 @@ def test_finished_requests_keep_only_keyed_full_blocks(family):
     eng.close()
 
 
+def test_a_prompts_logits_do_not_depend_on_the_tokens_after_it(family):
+    """What a cached prefix relies on: a forward over a prompt's first tokens gives the logits the forward over the
+    whole prompt gives there (within the GEMMs' order at another T). An indexer's exact ties (its relu'd scores are
+    often 0) are broken by index, not by how many keys the forward holds."""
+    arch, _conv, base = family
+    model = base.model
+    ids = prompt(random.Random(17), 4 * B + 5)
+
+    def logits(toks):
+        cache = model.new_cache(CTX)
+        try:
+            return model.forward(Batch.build([(cache, toks)], model.device), all_logits=True)
+        finally:
+            cache.release()
+    whole, head = logits(ids), logits(ids[:3 * B + 2])
+    atol = 5e-3 if arch == "deepseek_v4" else 2e-3    # as below
+    torch.testing.assert_close(head, whole[:3 * B + 2], rtol=1e-3, atol=atol)
+
+
 def test_block_runs_and_gathered_blocks_give_the_same_logits(family):
     """Attention over a cache whose blocks are one run, two runs (a shared prefix) or scattered past MAX_RUNS (one
     gathered copy) gives the same logits as the contiguous case. (Linear attention: the shared prefix's state is the
@@ -342,7 +361,8 @@ def test_block_runs_and_gathered_blocks_give_the_same_logits(family):
     got = logits(scattered, ids[:30])
     got = torch.cat([got, logits(scattered, ids[30:])])
     assert len(scattered._runs) > MAX_RUNS
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3)
+    atol = 5e-3 if arch == "deepseek_v4" else 2e-3    # V4: hyper-connections' Sinkhorn mixing carries the GEMMs'
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=atol)   # order at another T further (observed 3.1e-3)
     two = model.new_cache(CTX)                                     # one's first 2 blocks, then its own
     for b in one.blocks[:2]:
         model.kv_pool.retain(b)
@@ -350,7 +370,7 @@ def test_block_runs_and_gathered_blocks_give_the_same_logits(family):
     two.recurrent = dict(one.snaps.get(2 * Bp, {}))
     got = logits(two, ids[2 * Bp:])
     assert len(two._runs) == 2
-    torch.testing.assert_close(got, want[2 * Bp:], rtol=1e-3, atol=2e-3)
+    torch.testing.assert_close(got, want[2 * Bp:], rtol=1e-3, atol=atol)
     for c in (one, two, scattered, other):
         c.release()
 
