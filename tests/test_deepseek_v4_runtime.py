@@ -16,9 +16,9 @@ import pytest
 import torch
 from discrete_choices import compare, force_transformers, greedy_with_choices, record_ktrun
 from ktrun.engine import Engine
+from ktrun.models.choices import choice_hook
 from ktrun.models.kv_cache import Batch
 from ktrun.ops.library import kernels_available
-from ktrun.models.choices import choice_hook
 from runtime_helpers import INIT_SCALE, PROMPT, build_conversion, greedy_gaps, kl, shared_root, transformers_model
 
 from ktconvert.testing import make_checkpoint
