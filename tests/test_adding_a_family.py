@@ -26,7 +26,7 @@ import pytest
 from product_tree import package_dirs
 from safetensors.torch import load_file, save_file
 
-FILES_A_FAMILY_TOUCHES = 1      # README.md "Adding a model family" states this number
+FILES_A_FAMILY_TOUCHES = 1      # docs/model-families.md "Adding a model family" states this number (checked below)
 
 FAMILY_FILE = '''"""Hypo-MoE (hypothetical, tests/test_adding_a_family.py): Mixtral's math under names of its own."""
 from __future__ import annotations
@@ -131,6 +131,11 @@ def test_a_new_family_is_one_file(overlay):
     changed = changed_files(package_dirs()["ktlayouts"], root / "ktlayouts")
     assert changed == ["families/hypo_moe.py"]
     assert len(changed) == FILES_A_FAMILY_TOUCHES
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "model-families.md").read_text()
+    section = docs.split("## Adding a model family", 1)
+    assert len(section) == 2, "docs/model-families.md has no section 'Adding a model family'"
+    words = {1: "one", 2: "two", 3: "three"}
+    assert f"is **{words[FILES_A_FAMILY_TOUCHES]} product file" in section[1], "the docs state another count"
     # ... and it is registered: discovered by the registry, resolved from a config.json, its forward module found
     code = ("import ktlayouts, ktrun.models as m; from ktlayouts.families import SUPPORTED_MODEL_TYPES, family_for;"
             f"assert ktlayouts.__file__.startswith({str(root)!r}), ktlayouts.__file__;"

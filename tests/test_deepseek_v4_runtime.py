@@ -11,6 +11,8 @@ transformers' logits."""
 from __future__ import annotations
 
 import random
+import re
+import subprocess
 
 import pytest
 import torch
@@ -19,7 +21,16 @@ from ktrun.engine import Engine
 from ktrun.models.choices import choice_hook
 from ktrun.models.kv_cache import Batch
 from ktrun.ops.library import kernels_available
-from runtime_helpers import INIT_SCALE, PROMPT, build_conversion, greedy_gaps, kl, shared_root, transformers_model
+from runtime_helpers import (
+    INIT_SCALE,
+    KTRUN,
+    PROMPT,
+    build_conversion,
+    greedy_gaps,
+    kl,
+    shared_root,
+    transformers_model,
+)
 
 from ktconvert.testing import make_checkpoint
 
@@ -122,6 +133,19 @@ def test_quantized_experts_on_the_kernels(src, ref, tmp_path_factory, method):
     k = kl(want, got)
     print(f"\n{method}: KL mean {k.mean():.3g} max {k.max():.3g}; {ties}")
     assert k.mean() < KL_MEAN[method]
+
+
+def test_bench_prints_the_decode_rate(src, tmp_path_factory):
+    """`ktrun bench` on the int4 conversion (int4 experts on the kernels; the other Linears bf16) prints decode and
+    prefill rates and the per-token cache: 4 layers x (sliding key 32 + compressor kv/gate 2 x 64 + indexer kv/gate
+    2 x 32) floats."""
+    r = subprocess.run([*KTRUN, "bench", str(_conv(src, tmp_path_factory, "int4-amx")), "--pp", "32", "--tg", "16",
+                        "--reps", "1"], capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    rate = re.search(r"\|\s+tg16\s+\|\s+([\d.]+)", r.stdout)
+    assert rate and float(rate[1]) > 0, r.stdout
+    print(f"\nktrun bench (int4 experts): decode {rate[1]} tokens/s")
+    assert "kv_cache_per_token: 3584 bytes (4 layers with KV)" in r.stdout, r.stdout     # 4 x 224 x 4 B
 
 
 def test_the_clamp_binds(src, ref, tmp_path_factory):
