@@ -6,10 +6,12 @@ Without a hook (serving, always) top_k is torch.topk, except that the indexer's 
 scores are sums of relu'd products, so rows with several exact zeros (or equal values) at the k-th place are common,
 and torch.topk breaks such ties by the row's length and layout. A query's picks must not depend on how many keys the
 forward holds (a prompt prefilled whole, in chunks or after a cached prefix attends to the same keys); routers'
-float scores tie only by coincidence, and their kernel twin (kt_route_sigmoid) already prefers the lower index. A test may install one (`with choice_hook(h):`, process-wide,
-one at a time) that sees each choice with the scores it was made on and returns the indices to use: recording one
-forward's choices, then making a second forward take them, compares two forwards whose continuous parts differ by
-rounding (int8 activations, bf16) without a near-tie between two scores deciding the comparison.
+float scores tie only by coincidence, and their kernel twin (kt_route_sigmoid) already prefers the lower index.
+
+A test may install a hook (`with choice_hook(h):`, process-wide, one at a time) that sees each choice with the scores
+it was made on and returns the indices to use: recording one forward's choices, then making a second forward take
+them, compares two forwards whose continuous parts differ by rounding (int8 activations, bf16) without a near-tie
+between two scores deciding the comparison.
 """
 from __future__ import annotations
 
