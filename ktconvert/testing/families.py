@@ -244,9 +244,9 @@ FIXTURES = {
     # HCA every 8; 8 indexer heads: weights_proj one whole qzeros pack), the first layer hash-routed, 4 residual
     # streams, grouped output projection (2 groups), partial interleaved rotary on 8 of 32 head dims, YaRN on the
     # compressed layers, a low swiglu_limit so the clamps bite; experts 96 wide (FP4 blocks of 32), the release's own
-    # tensor names. config.json says layer_types and
-    # compress_rates: the release's legacy per-layer compress_ratios can only say 0 / 4 / 128 (transformers' table),
-    # and an HCA rate of 128 would need prompts of hundreds of tokens (tests/test_deepseek_v4.py parses that form).
+    # tensor names. config.json says layer_types and compress_rates: the release's legacy per-layer compress_ratios
+    # can only say 0 / 4 / 128 (transformers' table), and an HCA rate of 128 would need prompts of hundreds of
+    # tokens (tests/test_deepseek_v4.py parses that form).
     "deepseek_v4": FixtureFamily(
         config={
             "hidden_size": 96, "moe_intermediate_size": 96, "n_routed_experts": 8, "num_experts_per_tok": 2,
