@@ -197,6 +197,40 @@ def test_act_order_gptq_runs_on_the_op_through_an_input_permutation(bits, group)
     assert act_order_perm(np.array([0, 0, 0, 1]), 2) is None                 # groups of 3 and 1 channels
 
 
+def test_decode_rows_past_the_serial_limit_stay_on_kt_mla_attend(monkeypatch):
+    """More concurrent decode rows than SERIAL_MAX_ROWS (16 users) stay on kt_mla_attend, one call per request, and
+    each request's output has the bits it has decoded alone: serving many users costs one batched step, not torch's
+    per-request GEMMs (which made a 16-row step ~3x slower than the 8-row one), and changes no one's tokens."""
+    from types import SimpleNamespace
+
+    from ktrun.models import attention
+    from ktrun.ops import glue
+    nh, dn, dr, dv, R = 4, 32, 16, 48, 256
+    m = 2 * attention.SERIAL_MAX_ROWS
+    rng = np.random.default_rng(7)
+    calls = []
+    real = glue.mla_attend
+    monkeypatch.setattr(glue, "mla_attend", lambda *a: (calls.append(1), real(*a))[1])
+    with LinearKernels(n_threads=2) as lin:
+        kv_b, _ = _kv_b(lin, rng, nh, dn, dv, R, 4, 32)
+        w = {"a.kv_b_proj.weight": kv_b}
+        g = torch.Generator().manual_seed(7)
+        q_nope, q_rot = torch.randn(m, nh, dn, generator=g), torch.randn(m, nh, dr, generator=g)
+        lats = [[torch.randn(5 + i, R + dr, generator=g)] for i in range(m)]        # contexts of 5 .. 5 + m - 1
+
+        def attend(rows: list[int]) -> torch.Tensor:
+            seqs = [SimpleNamespace(offset=j, n=1, start=lats[i][0].shape[0] - 1) for j, i in enumerate(rows)]
+            o = torch.zeros(len(rows), nh, dv)
+            attention._absorbed_attention(w, "a.", nh, dn, dr, dv, R, 0.125, torch.zeros(len(rows), 8), len(rows),
+                                          q_nope[rows], lambda: q_rot[rows],
+                                          [(s, lats[i], None) for s, i in zip(seqs, rows)], SimpleNamespace(seqs=seqs), o)
+            return o
+        together = attend(list(range(m)))
+        assert len(calls) == m
+        for i in range(m):
+            assert torch.equal(attend([i])[0], together[i]), i
+
+
 def test_absorbed_attention_overlapped_query_is_the_concatenated_one(monkeypatch):
     """MLA's absorbed form on the op, torch's attention: decode-sized rows build the scaled query [q_lat | q_rot] *
     scale in place (the rotary half while W_uk's job runs); larger ones concatenate then scale. Same products: same

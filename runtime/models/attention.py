@@ -251,7 +251,8 @@ def _absorbed_attention(w: dict, p: str, nh: int, dn: int, dr: int, dv: int, R: 
     # Absorbed query rows [q_nope W_uk | q_rot] * scale (the softmax scale folded into the m query rows, not
     # the S keys), scored against the cached latent rows [c | k_rot] in one GEMM per request.
     small = m <= SERIAL_MAX_ROWS          # decode-sized: no OpenMP wake-up per op (layers.serial_torch)
-    if on_op and small and _attend_on_kernels(ab, q_nope, q_rot, idx, scale, absorbed, o):
+    # decode rows on the kernels however many requests run (each request one row): many users are one batched step
+    if on_op and _attend_on_kernels(ab, q_nope, q_rot, idx, scale, absorbed, o):
         return
     q_rot = q_rot()
     if on_op and small:   # the rotary half is scaled into place while W_uk's job runs, then the latent half
