@@ -56,8 +56,15 @@ def export_revision(rev: str, work: Path) -> Path:
                           check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(tree, filter="data")
-    for lib in (REPO / "runtime").glob("libktkernels*.so"):
-        shutil.copy2(lib, tree / "runtime" / lib.name)
+    # the library beside the module that loads it in that revision: runtime/ops/ since the wings (issue 31),
+    # runtime/ before; without it the revision's server would silently run the torch reference experts
+    libs = list((REPO / "runtime").rglob("libktkernels*.so"))
+    if not libs:
+        raise SystemExit("no compiled kernel library under runtime/ (make kernels)")
+    loaders = [f.parent for f in (tree / "runtime").rglob("library.py")] or [tree / "runtime"]
+    for lib in libs:
+        for folder in loaders:
+            shutil.copy2(lib, folder / lib.name)
     pkgs = work / f"pkgs-{rev}"
     pkgs.mkdir()
     for name, folder in (("ktrun", "runtime"), ("ktlayouts", "layouts"), ("ktconvert", "ktconvert")):
