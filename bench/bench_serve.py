@@ -9,6 +9,15 @@ Clients are closed-loop: each of the `c` streams sends its next request when the
     .venv/bin/python bench/bench_serve.py --model-dir converted/ --max-tokens 64
     .venv/bin/python bench/bench_serve.py --baseline 870c4c0 --rounds 3   # vs the server of another commit
 
+--llama-server BIN --gguf FILE runs llama.cpp's server (built from the llama-cpp-python sdist, bench/README.md) on a
+GGUF of the same model beside `ktrun serve`, both with 16 slots, alternated per level for --rounds rounds, on the
+agent workload (every client's conversation opens with the same long system prompt listing tools,
+then 3 user turns, each answer appended to the history): aggregate output tok/s, TTFT and inter-token latency
+(per-request mean gap) p50 / p99 for each, and the ratios ours / llama-server.
+
+    .venv/bin/python bench/bench_serve.py --model-dir converted/ --llama-server $L/build/bin/llama-server \
+        --gguf default-q4_0.gguf --rounds 2
+
 --baseline REV starts the `ktrun serve` of git revision REV (its runtime/, layouts/ and ktconvert/ exported to a
 temporary folder, this checkout's kernel library copied in) and this checkout's side by side on the same converted
 model, runs each level on one then the other, A B B A ... for --rounds rounds, and prints each one's median per
@@ -24,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -238,6 +248,152 @@ def stop(proc) -> None:
     proc.wait(30)
 
 
+# --- the agent workload and llama-server ---------------------------------------------------------------------------
+
+# A coding agent's shared prefix: its instructions and the tools it may call, the same for every conversation.
+TOOLS = [("read_file", "path", "the file's text"), ("write_file", "path, text", "ok or an error"),
+         ("run_tests", "pattern", "the failures"), ("grep", "regex, folder", "matching lines"),
+         ("list_dir", "folder", "its entries")]
+AGENT_SYSTEM = ("You are a careful coding agent working in a Python repository. Read before you write, keep changes "
+                "small, run the tests after each change and report what you did.\nTools (answer with one call per "
+                "line, as name(arguments)):\n" + "".join(f"- {n}({args}): returns {ret}.\n" for n, args, ret in TOOLS)
+                + "Rules: never delete files; ask before renaming a public function; say when a test is skipped.\n")
+AGENT_TURNS = ("Find where the config file is parsed.", "Add a check that the port is a number, with a test.",
+               "Run the tests and tell me what failed.")
+
+
+def chat_request(port: int, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat completion: TTFT at the first content event, the inter-token gap as the mean gap over the
+    rest (per request), the answer's text for the next turn."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+    t_first = t_last = None
+    n_events, n_tokens, text = 0, 0, []
+    for line in resp:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        event = json.loads(line[6:])
+        now = time.perf_counter()
+        delta = event["choices"][0].get("delta", {}).get("content") if event.get("choices") else None
+        if delta:
+            t_first = t_first or now
+            t_last = now
+            n_events += 1
+            text.append(delta)
+        if event.get("usage"):
+            n_tokens = event["usage"]["completion_tokens"]
+    conn.close()
+    end = time.perf_counter()
+    t_first, t_last = t_first or end, t_last or end
+    n_tokens = n_tokens or n_events
+    return {"ttft": t_first - t0, "tpot": (t_last - t_first) / max(n_tokens - 1, 1), "tokens": n_tokens,
+            "text": "".join(text)}
+
+
+def agent_level(port: int, model: str, c: int, a) -> dict[str, float]:
+    """c clients, each running conversations of len(AGENT_TURNS) turns one after another (closed loop) until
+    max(min_requests, requests_per_stream x c) requests ran or level_seconds passed."""
+    results, lock = [], threading.Lock()
+    n = max(a.min_requests, a.requests_per_stream * c)
+    t_stop = time.perf_counter() + a.level_seconds
+
+    def client(k: int):
+        conv = 0
+        while time.perf_counter() < t_stop:
+            messages = [{"role": "system", "content": AGENT_SYSTEM}]
+            for turn in AGENT_TURNS:
+                with lock:
+                    if len(results) >= n:
+                        return
+                messages.append({"role": "user", "content": f"[task {k}.{conv}] {turn}"})
+                r = chat_request(port, model, messages, a.max_tokens)
+                messages.append({"role": "assistant", "content": r["text"]})
+                with lock:
+                    results.append(r)
+            conv += 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    res = {f"c{c}_requests": len(results), f"c{c}_output_tokens_per_s": sum(r["tokens"] for r in results) / wall}
+    for what, key in (("ttft", "ttft"), ("itl", "tpot")):
+        v = sorted(r[key] for r in results)
+        res[f"c{c}_{what}_median"] = statistics.median(v) * 1e3
+        res[f"c{c}_{what}_p99"] = v[min(len(v) - 1, round(0.99 * (len(v) - 1)))] * 1e3
+    return res
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_llama_server(binary: Path, gguf: Path, ctx: int, slots: int, threads: int):
+    """llama.cpp's server on gguf with `slots` parallel sequences of ctx tokens each (its -c is their total), its
+    jinja renderer for the GGUF's chat template -> (process, port, model id)."""
+    port = free_port()
+    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                             "-np", str(slots), "-c", str(ctx * slots), "-t", str(threads), "--jinja"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                chat_request(port, "peer", [{"role": "user", "content": "warm up"}], 4)
+                return proc, port, "peer"
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"llama-server exited with {proc.returncode} while loading {gguf}")
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("llama-server did not become ready in 300 s")
+
+
+def against_llama_server(model_dir: Path, a) -> int:
+    """ktrun serve and llama-server up at once, each level on one then the other (A B B A ...), agent workload."""
+    servers = {"llamacpp": start_llama_server(a.llama_server, a.gguf, a.ctx, max(LEVELS), a.threads),
+               "ours": ready_server(model_dir, a)}
+    runs: dict[str, dict[int, list[dict]]] = {w: {c: [] for c in LEVELS} for w in servers}
+    try:
+        for c in LEVELS:
+            for r in range(a.rounds):
+                for who in (("llamacpp", "ours") if r % 2 == 0 else ("ours", "llamacpp")):
+                    _, port, model = servers[who]
+                    res = agent_level(port, model, c, a)
+                    runs[who][c].append(res)
+                    print(f"round{r}_{who}_c{c}_output_tokens_per_s: {res[f'c{c}_output_tokens_per_s']:.1f} tok/s",
+                          flush=True)
+    finally:
+        for proc, _, _ in servers.values():
+            stop(proc)
+    print(f"workload: agent (system prompt {len(AGENT_SYSTEM)} chars, {len(AGENT_TURNS)} turns per conversation)")
+    print(f"rounds: {a.rounds} per level, alternated")
+    for c in LEVELS:
+        med = {w: {k: statistics.median(x[k] for x in runs[w][c]) for k in runs[w][c][0]} for w in runs}
+        for k in med["ours"]:
+            for w in ("llamacpp", "ours"):
+                print(f"{w}_{k}: {med[w][k]:.2f} {unit(k)}")
+        tps = med["ours"][f"c{c}_output_tokens_per_s"] / med["llamacpp"][f"c{c}_output_tokens_per_s"]
+        ttft = med["ours"][f"c{c}_ttft_median"] / med["llamacpp"][f"c{c}_ttft_median"]
+        print(f"c{c}_output_tokens_per_s_ours_vs_llamacpp: {tps:.3f} x")
+        print(f"c{c}_ttft_median_ours_vs_llamacpp: {ttft:.3f} x")
+    return 0
+
+
 def compare(model_dir: Path, a, base_path: Path) -> int:
     """Both servers up at once (the idle one waits on its socket), every level run on each in turn, A B B A ...,
     so load from elsewhere on the machine falls on both alike; medians over the rounds."""
@@ -285,7 +441,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each server")
     ap.add_argument("--max-regression", type=float, default=0.05,
                     help="with --baseline: allowed slowdown in output tokens/s and TTFT (fraction)")
+    ap.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary: run it as the peer")
+    ap.add_argument("--gguf", type=Path, help="with --llama-server: a GGUF of the same model")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="with --llama-server: its threads (ktrun uses every core of this process)")
     a = ap.parse_args()
+    if a.llama_server is not None and (a.gguf is None or a.baseline is not None):
+        ap.error("--llama-server needs --gguf FILE and no --baseline")
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
         model_dir = a.model_dir or build_fixture(Path(tmp), a.arch)
         print(f"max_tokens_per_request: {a.max_tokens} tokens")
@@ -299,6 +461,8 @@ def main() -> int:
             for k, v in res.items():
                 print(f"{k}: {v:.2f} {unit(k)}" if unit(k) != "requests" else f"{k}: {v:.0f} {unit(k)}")
             return 0 if res["c16_vs_c1_output_tokens_per_s_ratio"] > 1.0 else 1
+        if a.llama_server is not None:
+            return against_llama_server(model_dir, a)
         return compare(model_dir, a, export_revision(a.baseline, Path(tmp)))
 
 
