@@ -451,6 +451,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
         model_dir = a.model_dir or build_fixture(Path(tmp), a.arch)
         print(f"max_tokens_per_request: {a.max_tokens} tokens")
+        if a.llama_server is not None:
+            return against_llama_server(model_dir, a)
         if a.baseline is None:
             proc, port, model = ready_server(model_dir, a)
             try:
@@ -461,8 +463,6 @@ def main() -> int:
             for k, v in res.items():
                 print(f"{k}: {v:.2f} {unit(k)}" if unit(k) != "requests" else f"{k}: {v:.0f} {unit(k)}")
             return 0 if res["c16_vs_c1_output_tokens_per_s_ratio"] > 1.0 else 1
-        if a.llama_server is not None:
-            return against_llama_server(model_dir, a)
         return compare(model_dir, a, export_revision(a.baseline, Path(tmp)))
 
 
