@@ -364,65 +364,58 @@ def start_llama_server(binary: Path, gguf: Path, ctx: int, slots: int, threads: 
 
 
 def against_llama_server(model_dir: Path, a) -> int:
-    """ktrun serve and llama-server up at once, each level on one then the other (A B B A ...), agent workload."""
-    servers = {"llamacpp": start_llama_server(a.llama_server, a.gguf, a.ctx, max(LEVELS), a.threads),
-               "ours": ready_server(model_dir, a)}
-    runs: dict[str, dict[int, list[dict]]] = {w: {c: [] for c in LEVELS} for w in servers}
-    try:
-        for c in LEVELS:
-            for r in range(a.rounds):
-                for who in (("llamacpp", "ours") if r % 2 == 0 else ("ours", "llamacpp")):
-                    _, port, model = servers[who]
-                    res = agent_level(port, model, c, a)
-                    runs[who][c].append(res)
-                    print(f"round{r}_{who}_c{c}_output_tokens_per_s: {res[f'c{c}_output_tokens_per_s']:.1f} tok/s",
-                          flush=True)
-    finally:
-        for proc, _, _ in servers.values():
-            stop(proc)
+    """ktrun serve and llama-server up at once, every level alternated, agent workload; medians over the rounds."""
+    runs = alternate({"llamacpp": start_llama_server(a.llama_server, a.gguf, a.ctx, max(LEVELS), a.threads),
+                      "ours": ready_server(model_dir, a)}, a, agent_level)
     print(f"workload: agent (system prompt {len(AGENT_SYSTEM)} chars, {len(AGENT_TURNS)} turns per conversation)")
-    print(f"rounds: {a.rounds} per level, alternated")
     for c in LEVELS:
-        med = {w: {k: statistics.median(x[k] for x in runs[w][c]) for k in runs[w][c][0]} for w in runs}
-        for k in med["ours"]:
-            for w in ("llamacpp", "ours"):
-                print(f"{w}_{k}: {med[w][k]:.2f} {unit(k)}")
-        tps = med["ours"][f"c{c}_output_tokens_per_s"] / med["llamacpp"][f"c{c}_output_tokens_per_s"]
-        ttft = med["ours"][f"c{c}_ttft_median"] / med["llamacpp"][f"c{c}_ttft_median"]
-        print(f"c{c}_output_tokens_per_s_ours_vs_llamacpp: {tps:.3f} x")
-        print(f"c{c}_ttft_median_ours_vs_llamacpp: {ttft:.3f} x")
+        print_medians(runs, "llamacpp", c)
     return 0
 
 
-def compare(model_dir: Path, a, base_path: Path) -> int:
-    """Both servers up at once (the idle one waits on its socket), every level run on each in turn, A B B A ...,
-    so load from elsewhere on the machine falls on both alike; medians over the rounds."""
-    servers = {"baseline": ready_server(model_dir, a, base_path), "ours": ready_server(model_dir, a)}
+def alternate(servers: dict[str, tuple], a, level) -> dict[str, dict[int, list[dict]]]:
+    """Every level on each started server in turn (first, second, second, first, ... for a.rounds rounds), so load
+    from elsewhere on the machine falls on both alike; the servers are stopped after. -> runs[who][c]: results."""
+    names = list(servers)
+    runs: dict[str, dict[int, list[dict]]] = {w: {c: [] for c in LEVELS} for w in names}
     try:
-        runs: dict[str, dict[int, list[dict]]] = {w: {c: [] for c in LEVELS} for w in servers}
         for c in LEVELS:
             for r in range(a.rounds):
-                for who in (("baseline", "ours") if r % 2 == 0 else ("ours", "baseline")):
+                for who in (names if r % 2 == 0 else names[::-1]):
                     _, port, model = servers[who]
-                    res = level_results(port, model, c, a)
+                    res = level(port, model, c, a)
                     runs[who][c].append(res)
                     print(f"round{r}_{who}_c{c}_output_tokens_per_s: {res[f'c{c}_output_tokens_per_s']:.1f} tok/s",
                           flush=True)
     finally:
         for proc, _, _ in servers.values():
             stop(proc)
-    print(f"baseline: {a.baseline}")
     print(f"rounds: {a.rounds} per level, alternated")
+    return runs
+
+
+def print_medians(runs: dict, peer: str, c: int) -> tuple[float, float]:
+    """Each result's median over the rounds for peer and ours at level c, then ours / peer for output tok/s and
+    median TTFT. -> those two ratios."""
+    med = {w: {k: statistics.median(x[k] for x in runs[w][c]) for k in runs[w][c][0]} for w in (peer, "ours")}
+    for k in med["ours"]:
+        for w in (peer, "ours"):
+            print(f"{w}_{k}: {med[w][k]:.2f} {unit(k)}")
+    tps = med["ours"][f"c{c}_output_tokens_per_s"] / med[peer][f"c{c}_output_tokens_per_s"]
+    ttft = med["ours"][f"c{c}_ttft_median"] / med[peer][f"c{c}_ttft_median"]
+    print(f"c{c}_output_tokens_per_s_ours_vs_{peer}: {tps:.3f} x")
+    print(f"c{c}_ttft_median_ours_vs_{peer}: {ttft:.3f} x")
+    return tps, ttft
+
+
+def compare(model_dir: Path, a, base_path: Path) -> int:
+    """Both servers up at once (the idle one waits on its socket), every level alternated; medians over the rounds."""
+    runs = alternate({"baseline": ready_server(model_dir, a, base_path), "ours": ready_server(model_dir, a)}, a,
+                     level_results)
+    print(f"baseline: {a.baseline}")
     worst = 1.0
     for c in LEVELS:
-        med = {w: {k: statistics.median(x[k] for x in runs[w][c]) for k in runs[w][c][0]} for w in runs}
-        for k in med["ours"]:
-            for w in ("baseline", "ours"):
-                print(f"{w}_{k}: {med[w][k]:.2f} {unit(k)}")
-        tps = med["ours"][f"c{c}_output_tokens_per_s"] / med["baseline"][f"c{c}_output_tokens_per_s"]
-        ttft = med["ours"][f"c{c}_ttft_median"] / med["baseline"][f"c{c}_ttft_median"]
-        print(f"c{c}_output_tokens_per_s_ours_vs_baseline: {tps:.3f} x")
-        print(f"c{c}_ttft_median_ours_vs_baseline: {ttft:.3f} x")
+        tps, ttft = print_medians(runs, "baseline", c)
         worst = min(worst, tps, 1 / ttft)
     print(f"worst_ratio_ours_vs_baseline: {worst:.3f} x (limit {1 - a.max_regression:.2f})")
     return 0 if worst >= 1 - a.max_regression else 1
