@@ -99,50 +99,68 @@ def start_server(model_dir: Path, ctx: int, max_batch: int, pythonpath: Path | N
     if port is None:
         raise SystemExit(f"server exited with {proc.wait()} before listening")
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
-    deadline = time.monotonic() + 300
+    wait_healthy(proc, port, "ktrun serve")
+    return proc, port
+
+
+def wait_healthy(proc, port: int, what: str, seconds: float = 300) -> None:
+    """Until GET /health answers 200 (a server loading its model answers 503 or nothing); the process killed and
+    SystemExit if it exits or takes longer."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/health")
             if conn.getresponse().status == 200:
-                return proc, port
+                return
         except OSError:
             pass
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode} while loading")
+            raise SystemExit(f"{what} exited with {proc.returncode} while loading")
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit("server did not become ready in 300 s")
+    raise SystemExit(f"{what} did not become ready in {seconds:.0f} s")
 
 
-def one_request(port: int, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streaming completion; times at the client: TTFT = first event with text, TPOT over the rest.
-    (Text that is not yet a whole character is sent with a later token, so a random-weight fixture's client
-    TTFT can include a few tokens; the server's own per-token TTFT/TPOT means are printed as *_server_*.)"""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+def stream_request(port: int, path: str, body: dict, text_of) -> dict:
+    """POST body (streamed, with usage) to path; times at the client: TTFT at the first event with text, the
+    per-token gap (TPOT) over the rest. text_of(event) -> the event's text or None. -> ttft, tpot (s), tokens (the
+    usage's, else the text events'), text."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", path, json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}),
+                 {"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
     t_first = t_last = None
-    n_tokens = 0
+    n_tokens, text = 0, []
     for line in resp:
         if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
             continue
         event = json.loads(line[6:])
         now = time.perf_counter()
-        if event["choices"] and event["choices"][0]["text"]:
+        piece = text_of(event) if event.get("choices") else None
+        if piece:
             t_first = t_first or now
             t_last = now
+            text.append(piece)
         if event.get("usage"):
             n_tokens = event["usage"]["completion_tokens"]
     conn.close()
     end = time.perf_counter()
     t_first, t_last = t_first or end, t_last or end
-    return {"ttft": t_first - t0, "tpot": (t_last - t_first) / max(n_tokens - 1, 1), "tokens": n_tokens}
+    n_tokens = n_tokens or len(text)
+    return {"ttft": t_first - t0, "tpot": (t_last - t_first) / max(n_tokens - 1, 1), "tokens": n_tokens,
+            "text": "".join(text)}
+
+
+def one_request(port: int, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streaming completion. (Text that is not yet a whole character is sent with a later token, so a
+    random-weight fixture's client TTFT can include a few tokens; the server's own per-token TTFT/TPOT means are
+    printed as *_server_*.)"""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return stream_request(port, "/v1/completions", body, lambda e: e["choices"][0]["text"])
 
 
 def run_level(port, model, c, n_requests, max_tokens, seconds) -> tuple[list[dict], float]:
@@ -263,37 +281,9 @@ AGENT_TURNS = ("Find where the config file is parsed.", "Add a check that the po
 
 
 def chat_request(port: int, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed chat completion: TTFT at the first content event, the inter-token gap as the mean gap over the
-    rest (per request), the answer's text for the next turn."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-    t_first = t_last = None
-    n_events, n_tokens, text = 0, 0, []
-    for line in resp:
-        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-            continue
-        event = json.loads(line[6:])
-        now = time.perf_counter()
-        delta = event["choices"][0].get("delta", {}).get("content") if event.get("choices") else None
-        if delta:
-            t_first = t_first or now
-            t_last = now
-            n_events += 1
-            text.append(delta)
-        if event.get("usage"):
-            n_tokens = event["usage"]["completion_tokens"]
-    conn.close()
-    end = time.perf_counter()
-    t_first, t_last = t_first or end, t_last or end
-    n_tokens = n_tokens or n_events
-    return {"ttft": t_first - t0, "tpot": (t_last - t_first) / max(n_tokens - 1, 1), "tokens": n_tokens,
-            "text": "".join(text)}
+    """One streamed chat completion; its text goes into the next turn's history."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return stream_request(port, "/v1/chat/completions", body, lambda e: e["choices"][0].get("delta", {}).get("content"))
 
 
 def agent_level(port: int, model: str, c: int, a) -> dict[str, float]:
@@ -346,21 +336,9 @@ def start_llama_server(binary: Path, gguf: Path, ctx: int, slots: int, threads: 
     proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                              "-np", str(slots), "-c", str(ctx * slots), "-t", str(threads), "--jinja"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                chat_request(port, "peer", [{"role": "user", "content": "warm up"}], 4)
-                return proc, port, "peer"
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited with {proc.returncode} while loading {gguf}")
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("llama-server did not become ready in 300 s")
+    wait_healthy(proc, port, f"llama-server on {gguf}")
+    chat_request(port, "peer", [{"role": "user", "content": "warm up"}], 4)
+    return proc, port, "peer"
 
 
 def against_llama_server(model_dir: Path, a) -> int:
