@@ -15,16 +15,24 @@ INIT_SCALE = 8.0          # lm_head x8: peaked next-token distributions, so gree
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
+def _make_peaked(arch: str, out: Path, **kw) -> None:
+    make_checkpoint(arch, out, init_scale=INIT_SCALE, **kw)
+
+
+def _convert(src: Path, out: Path, method: str, **kw) -> None:
+    convert(src, out, ConvertOptions(method=method, **kw), show_progress=False)
+
+
 def build_checkpoint(root: Path, arch: str, **kw) -> Path:
     out = root / f"src_{arch}{'_fp8' if kw.get('fp8') else ''}"
     if not (out / "config.json").exists():
-        make_checkpoint(arch, out, init_scale=INIT_SCALE, **kw)
+        _make_peaked(arch, out, **kw)
     return out
 
 
 def build_conversion(src: Path, out: Path, method: str = "bf16", **kw) -> Path:
     if not (out / "manifest.json").exists():
-        convert(src, out, ConvertOptions(method=method, **kw), show_progress=False)
+        _convert(src, out, method, **kw)
     return out
 
 
@@ -144,10 +152,9 @@ def converted(tmp_path_factory, arch: str, method: str = "bf16", fp8: bool = Fal
     first (run_shared.built_once), then reused by every worker. Read-only."""
     root = run_dir(tmp_path_factory)
     src = built_once(root / f"src_{arch}{'_fp8' if fp8 else ''}",
-                     lambda out: make_checkpoint(arch, out, init_scale=INIT_SCALE, **({"fp8": True} if fp8 else {})))
+                     lambda out: _make_peaked(arch, out, **({"fp8": True} if fp8 else {})))
     tag = "_".join([arch, "fp8" if fp8 else "bf16src", method] + [f"{k}{v}" for k, v in sorted(kw.items())])
-    return built_once(root / f"conv_{tag}",
-                      lambda out: convert(src, out, ConvertOptions(method=method, **kw), show_progress=False))
+    return built_once(root / f"conv_{tag}", lambda out: _convert(src, out, method, **kw))
 
 
 # `ktrun` as a real subprocess (the console script's entry point, with this interpreter)

@@ -54,6 +54,9 @@ def run(eng: Engine, reqs: dict[str, list[int]], n: int = N_GEN, stagger: bool =
     return {k: (out[k], cached[k]) for k in reqs}
 
 
+# Logits of one prompt computed at another T (whole / chunked / after a shared prefix): the GEMMs' order differs;
+# 2e-3 unless listed. DeepSeek-V4: the hyper-connections' Sinkhorn mixing carries it further (observed 3.1e-3).
+LOGIT_ATOL = {"deepseek_v4": 5e-3}
 RECURRENT = ("qwen3_next", "qwen3_5_moe", "kimi_linear")    # linear attention: a recurrent state per request
 
 
@@ -332,8 +335,7 @@ def test_a_prompts_logits_do_not_depend_on_the_tokens_after_it(family):
         finally:
             cache.release()
     whole, head = logits(ids), logits(ids[:3 * B + 2])
-    atol = 5e-3 if arch == "deepseek_v4" else 2e-3    # as below
-    torch.testing.assert_close(head, whole[:3 * B + 2], rtol=1e-3, atol=atol)
+    torch.testing.assert_close(head, whole[:3 * B + 2], rtol=1e-3, atol=LOGIT_ATOL.get(arch, 2e-3))
 
 
 def test_block_runs_and_gathered_blocks_give_the_same_logits(family):
@@ -361,8 +363,8 @@ def test_block_runs_and_gathered_blocks_give_the_same_logits(family):
     got = logits(scattered, ids[:30])
     got = torch.cat([got, logits(scattered, ids[30:])])
     assert len(scattered._runs) > MAX_RUNS
-    atol = 5e-3 if arch == "deepseek_v4" else 2e-3    # V4: hyper-connections' Sinkhorn mixing carries the GEMMs'
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=atol)   # order at another T further (observed 3.1e-3)
+    atol = LOGIT_ATOL.get(arch, 2e-3)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=atol)
     two = model.new_cache(CTX)                                     # one's first 2 blocks, then its own
     for b in one.blocks[:2]:
         model.kv_pool.retain(b)
