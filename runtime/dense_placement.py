@@ -3,15 +3,18 @@
   dequant  dequantize every quantized Linear once at load (ktlayouts.gpu_formats, float32 on the CPU, then cast):
            fastest per token, 4x (int4) the device memory of the packed weights.
   packed   Marlin-layout Linears stay packed on the device as ktrun.ops.packed_linear.MarlinLinear: an installed
-           Marlin GEMM (ktrun.ops.marlin) reads them in place; without one each layer dequantizes itself per
-           call. gptq / compressed-tensors layouts (written for other engines) are dequantized at load.
+           Marlin GEMM (ktrun.ops.marlin) reads them in place. Without one, on CUDA, every quantized Linear (Marlin,
+           gptq with act order, compressed-tensors) is repacked once into the GPTQ layout as
+           ktrun.ops.triton_linear.TritonLinear and run by ktrun's own Triton kernel (torch + Triton, nothing else);
+           without Triton (or with KTRUN_TRITON=off) Marlin layers dequantize themselves per call and the other
+           layouts are dequantized at load.
   kernels  CPU only: every quantized Linear is repacked once at load into cpu-linear tiles and run by libktkernels'
            dense Linear op on the experts' thread pool (ktrun.ops.kernel_linear): int4/int8 weights read per token, no
            float copy (act-order g_idx: the codes' rows and each call's input permuted by group). Linears the op
            cannot hold exactly (groups of other sizes than G) are dequantized at load.
-  auto     CPU: kernels when libktkernels loads, else dequant.  CUDA: packed when a Marlin kernel is installed;
-           otherwise dequant if the dequantized weights take at most half of the free device memory, else packed
-           (dequantized per call).
+  auto     CPU: kernels when libktkernels loads, else dequant.  CUDA: packed when a Marlin kernel is installed or
+           Triton runs; otherwise dequant if the dequantized weights take at most half of the free device memory,
+           else packed (dequantized per call).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from ktlayouts.gpu_formats import GpuLinearFormat, dequantize_named, gpu_format,
 from .defaults import GPU_WEIGHT_POLICIES
 from .ops.marlin import find_marlin_kernel
 from .ops.packed_linear import MarlinLinear
+from .ops.triton_linear import TritonLinear, use_triton
 
 
 class PlacementError(ValueError):
@@ -77,6 +81,18 @@ def _packed(weight: str, fmt: GpuLinearFormat, parts: dict, device, dtype, kerne
                         fmt.bits, n, k, dtype, kernel=use)
 
 
+def _triton(weight: str, layout: str, parts: dict, device, dtype, where: str) -> TritonLinear:
+    """Any registered GPU format's Linear as a TritonLinear: Marlin repacked on the device (torch), the others
+    unpacked on the host by ktlayouts (act-order g_idx kept)."""
+    fmt = gpu_format(layout)
+    try:
+        if fmt.kernel == "marlin":
+            return TritonLinear.from_marlin(_packed(weight, fmt, parts, device, dtype, None, where))
+        return TritonLinear.from_unpacked(weight, fmt.unpack(parts, weight), fmt.bits, device, dtype)
+    except LayoutError as e:
+        raise PlacementError(f"{where}: {e}") from None
+
+
 def use_cpu_kernels(policy: str, device: torch.device) -> bool:
     """Whether the quantized Linears go to the CPU dense Linear op (ktrun.ops.kernel_linear) under this policy."""
     if policy not in GPU_WEIGHT_POLICIES:
@@ -106,7 +122,7 @@ def choose_policy(policy: str, device: torch.device, dequantized_bytes: int) -> 
         return policy, kernel
     if device.type != "cuda":
         return "dequant", None
-    if kernel is not None:
+    if kernel is not None or use_triton(device, marlin_found=False):
         return "packed", kernel
     free, _total = torch.cuda.mem_get_info(device)
     return ("dequant" if dequantized_bytes <= free // 2 else "packed"), None
@@ -132,6 +148,8 @@ def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: tor
     stored = [_stored(w, fmt, p, where)[0] for w, (where, fmt, p) in marlin.items()]
     nbytes = sum(g.n * g.k for g in stored) * torch.finfo(dtype).bits // 8
     mode, kernel = choose_policy(policy, device, nbytes)
+    if mode == "packed" and use_triton(device, marlin_found=kernel is not None):
+        return _place_on_triton(quantized, device, dtype)
     out: dict[str, object] = {}
     for where, group in quantized.items():
         packed_here = {w for w, (wh, _l, _p) in marlin.items() if wh == where} if mode == "packed" else set()
@@ -149,3 +167,18 @@ def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: tor
     how = f"Marlin kernel ({kernel.provider})" if n_kernel == len(packed) else \
         "dequantized per call" if n_kernel == 0 else f"Marlin kernel for {n_kernel}/{len(packed)}, rest per call"
     return out, f"{len(packed)} Linears packed, {how}"
+
+
+def _place_on_triton(quantized: dict[str, dict], device: torch.device, dtype: torch.dtype
+                     ) -> tuple[dict[str, object], str]:
+    """Every quantized Linear of every file as a TritonLinear (place_quantized's packed mode with Triton)."""
+    out: dict[str, object] = {}
+    for where, group in quantized.items():
+        arrays = {n: a for n, (a, _t) in group.items()}
+        linears = quantized_linears(arrays, {n: t["layout"] for n, (_a, t) in group.items()})
+        for weight, layout in linears.items():
+            parts = {p: np.asarray(a) for p, a in linear_parts(layout, arrays, weight).items()}
+            out[weight] = _triton(weight, layout, parts, device, dtype, where)
+    acts = sum(v.g_idx is not None for v in out.values())
+    return out, (f"{len(out)} Linears packed, Triton kernel" + (f" ({acts} act-order)" if acts else "")
+                 if out else "none quantized")

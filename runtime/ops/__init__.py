@@ -9,6 +9,8 @@ layouts of ktlayouts. The lowest wing of ktrun: it imports ktlayouts and nothing
     glue.py           the decode step's float32 glue in one call each (RMSNorm, RoPE, MLA attention, sigmoid router)
     packed_linear.py  MarlinLinear: a GPU Linear kept in the Marlin layout on the device; linear() for every weight kind
     marlin.py         finding an installed Marlin GEMM (vLLM / SGLang) and calling it on our layout
+    triton_linear.py  TritonLinear: our Triton W4A16 / W8A16 kernel on the GPTQ layout (CUDA with torch alone;
+                      Triton's interpreter on the CPU for tests)
 
 The way in: the names below; the modules for everything else.
 """
