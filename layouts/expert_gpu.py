@@ -26,7 +26,10 @@ from .gpu_formats import gpu_format_for
 
 GPU_STEPS = (128, 64, 32)           # the group lengths (besides per-row) Marlin kernels and the engines take
 CHANNEL = -1                        # step meaning one scale per output row
-HOT_FORMATS = ("marlin", "bf16")    # how ktrun keeps hot experts on the GPU
+HOT_FORMATS = ("marlin", "gptq", "bf16")    # how ktrun keeps hot experts on the GPU
+# the parts a hot-expert slot holds, where not all of the format's (gptq: codes and scales for ktrun's Triton kernel;
+# the zero points are the symmetric constant and the groups are in order, so no qzeros, no g_idx)
+HOT_PARTS = {"gptq": ("qweight", "scales")}
 
 
 def source_shape(geo: ExpertGeometry, proj: str) -> tuple[int, int]:
@@ -119,8 +122,8 @@ def hot_format_ok(geo: ExpertGeometry, family: str) -> str | None:
 
 def hot_expert_nbytes(geo: ExpertGeometry, family: str, biases: bool = False) -> int:
     """Device bytes of one expert (gate + up + down) in a hot-expert format: 'bf16' (dense, 2 bytes a weight) or
-    'marlin' (the registry's stored parts at the exact step); biases: the family's experts carry gate/up/down biases
-    (gpt-oss), held as float32 beside the weights (4 * (2I + H) bytes)."""
+    'marlin' / 'gptq' (the registry's stored parts a slot holds, at the exact step); biases: the family's experts
+    carry gate/up/down biases (gpt-oss), held as float32 beside the weights (4 * (2I + H) bytes)."""
     bias_bytes = 4 * sum(source_shape(geo, p)[0] for p in PROJECTIONS) if biases else 0
     if family == "bf16":
         return bias_bytes + sum(2 * n * k for n, k in (source_shape(geo, p) for p in PROJECTIONS))
@@ -130,7 +133,9 @@ def hot_expert_nbytes(geo: ExpertGeometry, family: str, biases: bool = False) ->
     fmt, step, total = gpu_format_for(family, geo.bits), gpu_group_step(geo), bias_bytes
     for p in PROJECTIONS:
         n, k = source_shape(geo, p)
-        for _suffix, dtype, shape in fmt.part_shapes(fmt.storage_geometry(n, k, step)):
+        for suffix, dtype, shape in fmt.part_shapes(fmt.storage_geometry(n, k, step)):
+            if suffix not in HOT_PARTS.get(family, (suffix,)):
+                continue
             total += int(np.prod(shape)) * np.dtype({"I32": np.int32, "F16": np.float16, "F32": np.float32,
                                                      "I64": np.int64}[dtype]).itemsize
     return total

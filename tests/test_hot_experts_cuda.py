@@ -2,7 +2,7 @@
 the store's experts on the device equal the CPU stand-in's, a model with dense layers and hot experts on the GPU stays
 within the bound of its all-CPU-experts run (also gpt-oss, with expert biases and the clamped SwiGLU), dynamic swaps
 (copies on a side stream, flipped between steps) change no output against their synchronous replay, and an installed
-Marlin GEMM computes Marlin hot experts."""
+Marlin GEMM computes Marlin hot experts; gptq hot experts run on ktrun's Triton kernel."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,14 +49,15 @@ def forced(lm, ids) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("fmt", ["bf16", "marlin"])
+@pytest.mark.parametrize("fmt", ["bf16", "marlin", "gptq"])
 def test_cuda_store_equals_the_cpu_stand_in(request, model, fmt):
     """The device store computes what the CPU stand-in does (gpt-oss: with the experts' biases and clamped SwiGLU)."""
     with load_model(request.getfixturevalue(model), device="cpu") as lm:
         c = lm.converted
         geo, k = c.geometry, lm.model.cfg.top_k
         layer, hot = geo.moe_layers[1], (1, 7, geo.n_experts - 4)
-        cpu = HotExpertStore(c, {layer: 3}, fmt, device="cpu", dtype=torch.float32)
+        # gptq (ktrun's Triton kernel) against the Marlin stand-in: the same codes and scales, dequantized per call
+        cpu = HotExpertStore(c, {layer: 3}, "marlin" if fmt == "gptq" else fmt, device="cpu", dtype=torch.float32)
         gpu = HotExpertStore(c, {layer: 3}, fmt, device="cuda", dtype=torch.bfloat16)
         for slot, e in enumerate(hot):
             cpu.load(layer, slot, e)
@@ -76,7 +77,7 @@ def test_cuda_store_equals_the_cpu_stand_in(request, model, fmt):
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("fmt", ["bf16", "marlin"])
+@pytest.mark.parametrize("fmt", ["bf16", "marlin", "gptq"])
 def test_cuda_hybrid_model_within_the_bound(request, model, fmt):
     """Dense layers and hot experts on the GPU (bf16) against the same with every expert on the CPU kernels (half
     of each layer's experts hot)."""

@@ -6,7 +6,7 @@
   every golden layer of vLLM's packers (GPTQ bytes read in place, Marlin bytes repacked), act-order g_idx, padded
   shapes of every registered GPU format, 1 / 7 / 33 rows, bf16 / fp16 / fp32 inputs, split-K forced and chosen, all
   against a float64 reference computed from the codes and scales; and whole models (packed on Triton vs dequantized
-  at load, float32 and bf16), plus `ktrun generate` giving the same tokens.
+  at load, float32 and bf16), hot experts held as gptq slots, and `ktrun generate` giving the same tokens.
 - In process: the torch repack of Marlin bytes reproduces the golden GPTQ bytes; the launch configuration keeps a K
   block inside one group; the KTRUN_TRITON policy.
 - On CUDA (`-m cuda`, bench/device_check.sh): the compiled kernel on the golden layers and act order, and a model.
@@ -131,6 +131,20 @@ def test_models_on_the_interpreted_kernel_match_dequantized_at_load(tmp_path_fac
         else:       # bf16: the dequantized model rounds its weights to bf16, the kernel keeps codes and scales exact
             assert r["kl_max"] < 1e-2, r
     assert "act-order" in rows[-1]["how"]
+
+
+@needs_triton
+def test_hot_experts_held_as_gptq_run_on_the_interpreted_kernel(tmp_path_factory):
+    """Hot experts in gptq slots (TritonLinear, filled in place) against the torch reference experts: the same codes
+    and scales on both sides, so equal up to summation order; 'auto' picks gptq where the kernel runs. DeepSeek-V3
+    and gpt-oss (expert biases, the clamped SwiGLU)."""
+    convs = [converted(tmp_path_factory, "deepseek_v3", "int4-amx"),
+             converted(tmp_path_factory, "gpt_oss", "int4-amx", group_size=32)]
+    rows = interpreted("hot", *map(str, convs))
+    assert len(rows) == 4
+    for r in rows:
+        assert r["format"] == "gptq" and r["triton_slots"] and r["slots"] > 0 and r["hit_ratio"] > 0, r
+        assert r["max_abs"] < 1e-4, r
 
 
 @needs_triton

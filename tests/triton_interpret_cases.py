@@ -4,11 +4,13 @@ subprocess with TRITON_INTERPRET=1 KTRUN_TRITON=on and checks the JSON lines it 
 
     TRITON_INTERPRET=1 KTRUN_TRITON=on python tests/triton_interpret_cases.py kernels
     TRITON_INTERPRET=1 KTRUN_TRITON=on python tests/triton_interpret_cases.py engine CONVERTED_DIR [...]
+    TRITON_INTERPRET=1 KTRUN_TRITON=on python tests/triton_interpret_cases.py hot CONVERTED_DIR [...]
 
 kernels: every golden layer (tests/golden, vLLM's packers: GPTQ and Marlin bytes), act-order groups and padded
 shapes in every registered GPU format, M = 1 / 7 / 33 rows, bf16 / fp16 / fp32 inputs, split-K forced and chosen.
 Each reference is computed here in float64 from the codes and scales: (code - 2^(bits-1)) * scale of the code's group.
 engine: logits of a conversion with --gpu-weights packed (Triton) against dequant (float32 and bf16).
+hot: hot experts held as gptq slots run by the kernel, against the torch reference experts.
 """
 from __future__ import annotations
 
@@ -134,6 +136,34 @@ def engine_cases(dirs: list[str]) -> None:
                                                               logits["dequant"].argmax(-1)))}), flush=True)
 
 
+def hot_cases(dirs: list[str]) -> None:
+    """Hot experts held as gptq (TritonLinear slots filled in place) against the torch reference experts: the same
+    codes and scales on both sides, so the logits agree up to float summation order."""
+    from ktrun.experts.placement import Budget, HotExpertOptions
+    from ktrun.loaded_model import load_model
+    from ktrun.models.kv_cache import Batch
+    from runtime_helpers import PROMPT
+
+    def forced(lm):
+        ids = lm.tokenizer.encode(PROMPT * 3)
+        return lm.model.forward(Batch.build([(lm.model.new_cache(len(ids) + 1), ids)], lm.model.device),
+                                all_logits=True).float()
+    for d in dirs:
+        with load_model(d, device="cpu", use_kernels=False) as lm:
+            exact = forced(lm)
+        for fmt in ("gptq", "auto"):
+            opts = HotExpertOptions(budget=Budget(per_layer=4), strategy="uniform", gpu_format=fmt)
+            with load_model(d, device="cpu", use_kernels=False, hot_experts=opts) as lm:
+                store = lm.model.experts.store
+                got = forced(lm)
+                print(json.dumps({"case": f"hot-{fmt}-{d}", "format": store.format,
+                                  "slots": sum(len(v) for v in store.slots.values()),
+                                  "triton_slots": all(isinstance(lin, TritonLinear)
+                                                      for slots in store.slots.values() for s in slots for lin in s),
+                                  "hit_ratio": lm.model.experts.stats["gpu_hit_ratio"],
+                                  "max_abs": (got - exact).abs().max().item()}), flush=True)
+
+
 def main() -> None:
     if not interpreting():
         sys.exit("run with TRITON_INTERPRET=1 in the environment (Triton reads it when imported)")
@@ -144,8 +174,10 @@ def main() -> None:
         padded_cases()
     elif what == "engine":
         engine_cases(sys.argv[2:])
+    elif what == "hot":
+        hot_cases(sys.argv[2:])
     else:
-        sys.exit(f"unknown case group {what!r}: kernels or engine")
+        sys.exit(f"unknown case group {what!r}: kernels, engine or hot")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ A slot of MoE layer L holds one expert's gate, up and down in a GPU format:
   marlin  the CPU tiles' own codes regrouped by ktlayouts.expert_gpu (exact) and packed by the format registry
           (ktlayouts.gpu_formats 'marlin', float16 scales): ktrun.ops.packed_linear.MarlinLinear, run by an installed
           Marlin GEMM (else dequantized per call, as every packed Linear).
+  gptq    the same codes and scales in the GPTQ layout (qweight and scales only): ktrun.ops.triton_linear.TritonLinear,
+          run by ktrun's own Triton kernel (CUDA with torch alone; CPU tensors under TRITON_INTERPRET=1).
   bf16    the dequantized expert (exactly the CPU tiles' values) rounded to bf16; computed in the dense dtype (on
           the CPU stand-in the rounded values are kept in that dtype, so no call converts them).
 Slot tensors are allocated once; loading an expert copies into them (`pack` on the host, `upload` to the slot), so
@@ -30,6 +32,7 @@ from ktlayouts.gpu_formats import gpu_format_for
 
 from ..ops.marlin import find_marlin_kernel
 from ..ops.packed_linear import MarlinLinear, linear
+from ..ops.triton_linear import TritonLinear, use_triton
 from .activation import activate, expert_biases
 from .executors import PackedExpertSource
 
@@ -39,10 +42,18 @@ class HotExpertError(ValueError):
 
 
 def resolve_format(geo: ExpertGeometry, requested: str, device: torch.device) -> str:
-    """'auto' -> marlin when a Marlin kernel runs on this device and holds the codes exactly, else bf16."""
+    """'auto' -> the packed format whose kernel runs on this device (gptq when ktrun's Triton kernel is chosen,
+    ktrun.ops.triton_linear.use_triton; else marlin when a Marlin GEMM is installed) if it holds the codes exactly,
+    else bf16."""
+    device = torch.device(device)
+    marlin_found = find_marlin_kernel(device) is not None
     if requested == "auto":
-        return "marlin" if find_marlin_kernel(device) is not None and hot_format_ok(geo, "marlin") is None else "bf16"
+        if use_triton(device, marlin_found) and hot_format_ok(geo, "gptq") is None:
+            return "gptq"
+        return "marlin" if marlin_found and hot_format_ok(geo, "marlin") is None else "bf16"
     why = hot_format_ok(geo, requested)
+    if why is None and requested == "gptq" and not use_triton(device, marlin_found=False):
+        why = f"ktrun's Triton kernel does not run on {device} (CUDA, or the CPU with TRITON_INTERPRET=1 KTRUN_TRITON=on)"
     if why:
         raise HotExpertError(f"--gpu-expert-format {requested}: {why}")
     return requested
@@ -63,8 +74,8 @@ class HotExpertStore:
         self.expert_nbytes = hot_expert_nbytes(self.geo, self.format, self.activation.bias)  # as a GPU holds them
         # bf16 weights stored as bf16 on a GPU; on the CPU stand-in, bf16-rounded values in the (wider) dense dtype
         self._bf16_storage = torch.bfloat16 if self.device.type == "cuda" else self.dtype
-        if self.format == "marlin":
-            self._fmt = gpu_format_for("marlin", self.geo.bits)
+        if self.format != "bf16":
+            self._fmt = gpu_format_for(self.format, self.geo.bits)
             self._step = gpu_group_step(self.geo)
             self._kernel = find_marlin_kernel(self.device)
         self.slots = {L: [self._empty_slot() for _ in range(n)] for L, n in slots_per_layer.items()}
@@ -88,6 +99,9 @@ class HotExpertStore:
             shapes = {s: shape for s, _dt, shape in self._fmt.part_shapes(self._fmt.storage_geometry(n, k, self._step))}
             qw = torch.zeros(shapes["qweight"], dtype=torch.int32, device=self.device)
             sc = torch.zeros(shapes["scales"], dtype=torch.float16, device=self.device)
+            if self.format == "gptq":
+                out.append(TritonLinear(f"hot expert {p}", qw, sc, None, self.geo.bits, self._step, n, k, self.dtype))
+                continue
             use = self._kernel if self._kernel is not None and self._kernel.supports(
                 self.geo.bits, self._step, self.dtype) else None
             out.append(MarlinLinear(f"hot expert {p}", qw, sc, self.geo.bits, n, k, self.dtype, kernel=use))
