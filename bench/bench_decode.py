@@ -8,9 +8,14 @@ machine. Weights are random (packed codes and scales written straight into the i
 Peer measured in the same run: the kernels alone (ktrun.ops.moe.MoEKernels.forward) replaying exactly the expert calls
 (same layers, activations, routed ids and weights) of the timed decode steps. step/kernel = decode step time over
 kernel time for the same experts; everything above 1 is attention, shared expert, router, head and Python. Also the
-machine's read bandwidth (kernel measurement) as the limit for the expert bytes a decode step streams.
+machine's read bandwidth (kernel measurement) as the limit for the expert bytes a decode step streams, and the step
+against max(kernels alone, dense part alone): what a perfect overlap of the two would take (the heterogeneous loop's
+target on a GPU, where the dense part runs beside the CPU experts). And the cost of speculative decoding's verify
+forward on this model: one decode forward with 1 + k rows against 1 row after the same prompt (--verify-rows k).
 
     .venv/bin/python bench/bench_decode.py [--layers 2] [--experts 16] [--heads 16] [--tg 16] [--pp 64] [--reps 3]
+    .venv/bin/python bench/bench_decode.py --device cuda --dense-format triton-int4   # GPU layers as a conversion has
+                                                    # them: int4 g128 on ktrun's Triton kernel (bench/device_check.sh)
 """
 from __future__ import annotations
 
@@ -22,11 +27,13 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP threads must not spin on the kernels' CPUs
 
 import torch
+from bench_speculative import verify_cost  # bench/ sits on sys.path as the script's folder
 from ktlayouts.families import parse_config
 from ktrun.cli.cmd_bench import bench_pp, bench_tg, decode_breakdown
 from ktrun.experts.kernel import KernelExperts
 from ktrun.models.model import MoEModel
-from synthetic_experts import SyntheticConversion  # bench/ sits on sys.path as the script's folder
+from ktrun.ops.triton_linear import TritonLinear, pack_rows_torch
+from synthetic_experts import SyntheticConversion
 
 H, I, TOP_K, VOCAB = 7168, 2048, 8, 4096
 
@@ -66,6 +73,20 @@ def dense_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
+def triton_int4(name: str, w: torch.Tensor, dtype: torch.dtype, group: int = 128) -> TritonLinear:
+    """W (N, K) -> an int4 TritonLinear (round to nearest, symmetric, per group of K): the GPU layers' bytes as a
+    converted model holds them, computed by ktrun's Triton kernel."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    scales = (g.abs().amax(-1) / 7).clamp_min(1e-8).to(torch.float16)                     # (N, K/G)
+    codes = (g / scales.float()[..., None]).round().clamp(-8, 7).add(8).to(torch.uint8)    # (N, K/G, G)
+    return TritonLinear(name, pack_rows_torch(codes.reshape(n, k).t().contiguous(), 4), scales.t().contiguous(),
+                        None, 4, group, n, k, dtype)
+
+
+QUANTIZED = ("_proj.weight",)       # the dense Linears a conversion quantizes (not embeddings, router, norms, head)
+
+
 class Recording(KernelExperts):
     """KernelExperts that keeps copies of every call's inputs, to replay them on the kernels alone."""
     record = False
@@ -76,7 +97,8 @@ class Recording(KernelExperts):
 
     def submit(self, layer, x, ids, weights, out):
         if self.record:
-            self.calls.append((layer, x.float().contiguous().clone(), ids.clone(), weights.float().clone()))
+            self.calls.append((layer, x.float().cpu().contiguous().clone(), ids.cpu().clone(),
+                               weights.float().cpu().clone()))
         super().submit(layer, x, ids, weights, out)
 
 
@@ -113,9 +135,16 @@ def main():
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
-    ap.add_argument("--dense-dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="dtype of the dense (GPU-layer) part computed on the CPU")
+    ap.add_argument("--dense-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="dtype of the dense (GPU-layer) part (default: float32 on the CPU, bfloat16 on CUDA)")
+    ap.add_argument("--device", default="cpu", help="where the dense part runs (cpu, cuda)")
+    ap.add_argument("--verify-rows", type=int, default=4, help="draft tokens k of the verify-cost measurement (0: skip)")
+    ap.add_argument("--dense-format", choices=("dense", "triton-int4"), default="dense",
+                    help="dense: the Linears as float tensors; triton-int4: int4 g128 on ktrun's Triton kernel (CUDA, "
+                         "or the CPU with TRITON_INTERPRET=1)")
     args = ap.parse_args()
+    device = torch.device(args.device)
+    args.dense_dtype = args.dense_dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
 
@@ -123,9 +152,11 @@ def main():
     conv = SyntheticConversion(args.layers, args.experts, H, I)
     ex = Recording(conv)
     dt = getattr(torch, args.dense_dtype)
-    dense = {k: v.to(torch.float32 if k.endswith(("gate.weight", "e_score_correction_bias")) else dt)
-             for k, v in dense_weights(cfg).items()}
-    model = MoEModel(cfg, dense, ex, dtype=dt)
+    dense = {k: v.to(device=device, dtype=torch.float32 if k.endswith(("gate.weight", "e_score_correction_bias"))
+                     else dt) for k, v in dense_weights(cfg).items()}
+    if args.dense_format == "triton-int4":
+        dense = {k: triton_int4(k, v, dt) if k.endswith(QUANTIZED) else v for k, v in dense.items()}
+    model = MoEModel(cfg, dense, ex, device=device, dtype=dt)
     gen = torch.Generator().manual_seed(0)
     ctx = max(args.pp, args.tg + 1) + 1
     bench_tg(model, 2, ctx, gen)                                        # warm-up
@@ -144,6 +175,10 @@ def main():
     model.experts = NoExperts()
     dense_ms = min(bench_tg(model, args.tg, ctx, gen)[0] for _ in range(args.reps)) / args.tg * 1e3
     model.experts = ex
+    verify = None
+    if args.verify_rows:
+        ids = torch.randint(0, VOCAB, (args.pp,), generator=gen).tolist()
+        verify = verify_cost(model, ids, args.verify_rows, max(3, args.reps))
     pp_rates, pp_ratios = [], []
     for _ in range(args.reps):
         ex.calls, ex.record = [], True
@@ -160,7 +195,8 @@ def main():
 
     print(f"model: deepseek_v3-shaped, {args.layers} MoE layers x {args.experts} experts (H {H}, I {I}, int4 g128, "
           f"top-{TOP_K}), {args.heads} MLA heads, shared expert; kernel backend {ex.moe.backend_detail}, "
-          f"{ex.moe.n_threads} kernel threads, {torch.get_num_threads()} torch threads, dense {args.dense_dtype}; expert bytes {conv.nbytes / 1e9:.2f} GB")
+          f"{ex.moe.n_threads} kernel threads, {torch.get_num_threads()} torch threads, dense {args.dense_dtype} "
+          f"{args.dense_format} on {device.type}; expert bytes {conv.nbytes / 1e9:.2f} GB")
     print(f"tg{args.tg}_tokens_per_s: {ms(tg_rates)} tok/s")
     print(f"tg_decode_step: {b['step_ms']:.2f} ms")
     print(f"tg_kernels_alone_same_experts: {kern_ms:.2f} ms")
@@ -169,6 +205,7 @@ def main():
     print(f"tg_dense_part_alone: {dense_ms:.2f} ms")
     print(f"tg_step_minus_kernels_minus_dense: {b['step_ms'] - kern_ms - dense_ms:.2f} ms")
     print(f"tg_step_over_kernels_plus_dense: {b['step_ms'] / (kern_ms + dense_ms):.3f} ratio")
+    print(f"tg_step_over_max_kernels_dense: {b['step_ms'] / max(kern_ms, dense_ms):.3f} ratio")
     print(f"tg_step_waiting_on_experts: {b['experts_wait_ms']:.2f} ms")
     print(f"tg_step_attention: {b['attention_ms']:.2f} ms")
     print(f"tg_step_router_shared_expert: {b['router_shared_dense_mlp_ms']:.2f} ms")
@@ -178,6 +215,11 @@ def main():
     print(f"read_bandwidth: {bw / 1e9:.1f} GB/s")
     print(f"tg_kernels_bandwidth_limit: {(step_bytes / bw) * 1e3:.2f} ms")
     print(f"tg_kernels_over_bandwidth_limit: {kern_ms / ((step_bytes / bw) * 1e3):.2f} ratio")
+    if verify is not None:
+        one, many = verify
+        print(f"tg_verify_forward_1_row: {one:.2f} ms")
+        print(f"tg_verify_forward_{1 + args.verify_rows}_rows: {many:.2f} ms")
+        print(f"tg_verify_cost_ratio: {many / one:.3f} x")
     print(f"pp{args.pp}_tokens_per_s: {ms(pp_rates)} tok/s")
     print(f"pp_prefill_over_kernels: {statistics.fmean(pp_ratios):.3f} ratio")
     ex.close()

@@ -4,6 +4,8 @@ For DeepSeek-V3's non-expert Linear shapes, times one y = x W^T with
   dense          W dequantized once (what `--gpu-weights dequant` runs),
   per_call       W kept packed (int4, group 128) and dequantized for each call (`packed` without a kernel),
   marlin         the installed Marlin GEMM reading the packed weight in place (CUDA with vLLM or SGLang only),
+  triton         ktrun's own Triton W4A16 kernel on the GPTQ layout (ktrun.ops.triton_linear; CUDA with torch alone),
+                 at M = 1, 4 and 16 decode rows, its output checked against the dense matmul,
 and reports each path's effective weight-read bandwidth against the device read bandwidth measured in the same run.
 Prints `name: value unit` lines; what was not measured on this machine (no CUDA, no kernel) is said, not printed.
 
@@ -20,6 +22,9 @@ from ktlayouts.gptq import GptqGeometry
 from ktlayouts.marlin import marlin_pack
 from ktrun.ops.marlin import find_marlin_kernel
 from ktrun.ops.packed_linear import MarlinLinear
+from ktrun.ops.triton_linear import TritonLinear, triton_missing
+
+TRITON_ROWS = (1, 4, 16)
 
 # (name, N, K): DeepSeek-V3 q_a_proj, kv_a_proj_with_mqa (576 = 512 + 64), shared-expert gate, down, o_proj
 SHAPES = [("q_a", 1536, 7168), ("kv_a", 576, 7168), ("shared_gate", 2048, 7168), ("shared_down", 7168, 2048),
@@ -76,6 +81,18 @@ def bench_shape(tag: str, n: int, k: int, dev, dtype, kernel, bw: float, reps: i
         print(f"{tag}_marlin_ms: {marlin_ms:.4f} ms")
         print(f"{tag}_marlin_speedup_vs_dense: {dense_ms / marlin_ms:.2f} x")
         print(f"{tag}_marlin_bw_fraction: {fast.nbytes / marlin_ms / 1e6 / bw:.3f} of read bandwidth")
+    if dev.type == "cuda" and triton_missing() is None:
+        tri = TritonLinear.from_marlin(layer)
+        for m in TRITON_ROWS:
+            xm = torch.randn(m, k, device=dev, dtype=dtype)
+            dense_m = best_ms(dev, reps, torch.nn.functional.linear, xm, w)
+            tri_ms = best_ms(dev, reps, tri, xm)
+            want = torch.nn.functional.linear(xm.float(), w.float())
+            err = ((tri(xm).float() - want).abs().max() / want.abs().max()).item()
+            print(f"{tag}_triton_m{m}_ms: {tri_ms:.4f} ms")
+            print(f"{tag}_triton_m{m}_speedup_vs_dense: {dense_m / tri_ms:.2f} x")
+            print(f"{tag}_triton_m{m}_bw_fraction: {tri.nbytes / tri_ms / 1e6 / bw:.3f} of read bandwidth")
+            print(f"{tag}_triton_m{m}_max_rel_err: {err:.2e} ratio")
 
 
 def main():
@@ -90,6 +107,9 @@ def main():
     print(f"device_read_bandwidth: {bw:.1f} GB/s")
     if kernel is None:
         print(f"# no Marlin kernel on {dev.type} (vLLM / SGLang on CUDA): marlin lines not measured")
+    if dev.type != "cuda" or triton_missing() is not None:
+        print(f"# ktrun's Triton kernel needs CUDA ({triton_missing() or dev.type}): triton lines not measured "
+              "(tests/test_triton_linear.py checks its numerics on the CPU under Triton's interpreter)")
     for name, n, k in SHAPES:
         bench_shape(f"gpu_linear_{name}_{n}x{k}", n, k, dev, dtype, kernel, bw, args.reps)
 

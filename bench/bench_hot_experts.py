@@ -134,7 +134,8 @@ def decode_rates(conv: Path, prof_path: Path | None, device, tg: int, reps: int)
 
 def synthetic_decode(device, tg: int, reps: int, layers: int = 2, experts: int = 32) -> None:
     """DeepSeek-V3-shaped experts (bench_decode's synthetic model: H 7168, I 2048, int4 g128, top-8, random
-    routing): tg tokens/s with 0 / 10 / 50% of the experts on `device` in bf16 (the lowest ids: routing is random)."""
+    routing): tg tokens/s with 0 / 10 / 50% of the experts on `device` (the lowest ids: routing is random), held in the
+    format `auto` picks there (gptq on ktrun's Triton kernel on CUDA without Marlin; bf16 on the CPU stand-in)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from types import SimpleNamespace
 
@@ -147,7 +148,7 @@ def synthetic_decode(device, tg: int, reps: int, layers: int = 2, experts: int =
     from ktrun.models.model import MoEModel
 
     cfg = parse_config(bd.v3_config(layers, experts, 16))
-    conv = bd.SyntheticConversion(layers, experts)
+    conv = bd.SyntheticConversion(layers, experts, bd.H, bd.I)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     dense = {k: v.to(device=device, dtype=torch.float32 if k.endswith(("gate.weight", "e_score_correction_bias"))
                      else dt) for k, v in bd.dense_weights(cfg).items()}
@@ -160,7 +161,8 @@ def synthetic_decode(device, tg: int, reps: int, layers: int = 2, experts: int =
             t0 = time.perf_counter()
             like = SimpleNamespace(geometry=conv.geometry, experts=conv.experts, device=device, dtype=dt,
                                    config=conv.config)
-            store = HotExpertStore(like, dict.fromkeys(range(layers), n), "bf16")
+            store = HotExpertStore(like, dict.fromkeys(range(layers), n), "auto")
+            print(f"# synthetic hot experts held as {store.format}", file=sys.stderr)
             res = ExpertResidency(experts, dict.fromkeys(range(layers), n))
             for L in range(layers):
                 for e in range(n):

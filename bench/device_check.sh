@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# One call on a machine with CUDA (a session lent a GPU runs it as is): every CUDA test of the suite, then a decode
-# benchmark with 0 / 10 / 50% of the routed experts on the GPU; prints `name: value unit` lines; under 8 minutes.
+# One call on a machine with CUDA (a session lent a GPU runs it as is): every CUDA test of the suite (among them
+# ktrun's Triton W4A16 kernel on vLLM's golden layers and a model on it), the GPU Linears at decode (the Triton
+# kernel's weight bandwidth at M = 1 / 4 / 16 against the device's, torch's bf16 matmul and Marlin when installed),
+# the hybrid decode step of the DeepSeek-V3-shaped bench model (GPU layers int4 on the Triton kernel, routed experts
+# on the CPU kernels) against max(CPU experts alone, GPU part alone), then a decode benchmark with 0 / 10 / 50% of the
+# routed experts on the GPU; prints `name: value unit` lines; under 8 minutes.
 #
 #   bash bench/device_check.sh            # from the repository root (or anywhere: it cds there)
 #
@@ -8,7 +12,8 @@
 # puts the packages on PYTHONPATH when they are not installed (ktlayouts = layouts/, ktrun = runtime/); builds the
 # kernel library with CMake when none loads (without one the CPU side falls back to the torch reference experts).
 # Without CUDA it still runs: the CUDA tests are skipped (listed) and the benchmark's "GPU" is torch on the CPU.
-# Time limits: setup 90 s, tests 270 s, benchmark 150 s (each part is cut at its limit and says so).
+# Time limits: setup 75 s, tests 200 s, GPU Linears 45 s, hybrid step 60 s, hot-expert decode 100 s (each part is
+# cut at its limit and says so).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -43,8 +48,8 @@ if ! $PY -c "import ktrun, ktlayouts, ktconvert" 2>/dev/null; then
 fi
 if ! $PY -c "from ktrun.ops.moe import load_library; load_library()" 2>/dev/null; then
   if command -v cmake >/dev/null; then
-    timeout 90 cmake -S kernels -B "$WORK/kernels" -DCMAKE_BUILD_TYPE=Release -DKT_BUILD_TESTS=OFF >/dev/null \
-      && timeout 90 cmake --build "$WORK/kernels" -j "$(nproc)" >/dev/null
+    timeout 15 cmake -S kernels -B "$WORK/kernels" -DCMAKE_BUILD_TYPE=Release -DKT_BUILD_TESTS=OFF >/dev/null \
+      && timeout 60 cmake --build "$WORK/kernels" -j "$(nproc)" >/dev/null
     LIB=$(ls "$WORK"/kernels/libktkernels*.so 2>/dev/null | head -1)
     [ -n "$LIB" ] && export KT_KERNELS_LIB="$PWD/$LIB"
   fi
@@ -67,7 +72,7 @@ echo "setup_seconds: $(( $(date +%s) - T0 )) s"
 FILES=$(grep -l "mark\.cuda" tests/test_*.py | tr '\n' ' ')
 echo "cuda_test_files: $(echo $FILES | wc -w) count"
 T1=$(date +%s)
-timeout 270 $PY -m pytest -q -rs -m cuda -p no:cacheprovider $FILES > "$WORK/cuda_tests.txt" 2>&1
+timeout 200 $PY -m pytest -q -rs -m cuda -p no:cacheprovider $FILES > "$WORK/cuda_tests.txt" 2>&1
 rc=$?
 tail -n 40 "$WORK/cuda_tests.txt" | grep -E "SKIPPED|FAILED|ERROR|passed|failed|error" | sed 's/^/# /'
 summary=$(grep -E "[0-9]+ (passed|failed|skipped|error)" "$WORK/cuda_tests.txt" | tail -1)
@@ -79,9 +84,33 @@ done
 echo "cuda_tests_exit_code: $rc code"
 echo "cuda_tests_seconds: $(( $(date +%s) - T1 )) s"
 
+# --- GPU Linears at decode: dense bf16, per-call dequant, Marlin (when installed), ktrun's Triton kernel ------------
+T3=$(date +%s)
+timeout 45 $PY bench/bench_gpu_linear.py --reps 10 2> "$WORK/gpu_linear_stderr.txt"
+grc=$?
+[ $grc -eq 124 ] && echo "gpu_linear_bench_timed_out: 1 bool"
+[ $grc -ne 0 ] && tail -n 5 "$WORK/gpu_linear_stderr.txt" | sed 's/^/# /'
+echo "gpu_linear_bench_exit_code: $grc code"
+echo "gpu_linear_bench_seconds: $(( $(date +%s) - T3 )) s"
+
+# --- the hybrid step: GPU layers int4 on the Triton kernel beside the CPU experts (CUDA only) ----------------------
+hrc=0
+if $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  T4=$(date +%s)
+  timeout 60 $PY bench/bench_decode.py --device cuda --dense-format triton-int4 --layers 2 --experts 16 --tg 32 \
+    --pp 64 --reps 2 2> "$WORK/hybrid_stderr.txt" | sed 's/^/hybrid_/'
+  hrc=${PIPESTATUS[0]}
+  [ $hrc -eq 124 ] && echo "hybrid_step_bench_timed_out: 1 bool"
+  [ $hrc -ne 0 ] && tail -n 5 "$WORK/hybrid_stderr.txt" | sed 's/^/# /'
+  echo "hybrid_step_bench_exit_code: $hrc code"
+  echo "hybrid_step_bench_seconds: $(( $(date +%s) - T4 )) s"
+else
+  echo "# no CUDA: the hybrid step (GPU layers on the Triton kernel beside the CPU experts) not measured"
+fi
+
 # --- decode benchmark: 0 / 10 / 50% of the experts hot ------------------------------------------------------------
 T2=$(date +%s)
-timeout 150 $PY bench/bench_hot_experts.py --decode-only --tokens 2000 --tg 64 --reps 3 --out "$WORK/bench" \
+timeout 100 $PY bench/bench_hot_experts.py --decode-only --tokens 2000 --tg 64 --reps 3 --out "$WORK/bench" \
   ${KT_DEVICE_CHECK_BENCH_ARGS:-} 2> "$WORK/bench_stderr.txt"
 brc=$?
 [ $brc -eq 124 ] && echo "decode_bench_timed_out: 1 bool"
@@ -89,4 +118,4 @@ brc=$?
 echo "decode_bench_exit_code: $brc code"
 echo "decode_bench_seconds: $(( $(date +%s) - T2 )) s"
 echo "device_check_seconds: $(( $(date +%s) - T0 )) s"
-[ $rc -eq 0 ] && [ $brc -eq 0 ] && echo "device_check_ok: 1 bool" || { echo "device_check_ok: 0 bool"; exit 1; }
+[ $rc -eq 0 ] && [ $grc -eq 0 ] && [ $hrc -eq 0 ] && [ $brc -eq 0 ] && echo "device_check_ok: 1 bool" || { echo "device_check_ok: 0 bool"; exit 1; }

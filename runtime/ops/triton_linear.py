@@ -150,6 +150,8 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g
     n = qweight.shape[1]
     if qweight.shape[0] * 32 // bits != k:
         raise ValueError(f"x has K={k}, qweight {tuple(qweight.shape)} holds K={qweight.shape[0] * 32 // bits}")
+    if m == 0:
+        return torch.zeros((0, n), dtype=torch.float32, device=x.device)
     x = x.contiguous()
     cfg = launch_config(m, n, k, group, g_idx is not None, x.device, split_k)
     out = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
