@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, SCALE_DTYPES, default_group_size
-from ktlayouts.converted_dir import MANIFEST_NAME, ExpertGeometry, ManifestError
+from ktlayouts.converted_dir import MANIFEST_NAME, MTP_DENSE_KIND, MTP_EXPERT_KIND, ExpertGeometry, ManifestError
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.expert_formats import UNDECLARED_SCALE_DTYPE, expert_formats, scale_encoding, scale_encodings
 from ktrun.byte_sizes import human, parse_bytes
@@ -41,8 +41,18 @@ def inspect_source(path: Path, group_size: int, scale_dtype: str = UNDECLARED_SC
         skipped: dict[str, int] = defaultdict(int)     # skip reason -> parameters (vision tower, MTP layers)
         formats: dict[str, list[int]] = {}      # stored format -> [tensors, bytes] (quantized: all their parts)
         gpu_bytes = 0
+        mtp = {"params": 0, "gpu": 0, "moe_layers": set()}   # MTP layers: written unless --no-keep-mtp
+        keep_mtp = bool(a.mtp_layers(src.tensor_names()))
         for name in src.tensor_names():
-            role = a.classify(name)
+            role = a.classify(name, keep_mtp=keep_mtp)
+            if role.mtp:
+                n = math.prod(src.info(name).shape)
+                mtp["params"] += n
+                if role.kind == "expert":
+                    mtp["moe_layers"].add(role.layer)
+                elif role.kind != "skip":
+                    mtp["gpu"] += n * (4 if role.kind in ("router_bias", "kept") else 2)
+                continue
             if role.kind == "skip":
                 if role.reason:
                     skipped[role.reason] += math.prod(src.info(name).shape)
@@ -59,6 +69,8 @@ def inspect_source(path: Path, group_size: int, scale_dtype: str = UNDECLARED_SC
         geo_args = {"n_experts": a.n_experts, "hidden": a.hidden_size, "intermediate": a.moe_intermediate_size,
                         "moe_layers": tuple(a.moe_layers())}
         cpu = expert_bytes_per_method(geo_args, group_size, scale_dtype)
+        mtp_cpu = expert_bytes_per_method({**geo_args, "moe_layers": tuple(sorted(mtp["moe_layers"]))}, group_size,
+                                          scale_dtype)
         method, group, why = choose_method(src)
         return {"kind": "source", "model_type": a.model_type, "layers": a.num_layers, "params": dict(params),
                 "formats": formats, "auto": {"method": method, "group_size": group, "why": why},
@@ -67,7 +79,9 @@ def inspect_source(path: Path, group_size: int, scale_dtype: str = UNDECLARED_SC
                 "n_experts": a.n_experts, "top_k": a.top_k, "moe_layers": a.moe_layers(),
                 "shared_experts": a.n_shared_experts, "gpu": {m: gpu_bytes for m in cpu}, "cpu": cpu,
                 "zero_experts": a.cfg.zero_experts,      # LongCat-Flash's identity experts (no tensors)
-                "source_bytes": src.source_nbytes(), "skipped": dict(skipped)}
+                "source_bytes": src.source_nbytes(), "skipped": dict(skipped),
+                "mtp": {"layers": a.mtp_layers(src.tensor_names()), "params": mtp["params"],
+                        "gpu": {m: mtp["gpu"] for m in cpu}, "cpu": mtp_cpu}}
 
 
 def _converted_adapter(path: Path):
@@ -98,8 +112,10 @@ def inspect_converted(path: Path) -> dict:
     m, geo = conv.manifest, conv.geometry
     adapter = _converted_adapter(Path(path))
     params: dict[str, int] = defaultdict(int)
-    cpu = gpu = 0
+    cpu = gpu = mtp_cpu = mtp_gpu = 0
     for f in m["files"].values():
+        mtp_cpu += f["size"] if f["kind"] == MTP_EXPERT_KIND else 0
+        mtp_gpu += f["size"] if f["kind"] == MTP_DENSE_KIND else 0
         if f["kind"] == "expert":
             cpu += f["size"]
         elif f["kind"] in ("dense", "globals"):
@@ -118,7 +134,8 @@ def inspect_converted(path: Path) -> dict:
             "n_experts": geo.n_experts, "top_k": adapter.top_k if adapter else None, "moe_layers": list(geo.moe_layers),
             "shared_experts": adapter.n_shared_experts if adapter else None,
             "zero_experts": adapter.cfg.zero_experts if adapter else 0,
-            "gpu": {geo.method: gpu}, "cpu": {geo.method: cpu}, "method": geo.method, "numa_nodes": geo.numa_nodes}
+            "gpu": {geo.method: gpu}, "cpu": {geo.method: cpu}, "method": geo.method, "numa_nodes": geo.numa_nodes,
+            "mtp": {"layers": m.get("mtp_layers", []), "gpu": {geo.method: mtp_gpu}, "cpu": {geo.method: mtp_cpu}}}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -199,6 +216,8 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
     click.echo("bytes (weights):")
     for v in verdicts:
         click.echo("  " + v)
+    for line in mtp_lines(info):
+        click.echo(line)
     prof = None
     if profile_path:
         from ktlayouts.expert_profile import ExpertProfile, ProfileError, summary_lines
@@ -212,6 +231,20 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
     if gpu_limit is not None:
         for line in hot_expert_plan(info, gpu_limit, parse_bytes(kv_mem, "--kv-mem") if kv_mem else None, prof):
             click.echo(line)
+
+
+def mtp_lines(info: dict) -> list[str]:
+    """The multi-token-prediction layers' bytes (not in the totals above: ktrun loads them only for
+    --speculative mtp)."""
+    mtp = info.get("mtp") or {}
+    if not mtp.get("layers"):
+        return []
+    what = ("written" if info["kind"] == "converted" else "written unless --no-keep-mtp") + \
+        ", loaded by ktrun --speculative mtp only"
+    lines = [f"MTP layer(s) {mtp['layers']} ({what})"
+             + (f": {mtp['params']:,d} parameters" if "params" in mtp else "") + ":"]
+    lines += [f"  {m:<9} GPU {human(mtp['gpu'][m]):>10}  CPU {human(mtp['cpu'][m]):>10}" for m in mtp["cpu"]]
+    return lines
 
 
 def hot_expert_plan(info: dict, gpu_mem: int, kv_mem: int | None, prof) -> list[str]:

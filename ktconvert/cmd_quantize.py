@@ -58,11 +58,15 @@ def resolve_source_arg(src: str | None):
               help="Round every expert scale to bfloat16 before quantizing (codes computed against the rounded "
                    "scale), so formats with bf16 scales take them over exactly: `ktconvert export --for sglang-kt "
                    "--kt-method RAWINT4` needs it.")
+@click.option("--keep-mtp/--no-keep-mtp", default=True, show_default=True,
+              help="Write the checkpoint's multi-token-prediction (MTP) layers too (DeepSeek-V3/V3.2, GLM-4.5+ ship "
+                   "one), listed in the manifest as mtp_dense / mtp_expert files; ktrun drafts with them under "
+                   "--speculative mtp and ignores them otherwise.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @gpu_click_options
 @hot_experts_options(dynamic=False)
 def quantize(src, out_dir, method, group_size, numa_nodes, expert_quantizer, expert_gptq_min_tokens, scale_dtype,
-             report_kl, resume, force, workers, quiet, bf16_scales, **gpu):
+             report_kl, resume, force, workers, keep_mtp, quiet, bf16_scales, **gpu):
     """Convert the checkpoint SRC into OUTPUT.
 
     SRC is a local checkpoint directory (safetensors shards + config.json), a GGUF file (or the first part of a
@@ -94,6 +98,7 @@ def quantize(src, out_dir, method, group_size, numa_nodes, expert_quantizer, exp
       ktconvert quantize ./Qwen3-30B-A3B --group-size 32 --bf16-scales --gpu-format compressed-tensors -o q3-raw/
       ktconvert quantize ./DeepSeek-V3 --scale-dtype sub6 -o dsv3-k/   # two-level expert scales, 4.25 bits/weight
       ktconvert quantize ./DeepSeek-V3 -o converted/ --profile profile.json --gpu-mem 24GB --placement per-layer
+      ktconvert quantize ./DeepSeek-V3 -o converted/ --no-keep-mtp    # without the MTP layer (no --speculative mtp)
 
     With --profile (from `ktconvert profile`) and a budget (--gpu-experts N per MoE layer, --gpu-experts-ratio R,
     or --gpu-mem SIZE after the dense layers and --kv-mem), the hot experts are chosen by --placement and written
@@ -106,7 +111,8 @@ def quantize(src, out_dir, method, group_size, numa_nodes, expert_quantizer, exp
         logging.basicConfig(level=logging.INFO, format="ktconvert: %(message)s")
         opts = ConvertOptions(method=method, group_size=group_size, numa_nodes=numa_nodes, workers=workers,
                               expert_quantizer=expert_quantizer, expert_gptq_min_tokens=expert_gptq_min_tokens,
-                              scale_dtype=scale_dtype, bf16_scales=bf16_scales, hot_experts=hot, **gpu)
+                              scale_dtype=scale_dtype, bf16_scales=bf16_scales, hot_experts=hot, keep_mtp=keep_mtp,
+                              **gpu)
         src_path = resolve_source_arg(src)
         manifest = convert(src_path, out_dir, opts, resume=resume, force=force, show_progress=not quiet)
     except (*CONVERT_ERRORS, *gpu_errors()) as e:

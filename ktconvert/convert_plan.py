@@ -14,7 +14,16 @@ from ktlayouts.constants import (
     META_LAYOUT,
     META_LAYOUT_VERSION,
 )
-from ktlayouts.converted_dir import GLOBALS_FILE, META_GEOMETRY, PROJECTIONS, ExpertGeometry, dense_file, expert_file
+from ktlayouts.converted_dir import (
+    GLOBALS_FILE,
+    META_GEOMETRY,
+    MTP_DENSE_KIND,
+    MTP_EXPERT_KIND,
+    PROJECTIONS,
+    ExpertGeometry,
+    dense_file,
+    expert_file,
+)
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.expert_formats import UNDECLARED_SCALE_DTYPE, expert_format_of_method
 
@@ -36,6 +45,11 @@ class FileJob:
     sources: list[tuple[str, object]] = field(default_factory=list)   # dense: (hub name, role) in write order
     shard: int | None = None
     source_nbytes: int = 0                     # bytes of source tensors this job reads (progress)
+    mtp: bool = False                          # a multi-token-prediction layer's file (manifest kind mtp_*)
+
+    @property
+    def manifest_kind(self) -> str:
+        return {"dense": MTP_DENSE_KIND, "expert": MTP_EXPERT_KIND}[self.kind] if self.mtp else self.kind
 
 
 @dataclass
@@ -44,6 +58,7 @@ class ConvertPlan:
     jobs: list[list[FileJob]]                  # groups written together (a layer's expert shards), in order
     skipped: list[str]
     source_nbytes: int
+    mtp_layers: list[int] = field(default_factory=list)   # MTP layers written (keep_mtp), after the main ones
 
 
 def _expert_jobs(geo: ExpertGeometry, layer: int, src, adapter) -> list[FileJob]:
@@ -67,10 +82,10 @@ def _expert_jobs(geo: ExpertGeometry, layer: int, src, adapter) -> list[FileJob]
     return jobs
 
 
-def _check_expert_shapes(src, adapter, geo: ExpertGeometry, present: set[str]) -> None:
+def _check_expert_shapes(src, adapter, geo: ExpertGeometry, present: set[str], layers) -> None:
     want = {"gate": (geo.intermediate, geo.hidden), "up": (geo.intermediate, geo.hidden),
             "down": (geo.hidden, geo.intermediate)}
-    for layer in geo.moe_layers:
+    for layer in layers:
         for e in range(geo.n_experts):
             for p in PROJECTIONS:
                 name = adapter.expert_tensor_name(layer, e, p)
@@ -85,7 +100,9 @@ def _check_expert_shapes(src, adapter, geo: ExpertGeometry, present: set[str]) -
 
 
 def make_plan(src, adapter, method: str, group_size: int, numa_nodes: int, encoder,
-              scale_dtype: str = UNDECLARED_SCALE_DTYPE) -> ConvertPlan:
+              scale_dtype: str = UNDECLARED_SCALE_DTYPE, keep_mtp: bool = False) -> ConvertPlan:
+    """keep_mtp: the checkpoint's MTP layers (adapter.mtp_layers() present in it) are written too, after the main
+    layers: routed experts (when the layer has them) as expert files, the rest as a dense file, marked mtp."""
     try:
         fmt = expert_format_of_method(method)
         if fmt.quantized:
@@ -100,12 +117,14 @@ def make_plan(src, adapter, method: str, group_size: int, numa_nodes: int, encod
         raise ConvertError(str(e)) from None
     names = sorted(src.tensor_names())
     present = set(names)
-    _check_expert_shapes(src, adapter, geo, present)
+    mtp_layers = adapter.mtp_layers(present) if keep_mtp else []
+    mtp_moe = [li for li in mtp_layers if adapter.expert_tensor_name(li, 0, "gate") in present]
+    _check_expert_shapes(src, adapter, geo, present, [*geo.moe_layers, *mtp_moe])
 
     per_layer: dict[int | None, list] = {}
     skipped = []
     for name in names:
-        role = adapter.classify(name)
+        role = adapter.classify(name, keep_mtp=bool(mtp_layers))
         if role.kind == "skip":
             skipped.append(name)
         elif role.kind != "expert":
@@ -113,7 +132,7 @@ def make_plan(src, adapter, method: str, group_size: int, numa_nodes: int, encod
     source_nbytes = 0
     jobs: list[list[FileJob]] = []
 
-    def dense_job(rel, kind, layer, items):
+    def dense_job(rel, kind, layer, items, mtp=False):
         nonlocal source_nbytes
         specs, layouts, nbytes = [], {}, 0
         for name, role in items:
@@ -124,18 +143,21 @@ def make_plan(src, adapter, method: str, group_size: int, numa_nodes: int, encod
                 layouts[out.name] = out.layout
         source_nbytes += nbytes
         meta = {META_LAYOUT: f"dense-{encoder.name}", META_FORMAT_VERSION: str(FORMAT_VERSION)}
-        return FileJob(rel, kind, layer, specs, layouts, meta, sources=list(items), source_nbytes=nbytes)
+        return FileJob(rel, kind, layer, specs, layouts, meta, sources=list(items), source_nbytes=nbytes, mtp=mtp)
 
-    for layer in range(adapter.num_layers):
+    for layer in [*range(adapter.num_layers), *mtp_layers]:
+        mtp = layer >= adapter.num_layers
         group = []
         if per_layer.get(layer):
-            group.append(dense_job(dense_file(layer), "dense", layer, per_layer[layer]))
-        if layer in geo.moe_layers:
+            group.append(dense_job(dense_file(layer), "dense", layer, per_layer[layer], mtp))
+        if layer in geo.moe_layers or layer in mtp_moe:
             ejobs = _expert_jobs(geo, layer, src, adapter)
+            for j in ejobs:
+                j.mtp = mtp
             source_nbytes += ejobs[0].source_nbytes
             group.extend(ejobs)
         if group:
             jobs.append(group)
     if per_layer.get(None):
         jobs.append([dense_job(GLOBALS_FILE, "globals", None, per_layer[None])])
-    return ConvertPlan(geo, jobs, skipped, source_nbytes)
+    return ConvertPlan(geo, jobs, skipped, source_nbytes, mtp_layers)

@@ -11,7 +11,15 @@ import numpy as np
 import torch
 from ktlayouts import expert_shards
 from ktlayouts.bf16 import bf16_bits_to_f32
-from ktlayouts.converted_dir import PROJECTIONS, ExpertGeometry, expert_file, expert_tensor, load_manifest, safe_relpath
+from ktlayouts.converted_dir import (
+    MTP_DENSE_KIND,
+    PROJECTIONS,
+    ExpertGeometry,
+    expert_file,
+    expert_tensor,
+    load_manifest,
+    safe_relpath,
+)
 from ktlayouts.cpu_expert import unpack_expert_matrix
 from ktlayouts.gpu_formats import dequantize_named, quantized_linears
 from safetensors import safe_open
@@ -25,16 +33,19 @@ def to_numpy(t) -> np.ndarray:
 
 
 class ConvertedDir:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, mtp: bool = False):
+        """mtp: the multi-token-prediction layers' dense tensors too (manifest kind mtp_dense; their experts are
+        read by layer like any: read_expert)."""
         self.root = Path(root)
         self.manifest, self.geometry = load_manifest(self.root)
         self._handles: dict[str, object] = {}
+        kinds = ("dense", "globals", *((MTP_DENSE_KIND,) if mtp else ()))
         self._dense_index = {name: rel for rel, f in self.manifest["files"].items()
-                             if f["kind"] in ("dense", "globals") for name in f.get("tensors", {})}
+                             if f["kind"] in kinds for name in f.get("tensors", {})}
         # GPU-quantized Linears (ktlayouts.gpu_formats): hub weight name -> (file, layout), read dequantized
         self._gpu: dict[str, tuple[str, str]] = {}
         for rel, f in self.manifest["files"].items():
-            if f["kind"] in ("dense", "globals"):
+            if f["kind"] in kinds:
                 layouts = {n: t["layout"] for n, t in f.get("tensors", {}).items()}
                 self._gpu.update({w: (rel, lay) for w, lay in quantized_linears(layouts, layouts).items()})
 

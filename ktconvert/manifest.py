@@ -77,7 +77,7 @@ def _file_entry(job, journal) -> dict:
     rec = journal.files[job.rel]
     if rec["size"] != size:
         raise RuntimeError(f"{job.rel}: written size {rec['size']} differs from the planned {size}")
-    entry = {"kind": job.kind, "size": rec["size"], "sha256": rec["sha256"]}
+    entry = {"kind": job.manifest_kind, "size": rec["size"], "sha256": rec["sha256"]}
     if job.layer is not None:
         entry["layer"] = job.layer
     if job.shard is not None:
@@ -114,6 +114,7 @@ def build_manifest(src, opts, plan, journal, side_files: list[str], placement: s
         "expert_quantizer": getattr(opts, "expert_quantizer", "rtn"),
         "experts": plan.geometry.to_json(),
         **({"expert_scales": "bf16"} if getattr(opts, "bf16_scales", False) else {}),
+        **({"mtp_layers": list(plan.mtp_layers)} if getattr(plan, "mtp_layers", None) else {}),
         "files": dict(sorted(files.items())),
     }
 

@@ -74,6 +74,7 @@ class ConvertOptions:
     workers: int = 2
     bf16_scales: bool = False      # expert scales rounded to bf16 before quantizing (exact in bf16-scale formats)
     hot_experts: object = None     # ktrun.experts.placement.HotExpertOptions: write gpu_experts.json
+    keep_mtp: bool = True          # write the checkpoint's multi-token-prediction layers (manifest kinds mtp_*)
 
     def __post_init__(self):
         if self.method not in METHOD_TO_LAYOUT and self.method != "auto":
@@ -243,23 +244,25 @@ class Converter:
         geo, layer = self.plan.geometry, jobs[0].layer
         shards = [job.shard for job in jobs]
         adapter = self.src.arch
+        # an MTP layer has no calibration inputs (the driver runs the main layers): the layout's reference rule
+        quantizer = None if jobs[0].mtp else self.quantizer
         writers = []
         try:
             for job in jobs:
                 writers.append(AlignedWriter(self.out_dir / job.rel, job.specs, job.metadata))
             per_expert = group_nbytes // geo.n_experts
-            if self.quantizer is not None:
-                self.quantizer.begin_layer(layer)       # calibration of this layer, on this (the main) thread
+            if quantizer is not None:
+                quantizer.begin_layer(layer)            # calibration of this layer, on this (the main) thread
             window: deque = deque()
             for e in range(geo.n_experts):
                 window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e, shards, self.paths,
-                                              self.opts.bf16_scales, self.quantizer)))
+                                              self.opts.bf16_scales, quantizer)))
                 if len(window) > self.opts.workers:
                     self._drain_one(window, writers, per_expert)
             while window:
                 self._drain_one(window, writers, per_expert)
-            if self.quantizer is not None:
-                self.quantizer.layer_done(layer)
+            if quantizer is not None:
+                quantizer.layer_done(layer)
             for w, job in zip(writers, jobs):
                 self._commit(w, job.rel)
             line = self.paths.layer_line("experts", layer, self.target())
@@ -316,6 +319,7 @@ def conversion_params(src, opts: ConvertOptions) -> dict:
             **({} if opts.expert_quantizer in ("rtn", "none") else
                {k: getattr(opts, k) for k in ("expert_quantizer", "expert_gptq_min_tokens", "calib", "calib_tokens")}),
             **({"bf16_scales": True} if opts.bf16_scales else {}),
+            **({"keep_mtp": True} if opts.keep_mtp and src.arch.mtp_layers(src.tensor_names()) else {}),
             **({} if opts.hot_experts is None else {"hot_experts": placement_params(opts.hot_experts)})}
 
 
@@ -331,7 +335,8 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
         opts = replace(opts, gpu_method=encoder.name,     # "auto" resolved (the log says which)
                        expert_quantizer=quantizer.mode if quantizer else
                        "rtn" if expert_format_of_method(opts.method).quantized else "none")
-        plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder, opts.scale_dtype)
+        plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder, opts.scale_dtype,
+                         opts.keep_mtp)
         if opts.hot_experts is not None:
             load_checked_profile(opts.hot_experts, src)   # a profile of another model fails before any work
         params = conversion_params(src, opts)
@@ -341,6 +346,9 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                    desc="converting", disable=not show_progress, dynamic_ncols=True)
         for reason, n in skipped_parts(src, plan.skipped).items():
             tqdm.write(f"skipped {n} tensors: {reason}", file=sys.stderr)
+        if plan.mtp_layers:
+            tqdm.write(f"multi-token-prediction layer(s) {plan.mtp_layers} kept (--no-keep-mtp drops them)",
+                       file=sys.stderr)
         conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill, quantizer)
         try:
             with ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="ktconvert") as pool:

@@ -8,6 +8,8 @@
           (version 1)   (same for up, down; bf16: qweight only)
       dense/layer-{L:04d}.safetensors     non-expert tensors of layer L under their hub names (BF16; router F32 ok)
       dense/globals.safetensors           embeddings, final norm, head
+      (MTP layers, manifest `mtp_layers`: the same two file kinds at layer L >= num_layers, listed with kind
+      `mtp_expert` / `mtp_dense`, so readers of the main model never take them for its own)
 
 Every tensor starts at a multiple of FILE_ALIGN bytes in its file; tensors named `__pad__.N` are U8 filler that
 keeps safetensors' contiguous offsets aligned, and readers ignore them.
@@ -46,6 +48,11 @@ PROJECTIONS = ("gate", "up", "down")
 # Layout names of non-expert tensors (the GPU-layer encoders add their own).
 DENSE_LAYOUT_BF16 = "dense-bf16"
 DENSE_LAYOUT_F32 = "dense-f32"
+
+# manifest file kinds of a multi-token-prediction layer's files (dense/layer-L, experts/layer-L.*), beside the main
+# model's "dense" / "expert": ktrun loads them only to draft with them (--speculative mtp)
+MTP_DENSE_KIND = "mtp_dense"
+MTP_EXPERT_KIND = "mtp_expert"
 
 # safetensors __metadata__ keys of expert files (besides constants.META_*)
 META_GEOMETRY = "kt.geometry"   # JSON: {"n_experts", "hidden", "intermediate", "shard", "n_shards", "i0", "i1", ...}
@@ -249,7 +256,11 @@ def validate_manifest(m: dict) -> ExpertGeometry:
                     raise ManifestError(f"manifest tensor {name!r} in {rel} lacks {key!r}")
             if t["offset"] % FILE_ALIGN:
                 raise ManifestError(f"manifest tensor {name!r} in {rel}: offset {t['offset']} is not {FILE_ALIGN}-aligned")
-    for layer in geo.moe_layers:
+    mtp_experts = {f.get("layer") for f in files.values() if f["kind"] == MTP_EXPERT_KIND}
+    if not mtp_experts <= set(m.get("mtp_layers", ())):
+        raise ManifestError(f"manifest lists MTP expert files of layers {sorted(mtp_experts)} but mtp_layers is "
+                            f"{m.get('mtp_layers', [])}")
+    for layer in [*geo.moe_layers, *sorted(mtp_experts)]:
         for s in range(geo.numa_nodes):
             rel = expert_file(layer, s, geo.numa_nodes)
             if rel not in files:

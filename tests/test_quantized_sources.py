@@ -30,7 +30,9 @@ DIMS = {"intermediate_size": 256, "q_lora_rank": 64}
 
 
 def quantize(src, out, *args, ok=True) -> subprocess.CompletedProcess:
-    r = subprocess.run([*KTCONVERT, "quantize", str(src), "-o", str(out), "--quiet", *map(str, args)],
+    """The main model only (--no-keep-mtp): the counts below are its routed experts and GPU layers."""
+    r = subprocess.run([*KTCONVERT, "quantize", str(src), "-o", str(out), "--quiet", "--no-keep-mtp",
+                        *map(str, args)],
                        capture_output=True, text=True, timeout=300, check=False)
     assert (r.returncode == 0) == ok, r.stderr[-3000:]
     return r

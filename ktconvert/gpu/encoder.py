@@ -229,8 +229,10 @@ class GpuLayerEncoder:
         t = torch.as_tensor(np.ascontiguousarray(tensor, dtype=np.float32))
         if not self.quantizes(name, tuple(t.shape), role):
             return self.bf16.encode(name, tensor, role)
-        q = None if self.calibrated else self.exact(name, tuple(t.shape))
-        if self.calibrated:
+        # an MTP layer's Linears have no calibration inputs (the driver runs the main layers): uncalibrated
+        calibrated = self.calibrated and not getattr(role, "mtp", False)
+        q = None if calibrated else self.exact(name, tuple(t.shape))
+        if calibrated:
             q = self._calibrated(name, role)
         elif q is None and self.algo == "search":
             q = quantize_search(self._pad(name, t)[0], self.bits, self.opts.group_size)

@@ -57,6 +57,16 @@ class ArchAdapter:
     def moe_layers(self) -> list[int]:
         return list(self.cfg.moe_layers)
 
+    def mtp_layers(self, names=None) -> list[int]:
+        """The multi-token-prediction layers the config declares (DeepSeek's layout, at num_hidden_layers); with
+        names (the checkpoint's tensor names), only those it holds in that layout (their eh_proj: a GGUF's NextN
+        blocks, under llama.cpp's names, are not)."""
+        layers = self.family.names.mtp_layers(self.cfg)
+        if names is None:
+            return layers
+        names = set(names)
+        return [li for li in layers if self.family.names.layer(li) + "eh_proj.weight" in names]
+
     def expert_tensor_name(self, layer: int, expert: int, proj: str) -> str:
         return self.family.names.expert_tensor_name(layer, expert, proj)
 
@@ -65,9 +75,10 @@ class ArchAdapter:
         return [self.expert_tensor_name(li, e, p) for li in self.cfg.moe_layers for e in range(self.n_experts)
                 for p in PROJS]
 
-    def classify(self, name: str) -> TensorRole:
+    def classify(self, name: str, keep_mtp: bool = False) -> TensorRole:
+        """keep_mtp: an MTP layer's tensors get their role (marked mtp) instead of "skip"."""
         with as_source_error():
-            return self.family.names.classify(name, self.cfg)
+            return self.family.names.classify(name, self.cfg, keep_mtp)
 
     def __repr__(self) -> str:
         return (f"ArchAdapter({self.model_type}, layers={self.num_layers}, experts={self.n_experts}, "

@@ -4,8 +4,9 @@ A table row is (regex, kind, proj map) or (regex, "skip", None, reason). Groups 
 are captured; `proj` is mapped through the row's proj map (Mixtral's w1/w3/w2 -> gate/up/down). The first matching
 row wins, so specific rows (norms inside attention) come before general ones (the rest of attention). A skip row's
 reason says what the skipped tensors are (Kimi-K2.5's vision tower), for the converter's log. Layers at index >=
-num_hidden_layers are multi-token-prediction (MTP) layers where the family has them (every tensor skipped), an error
-otherwise.
+num_hidden_layers are multi-token-prediction (MTP) layers where the family has them, an error otherwise. An MTP layer
+(DeepSeek's layout, also GLM-4.x's: a decoder layer plus enorm, hnorm, eh_proj, shared_head.norm, shared_head.head and
+embed_tokens under `model.layers.L.`) is skipped, or with keep_mtp classified like a main layer, its role marked mtp.
 
 A family whose text model sits under a prefix in the checkpoint (Kimi-K2.5: `language_model.model.layers.N...`,
 `language_model.lm_head.weight`) builds its table with `prefixed(rows, prefix)` and sets `prefix`; `layer(i)`,
@@ -14,6 +15,7 @@ than `model.` (Qwen3.5-MoE: `model.language_model.layers.N...` beside `lm_head.w
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -44,6 +46,11 @@ COMMON_ROWS = [
 
 
 MTP_REASON = "multi-token-prediction layer (ktrun decodes without it)"
+# an MTP layer's own tensors beside its decoder layer (after the layer prefix): (regex, kind)
+MTP_EXTRA_ROWS = [(r"(enorm|hnorm|shared_head\.norm)\.weight$", "norm"),
+                  (r"eh_proj\.weight$", "attention"),            # (H, 2H) Linear: a GPU layer like attention's
+                  (r"shared_head\.head\.weight$", "head"),
+                  (r"embed_tokens\.weight$", "embedding")]
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class TensorRole:
     proj: str | None = None
     # skip rows: what the skipped tensor is (said in logs and inspect; not part of the role's identity)
     reason: str | None = field(default=None, compare=False)
+    mtp: bool = False                       # part of a multi-token-prediction layer (classified with keep_mtp)
 
 
 def prefixed(rows: list, prefix: str) -> list:
@@ -105,7 +113,8 @@ class HubNames:
     expert_projs: dict                      # our proj -> the name's proj token
     moe_prefix: str = "mlp."                # the MoE block inside a layer: router at <moe_prefix>gate.weight
     shared_prefix: str | None = None        # shared experts inside a layer, or None
-    mtp: bool = False                       # layers at index >= num_hidden_layers are MTP layers, skipped
+    mtp: bool = False                       # layers at index >= num_hidden_layers are MTP layers (DeepSeek's
+                                            # layout), skipped unless classified with keep_mtp
     prefix: str = ""                        # the text model's name prefix in the checkpoint (Kimi-K2.5)
     router: str = "gate"                    # the router Linear inside the MoE block: <moe_prefix><router>.weight
     fused_experts: FusedExperts | None = None   # experts stored fused per layer (gpt-oss), else per expert
@@ -154,15 +163,35 @@ class HubNames:
             raise ValueError(f"proj must be one of {PROJS}, got {proj!r}")
         return self.expert_name.format(layer=layer, expert=expert, proj=self.expert_projs[proj])
 
-    def classify(self, name: str, cfg: ModelConfig) -> TensorRole:
-        """The role of one hub tensor under this config; TensorNameError naming the tensor when it has none."""
+    def mtp_layers(self, cfg: ModelConfig) -> list[int]:
+        """Indices of the MTP layers the config declares (num_nextn_predict_layers after the main ones)."""
+        return list(range(cfg.num_layers, cfg.num_layers + cfg.n_mtp_layers)) if self.mtp else []
+
+    def classify(self, name: str, cfg: ModelConfig, keep_mtp: bool = False) -> TensorRole:
+        """The role of one hub tensor under this config; TensorNameError naming the tensor when it has none.
+        keep_mtp: an MTP layer's tensors get their role (marked mtp) instead of "skip"."""
         layer_m = re.match(self.layer_re, name)
         if layer_m and int(layer_m.group(1)) >= cfg.num_layers:
             layer = int(layer_m.group(1))
+            if keep_mtp and layer in self.mtp_layers(cfg):
+                return self._mtp_role(name, layer, cfg)
             if self.mtp and layer < cfg.num_layers + max(cfg.n_mtp_layers, 1):
                 return TensorRole("skip", layer, reason=MTP_REASON)  # not part of the main model
             raise TensorNameError(f"tensor {name}: layer {layer} is beyond num_hidden_layers={cfg.num_layers} "
                                   f"({cfg.model_type})")
+        return self._main_role(name, cfg)
+
+    def _mtp_role(self, name: str, layer: int, cfg: ModelConfig) -> TensorRole:
+        """An MTP layer's tensor: its own extras (enorm, eh_proj, ...), else what the same name is in a main layer
+        (an MTP layer's routed experts follow the family's MoE rule: no check against cfg.moe_layers)."""
+        rest = name[len(self.layer(layer)):]
+        for rx, kind in MTP_EXTRA_ROWS:
+            if re.match(rx, rest):
+                return TensorRole(kind, layer, mtp=True)
+        role = self._main_role(name, dataclasses.replace(cfg, num_layers=layer + 1, moe_layers=(layer,)))
+        return dataclasses.replace(role, mtp=True)
+
+    def _main_role(self, name: str, cfg: ModelConfig) -> TensorRole:
         for rx, kind, proj_map, reason in self.compiled:
             m = rx.match(name)
             if not m:
