@@ -95,8 +95,8 @@ class Engine:
         generated); max_batch: requests held at once; prefix_cache: True (default tiers: device + 4 GiB RAM), a
         PrefixCacheConfig (budgets, disk folder) or False (every prompt prefilled in full); kv_block_size: positions
         per KV block (the granularity of prefix reuse). Raises CacheBudgetError when the KV cache of ctx x max_batch
-        tokens and the recurrent states cannot fit the device's free memory. speculative: n-gram drafts verified in
-        the decode forward (None: off)."""
+        tokens and the recurrent states cannot fit the device's free memory. speculative: n-gram or MTP drafts
+        verified in the decode forward (None: off; "mtp" loads the conversion's MTP layer, LoadError without one)."""
         self.model_dir = Path(model_dir)
         t0 = time.perf_counter()
         if prefix_cache is True:
@@ -105,7 +105,8 @@ class Engine:
         self.loaded = load_model(self.model_dir, device=device, dtype=dtype, verify=verify, quiet=quiet,
                                  numa_prefault=numa_prefault, gpu_weights=gpu_weights, use_kernels=use_kernels,
                                  hot_experts=hot_experts, kv_tokens=int(ctx) * int(max_batch),
-                                 expert_ram=expert_ram, kv_states=kv_states)
+                                 expert_ram=expert_ram, kv_states=kv_states,
+                                 mtp=speculative is not None and speculative.needs_mtp)
         self.converted, self.model, self.tokenizer = self.loaded.converted, self.loaded.model, self.loaded.tokenizer
         self.experts, self.eos_ids, self.model_name = self.model.experts, self.loaded.eos_ids, self.loaded.name
         self.ctx, self.max_batch = int(ctx), int(max_batch)
@@ -125,6 +126,8 @@ class Engine:
             raise
         self._state_bytes = 0
         self.speculative = speculative if speculative is not None and speculative.enabled else None
+        if self.speculative is not None:           # MTP drafts: the head loaded with the model
+            self.speculative = self.speculative.with_mtp(self.loaded.mtp)
         self.cached_tokens: dict[str, int] = {}    # req_id -> prompt tokens taken from the cache, latest step()
         self._new: list[Sequence] = []
         self._running: dict[tuple[str, int], Sequence] = {}    # (req_id, choice index) -> its sequence

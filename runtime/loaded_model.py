@@ -34,6 +34,7 @@ class LoadedModel(contextlib.AbstractContextManager):
     tokenizer: Tokenizer
     eos_ids: set[int]               # any of these ends a generation (unless ignore_eos)
     converted: ConvertedModel       # the mapped directory: manifest, geometry, device, dtype, GPU-layer placement
+    mtp: object = None              # ktrun.mtp.MtpHead when loaded with mtp=True (--speculative mtp)
 
     @property
     def name(self) -> str:
@@ -41,9 +42,10 @@ class LoadedModel(contextlib.AbstractContextManager):
         return self.converted.root.resolve().name
 
     def close(self) -> None:
-        close = getattr(self.model.experts, "close", None)
-        if close:
-            close()
+        for experts in (self.model.experts, self.mtp.block.experts if self.mtp is not None else None):
+            close = getattr(experts, "close", None)
+            if close:
+                close()
         self.converted.close()       # the kernel pool of the quantized Linears, if any (closing twice is a no-op)
 
     def __exit__(self, *exc) -> None:
@@ -87,7 +89,8 @@ def _tiered_executor(converted, opts, use_kernels, hot_experts):
 def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = None, verify: bool = False,
                quiet: bool = True, numa_prefault: bool = False, gpu_weights: str = "auto",
                use_kernels: bool | None = None, hot_experts: HotExpertOptions | None = None,
-               kv_tokens: int = KV_BUDGET_TOKENS, expert_ram=None, kv_states: int = 1) -> LoadedModel:
+               kv_tokens: int = KV_BUDGET_TOKENS, expert_ram=None, kv_states: int = 1, mtp: bool = False
+               ) -> LoadedModel:
     """Open MODEL_DIR (ktrun.loader.load_converted: validated, experts mapped, dense layers placed), build the
     routed-expert executor (kernels when available; use_kernels=False: the torch reference) and the model forward.
     hot_experts: which experts run on the GPU (ktrun.experts.hot; None: the conversion's own placement, if any);
@@ -95,11 +98,13 @@ def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = N
     states (linear-attention layers, a fixed size per request) it leaves room for.
     expert_ram: ktrun.cli.expert_ram_option.ExpertRamOptions: routed experts in a RAM tier of that budget, the rest read
     from the expert files on demand (ktrun.experts.ram_tier; needs the kernels).
+    mtp: also load the conversion's multi-token-prediction layer and build its drafter (LoadedModel.mtp, for
+    --speculative mtp; LoadError naming the directory and the flag when it has none).
     dtype of the dense part: None = bfloat16 on CUDA, float32 on the CPU. Raises LoadError / ConfigError /
     TokenizerError (all ValueErrors) naming the file at fault."""
     root = Path(model_dir)
     converted = load_converted(root, device=device, dtype=dtype, verify=verify, quiet=quiet,
-                               numa_prefault=numa_prefault, gpu_weights=gpu_weights)
+                               numa_prefault=numa_prefault, gpu_weights=gpu_weights, mtp=mtp)
     if expert_ram is None:
         cpu = make_executor(converted, use_kernels=use_kernels)
     else:
@@ -108,5 +113,9 @@ def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = N
             hot_experts = None            # --profile alone with --expert-ram: it seeds the tier, places nothing
     experts = build_hot_executor(converted, cpu, hot_experts, kv_tokens, kv_states)
     model = MoEModel(converted.config, converted.dense, experts, converted.device, converted.dtype)
+    head = None
+    if mtp:
+        from .mtp import MtpHead, mtp_executor
+        head = MtpHead(model, converted, mtp_executor(converted, cpu, use_kernels))
     tokenizer = Tokenizer(root)
-    return LoadedModel(model, tokenizer, eos_ids_of(root, converted.config, tokenizer), converted)
+    return LoadedModel(model, tokenizer, eos_ids_of(root, converted.config, tokenizer), converted, head)

@@ -10,6 +10,9 @@
   placed by ktrun.dense_placement (`gpu_weights`): on the CPU repacked once for the kernels' quantized Linear op
   (ktrun.ops.kernel_linear, the default), or dequantized at load, or kept packed in the Marlin layout and run by an
   installed Marlin kernel (else dequantized per call).
+- Multi-token-prediction layers (manifest `mtp_layers`, files of kind mtp_dense / mtp_expert) are loaded only when
+  asked for (`mtp=True`, for --speculative mtp) into ConvertedModel.mtp, the same way as the main layers; otherwise
+  only their sizes are checked.
 - NUMA: files written for S shards are assigned to this machine's M nodes (ktlayouts nodes_for_shards); with
   `numa_prefault=True` a thread bound to each node's CPUs faults that node's pieces in (page cache lands on the node).
 """
@@ -28,6 +31,7 @@ from ktlayouts import converted_dir
 from ktlayouts.converted_dir import (
     DENSE_LAYOUT_BF16,
     DENSE_LAYOUT_F32,
+    MTP_DENSE_KIND,
     PROJECTIONS,
     ExpertGeometry,
     ManifestError,
@@ -77,6 +81,16 @@ def numa_nodes() -> list[list[int]]:
 
 
 @dataclass
+class MtpWeights:
+    """The conversion's multi-token-prediction layers (loaded with mtp=True): hub-named dense tensors (enorm, hnorm,
+    eh_proj, shared_head.*, the decoder layer's attention, router and shared experts) and the routed experts' maps,
+    as ConvertedModel holds the main layers'."""
+    layers: list[int]
+    dense: dict[str, object]
+    experts: dict[int, list[dict]]
+
+
+@dataclass
 class ConvertedModel:
     root: Path
     manifest: dict
@@ -94,6 +108,7 @@ class ConvertedModel:
     # the kernel context (ktrun.ops.moe.MoEKernels) whose pool runs the quantized Linears on the CPU (--gpu-weights
     # kernels); the routed-expert executor runs on the same pool (one set of threads). None: not on the kernels.
     kernels: object = None
+    mtp: MtpWeights | None = None   # the MTP layers, when loaded with mtp=True
 
     def close(self) -> None:
         if self.kernels is not None:
@@ -194,14 +209,17 @@ def memory_limit_bytes() -> int:
     return limit
 
 
-def _map_experts(root: Path, manifest: dict, geo: ExpertGeometry) -> tuple[dict[int, list[dict]], int]:
+def _map_experts(root: Path, manifest: dict, geo: ExpertGeometry, moe_layers=None
+                 ) -> tuple[dict[int, list[dict]], int]:
+    """moe_layers: the layers whose expert files to map (default: the main model's, geo.moe_layers)."""
     # Huge pages only for expert files that fit in memory: where they do not, the page cache evicts and re-reads
     # them, and each fault on a huge-page mapping then reads 2 MiB instead of 4 KiB (plain mmap at 2x the memory
     # cgroup's cap read 324-500 MB per token with the advice against 110-130 MB without it: bench_expert_tier.py).
-    files = {expert_file(layer, s, geo.numa_nodes) for layer in geo.moe_layers for s in range(geo.numa_nodes)}
+    moe_layers = geo.moe_layers if moe_layers is None else moe_layers
+    files = {expert_file(layer, s, geo.numa_nodes) for layer in moe_layers for s in range(geo.numa_nodes)}
     huge_pages = sum(int(manifest["files"][rel]["size"]) for rel in files) <= memory_limit_bytes()
     layers, nbytes = {}, 0
-    for layer in geo.moe_layers:
+    for layer in moe_layers:
         shards = []
         for s in range(geo.numa_nodes):
             rel = expert_file(layer, s, geo.numa_nodes)
@@ -237,12 +255,13 @@ def _return_freed_heap() -> None:
 
 
 def _load_dense(root: Path, manifest: dict, device, dtype, gpu_weights: str, linear_kernels=None,
-                keep_stored: tuple[str, ...] = ()) -> tuple[dict, str]:
+                keep_stored: tuple[str, ...] = (), kinds: tuple[str, ...] = ("dense", "globals")) -> tuple[dict, str]:
     """keep_stored: tensors kept in their stored float dtype (an untied embedding table: only rows are read, and
-    the forward widens those; a float32 copy of V3's 129280 x 7168 table would add 1.85 GB to the RSS)."""
+    the forward widens those; a float32 copy of V3's 129280 x 7168 table would add 1.85 GB to the RSS).
+    kinds: the manifest file kinds to read (the MTP layers': (MTP_DENSE_KIND,))."""
     dense, quantized = {}, {}
     for rel, f in manifest["files"].items():
-        if f["kind"] not in ("dense", "globals"):
+        if f["kind"] not in kinds:
             continue
         arrays = _map_tensors(safe_relpath(root, rel), f.get("tensors", {}))
         for name, a in arrays.items():
@@ -331,8 +350,20 @@ def _check_routers(root: Path, cfg: ModelConfig, dense: dict) -> None:
                             f"{candidates[0]}")
 
 
+def _check_mtp(root: Path, manifest: dict) -> list[int]:
+    """The conversion's MTP layers; LoadError naming the directory and the flag when it has none."""
+    layers = list(manifest.get("mtp_layers", ()))
+    if not layers:
+        raise LoadError(f"{root}: --speculative mtp drafts with the checkpoint's multi-token-prediction (MTP) layers, "
+                        f"and this conversion has none (manifest.json lists no mtp_layers: the family ships none, "
+                        f"or it was converted with `ktconvert quantize --no-keep-mtp`); use --speculative ngram, or "
+                        f"convert the checkpoint again without --no-keep-mtp")
+    return layers
+
+
 def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool = False, quiet: bool = True,
-                   numa_prefault: bool = False, gpu_weights: str = "auto") -> ConvertedModel:
+                   numa_prefault: bool = False, gpu_weights: str = "auto", mtp: bool = False) -> ConvertedModel:
+    """mtp: also load the multi-token-prediction layers (ConvertedModel.mtp; LoadError when there are none)."""
     root = Path(model_dir)
     if not root.is_dir():
         raise LoadError(f"{root}: not a directory")
@@ -343,6 +374,7 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
         raise LoadError(f"{root}: {e}") from None
     _check_inside(root, manifest["files"])
     cfg = _config_for(root, manifest, geo)
+    mtp_layers = _check_mtp(root, manifest) if mtp else []
     _check_files(root, manifest, verify, quiet)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -352,8 +384,9 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
     except PlacementError as e:
         raise LoadError(str(e)) from None
     kernels = lin = None
+    dense_kinds = ("dense", "globals", *((MTP_DENSE_KIND,) if mtp else ()))
     if on_kernels and any(is_gpu_layout(t["layout"]) for f in manifest["files"].values()
-                          if f["kind"] in ("dense", "globals") for t in f.get("tensors", {}).values()):
+                          if f["kind"] in dense_kinds for t in f.get("tensors", {}).values()):
         from .ops.linear import LinearKernels
         from .ops.moe import MoEKernels
         kernels = MoEKernels()
@@ -362,6 +395,13 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
         embed = get_family(cfg.model_type).names.embed
         keep = (embed,) if device.type == "cpu" and not cfg.tie_word_embeddings else ()
         dense, how = _load_dense(root, manifest, device, dtype, gpu_weights, lin, keep)
+        mtp_weights = None
+        if mtp_layers:
+            names = get_family(cfg.model_type).names
+            mtp_dense, _ = _load_dense(root, manifest, device, dtype, gpu_weights, lin, tuple(
+                names.layer(li) + "embed_tokens.weight" for li in mtp_layers) if keep else (), (MTP_DENSE_KIND,))
+            moe = [li for li in mtp_layers if expert_file(li, 0, geo.numa_nodes) in manifest["files"]]
+            mtp_weights = MtpWeights(mtp_layers, mtp_dense, _map_experts(root, manifest, geo, moe)[0])
         if lin is not None:
             _return_freed_heap()
         _check_routers(root, cfg, dense)
@@ -372,7 +412,7 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
     nodes = numa_nodes()
     model = ConvertedModel(root, manifest, geo, cfg, dense, experts, device, dtype,
                            numa_plan=node_unit_ranges(geo.shard_plan, len(nodes)), mapped_bytes=nbytes,
-                           gpu_weights=how, kernels=kernels)
+                           gpu_weights=how, kernels=kernels, mtp=mtp_weights)
     if numa_prefault:
         model.prefault_threads = prefault_numa(model, nodes)
     return model

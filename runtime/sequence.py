@@ -50,7 +50,7 @@ class Sequence:
         if self.drafter is None:
             return []
         room = min(self.params.max_tokens - len(self.tokens), self.ctx - len(self.prompt_ids) - len(self.tokens))
-        drafts = self.drafter.propose(min(self.draft_tokens, room - 1))
+        drafts = self.drafter.propose(min(self.draft_tokens, room - 1), self.cache)
         self.drafted += len(drafts)
         return drafts
 

@@ -50,7 +50,9 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
 
 def test_config_is_checked():
     with pytest.raises(ValueError, match="method"):
-        SpeculativeConfig("mtp")
+        SpeculativeConfig("eagle")
+    with pytest.raises(ValueError, match="MTP layer loaded"):      # mtp drafts need the model's MTP head
+        SpeculativeConfig("mtp").drafter([1])
     with pytest.raises(ValueError, match="draft_tokens"):
         SpeculativeConfig("ngram", 0)
     assert SpeculativeConfig().drafter([1]) is None

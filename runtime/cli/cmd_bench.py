@@ -201,6 +201,7 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
       ktrun bench converted/ --profile profile.json --gpu-experts 8 --prompt-file heldout.txt --per-layer
       ktrun bench converted/ --expert-ram 64GB --pp 0 --tg 32    # experts beyond 64 GB read from disk
       ktrun bench converted/ --prompt-file edit.py --speculative ngram --draft-tokens 4   # decode with drafts
+      ktrun bench converted/ --prompt-file code.py --speculative mtp --draft-tokens 1      # MTP-layer drafts
 
     With --speculative, two more rows time greedy decoding after the prompt (--prompt-file, else pp random
     tokens), without and with drafts, alternating per repetition; the acceptance rate (accepted / drafted tokens),
@@ -218,7 +219,8 @@ def bench(model_dir, pp, prompt_file, per_layer, tg, reps, seed, dense_dtype, de
     try:
         lm = load_model(model_dir, device=device, use_kernels=False if reference_experts else None,
                         gpu_weights=gpu_weights, dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype),
-                        hot_experts=hot_opts, expert_ram=ram_opts)
+                        hot_experts=hot_opts, expert_ram=ram_opts, mtp=spec is not None and spec.needs_mtp)
+        spec = spec.with_mtp(lm.mtp) if spec is not None else None
         summary = summary_lines(ExpertProfile.load(hot_opts.profile)) if hot_opts and hot_opts.profile else []
     except (LoadError, ProfileError, ValueError) as e:
         raise click.ClickException(str(e)) from None

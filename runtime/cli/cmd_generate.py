@@ -52,6 +52,7 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
       ktrun generate converted/ --profile profile.json --gpu-experts 8 --prompt "def f(x):"   # hot experts on GPU
       ktrun generate converted/ --expert-ram 200GB --prompt "Hello"    # experts beyond 200 GB read from disk
       ktrun generate converted/ --prompt "$(cat edit.py)" --speculative ngram --draft-tokens 6   # prompt lookup
+      ktrun generate converted/ --prompt "def f(x):" --speculative mtp --draft-tokens 2   # the model's MTP layer
     """
     import torch
     from ktlayouts.families import ConfigError
@@ -71,7 +72,8 @@ def generate(model_dir, prompt, chat, system, max_tokens, temperature, top_p, to
         lm = load_model(model_dir, device=device, verify=verify, use_kernels=False if reference_experts else None,
                         quiet=as_json, numa_prefault=numa_prefault, gpu_weights=gpu_weights,
                         dtype=None if dense_dtype == "auto" else getattr(torch, dense_dtype), hot_experts=hot_opts,
-                        kv_tokens=ctx, expert_ram=ram_opts)
+                        kv_tokens=ctx, expert_ram=ram_opts, mtp=spec is not None and spec.needs_mtp)
+        spec = spec.with_mtp(lm.mtp) if spec is not None else None
         tok = lm.tokenizer
         if chat:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

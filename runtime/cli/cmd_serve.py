@@ -116,6 +116,7 @@ def serve(model_dir, host, port, api_key, ctx, max_batch, device, verify, max_bo
       ktrun serve converted/ --profile profile.json --gpu-mem 24GB --dynamic-experts   # hot experts, kept fresh
       ktrun serve converted/ --expert-ram 200GB          # experts beyond 200 GB of RAM read from disk
       ktrun serve converted/ --speculative ngram --draft-tokens 4   # drafts from each request's own context
+      ktrun serve converted/ --speculative mtp --draft-tokens 1     # drafts from the checkpoint's MTP layer
       ktrun serve qwen3-converted/ --tool-call-parser hermes --reasoning-inline
       ktrun serve converted/ --prefix-cache-dir /nvme/ktrun-cache --prefix-cache-disk 200GB --prefix-cache-ram 32GiB
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\

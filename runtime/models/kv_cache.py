@@ -212,6 +212,9 @@ class SeqCache:
         # speculative decoding: the state after each drafted position of the latest verify forward (keep() rolls
         # back to one of them when drafts are rejected)
         self.spec_states: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
+        # MTP drafts (MoEModel.keep_hidden): (start position, final hidden rows (n, H)) of each forward since the
+        # drafter last read them (ktrun.mtp; rows past a rollback are stale, the drafter reads by position)
+        self.hidden: list[tuple[int, torch.Tensor]] = []
         # a cache dropped without release() (one-off forwards in tests, `ktrun bench`) gives its blocks back
         self._finalizer = weakref.finalize(self, _release_blocks, pool, self.blocks)
 
@@ -248,6 +251,7 @@ class SeqCache:
         dst.block_hashes.extend(self.block_hashes)
         dst.length = self.length
         dst.recurrent = dict(self.recurrent)      # shared: a forward makes new state tensors, never writes them
+        dst.hidden = list(self.hidden)             # the prompt's hidden rows, for the copy's own MTP drafter
         return dst
 
     def reserve(self, total: int) -> None:
@@ -299,6 +303,7 @@ class SeqCache:
         self.snaps.clear()
         self.tail = None
         self.spec_states = {}
+        self.hidden = []
 
     def nbytes(self) -> int:
         return len(self.blocks) * self.pool.block_bytes

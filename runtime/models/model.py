@@ -22,8 +22,12 @@ from .layers import SERIAL_MAX_ROWS, Rope, add_rms_norm, rms_norm, serial_torch,
 
 
 class MoEModel:
-    def __init__(self, cfg: ModelConfig, weights: dict, experts, device="cpu", dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, weights: dict, experts, device="cpu", dtype=torch.float32,
+                 layers: tuple[int, ...] | None = None):
+        """layers: the decoder layers this forward runs, by hub index, in order (default: all cfg.num_layers; a
+        multi-token-prediction block runs its one layer L = num_hidden_layers, in KV slot 0: ktrun.mtp)."""
         self.cfg, self.w, self.experts = cfg, weights, experts
+        self.layers = tuple(range(cfg.num_layers)) if layers is None else tuple(layers)
         self.device, self.dtype = torch.device(device), dtype
         self.arch = arch_module(cfg.model_type)
         self.names = get_family(cfg.model_type).names    # hub names: where the MoE block and shared experts live
@@ -34,15 +38,19 @@ class MoEModel:
         self.state_layout: StateLayout | None = state(cfg, dtype) if state is not None else None
         self.has_recurrent_state = self.state_layout is not None
         self.moe_layers = set(cfg.moe_layers)
-        self.moe_prefix = [self._moe_prefix(i) for i in range(cfg.num_layers)]
+        self.moe_prefix = {i: self._moe_prefix(i) for i in self.layers}
         if cfg.is_mla:                                     # MLA's absorbed kv_b on the kernels' op: built now
-            prepare_absorbed(cfg, weights, [self.names.layer(i) + "self_attn." for i in range(cfg.num_layers)])
+            prepare_absorbed(cfg, weights, [self.names.layer(i) + "self_attn." for i in self.layers])
         self.shared_fused = self._fuse_shared()           # MoE layers whose executor computes the shared expert
         self.lm_head = weights.get(self.names.head)
         if self.lm_head is None:
             if not cfg.tie_word_embeddings:
                 raise KeyError(f"{self.names.head} is missing and tie_word_embeddings is false")
             self.lm_head = weights[self.names.embed]
+        self.final_norm = weights.get(self.names.final_norm)   # after the last layer (an MTP block: its own)
+        # speculative decoding with MTP drafts: each forward leaves every request's final hidden rows on its cache
+        # (SeqCache.hidden: (start position, (n, H))) for the MTP drafter to read
+        self.keep_hidden = False
         # wall seconds by part (CPU clock; on CUDA these are launch times unless synchronized)
         self.timing = {"expert_wait_s": 0.0, "attention_s": 0.0, "mlp_s": 0.0, "forward_s": 0.0, "forwards": 0}
         self.kv_pool = BlockPool(self.cache_layout(), dtype, self.device)   # every request's KV blocks
@@ -117,26 +125,40 @@ class MoEModel:
     def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """-> float32 logits: (T, V) for every token if all_logits, else (B, V) for each request's last token."""
         t0 = time.perf_counter()
+        x = F.embedding(batch.tokens.to(self.device), self.w[self.names.embed]).to(self.dtype)  # (T, H); bf16 widens
+        _, h = self.decoder(batch, x)
+        if self.keep_hidden:
+            for s in batch.seqs:
+                s.cache.hidden.append((s.start, h[s.offset:s.offset + s.n]))
+        if not all_logits and not all(s.n == 1 for s in batch.seqs):   # decode: the rows are the last tokens
+            h = h[batch.last_token_rows().to(self.device)]
+        logits = linear(h, self.lm_head).float()
+        self.timing["forward_s"] += time.perf_counter() - t0
+        self.timing["forwards"] += 1
+        return logits
+
+    def decoder(self, batch: Batch, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers over the batch's input rows x (T, H), committing the batch to its caches -> (the
+        residual stream after the last layer (T, H), its final norm (T, H))."""
         cfg, w = self.cfg, self.w
-        x = F.embedding(batch.tokens.to(self.device), w[self.names.embed]).to(self.dtype)  # (T, H); stored bf16 widens
         cos, sin = self.rope.cos_sin(batch.positions.to(self.device), self.dtype)
         tm, clock = self.timing, time.perf_counter
-        L = cfg.num_layers
+        L = len(self.layers)
         # a family whose decoder layer is not attention -> MLP (LongCat-Flash's two sublayers + shortcut MoE) runs
         # its module's decoder_layer(model, i, x, h, batch, cos, sin) -> (x, h): h is layer i's normed input as the
         # previous call left it (None for layer 0: the hook norms x itself); after the last layer, the final norm
         layer_hook = getattr(self.arch, "decoder_layer", None)
         h = None if layer_hook is not None else (
-            self.norm(x, w[self.names.layer(0) + "input_layernorm.weight"], cfg.rms_norm_eps) if L else x)
-        for i in range(L):
+            self.norm(x, w[self.names.layer(self.layers[0]) + "input_layernorm.weight"], cfg.rms_norm_eps) if L else x)
+        for slot, i in enumerate(self.layers):         # slot: the layer's KV blocks (i itself, but in an MTP block)
             if layer_hook is not None:
                 x, h = layer_hook(self, i, x, h, batch, cos, sin)
                 continue
             p = self.names.layer(i)
             t1 = clock()
             # each residual add runs with the norm after it (one kt_rms_norm call for float32 CPU rows)
-            x, h = self._add_norm(x, self.arch.attention(cfg, w, p + "self_attn.", h, batch, i, self.rope, cos, sin),
-                                  w[p + "post_attention_layernorm.weight"])
+            x, h = self._add_norm(x, self.arch.attention(cfg, w, p + "self_attn.", h, batch, slot, self.rope, cos,
+                                                         sin), w[p + "post_attention_layernorm.weight"])
             t2 = clock()
             if i in self.moe_layers:
                 m = self._moe(i, h)
@@ -145,17 +167,12 @@ class MoEModel:
                                w[p + "mlp.down_proj.weight"])
             # the next layer's input norm, or after the last layer the final norm (of every row: row-wise, the
             # same bits for the rows kept below)
-            x, h = self._add_norm(x, m, w[self.names.layer(i + 1) + "input_layernorm.weight"] if i + 1 < L
-                                  else w[self.names.final_norm])
+            x, h = self._add_norm(x, m, w[self.names.layer(self.layers[slot + 1]) + "input_layernorm.weight"]
+                                  if slot + 1 < L else self.final_norm)
             t3 = clock()
             tm["attention_s"] += t2 - t1
             tm["mlp_s"] += t3 - t2                      # router + shared/dense MLP + waiting for routed experts
         batch.commit()
         if not L:
-            h = self.norm(x, w[self.names.final_norm], cfg.rms_norm_eps)
-        if not all_logits and not all(s.n == 1 for s in batch.seqs):   # decode: the rows are the last tokens
-            h = h[batch.last_token_rows().to(self.device)]
-        logits = linear(h, self.lm_head).float()
-        self.timing["forward_s"] += time.perf_counter() - t0
-        self.timing["forwards"] += 1
-        return logits
+            h = self.norm(x, self.final_norm, cfg.rms_norm_eps)
+        return x, h

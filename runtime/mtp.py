@@ -1,0 +1,147 @@
+"""Speculative drafts from the checkpoint's own multi-token-prediction (MTP) layer (`--speculative mtp`).
+
+DeepSeek-V3's MTP module (GLM-4.5 and later ship the same): at main position i, from the main model's final hidden
+state h_i (after its final norm, as vLLM and SGLang feed it) and the token t_{i+1} after it,
+
+    u_i      = eh_proj(concat(enorm(embed(t_{i+1})), hnorm(h_i)))     (2H,) -> (H,)
+    x_i      = the MTP decoder layer over u (its own KV cache: u_0 .. u_i; attention, router, shared + routed experts)
+    logits_i = head(shared_head.norm(x_i))                               predicts t_{i+2}
+
+embed: the layer's own embed_tokens (else the main one); head: shared_head.head (else the main lm_head).
+
+Drafting k tokens after a request's newest token t_n (main positions [0, n) computed): the block first catches up on
+the positions the main model ran since the last draft, from the hidden rows each forward left on the request's cache
+(SeqCache.hidden, read by position up to the main cache's length, so rows of rejected drafts are never used); its
+last row proposes d_1 = argmax. Each further d_j comes from (d_{j-1}, x of the step before) one position on (the
+chain of DeepSeek's sequential MTP, one layer reused). Then the block's cache is rolled back to the main model's
+positions: the chained entries were guesses, the verify forward gives the true hidden rows. Drafts are greedy (a
+point mass), so Sampler.sample_or_accept's acceptance rule keeps the sampled distribution, and greedy output is
+the plain output token for token.
+
+Positions: the block's cache starts at the first main position it has a hidden row for (after a prefix-cache hit,
+the cached prompt tokens never ran); RoPE depends only on position differences, so the offset changes nothing.
+
+The layer runs on runtime/models (MoEModel over the one layer L in KV slot 0), its routed experts on an executor of
+their own over the MTP expert files (ktrun.experts.executors.make_executor, on the main kernel pool's threads).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from .experts.executors import make_executor
+from .loader import ConvertedModel
+from .models.glm_moe_dsa import CARRY as INDEXER_SELECTIONS
+from .models.kv_cache import Batch, SeqCache
+from .models.model import MoEModel
+from .ops.packed_linear import linear
+from .speculative import MAX_DRAFT_TOKENS
+
+
+def mtp_executor(converted: ConvertedModel, main_executor, use_kernels: bool | None):
+    """The routed-expert executor of the MTP layer(s): the same kind as the main one (kernels or the torch
+    reference), over the MTP expert files, on the main executor's kernel pool when it has one."""
+    pool = converted.kernels if converted.kernels is not None else getattr(main_executor, "moe", None)
+    view = dataclasses.replace(converted, experts=converted.mtp.experts, kernels=pool)
+    return make_executor(view, use_kernels=use_kernels)
+
+
+class MtpHead:
+    """The checkpoint's first MTP layer over a loaded main model; `drafter(context)` makes a request's drafter."""
+
+    def __init__(self, model: MoEModel, converted: ConvertedModel, experts):
+        weights = converted.mtp
+        L = weights.layers[0]
+        p = model.names.layer(L)
+        w = {**model.w, **weights.dense}        # the main tensors are shared, not copied
+        # GLM-5.2's index sharing: an MTP layer without an indexer of its own is a "shared" one; in the block's
+        # forward no full layer ran before it, so it attends to every key (forward() hands it no selection)
+        own_indexer = any(n.startswith(p + "self_attn.indexer.") for n in w)
+        self.shares_index = bool(model.cfg.indexer_types) and not own_indexer
+        cfg = dataclasses.replace(model.cfg, num_layers=1, moe_layers=(L,) if L in weights.experts else (),
+                                  layer_types=(), indexer_types=("shared",) if self.shares_index else ())
+        missing = [n for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+                   if p + n not in w]
+        if missing:
+            raise ValueError(f"{converted.root}: MTP layer {L} lacks {p + missing[0]} (not a DeepSeek-layout MTP "
+                             f"block); --speculative mtp cannot run it")
+        self.block = MoEModel(cfg, w, experts, model.device, model.dtype, layers=(L,))
+        self.block.final_norm = w[p + "shared_head.norm.weight"]
+        self.head = w.get(p + "shared_head.head.weight", model.lm_head)
+        self.embed = w.get(p + "embed_tokens.weight", model.w[model.names.embed])
+        self.enorm, self.hnorm, self.eh_proj = (w[p + n] for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight"))
+        self.norm, self.eps, self.layer = model.norm, cfg.rms_norm_eps, L
+        model.keep_hidden = True                # the main forward now leaves hidden rows for the drafters
+
+    def drafter(self, context: list[int]) -> MtpDrafter:
+        return MtpDrafter(self, context)
+
+    @torch.inference_mode()
+    def forward(self, cache: SeqCache, tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens t_{i+1} (n,) and hidden rows h_i (n, H) at the cache's next n positions -> (logits (V,) of the
+        last row, the layer's output rows x (n, H) before shared_head.norm)."""
+        b = self.block
+        e = F.embedding(torch.tensor(tokens, device=b.device), self.embed).to(b.dtype)          # (n, H)
+        u = torch.cat([self.norm(e, self.enorm, self.eps),
+                       self.norm(hidden.to(b.dtype).contiguous(), self.hnorm, self.eps)], dim=-1)  # (n, 2H)
+        batch = Batch.build([(cache, tokens)], b.device)
+        if self.shares_index:
+            batch.carried[INDEXER_SELECTIONS] = [None]         # no earlier layer's selection: every key visible
+        x, h = b.decoder(batch, linear(u, self.eh_proj))                                        # (n, H) each
+        return linear(h[-1:], self.head).float()[0], x
+
+
+class MtpDrafter:
+    """One request's MTP drafts: its context (prompt + generated, as NgramDrafter keeps it) and the MTP block's KV
+    cache over the main positions [base, base + cache.length)."""
+
+    def __init__(self, head: MtpHead, context: list[int]):
+        self.head = head
+        self.ids = [int(t) for t in context]
+        self.cache: SeqCache | None = None
+        self.base = 0                            # the main position of the block cache's position 0
+
+    def extend(self, ids: list[int]) -> None:
+        self.ids.extend(int(t) for t in ids)
+
+    def propose(self, k: int, main: SeqCache) -> list[int]:
+        """Up to k greedy drafts after the newest token (main: the request's cache, positions [0, n) computed and
+        their hidden rows left on it); [] when there is nothing to start from."""
+        if k <= 0:
+            return []
+        n = main.length
+        if self.cache is None:
+            self.cache = self.head.block.new_cache(main.ctx + MAX_DRAFT_TOKENS)
+        start, rows = self._new_rows(main, n)
+        if rows is None:
+            return []
+        logits, x = self.head.forward(self.cache, self.ids[start + 1:n + 1], rows)
+        drafts = [int(logits.argmax())]
+        for _ in range(k - 1):                   # chained: its own token and output row one position on
+            logits, x = self.head.forward(self.cache, drafts[-1:], x[-1:])
+            drafts.append(int(logits.argmax()))
+        self.cache.keep(n - self.base)           # drop the chained guesses
+        return drafts
+
+    def _new_rows(self, main: SeqCache, n: int) -> tuple[int, torch.Tensor | None]:
+        """(first position, hidden rows (n - first, H)) of the main positions the block has not run, newest
+        forward first where they overlap; the rows are consumed. A gap (the prompt's cached prefix) restarts the
+        block's cache after it."""
+        done = self.base + self.cache.length
+        hi, pieces = n, []
+        for start, h in reversed(main.hidden):
+            end = start + h.shape[0]
+            if hi <= done or not start < hi <= end:
+                break
+            lo = max(start, done)
+            pieces.append(h[lo - start:hi - start])
+            hi = lo
+        main.hidden.clear()
+        if hi >= n:
+            return n, None
+        if hi > done:                            # positions [done, hi) never ran here: start over at hi
+            self.cache.release()
+            self.base = hi
+        return hi, torch.cat(pieces[::-1]) if len(pieces) > 1 else pieces[0]
