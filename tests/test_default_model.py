@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -210,3 +213,48 @@ def test_training_script_smoke_run_writes_a_loadable_hub_dir(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(out))
     ids = tok("import os\n", return_tensors="pt")["input_ids"]
     assert ids[0, 0] == 0 and torch.isfinite(m(input_ids=ids).logits).all()
+
+
+def test_mtp_training_script_smoke_run_adds_a_loadable_mtp_layer(tmp_path):
+    """train_mtp on a copy of a model without an MTP layer: the shard, index, config and card gain the layer;
+    transformers still loads the main model with the same logits."""
+    from transformers import DeepseekV3ForCausalLM
+
+    base = tmp_path / "base"
+    shutil.copytree(MODEL_DIR, base)
+    index = json.loads((base / "model.safetensors.index.json").read_text())
+    mtp_names = [n for n, f in index["weight_map"].items() if f == "model-mtp.safetensors"]
+    if mtp_names:           # the shipped model has its MTP layer: strip it to retrain one
+        with safe_open(str(base / "model-mtp.safetensors"), "pt") as f:
+            mtp_bytes = sum(f.get_tensor(n).numel() * f.get_tensor(n).element_size() for n in mtp_names)
+        (base / "model-mtp.safetensors").unlink()
+        index = {"metadata": {"total_size": index["metadata"]["total_size"] - mtp_bytes},
+                 "weight_map": {n: f for n, f in index["weight_map"].items() if f != "model-mtp.safetensors"}}
+        (base / "model.safetensors.index.json").write_text(json.dumps(index))
+        cfg = json.loads((base / "config.json").read_text())
+        (base / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "ktconvert.default_model.train_mtp", "--model", str(base), "--out",
+                        str(out), "--steps", "2", "--limit-files", "20", "--eval-tokens", "2048"],
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())
+    L = config["num_hidden_layers"]
+    assert config["num_nextn_predict_layers"] == 1
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    names = {n for n, f in index["weight_map"].items() if f == "model-mtp.safetensors"}
+    for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+              "self_attn.kv_a_proj_with_mqa.weight", "mlp.experts.15.down_proj.weight", "mlp.gate.weight"):
+        assert f"model.layers.{L}.{n}" in names, n
+    with safe_open(str(out / "model-mtp.safetensors"), "pt") as f:
+        assert set(f.keys()) == names
+        nbytes = sum(f.get_tensor(n).numel() * f.get_tensor(n).element_size() for n in names)
+    assert index["metadata"]["total_size"] == json.loads(
+        (base / "model.safetensors.index.json").read_text())["metadata"]["total_size"] + nbytes
+    stats = json.loads((out / "training_stats.json").read_text())
+    assert stats["mtp"]["steps"] == 2 and "## Multi-token prediction (MTP) layer" in (out / "README.md").read_text()
+    ids = torch.tensor([[1, 50, 60, 70, 80]])
+    a = DeepseekV3ForCausalLM.from_pretrained(str(base)).eval()
+    b = DeepseekV3ForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)

@@ -92,4 +92,38 @@ model = DeepseekV3ForCausalLM.from_pretrained(DIR)
 ids = tok("def read_config(path):", return_tensors="pt").input_ids  # no trailing newline: BPE boundary
 print(tok.decode(model.generate(ids, max_new_tokens=60, do_sample=False)[0]))
 ```
+""" + (mtp_section(c, s["mtp"]) if "mtp" in s else "")
+
+
+def mtp_stop(m: dict) -> str:
+    planned = m.get("planned_steps", m["steps"])
+    return f", stopped by the time budget at step {m['steps']}" if m["steps"] < planned else ""
+
+
+def mtp_section(c, m: dict) -> str:
+    """The card's part on the multi-token-prediction layer (ktconvert.default_model.train_mtp)."""
+    b = m["before"]
+    return f"""
+## Multi-token prediction (MTP) layer
+
+`model.layers.{c.num_hidden_layers}.*` (`num_nextn_predict_layers: 1`, shard `model-mtp.safetensors`) is a
+DeepSeek-V3 MTP module trained afterwards with the main model frozen: from the main model's final hidden state h_i
+(after the final norm) and the next token t_(i+1), `eh_proj(concat(enorm(embed(t_(i+1))), hnorm(h_i)))` goes through one
+more MoE decoder layer and `shared_head.norm` into the main head, predicting t_(i+2). It shares `embed_tokens` and
+the head with the main model (DeepSeek-V3's release stores copies; readers fall back to the main ones). `ktrun
+--speculative mtp` drafts with it; transformers ignores it.
+
+`python -m ktconvert.default_model.train_mtp --out DIR --steps {m.get('planned_steps', m['steps'])} --max-minutes \
+{m.get('max_minutes', m['train_minutes'])}` (seed {m['seed']}, {m['threads']} CPU thread, AdamW, peak lr {m['peak_lr']}, \
+warmup + cosine, batch {m['batch']} x 256 tokens, the same training stream and routing-bias rule as the main model;
+the decoder layer starts as a copy of the main model's last layer){mtp_stop(m)}.
+
+| held-out (the main model's held-out files) | before training | after |
+|---|---:|---:|
+| next-next-token loss (nats) | {b['mtp_heldout_loss']:.4f} | {m['mtp_heldout_loss']:.4f} |
+| top-1 accuracy of t_(i+2) | {b['mtp_heldout_top1']:.4f} | {m['mtp_heldout_top1']:.4f} |
+| predictions scored | {b['mtp_eval_tokens']} | {m['mtp_eval_tokens']} |
+
+On the same windows the main model's own top-1 accuracy of t_(i+1) is {m['main_heldout_top1']:.4f}. Training took
+{m['train_minutes']} min on one thread of an AMD Zen 4 (shared machine).
 """

@@ -33,10 +33,13 @@ def round_to_shipped_precision(model) -> None:
 
 def hub_state_dict(model) -> dict[str, torch.Tensor]:
     """Fused in-memory names -> hub per-expert names; BF16 except the routing bias."""
+    return hub_tensors({k: v for k, v in model.state_dict().items() if "rotary_emb" not in k})
+
+
+def hub_tensors(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{in-memory name: tensor} -> hub names (fused experts split per expert); BF16 except the routing bias."""
     out = {}
-    for name, t in model.state_dict().items():
-        if "rotary_emb" in name:
-            continue
+    for name, t in named.items():
         m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)", name)
         if m is None:
             out[name] = t
