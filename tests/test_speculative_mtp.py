@@ -9,7 +9,8 @@
   main head (eh_proj = [0 | I], shared_head = the main norm and lm_head): it then drafts the main model's own last
   prediction again, which repeated output accepts, so drafts are accepted and rejected (rollbacks) in every run.
 - `ktrun generate --speculative mtp` (a real subprocess) prints the tokens of plain decoding, and a conversion
-  without MTP layers is refused naming the directory and the flags.
+  without MTP layers is refused naming the directory and the flags; `ktrun serve --speculative mtp` answers with the
+  same text as without (openai client: completion, streamed completion, chat) and counts its drafts.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from ktrun.loaded_model import load_model
 from ktrun.speculative import SpeculativeConfig
 from runtime_helpers import KTRUN, PROMPT, build_checkpoint, build_conversion, shared_root, transformers_model
 from safetensors.torch import load_file, save_file
-from test_speculative import run_engine
+from serve_helpers import metric
+from test_speculative import run_engine, serve_texts
 
 from ktconvert.testing import FIXTURES
 
@@ -168,3 +170,18 @@ def test_ktrun_generate_speculative_mtp(tmp_path_factory, tmp_path):
     r = ktrun_generate(no_mtp, "--speculative", "mtp")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert str(no_mtp) in r.stderr and "--speculative mtp" in r.stderr and "--no-keep-mtp" in r.stderr, r.stderr
+
+
+def test_served_text_same_with_mtp_drafts(tmp_path_factory):
+    conv = echo_conversion(tmp_path_factory, "deepseek_v3")
+    prompt = " ".join([PROMPT] * 2)
+    want, s = serve_texts(conv, [], prompt)
+    assert s.stop() == 0, s.stderr
+    got, s = serve_texts(conv, ["--speculative", "mtp", "--draft-tokens", "2"], prompt)
+    try:
+        assert got == want and got[0] == got[1]
+        assert s.timings.get("draft_n", 0) > 0 and 0 <= s.timings["draft_n_accepted"] <= s.timings["draft_n"]
+        assert metric(s, "ktrun_engine_spec_draft_tokens") > 0
+    finally:
+        assert s.stop() == 0, s.stderr
+    assert "Traceback" not in s.stderr, s.stderr
