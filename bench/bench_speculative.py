@@ -1,6 +1,7 @@
-"""Speculative decoding with n-gram drafts (`--speculative ngram`): acceptance rate and decode tokens/s with and
-without drafts, in one run, alternating (each repetition runs plain, then speculative, so the machine's noise hits
-both alike), greedy (the run checks that both give the same tokens).
+"""Speculative decoding with n-gram drafts (`--speculative ngram`) and, when the conversion has its MTP layer, MTP
+drafts (`--speculative mtp`): acceptance rate and decode tokens/s with and without drafts, in one run, alternating
+(each repetition runs plain, then each speculative method, so the machine's noise hits all alike), greedy (the run
+checks that all give the same tokens).
 
 Scenarios, on the default model's held-out Python source (heldout_eval.txt, not trained on):
 - edit: a code-editing prompt: a ~1500-character stretch of the file, then the same stretch again with a few
@@ -18,6 +19,7 @@ Output: `name: value unit` lines.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -40,6 +42,12 @@ def convert_default(work: Path) -> Path:
     subprocess.run([str(BIN / "ktconvert"), "quantize", str(DEFAULT_MODEL), "-o", str(out), "--method", "int4-amx",
                     "--gpu-method", "rtn-int4", "--quiet"], check=True, cwd=REPO)
     return out
+
+
+def model_layers(model_dir: Path) -> set[str]:
+    """What kinds of layers a conversion lists: {"mtp"} when its manifest has multi-token-prediction layers."""
+    manifest = json.loads((Path(model_dir) / "manifest.json").read_text())
+    return {"mtp"} if manifest.get("mtp_layers") else set()
 
 
 def prompts(chars: int) -> dict[str, str]:
@@ -91,37 +99,46 @@ def main(argv=None) -> int:
     from ktrun.speculative import SpeculativeConfig
 
     torch.set_num_threads(a.threads)
-    spec = SpeculativeConfig("ngram", a.draft_tokens)
     with tempfile.TemporaryDirectory() as work:
         model_dir = a.model_dir or convert_default(Path(work))
-        with load_model(model_dir, device="cpu") as lm:
+        has_mtp = "mtp" in model_layers(model_dir)
+        with load_model(model_dir, device="cpu", mtp=has_mtp) as lm:
+            specs = {"ngram": SpeculativeConfig("ngram", a.draft_tokens)}
+            if has_mtp:
+                specs["mtp"] = SpeculativeConfig("mtp", a.draft_tokens).with_mtp(lm.mtp)
             params = SamplingParams(max_tokens=a.tg, ignore_eos=True)
             print(f"model: {model_dir.name}")
             print(f"threads: {a.threads} torch, {os.cpu_count()} cpus")
             print(f"draft_tokens: {a.draft_tokens}")
+            print(f"methods: off {' '.join(specs)}" + ("" if has_mtp else " (the conversion has no MTP layer)"))
             for name, text in prompts(a.chars).items():
                 ids = lm.tokenizer.encode(text)
                 ctx = len(ids) + a.tg + 1
                 generate(lm.model, ids, SamplingParams(max_tokens=2), ctx, set())         # warm-up
-                rate = {"off": [], "ngram": []}
-                drafted = accepted = steps = tokens = 0
+                rate = {"off": [], **{m: [] for m in specs}}
+                counts = {m: dict.fromkeys(("drafted", "accepted", "steps", "tokens"), 0) for m in specs}
                 same = True
                 for _ in range(a.reps):
                     plain = generate(lm.model, ids, params, ctx, set())
-                    out = generate(lm.model, ids, params, ctx, set(), speculative=spec)
                     rate["off"].append((len(plain.tokens) - 1) / plain.decode_s)
-                    rate["ngram"].append((len(out.tokens) - 1) / out.decode_s)
-                    same &= plain.tokens == out.tokens
-                    drafted, accepted = drafted + out.drafted, accepted + out.accepted
-                    steps, tokens = steps + out.steps - 1, tokens + len(out.tokens) - 1
-                off, ngram = statistics.median(rate["off"]), statistics.median(rate["ngram"])
+                    for m, spec in specs.items():
+                        out = generate(lm.model, ids, params, ctx, set(), speculative=spec)
+                        rate[m].append((len(out.tokens) - 1) / out.decode_s)
+                        same &= plain.tokens == out.tokens
+                        c = counts[m]
+                        c["drafted"], c["accepted"] = c["drafted"] + out.drafted, c["accepted"] + out.accepted
+                        c["steps"], c["tokens"] = c["steps"] + out.steps - 1, c["tokens"] + len(out.tokens) - 1
+                off = statistics.median(rate["off"])
                 print(f"{name}_prompt_tokens: {len(ids)} tokens")
                 print(f"{name}_decode_off: {off:.2f} tok/s")
-                print(f"{name}_decode_ngram: {ngram:.2f} tok/s")
-                print(f"{name}_speedup: {ngram / off:.3f} x")
-                print(f"{name}_acceptance_rate: {accepted / max(drafted, 1):.4f} ratio")
-                print(f"{name}_drafted: {drafted / a.reps:.1f} tokens/run")
-                print(f"{name}_tokens_per_forward: {tokens / max(steps, 1):.3f} tokens")
+                for m, c in counts.items():
+                    tag = name if m == "ngram" else f"{name}_{m}"     # the n-gram lines keep their names
+                    med = statistics.median(rate[m])
+                    print(f"{name}_decode_{m}: {med:.2f} tok/s")
+                    print(f"{tag}_speedup: {med / off:.3f} x")
+                    print(f"{tag}_acceptance_rate: {c['accepted'] / max(c['drafted'], 1):.4f} ratio")
+                    print(f"{tag}_drafted: {c['drafted'] / a.reps:.1f} tokens/run")
+                    print(f"{tag}_tokens_per_forward: {c['tokens'] / max(c['steps'], 1):.3f} tokens")
                 print(f"{name}_greedy_identical: {int(same)} bool")
                 if not same:
                     print(f"error: {name}: speculative greedy tokens differ from plain ones", file=sys.stderr)
