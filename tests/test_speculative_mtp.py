@@ -8,6 +8,9 @@
   forked caches). The fixtures' MTP layers are random, so each checkpoint's MTP layer is first made an "echo" of the
   main head (eh_proj = [0 | I], shared_head = the main norm and lm_head): it then drafts the main model's own last
   prediction again, which repeated output accepts, so drafts are accepted and rejected (rollbacks) in every run.
+- Sampled output keeps its distribution: 768 seeded samples with and without MTP drafts, token frequencies at the
+  2nd and 3rd generated position (a two-sample chi-square test; total variation below 0.2: the fixture's third
+  token spreads over ~50 values, where two 768-sample histograms differ by ~0.14 from sampling alone).
 - `ktrun generate --speculative mtp` (a real subprocess) prints the tokens of plain decoding, and a conversion
   without MTP layers is refused naming the directory and the flags; `ktrun serve --speculative mtp` answers with the
   same text as without (openai client: completion, streamed completion, chat) and counts its drafts.
@@ -28,7 +31,7 @@ from ktrun.speculative import SpeculativeConfig
 from runtime_helpers import KTRUN, PROMPT, build_checkpoint, build_conversion, shared_root, transformers_model
 from safetensors.torch import load_file, save_file
 from serve_helpers import metric
-from test_speculative import run_engine, serve_texts
+from test_speculative import assert_same_law, run_engine, sampled_tokens, serve_texts
 
 from ktconvert.testing import FIXTURES
 
@@ -147,6 +150,21 @@ def test_engine_greedy_identical_with_mtp_drafts(tmp_path_factory):
                 got[out.index].append(out[1])
         base = generate(plain.model, ids, SamplingParams(max_tokens=16, ignore_eos=True), 256, set()).tokens
         assert got[0] == got[1] == base
+    finally:
+        plain.close()
+        spec.close()
+
+
+def test_sampled_distribution_unchanged_with_mtp_drafts(tmp_path_factory):
+    conv = echo_conversion(tmp_path_factory, "deepseek_v3")
+    plain = Engine(conv, ctx=256, max_batch=64, prefix_cache=False)
+    spec = Engine(conv, ctx=256, max_batch=64, prefix_cache=False, speculative=SpeculativeConfig("mtp", 2))
+    try:
+        ids = plain.tokenizer.encode(PROMPTS[1])
+        a = sampled_tokens(plain, ids, range(12), 64)
+        b = sampled_tokens(spec, ids, range(12), 64)
+        assert 0 < spec.stats["spec_accepted_tokens"] < spec.stats["spec_draft_tokens"]
+        assert_same_law(a, b, tv_max=0.2)      # ~50 values at position 3: ~0.14 from sampling alone
     finally:
         plain.close()
         spec.close()
