@@ -1,7 +1,8 @@
 """The conversion plan: which output file holds which tensors, with every shape known before any data is read.
 
-Built from tensor names, dtypes and shapes only (no tensor data), so headers can be written first and a resumed run
-plans exactly the same files as the run it continues.
+Built from tensor names, dtypes and shapes only (no tensor data; the one exception: an MTP layer's embed_tokens and
+shared_head.head are compared with the main model's, and not written when equal), so headers can be written first and
+a resumed run plans exactly the same files as the run it continues.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class ConvertPlan:
     skipped: list[str]
     source_nbytes: int
     mtp_layers: list[int] = field(default_factory=list)   # MTP layers written (keep_mtp), after the main ones
+    mtp_copies: list[str] = field(default_factory=list)   # MTP tensors equal to the main model's: not written again
 
 
 def _expert_jobs(geo: ExpertGeometry, layer: int, src, adapter) -> list[FileJob]:
@@ -121,10 +123,13 @@ def make_plan(src, adapter, method: str, group_size: int, numa_nodes: int, encod
     mtp_moe = [li for li in mtp_layers if adapter.expert_tensor_name(li, 0, "gate") in present]
     _check_expert_shapes(src, adapter, geo, present, [*geo.moe_layers, *mtp_moe])
 
+    copies = _mtp_copies(src, adapter, mtp_layers, present)
     per_layer: dict[int | None, list] = {}
     skipped = []
     for name in names:
         role = adapter.classify(name, keep_mtp=bool(mtp_layers))
+        if name in copies:
+            continue
         if role.kind == "skip":
             skipped.append(name)
         elif role.kind != "expert":
@@ -160,4 +165,20 @@ def make_plan(src, adapter, method: str, group_size: int, numa_nodes: int, encod
             jobs.append(group)
     if per_layer.get(None):
         jobs.append([dense_job(GLOBALS_FILE, "globals", None, per_layer[None])])
-    return ConvertPlan(geo, jobs, skipped, source_nbytes, mtp_layers)
+    return ConvertPlan(geo, jobs, skipped, source_nbytes, mtp_layers, copies)
+
+
+def _mtp_copies(src, adapter, mtp_layers: list[int], present: set[str]) -> list[str]:
+    """An MTP layer's embed_tokens / shared_head.head that equal the main model's embedding / lm_head (DeepSeek-V3's
+    release repeats both: 2 x 1.85 GB): not written again; ktrun's MTP drafter then uses the main ones."""
+    import torch
+
+    names = adapter.family.names
+    out = []
+    for layer in mtp_layers:
+        for own, main in (("embed_tokens.weight", names.embed), ("shared_head.head.weight", names.head)):
+            own = names.layer(layer) + own
+            if own in present and main in present and tuple(src.info(own).shape) == tuple(src.info(main).shape) \
+                    and torch.equal(src.read(own), src.read(main)):
+                out.append(own)
+    return out

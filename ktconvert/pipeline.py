@@ -347,8 +347,9 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
         for reason, n in skipped_parts(src, plan.skipped).items():
             tqdm.write(f"skipped {n} tensors: {reason}", file=sys.stderr)
         if plan.mtp_layers:
-            tqdm.write(f"multi-token-prediction layer(s) {plan.mtp_layers} kept (--no-keep-mtp drops them)",
-                       file=sys.stderr)
+            tqdm.write(f"multi-token-prediction layer(s) {plan.mtp_layers} kept (--no-keep-mtp drops them)"
+                       + (f"; {', '.join(plan.mtp_copies)} equal the main model's and are not written again"
+                          if plan.mtp_copies else ""), file=sys.stderr)
         conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill, quantizer)
         try:
             with ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="ktconvert") as pool:

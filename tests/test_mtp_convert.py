@@ -130,3 +130,25 @@ def test_ktrun_ignores_the_mtp_layer_unless_asked(tmp_path_factory, tmp_path):
             ids = lm.tokenizer.encode(PROMPT)
             logits.append(prefill(lm.model, lm.model.new_cache(64), ids))
     assert torch.equal(*logits)
+
+
+def test_mtp_copies_of_the_embedding_and_head_are_not_written_again(tmp_path_factory, tmp_path):
+    """DeepSeek-V3's release repeats the embedding and lm_head in its MTP layer (2 x 1.85 GB): equal copies are
+    compared once and left out, the rest of the MTP layer is written."""
+    from safetensors.torch import save_file
+    src = build_checkpoint(shared_root(tmp_path_factory), "deepseek_v3")
+    t = source_tensors(src)
+    copy = {**t, "model.layers.3.embed_tokens.weight": t["model.embed_tokens.weight"].clone(),
+            "model.layers.3.shared_head.head.weight": t["lm_head.weight"].clone()}
+    (tmp_path / "src").mkdir()
+    for f in src.iterdir():
+        if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            (tmp_path / "src" / f.name).write_bytes(f.read_bytes())
+    save_file({k: v.contiguous() for k, v in copy.items()}, tmp_path / "src" / "model.safetensors",
+              metadata={"format": "pt"})
+    r = quantize(tmp_path / "src", tmp_path / "out")
+    assert "model.layers.3.embed_tokens.weight, model.layers.3.shared_head.head.weight equal the main model's and " \
+           "are not written again" in r.stderr, r.stderr
+    dense = set(ConvertedDir(tmp_path / "out", mtp=True).dense_names())
+    assert "model.layers.3.eh_proj.weight" in dense and "model.layers.3.enorm.weight" in dense
+    assert not {"model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"} & dense

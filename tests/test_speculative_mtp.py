@@ -47,7 +47,8 @@ def hub_tensors(src: Path) -> dict[str, torch.Tensor]:
 
 
 def echo_checkpoint(src: Path, out: Path) -> Path:
-    """src with its MTP layer's eh_proj = [0 | I] and shared_head = the main model's final norm and lm_head."""
+    """src with its MTP layer's eh_proj = [0 | I], shared_head = the main model's final norm and lm_head, and
+    embed_tokens = the main one (so the conversion writes neither copy and the drafter uses the main tensors)."""
     if (out / "config.json").exists():
         return out
     shutil.copytree(src, out)
@@ -55,7 +56,9 @@ def echo_checkpoint(src: Path, out: Path) -> Path:
     t = hub_tensors(src)
     p = f"model.layers.{L}."
     new = {p + "eh_proj.weight": torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1),
-           p + "shared_head.head.weight": t["lm_head.weight"], p + "shared_head.norm.weight": t["model.norm.weight"]}
+           p + "shared_head.head.weight": t["lm_head.weight"], p + "shared_head.norm.weight": t["model.norm.weight"],
+           p + "embed_tokens.weight": t["model.embed_tokens.weight"]}    # as DeepSeek-V3's release repeats them
+    new = {k: v.clone() for k, v in new.items()}                    # safetensors refuses shared storage
     for f in sorted(out.glob("*.safetensors")):
         shard = load_file(f)
         if any(k in new for k in shard):
@@ -113,6 +116,7 @@ def test_greedy_identical_with_mtp_drafts(arch, tmp_path_factory):
     conv = echo_conversion(tmp_path_factory, arch)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     with load_model(conv, mtp=True) as lm:
+        assert lm.mtp.head is lm.model.lm_head and lm.mtp.embed is lm.model.w[lm.model.names.embed]
         drafted = accepted = 0
         for prompt in PROMPTS:
             ids = lm.tokenizer.encode(prompt)
