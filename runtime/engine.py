@@ -54,7 +54,7 @@ from .loaded_model import load_model
 from .models.kv_cache import KV_BLOCK_SIZE, Batch
 from .prefix_cache import PrefixCache, PrefixCacheConfig
 from .sampling import SamplingParams, TokenLogprobs, prompt_logprobs
-from .sequence import Sequence
+from .sequence import Sequence, draft_all
 from .speculative import SpeculativeConfig
 
 __all__ = ["CacheBudgetError", "Engine", "PrefixCacheConfig", "RequestError", "SamplingParams", "SpeculativeConfig",
@@ -333,7 +333,7 @@ class Engine:
             self._emit(seqs, [s.advance(row[None], []) for s, row in zip(seqs, logits)], out, first)
         if decoding:
             t0 = time.perf_counter()
-            drafts = [s.draft() for s in decoding]                  # [] each without speculation
+            drafts = draft_all(decoding)             # [] each without speculation; MTP drafts in batched forwards
             accepted = sum(s.accepted for s in decoding)
             rows = verify(self.model, [(s.cache, [s.tokens[-1], *d]) for s, d in zip(decoding, drafts)])
             self.stats["decode_s"] += time.perf_counter() - t0

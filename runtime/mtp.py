@@ -82,15 +82,55 @@ class MtpHead:
     def forward(self, cache: SeqCache, tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens t_{i+1} (n,) and hidden rows h_i (n, H) at the cache's next n positions -> (logits (V,) of the
         last row, the layer's output rows x (n, H) before shared_head.norm)."""
+        logits, xs = self.forward_batch([(cache, tokens, hidden)])
+        return logits[0], xs[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list[tuple[SeqCache, list[int], torch.Tensor]]
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """forward() of several requests in one varlen batch -> (logits (B, V) of each one's last row, each one's
+        output rows x (n_b, H))."""
         b = self.block
-        e = F.embedding(torch.tensor(tokens, device=b.device), self.embed).to(b.dtype)          # (n, H)
+        tokens = [t for _, ids, _ in items for t in ids]
+        hidden = torch.cat([h for _, _, h in items]) if len(items) > 1 else items[0][2]
+        e = F.embedding(torch.tensor(tokens, device=b.device), self.embed).to(b.dtype)          # (T, H)
         u = torch.cat([self.norm(e, self.enorm, self.eps),
-                       self.norm(hidden.to(b.dtype).contiguous(), self.hnorm, self.eps)], dim=-1)  # (n, 2H)
-        batch = Batch.build([(cache, tokens)], b.device)
+                       self.norm(hidden.to(b.dtype).contiguous(), self.hnorm, self.eps)], dim=-1)  # (T, 2H)
+        batch = Batch.build([(cache, ids) for cache, ids, _ in items], b.device)
         if self.shares_index:
-            batch.carried[INDEXER_SELECTIONS] = [None]         # no earlier layer's selection: every key visible
-        x, h = b.decoder(batch, linear(u, self.eh_proj))                                        # (n, H) each
-        return linear(h[-1:], self.head).float()[0], x
+            batch.carried[INDEXER_SELECTIONS] = [None] * len(items)   # no earlier layer's selection: all keys
+        x, h = b.decoder(batch, linear(u, self.eh_proj))                                        # (T, H) each
+        logits = linear(h[batch.last_token_rows().to(b.device)], self.head).float()              # (B, V)
+        return logits, [x[s.offset:s.offset + s.n] for s in batch.seqs]
+
+
+def propose_many(requests: list[tuple[MtpDrafter, int, SeqCache]]) -> list[list[int]]:
+    """Drafts of several requests ((drafter, up to k drafts, the request's main cache) each), one batched forward
+    of the MTP block per draft position: the catch-up rows of every request, then the chained steps of those that
+    want more. Each drafter's cache is rolled back to its main model's length after."""
+    out: list[list[int]] = [[] for _ in requests]
+    live, items = [], []                         # (request index, drafter, k, main length), forward_batch items
+    for i, (d, k, main) in enumerate(requests):
+        if k <= 0:
+            continue
+        n = main.length
+        if d.cache is None:
+            d.cache = d.head.block.new_cache(main.ctx + MAX_DRAFT_TOKENS)
+        start, rows = d._new_rows(main, n)
+        if rows is not None:
+            live.append((i, d, k, n))
+            items.append((d.cache, d.ids[start + 1:n + 1], rows))
+    while items:
+        logits, xs = live[0][1].head.forward_batch(items)
+        for (i, _d, _k, _n), row in zip(live, logits):
+            out[i].append(int(row.argmax()))
+        # chained: each request's own draft and last output row, one position on
+        nxt = [(r, (r[1].cache, out[r[0]][-1:], x[-1:])) for r, x in zip(live, xs) if len(out[r[0]]) < r[2]]
+        live, items = [r for r, _ in nxt], [it for _, it in nxt]
+    for i, (d, k, main) in enumerate(requests):
+        if out[i]:
+            d.cache.keep(main.length - d.base)   # drop the chained guesses
+    return out
 
 
 class MtpDrafter:
@@ -109,21 +149,12 @@ class MtpDrafter:
     def propose(self, k: int, main: SeqCache) -> list[int]:
         """Up to k greedy drafts after the newest token (main: the request's cache, positions [0, n) computed and
         their hidden rows left on it); [] when there is nothing to start from."""
-        if k <= 0:
-            return []
-        n = main.length
-        if self.cache is None:
-            self.cache = self.head.block.new_cache(main.ctx + MAX_DRAFT_TOKENS)
-        start, rows = self._new_rows(main, n)
-        if rows is None:
-            return []
-        logits, x = self.head.forward(self.cache, self.ids[start + 1:n + 1], rows)
-        drafts = [int(logits.argmax())]
-        for _ in range(k - 1):                   # chained: its own token and output row one position on
-            logits, x = self.head.forward(self.cache, drafts[-1:], x[-1:])
-            drafts.append(int(logits.argmax()))
-        self.cache.keep(n - self.base)           # drop the chained guesses
-        return drafts
+        return propose_many([(self, k, main)])[0]
+
+    @staticmethod
+    def propose_many(requests: list[tuple[MtpDrafter, int, SeqCache]]) -> list[list[int]]:
+        """propose() of several requests in batched forwards (the Engine's step: ktrun.sequence.draft_all)."""
+        return propose_many(requests)
 
     def _new_rows(self, main: SeqCache, n: int) -> tuple[int, torch.Tensor | None]:
         """(first position, hidden rows (n - first, H)) of the main positions the block has not run, newest

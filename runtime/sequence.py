@@ -47,12 +47,14 @@ class Sequence:
     def draft(self) -> list[int]:
         """Tokens to verify after tokens[-1] in the next forward ([] without speculation): at most draft_tokens,
         and no more than max_tokens and the context leave room for (the forward also yields one token of its own)."""
+        return draft_all([self])[0]
+
+    def draft_size(self) -> int:
+        """How many tokens draft() may propose now (0 without speculation)."""
         if self.drafter is None:
-            return []
+            return 0
         room = min(self.params.max_tokens - len(self.tokens), self.ctx - len(self.prompt_ids) - len(self.tokens))
-        drafts = self.drafter.propose(min(self.draft_tokens, room - 1), self.cache)
-        self.drafted += len(drafts)
-        return drafts
+        return min(self.draft_tokens, room - 1)
 
     def advance(self, rows, drafts: list[int]) -> list[tuple[int, TokenLogprobs | None, str]]:
         """rows: (1 + len(drafts), V) logits of the forward that ran tokens[-1] and the drafts (row j: the token
@@ -95,3 +97,20 @@ class Sequence:
         delta = self.text.push(token, last=why is not None)
         self.finish_reason = "stop" if self.text.stopped else why
         return delta
+
+
+def draft_all(seqs: list[Sequence]) -> list[list[int]]:
+    """Sequence.draft() of several sequences: drafters with a batched `propose_many` (MTP: ktrun.mtp) share their
+    forwards, the others (n-gram) propose one by one; -> each sequence's drafts."""
+    sizes = [s.draft_size() for s in seqs]
+    out: list[list[int]] = [[] for _ in seqs]
+    batched = [i for i, s in enumerate(seqs) if s.drafter is not None and hasattr(s.drafter, "propose_many")]
+    if batched:
+        got = seqs[batched[0]].drafter.propose_many([(seqs[i].drafter, sizes[i], seqs[i].cache) for i in batched])
+        for i, drafts in zip(batched, got):
+            out[i] = drafts
+    for i, s in enumerate(seqs):
+        if s.drafter is not None and not hasattr(s.drafter, "propose_many"):
+            out[i] = s.drafter.propose(sizes[i], s.cache)
+        s.drafted += len(out[i])
+    return out

@@ -132,8 +132,9 @@ def test_greedy_identical_with_mtp_drafts(arch, tmp_path_factory):
 
 
 def test_engine_greedy_identical_with_mtp_drafts(tmp_path_factory):
-    """Batched requests, a shared prompt prefix (the second run starts from cached blocks, which the MTP block never
-    ran: its cache starts after them) and n = 2 choices (forked caches, each with its own MTP drafter)."""
+    """Batched requests (drafted together: one batched MTP forward per draft position), a shared prompt prefix (the
+    second run starts from cached blocks, which the MTP block never ran: its cache starts after them) and n = 2
+    choices (forked caches, each with its own MTP drafter)."""
     conv = echo_conversion(tmp_path_factory, "deepseek_v3")
     plain = Engine(conv, ctx=256, max_batch=6, prefix_cache=False)
     spec = Engine(conv, ctx=256, max_batch=6, speculative=SpeculativeConfig("mtp", 2), kv_block_size=4)
@@ -145,6 +146,8 @@ def test_engine_greedy_identical_with_mtp_drafts(tmp_path_factory):
             assert run_engine(spec, reqs) == want
         assert spec.prefix_cache.stats()["hit_tokens"] > 0
         assert 0 < spec.stats["spec_accepted_tokens"] < spec.stats["spec_draft_tokens"]
+        # the running requests draft together: one MTP forward per draft position per step, not one per request
+        assert spec.loaded.mtp.block.timing["forwards"] <= 2 * spec.stats["decode_steps"]
         two = SamplingParams(max_tokens=16, ignore_eos=True, n=2)
         ids = plain.tokenizer.encode(PROMPTS[1])
         spec.add_request("n2", ids, two)
