@@ -22,7 +22,8 @@ Positions: the block's cache starts at the first main position it has a hidden r
 the cached prompt tokens never ran); RoPE depends only on position differences, so the offset changes nothing.
 
 The layer runs on runtime/models (MoEModel over the one layer L in KV slot 0), its routed experts on an executor of
-their own over the MTP expert files (ktrun.experts.executors.make_executor, on the main kernel pool's threads).
+their own over the MTP expert files (ktrun.experts.executors.make_executor, on the main kernel pool's threads). The
+Engine drafts for all its running requests together (propose_many): one varlen forward per draft position.
 """
 from __future__ import annotations
 
