@@ -11,7 +11,8 @@
 - Sampled output keeps its distribution: 768 seeded samples with and without MTP drafts, token frequencies at the
   2nd and 3rd generated position (a two-sample chi-square test; total variation below 0.2: the fixture's third
   token spreads over ~50 values, where two 768-sample histograms differ by ~0.14 from sampling alone).
-- `ktrun generate --speculative mtp` (a real subprocess) prints the tokens of plain decoding, and a conversion
+- `ktrun generate --speculative mtp` (a real subprocess) prints the tokens of plain decoding, `ktrun bench` times it
+  beside plain decoding (the same greedy tokens, the acceptance rate), and a conversion
   without MTP layers is refused naming the directory and the flags; `ktrun serve --speculative mtp` answers with the
   same text as without (openai client: completion, streamed completion, chat) and counts its drafts.
 """
@@ -190,6 +191,10 @@ def test_ktrun_generate_speculative_mtp(tmp_path_factory, tmp_path):
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     a, b = json.loads(plain.stdout), json.loads(spec.stdout)
     assert a["token_ids"] == b["token_ids"] and 0 <= b["accepted_tokens"] <= b["draft_tokens"] and b["draft_tokens"]
+    bench = subprocess.run([*KTRUN, "bench", str(conv), "--pp", "16", "--tg", "16", "--reps", "1", "--speculative",
+                            "mtp", "--draft-tokens", "2"], capture_output=True, text=True, timeout=300, check=False)
+    assert bench.returncode == 0, bench.stderr
+    assert "spec_greedy_tokens_identical: True" in bench.stdout and "spec_acceptance_rate: " in bench.stdout
     no_mtp = build_conversion(build_checkpoint(shared_root(tmp_path_factory), "deepseek_v3"), tmp_path / "no_mtp",
                               "bf16", keep_mtp=False)
     r = ktrun_generate(no_mtp, "--speculative", "mtp")
