@@ -198,9 +198,10 @@ def test_act_order_gptq_runs_on_the_op_through_an_input_permutation(bits, group)
 
 
 def test_decode_rows_past_the_serial_limit_stay_on_kt_mla_attend(monkeypatch):
-    """More concurrent decode rows than SERIAL_MAX_ROWS (16 users) stay on kt_mla_attend, one call per request, and
-    each request's output has the bits it has decoded alone: serving many users costs one batched step, not torch's
-    per-request GEMMs (which made a 16-row step ~3x slower than the 8-row one), and changes no one's tokens."""
+    """More concurrent decode rows than SERIAL_MAX_ROWS (16 users) stay on kt_mla_attend, all requests in one
+    kt_mla_attend_batch call (one pool job per layer, not one per request), and each request's output has the bits it
+    has decoded alone: serving many users costs one batched step, not torch's per-request GEMMs (which made a 16-row
+    step ~3x slower than the 8-row one), and changes no one's tokens."""
     from types import SimpleNamespace
 
     from ktrun.models import attention
@@ -208,9 +209,10 @@ def test_decode_rows_past_the_serial_limit_stay_on_kt_mla_attend(monkeypatch):
     nh, dn, dr, dv, R = 4, 32, 16, 48, 256
     m = 2 * attention.SERIAL_MAX_ROWS
     rng = np.random.default_rng(7)
-    calls = []
-    real = glue.mla_attend
+    calls, batch_calls = [], []
+    real, real_batch = glue.mla_attend, glue.mla_attend_batch
     monkeypatch.setattr(glue, "mla_attend", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr(glue, "mla_attend_batch", lambda *a: (batch_calls.append(len(a[2])), real_batch(*a))[1])
     with LinearKernels(n_threads=2) as lin:
         kv_b, _ = _kv_b(lin, rng, nh, dn, dv, R, 4, 32)
         w = {"a.kv_b_proj.weight": kv_b}
@@ -226,7 +228,7 @@ def test_decode_rows_past_the_serial_limit_stay_on_kt_mla_attend(monkeypatch):
                                           [(s, lats[i], None) for s, i in zip(seqs, rows)], SimpleNamespace(seqs=seqs), o)
             return o
         together = attend(list(range(m)))
-        assert len(calls) == m
+        assert batch_calls == [m] and not calls
         for i in range(m):
             assert torch.equal(attend([i])[0], together[i]), i
 

@@ -1,4 +1,5 @@
-"""kt_mla_attend (ABI 11; ktrun.ops.glue.mla_attend): MLA's absorbed decode attention core (scores, softmax, latent
+"""kt_mla_attend (ABI 11; ktrun.ops.glue.mla_attend) and kt_mla_attend_batch (ABI 12: every request of a decode
+step in one call): MLA's absorbed decode attention core (scores, softmax, latent
 output of one query row per head) in one call. It is not torch's bits, so it is held to its own promise instead:
 within float32 rounding of a float64 numpy reference; the same bits however the cache is split into runs, on the
 calling thread or split over the pool's workers, and on every ISA copy (the baseline one is the scalar twin: a
@@ -71,6 +72,38 @@ def test_same_bits_for_any_runs_and_threads(nh, R, dr, runs):
     for h in range(nh):
         glue.mla_attend(q_lat[h:h + 1], q_rot[h:h + 1], lats, 0.1, heads[h:h + 1])
     assert torch.equal(one, heads)
+
+
+@pytest.mark.parametrize("nh,R,dr", [(128, 512, 64), (13, 48, 16), (4, 64, 32), (9, 160, 0)])
+def test_batch_gives_each_request_the_bits_it_gets_alone(nh, R, dr):
+    """kt_mla_attend_batch (ABI 12): m requests of different lengths and block runs, their caches row views of one
+    pool, in one call: every request's output equals its own kt_mla_attend call bit for bit, on the calling thread and
+    on the pool; requests whose caches do not share a row stride are refused (False, nothing written)."""
+    g = torch.Generator().manual_seed(nh + R)
+    reqs = [[5, 7, 1], [33], [1], [16, 16, 3], [2, 2]]
+    pool = torch.randn(sum(map(sum, reqs)) + 64, R + dr + 3, generator=g)
+    lats, o = [], 0
+    for runs in reqs:
+        lats.append([pool[o + 2 * i + sum(runs[:i]):o + 2 * i + sum(runs[:i + 1]), :R + dr]
+                     for i in range(len(runs))])
+        o += sum(runs) + 2 * len(runs)
+    m = len(reqs)
+    q_lat = torch.randn(m, nh, R, generator=g)
+    q_rot = torch.randn(m, nh, 2, max(dr, 1), generator=g)[:, :, 0, :dr]                   # strided heads
+    want = torch.empty(m, nh, R)
+    for i in range(m):
+        glue.mla_attend(q_lat[i], q_rot[i], lats[i], 0.1, want[i])
+    got = torch.full((m, nh, R), float("nan"))
+    assert glue.mla_attend_batch(q_lat, q_rot, lats, 0.1, got)
+    assert torch.equal(got, want)
+    with MoEKernels(n_threads=2) as k:
+        pooled = torch.full((m, nh, R), float("nan"))
+        assert glue.mla_attend_batch(q_lat, q_rot, lats, 0.1, pooled, k)
+        assert torch.equal(pooled, want)
+    other = torch.randn(4, R + dr + 1, generator=g)[:, :R + dr]                           # another row stride
+    untouched = torch.zeros(2, nh, R)
+    assert not glue.mla_attend_batch(q_lat[:2], q_rot[:2], [lats[0], [other]], 0.1, untouched)
+    assert not untouched.any()
 
 
 _DIGEST = """

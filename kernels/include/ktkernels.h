@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 11  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 12  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -27,7 +27,8 @@ extern "C" {
                              11: kt_mla_attend (MLA's absorbed decode attention core: scores, softmax, latent
                                  output of one query row per head, on the calling thread or the context's pool),
                                  kt_route_sigmoid (the sigmoid router with group-limited top-k, on the calling
-                                 thread) */
+                                 thread);
+                             12: kt_mla_attend_batch (kt_mla_attend for m requests in one pool job) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -221,6 +222,17 @@ int kt_rope(int64_t T, int64_t H, int64_t half, const float* x, int64_t x_stride
 int kt_mla_attend(kt_ctx* ctx, int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_stride,
                   const float* q_rot, int64_t q_rot_stride, float scale, int64_t n_runs, const float* const* runs,
                   const int64_t* run_len, int64_t row_stride, float* out, int64_t out_stride);
+
+/* kt_mla_attend for m requests at once, in one job on ctx's pool (or the calling thread when ctx is NULL): request i
+ * has its queries at q_lat + i * q_lat_req_stride (rows q_lat_stride apart; q_rot likewise), its cache rows in the
+ * req_n_runs[i] runs that follow the earlier requests' runs in runs / run_len (all rows row_stride apart), and its
+ * output at out + i * out_req_stride (rows out_stride apart). The (request, block of 8 heads) pairs are split between
+ * the workers; each head gets exactly the bits kt_mla_attend gives it alone. Returns -1 for bad arguments. */
+int kt_mla_attend_batch(kt_ctx* ctx, int64_t m, int64_t nh, int64_t R, int64_t dr, const float* q_lat,
+                        int64_t q_lat_req_stride, int64_t q_lat_stride, const float* q_rot, int64_t q_rot_req_stride,
+                        int64_t q_rot_stride, float scale, const int64_t* req_n_runs, const float* const* runs,
+                        const int64_t* run_len, int64_t row_stride, float* out, int64_t out_req_stride,
+                        int64_t out_stride);
 
 /* The sigmoid router with group-limited top-k (DeepSeek-V3 "noaux_tc"; one group: MiniMax-M2) of T tokens on the
  * calling thread: scores = sigmoid(x W^T) ((T, E); x rows of K floats x_stride apart, W (E, K) rows w_stride apart,

@@ -19,6 +19,7 @@ struct kt_ctx {
     kt::MoEEngine engine;
     kt::LinearEngine linear;
     kt::MlaAttend attend;   // kt_mla_attend's job on this pool
+    kt::MlaAttendBatch attend_batch;   // kt_mla_attend_batch's
     kt_ctx(int n_threads, int n_pools, const std::string& backend)
         : engine(n_threads, n_pools, backend), linear(engine.pool(), engine.table()) {}
 };
@@ -155,6 +156,30 @@ int kt_mla_attend(kt_ctx* ctx, int64_t nh, int64_t R, int64_t dr, const float* q
                          row_stride, out, out_stride))
         return -1;
     pool.launch([ctx](const kt::WorkerInfo& w) { ctx->attend.run(w.index, w.n_threads); });
+    pool.wait();
+    return 0;
+}
+
+int kt_mla_attend_batch(kt_ctx* ctx, int64_t m, int64_t nh, int64_t R, int64_t dr, const float* q_lat,
+                        int64_t q_lat_req_stride, int64_t q_lat_stride, const float* q_rot, int64_t q_rot_req_stride,
+                        int64_t q_rot_stride, float scale, const int64_t* req_n_runs, const float* const* runs,
+                        const int64_t* run_len, int64_t row_stride, float* out, int64_t out_req_stride,
+                        int64_t out_stride) {
+    if (!ctx) {   // the calling thread alone
+        thread_local kt::MlaAttendBatch job;
+        if (!job.set(m, nh, R, dr, q_lat, q_lat_req_stride, q_lat_stride, q_rot, q_rot_req_stride, q_rot_stride, scale,
+                     req_n_runs, runs, run_len, row_stride, out, out_req_stride, out_stride))
+            return -1;
+        job.run(0, 1);
+        return 0;
+    }
+    kt::ThreadPool& pool = ctx->engine.pool();
+    pool.wait();   // the job in flight may be an earlier attend's
+    if (!ctx->attend_batch.set(m, nh, R, dr, q_lat, q_lat_req_stride, q_lat_stride, q_rot, q_rot_req_stride,
+                               q_rot_stride, scale, req_n_runs, runs, run_len, row_stride, out, out_req_stride,
+                               out_stride))
+        return -1;
+    pool.launch([ctx](const kt::WorkerInfo& w) { ctx->attend_batch.run(w.index, w.n_threads); });
     pool.wait();
     return 0;
 }

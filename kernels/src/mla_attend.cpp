@@ -116,15 +116,47 @@ bool MlaAttend::set(int64_t nh_, int64_t R_, int64_t dr_, const float* q_lat_, i
 }
 
 void MlaAttend::run(int index, int n) const {
-    const AttendFn attend = kAttend[isa()];
     const int64_t blocks = (nh + kHeadBlock - 1) / kHeadBlock;
-    const int64_t h0 = std::min(nh, blocks * index / n * kHeadBlock);
-    const int64_t h1 = std::min(nh, blocks * (index + 1) / n * kHeadBlock);
+    heads(std::min(nh, blocks * index / n * kHeadBlock), std::min(nh, blocks * (index + 1) / n * kHeadBlock));
+}
+
+void MlaAttend::heads(int64_t h0, int64_t h1) const {
     if (h1 <= h0) return;
     thread_local std::vector<float> s;
     if (s.size() < (size_t)((h1 - h0) * S)) s.resize((size_t)((h1 - h0) * S));
-    attend(h1 - h0, R, dr, q_lat + h0 * q_lat_stride, q_lat_stride, q_rot + h0 * q_rot_stride, q_rot_stride, scale,
-           rows.data(), S, out + h0 * out_stride, out_stride, s.data());
+    kAttend[isa()](h1 - h0, R, dr, q_lat + h0 * q_lat_stride, q_lat_stride, q_rot + h0 * q_rot_stride, q_rot_stride,
+                   scale, rows.data(), S, out + h0 * out_stride, out_stride, s.data());
+}
+
+bool MlaAttendBatch::set(int64_t m, int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_req_stride,
+                         int64_t q_lat_stride, const float* q_rot, int64_t q_rot_req_stride, int64_t q_rot_stride,
+                         float scale, const int64_t* req_n_runs, const float* const* runs, const int64_t* run_len,
+                         int64_t row_stride, float* out, int64_t out_req_stride, int64_t out_stride) {
+    if (m < 1 || nh < 1 || !req_n_runs || !runs || !run_len) return false;
+    if ((int64_t)reqs.size() < m) reqs.resize((size_t)m);
+    first_block.assign((size_t)m + 1, 0);
+    const int64_t blocks = (nh + kHeadBlock - 1) / kHeadBlock;
+    for (int64_t i = 0, r = 0; i < m; r += req_n_runs[i], ++i) {
+        if (req_n_runs[i] < 1) return false;
+        if (!reqs[i].set(nh, R, dr, q_lat + i * q_lat_req_stride, q_lat_stride,
+                         q_rot ? q_rot + i * q_rot_req_stride : nullptr, q_rot_stride, scale, req_n_runs[i],
+                         runs + r, run_len + r, row_stride, out + i * out_req_stride, out_stride))
+            return false;
+        first_block[i + 1] = first_block[i] + blocks;
+    }
+    first_block.resize((size_t)m + 1);
+    return true;
+}
+
+void MlaAttendBatch::run(int index, int n) const {
+    const int64_t m = (int64_t)first_block.size() - 1, total = first_block[m];
+    const int64_t b0 = total * index / n, b1 = total * (index + 1) / n;
+    for (int64_t b = b0; b < b1; ++b) {
+        const int64_t i = std::upper_bound(first_block.begin(), first_block.end(), b) - first_block.begin() - 1;
+        const MlaAttend& req = reqs[(size_t)i];
+        const int64_t h0 = (b - first_block[i]) * kHeadBlock;
+        req.heads(h0, std::min(req.nh, h0 + kHeadBlock));
+    }
 }
 
 void float_dots(int64_t n, int64_t K, const float* a, int64_t a_stride, const float* const* rows, int64_t S,

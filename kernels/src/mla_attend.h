@@ -21,6 +21,21 @@ struct MlaAttend {
     // Worker `index` of n computes its share of the heads (whole blocks of 8: each head's result is the same
     // whatever the split).
     void run(int index, int n) const;
+    // Heads [h0, h1) on the calling thread (h0 a multiple of 8, or the whole range).
+    void heads(int64_t h0, int64_t h1) const;
+};
+
+// kt_mla_attend_batch's job: one MlaAttend per request, the (request, block of 8 heads) pairs split between the
+// workers; every head computes exactly what kt_mla_attend computes for it alone.
+struct MlaAttendBatch {
+    std::vector<MlaAttend> reqs;
+    std::vector<int64_t> first_block;   // (m + 1): the first (request, head block) index of each request
+
+    bool set(int64_t m, int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_req_stride,
+             int64_t q_lat_stride, const float* q_rot, int64_t q_rot_req_stride, int64_t q_rot_stride, float scale,
+             const int64_t* req_n_runs, const float* const* runs, const int64_t* run_len, int64_t row_stride,
+             float* out, int64_t out_req_stride, int64_t out_stride);
+    void run(int index, int n) const;
 };
 
 // out[h * S + j] = (a[h] . rows[j]) * scale for h < n, j < S (K a multiple of 16), in the same fixed order (16 lane

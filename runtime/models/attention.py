@@ -291,7 +291,7 @@ def _absorbed_attention(w: dict, p: str, nh: int, dn: int, dr: int, dv: int, R: 
 def _attend_on_kernels(ab: AbsorbedKvB, q_nope: torch.Tensor, q_rot, idx, scale: float, absorbed: list,
                        o: torch.Tensor) -> bool:
     """Decode rows (one new token per request, no mask) of a float32 model with kv_b on the kernels: q_lat from W_uk's
-    job (q_rot() is roped meanwhile), then scores / softmax / latent output in one kt_mla_attend call per request
+    job (q_rot() is roped meanwhile), then scores / softmax / latent output of every request in one kt_mla_attend_batch call
     (ktrun.ops.glue.mla_attend: its own fixed summation order, not torch's GEMMs; on the pool), then W_uv's job,
     straight into o. False (nothing done) for anything else."""
     if not all(s.n == 1 and mask is None for s, _, mask in absorbed) or q_nope.dtype != torch.float32 or \
@@ -301,8 +301,10 @@ def _attend_on_kernels(ab: AbsorbedKvB, q_nope: torch.Tensor, q_rot, idx, scale:
     qr = q_rot()[idx]                                                                        # (m, nh, dr)
     q_lat = q_lat_done()                                                                     # (m, nh, R)
     out_lat = torch.empty_like(q_lat)                                                        # (m, nh, R)
-    for j, (_, lats, _) in enumerate(absorbed):
-        glue.mla_attend(q_lat[j], qr[j], lats, scale, out_lat[j], ab.kv_b.lin.kernels)
+    runs = [lats for _, lats, _ in absorbed]
+    if not glue.mla_attend_batch(q_lat, qr, runs, scale, out_lat, ab.kv_b.lin.kernels):     # one pool job
+        for j, lats in enumerate(runs):
+            glue.mla_attend(q_lat[j], qr[j], lats, scale, out_lat[j], ab.kv_b.lin.kernels)
     if isinstance(idx, slice) and o.is_contiguous():
         ab.values(out_lat, out=o)
     else:

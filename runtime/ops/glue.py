@@ -167,6 +167,35 @@ def mla_attend(q_lat: torch.Tensor, q_rot: torch.Tensor, lats: list[torch.Tensor
                           f"runs {[tuple(lat.shape) for lat in lats]})")
 
 
+def mla_attend_batch(q_lat: torch.Tensor, q_rot: torch.Tensor, lats: list[list[torch.Tensor]], scale: float,
+                     out: torch.Tensor, kernels=None) -> bool:
+    """mla_attend for m requests in one call (one job on the pool: a decode step of m requests made m pool round
+    trips per MLA layer, most of the step at 16 requests): q_lat (m, nh, R), q_rot (m, nh, dr), out (m, nh, R)
+    float32 with contiguous last dims; lats[i] request i's runs, each request as mla_attend_supported takes it.
+    Every head gets the bits mla_attend gives it alone. False (nothing done) when the requests' cache rows do not
+    share one row stride."""
+    m = len(lats)
+    strides = {lat.stride(0) for runs in lats for lat in runs if lat.shape[0] > 1}
+    if m == 0 or len(strides) > 1:
+        return False
+    R, dr = q_lat.shape[-1], q_rot.shape[-1]
+    if q_rot.dtype != torch.float32 or q_lat.dtype != torch.float32 or (q_rot.numel() and q_rot.stride(-1) != 1):
+        raise KernelError(f"kt_mla_attend_batch: q_lat {q_lat.dtype}, q_rot {q_rot.dtype}: float32 rows with a "
+                          "contiguous last dim expected")
+    flat = [lat for runs in lats for lat in runs]
+    n_runs = (ctypes.c_int64 * m)(*[len(runs) for runs in lats])
+    ptrs = (ctypes.c_void_p * len(flat))(*[lat.data_ptr() for lat in flat])
+    lens = (ctypes.c_int64 * len(flat))(*[lat.shape[0] for lat in flat])
+    if _library().kt_mla_attend_batch(None if kernels is None else kernels.handle, m, q_lat.shape[1], R, dr,
+                                      q_lat.data_ptr(), q_lat.stride(0), q_lat.stride(1), q_rot.data_ptr(),
+                                      q_rot.stride(0), q_rot.stride(1), scale, n_runs, ptrs, lens,
+                                      strides.pop() if strides else R + dr, out.data_ptr(), out.stride(0),
+                                      out.stride(1)) != 0:
+        raise KernelError(f"kt_mla_attend_batch: bad arguments (q_lat {tuple(q_lat.shape)}, q_rot "
+                          f"{tuple(q_rot.shape)}, {m} requests)")
+    return True
+
+
 ROUTE_MAX_ROWS = 8   # tokens up to which route_sigmoid runs (a GEMV per token; prefill's GEMM stays torch's)
 
 
