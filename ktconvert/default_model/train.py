@@ -145,16 +145,21 @@ def lr_at(progress: float, peak: float, warmup: float = 0.03) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup)))))
 
 
+def add_run_args(ap: argparse.ArgumentParser, steps: int, lr: float, max_minutes: float) -> None:
+    """The options a training run shares with train_mtp: data, length, batch, learning rate, time budget, threads."""
+    ap.add_argument("--stdlib", type=Path, default=io.default_stdlib_dir(), help="folder of *.py training text")
+    ap.add_argument("--limit-files", type=int, default=0, help="use only the first N files (smoke runs, tests)")
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--batch", type=int, default=12, help=f"sequences of {SEQ_LEN} tokens per step")
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--max-minutes", type=float, default=max_minutes)
+    ap.add_argument("--threads", type=int, default=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="output directory (hub layout)")
-    ap.add_argument("--stdlib", type=Path, default=io.default_stdlib_dir(), help="folder of *.py training text")
-    ap.add_argument("--limit-files", type=int, default=0, help="use only the first N files (smoke runs, tests)")
-    ap.add_argument("--steps", type=int, default=1600)
-    ap.add_argument("--batch", type=int, default=12, help=f"sequences of {SEQ_LEN} tokens per step")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--max-minutes", type=float, default=38.0)
-    ap.add_argument("--threads", type=int, default=1)
+    add_run_args(ap, steps=1600, lr=3e-3, max_minutes=38.0)
     ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state.safetensors")
     args = ap.parse_args(argv)
 

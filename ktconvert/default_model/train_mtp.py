@@ -37,7 +37,7 @@ from torch import nn
 
 from ktconvert.default_model import data as io
 from ktconvert.default_model import export
-from ktconvert.default_model.train import SEED, SEQ_LEN, RouterLoadTracker, batch_windows, lr_at
+from ktconvert.default_model.train import SEED, SEQ_LEN, RouterLoadTracker, add_run_args, batch_windows, lr_at
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "data" / "default_model"
 MTP_SHARD = "model-mtp.safetensors"
@@ -153,13 +153,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the trained main model (hub layout)")
     ap.add_argument("--out", required=True, type=Path, help="where the model with its MTP layer goes (may be --model)")
-    ap.add_argument("--stdlib", type=Path, default=io.default_stdlib_dir(), help="folder of *.py training text")
-    ap.add_argument("--limit-files", type=int, default=0, help="use only the first N files (smoke runs)")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=12, help=f"sequences of {SEQ_LEN} tokens per step")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--max-minutes", type=float, default=10.0)
-    ap.add_argument("--threads", type=int, default=1)
+    add_run_args(ap, steps=600, lr=2e-3, max_minutes=10.0)
     ap.add_argument("--eval-tokens", type=int, default=1 << 30, help="held-out tokens scored after training")
     args = ap.parse_args(argv)
 
