@@ -233,6 +233,49 @@ def test_decode_rows_past_the_serial_limit_stay_on_kt_mla_attend(monkeypatch):
             assert torch.equal(attend([i])[0], together[i]), i
 
 
+def test_several_new_rows_of_a_request_each_get_the_bits_of_their_token_decoded_alone(monkeypatch):
+    """A request's n new rows under the plain causal mask (a speculative verify of 1 + k rows, a short chunk) stay on
+    kt_mla_attend_batch, each row over its causal prefix: every row has the bits of its token decoded alone, so a
+    verify forward gives exactly the plain decode's numbers. Another mask (an indexer's selection) keeps torch's
+    path."""
+    from types import SimpleNamespace
+
+    from ktrun.models import attention
+    from ktrun.models.kv_cache import causal_scores_mask
+    from ktrun.ops import glue
+    nh, dn, dr, dv, R = 4, 32, 16, 48, 256
+    rng = np.random.default_rng(11)
+    batch_rows = []
+    real_batch = glue.mla_attend_batch
+    monkeypatch.setattr(glue, "mla_attend_batch", lambda *a: (batch_rows.append(len(a[2])), real_batch(*a))[1])
+    with LinearKernels(n_threads=2) as lin:
+        kv_b, _ = _kv_b(lin, rng, nh, dn, dv, R, 4, 32)
+        w = {"a.kv_b_proj.weight": kv_b}
+        g = torch.Generator().manual_seed(11)
+        start, n = 6, 4                                           # 6 cached positions, then 4 new rows
+        lat = torch.randn(start + n, R + dr, generator=g)
+        runs = [lat[:5], lat[5:]]                                 # two KV blocks
+        q_nope, q_rot = torch.randn(n, nh, dn, generator=g), torch.randn(n, nh, dr, generator=g)
+
+        def attend(rows: range, mask) -> torch.Tensor:
+            s = SimpleNamespace(offset=0, n=len(rows), start=start + rows.start)
+            o = torch.zeros(len(rows), nh, dv)
+            cut = attention._prefix(runs, start + rows.stop)
+            attention._absorbed_attention(w, "a.", nh, dn, dr, dv, R, 0.125, torch.zeros(len(rows), 8), len(rows),
+                                          q_nope[rows.start:rows.stop], lambda: q_rot[rows.start:rows.stop],
+                                          [(s, cut, mask)], SimpleNamespace(seqs=[s]), o)
+            return o
+        together = attend(range(n), causal_scores_mask(n, start, start + n, "cpu", None))
+        assert batch_rows == [n]
+        for r in range(n):
+            assert torch.equal(attend(range(r, r + 1), None)[0], together[r]), r
+        batch_rows.clear()
+        other = causal_scores_mask(n, start, start + n, "cpu", None).clone()
+        other[-1, 0] = False                                      # not the causal mask: torch's masked path
+        masked = attend(range(n), other)
+        assert batch_rows == [] and torch.allclose(masked[:-1], together[:-1], rtol=1e-4, atol=1e-5)
+
+
 def test_absorbed_attention_overlapped_query_is_the_concatenated_one(monkeypatch):
     """MLA's absorbed form on the op, torch's attention: decode-sized rows build the scaled query [q_lat | q_rot] *
     scale in place (the rotary half while W_uk's job runs); larger ones concatenate then scale. Same products: same

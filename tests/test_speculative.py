@@ -240,3 +240,29 @@ def test_served_text_same_with_speculation(served_model):
     finally:
         assert s.stop() == 0, s.stderr
     assert "Traceback" not in s.stderr, s.stderr
+
+
+def test_verify_rows_have_the_bits_of_plain_decode(tmp_path_factory):
+    """The default model with RTN int4 experts and Linears on the kernels, on bench_speculative.py's code-editing
+    prompt: when a verify forward's rows took torch's masked attention, the greedy tokens with drafts left plain
+    decoding's at token 80 (a near tie that other sums broke the other way). Each verify row of the absorbed MLA path
+    now runs over its causal prefix in kt_mla_attend_batch, with the bits of its token decoded alone, so n-gram and
+    MTP drafts give plain decoding's tokens."""
+    import sys
+
+    from ktrun.loaded_model import load_model
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_speculative import DEFAULT_MODEL, prompts
+
+    out = tmp_path_factory.mktemp("rtn") / "default-rtn"
+    subprocess.run([str(BIN / "ktconvert"), "quantize", str(DEFAULT_MODEL), "-o", str(out), "--gpu-method", "rtn-int4",
+                    "--expert-quantizer", "rtn", "--quiet"], check=True, capture_output=True)
+    with load_model(out, device="cpu", mtp=True) as lm:
+        ids = lm.tokenizer.encode(prompts(1500)["edit"])
+        params = SamplingParams(max_tokens=96, ignore_eos=True)
+        plain = generate(lm.model, ids, params, len(ids) + 100, set()).tokens
+        for spec in (NGRAM, SpeculativeConfig("mtp", 2).with_mtp(lm.mtp)):
+            out_ = generate(lm.model, ids, params, len(ids) + 100, set(), speculative=spec)
+            assert out_.tokens == plain, (spec.method, next(i for i, (a, b) in enumerate(zip(plain, out_.tokens))
+                                                            if a != b))
+            assert out_.accepted > 0

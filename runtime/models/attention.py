@@ -288,22 +288,51 @@ def _absorbed_attention(w: dict, p: str, nh: int, dn: int, dr: int, dv: int, R: 
         o[idx] = torch.matmul(ab[1], out_lat.permute(1, 2, 0)).permute(2, 0, 1).to(x.dtype)
 
 
+def _prefix(lats: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """The first n cached rows of a request's runs (views)."""
+    out = []
+    for lat in lats:
+        if n <= 0:
+            break
+        out.append(lat[:n])
+        n -= lat.shape[0]
+    return out
+
+
+def _query_rows(absorbed: list, device) -> list | None:
+    """Per query row, in row order, the cache runs it attends to: a request's one new row (decode) its whole cache;
+    a request's n new rows under the plain causal mask (a speculative verify, a short chunk) one row each over its
+    causal prefix (row r: positions [0, start + r]), so each row is what decoding its token alone would be; None
+    when a mask is anything else (an indexer's selection)."""
+    rows = []
+    for s, lats, mask in absorbed:
+        if mask is None and s.n == 1:
+            rows.append(lats)
+        elif mask is not None and torch.equal(mask, causal_scores_mask(s.n, s.start, s.start + s.n, device, None)):
+            rows.extend(_prefix(lats, s.start + r + 1) for r in range(s.n))
+        else:
+            return None
+    return rows
+
+
 def _attend_on_kernels(ab: AbsorbedKvB, q_nope: torch.Tensor, q_rot, idx, scale: float, absorbed: list,
                        o: torch.Tensor) -> bool:
-    """Decode rows (one new token per request, no mask) of a float32 model with kv_b on the kernels: q_lat from W_uk's
-    job (q_rot() is roped meanwhile), then scores / softmax / latent output of every request in one kt_mla_attend_batch call
-    (ktrun.ops.glue.mla_attend: its own fixed summation order, not torch's GEMMs; on the pool), then W_uv's job,
-    straight into o. False (nothing done) for anything else."""
-    if not all(s.n == 1 and mask is None for s, _, mask in absorbed) or q_nope.dtype != torch.float32 or \
-            not all(glue.mla_attend_supported(lats, ab.R, ab.nh) for _, lats, _ in absorbed):
+    """Query rows of a float32 model with kv_b on the kernels, each over its causal prefix (_query_rows: decode rows,
+    and a request's several new rows under the plain causal mask): q_lat from W_uk's job (q_rot() is roped
+    meanwhile), then scores / softmax / latent output of every row in one kt_mla_attend_batch call
+    (ktrun.ops.glue.mla_attend_batch: its own fixed summation order, not torch's GEMMs; on the pool), then W_uv's
+    job, straight into o. A row's result has the bits of that token decoded alone. False (nothing done) for anything
+    else."""
+    rows = _query_rows(absorbed, q_nope.device)
+    if rows is None or q_nope.dtype != torch.float32 or \
+            not all(glue.mla_attend_supported(lats, ab.R, ab.nh) for lats in rows):
         return False
     q_lat_done = ab.q_latent_start(q_nope[idx])
     qr = q_rot()[idx]                                                                        # (m, nh, dr)
     q_lat = q_lat_done()                                                                     # (m, nh, R)
     out_lat = torch.empty_like(q_lat)                                                        # (m, nh, R)
-    runs = [lats for _, lats, _ in absorbed]
-    if not glue.mla_attend_batch(q_lat, qr, runs, scale, out_lat, ab.kv_b.lin.kernels):     # one pool job
-        for j, lats in enumerate(runs):
+    if not glue.mla_attend_batch(q_lat, qr, rows, scale, out_lat, ab.kv_b.lin.kernels):     # one pool job
+        for j, lats in enumerate(rows):
             glue.mla_attend(q_lat[j], qr[j], lats, scale, out_lat[j], ab.kv_b.lin.kernels)
     if isinstance(idx, slice) and o.is_contiguous():
         ab.values(out_lat, out=o)
