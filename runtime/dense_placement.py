@@ -52,13 +52,13 @@ def _dequantized(group: dict, where: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _marlin_parts(group: dict) -> dict[str, tuple[GpuLinearFormat, dict[str, np.ndarray]]]:
-    """{hub weight name: (format, {suffix: array})} of the Linears of one file whose format a Marlin GEMM reads in
-    place (GpuLinearFormat.kernel == "marlin")."""
+def _linear_parts(group: dict, marlin_only: bool = False) -> dict[str, tuple[GpuLinearFormat, dict[str, np.ndarray]]]:
+    """{hub weight name: (format, {suffix: array})} of the quantized Linears of one file; marlin_only: those whose
+    format a Marlin GEMM reads in place (GpuLinearFormat.kernel == "marlin")."""
     linears = quantized_linears(group, {n: t["layout"] for n, (_a, t) in group.items()})
     arrays = {n: a for n, (a, _t) in group.items()}
     return {weight: (gpu_format(layout), {p: np.asarray(a) for p, a in linear_parts(layout, arrays, weight).items()})
-            for weight, layout in linears.items() if gpu_format(layout).kernel == "marlin"}
+            for weight, layout in linears.items() if not marlin_only or gpu_format(layout).kernel == "marlin"}
 
 
 def _stored(weight: str, fmt: GpuLinearFormat, parts: dict, where: str):
@@ -81,10 +81,9 @@ def _packed(weight: str, fmt: GpuLinearFormat, parts: dict, device, dtype, kerne
                         fmt.bits, n, k, dtype, kernel=use)
 
 
-def _triton(weight: str, layout: str, parts: dict, device, dtype, where: str) -> TritonLinear:
+def _triton(weight: str, fmt: GpuLinearFormat, parts: dict, device, dtype, where: str) -> TritonLinear:
     """Any registered GPU format's Linear as a TritonLinear: Marlin repacked on the device (torch), the others
     unpacked on the host by ktlayouts (act-order g_idx kept)."""
-    fmt = gpu_format(layout)
     try:
         if fmt.kernel == "marlin":
             return TritonLinear.from_marlin(_packed(weight, fmt, parts, device, dtype, None, where))
@@ -144,7 +143,7 @@ def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: tor
                f"repacked in {st['seconds']:.2f} s)" + (f", {len(rest)} dequantized at load" if rest else ""))
         return {**rest, **on_kernels}, how if on_kernels or rest else "none quantized"
     marlin = {w: (where, fmt, parts) for where, group in quantized.items()
-              for w, (fmt, parts) in _marlin_parts(group).items()}
+              for w, (fmt, parts) in _linear_parts(group, marlin_only=True).items()}
     stored = [_stored(w, fmt, p, where)[0] for w, (where, fmt, p) in marlin.items()]
     nbytes = sum(g.n * g.k for g in stored) * torch.finfo(dtype).bits // 8
     mode, kernel = choose_policy(policy, device, nbytes)
@@ -172,13 +171,8 @@ def place_quantized(quantized: dict[str, dict], device: torch.device, dtype: tor
 def _place_on_triton(quantized: dict[str, dict], device: torch.device, dtype: torch.dtype
                      ) -> tuple[dict[str, object], str]:
     """Every quantized Linear of every file as a TritonLinear (place_quantized's packed mode with Triton)."""
-    out: dict[str, object] = {}
-    for where, group in quantized.items():
-        arrays = {n: a for n, (a, _t) in group.items()}
-        linears = quantized_linears(arrays, {n: t["layout"] for n, (_a, t) in group.items()})
-        for weight, layout in linears.items():
-            parts = {p: np.asarray(a) for p, a in linear_parts(layout, arrays, weight).items()}
-            out[weight] = _triton(weight, layout, parts, device, dtype, where)
+    out = {weight: _triton(weight, fmt, parts, device, dtype, where)
+           for where, group in quantized.items() for weight, (fmt, parts) in _linear_parts(group).items()}
     acts = sum(v.g_idx is not None for v in out.values())
     return out, (f"{len(out)} Linears packed, Triton kernel" + (f" ({acts} act-order)" if acts else "")
                  if out else "none quantized")

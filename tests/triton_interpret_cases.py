@@ -87,7 +87,7 @@ def act_order_cases() -> None:
             scales = (rng.random(geom.scales_shape) * 0.02 + 1e-3).astype(np.float16)
             g_idx = rng.permutation(geom.default_g_idx()).astype(np.int32)
             fmt = gpu_format_for("gptq", bits)
-            layer = _triton("act.weight", fmt.name, fmt.pack(codes, scales, geom, g_idx), "cpu", torch.float32, "case")
+            layer = _triton("act.weight", fmt, fmt.pack(codes, scales, geom, g_idx), "cpu", torch.float32, "case")
             assert layer.g_idx is not None
             run_rows(f"act-order-w{bits}-g{gs}", layer_call(layer), reference(codes, scales, g_idx, bits), k, n,
                      seed=bits * gs)
@@ -105,7 +105,7 @@ def padded_cases() -> None:
                 codes[:k, :n] = rng.integers(0, 1 << bits, (k, n), dtype=np.uint8)
                 scales = (rng.random(geom.scales_shape) * 0.02 + 1e-3).astype(np.float16)
                 parts = fmt.pack(codes, scales, geom, shape=(n, k))
-                layer = _triton("pad.weight", fmt.name, parts, "cpu", torch.float32, "case")
+                layer = _triton("pad.weight", fmt, parts, "cpu", torch.float32, "case")
                 w = reference(codes, scales, np.arange(geom.k) // geom.group, bits)
                 run_rows(f"padded-{family}-w{bits}-n{n}-k{k}-g{gs}", layer_call(layer), w, k, n, seed=n + k)
 

@@ -120,8 +120,10 @@ def evaluate(main, mtp: MtpLayer, stream: np.ndarray, max_tokens: int) -> dict:
 
 def write_mtp(model_dir: Path, out: Path, tensors: dict[str, torch.Tensor], stats: dict, config) -> None:
     """A copy of model_dir (or model_dir itself) with the MTP shard, its index entries, the config's
-    num_nextn_predict_layers, the training numbers and the model card; files replaced atomically."""
+    num_nextn_predict_layers, the training numbers and the model card; files replaced atomically. model_dir has
+    no MTP layer yet (main() checks)."""
     from ktconvert.default_model.card import model_card
+    from ktconvert.writer import atomic_write_bytes
     if out.resolve() != model_dir.resolve():
         out.mkdir(parents=True, exist_ok=True)
         for f in model_dir.iterdir():
@@ -131,22 +133,18 @@ def write_mtp(model_dir: Path, out: Path, tensors: dict[str, torch.Tensor], stat
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / MTP_SHARD)
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    wm = {k: v for k, v in index["weight_map"].items() if v != MTP_SHARD}
-    wm.update(dict.fromkeys(tensors, MTP_SHARD))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": index["metadata"]["total_size"] + total}, "weight_map": wm}
-    (out / "model.safetensors.index.json.tmp").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "model.safetensors.index.json.tmp").replace(out / "model.safetensors.index.json")
+    index = {"metadata": {"total_size": index["metadata"]["total_size"] + total},
+             "weight_map": {**index["weight_map"], **dict.fromkeys(tensors, MTP_SHARD)}}
     cfg = json.loads((out / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 1
-    (out / "config.json.tmp").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    (out / "config.json.tmp").replace(out / "config.json")
     ts = json.loads((out / "training_stats.json").read_text())
     ts["mtp"] = stats
-    (out / "training_stats.json.tmp").write_text(json.dumps(ts) + "\n")
-    (out / "training_stats.json.tmp").replace(out / "training_stats.json")
-    (out / "README.md.tmp").write_text(model_card(config, ts), encoding="utf-8")
-    (out / "README.md.tmp").replace(out / "README.md")
+    for name, text in (("model.safetensors.index.json", json.dumps(index, indent=2) + "\n"),
+                       ("config.json", json.dumps({**cfg, "num_nextn_predict_layers": 1}, indent=2, sort_keys=True)
+                        + "\n"),
+                       ("training_stats.json", json.dumps(ts) + "\n"),
+                       ("README.md", model_card(config, ts))):
+        atomic_write_bytes(out / name, text.encode("utf-8"))
 
 
 def main(argv=None) -> int:

@@ -140,6 +140,12 @@ def mla_attend_supported(lats: list[torch.Tensor], R: int, nh: int) -> bool:
     return dr >= 0 and dr % 16 == 0 and 0 < nh * S <= MLA_ATTEND_MAX_SCORES
 
 
+def _check_queries(what: str, q_lat: torch.Tensor, q_rot: torch.Tensor) -> None:
+    if q_rot.dtype != torch.float32 or q_lat.dtype != torch.float32 or (q_rot.numel() and q_rot.stride(-1) != 1):
+        raise KernelError(f"{what}: q_lat {q_lat.dtype}, q_rot {q_rot.dtype}: float32 rows with a contiguous last "
+                          "dim expected")
+
+
 def mla_attend(q_lat: torch.Tensor, q_rot: torch.Tensor, lats: list[torch.Tensor], scale: float, out: torch.Tensor,
                kernels=None) -> None:
     """MLA's absorbed decode attention for one query row per head (ktrun.models.attention, absorbed form), into out
@@ -156,9 +162,7 @@ def mla_attend(q_lat: torch.Tensor, q_rot: torch.Tensor, lats: list[torch.Tensor
     ptrs = (ctypes.c_void_p * n)(*[lat.data_ptr() for lat in lats])
     lens = (ctypes.c_int64 * n)(*[lat.shape[0] for lat in lats])
     R, dr = q_lat.shape[-1], q_rot.shape[-1]
-    if q_rot.dtype != torch.float32 or q_lat.dtype != torch.float32 or (q_rot.numel() and q_rot.stride(-1) != 1):
-        raise KernelError(f"kt_mla_attend: q_lat {q_lat.dtype}, q_rot {q_rot.dtype}: float32 rows with a contiguous "
-                          "last dim expected")
+    _check_queries("kt_mla_attend", q_lat, q_rot)
     row_stride = next((lat.stride(0) for lat in lats if lat.shape[0] > 1), R + dr)
     if _library().kt_mla_attend(None if kernels is None else kernels.handle, q_lat.shape[0], R, dr,
                                 q_lat.data_ptr(), q_lat.stride(0), q_rot.data_ptr(), q_rot.stride(0), scale, n, ptrs,
@@ -179,9 +183,7 @@ def mla_attend_batch(q_lat: torch.Tensor, q_rot: torch.Tensor, lats: list[list[t
     if m == 0 or len(strides) > 1:
         return False
     R, dr = q_lat.shape[-1], q_rot.shape[-1]
-    if q_rot.dtype != torch.float32 or q_lat.dtype != torch.float32 or (q_rot.numel() and q_rot.stride(-1) != 1):
-        raise KernelError(f"kt_mla_attend_batch: q_lat {q_lat.dtype}, q_rot {q_rot.dtype}: float32 rows with a "
-                          "contiguous last dim expected")
+    _check_queries("kt_mla_attend_batch", q_lat, q_rot)
     flat = [lat for runs in lats for lat in runs]
     n_runs = (ctypes.c_int64 * m)(*[len(runs) for runs in lats])
     ptrs = (ctypes.c_void_p * len(flat))(*[lat.data_ptr() for lat in flat])
