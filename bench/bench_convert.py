@@ -1,6 +1,14 @@
 """Conversion throughput (source GB/s) and peak RSS at 2, 4 and 8 layers (must stay flat), and the relative error of
 int4/int8 with group 128 vs per-row scales on the same weights. Prints `name: value unit` lines.
 
+`--deepseek-v3 WORK` instead times whole `ktconvert quantize` runs on bench_vs_llamacpp.py's DeepSeek-V3-shaped
+checkpoint (5.64 GB of bf16, written once into WORK): the calibrated default (`--method int4-amx --gpu-method
+rtn-int4`) and `--expert-quantizer rtn`, alternated, each with its wall, user and system time and peak RSS; with
+`--llama-cpp DIR` (a llama.cpp source tree with build/bin/llama-quantize) also llama.cpp's convert_hf_to_gguf.py
+(bf16) + llama-quantize Q4_0 in the same rounds; then the KL of both conversions against the source in float32 on the
+held-out calibration text (`ktconvert quantize --report-kl`'s protocol) and whether the rtn output is byte-identical
+with 1 and 2 workers.
+
 Fixture: qwen3_moe with hidden 1024, expert intermediate 512, 32 experts -> ~100 MB of BF16 experts per layer; at 2
 and 8 layers also the same checkpoint as compressed-tensors int4 group 32 (an already-quantized source), converted
 exactly and re-quantized: its peak RSS must stay flat like the BF16 source's.
@@ -9,7 +17,10 @@ memory copy bandwidth (the ceiling for any streaming pass) and the same conversi
 """
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -148,5 +159,118 @@ def main() -> None:
             print(f"{name}: {v:.5f} relative")
 
 
+# --- the DeepSeek-V3-shaped checkpoint: whole conversions, timed as child processes ------------------------------
+
+OURS = {"default": [], "rtn": ["--expert-quantizer", "rtn"]}     # on top of the issue's int4-amx + rtn-int4 GPU layers
+
+
+def timed(cmd: list[str], what: str) -> dict:
+    """Run cmd as a child; its wall, user and system seconds and peak RSS (wait4: that child's own usage)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = p.stdout.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{what} failed: {' '.join(map(str, cmd))}\n{out.decode(errors='replace')[-4000:]}")
+    return {"wall": wall, "user": ru.ru_utime, "sys": ru.ru_stime, "peak_mb": ru.ru_maxrss / 1024}
+
+
+def convert_v3(src: Path, out: Path, mode: str, workers: int = 2) -> dict:
+    cmd = [sys.executable, "-m", "ktconvert", "quantize", str(src), "-o", str(out), "--force", "--quiet", "--method",
+           "int4-amx", "--gpu-method", "rtn-int4", "--workers", str(workers), *OURS[mode]]
+    return timed(cmd, f"ktconvert quantize ({mode})")
+
+
+def llama_cpp_v3(src: Path, work: Path, tree: Path) -> dict:
+    """llama.cpp's convert_hf_to_gguf.py (bf16) then llama-quantize Q4_0 (2 threads): the two children's sums."""
+    from bench_vs_llamacpp import _CONVERT_WRAPPER
+
+    bf16, q4 = work / "llamacpp-bf16.gguf", work / "llamacpp-q4_0.gguf"
+    a = timed([sys.executable, "-c", _CONVERT_WRAPPER, str(tree / "convert_hf_to_gguf.py"), str(src), "--outfile",
+               str(bf16), "--outtype", "bf16"], "llama.cpp convert_hf_to_gguf")
+    b = timed([str(tree / "build" / "bin" / "llama-quantize"), str(bf16), str(q4), "Q4_0", "2"], "llama-quantize")
+    for f in (bf16, q4):
+        f.unlink()
+    return {"wall": a["wall"] + b["wall"], "user": a["user"] + b["user"], "sys": a["sys"] + b["sys"],
+            "peak_mb": max(a["peak_mb"], b["peak_mb"]), "quantize_wall": b["wall"]}
+
+
+def tree_digest(root: Path) -> str:
+    """sha256 over every file's relative path and bytes except manifest.json (which records the run's options)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and p.name != "manifest.json"):
+        h.update(str(f.relative_to(root)).encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def kl_of(src: Path, outs: dict[str, Path]) -> dict[str, dict]:
+    """Each conversion's KL against the source in float32 on the held-out calibration text (--report-kl's protocol;
+    the float32 reference computed once)."""
+    from ktrun.cli.cmd_perplexity import run_perplexity
+
+    from ktconvert.report_kl import REPORT_CTX, heldout_chunks, write_reference
+    from ktconvert.sources import open_source
+
+    with tempfile.TemporaryDirectory(prefix="bench_convert_ref_") as tmp, open_source(src) as s:
+        chunks, _ = heldout_chunks(s, None, REPORT_CTX)
+        ref = Path(tmp) / "reference.logprobs"
+        write_reference(s, chunks, ref)
+        return {k: run_perplexity(o, None, chunks.shape[1], None, reference_path=ref, quiet=True)
+                for k, o in outs.items()}
+
+
+def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int) -> None:
+    from bench_vs_llamacpp import V3_SHAPE, write_checkpoint
+
+    work.mkdir(parents=True, exist_ok=True)
+    src = write_checkpoint(work / "v3-src", V3_SHAPE)
+    nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    print(f"v3_source_size: {nbytes / 1e9:.2f} GB")
+    systems = ["rtn", "default"] + (["llama.cpp"] if llama_cpp else [])
+    runs: dict[str, list[dict]] = {k: [] for k in systems}
+    for r in range(rounds):
+        for k in (systems if r % 2 == 0 else systems[::-1]):          # alternated: the machine is noisy
+            res = llama_cpp_v3(src, work, llama_cpp) if k == "llama.cpp" else convert_v3(src, work / f"out-{k}", k)
+            runs[k].append(res)
+            print(f"# round {r + 1} {k}: {res['wall']:.1f} s wall, {res['user']:.1f} s user, {res['sys']:.1f} s sys, "
+                  f"{res['peak_mb']:.0f} MB peak RSS", flush=True)
+    med = {k: {m: float(np.median([x[m] for x in v])) for m in v[0]} for k, v in runs.items()}
+    for k, m in med.items():
+        name = k.replace(".", "")
+        print(f"v3_convert_{name}_wall: {m['wall']:.1f} s")
+        print(f"v3_convert_{name}_source_rate: {nbytes / m['wall'] / 1e6:.0f} MB/s")
+        print(f"v3_convert_{name}_user: {m['user']:.1f} s")
+        print(f"v3_convert_{name}_sys: {m['sys']:.1f} s")
+        print(f"v3_convert_{name}_sys_over_user: {m['sys'] / m['user']:.3f} ratio")
+        print(f"v3_convert_{name}_peak_rss: {m['peak_mb']:.0f} MB")
+    print(f"v3_default_over_rtn_wall: {med['default']['wall'] / med['rtn']['wall']:.2f} ratio")
+    if llama_cpp:
+        print(f"v3_llamacpp_quantize_wall: {med['llama.cpp']['quantize_wall']:.1f} s")
+        print(f"v3_rtn_rate_over_llamacpp: {med['llama.cpp']['wall'] / med['rtn']['wall']:.2f} ratio")
+    one = convert_v3(src, work / "out-rtn-1worker", "rtn", workers=1)
+    print(f"v3_convert_rtn_1_worker_wall: {one['wall']:.1f} s")
+    print(f"v3_convert_rtn_speedup_2_workers_vs_1: {one['wall'] / med['rtn']['wall']:.2f} x")
+    same = tree_digest(work / "out-rtn-1worker") == tree_digest(work / "out-rtn")
+    print(f"v3_rtn_1_vs_2_workers_identical: {int(same)} bool")
+    for k, summ in kl_of(src, {k: work / f"out-{k}" for k in ("rtn", "default")}).items():
+        for m in ("kl_mean", "kl_p99", "top1_agreement"):
+            print(f"v3_{k}_{m}: {summ[m]:.6f} {'ratio' if m == 'top1_agreement' else 'nats'}")
+
+
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--deepseek-v3", type=Path, metavar="WORK", help="time whole conversions of the DeepSeek-V3-shaped "
+                    "checkpoint (written once into WORK; ~6 GB there, ~10 GB more while converting)")
+    ap.add_argument("--llama-cpp", type=Path, metavar="DIR", help="llama.cpp source tree with build/bin/llama-quantize "
+                    "(with --deepseek-v3: its convert + Q4_0 in the same rounds)")
+    ap.add_argument("--rounds", type=int, default=1, help="alternated rounds (--deepseek-v3); medians are printed")
+    args = ap.parse_args()
+    if args.deepseek_v3:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        deepseek_v3(args.deepseek_v3, args.llama_cpp, args.rounds)
+    else:
+        main()

@@ -194,6 +194,19 @@ def _shards_error(w: np.ndarray, proj: str, per_shard: list[dict], shards: list[
     return (num / den) ** 0.5 if den else (0.0 if num == 0 else float("inf"))
 
 
+class _Done:
+    """A finished result with a Future's result()/cancel() (write_dense's serial path)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+    def cancel(self) -> bool:
+        return False
+
+
 class Converter:
     def __init__(self, src, out_dir: Path, opts: ConvertOptions, plan: ConvertPlan, journal: Journal, encoder, bar,
                  kill, quantizer=None):
@@ -207,16 +220,39 @@ class Converter:
         self.journal.record(rel, size, sha)
         self.kill("file")
 
-    def write_dense(self, job: FileJob) -> None:
+    def _encode_dense(self, name: str, role) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        tensor = self.src.read(name).numpy()
+        return tensor, self.encoder.encode(name, tensor, role)
+
+    def write_dense(self, job: FileJob, pool: ThreadPoolExecutor | None = None) -> None:
+        """One dense file. Without calibration every tensor encodes independently: up to `workers` of them on the
+        pool while this thread writes them in order (the same bytes; a layer's attention was a third of an rtn
+        conversion's wall time on one thread). A calibrating encoder runs on this thread: its driver runs layers."""
+        parallel = pool is not None and not getattr(self.encoder, "calibrated", False)
+        window: deque = deque()
         with AlignedWriter(self.out_dir / job.rel, job.specs, job.metadata) as w:
-            for name, role in job.sources:
-                tensor = self.src.read(name).numpy()
-                out = self.encoder.encode(name, tensor, role)
+            def drain():
+                name, role, fut = window.popleft()
+                tensor, out = fut.result()
                 self._dense_path(job, name, role, tensor, out)
                 for out_name, arr in out.items():
                     w.write(out_name, arr)
                 self.bar.update(self.src.info(name).nbytes)
                 self.kill("dense")
+            try:
+                for name, role in job.sources:
+                    if parallel:
+                        window.append((name, role, pool.submit(self._encode_dense, name, role)))
+                    else:
+                        window.append((name, role, _Done(self._encode_dense(name, role))))
+                    if len(window) > (self.opts.workers if parallel else 0):
+                        drain()
+                while window:
+                    drain()
+            except BaseException:
+                for _, _, fut in window:
+                    fut.cancel()
+                raise
             self._commit(w, job.rel)
 
     def _dense_path(self, job: FileJob, name: str, role, tensor: np.ndarray, out: dict) -> None:
@@ -358,7 +394,7 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                         continue
                     for job in group:
                         if job.kind != "expert" and not journal.is_done(job.rel):
-                            conv.write_dense(job)
+                            conv.write_dense(job, pool)
                     experts = [j for j in group if j.kind == "expert"]
                     todo = [j for j in experts if not journal.is_done(j.rel)]
                     if todo:

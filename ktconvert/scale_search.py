@@ -58,9 +58,28 @@ def weighted_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, q: torch.T
     return (w.double() * d * d).sum(1)
 
 
+# Groups searched at once: the search makes ~10 temporaries of x's size per trial, and at 4096 groups of 64 they stay
+# in cache and in the allocator's reuse; a whole expert matrix at once (229K groups of 64) spent more time in page
+# faults than in arithmetic (measured 4.4 s -> 0.72 s for a 2048 x 7168 matrix, 2 threads, the same bits).
+SEARCH_CHUNK_ELEMENTS = 1 << 18
+
+
 def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtype: str = DEFAULT_SCALE_DTYPE,
                   divisors: list[float] | None = None, refine: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (scales (R,), signed codes (R, L)) minimizing sum w (x - s q)^2 per group over the trial scales."""
+    """-> (scales (R,), signed codes (R, L)) minimizing sum w (x - s q)^2 per group over the trial scales. Groups are
+    independent: large inputs are searched SEARCH_CHUNK_ELEMENTS at a time (same result)."""
+    r, length = x.shape
+    step = max(1, SEARCH_CHUNK_ELEMENTS // max(1, length))
+    if r <= step:
+        return _search_scales(x, w, bits, scale_dtype, divisors, refine)
+    rows = w is not None and w.dim() == 2
+    parts = [_search_scales(x[i:i + step], w[i:i + step] if rows else w, bits, scale_dtype, divisors, refine)
+             for i in range(0, r, step)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtype: str,
+                   divisors: list[float] | None, refine: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.to(torch.float32)
     r, length = x.shape
     if w is None:

@@ -96,17 +96,31 @@ def group_size_for(k: int, n_groups: int, what: str = "weight") -> int:
     return -1 if n_groups == 1 else k // n_groups
 
 
+def _checked_codes(values: np.ndarray, bits: int, axis_len: int, what: str) -> np.ndarray:
+    v = np.asarray(values)
+    f = pack_factor(bits)
+    if v.ndim != 2 or axis_len % f:
+        raise LayoutError(f"cannot pack {v.shape} along {what} in words of {f} values")
+    if v.size and (int(v.max()) >= (1 << bits) or int(v.min()) < 0):
+        raise LayoutError(f"code {int(v.max()) if int(v.min()) >= 0 else int(v.min())} does not fit in {bits} bits")
+    return v
+
+
+def _or_words(parts, bits: int) -> np.ndarray:
+    """parts[i]: the i-th value of every word (same shape) -> words, value i at bits i*bits.. (LSB first). One
+    uint32 accumulator: no (values x f) uint32 temporary (the converter packs matrices of 10^8 codes)."""
+    out = parts[0].astype(np.uint32)
+    for i in range(1, len(parts)):
+        out |= parts[i].astype(np.uint32) << np.uint32(i * bits)
+    return out.view(np.int32)
+
+
 def pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
     """(R, C) unsigned codes -> (R*bits/32, C) int32: word [r, c] holds rows r*f .. r*f+f-1, LSB first."""
     f = pack_factor(bits)
-    v = np.asarray(values).astype(np.uint32)
-    if v.ndim != 2 or v.shape[0] % f:
-        raise LayoutError(f"cannot pack {v.shape} along rows in words of {f} values")
-    if v.size and int(v.max()) >= (1 << bits):
-        raise LayoutError(f"code {int(v.max())} does not fit in {bits} bits")
+    v = _checked_codes(values, bits, np.shape(values)[0] if np.ndim(values) == 2 else 1, "rows")
     v = v.reshape(v.shape[0] // f, f, v.shape[1])
-    shifts = (np.arange(f, dtype=np.uint32) * bits)[None, :, None]
-    return np.bitwise_or.reduce(v << shifts, axis=1).view(np.int32)
+    return _or_words([v[:, i] for i in range(f)], bits)
 
 
 def unpack_rows(words: np.ndarray, bits: int) -> np.ndarray:
@@ -119,8 +133,12 @@ def unpack_rows(words: np.ndarray, bits: int) -> np.ndarray:
 
 
 def pack_cols(values: np.ndarray, bits: int) -> np.ndarray:
-    """(R, C) unsigned codes -> (R, C*bits/32) int32, consecutive columns LSB first."""
-    return np.ascontiguousarray(pack_rows(np.ascontiguousarray(np.asarray(values).T), bits).T)
+    """(R, C) unsigned codes -> (R, C*bits/32) int32, consecutive columns LSB first (pack_rows of the transpose,
+    transposed back)."""
+    f = pack_factor(bits)
+    v = _checked_codes(values, bits, np.shape(values)[1] if np.ndim(values) == 2 else 1, "columns")
+    v = v.reshape(v.shape[0], v.shape[1] // f, f)
+    return np.ascontiguousarray(_or_words([v[:, :, i] for i in range(f)], bits))
 
 
 def unpack_cols(words: np.ndarray, bits: int) -> np.ndarray:

@@ -231,3 +231,92 @@ def test_two_level_gptq_rounds_against_the_stored_scales_and_beats_the_search():
     assert e_gptq < 1.05 * float(((x @ (q16.dequantize() - w).T) ** 2).mean())
     with pytest.raises(ValueError, match="two-level"):
         GptqConfig(group_size=32, scale_dtype="sub6", act_order=True)
+
+
+def test_captured_down_inputs_are_the_routed_tokens_activations(ds3):
+    """The calibration forward hands each expert's down_proj inputs to the expert quantizer (it no longer recomputes
+    them over every token): rows = the tokens routed to the expert, in token order, silu(x gate^T) * (x up^T)."""
+    from ktconvert.gpu.calib import make_calibrator
+    from ktconvert.sources import open_source
+
+    with open_source(ds3) as src:
+        cal = make_calibrator(src, None, 512, 256, 0, lambda *a: None, lambda hub: False, capture_experts=True)
+        layer = 1
+        x, ids = cal.expert_inputs(layer)
+        acts = cal.expert_activations(layer)
+        assert sorted(acts) == sorted(set(ids.flatten().tolist()))
+        for e, a in acts.items():
+            xe = x[(ids == e).any(1)]
+            gate, up = (src.read(src.arch.expert_tensor_name(layer, e, p)) for p in ("gate", "up"))
+            ref = torch.nn.functional.silu(xe @ gate.T) * (xe @ up.T)
+            assert a.shape == ref.shape
+            torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-6)
+        assert cal.expert_activations(layer) == {}            # handed over once
+
+
+def test_search_in_chunks_is_the_search_of_the_whole(monkeypatch):
+    """search_scales runs large inputs SEARCH_CHUNK_ELEMENTS at a time: groups are independent, so the result is the
+    same bits as one pass over everything (per-group weights and shared (L,) weights both)."""
+    import ktconvert.scale_search as ss
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, 64, generator=g) * torch.rand(1000, 1, generator=g)
+    w2, w1 = torch.rand(1000, 64, generator=g), torch.rand(64, generator=g)
+    whole = [ss.search_scales(x, w, 4, "f16") for w in (w2, w1, None)]
+    monkeypatch.setattr(ss, "SEARCH_CHUNK_ELEMENTS", 64 * 37)     # 37 groups per chunk: a ragged last chunk
+    for w, (s, q) in zip((w2, w1, None), whole):
+        s2, q2 = ss.search_scales(x, w, 4, "f16")
+        assert torch.equal(s, s2) and torch.equal(q, q2)
+
+
+def _textbook_gptq(w, u, group, bits):
+    """GPTQ without blocks, column by column on W (N, K) as in Frantar et al.'s Algorithm 1, with max-abs group
+    scales computed from the updated weights at each group's first column (scale_rule "vllm")."""
+    w = w.clone().double()
+    u = u.double()
+    n, k = w.shape
+    zero, maxq = 2 ** (bits - 1), 2 ** bits - 1
+    codes = torch.zeros(n, k, dtype=torch.float64)
+    for j in range(k):
+        if j % group == 0:
+            s = (w[:, j:j + group].abs().amax(1) / ((2 ** bits - 1) / 2)).float().to(torch.float16).double()
+            safe = torch.where(s != 0, s, torch.ones_like(s))
+        c = torch.clamp(torch.round(w[:, j] / safe) + zero, 0, maxq)
+        codes[:, j] = c
+        e = (w[:, j] - (c - zero) * s) / u[j, j]
+        w[:, j + 1:] -= e[:, None] * u[j, j + 1:][None, :]
+    return codes
+
+
+def test_blocked_gptq_is_the_textbook_column_loop():
+    """The blocked loop on the transposed weight (rank-1 updates inside a block, one GEMM per block) makes the same
+    choices as the plain column-by-column algorithm, up to float rounding at exact ties."""
+    from ktconvert.gpu.gptq import GptqConfig, _inverse_cholesky, gptq_quantize
+
+    g = torch.Generator().manual_seed(5)
+    n, k, t = 96, 512, 768
+    w = torch.randn(n, k, generator=g) * k ** -0.5
+    x = torch.randn(t, k, generator=g) * (torch.rand(k, generator=g) * 2 + 0.1)
+    h = 2 * x.T @ x / t
+    cfg = GptqConfig(bits=4, group_size=64, block=128, scale_rule="vllm")
+    q, _ = gptq_quantize(w, h, cfg)
+    u, _ = _inverse_cholesky(h, cfg.percdamp, "w")
+    ref = _textbook_gptq(w, u, 64, 4)
+    same = (torch.from_numpy(q.codes_kn.T.astype(np.float64)) == ref).double().mean().item()
+    assert same > 0.995, same
+
+
+def test_one_and_two_workers_write_the_same_bytes(ds3, tmp_path):
+    """Dense files encode on the worker pool when nothing calibrates them, expert matrices always do: the output
+    must not depend on the worker count (nor on which tensor finished first)."""
+    import hashlib
+
+    def digest(root):
+        return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(root.rglob("*.safetensors"))}
+    outs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        _convert(ds3, out, gpu_method="rtn-int4", expert_quantizer="search", workers=workers)
+        outs.append(digest(out))
+    assert outs[0] == outs[1] and any(k.startswith("dense/") for k in outs[0])

@@ -210,6 +210,9 @@ class StreamingExperts(nn.Module):
             self.biases = (bg, bu, src.read(d))                   # (E, I), (E, I), (E, H)
         self.enabled = True
         self.captured: list | None = None     # a list: (hidden_states, top_k_index) of every call are appended
+        # with captured on: expert -> its down_proj inputs act(x gate^T) * (x up^T) of its routed tokens, in token
+        # order, call after call (what the forward computes anyway; the expert quantizer's importance of down)
+        self.activations: dict[int, list[torch.Tensor]] = {}
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         # hidden_states: (T, H); top_k_index / top_k_weights: (T, top_k)
@@ -224,10 +227,14 @@ class StreamingExperts(nn.Module):
             gate, up, down = (self.src.read(arch.expert_tensor_name(self.layer, e, p)) for p in ("gate", "up", "down"))
             x = hidden_states[tok]
             if self.biases is None:
-                y = self.gate_fn(x @ gate.T, x @ up.T) @ down.T
+                a = self.gate_fn(x @ gate.T, x @ up.T)
+                y = a @ down.T
             else:
                 bg, bu, bd = (b[e].to(x.dtype) for b in self.biases)
-                y = self.gate_fn(x @ gate.T + bg, x @ up.T + bu) @ down.T + bd
+                a = self.gate_fn(x @ gate.T + bg, x @ up.T + bu)
+                y = a @ down.T + bd
+            if self.captured is not None:
+                self.activations.setdefault(e, []).append(a)
             out.index_add_(0, tok, y * top_k_weights[tok, pos, None].to(y.dtype))
         return out
 
@@ -257,6 +264,7 @@ class LayerwiseGptq:
         self.src, self.tokens, self.quantize_fn, self.is_target = src, tokens, quantize_fn, is_target
         self.quantize_head, self.capture_experts = quantize_head, capture_experts
         self.expert_captures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> (X (T, H), ids (T, k))
+        self.expert_acts: dict[int, dict[int, torch.Tensor]] = {}     # layer -> expert -> (n_e, I) down inputs
         check_layerwise(src)
         self.cfg = hf_config(*text_model_of(src))
         self.hub = src.arch.family.names                              # layer prefix, embed / norm / head names
@@ -299,7 +307,13 @@ class LayerwiseGptq:
                 self._run_layer(self.next_layer)
         if layer not in self.expert_captures:
             raise CalibrationError(f"layer {layer} has no routed experts to calibrate")
+        self.expert_acts = {k: v for k, v in self.expert_acts.items() if k >= layer}
         return self.expert_captures.pop(layer)
+
+    def expert_activations(self, layer: int) -> dict[int, torch.Tensor]:
+        """expert -> (n_e, I) its down_proj inputs over its routed calibration tokens (rows in the order of
+        expert_inputs' tokens routed to it), as the calibration forward computed them; after expert_inputs(layer)."""
+        return self.expert_acts.pop(layer, {})
 
     @torch.no_grad()
     def _run_layer(self, li: int) -> None:
@@ -337,7 +351,8 @@ class LayerwiseGptq:
             if e.captured:
                 self.expert_captures[li] = (torch.cat([x for x, _ in e.captured]),
                                             torch.cat([i for _, i in e.captured]))
-            e.captured = None
+                self.expert_acts[li] = {ex: torch.cat(rows) for ex, rows in e.activations.items()}
+            e.captured, e.activations = None, {}
         del layer
         dt = time.perf_counter() - t0
         self.stats["layers"] += 1

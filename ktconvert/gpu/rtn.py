@@ -41,9 +41,11 @@ def scales_for(w_group: torch.Tensor, bits: int) -> torch.Tensor:
 def quantize_columns(w: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
     """w: (N, L) or (N,), scale: (N,) -> codes of the same shape as float32 in [0, 2^b - 1]."""
     s = scale if w.dim() == 1 else scale[:, None]
-    # true division by the stored scale (not a multiply by its reciprocal): matches the reference rounding
-    q = torch.where(s != 0, w / torch.where(s != 0, s, torch.ones_like(s)), torch.zeros_like(w))
-    return torch.clamp(torch.round(q) + zero_point(bits), 0, 2 ** bits - 1)
+    # true division by the stored scale (not a multiply by its reciprocal): matches the reference rounding. In place
+    # on one result tensor: no full-size zeros/where temporaries (fresh pages are zeroed by the kernel)
+    q = w / torch.where(s != 0, s, torch.ones_like(s))
+    q.masked_fill_((s == 0).expand_as(q), 0.0)
+    return q.round_().add_(zero_point(bits)).clamp_(0, 2 ** bits - 1)
 
 
 def dequantize_columns(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ from its float weights. Modes (`ktconvert quantize --expert-quantizer`):
           super-block together, search_two_level) minimizing the squared error weighted by each input
           channel's importance, mean(x_k^2) over the expert's routed tokens (gate/up: X_e, down: A_e), shrunk toward
           the mean over all tokens of the layer for experts with few tokens:
-          imp = (sum_routed x^2 + PRIOR_TOKENS * mean_all x^2) / (n_e + PRIOR_TOKENS); uniform without calibration;
+          imp = (sum_routed x^2 + PRIOR_TOKENS * mean_all x^2) / (n_e + PRIOR_TOKENS) (for down, mean_all over an
+          evenly spaced sample of PRIOR_SAMPLE tokens); uniform without calibration;
   gptq    GPTQ (ktconvert.gpu.gptq, with the same scale search) on the Hessian of the routed tokens,
           H = 2 X_e^T X_e / n_e, for every matrix whose expert got at least `min_tokens` routed tokens (default:
           K / 2 of that matrix: below that GPTQ measured no better than `search`), `search` for the others;
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 EXPERT_QUANTIZERS = ("auto", "gptq", "search", "rtn")
 PRIOR_TOKENS = 16.0
+PRIOR_SAMPLE = 256      # tokens of the layer whose down inputs give the prior's mean
 
 
 @dataclass
@@ -70,7 +72,7 @@ class ExpertQuantizer:
             raise ValueError("--expert-quantizer gptq needs calibration text and the checkpoint's tokenizer")
         self.min_tokens, self.scale_dtype, self.percdamp = min_tokens, scale_dtype, percdamp
         self._lock = threading.Lock()
-        self._layer: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._layer: tuple | None = None     # (layer, X (T, H), ids (T, k), expert -> (n_e, I) down inputs)
         self.reports: dict[int, LayerReport] = {}
 
     @property
@@ -92,29 +94,35 @@ class ExpertQuantizer:
         thread before the layer's experts are packed: the driver's GPU-layer GPTQ changes torch's thread count."""
         self.reports[layer] = LayerReport(layer, {})
         if self.calibrated and self.mode != "rtn":
-            x, ids = self.calibrator_fn().expert_inputs(layer)
-            self._layer = (layer, x.float(), ids)
+            cal = self.calibrator_fn()
+            x, ids = cal.expert_inputs(layer)
+            acts = cal.expert_activations(layer) if hasattr(cal, "expert_activations") else {}
+            self._layer = (layer, x.float(), ids, acts)
 
     def expert_stats(self, layer: int, e: int, w: dict[str, np.ndarray]) -> ExpertStats | None:
         if not self.calibrated:
             return None
         if self._layer is None or self._layer[0] != layer:
             raise RuntimeError(f"layer {layer}: begin_layer was not called")
-        x_all, ids = self._layer[1], self._layer[2]
+        x_all, ids, acts = self._layer[1], self._layer[2], self._layer[3]
         tok = (ids == e).any(dim=1)
         xe = x_all[tok]
+        n = int(tok.sum())
         gate = torch.from_numpy(np.asarray(w["gate"], np.float32))
         up = torch.from_numpy(np.asarray(w["up"], np.float32))
-        a_all = F.silu(x_all @ gate.T) * (x_all @ up.T)                   # (T, I): the prior, and the routed rows
-        ae = a_all[tok]
-        n = int(tok.sum())
+        # the down inputs of the routed tokens: as the calibration forward computed them, else computed here
+        ae = acts[e] if e in acts and acts[e].shape[0] == n else F.silu(xe @ gate.T) * (xe @ up.T)    # (n, I)
+        # the prior's mean over all tokens, from an evenly spaced sample of PRIOR_SAMPLE of them: it weighs
+        # PRIOR_TOKENS against the routed tokens, and all T rows cost two (T, H) x (H, I) products per expert
+        xs = x_all[:: max(1, x_all.shape[0] // PRIOR_SAMPLE)]
+        a_s = F.silu(xs @ gate.T) * (xs @ up.T)                                                      # (S, I)
         with self._lock:
             self.reports[layer].tokens[e] = n
 
         def imp(sub, full):
             return ((sub * sub).sum(0) + PRIOR_TOKENS * (full * full).mean(0)) / (n + PRIOR_TOKENS)
         keep = self.mode == "gptq"
-        return ExpertStats(n, imp(xe, x_all), imp(ae, a_all), xe if keep else None, ae if keep else None)
+        return ExpertStats(n, imp(xe, x_all), imp(ae, a_s), xe if keep else None, ae if keep else None)
 
     # --- one matrix ------------------------------------------------------------------------------------------
     def pack(self, proj: str, mat: np.ndarray, geom: MatrixGeometry, stats: ExpertStats | None,
