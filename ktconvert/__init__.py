@@ -7,5 +7,8 @@ import os
 # wall). numpy does the same by default. Read once, at torch's first allocation: effective only if torch is not
 # loaded yet (the CLI imports this package first).
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# The calibration forward and the pack workers run torch from different threads at the same time: OpenMP threads
+# that spin while idle would take the cores from each other (ktrun sets the same for its kernels).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"

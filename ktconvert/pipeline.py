@@ -387,6 +387,10 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                        + (f"; {', '.join(plan.mtp_copies)} equal the main model's and are not written again"
                           if plan.mtp_copies else ""), file=sys.stderr)
         conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill, quantizer)
+        if quantizer is not None:         # the layers whose experts are still to write, in the order they are written
+            quantizer.prefetch_layers([j.layer for g in plan.jobs for j in g if j.kind == "expert" and not j.mtp
+                                       and j.shard in (None, 0) and any(x.kind == "expert" and
+                                                                        not journal.is_done(x.rel) for x in g)])
         try:
             with ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="ktconvert") as pool:
                 for group in plan.jobs:
@@ -414,5 +418,7 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
             raise
         finally:
             bar.close()
+            if quantizer is not None:
+                quantizer.close()
         journal.path.unlink(missing_ok=True)
     return manifest

@@ -64,10 +64,34 @@ def weighted_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, q: torch.T
 SEARCH_CHUNK_ELEMENTS = 1 << 18
 
 
+# "kernel": libktkernels' kt_search_scales (ktrun.ops.scale_search) where it loads, else this module's torch code;
+# "torch": always the torch code (the reference the kernel is tested against)
+SEARCH_IMPL_ENV = "KTCONVERT_SEARCH"
+
+
 def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtype: str = DEFAULT_SCALE_DTYPE,
                   divisors: list[float] | None = None, refine: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (scales (R,), signed codes (R, L)) minimizing sum w (x - s q)^2 per group over the trial scales. Groups are
-    independent: large inputs are searched SEARCH_CHUNK_ELEMENTS at a time (same result)."""
+    """-> (scales (R,), signed codes (R, L)) minimizing sum w (x - s q)^2 per group over the trial scales.
+    w: None, (L,) for every group, (R, L), or (P, L) with R a multiple of P (group r takes row r % P: a matrix's
+    per-input-channel importance in groups, without expanding it to every row).
+    Runs in libktkernels (kt_search_scales, ~10x faster) unless KTCONVERT_SEARCH=torch or the library is missing;
+    the two agree except where two trial scales' gains tie to float rounding (tests/test_scale_search_kernel.py)."""
+    import os
+
+    from ktrun.ops import scale_search as kernel
+
+    r = x.shape[0]
+    if os.environ.get(SEARCH_IMPL_ENV, "kernel") != "torch" and x.device.type == "cpu" and kernel.available():
+        enc = scale_encoding(scale_dtype)
+        if enc.elementwise:
+            return kernel.search_scales(x, w, bits, enc.runtime_name, divisors or trial_divisors(bits), refine)
+    if w is not None and w.dim() == 2 and w.shape[0] != r:
+        w = w.repeat(r // w.shape[0], 1)                      # periodic rows -> one row per group
+    return _search_in_chunks(x, w, bits, scale_dtype, divisors, refine)
+
+
+def _search_in_chunks(x, w, bits, scale_dtype, divisors, refine):
+    """The torch reference, SEARCH_CHUNK_ELEMENTS at a time (groups are independent: the same result)."""
     r, length = x.shape
     step = max(1, SEARCH_CHUNK_ELEMENTS // max(1, length))
     if r <= step:

@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 12  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 13  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -28,7 +28,8 @@ extern "C" {
                                  output of one query row per head, on the calling thread or the context's pool),
                                  kt_route_sigmoid (the sigmoid router with group-limited top-k, on the calling
                                  thread);
-                             12: kt_mla_attend_batch (kt_mla_attend for m requests in one pool job) */
+                             12: kt_mla_attend_batch (kt_mla_attend for m requests in one pool job);
+                             13: kt_search_scales (ktconvert's importance-weighted scale search) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -244,6 +245,14 @@ int kt_mla_attend_batch(kt_ctx* ctx, int64_t m, int64_t nh, int64_t R, int64_t d
 int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
                      int64_t w_stride, const float* bias, int64_t n_group, int64_t topk_group, int64_t top_k, int norm,
                      float scaling, int64_t* ids, float* weights);
+
+/* ktconvert's importance-weighted scale search (ktconvert/scale_search.py, search_scales; kernels/src/scale_search.cpp)
+ * for R groups of L floats on the calling thread: group r is x + r * x_stride; its weights w + (r % w_rows) * L
+ * (w NULL: uniform); `bits`-bit signed codes; trial scales peak / divisors[d] (n_div of them); the chosen scale is
+ * rounded to scale_dtype (KT_F32, KT_BF16 or KT_F16), refit `refine` times, floored by the plain rule. Out: scales
+ * (R,) float32, codes (R, L) int8 in [-2^(bits-1), 2^(bits-1) - 1]. Returns -1 for bad arguments. */
+int kt_search_scales(int64_t R, int64_t L, const float* x, int64_t x_stride, const float* w, int64_t w_rows, int bits,
+                     int scale_dtype, const float* divisors, int n_div, int refine, float* scales, int8_t* codes);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -87,4 +87,16 @@ const KernelTable* select_backend(const std::string& requested) {
     return &amx;
 }
 
+int vector_isa() {
+    static const int chosen = [] {
+        try {
+            const std::string name = select_backend("")->name;
+            return name == "scalar" ? 0 : name == "avx2" ? 1 : 2;
+        } catch (const std::exception&) {
+            return 0;
+        }
+    }();
+    return chosen;
+}
+
 }  // namespace kt

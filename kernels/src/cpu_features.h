@@ -16,6 +16,11 @@ const CpuFeatures& cpu_features();
 bool backend_supported(const std::string& name);
 // name empty: env KT_KERNEL_BACKEND, else the best supported. Throws std::runtime_error if unknown/unsupported.
 const KernelTable* select_backend(const std::string& name);
+// Which copy of a body compiled per vector ISA (GCC target regions: mla_attend.cpp, scale_search.cpp) runs, chosen
+// once with the kernels' backend (select_backend("")): 0 the baseline for scalar, 1 AVX2 for avx2, 2 AVX-512 for
+// avx512 and amx (both imply AVX-512). An unknown or unsupported KT_KERNEL_BACKEND (which no kernel context accepts
+// either) takes the baseline. The baseline copy is the SIMD copies' scalar twin.
+int vector_isa();
 
 // Per-ISA tables, each defined in its own file compiled with that ISA's flags (only used when supported).
 extern const KernelTable kScalarTable;

@@ -69,20 +69,8 @@ inline v16 madd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (_
 }  // namespace avx512
 #pragma GCC pop_options
 
-// once: the copy for the kernels' backend (select_backend: KT_KERNEL_BACKEND, else the best this CPU runs): 0 the
-// baseline for scalar, 1 AVX2 for avx2, 2 AVX-512 for avx512 and amx (both imply AVX-512); the tests' way to run the
-// twins. An unknown or unsupported KT_KERNEL_BACKEND (which no kernel context accepts either) takes the baseline.
-int isa() {
-    static const int chosen = [] {
-        try {
-            const std::string name = kt::select_backend("")->name;
-            return name == "scalar" ? 0 : name == "avx2" ? 1 : 2;
-        } catch (const std::exception&) {
-            return 0;
-        }
-    }();
-    return chosen;
-}
+// the copy for the kernels' backend: kt::vector_isa() (cpu_features.h), also the tests' way to run the twins
+int isa() { return kt::vector_isa(); }
 
 using AttendFn = decltype(&ref::attend);
 using DotsFn = decltype(&ref::dots);

@@ -17,7 +17,6 @@ Quantization is symmetric with the rounding of ktconvert.gpu.rtn, so RTN and GPT
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -114,24 +113,6 @@ def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> tuple[torc
                     f"(tried from {percdamp:g}); calibration inputs may be degenerate")
 
 
-SMALL_BLOCK = 1 << 21      # N*block below which the column loop runs single-threaded
-
-
-@contextmanager
-def _threads_for(elements: int):
-    """The column loop is a long chain of small ops on (N,) and (N, block) tensors: below SMALL_BLOCK elements extra
-    threads only add synchronisation (measured 6x slower at N=384 and 2.5x at N=1536 with 2 threads on a loaded
-    2-core machine), so it runs on one; the Cholesky before it keeps every thread."""
-    before = torch.get_num_threads()
-    if elements < SMALL_BLOCK and before > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
-
-
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: str = "weight"
                   ) -> tuple[QuantizedLinear, float]:
     """weight (N, K), hessian (K, K) -> (QuantizedLinear, proxy loss sum (w - q)^2 / d^2 over the matrix)."""
@@ -152,10 +133,11 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: st
     w, h = w[:, perm], h[perm][:, perm]
     u, _ = _inverse_cholesky(h, cfg.percdamp, name)
 
-    with _threads_for(n * cfg.block):
-        two_level = not scale_encoding(cfg.scale_dtype).elementwise
-        fixed = _two_level_scales(w, u, geom, cfg, torch.diag(h)) if two_level else None
-        codes, scales, loss = _quantize_columns(w, u, geom, cfg, torch.diag(h), fixed)
+    # torch's thread count is never changed here (it is process-wide: the converter's workers and its calibration
+    # forward run torch at the same time, and a matmul's bits may depend on it)
+    two_level = not scale_encoding(cfg.scale_dtype).elementwise
+    fixed = _two_level_scales(w, u, geom, cfg, torch.diag(h)) if two_level else None
+    codes, scales, loss = _quantize_columns(w, u, geom, cfg, torch.diag(h), fixed)
 
     inv = torch.argsort(perm)
     codes_kn = codes[:, inv].T.contiguous().to(torch.uint8).numpy()      # back to input-channel order

@@ -18,14 +18,19 @@ from its float weights. Modes (`ktconvert quantize --expert-quantizer`):
           K / 2 of that matrix: below that GPTQ measured no better than `search`), `search` for the others;
   auto    gptq when calibration text is available, else search with uniform weights.
 
-Memory: one layer's X (T, H) plus one expert's activations and Hessians per pack worker. Deterministic: the layer's
-calibration runs on the main thread before its experts are packed (it changes torch's process-wide thread count),
-so the workers' torch work always sees the same thread count and a resumed run packs the same bytes.
+Overlap: with its own calibration pass (GPU layers not calibrated), the forward of the next MoE layer runs on a
+thread of its own while this layer's experts are packed (prefetch_layers): the calibration forward is the float
+model's, independent of how the experts are quantized, and it was a third of the calibrated default's wall time with
+the pack workers idle. Memory: two layers' X (T, H) and down inputs, plus one expert's activations and Hessians per
+pack worker. Deterministic: nothing changes torch's process-wide thread count during a conversion (a matmul's bits
+may depend on it), so the forward and the workers' torch work give the same bits whatever runs beside them, and a
+resumed run packs the same bytes.
 """
 from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,8 +67,10 @@ class LayerReport:
 
 class ExpertQuantizer:
     def __init__(self, mode: str, calibrator_fn=None, min_tokens: int = 0, scale_dtype: str = UNDECLARED_SCALE_DTYPE,
-                 percdamp: float = 0.01):
-        """calibrator_fn: () -> LayerwiseGptq with capture_experts, or None when there is no calibration."""
+                 percdamp: float = 0.01, own_calibration: bool = False):
+        """calibrator_fn: () -> LayerwiseGptq with capture_experts, or None when there is no calibration;
+        own_calibration: nothing else drives that calibrator (the GPU layers are not calibrated with it)."""
+        self.own_calibration = own_calibration
         if mode not in EXPERT_QUANTIZERS:
             raise ValueError(f"--expert-quantizer {mode!r}: choose one of {', '.join(EXPERT_QUANTIZERS)}")
         self.calibrator_fn = calibrator_fn if mode != "rtn" else None
@@ -73,6 +80,9 @@ class ExpertQuantizer:
         self.min_tokens, self.scale_dtype, self.percdamp = min_tokens, scale_dtype, percdamp
         self._lock = threading.Lock()
         self._layer: tuple | None = None     # (layer, X (T, H), ids (T, k), expert -> (n_e, I) down inputs)
+        self._ahead: list[int] = []          # MoE layers still to begin, in order (prefetch_layers)
+        self._pending: tuple[int, Future] | None = None
+        self._prefetcher: ThreadPoolExecutor | None = None
         self.reports: dict[int, LayerReport] = {}
 
     @property
@@ -94,10 +104,35 @@ class ExpertQuantizer:
         thread before the layer's experts are packed: the driver's GPU-layer GPTQ changes torch's thread count."""
         self.reports[layer] = LayerReport(layer, {})
         if self.calibrated and self.mode != "rtn":
-            cal = self.calibrator_fn()
-            x, ids = cal.expert_inputs(layer)
-            acts = cal.expert_activations(layer) if hasattr(cal, "expert_activations") else {}
-            self._layer = (layer, x.float(), ids, acts)
+            pending, self._pending = self._pending, None
+            got = pending[1].result() if pending is not None else None      # never two forwards at once
+            if pending is None or pending[0] != layer:
+                got = self._inputs(layer)
+            self._layer = (layer, *got)
+            later = [x for x in self._ahead if x > layer]
+            self._ahead = later
+            if later and self._prefetcher is not None:
+                self._pending = (later[0], self._prefetcher.submit(self._inputs, later[0]))
+
+    def prefetch_layers(self, layers: list[int]) -> None:
+        """The MoE layers whose experts this conversion will quantize, in order: each begin_layer then starts the
+        next one's calibration forward on a thread of its own. Only for a calibration pass of its own (the GPU
+        layers' GPTQ, when it shares the pass, runs it from the main thread)."""
+        if self.calibrated and self.mode != "rtn" and self.own_calibration:
+            self._ahead = sorted(set(layers))
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="ktconvert-calibration")
+
+    def close(self) -> None:
+        """Stop prefetching (a forward under way finishes first: it cannot be interrupted)."""
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            self._prefetcher, self._pending = None, None
+
+    def _inputs(self, layer: int) -> tuple:
+        cal = self.calibrator_fn()
+        x, ids = cal.expert_inputs(layer)
+        acts = cal.expert_activations(layer) if hasattr(cal, "expert_activations") else {}
+        return x.float(), ids, {e: a.float() for e, a in acts.items()}     # (bf16 from a bf16-matmul forward)
 
     def expert_stats(self, layer: int, e: int, w: dict[str, np.ndarray]) -> ExpertStats | None:
         if not self.calibrated:
@@ -175,7 +210,7 @@ class ExpertQuantizer:
             return self._search_two_level(wp, imp, geom)
         n, g = geom.n_pad, geom.group
         groups = wp.reshape(n * geom.n_groups, g)
-        w = None if imp is None else imp.reshape(1, geom.n_groups, g).expand(n, -1, -1).reshape(-1, g)
+        w = None if imp is None else imp.reshape(geom.n_groups, g)      # group r takes row r % n_groups
         s, q = search_scales(groups, w, geom.bits, scale_dtype)
         codes = (q + geom.format.zero_point).to(torch.uint8).reshape(geom.n_pad, geom.k_pad).numpy()
         return codes, s.reshape(n, geom.n_groups).numpy().astype(np.float32)

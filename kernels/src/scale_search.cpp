@@ -1,0 +1,95 @@
+// kt_search_scales: ktconvert's importance-weighted scale search (ktconvert/scale_search.py, search_scales: the
+// reference) for R groups of L values on the calling thread:
+//   peak   = the group's signed largest magnitude
+//   trials = peak / d for the given divisors d; for each, q = clamp(rint(x / t)) and the weighted least-squares scale
+//            for those codes, s = sum(w x q) / sum(w q^2), scored by sum(w x q)^2 / sum(w q^2) (the first best wins)
+//   s      = the best trial's scale rounded to the stored dtype; its codes; `refine` least-squares refits (kept when
+//            they lower sum w (x - s q)^2); floor: never worse than peak / qmin rounded (the layout's plain rule)
+// Why in C: ktconvert's calibrated default spent three quarters of a conversion in this search through torch, ~30
+// elementwise passes over memory per trial; here the group stays in registers (a 2048 x 7168 expert matrix in
+// groups of 64: 0.7 s on 2 threads in torch, see bench/README.md for this file's number).
+//
+// Numerics: sums of products in float (as the reference's), lane sums of 16 in a fixed order, the gain and the
+// errors in double. The result can differ from the torch reference only where two trials' gains tie to the last
+// bits (the reference sums in torch's order); tests/test_scale_search_kernel.py bounds that. The body
+// (scale_search_body.inc) is compiled for AVX-512, AVX2 and the baseline ISA, chosen once (kt::vector_isa());
+// the same IEEE operations in the same order give the same bits in each: the baseline copy is the scalar twin.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <vector>
+
+#include "../include/ktkernels.h"
+#include "cpu_features.h"
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline float scalar_rint(float v) { return std::nearbyint(v); }   // the default rounding mode: to nearest even
+
+inline float round_scale(float s, int dtype) {
+    if (dtype == KT_F16) {                 // clamped to float16's finite range, then rounded to nearest even
+        s = std::min(std::max(s, -65504.0f), 65504.0f);
+        return (float)(_Float16)s;
+    }
+    if (dtype == KT_BF16) {                // nearest even on the upper 16 bits (no NaN reaches here)
+        uint32_t u;
+        memcpy(&u, &s, 4);
+        u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+        memcpy(&s, &u, 4);
+    }
+    return s;
+}
+
+namespace ref {
+inline v16 rint16(v16 v) {
+    for (int l = 0; l < 16; ++l) v[l] = std::nearbyint(v[l]);
+    return v;
+}
+#include "scale_search_body.inc"
+}  // namespace ref
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+inline v16 rint16(v16 v) {
+    __m256 h[2];
+    memcpy(h, &v, 64);
+    for (int i = 0; i < 2; ++i) h[i] = _mm256_round_ps(h[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    memcpy(&v, h, 64);
+    return v;
+}
+#include "scale_search_body.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace avx512 {
+inline v16 rint16(v16 v) {
+    return (v16)_mm512_roundscale_ps((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#include "scale_search_body.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+
+using SearchFn = decltype(&ref::search);
+const SearchFn kSearch[3] = {ref::search, avx2::search, avx512::search};
+
+}  // namespace
+
+extern "C" int kt_search_scales(int64_t R, int64_t L, const float* x, int64_t x_stride, const float* w,
+                                int64_t w_rows, int bits, int scale_dtype, const float* divisors, int n_div,
+                                int refine, float* scales, int8_t* codes) {
+    if (R < 0 || L <= 0 || x_stride < L || !x || (w && w_rows <= 0) || bits < 2 || bits > 8 || n_div <= 0 ||
+        !divisors || refine < 0 || !scales || !codes ||
+        (scale_dtype != KT_F32 && scale_dtype != KT_BF16 && scale_dtype != KT_F16))
+        return -1;
+    for (int d = 0; d < n_div; ++d)
+        if (!(divisors[d] != 0.0f) || !std::isfinite(divisors[d])) return -1;
+    kSearch[kt::vector_isa()](R, L, x, x_stride, w, w_rows, bits, scale_dtype, divisors, n_div, refine, scales, codes);
+    return 0;
+}
