@@ -33,7 +33,7 @@ class QuantizedLinear:
 
 def scales_for(w_group: torch.Tensor, bits: int) -> torch.Tensor:
     """w_group: (N, L) float32 columns of one group -> (N,) float32 scales, already rounded to float16."""
-    peak = w_group.abs().amax(dim=1)
+    peak = torch.maximum(w_group.amax(dim=1), -w_group.amin(dim=1))    # max |w| without a full-size abs copy
     scale = (peak / ((2 ** bits - 1) / 2)).clamp(max=FP16_MAX)
     return scale.to(torch.float16).to(torch.float32)
 
