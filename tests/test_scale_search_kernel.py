@@ -5,14 +5,11 @@ length (with a tail past the 16-float vectors) and weight shape; the same bits f
 is the scalar twin); bad arguments refused."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from isa_copies import outputs_per_isa
 from ktrun.ops import scale_search as kernel
-from ktrun.ops.library import KernelError, backend_supported
+from ktrun.ops.library import KernelError
 
 from ktconvert import scale_search as ss
 
@@ -76,13 +73,7 @@ print(h.hexdigest())
 
 
 def test_every_isa_copy_gives_the_same_bits():
-    digests = {}
-    for backend in ("scalar", "avx2", "avx512"):
-        if backend != "scalar" and not backend_supported(backend):
-            continue
-        r = subprocess.run([sys.executable, "-c", _DIGEST], env={**os.environ, "KT_KERNEL_BACKEND": backend},
-                           capture_output=True, text=True, check=True)
-        digests[backend] = r.stdout.strip()
+    digests = outputs_per_isa(_DIGEST)
     assert len(set(digests.values())) == 1, digests
 
 
