@@ -1,6 +1,12 @@
 """Conversion throughput (source GB/s) and peak RSS at 2, 4 and 8 layers (must stay flat), and the relative error of
 int4/int8 with group 128 vs per-row scales on the same weights. Prints `name: value unit` lines.
 
+Fixture: qwen3_moe with hidden 1024, expert intermediate 512, 32 experts -> ~100 MB of BF16 experts per layer; at 2
+and 8 layers also the same checkpoint as compressed-tensors int4 group 32 (an already-quantized source), converted
+exactly and re-quantized: its peak RSS must stay flat like the BF16 source's.
+Each conversion runs in its own subprocess so ru_maxrss is that conversion's peak. Limits measured in this run:
+memory copy bandwidth (the ceiling for any streaming pass) and the same conversion with 1 worker (the peer).
+
 `--deepseek-v3 WORK` instead times whole `ktconvert quantize` runs on bench_vs_llamacpp.py's DeepSeek-V3-shaped
 checkpoint (5.64 GB of bf16, written once into WORK): the calibrated default (`--method int4-amx --gpu-method
 rtn-int4`) and `--expert-quantizer rtn`, alternated, each with its wall, user and system time and peak RSS; with
@@ -8,12 +14,6 @@ rtn-int4`) and `--expert-quantizer rtn`, alternated, each with its wall, user an
 (bf16) + llama-quantize Q4_0 in the same rounds; then the KL of both conversions against the source in float32 on the
 held-out calibration text (`ktconvert quantize --report-kl`'s protocol) and whether the rtn output is byte-identical
 with 1 and 2 workers.
-
-Fixture: qwen3_moe with hidden 1024, expert intermediate 512, 32 experts -> ~100 MB of BF16 experts per layer; at 2
-and 8 layers also the same checkpoint as compressed-tensors int4 group 32 (an already-quantized source), converted
-exactly and re-quantized: its peak RSS must stay flat like the BF16 source's.
-Each conversion runs in its own subprocess so ru_maxrss is that conversion's peak. Limits measured in this run:
-memory copy bandwidth (the ceiling for any streaming pass) and the same conversion with 1 worker (the peer).
 """
 from __future__ import annotations
 
