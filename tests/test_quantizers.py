@@ -322,3 +322,19 @@ def test_one_and_two_workers_write_the_same_bytes(ds3, tmp_path):
         _convert(ds3, out, gpu_method="rtn-int4", expert_quantizer="search", workers=workers)
         outs.append(digest(out))
     assert outs[0] == outs[1] and any(k.startswith("dense/") for k in outs[0])
+
+
+def test_bf16_calibration_forward_gives_experts_as_good(ds3, tmp_path, monkeypatch, caplog):
+    """The expert-only calibration forward with bf16 matmuls (auto where the CPU has bf16 dot products): the log says
+    so, and the experts it calibrates are about as good on the routed tokens (float32 reference forward) as those
+    of the float32 forward, and better than the reference rule's."""
+    errs = {}
+    for dtype in ("float32", "bfloat16"):
+        monkeypatch.setenv("KTCONVERT_CALIB_MATMUL", dtype)
+        with caplog.at_level(logging.INFO, logger="ktconvert.quantizers"):
+            conv = _convert(ds3, tmp_path / dtype, expert_quantizer="search", gpu_method="rtn-int4")
+        assert f"calibration forward with {dtype} matmuls" in caplog.text
+        caplog.clear()
+        errs[dtype], _ = _routed_error(ds3, conv, 1)
+    errs["rtn"], _ = _routed_error(ds3, _convert(ds3, tmp_path / "rtn", expert_quantizer="rtn"), 1)
+    assert errs["bfloat16"] < errs["rtn"] and errs["bfloat16"] < 1.05 * errs["float32"], errs
