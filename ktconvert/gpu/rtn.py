@@ -53,16 +53,30 @@ def dequantize_columns(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> t
     return (codes - zero_point(bits)) * s
 
 
+# Output channels quantized at once by quantize_rtn: its float temporaries stay a few MB, which the allocator reuses;
+# whole-matrix temporaries (a DeepSeek-V3 o_proj is 117 M weights, 470 MB per float copy) were fresh pages each, and
+# the kernel zeroing them was most of an rtn conversion's system time.
+RTN_CHUNK_ELEMENTS = 1 << 20
+
+
 def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedLinear:
-    """weight (N, K) float -> QuantizedLinear (plain round to nearest)."""
-    w = weight.detach().to(torch.float32)
+    """weight (N, K) float -> QuantizedLinear (plain round to nearest), RTN_CHUNK_ELEMENTS weights at a time (rows
+    are independent: the same codes and scales as one pass)."""
+    w = weight.detach()
     n, k = w.shape
     geom = GptqGeometry(n, k, bits, group_size)
-    groups = w.reshape(n, geom.n_groups, geom.group)                       # (N, G, L)
-    scale = scales_for(groups.permute(1, 0, 2).reshape(geom.n_groups * n, geom.group), bits).reshape(geom.n_groups, n)
-    codes = quantize_columns(groups.permute(1, 0, 2).reshape(geom.n_groups * n, geom.group), scale.reshape(-1), bits)
-    codes_kn = codes.reshape(geom.n_groups, n, geom.group).permute(0, 2, 1).reshape(k, n)
-    return QuantizedLinear(codes_kn.to(torch.uint8).numpy(), scale.to(torch.float16).numpy(), geom.default_g_idx(), geom)
+    codes_kn = np.empty((k, n), dtype=np.uint8)
+    scales_gn = np.empty((geom.n_groups, n), dtype=np.float16)
+    step = max(1, RTN_CHUNK_ELEMENTS // k)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        groups = w[r0:r1].to(torch.float32).reshape(r1 - r0, geom.n_groups, geom.group)      # (R, G, L)
+        flat = groups.reshape(-1, geom.group)                                                # (R * G, L)
+        scale = scales_for(flat, bits)                                                       # (R * G,)
+        codes = quantize_columns(flat, scale, bits).reshape(r1 - r0, k)                      # (R, K)
+        codes_kn[:, r0:r1] = codes.to(torch.uint8).numpy().T
+        scales_gn[:, r0:r1] = scale.reshape(r1 - r0, geom.n_groups).to(torch.float16).numpy().T
+    return QuantizedLinear(codes_kn, scales_gn, geom.default_g_idx(), geom)
 
 
 def quantize_search(weight: torch.Tensor, bits: int, group_size: int, importance: torch.Tensor | None = None,
