@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -194,19 +194,6 @@ def _shards_error(w: np.ndarray, proj: str, per_shard: list[dict], shards: list[
     return (num / den) ** 0.5 if den else (0.0 if num == 0 else float("inf"))
 
 
-class _Done:
-    """A finished result with a Future's result()/cancel() (write_dense's serial path)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-    def cancel(self) -> bool:
-        return False
-
-
 class Converter:
     def __init__(self, src, out_dir: Path, opts: ConvertOptions, plan: ConvertPlan, journal: Journal, encoder, bar,
                  kill, quantizer=None):
@@ -242,9 +229,11 @@ class Converter:
             try:
                 for name, role in job.sources:
                     if parallel:
-                        window.append((name, role, pool.submit(self._encode_dense, name, role)))
-                    else:
-                        window.append((name, role, _Done(self._encode_dense(name, role))))
+                        fut = pool.submit(self._encode_dense, name, role)
+                    else:                                      # encoded here and now, written at once
+                        fut = Future()
+                        fut.set_result(self._encode_dense(name, role))
+                    window.append((name, role, fut))
                     if len(window) > (self.opts.workers if parallel else 0):
                         drain()
                 while window:
@@ -387,10 +376,9 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                        + (f"; {', '.join(plan.mtp_copies)} equal the main model's and are not written again"
                           if plan.mtp_copies else ""), file=sys.stderr)
         conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill, quantizer)
-        if quantizer is not None:         # the layers whose experts are still to write, in the order they are written
-            quantizer.prefetch_layers([j.layer for g in plan.jobs for j in g if j.kind == "expert" and not j.mtp
-                                       and j.shard in (None, 0) and any(x.kind == "expert" and
-                                                                        not journal.is_done(x.rel) for x in g)])
+        if quantizer is not None:         # the layers whose experts are still to write (an MTP layer's: never)
+            quantizer.prefetch_layers(sorted({j.layer for g in plan.jobs for j in g if j.kind == "expert"
+                                              and not j.mtp and not journal.is_done(j.rel)}))
         try:
             with ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="ktconvert") as pool:
                 for group in plan.jobs:

@@ -16,6 +16,7 @@ representable in the stored dtype) and codes (R, L) as signed integers in float3
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,8 @@ import torch
 from ktlayouts import cpu_expert
 from ktlayouts.constants import DEFAULT_SCALE_DTYPE, SUB6_RANGE, SUB6_SUPER_SIG_BITS
 from ktlayouts.expert_formats import F32_SCALES, scale_encoding
+from ktrun.ops.library import kernels_available
+from ktrun.ops.scale_search import search_scales as kernel_search_scales
 
 
 def trial_divisors(bits: int, steps: int = 10, span: float = 0.125) -> list[float]:
@@ -76,15 +79,11 @@ def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtyp
     per-input-channel importance in groups, without expanding it to every row).
     Runs in libktkernels (kt_search_scales, ~10x faster) unless KTCONVERT_SEARCH=torch or the library is missing;
     the two agree except where two trial scales' gains tie to float rounding (tests/test_scale_search_kernel.py)."""
-    import os
-
-    from ktrun.ops import scale_search as kernel
-
     r = x.shape[0]
-    if os.environ.get(SEARCH_IMPL_ENV, "kernel") != "torch" and x.device.type == "cpu" and kernel.available():
-        enc = scale_encoding(scale_dtype)
-        if enc.elementwise:
-            return kernel.search_scales(x, w, bits, enc.runtime_name, divisors or trial_divisors(bits), refine)
+    enc = scale_encoding(scale_dtype)
+    if enc.elementwise and x.device.type == "cpu" and os.environ.get(SEARCH_IMPL_ENV, "kernel") != "torch" \
+            and kernels_available():
+        return kernel_search_scales(x, w, bits, enc.runtime_name, divisors or trial_divisors(bits), refine)
     if w is not None and w.dim() == 2 and w.shape[0] != r:
         w = w.repeat(r // w.shape[0], 1)                      # periodic rows -> one row per group
     return _search_in_chunks(x, w, bits, scale_dtype, divisors, refine)

@@ -96,13 +96,16 @@ def group_size_for(k: int, n_groups: int, what: str = "weight") -> int:
     return -1 if n_groups == 1 else k // n_groups
 
 
-def _checked_codes(values: np.ndarray, bits: int, axis_len: int, what: str) -> np.ndarray:
+def _checked_codes(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """values as a 2-D array of codes that fit `bits` bits, packable along `axis` (0: rows, 1: columns)."""
     v = np.asarray(values)
     f = pack_factor(bits)
-    if v.ndim != 2 or axis_len % f:
-        raise LayoutError(f"cannot pack {v.shape} along {what} in words of {f} values")
-    if v.size and (int(v.max()) >= (1 << bits) or int(v.min()) < 0):
-        raise LayoutError(f"code {int(v.max()) if int(v.min()) >= 0 else int(v.min())} does not fit in {bits} bits")
+    if v.ndim != 2 or v.shape[axis] % f:
+        raise LayoutError(f"cannot pack {v.shape} along {('rows', 'columns')[axis]} in words of {f} values")
+    if v.size:
+        lo, hi = int(v.min()), int(v.max())
+        if hi >= (1 << bits) or lo < 0:
+            raise LayoutError(f"code {hi if lo >= 0 else lo} does not fit in {bits} bits")
     return v
 
 
@@ -118,7 +121,7 @@ def _or_words(parts, bits: int) -> np.ndarray:
 def pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
     """(R, C) unsigned codes -> (R*bits/32, C) int32: word [r, c] holds rows r*f .. r*f+f-1, LSB first."""
     f = pack_factor(bits)
-    v = _checked_codes(values, bits, np.shape(values)[0] if np.ndim(values) == 2 else 1, "rows")
+    v = _checked_codes(values, bits, 0)
     v = v.reshape(v.shape[0] // f, f, v.shape[1])
     return _or_words([v[:, i] for i in range(f)], bits)
 
@@ -136,7 +139,7 @@ def pack_cols(values: np.ndarray, bits: int) -> np.ndarray:
     """(R, C) unsigned codes -> (R, C*bits/32) int32, consecutive columns LSB first (pack_rows of the transpose,
     transposed back)."""
     f = pack_factor(bits)
-    v = _checked_codes(values, bits, np.shape(values)[1] if np.ndim(values) == 2 else 1, "columns")
+    v = _checked_codes(values, bits, 1)
     v = v.reshape(v.shape[0], v.shape[1] // f, f)
     return np.ascontiguousarray(_or_words([v[:, :, i] for i in range(f)], bits))
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from isa_copies import outputs_per_isa
 from ktrun.ops import scale_search as kernel
-from ktrun.ops.library import KernelError
+from ktrun.ops.library import KernelError, kernels_available
 
 from ktconvert import scale_search as ss
 
-pytestmark = pytest.mark.skipif(not kernel.available(), reason="libktkernels is not built")
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="libktkernels is not built")
 
 
 def _groups(r, length, seed):

@@ -70,8 +70,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedL
     step = max(1, RTN_CHUNK_ELEMENTS // k)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        groups = w[r0:r1].to(torch.float32).reshape(r1 - r0, geom.n_groups, geom.group)      # (R, G, L)
-        flat = groups.reshape(-1, geom.group)                                                # (R * G, L)
+        flat = w[r0:r1].to(torch.float32).reshape(-1, geom.group)                            # (R * G, L)
         scale = scales_for(flat, bits)                                                       # (R * G,)
         codes = quantize_columns(flat, scale, bits).reshape(r1 - r0, k)                      # (R, K)
         codes_kn[:, r0:r1] = codes.to(torch.uint8).numpy().T

@@ -100,8 +100,9 @@ class ExpertQuantizer:
 
     # --- per layer (main thread) / per expert statistics (pack workers) ----------------------------------------
     def begin_layer(self, layer: int) -> None:
-        """Fetch the layer's calibration inputs (runs the calibration driver up to this layer). Called on the main
-        thread before the layer's experts are packed: the driver's GPU-layer GPTQ changes torch's thread count."""
+        """Fetch the layer's calibration inputs (runs the calibration driver up to this layer, or takes what the
+        prefetch thread computed) before the layer's experts are packed; then start the next layer's forward there
+        (prefetch_layers)."""
         self.reports[layer] = LayerReport(layer, {})
         if self.calibrated and self.mode != "rtn":
             pending, self._pending = self._pending, None
@@ -119,7 +120,7 @@ class ExpertQuantizer:
         next one's calibration forward on a thread of its own. Only for a calibration pass of its own (the GPU
         layers' GPTQ, when it shares the pass, runs it from the main thread)."""
         if self.calibrated and self.mode != "rtn" and self.own_calibration:
-            self._ahead = sorted(set(layers))
+            self._ahead = list(layers)
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="ktconvert-calibration")
 
     def close(self) -> None:

@@ -14,23 +14,11 @@ import torch
 
 from .library import SCALE_DTYPE_CODES, KernelError, load_library
 
-_state: dict = {}
-
-
-def available() -> bool:
-    if "lib" not in _state:
-        try:
-            _state["lib"] = load_library()
-        except (KernelError, OSError):
-            _state["lib"] = None
-    return _state["lib"] is not None
-
 
 def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, runtime_dtype: str, divisors: list[float],
                   refine: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """runtime_dtype: the stored scales' torch dtype name (float32, bfloat16, float16)."""
-    if not available():
-        raise KernelError("kt_search_scales: libktkernels is not loaded")
+    """runtime_dtype: the stored scales' torch dtype name (float32, bfloat16, float16). Callers check
+    ktrun.ops.library.kernels_available() first."""
     x = x.to(torch.float32).contiguous()
     r, length = x.shape
     w_rows = 0
@@ -42,9 +30,9 @@ def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, runtime_dt
     divs = np.ascontiguousarray(divisors, dtype=np.float32)
     scales = torch.empty(r, dtype=torch.float32)
     codes = torch.empty(r, length, dtype=torch.int8)
-    rc = _state["lib"].kt_search_scales(r, length, x.data_ptr(), length, None if w is None else w.data_ptr(), w_rows,
-                                        bits, SCALE_DTYPE_CODES[runtime_dtype], divs.ctypes.data, divs.size, refine,
-                                        scales.data_ptr(), codes.data_ptr())
+    rc = load_library().kt_search_scales(r, length, x.data_ptr(), length, None if w is None else w.data_ptr(),
+                                         w_rows, bits, SCALE_DTYPE_CODES[runtime_dtype], divs.ctypes.data, divs.size,
+                                         refine, scales.data_ptr(), codes.data_ptr())
     if rc:
         raise KernelError(f"kt_search_scales: bad arguments (R={r}, L={length}, bits={bits}, {runtime_dtype})")
     return scales, codes.to(torch.float32)
