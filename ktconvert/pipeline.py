@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -125,17 +126,18 @@ def pack_expert_matrix(w: np.ndarray, geom, quantizer=None, proj: str = "", stat
 
 
 def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: list[int],
-                 paths: PathLog | None = None, bf16_scales: bool = False, quantizer=None
+                 paths: PathLog | None = None, bf16_scales: bool = False, quantizer=None, scratch_floats: int = 0
                  ) -> list[dict[str, np.ndarray]]:
     """Read expert e of `layer` and pack it for the given shards -> per shard {tensor name: array}. Codes and
     scales of an already-quantized source are taken over where they fit the layout (ktconvert.exact_paths).
     bf16_scales: quantize against bf16-rounded scales (a source's own scales are then not taken over).
-    quantizer: a ktconvert.quantizers.experts.ExpertQuantizer (None or mode rtn: the layout's reference rule)."""
+    quantizer: a ktconvert.quantizers.experts.ExpertQuantizer (None or mode rtn: the layout's reference rule).
+    scratch_floats: the size of the thread's read buffer (_read_reused)."""
     names = {p: adapter.expert_tensor_name(layer, e, p) for p in PROJECTIONS}
     exact, why, what = expert_codes(src, names, geo.bits, geo.group_size, geo.scale_dtype)
     if bf16_scales and exact:
         exact, why = None, "--bf16-scales re-fits the scales"
-    w = None if exact else {p: src.read(n).numpy() for p, n in names.items()}
+    w = None if exact else _read_reused(src, names, scratch_floats)
     custom = quantizer is not None and quantizer.mode != "rtn" and not exact and geo.format.quantized
     stats = quantizer.expert_stats(layer, e, w) if custom else None
     if custom and geo.numa_nodes > 1 and geo.group_size != GROUP_PER_ROW and all(
@@ -167,6 +169,54 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: 
     return per_shard
 
 
+_SCRATCH = threading.local()     # per thread: one float32 buffer the tensors it reads are decoded into
+SCRATCH_MAX_FLOATS = 1 << 27     # tensors above 512 MB of float32 (a large vocabulary's embedding) read as new arrays
+_DECODABLE = ("BF16", "F16", "F32")
+
+
+def _scratch_floats(src, names) -> int:
+    """Floats of the buffer that `names` (read together) are decoded into side by side; 0 where they are not (a
+    source that cannot decode into a buffer, another encoding, or more than SCRATCH_MAX_FLOATS)."""
+    infos = [src.info(n) for n in names]
+    if not getattr(src, "reads_into", False) or any(getattr(i, "dtype", None) not in _DECODABLE for i in infos):
+        return 0
+    n = sum(int(np.prod(i.shape)) for i in infos)
+    return n if n <= SCRATCH_MAX_FLOATS else 0
+
+
+def scratch_size(src, plan: ConvertPlan) -> int:
+    """The buffer size every reading thread will need for this plan (the largest dense tensor or expert read
+    through _read_reused): allocated at that size at once, it is never regrown (each regrowth was new memory)."""
+    sizes = [_scratch_floats(src, [n]) for jobs in plan.jobs for j in jobs if j.kind != "expert" for n, _ in j.sources]
+    if plan.geometry.n_experts and any(j.kind == "expert" for jobs in plan.jobs for j in jobs):
+        layer = next(j.layer for jobs in plan.jobs for j in jobs if j.kind == "expert")
+        sizes.append(_scratch_floats(src, [src.arch.expert_tensor_name(layer, 0, p) for p in PROJECTIONS]))
+    return max(sizes, default=0)
+
+
+def _read_reused(src, names: dict[str, str], reserve: int = 0) -> dict[str, np.ndarray]:
+    """{key: tensor name} -> {key: float32 numpy}, decoded side by side into this thread's one reused buffer where
+    the source can (Source.read's out), else read as new arrays. Reusing the memory matters: fresh arrays were
+    fresh pages for the kernel to zero, most of an rtn conversion's system time, and one buffer per thread (the
+    largest dense tensor or an expert's three matrices) keeps the footprint at what one tensor needs. Valid until
+    this thread reads again: the caller (a pack worker's expert, a dense tensor's encode) keeps nothing of it.
+    reserve: floats to allocate at least when the buffer is (re)made (scratch_size of the conversion)."""
+    need = _scratch_floats(src, list(names.values()))
+    if not need:
+        return {k: src.read(n).numpy() for k, n in names.items()}
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < need:
+        _SCRATCH.buf = buf = None                      # the old one freed before the new one is touched
+        _SCRATCH.buf = buf = np.empty(max(need, reserve), np.float32)
+    out, at = {}, 0
+    for k, n in names.items():
+        shape = tuple(src.info(n).shape)
+        size = int(np.prod(shape))
+        out[k] = src.read(n, out=buf[at:at + size].reshape(shape)).numpy()
+        at += size
+    return out
+
+
 def _quantize_whole(w: dict[str, np.ndarray], geo: ExpertGeometry, quantizer, stats, bf16_scales: bool
                     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{proj: (codes (N, K) uint8, scales (N, K / G) float32)} of one expert quantized as a 1-shard conversion."""
@@ -196,8 +246,9 @@ def _shards_error(w: np.ndarray, proj: str, per_shard: list[dict], shards: list[
 
 class Converter:
     def __init__(self, src, out_dir: Path, opts: ConvertOptions, plan: ConvertPlan, journal: Journal, encoder, bar,
-                 kill, quantizer=None):
+                 kill, quantizer=None, scratch_floats: int = 0):
         self.src, self.out_dir, self.opts, self.plan, self.journal = src, out_dir, opts, plan, journal
+        self.scratch_floats = scratch_floats        # the reading threads' buffer size (scratch_size)
         self.encoder, self.bar, self.kill, self.quantizer = encoder, bar, kill, quantizer
         self.paths = PathLog()          # which tensors of an already-quantized source took which path
 
@@ -207,9 +258,16 @@ class Converter:
         self.journal.record(rel, size, sha)
         self.kill("file")
 
-    def _encode_dense(self, name: str, role) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        tensor = self.src.read(name).numpy()
-        return tensor, self.encoder.encode(name, tensor, role)
+    def _encode_dense(self, name: str, role) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+        """-> (the source tensor where _dense_path needs it (a quantized source), else None; the encoded arrays).
+        Without calibration the tensor is read into this thread's reused buffer (_read_reused), and an encoded
+        array that is the tensor's memory (a float32 norm written as read) is copied out of it."""
+        if quant_format(self.src, name) is not None or getattr(self.encoder, "calibrated", False):
+            tensor = self.src.read(name).numpy()
+            return tensor, self.encoder.encode(name, tensor, role)
+        tensor = _read_reused(self.src, {name: name}, self.scratch_floats)[name]
+        out = self.encoder.encode(name, tensor, role)
+        return None, {k: v.copy() if np.may_share_memory(v, tensor) else v for k, v in out.items()}
 
     def write_dense(self, job: FileJob, pool: ThreadPoolExecutor | None = None) -> None:
         """One dense file. Without calibration every tensor encodes independently: up to `workers` of them on the
@@ -244,7 +302,7 @@ class Converter:
                 raise
             self._commit(w, job.rel)
 
-    def _dense_path(self, job: FileJob, name: str, role, tensor: np.ndarray, out: dict) -> None:
+    def _dense_path(self, job: FileJob, name: str, role, tensor: np.ndarray | None, out: dict) -> None:
         """Log the path of a quantized source Linear: codes taken over (the encoder says), or the error that its
         encoding introduced against the source's own dequantization."""
         fmt = quant_format(self.src, name)
@@ -281,7 +339,7 @@ class Converter:
             window: deque = deque()
             for e in range(geo.n_experts):
                 window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e, shards, self.paths,
-                                              self.opts.bf16_scales, quantizer)))
+                                              self.opts.bf16_scales, quantizer, self.scratch_floats)))
                 if len(window) > self.opts.workers:
                     self._drain_one(window, writers, per_expert)
             while window:
@@ -348,20 +406,28 @@ def conversion_params(src, opts: ConvertOptions) -> dict:
             **({} if opts.hot_experts is None else {"hot_experts": placement_params(opts.hot_experts)})}
 
 
+def conversion_parts(src, opts: ConvertOptions) -> tuple[ConvertOptions, object, object, ConvertPlan]:
+    """(options with method / GPU method / expert quantizer resolved, dense encoder, expert quantizer or None,
+    plan) of converting `src`: what convert runs and what ktconvert.estimate times."""
+    opts = resolve_method(src, opts)
+    encoder = dense_encoder_for(src, **{k: getattr(opts, k) for k in GPU_OPTION_FIELDS})
+    quantizer = make_expert_quantizer(src, opts, encoder)
+    opts = replace(opts, gpu_method=encoder.name,     # "auto" resolved (the log says which)
+                   expert_quantizer=quantizer.mode if quantizer else
+                   "rtn" if expert_format_of_method(opts.method).quantized else "none")
+    plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder, opts.scale_dtype,
+                     opts.keep_mtp)
+    return opts, encoder, quantizer, plan
+
+
 def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, resume: bool = False,
-            force: bool = False, show_progress: bool = True) -> Path:
-    """Convert the checkpoint at src_path into out_dir; returns the path of the written manifest.json."""
+            force: bool = False, show_progress: bool = True, estimate: bool = False) -> Path:
+    """Convert the checkpoint at src_path into out_dir; returns the path of the written manifest.json.
+    estimate: log the estimated wall time first (ktconvert.estimate: a short timed sample)."""
     out_dir = Path(out_dir)
     kill = _KillHook()
     with open_source(src_path) as src:
-        opts = resolve_method(src, opts)
-        encoder = dense_encoder_for(src, **{k: getattr(opts, k) for k in GPU_OPTION_FIELDS})
-        quantizer = make_expert_quantizer(src, opts, encoder)
-        opts = replace(opts, gpu_method=encoder.name,     # "auto" resolved (the log says which)
-                       expert_quantizer=quantizer.mode if quantizer else
-                       "rtn" if expert_format_of_method(opts.method).quantized else "none")
-        plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder, opts.scale_dtype,
-                         opts.keep_mtp)
+        opts, encoder, quantizer, plan = conversion_parts(src, opts)
         if opts.hot_experts is not None:
             load_checked_profile(opts.hot_experts, src)   # a profile of another model fails before any work
         params = conversion_params(src, opts)
@@ -375,7 +441,10 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
             tqdm.write(f"multi-token-prediction layer(s) {plan.mtp_layers} kept (--no-keep-mtp drops them)"
                        + (f"; {', '.join(plan.mtp_copies)} equal the main model's and are not written again"
                           if plan.mtp_copies else ""), file=sys.stderr)
-        conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill, quantizer)
+        if estimate:
+            from ktconvert.estimate import estimate_conversion
+            log.info(estimate_conversion(src, opts, plan, encoder, quantizer, out_dir).line())
+        conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill, quantizer, scratch_size(src, plan))
         if quantizer is not None:         # the layers whose experts are still to write (an MTP layer's: never)
             quantizer.prefetch_layers(sorted({j.layer for g in plan.jobs for j in g if j.kind == "expert"
                                               and not j.mtp and not journal.is_done(j.rel)}))

@@ -7,8 +7,6 @@ composition (float32 values on the bf16 grid, e.g. scales a bf16-scale format ta
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 BF16_QUIET_NAN_BIT = 0x0040        # the top mantissa bit of a bf16
@@ -26,13 +24,17 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return rounded
 
 
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16 or int16, any shape) -> float32 (exact)."""
+def bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bf16 bit patterns (uint16 or int16, any shape) -> float32 (exact). out: a C-contiguous float32 array of the
+    same shape to write into (a reused buffer: no fresh pages to fault in), else a new one."""
     b = np.asarray(bits).view(np.uint16)
-    out = np.zeros(b.size, np.uint32)
-    # the high half of each word: one pass, no uint32 temporaries (2-4x faster than widen-and-shift)
-    out.view(np.uint16).reshape(-1, 2)[:, 1 if sys.byteorder == "little" else 0] = b.reshape(-1)
-    return out.view(np.float32).reshape(b.shape)
+    if out is None:
+        out = np.empty(b.shape, np.float32)
+    elif out.shape != b.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32 of shape {b.shape}, got {out.dtype} {out.shape}")
+    # the 16 bits become the high half of each word: one pass, widened in the ufunc's buffer
+    np.left_shift(b, 16, out=out.view(np.uint32), dtype=np.uint32)
+    return out
 
 
 def round_to_bf16(x: np.ndarray) -> np.ndarray:

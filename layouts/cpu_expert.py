@@ -160,6 +160,9 @@ class MatrixGeometry:
 
 # --- quantization -------------------------------------------------------------------------------
 
+QUANTIZE_CHUNK = 1 << 18     # weights per step of quantize (1 MB of float32)
+
+
 def pad_weight(w: np.ndarray, geom: MatrixGeometry) -> np.ndarray:
     """w: (N, K) float -> (N_pad, K_pad) float32, zero padded (no copy when w already is that)."""
     if w.shape != (geom.n, geom.k):
@@ -187,15 +190,23 @@ def quantize(w: np.ndarray, geom: MatrixGeometry, bf16_scales: bool = False) -> 
         raise LayoutError(f"{geom.format.layout} is not quantized; use pack_expert_matrix")
     wp = pad_weight(w, geom).reshape(geom.n_pad, geom.n_groups, geom.group)
     qmin = -(1 << (geom.bits - 1))
-    hi, lo = wp.max(axis=2), wp.min(axis=2)
-    peak = np.where(hi >= -lo, hi, lo)                                  # (N_pad, n_groups) signed
-    scale = scale_codec(geom.scale_dtype).rule((peak / np.float32(qmin)).astype(np.float32), bf16_scales)
-    inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
-    q = wp * inv[..., None]                                             # one pass each, in place
-    np.rint(q, out=q)
-    np.clip(q, qmin, -qmin - 1, out=q)
-    q -= qmin
-    codes = q.astype(np.uint8).reshape(geom.n_pad, geom.k_pad)
+    codec = scale_codec(geom.scale_dtype)
+    codes = np.empty((geom.n_pad, geom.k_pad), np.uint8)
+    scale = np.empty((geom.n_pad, geom.n_groups), np.float32)
+    # rows a chunk at a time (every step is per row): the float temporaries stay small and are reused instead of
+    # being fresh matrix-sized arrays (fresh pages the kernel zeroes); the same values as whole-matrix steps
+    rows = max(1, QUANTIZE_CHUNK // geom.k_pad)
+    for r in range(0, geom.n_pad, rows):
+        blk = wp[r:r + rows]                                                # (rows, n_groups, group)
+        hi, lo = blk.max(axis=2), blk.min(axis=2)
+        peak = np.where(hi >= -lo, hi, lo)                                  # (rows, n_groups) signed
+        s = scale[r:r + rows] = codec.rule((peak / np.float32(qmin)).astype(np.float32), bf16_scales)
+        inv = np.divide(np.float32(1), s, out=np.zeros_like(s), where=s != 0)
+        q = blk * inv[..., None]                                            # one pass each, in place
+        np.rint(q, out=q)
+        np.clip(q, qmin, -qmin - 1, out=q)
+        q -= qmin
+        codes[r:r + rows] = q.reshape(len(q), geom.k_pad)                  # exact small integers -> uint8
     return codes, scale
 
 

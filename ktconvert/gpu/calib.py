@@ -223,9 +223,13 @@ class StreamingExperts(nn.Module):
         if self.captured is not None:
             self.captured.append((hidden_states.detach().clone(), top_k_index.detach().clone()))
         arch = self.src.arch
+        # under bf16 autocast the matmuls take bf16 weights: read them so (a BF16 checkpoint's bits as stored), not
+        # widened to float32 and cast back every call (the same products, a sixth less time per layer)
+        read = self.src.read_bf16 if torch.is_autocast_enabled("cpu") and hasattr(self.src, "read_bf16") and \
+            torch.get_autocast_dtype("cpu") == torch.bfloat16 else self.src.read
         for e in torch.unique(top_k_index).tolist():
             tok, pos = torch.where(top_k_index == e)
-            gate, up, down = (self.src.read(arch.expert_tensor_name(self.layer, e, p)) for p in ("gate", "up", "down"))
+            gate, up, down = (read(arch.expert_tensor_name(self.layer, e, p)) for p in ("gate", "up", "down"))
             x = hidden_states[tok]
             if self.biases is None:
                 a = self.gate_fn(x @ gate.T, x @ up.T)

@@ -8,6 +8,7 @@ format) are dequantized on the CPU with their weight_scale_inv.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from pathlib import Path
 
@@ -30,6 +31,8 @@ _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8, "F8_
                  "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
 SINGLE_NAME = "model.safetensors"
 
+_DECODED_INTO = ("BF16", "F16", "F32")    # encodings read(..., out=) decodes into the caller's buffer
+FINITE_CHUNK = 1 << 20                     # values per step of the NaN/Inf check
 
 
 def fp8_block_size(qc: dict, where) -> tuple[int, int]:
@@ -235,9 +238,20 @@ class Source(SourceBase):
         info = self.info(name)
         return info.fmt if isinstance(info, QuantTensorInfo) else None
 
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor as float32 (FP8 weights dequantized with their block scales); NaN/Inf -> SourceError."""
+    reads_into = True       # read(name, out=) decodes BF16 / F16 / F32 tensors into the caller's buffer
+
+    def read(self, name: str, out: np.ndarray | None = None) -> torch.Tensor:
+        """One tensor as float32 (FP8 weights dequantized with their block scales); NaN/Inf -> SourceError.
+        out: a float32 array of the tensor's shape that a BF16 / F16 / F32 tensor is decoded into, straight from
+        the page cache (_decode_mapped), for a caller that reuses its buffers; ignored for other encodings. A
+        conversion reads gigabytes in tensors of tens of MB: fresh arrays each time were fresh pages for the kernel
+        to zero, most of an rtn conversion's system time."""
         info = self.info(name)
+        if out is not None and not isinstance(info, QuantTensorInfo) and info.dtype in _DECODED_INTO:
+            if out.shape != tuple(info.shape) or out.dtype != np.float32:
+                raise ValueError(f"{name}: out is {out.dtype} {out.shape}, the tensor float32 {tuple(info.shape)}")
+            self._decode_mapped(info, out)
+            return torch.from_numpy(self._check_finite(info, out))
         if isinstance(info, QuantTensorInfo):
             got = self.quant.decode(info, self.read_stored)
             out = got if isinstance(got, np.ndarray) else got.dequantize()
@@ -250,8 +264,47 @@ class Source(SourceBase):
             out = self.read_raw(name)
         return torch.from_numpy(self._check_finite(info, out))
 
+    def read_bf16(self, name: str) -> torch.Tensor:
+        """One tensor as bfloat16: a BF16 tensor's stored bits as they are (no float32 in between), anything else
+        read() rounded to bfloat16 (what CPU autocast does to a float32 weight before a bf16 matmul)."""
+        info = self.info(name)
+        if isinstance(info, QuantTensorInfo) or info.dtype != "BF16":
+            return self.read(name).to(torch.bfloat16)
+        bits = self._raw(info).view(np.uint16)
+        if ((bits & 0x7F80) == 0x7F80).any():          # exponent all ones: NaN or Inf, which read() names
+            return self.read(name).to(torch.bfloat16)
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(info.shape)
+
+    @staticmethod
+    def _decode_mapped(info: TensorInfo, out: np.ndarray) -> None:
+        """Decode the tensor into out straight from the page cache: its pages mapped at once (MAP_POPULATE), read
+        in place and unmapped, so there is no copy into a buffer of ours (pread's copy was a tenth of an rtn
+        conversion's CPU time) and nothing stays mapped."""
+        start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size < info.offset + info.nbytes:
+                raise SourceError(f"{info.file}: tensor {info.name}: file ends before byte offset "
+                                  f"{info.offset + info.nbytes} (shard changed after open?)")
+            mm = mmap.mmap(fd, info.offset + info.nbytes - start, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                           prot=mmap.PROT_READ, offset=start)
+        finally:
+            os.close(fd)
+        try:
+            raw = np.frombuffer(mm, np.uint8, info.nbytes, info.offset - start)
+            if info.dtype == "BF16":
+                bf16_bits_to_f32(raw.view(np.uint16).reshape(out.shape), out=out)
+            else:
+                np.copyto(out, raw.view(_NUMPY_DTYPES[info.dtype]).reshape(out.shape))
+            del raw
+        finally:
+            mm.close()
+
     @staticmethod
     def _check_finite(info: TensorInfo, values: np.ndarray) -> np.ndarray:
+        flat = values.reshape(-1)             # checked a chunk at a time: no tensor-sized temporaries
+        if all(np.isfinite(flat[i:i + FINITE_CHUNK]).all() for i in range(0, flat.size, FINITE_CHUNK)):
+            return values
         bad = ~np.isfinite(values)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
