@@ -13,7 +13,8 @@ rtn-int4`) and `--expert-quantizer rtn`, alternated, each with its wall, user an
 `--llama-cpp DIR` (a llama.cpp source tree with build/bin/llama-quantize) also llama.cpp's convert_hf_to_gguf.py
 (bf16) + llama-quantize Q4_0 in the same rounds; then the KL of both conversions against the source in float32 on the
 held-out calibration text (`ktconvert quantize --report-kl`'s protocol) and whether the rtn output is byte-identical
-with 1 and 2 workers.
+with 1 and 2 workers. Every conversion's printed estimate (ktconvert.estimate) is set against its wall time, and
+`make demo`'s conversion of the embedded default model is timed the same way.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -173,7 +175,24 @@ def timed(cmd: list[str], what: str) -> dict:
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status):
         raise SystemExit(f"{what} failed: {' '.join(map(str, cmd))}\n{out.decode(errors='replace')[-4000:]}")
-    return {"wall": wall, "user": ru.ru_utime, "sys": ru.ru_stime, "peak_mb": ru.ru_maxrss / 1024}
+    res = {"wall": wall, "user": ru.ru_utime, "sys": ru.ru_stime, "peak_mb": ru.ru_maxrss / 1024}
+    est = ESTIMATE_LINE.search(out.decode(errors="replace"))       # ktconvert quantize logs its estimate first
+    if est:
+        res["estimate"] = float(est.group(3)) if est.group(3) else float(est.group(1)) * UNIT[est.group(2)]
+    return res
+
+
+ESTIMATE_LINE = re.compile(r"estimated conversion time on this machine: ([0-9.]+) (s|min|h)(?: = ([0-9]+) s)?")
+UNIT = {"s": 1.0, "min": 60.0, "h": 3600.0}
+
+
+def estimate_lines(name: str, runs: list[dict]) -> None:
+    """The estimate `quantize` printed against the wall time of the same run (median over the runs, and the worst)."""
+    ratios = [r["estimate"] / r["wall"] for r in runs if "estimate" in r]
+    if ratios:
+        print(f"{name}_estimate: {float(np.median([r['estimate'] for r in runs if 'estimate' in r])):.1f} s")
+        print(f"{name}_estimate_over_wall: {float(np.median(ratios)):.2f} ratio")
+        print(f"{name}_estimate_worst_error: {max(abs(x - 1) for x in ratios) * 100:.0f} %")
 
 
 def convert_v3(src: Path, out: Path, mode: str, workers: int = 2) -> dict:
@@ -248,6 +267,8 @@ def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int) -> None:
         print(f"v3_convert_{name}_sys_over_user: {m['sys'] / m['user']:.3f} ratio")
         print(f"v3_convert_{name}_peak_rss: {m['peak_mb']:.0f} MB")
     print(f"v3_default_over_rtn_wall: {med['default']['wall'] / med['rtn']['wall']:.2f} ratio")
+    for k in ("rtn", "default"):
+        estimate_lines(f"v3_convert_{k}", runs[k])
     if llama_cpp:
         print(f"v3_llamacpp_quantize_wall: {med['llama.cpp']['quantize_wall']:.1f} s")
         print(f"v3_rtn_rate_over_llamacpp: {med['llama.cpp']['wall'] / med['rtn']['wall']:.2f} ratio")
@@ -259,6 +280,21 @@ def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int) -> None:
     for k, summ in kl_of(src, {k: work / f"out-{k}" for k in ("rtn", "default")}).items():
         for m in ("kl_mean", "kl_p99", "top1_agreement"):
             print(f"v3_{k}_{m}: {summ[m]:.6f} {'ratio' if m == 'top1_agreement' else 'nats'}")
+    default_model(work, rounds)
+
+
+def default_model(work: Path, rounds: int) -> None:
+    """`make demo`'s conversion of the embedded default model (int4-amx experts, gptq-int4 GPU layers): its wall
+    time against the estimate it printed."""
+    from ktconvert.default_model.demo import DEFAULT_MODEL
+
+    runs = []
+    for _ in range(rounds):
+        runs.append(timed([sys.executable, "-m", "ktconvert", "quantize", str(DEFAULT_MODEL), "-o",
+                           str(work / "out-default-model"), "--method", "int4-amx", "--gpu-method", "gptq-int4",
+                           "--force", "--quiet"], "ktconvert quantize (default model)"))
+    print(f"default_model_convert_wall: {float(np.median([r['wall'] for r in runs])):.1f} s")
+    estimate_lines("default_model_convert", runs)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,20 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
-from ktlayouts.constants import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_DTYPE, SCALE_DTYPES, default_group_size
+from ktlayouts.constants import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_SCALE_DTYPE,
+    METHOD_TO_LAYOUT,
+    SCALE_DTYPES,
+    default_group_size,
+)
 from ktlayouts.converted_dir import MANIFEST_NAME, MTP_DENSE_KIND, MTP_EXPERT_KIND, ExpertGeometry, ManifestError
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.expert_formats import UNDECLARED_SCALE_DTYPE, expert_formats, scale_encoding, scale_encodings
 from ktrun.byte_sizes import human, parse_bytes
 from ktrun.defaults import KV_BUDGET_TOKENS
+
+from ktconvert.gpu.options import gpu_click_options
 
 
 def expert_bytes_per_method(geo_args: dict, group_size: int, scale_dtype: str = UNDECLARED_SCALE_DTYPE
@@ -153,7 +161,16 @@ def inspect_converted(path: Path) -> dict:
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Expert activation profile (ktconvert profile): print its summary and, with --gpu-mem, the hit "
                    "ratio each placement strategy gets on it.")
-def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_path):
+@click.option("--method", type=click.Choice([*METHOD_TO_LAYOUT, "auto"]), default=None,
+              help="Also estimate how long `ktconvert quantize --method METHOD` (with the options below) takes on "
+                   "this machine, from a short timed sample of the checkpoint (a checkpoint PATH only).")
+@click.option("--expert-quantizer", type=click.Choice(["auto", "gptq", "search", "rtn"]), default="auto",
+              show_default=True, help="As for quantize (with --method).")
+@click.option("--workers", type=click.IntRange(1), default=2, show_default=True,
+              help="As for quantize (with --method).")
+@gpu_click_options
+def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_path, method, expert_quantizer, workers,
+            **gpu):
     """Show the architecture, parameter counts by role, experts, and the bytes each --method puts on the GPU
     (non-expert layers, BF16) and on the CPU (routed experts) for PATH (a checkpoint directory, a GGUF file or the
     first part of a split set, or a converted directory),
@@ -167,6 +184,7 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
       ktconvert inspect ./DeepSeek-V3-Q4_K_M-00001-of-00009.gguf --cpu-mem 512GB
       ktconvert inspect converted/ --gpu-mem 24GB --cpu-mem 512GB
       ktconvert inspect converted/ --gpu-mem 24GB --kv-mem 4GB --profile profile.json   # hot experts that fit
+      ktconvert inspect ./DeepSeek-V3 --method int4-amx --gpu-method rtn-int4     # and how long quantize takes
 
     With --gpu-mem, the memory plan also says how many routed experts fit on the GPU next to the dense layers, the
     KV budget and a 5% reserve, held as Marlin int codes or bf16 (ktrun --gpu-mem uses the same plan).
@@ -204,9 +222,9 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
     for reason, n in sorted(info.get("skipped", {}).items()):
         click.echo(f"not converted: {n:,d} parameters of the {reason}")
     verdicts = []
-    for method in info["cpu"]:
-        g, c = info["gpu"][method], info["cpu"][method]
-        line = f"{method:<9} GPU {human(g):>10}  CPU {human(c):>10}"
+    for m in info["cpu"]:
+        g, c = info["gpu"][m], info["cpu"][m]
+        line = f"{m:<9} GPU {human(g):>10}  CPU {human(c):>10}"
         fits = []
         if gpu_limit is not None:
             fits.append(f"GPU {'fits' if g <= gpu_limit else 'does NOT fit'} {human(gpu_limit)}")
@@ -231,6 +249,34 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
     if gpu_limit is not None:
         for line in hot_expert_plan(info, gpu_limit, parse_bytes(kv_mem, "--kv-mem") if kv_mem else None, prof):
             click.echo(line)
+    if method is not None:
+        if info["kind"] != "source":
+            raise click.ClickException("--method estimates a conversion of a checkpoint; PATH is a converted "
+                                       "directory")
+        click.echo(estimate_line(resolve_source_arg(path), method, group_size, scale_dtype, expert_quantizer,
+                                 workers, gpu))
+
+
+def estimate_line(src_path, method: str, group_size: int, scale_dtype: str, expert_quantizer: str, workers: int,
+                  gpu: dict) -> str:
+    """`ktconvert quantize`'s estimated wall time with these options (ktconvert.estimate), as one line."""
+    import logging
+
+    from ktconvert.cmd_quantize import CONVERT_ERRORS
+    from ktconvert.estimate import estimate_conversion
+    from ktconvert.gpu import gpu_errors
+    from ktconvert.pipeline import ConvertOptions, conversion_parts
+    from ktconvert.sources import open_source
+
+    logging.getLogger("ktconvert").setLevel(logging.WARNING)     # the encoder's choices are quantize's to log
+    try:
+        opts = ConvertOptions(method=method, group_size=group_size, scale_dtype=scale_dtype, workers=workers,
+                              expert_quantizer=expert_quantizer, **gpu)
+        with open_source(src_path) as src:
+            opts, encoder, quantizer, plan = conversion_parts(src, opts)
+            return estimate_conversion(src, opts, plan, encoder, quantizer).line()
+    except (*CONVERT_ERRORS, *gpu_errors()) as e:
+        raise click.ClickException(str(e)) from None
 
 
 def mtp_lines(info: dict) -> list[str]:

@@ -114,7 +114,8 @@ def quantize(src, out_dir, method, group_size, numa_nodes, expert_quantizer, exp
                               scale_dtype=scale_dtype, bf16_scales=bf16_scales, hot_experts=hot, keep_mtp=keep_mtp,
                               **gpu)
         src_path = resolve_source_arg(src)
-        manifest = convert(src_path, out_dir, opts, resume=resume, force=force, show_progress=not quiet)
+        manifest = convert(src_path, out_dir, opts, resume=resume, force=force, show_progress=not quiet,
+                           estimate=True)
     except (*CONVERT_ERRORS, *gpu_errors()) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {manifest.parent} ({manifest.name} lists every file); check it with: "

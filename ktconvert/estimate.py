@@ -1,0 +1,320 @@
+"""The wall time a conversion will take on this machine, from a short timed sample (`ktconvert inspect --method`,
+and the first line `ktconvert quantize` logs).
+
+What is timed here, on the checkpoint itself, one thread (seconds; a few for a DeepSeek-V3-sized expert):
+  experts  expert 0 of the first MoE layer through the conversion's own read + quantize + pack (_pack_expert), with
+           the conversion's expert quantizer; a calibrated one gets synthetic calibration inputs with the routed
+           token count an expert gets on average, n = T k / E (T calibration tokens, top-k of E experts). GPTQ runs
+           on a matrix whose expert got >= K/2 tokens (ExpertQuantizer), so where that threshold is within reach
+           the sample runs twice, just above and just below it, and the two are mixed by the share of experts
+           expected above it, n taken as normal with a spread of ROUTING_SPREAD x its mean (the spread measured on
+           bench_convert.py's DeepSeek-V3-shaped checkpoint: 660 / 1028 / 1468 min / median / max tokens);
+  dense    non-expert tensors of the first MoE layer (its smallest, about DENSE_SAMPLE_BYTES): read and encoded by
+           the conversion's encoder (GPTQ GPU layers: quantized with a synthetic Hessian, which costs what a real
+           one does), scaled by source bytes;
+  forward  (calibrated conversions) a matmul of the calibration forward's shape and dtype, for its FLOP rate.
+
+The model:
+  experts_cpu = experts x the sample;  dense_cpu = non-expert bytes x the sample's seconds per byte
+  forward     = sum over layers of 2 T (the layer's Linear weights, twice with GPTQ GPU layers: a Hessian pass
+                and a quantized pass, + top-k routed experts' weights) / rate, / FORWARD_MATMUL_SHARE (norms,
+                attention, routing, casts: the matmuls were 46% of a profiled DeepSeek-V3-shaped layer), + reading
+                each MoE layer's experts at the sample's read rate
+  forward_cpu = forward x (FORWARD_MATMUL_SHARE x torch's threads + the rest on one)
+  write       = output bytes x (write + fsync + sha256 read-back), timed on a sample file beside the output: each
+                file's commit is a serial point on the main thread
+  wall        = startup + sample + max(forward, (experts_cpu + dense_cpu + forward_cpu) / (cores x efficiency))
+                + write, efficiency PARALLEL_EFFICIENCY (CALIBRATED_PARALLEL_EFFICIENCY for a calibrated one)
+with cores = min(--workers (+1 for the calibration thread), the CPUs this process may use), startup what this
+process took until the estimate (imports, and those of the calibration forward), and sample the time the sample
+took (quantize times it before it starts). The efficiencies are what bench_convert.py's DeepSeek-V3-shaped
+conversions got on 2 cores: rtn's main thread writes the files and numpy holds the GIL between its large operations;
+the calibrated default is arithmetic (GPTQ, search, the forward) that keeps the cores busier.
+The 64-core question: the experts and dense terms divide by the cores; the forward's matmuls use torch's threads,
+the rest of the forward and the writes do not.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# cores busy / cores, measured on 2 cores with 2 workers (bench_convert.py's DeepSeek-V3-shaped checkpoint): the rtn
+# conversion 1.45 (reads and writes between its arithmetic), the calibrated default 1.82 (GPTQ, search, forward)
+PARALLEL_EFFICIENCY = 0.75
+CALIBRATED_PARALLEL_EFFICIENCY = 0.9
+FORWARD_MATMUL_SHARE = 0.5     # measured: matmuls were 46% of a DeepSeek-V3-shaped calibration layer (bf16)
+ROUTING_SPREAD = 0.25          # routed tokens per expert: standard deviation / mean
+WARMUP_SECONDS = 0.3           # matmul calls before the timed ones
+
+
+@dataclass
+class Estimate:
+    seconds: float                                      # the predicted wall time
+    parts: dict[str, float] = field(default_factory=dict)   # startup, experts / dense / forward (CPU seconds), write
+    sample_seconds: float = 0.0       # what timing the sample took (quantize spends it too: in seconds)
+
+    def line(self) -> str:
+        parts = ", ".join(f"{k} {_dur(v)}" for k, v in self.parts.items())
+        total = _dur(self.seconds) + ("" if self.seconds < 300 else f" = {self.seconds:.0f} s")
+        return f"estimated conversion time on this machine: {total} ({parts}; timed sample " \
+               f"{self.sample_seconds:.1f} s; the model: ktconvert/README.md)"
+
+
+def _dur(s: float) -> str:
+    if s < 300:
+        return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s" if s >= 0.1 else f"{s:.2f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def process_age() -> float:
+    """Seconds since this process started (/proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def share_at_or_above(threshold: float, mean: float) -> float:
+    """P(n >= threshold) for n ~ Normal(mean, ROUTING_SPREAD x mean)."""
+    if mean <= 0:
+        return 0.0
+    z = (threshold - mean) / (ROUTING_SPREAD * mean)
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | None = None) -> Estimate:
+    """The conversion `opts` (resolved ConvertOptions) of `src` with its plan, dense encoder and expert quantizer
+    (None: the layout's reference rule), as pipeline.convert builds them, into out_dir (None: the current
+    directory; the write sample goes to its nearest existing folder)."""
+    t0 = time.perf_counter()
+    startup = process_age()
+    geo = plan.geometry
+    moe_layers = sorted({j.layer for g in plan.jobs for j in g if j.kind == "expert"})
+    calibrated = bool(quantizer is not None and quantizer.calibrated) or getattr(encoder, "calibrated", False)
+    tokens = opts.calib_tokens
+    parts: dict[str, float] = {"startup": startup}
+
+    expert_cpu, read_rate = 0.0, None
+    if moe_layers:
+        per_expert, read_rate = _expert_sample(src, geo, moe_layers[0], quantizer, tokens, opts)
+        n_experts = sum(1 for g in plan.jobs for j in g if j.kind == "expert" and j.shard in (0, None)) * geo.n_experts
+        expert_cpu = per_expert * n_experts
+    parts["experts"] = expert_cpu
+
+    dense_jobs = [j for g in plan.jobs for j in g if j.kind != "expert"]
+    dense_bytes = sum(src.info(n).nbytes for j in dense_jobs for n, _ in j.sources)
+    sample = _dense_sample_job(dense_jobs, moe_layers)
+    dense_cpu = 0.0
+    if sample is not None:
+        secs, nbytes = _dense_sample(src, sample, encoder)
+        if not getattr(encoder, "calibrated", False):         # cheap: again, warm (as for the experts)
+            secs, nbytes = _dense_sample(src, sample, encoder)
+        dense_cpu = dense_bytes * secs / max(1, nbytes)
+    parts["dense"] = dense_cpu
+
+    forward = 0.0
+    if calibrated:
+        t = time.perf_counter()
+        _import_calibration(src)              # transformers and the family's modeling module: part of the run
+        parts["startup"] += time.perf_counter() - t
+        forward = parts["forward"] = _forward_seconds(src, plan, quantizer, encoder, tokens, read_rate)
+
+    out_bytes = sum(spec.nbytes for g in plan.jobs for j in g for spec in j.specs)
+    parts["write"] = out_bytes * _write_seconds_per_byte(out_dir)
+
+    import torch
+
+    cores = min(opts.workers + (1 if calibrated else 0), usable_cpus())
+    threads = torch.get_num_threads()          # the forward's matmuls run on all of them, the rest on one
+    work = expert_cpu + dense_cpu + forward * (FORWARD_MATMUL_SHARE * threads + 1 - FORWARD_MATMUL_SHARE)
+    # quantize times this sample before it starts (the imports in it are part of the run anyway: in startup)
+    sample = time.perf_counter() - t0 - (parts["startup"] - startup)
+    efficiency = CALIBRATED_PARALLEL_EFFICIENCY if calibrated else PARALLEL_EFFICIENCY
+    wall = parts["startup"] + sample + max(forward, work / (cores * efficiency)) + parts["write"]
+    return Estimate(wall, parts, sample)
+
+
+WRITE_SAMPLE_BYTES = 32 << 20
+
+
+def _write_seconds_per_byte(out_dir: Path | None) -> float:
+    """Seconds per byte of what a file's commit costs on the main thread (AlignedWriter): write, fsync, and the
+    sha256 read back, timed on WRITE_SAMPLE_BYTES in a temporary file beside the output."""
+    from ktlayouts.files import sha256_file
+
+    where = Path(out_dir).resolve() if out_dir is not None else Path.cwd()
+    while not where.is_dir():
+        where = where.parent
+    data = np.random.default_rng(0).integers(0, 256, WRITE_SAMPLE_BYTES, dtype=np.uint8)
+    try:
+        with tempfile.NamedTemporaryFile(dir=where, prefix=".ktconvert-estimate-") as f:
+            t = time.perf_counter()
+            f.write(memoryview(data))
+            f.flush()
+            os.fsync(f.fileno())
+            sha256_file(f.name)
+            return (time.perf_counter() - t) / WRITE_SAMPLE_BYTES
+    except OSError:              # not writable: no sample, no term
+        return 0.0
+
+
+def _expert_sample(src, geo, layer: int, quantizer, tokens: int, opts) -> tuple[float, float]:
+    """(CPU seconds of one routed expert, seconds per source byte of reading one) on expert 0 of `layer`."""
+    from ktconvert.pipeline import _pack_expert
+
+    names = [src.arch.expert_tensor_name(layer, 0, p) for p in ("gate", "up", "down")]
+    nbytes = sum(src.info(n).nbytes for n in names)
+    t = time.perf_counter()
+    for n in names:
+        src.read(n)
+    read_rate = (time.perf_counter() - t) / max(1, nbytes)
+    shards = list(range(geo.numa_nodes))
+    if quantizer is None or quantizer.mode == "rtn" or not quantizer.calibrated:
+        times = []
+        for _ in range(2):          # the second: the first pays for memory this process touches the first time
+            t = time.perf_counter()
+            _pack_expert(src, src.arch, geo, layer, 0, shards, None, opts.bf16_scales, quantizer)
+            times.append(time.perf_counter() - t)
+        return times[-1], read_rate
+    k = max(1, src.arch.top_k or 1)
+    mean = tokens * k / max(1, geo.n_experts)
+    threshold = quantizer.min_tokens or geo.intermediate // 2     # GPTQ on down at >= K/2 tokens (ExpertQuantizer)
+    above = share_at_or_above(threshold, mean) if quantizer.mode == "gptq" else 0.0
+    runs = []
+    for share, n in ((above, max(threshold, round(mean))), (1.0 - above, min(threshold - 1, round(mean)))):
+        if share >= 0.01:
+            runs.append((share, _timed_calibrated_expert(src, geo, layer, shards, quantizer, max(1, n), opts)))
+    return sum(s * t for s, t in runs) / sum(s for s, _ in runs), read_rate
+
+
+def _timed_calibrated_expert(src, geo, layer: int, shards, quantizer, n: int, opts) -> float:
+    """Seconds of _pack_expert on expert 0 of `layer` with synthetic calibration inputs: n routed tokens of
+    Gaussian inputs (the arithmetic of GPTQ and the search does not depend on the values)."""
+    import torch
+
+    from ktconvert.pipeline import _pack_expert
+    from ktconvert.quantizers.experts import ExpertQuantizer, LayerReport
+
+    q = ExpertQuantizer(quantizer.mode, lambda: None, quantizer.min_tokens, quantizer.scale_dtype, quantizer.percdamp)
+    g = torch.Generator().manual_seed(0)
+    total = max(n, 256)
+    x = torch.randn(total, geo.hidden, generator=g)
+    ids = torch.full((total, 1), 1, dtype=torch.long)
+    ids[:n] = 0                                                        # expert 0 gets n of the tokens
+    q._layer = (layer, x, ids, {0: torch.randn(n, geo.intermediate, generator=g)})
+    q.reports[layer] = LayerReport(layer, {})
+    t = time.perf_counter()
+    _pack_expert(src, src.arch, geo, layer, 0, shards, None, opts.bf16_scales, q)
+    return time.perf_counter() - t
+
+
+def _dense_sample_job(dense_jobs, moe_layers):
+    """The dense file of the first MoE layer (else the first dense file with tensors)."""
+    first = moe_layers[0] if moe_layers else None
+    with_sources = [j for j in dense_jobs if j.sources]
+    return next((j for j in with_sources if j.layer == first), with_sources[0] if with_sources else None)
+
+
+DENSE_SAMPLE_BYTES = 32 << 20     # source bytes of the dense sample (its smallest tensors first)
+
+
+def _dense_sample(src, job, encoder) -> tuple[float, int]:
+    """(seconds, source bytes) of reading and encoding tensors of one dense file: the smallest first, until
+    DENSE_SAMPLE_BYTES (a norm and a Linear or two: encoding costs about the same per byte in every Linear)."""
+    import torch
+
+    calibrated = getattr(encoder, "calibrated", False)
+    picked, nbytes = [], 0
+    for name, role in sorted(job.sources, key=lambda nr: src.info(nr[0]).nbytes):
+        if nbytes >= DENSE_SAMPLE_BYTES:
+            break
+        picked.append((name, role))
+        nbytes += src.info(name).nbytes
+    t = time.perf_counter()
+    for name, role in picked:
+        tensor = src.read(name)
+        if calibrated and encoder.quantizes(name, tuple(tensor.shape), role):
+            x = torch.randn(256, tensor.shape[1], generator=torch.Generator().manual_seed(0))
+            encoder.quantize_calibrated(name, tensor, 2.0 * x.T @ x / 256)
+        else:
+            encoder.encode(name, tensor.numpy(), role)
+    return time.perf_counter() - t, nbytes
+
+
+def _import_calibration(src) -> None:
+    """Import what the calibration forward imports (transformers' config and decoder-layer classes)."""
+    from ktconvert.gpu.calib import _model_classes, hf_config, text_model_of
+
+    _model_classes(hf_config(*text_model_of(src)))
+
+
+def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: float | None) -> float:
+    """Wall seconds of the calibration forward over all layers (the model in this module's docstring)."""
+    import torch
+
+    arch = src.arch
+    own = quantizer is not None and quantizer.calibrated and not getattr(encoder, "calibrated", False)
+    dtype = torch.float32
+    if own:
+        from ktconvert.gpu.calib import calibration_matmul_dtype
+        dtype = calibration_matmul_dtype()
+    rate = _matmul_rate(arch.hidden_size, max(1, arch.moe_intermediate_size or arch.hidden_size), dtype)
+    linear: dict[int, int] = {}                  # layer -> parameters of its 2-D non-expert weights
+    for name in src.tensor_names():
+        role = arch.classify(name)
+        info = src.info(name)
+        if role.kind not in ("expert", "skip") and role.layer is not None and len(info.shape) == 2 \
+                and not getattr(role, "mtp", False):
+            linear[role.layer] = linear.get(role.layer, 0) + math.prod(info.shape)
+    geo = plan.geometry
+    per_expert = 3 * geo.hidden * geo.intermediate
+    moe = set(geo.moe_layers)
+    # GPTQ GPU layers: a first pass (experts skipped) collects the Hessians, a second runs the quantized layer
+    passes = 2 if getattr(encoder, "calibrated", False) else 1
+    flops = sum(2 * tokens * (passes * p + (arch.top_k * per_expert if layer in moe else 0))
+                for layer, p in linear.items())
+    seconds = flops / rate / FORWARD_MATMUL_SHARE
+    if read_rate is not None:
+        expert_bytes = sum(src.info(arch.expert_tensor_name(geo.moe_layers[0], 0, p)).nbytes
+                           for p in ("gate", "up", "down"))
+        hit = 1.0 - (1.0 - arch.top_k / max(1, geo.n_experts)) ** tokens    # share of experts the forward reads
+        seconds += len(moe) * geo.n_experts * hit * expert_bytes * read_rate
+    return seconds
+
+
+def _matmul_rate(k: int, n: int, dtype, m: int = 512) -> float:
+    """FLOP/s of an (m, k) x (k, n) matmul with float32 weights as the calibration forward runs it (bf16: under CPU
+    autocast, which casts the weight every call, as it does there): the best of 5 calls after WARMUP_SECONDS of
+    them."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    best, warm = float("inf"), time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        while time.perf_counter() - warm < WARMUP_SECONDS:      # the first calls of a process are slow
+            a @ b.T
+        for _ in range(5):
+            t = time.perf_counter()
+            a @ b.T
+            best = min(best, time.perf_counter() - t)
+    return 2.0 * m * k * n / best
