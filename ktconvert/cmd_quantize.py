@@ -18,6 +18,13 @@ from ktconvert.sources.roles import SourceError
 CONVERT_ERRORS = (ConvertError, SourceError, OutputDirError, LayoutError, ManifestError)
 
 
+def log_estimate(src, opts, plan, encoder, quantizer, out_dir) -> None:
+    """The conversion's estimated wall time on this machine, logged before it starts (ktconvert.estimate)."""
+    from ktconvert.estimate import estimate_conversion
+
+    logging.getLogger("ktconvert").info(estimate_conversion(src, opts, plan, encoder, quantizer, out_dir).line())
+
+
 def resolve_source_arg(src: str | None):
     """SRC as a local directory or .gguf file, a hub repo id (pulled first), or None: the most recent pull."""
     from ktconvert.hub import resolve_source  # its PullError is a ClickException: a clean message and exit 1
@@ -115,7 +122,7 @@ def quantize(src, out_dir, method, group_size, numa_nodes, expert_quantizer, exp
                               **gpu)
         src_path = resolve_source_arg(src)
         manifest = convert(src_path, out_dir, opts, resume=resume, force=force, show_progress=not quiet,
-                           estimate=True)
+                           on_plan=log_estimate)
     except (*CONVERT_ERRORS, *gpu_errors()) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {manifest.parent} ({manifest.name} lists every file); check it with: "

@@ -421,9 +421,10 @@ def conversion_parts(src, opts: ConvertOptions) -> tuple[ConvertOptions, object,
 
 
 def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, resume: bool = False,
-            force: bool = False, show_progress: bool = True, estimate: bool = False) -> Path:
+            force: bool = False, show_progress: bool = True, on_plan=None) -> Path:
     """Convert the checkpoint at src_path into out_dir; returns the path of the written manifest.json.
-    estimate: log the estimated wall time first (ktconvert.estimate: a short timed sample)."""
+    on_plan: called as on_plan(src, opts, plan, encoder, quantizer, out_dir) once the conversion is planned, before
+    any work (`ktconvert quantize` logs its time estimate there, ktconvert.estimate)."""
     out_dir = Path(out_dir)
     kill = _KillHook()
     with open_source(src_path) as src:
@@ -441,9 +442,8 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
             tqdm.write(f"multi-token-prediction layer(s) {plan.mtp_layers} kept (--no-keep-mtp drops them)"
                        + (f"; {', '.join(plan.mtp_copies)} equal the main model's and are not written again"
                           if plan.mtp_copies else ""), file=sys.stderr)
-        if estimate:
-            from ktconvert.estimate import estimate_conversion
-            log.info(estimate_conversion(src, opts, plan, encoder, quantizer, out_dir).line())
+        if on_plan is not None:
+            on_plan(src, opts, plan, encoder, quantizer, out_dir)
         conv = Converter(src, out_dir, opts, plan, journal, encoder, bar, kill, quantizer, scratch_size(src, plan))
         if quantizer is not None:         # the layers whose experts are still to write (an MTP layer's: never)
             quantizer.prefetch_layers(sorted({j.layer for g in plan.jobs for j in g if j.kind == "expert"
