@@ -11,15 +11,17 @@ What is timed here, on the checkpoint itself, one thread (seconds; a few for a D
            bench_convert.py's DeepSeek-V3-shaped checkpoint: 660 / 1028 / 1468 min / median / max tokens);
   dense    non-expert tensors of the first MoE layer (its smallest, about DENSE_SAMPLE_BYTES): read and encoded by
            the conversion's encoder (GPTQ GPU layers: quantized with a synthetic Hessian, which costs what a real
-           one does), scaled by source bytes;
+           one does), scaled by source bytes, or for GPTQ by its arithmetic;
   forward  (calibrated conversions) a matmul of the calibration forward's shape and dtype, for its FLOP rate.
 
 The model:
-  experts_cpu = experts x the sample;  dense_cpu = non-expert bytes x the sample's seconds per byte
+  experts_cpu = experts x the sample;  dense_cpu = non-expert bytes x the sample's seconds per byte (a GPTQ'd
+                Linear (N, K): N K^2 + K^3 / 3 at the sample's seconds per unit of that)
   forward     = sum over layers of 2 T (the layer's Linear weights, twice with GPTQ GPU layers: a Hessian pass
                 and a quantized pass, + top-k routed experts' weights) / rate, / FORWARD_MATMUL_SHARE (norms,
                 attention, routing, casts: the matmuls were 46% of a profiled DeepSeek-V3-shaped layer), + reading
-                each MoE layer's experts at the sample's read rate
+                each MoE layer's experts at the sample's read rate, + with GPTQ GPU layers their Hessians (2 T K^2
+                each, at the same rate)
   forward_cpu = forward x (FORWARD_MATMUL_SHARE x torch's threads + the rest on one)
   write       = output bytes x (write + fsync + sha256 read-back), timed on a sample file beside the output: each
                 file's commit is a serial point on the main thread
@@ -122,14 +124,16 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
     parts["experts"] = expert_cpu
 
     dense_jobs = [j for g in plan.jobs for j in g if j.kind != "expert"]
-    dense_bytes = sum(src.info(n).nbytes for j in dense_jobs for n, _ in j.sources)
     sample = _dense_sample_job(dense_jobs, moe_layers)
     dense_cpu = 0.0
     if sample is not None:
-        secs, nbytes = _dense_sample(src, sample, encoder)
+        rates = _dense_sample(src, sample, encoder)
         if not getattr(encoder, "calibrated", False):         # cheap: again, warm (as for the experts)
-            secs, nbytes = _dense_sample(src, sample, encoder)
-        dense_cpu = dense_bytes * secs / max(1, nbytes)
+            rates = _dense_sample(src, sample, encoder)
+        for j in dense_jobs:
+            for name, role in j.sources:
+                kind, units = _dense_units(src, encoder, name, role)
+                dense_cpu += units * rates.get(kind, rates.get("bytes", 0.0))
     parts["dense"] = dense_cpu
 
     forward = 0.0
@@ -238,27 +242,44 @@ def _dense_sample_job(dense_jobs, moe_layers):
 DENSE_SAMPLE_BYTES = 32 << 20     # source bytes of the dense sample (its smallest tensors first)
 
 
-def _dense_sample(src, job, encoder) -> tuple[float, int]:
-    """(seconds, source bytes) of reading and encoding tensors of one dense file: the smallest first, until
-    DENSE_SAMPLE_BYTES (a norm and a Linear or two: encoding costs about the same per byte in every Linear)."""
+def _dense_units(src, encoder, name: str, role) -> tuple[str, float]:
+    """(kind, work units) of encoding one dense tensor: GPTQ'd Linears ("gptq") cost what GPTQ's arithmetic does,
+    N K^2 + K^3 / 3 for a (N, K) weight (the error updates and the Cholesky factor); everything else ("bytes") its
+    source bytes."""
+    info = src.info(name)
+    shape = tuple(info.shape)
+    if getattr(encoder, "calibrated", False) and not getattr(role, "mtp", False) and \
+            encoder.quantizes(name, shape, role):
+        n, k = shape
+        return "gptq", float(n) * k * k + k ** 3 / 3.0
+    return "bytes", float(info.nbytes)
+
+
+def _dense_sample(src, job, encoder) -> dict[str, float]:
+    """{kind: seconds per work unit (_dense_units)} of reading and encoding tensors of one dense file: the smallest
+    first, until DENSE_SAMPLE_BYTES (a norm and a Linear or two)."""
     import torch
 
-    calibrated = getattr(encoder, "calibrated", False)
     picked, nbytes = [], 0
     for name, role in sorted(job.sources, key=lambda nr: src.info(nr[0]).nbytes):
         if nbytes >= DENSE_SAMPLE_BYTES:
             break
         picked.append((name, role))
         nbytes += src.info(name).nbytes
-    t = time.perf_counter()
+    seconds: dict[str, float] = {}
+    units: dict[str, float] = {}
     for name, role in picked:
+        kind, u = _dense_units(src, encoder, name, role)
+        t = time.perf_counter()
         tensor = src.read(name)
-        if calibrated and encoder.quantizes(name, tuple(tensor.shape), role):
+        if kind == "gptq":
             x = torch.randn(256, tensor.shape[1], generator=torch.Generator().manual_seed(0))
             encoder.quantize_calibrated(name, tensor, 2.0 * x.T @ x / 256)
         else:
             encoder.encode(name, tensor.numpy(), role)
-    return time.perf_counter() - t, nbytes
+        seconds[kind] = seconds.get(kind, 0.0) + time.perf_counter() - t
+        units[kind] = units.get(kind, 0.0) + u
+    return {k: seconds[k] / max(units[k], 1.0) for k in seconds}
 
 
 def _import_calibration(src) -> None:
@@ -294,6 +315,10 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
     flops = sum(2 * tokens * (passes * p + (arch.top_k * per_expert if layer in moe else 0))
                 for layer, p in linear.items())
     seconds = flops / rate / FORWARD_MATMUL_SHARE
+    if passes == 2:                # each GPTQ'd Linear's Hessian H += X^T X over the tokens: 2 T K^2, float32
+        hess = sum(2.0 * tokens * src.info(n).shape[1] ** 2 for g in plan.jobs for j in g if j.kind != "expert"
+                   for n, role in j.sources if _dense_units(src, encoder, n, role)[0] == "gptq")
+        seconds += hess / rate
     if read_rate is not None:
         expert_bytes = sum(src.info(arch.expert_tensor_name(geo.moe_layers[0], 0, p)).nbytes
                            for p in ("gate", "up", "down"))

@@ -95,3 +95,20 @@ def test_indefinite_hessian_is_retried_with_more_damping(caplog):
 def test_non_pd_hessian_raises_naming_the_layer(h, msg):
     with pytest.raises(GptqError, match=rf"model\.layers\.2\.self_attn\.kv_b_proj.*{msg}"):
         gptq_quantize(torch.randn(32, 64), h, GptqConfig(group_size=64), name="model.layers.2.self_attn.kv_b_proj")
+
+
+def test_column_loop_rounding_is_torch_round_after_the_clamp():
+    """The column loop rounds with two additions instead of torch.round (a parallel region per column): the same
+    codes once clamped to the code range, ties to even, huge values, infinities and NaN included."""
+    from ktconvert.gpu.gptq import _round_half_even_
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(100_000, generator=g) * 10, torch.arange(-40, 40) / 2.0,      # every .5 tie
+                   torch.tensor([2.0 ** 22 - 0.5, 2.0 ** 22 + 1, -3e9, 7e30, float("inf"), float("-inf")])])
+    for zero, maxq in ((8.0, 15.0), (128.0, 255.0)):
+        want = torch.clamp(torch.round(x) + zero, 0.0, maxq)
+        got = torch.clamp_(_round_half_even_(x.clone()).add_(zero), 0.0, maxq)
+        assert torch.equal(got, want)
+        assert torch.equal(_round_half_even_(x[:100_080].clone()), torch.round(x[:100_080]))   # below 2^22: exact
+    nan = _round_half_even_(torch.tensor([float("nan")]))
+    assert torch.isnan(nan).all()

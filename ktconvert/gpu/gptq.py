@@ -175,6 +175,18 @@ def _two_level_scales(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg:
     return (d[:, None] * qq).reshape(n, -1)[:, : geom.n_groups].T.contiguous()
 
 
+_ROUNDER = 1.5 * 2.0 ** 23
+
+
+def _round_half_even_(x: torch.Tensor) -> torch.Tensor:
+    """torch.round_(x) for the column loop's codes, in place: adding and subtracting 1.5 x 2^23 rounds a float32 to
+    the nearest integer, ties to even, exactly as torch.round does for |x| < 2^22; beyond that the caller's clamp
+    to the code range gives the same codes either way (inf and NaN pass through alike). torch.round on one column
+    (thousands of values) runs as a parallel region: 66-164 us with 2 threads against 1.7 us on one, once per
+    column; the two additions never wake other threads at that size."""
+    return x.add_(_ROUNDER).sub_(_ROUNDER)
+
+
 def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg: GptqConfig,
                       hdiag: torch.Tensor, fixed: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -211,7 +223,7 @@ def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg:
                 s = scales[col // group]
                 safe = torch.where(s != 0, s, torch.ones_like(s))   # all-zero group: scale 0, any code
             wi = w1[i]
-            c = torch.clamp_(torch.round_(wi / safe).add_(zero), 0.0, maxq)   # same rounding as rtn
+            c = torch.clamp_(_round_half_even_(wi / safe).add_(zero), 0.0, maxq)   # same rounding as rtn
             codes[col] = c
             e = (wi - (c - zero) * s) / u1[i, i]
             err1[i] = e
