@@ -148,9 +148,12 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
 
     import torch
 
+    from ktconvert.pipeline import release_read_buffer
+
     cores = min(opts.workers + (1 if calibrated else 0), usable_cpus())
     threads = torch.get_num_threads()          # the forward's matmuls run on all of them, the rest on one
     work = expert_cpu + dense_cpu + forward * (FORWARD_MATMUL_SHARE * threads + 1 - FORWARD_MATMUL_SHARE)
+    release_read_buffer()                    # the expert sample's, on this thread: the conversion's are its workers'
     # quantize times this sample before it starts (the imports in it are part of the run anyway: in startup)
     sample = time.perf_counter() - t0 - (parts["startup"] - startup)
     efficiency = CALIBRATED_PARALLEL_EFFICIENCY if calibrated else PARALLEL_EFFICIENCY
@@ -217,7 +220,7 @@ def _timed_calibrated_expert(src, geo, layer: int, shards, quantizer, n: int, op
     import torch
 
     from ktconvert.pipeline import _pack_expert
-    from ktconvert.quantizers.experts import ExpertQuantizer, LayerReport
+    from ktconvert.quantizers.experts import ExpertQuantizer
 
     q = ExpertQuantizer(quantizer.mode, lambda: None, quantizer.min_tokens, quantizer.scale_dtype, quantizer.percdamp)
     g = torch.Generator().manual_seed(0)
@@ -225,8 +228,7 @@ def _timed_calibrated_expert(src, geo, layer: int, shards, quantizer, n: int, op
     x = torch.randn(total, geo.hidden, generator=g)
     ids = torch.full((total, 1), 1, dtype=torch.long)
     ids[:n] = 0                                                        # expert 0 gets n of the tokens
-    q._layer = (layer, x, ids, {0: torch.randn(n, geo.intermediate, generator=g)})
-    q.reports[layer] = LayerReport(layer, {})
+    q.use_inputs(layer, x, ids, {0: torch.randn(n, geo.intermediate, generator=g)})
     t = time.perf_counter()
     _pack_expert(src, src.arch, geo, layer, 0, shards, None, opts.bf16_scales, q)
     return time.perf_counter() - t

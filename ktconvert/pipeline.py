@@ -171,14 +171,18 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: 
 
 _SCRATCH = threading.local()     # per thread: one float32 buffer the tensors it reads are decoded into
 SCRATCH_MAX_FLOATS = 1 << 27     # tensors above 512 MB of float32 (a large vocabulary's embedding) read as new arrays
-_DECODABLE = ("BF16", "F16", "F32")
+
+
+def release_read_buffer() -> None:
+    """Drop this thread's read buffer (_read_reused), e.g. after a sample read on a thread that reads no more."""
+    _SCRATCH.buf = None
 
 
 def _scratch_floats(src, names) -> int:
     """Floats of the buffer that `names` (read together) are decoded into side by side; 0 where they are not (a
     source that cannot decode into a buffer, another encoding, or more than SCRATCH_MAX_FLOATS)."""
     infos = [src.info(n) for n in names]
-    if not getattr(src, "reads_into", False) or any(getattr(i, "dtype", None) not in _DECODABLE for i in infos):
+    if any(getattr(i, "dtype", None) not in getattr(src, "reads_into", ()) for i in infos):
         return 0
     n = sum(int(np.prod(i.shape)) for i in infos)
     return n if n <= SCRATCH_MAX_FLOATS else 0

@@ -109,11 +109,17 @@ class ExpertQuantizer:
             got = pending[1].result() if pending is not None else None      # never two forwards at once
             if pending is None or pending[0] != layer:
                 got = self._inputs(layer)
-            self._layer = (layer, *got)
+            self.use_inputs(layer, *got)
             later = [x for x in self._ahead if x > layer]
             self._ahead = later
             if later and self._prefetcher is not None:
                 self._pending = (later[0], self._prefetcher.submit(self._inputs, later[0]))
+
+    def use_inputs(self, layer: int, x: torch.Tensor, ids: torch.Tensor, acts: dict[int, torch.Tensor]) -> None:
+        """The calibration inputs expert_stats reads for `layer`: X (T, H), routing ids (T, k), expert -> (n_e, I)
+        down inputs (begin_layer's, or synthetic ones: ktconvert.estimate times an expert with them)."""
+        self.reports.setdefault(layer, LayerReport(layer, {}))
+        self._layer = (layer, x, ids, acts)
 
     def prefetch_layers(self, layers: list[int]) -> None:
         """The MoE layers whose experts this conversion will quantize, in order: each begin_layer then starts the

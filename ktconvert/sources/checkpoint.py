@@ -238,7 +238,7 @@ class Source(SourceBase):
         info = self.info(name)
         return info.fmt if isinstance(info, QuantTensorInfo) else None
 
-    reads_into = True       # read(name, out=) decodes BF16 / F16 / F32 tensors into the caller's buffer
+    reads_into = _DECODED_INTO      # the stored dtypes read(name, out=) decodes into the caller's buffer
 
     def read(self, name: str, out: np.ndarray | None = None) -> torch.Tensor:
         """One tensor as float32 (FP8 weights dequantized with their block scales); NaN/Inf -> SourceError.
