@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -50,6 +51,7 @@ from ktconvert.manifest import copy_side_files, write_manifest
 from ktconvert.progress import Journal, prepare_output
 from ktconvert.quantizers import make_expert_quantizer
 from ktconvert.sources import open_source
+from ktconvert.time_shares import TimeShares
 from ktconvert.writer import AlignedWriter
 
 log = logging.getLogger("ktconvert")
@@ -126,18 +128,22 @@ def pack_expert_matrix(w: np.ndarray, geom, quantizer=None, proj: str = "", stat
 
 
 def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: list[int],
-                 paths: PathLog | None = None, bf16_scales: bool = False, quantizer=None, scratch_floats: int = 0
-                 ) -> list[dict[str, np.ndarray]]:
+                 paths: PathLog | None = None, bf16_scales: bool = False, quantizer=None, scratch_floats: int = 0,
+                 shares: TimeShares | None = None) -> list[dict[str, np.ndarray]]:
     """Read expert e of `layer` and pack it for the given shards -> per shard {tensor name: array}. Codes and
     scales of an already-quantized source are taken over where they fit the layout (ktconvert.exact_paths).
     bf16_scales: quantize against bf16-rounded scales (a source's own scales are then not taken over).
     quantizer: a ktconvert.quantizers.experts.ExpertQuantizer (None or mode rtn: the layout's reference rule).
-    scratch_floats: the size of the thread's read buffer (_read_reused)."""
+    scratch_floats: the size of the thread's read buffer (_read_reused). shares: where its read and quantize
+    seconds are added (the progress bar's time shares)."""
+    shares = shares if shares is not None else TimeShares()
     names = {p: adapter.expert_tensor_name(layer, e, p) for p in PROJECTIONS}
     exact, why, what = expert_codes(src, names, geo.bits, geo.group_size, geo.scale_dtype)
     if bf16_scales and exact:
         exact, why = None, "--bf16-scales re-fits the scales"
-    w = None if exact else _read_reused(src, names, scratch_floats)
+    with shares.timing("read"):
+        w = None if exact else _read_reused(src, names, scratch_floats)
+    t_quantize = time.perf_counter()
     custom = quantizer is not None and quantizer.mode != "rtn" and not exact and geo.format.quantized
     stats = quantizer.expert_stats(layer, e, w) if custom else None
     if custom and geo.numa_nodes > 1 and geo.group_size != GROUP_PER_ROW and all(
@@ -160,6 +166,7 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: 
             if scales is not None:
                 packed[expert_tensor(p, "scales")] = scales
         per_shard.append(packed)
+    shares.add("quantize", time.perf_counter() - t_quantize)
     if paths is not None and what:                 # a quantized source: say which path, and what it cost
         for p, n in names.items():
             if exact:
@@ -255,9 +262,11 @@ class Converter:
         self.scratch_floats = scratch_floats        # the reading threads' buffer size (scratch_size)
         self.encoder, self.bar, self.kill, self.quantizer = encoder, bar, kill, quantizer
         self.paths = PathLog()          # which tensors of an already-quantized source took which path
+        self.shares = TimeShares()      # read / calibrate / quantize / write seconds, shown on the progress bar
 
     def _commit(self, writer: AlignedWriter, rel: str) -> None:
-        size, sha = writer.commit()
+        with self.shares.timing("write"):
+            size, sha = writer.commit()
         self.kill("commit")
         self.journal.record(rel, size, sha)
         self.kill("file")
@@ -266,11 +275,15 @@ class Converter:
         """-> (the source tensor where _dense_path needs it (a quantized source), else None; the encoded arrays).
         Without calibration the tensor is read into this thread's reused buffer (_read_reused), and an encoded
         array that is the tensor's memory (a float32 norm written as read) is copied out of it."""
-        if quant_format(self.src, name) is not None or getattr(self.encoder, "calibrated", False):
-            tensor = self.src.read(name).numpy()
-            return tensor, self.encoder.encode(name, tensor, role)
-        tensor = _read_reused(self.src, {name: name}, self.scratch_floats)[name]
-        out = self.encoder.encode(name, tensor, role)
+        keep = quant_format(self.src, name) is not None or getattr(self.encoder, "calibrated", False)
+        with self.shares.timing("read"):
+            tensor = self.src.read(name).numpy() if keep else \
+                _read_reused(self.src, {name: name}, self.scratch_floats)[name]
+        # a calibrated encoder runs the calibration forward inside encode: its time counts as calibration
+        with self.shares.timing("calibrate" if getattr(self.encoder, "calibrated", False) else "quantize"):
+            out = self.encoder.encode(name, tensor, role)
+        if keep:
+            return tensor, out
         return None, {k: v.copy() if np.may_share_memory(v, tensor) else v for k, v in out.items()}
 
     def write_dense(self, job: FileJob, pool: ThreadPoolExecutor | None = None) -> None:
@@ -284,9 +297,10 @@ class Converter:
                 name, role, fut = window.popleft()
                 tensor, out = fut.result()
                 self._dense_path(job, name, role, tensor, out)
-                for out_name, arr in out.items():
-                    w.write(out_name, arr)
-                self.bar.update(self.src.info(name).nbytes)
+                with self.shares.timing("write"):
+                    for out_name, arr in out.items():
+                        w.write(out_name, arr)
+                self._progress(self.src.info(name).nbytes)
                 self.kill("dense")
             try:
                 for name, role in job.sources:
@@ -339,11 +353,12 @@ class Converter:
                 writers.append(AlignedWriter(self.out_dir / job.rel, job.specs, job.metadata))
             per_expert = group_nbytes // geo.n_experts
             if quantizer is not None:
-                quantizer.begin_layer(layer)            # calibration of this layer, on this (the main) thread
+                with self.shares.timing("calibrate"):   # this layer's forward, on this (the main) thread or
+                    quantizer.begin_layer(layer)        # the wait for the prefetch thread's
             window: deque = deque()
             for e in range(geo.n_experts):
                 window.append((e, pool.submit(_pack_expert, self.src, adapter, geo, layer, e, shards, self.paths,
-                                              self.opts.bf16_scales, quantizer, self.scratch_floats)))
+                                              self.opts.bf16_scales, quantizer, self.scratch_floats, self.shares)))
                 if len(window) > self.opts.workers:
                     self._drain_one(window, writers, per_expert)
             while window:
@@ -366,11 +381,18 @@ class Converter:
 
     def _drain_one(self, window, writers, per_expert) -> None:
         e, fut = window.popleft()
-        for w, packed in zip(writers, fut.result()):
-            for name, arr in packed.items():
-                w.write(name, arr, index=e)
-        self.bar.update(per_expert)
+        packed_shards = fut.result()
+        with self.shares.timing("write"):
+            for w, packed in zip(writers, packed_shards):
+                for name, arr in packed.items():
+                    w.write(name, arr, index=e)
+        self._progress(per_expert)
         self.kill("expert")
+
+    def _progress(self, nbytes: int) -> None:
+        """Advance the bar by nbytes of source, with where the time went so far (TimeShares)."""
+        self.bar.set_postfix_str(self.shares.postfix(), refresh=False)
+        self.bar.update(nbytes)
 
 
 def skipped_parts(src, names: list[str]) -> dict[str, int]:
