@@ -186,37 +186,38 @@ def _write_seconds_per_byte(out_dir: Path | None) -> float:
 
 
 def _expert_sample(src, geo, layer: int, quantizer, tokens: int, opts) -> tuple[float, float]:
-    """(CPU seconds of one routed expert, seconds per source byte of reading one) on expert 0 of `layer`."""
+    """(CPU seconds of one routed expert, seconds per source byte of reading one) on expert 0 of `layer`, the read
+    timed inside the pack path itself (its TimeShares)."""
     from ktconvert.pipeline import _pack_expert
+    from ktconvert.time_shares import TimeShares
 
-    names = [src.arch.expert_tensor_name(layer, 0, p) for p in ("gate", "up", "down")]
-    nbytes = sum(src.info(n).nbytes for n in names)
-    t = time.perf_counter()
-    for n in names:
-        src.read(n)
-    read_rate = (time.perf_counter() - t) / max(1, nbytes)
+    nbytes = sum(src.info(src.arch.expert_tensor_name(layer, 0, p)).nbytes for p in ("gate", "up", "down"))
     shards = list(range(geo.numa_nodes))
     if quantizer is None or quantizer.mode == "rtn" or not quantizer.calibrated:
-        times = []
         for _ in range(2):          # the second: the first pays for memory this process touches the first time
+            shares = TimeShares()
             t = time.perf_counter()
-            _pack_expert(src, src.arch, geo, layer, 0, shards, None, opts.bf16_scales, quantizer)
-            times.append(time.perf_counter() - t)
-        return times[-1], read_rate
+            _pack_expert(src, src.arch, geo, layer, 0, shares=shares, shards=shards, bf16_scales=opts.bf16_scales,
+                         quantizer=quantizer)
+            seconds = time.perf_counter() - t
+        return seconds, shares.seconds["read"] / max(1, nbytes)
     k = max(1, src.arch.top_k or 1)
     mean = tokens * k / max(1, geo.n_experts)
     threshold = quantizer.min_tokens or geo.intermediate // 2     # GPTQ on down at >= K/2 tokens (ExpertQuantizer)
     above = share_at_or_above(threshold, mean) if quantizer.mode == "gptq" else 0.0
-    runs = []
+    runs, shares = [], TimeShares()
     for share, n in ((above, max(threshold, round(mean))), (1.0 - above, min(threshold - 1, round(mean)))):
         if share >= 0.01:
-            runs.append((share, _timed_calibrated_expert(src, geo, layer, shards, quantizer, max(1, n), opts)))
+            runs.append((share, _timed_calibrated_expert(src, geo, layer, shards, quantizer, max(1, n), opts,
+                                                         shares)))
+    read_rate = shares.seconds["read"] / len(runs) / max(1, nbytes)
     return sum(s * t for s, t in runs) / sum(s for s, _ in runs), read_rate
 
 
-def _timed_calibrated_expert(src, geo, layer: int, shards, quantizer, n: int, opts) -> float:
+def _timed_calibrated_expert(src, geo, layer: int, shards, quantizer, n: int, opts, shares) -> float:
     """Seconds of _pack_expert on expert 0 of `layer` with synthetic calibration inputs: n routed tokens of
-    Gaussian inputs (the arithmetic of GPTQ and the search does not depend on the values)."""
+    Gaussian inputs (the arithmetic of GPTQ and the search does not depend on the values); its read and quantize
+    seconds are added to shares."""
     import torch
 
     from ktconvert.pipeline import _pack_expert
@@ -230,7 +231,7 @@ def _timed_calibrated_expert(src, geo, layer: int, shards, quantizer, n: int, op
     ids[:n] = 0                                                        # expert 0 gets n of the tokens
     q.use_inputs(layer, x, ids, {0: torch.randn(n, geo.intermediate, generator=g)})
     t = time.perf_counter()
-    _pack_expert(src, src.arch, geo, layer, 0, shards, None, opts.bf16_scales, q)
+    _pack_expert(src, src.arch, geo, layer, 0, shards, bf16_scales=opts.bf16_scales, quantizer=q, shares=shares)
     return time.perf_counter() - t
 
 
