@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 13  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 15  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -29,7 +29,11 @@ extern "C" {
                                  kt_route_sigmoid (the sigmoid router with group-limited top-k, on the calling
                                  thread);
                              12: kt_mla_attend_batch (kt_mla_attend for m requests in one pool job);
-                             13: kt_search_scales (ktconvert's importance-weighted scale search) */
+                             13: kt_search_scales (ktconvert's importance-weighted scale search);
+                             14: kt_route_softmax (the softmax router with optional group-limited top-k, on the
+                                 calling thread);
+                             15: kt_gqa_attend_batch (GQA / MQA decode attention of m query rows, each over its own
+                                 cache rows, in one pool job) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -245,6 +249,31 @@ int kt_mla_attend_batch(kt_ctx* ctx, int64_t m, int64_t nh, int64_t R, int64_t d
 int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
                      int64_t w_stride, const float* bias, int64_t n_group, int64_t topk_group, int64_t top_k, int norm,
                      float scaling, int64_t* ids, float* weights);
+
+/* GQA / MQA attention of m query rows (entries), each over its own cache rows, in one job on ctx's pool (or the
+ * calling thread when ctx is NULL). Entry e: query heads h < nkv * rep at q + e * q_entry_stride + h * q_head_stride
+ * (hd floats each; head h reads kv head h / rep); its positions are its entry_n_runs[e] runs, taken in order from the
+ * flat lists (run r: run_len[r] positions; position i's keys at k_runs[r] + i * k_row_stride, nkv heads of hd floats,
+ * values at v_runs[r] + i * v_row_stride, nkv heads of vd floats). For each head: s_j = (q . k_j) * scale, p =
+ * softmax(s), out = sum_j p_j v_j, written at out + e * out_entry_stride + h * out_head_stride (vd floats). hd, vd
+ * multiples of 16. Numerics as kt_mla_attend (one fixed order on every ISA): a head's result depends only on its
+ * query row and its positions, not on the batch, the runs, the other heads or the threads. Returns -1 for bad
+ * arguments. */
+int kt_gqa_attend_batch(kt_ctx* ctx, int64_t m, int64_t nkv, int64_t rep, int64_t hd, int64_t vd, const float* q,
+                        int64_t q_entry_stride, int64_t q_head_stride, float scale, const int64_t* entry_n_runs,
+                        const float* const* k_runs, const float* const* v_runs, const int64_t* run_len,
+                        int64_t k_row_stride, int64_t v_row_stride, float* out, int64_t out_entry_stride,
+                        int64_t out_head_stride);
+
+/* The softmax router (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral) for T tokens x (T, K) (row t at
+ * x + t * x_stride) and the gate w (E, K) (row stride w_stride), all float32, on the calling thread: scores =
+ * softmax(x W^T); with topk_group < n_group only the topk_group groups of the best single score keep theirs (the
+ * others become 0); ids = the top_k best scores (best first, ties to the lower index); weights = their scores,
+ * normalized to sum 1 when norm, times scaling. ids (T, top_k) int64, weights (T, top_k) float32. Logits in
+ * float_dots' fixed order: the same bits on every ISA, whatever T. Returns -1 for bad arguments. */
+int kt_route_softmax(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
+                     int64_t w_stride, int64_t n_group, int64_t topk_group, int64_t top_k, int norm, float scaling,
+                     int64_t* ids, float* weights);
 
 /* ktconvert's importance-weighted scale search (ktconvert/scale_search.py, search_scales; kernels/src/scale_search.cpp)
  * for R groups of L floats on the calling thread: group r is x + r * x_stride; its weights w + (r % w_rows) * L

@@ -20,6 +20,7 @@ struct kt_ctx {
     kt::LinearEngine linear;
     kt::MlaAttend attend;   // kt_mla_attend's job on this pool
     kt::MlaAttendBatch attend_batch;   // kt_mla_attend_batch's
+    kt::GqaAttendBatch gqa_batch;      // kt_gqa_attend_batch's
     kt_ctx(int n_threads, int n_pools, const std::string& backend)
         : engine(n_threads, n_pools, backend), linear(engine.pool(), engine.table()) {}
 };
@@ -180,6 +181,29 @@ int kt_mla_attend_batch(kt_ctx* ctx, int64_t m, int64_t nh, int64_t R, int64_t d
                                out_stride))
         return -1;
     pool.launch([ctx](const kt::WorkerInfo& w) { ctx->attend_batch.run(w.index, w.n_threads); });
+    pool.wait();
+    return 0;
+}
+
+int kt_gqa_attend_batch(kt_ctx* ctx, int64_t m, int64_t nkv, int64_t rep, int64_t hd, int64_t vd, const float* q,
+                        int64_t q_entry_stride, int64_t q_head_stride, float scale, const int64_t* entry_n_runs,
+                        const float* const* k_runs, const float* const* v_runs, const int64_t* run_len,
+                        int64_t k_row_stride, int64_t v_row_stride, float* out, int64_t out_entry_stride,
+                        int64_t out_head_stride) {
+    if (!ctx) {   // the calling thread alone
+        thread_local kt::GqaAttendBatch job;
+        if (!job.set(m, nkv, rep, hd, vd, q, q_entry_stride, q_head_stride, scale, entry_n_runs, k_runs, v_runs,
+                     run_len, k_row_stride, v_row_stride, out, out_entry_stride, out_head_stride))
+            return -1;
+        job.run(0, 1);
+        return 0;
+    }
+    kt::ThreadPool& pool = ctx->engine.pool();
+    pool.wait();   // the job in flight may be an earlier one's
+    if (!ctx->gqa_batch.set(m, nkv, rep, hd, vd, q, q_entry_stride, q_head_stride, scale, entry_n_runs, k_runs, v_runs,
+                            run_len, k_row_stride, v_row_stride, out, out_entry_stride, out_head_stride))
+        return -1;
+    pool.launch([ctx](const kt::WorkerInfo& w) { ctx->gqa_batch.run(w.index, w.n_threads); });
     pool.wait();
     return 0;
 }

@@ -73,8 +73,10 @@ inline v16 madd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (_
 int isa() { return kt::vector_isa(); }
 
 using AttendFn = decltype(&ref::attend);
+using AttendKvFn = decltype(&ref::attend_kv);
 using DotsFn = decltype(&ref::dots);
 const AttendFn kAttend[3] = {ref::attend, avx2::attend, avx512::attend};
+const AttendKvFn kAttendKv[3] = {ref::attend_kv, avx2::attend_kv, avx512::attend_kv};
 const DotsFn kDots[3] = {ref::dots, avx2::dots, avx512::dots};
 
 constexpr int64_t kHeadBlock = 8;   // heads split between workers in blocks of the body's head tile
@@ -145,6 +147,57 @@ void MlaAttendBatch::run(int index, int n) const {
         const int64_t h0 = (b - first_block[i]) * kHeadBlock;
         req.heads(h0, std::min(req.nh, h0 + kHeadBlock));
     }
+}
+
+bool GqaAttendBatch::set(int64_t m_, int64_t nkv_, int64_t rep_, int64_t hd_, int64_t vd_, const float* q_,
+                         int64_t q_entry_stride_, int64_t q_head_stride_, float scale_, const int64_t* entry_n_runs,
+                         const float* const* k_runs, const float* const* v_runs, const int64_t* run_len,
+                         int64_t k_row_stride, int64_t v_row_stride, float* out_, int64_t out_entry_stride_,
+                         int64_t out_head_stride_) {
+    if (m_ < 1 || nkv_ < 1 || rep_ < 1 || hd_ < 16 || hd_ % 16 || vd_ < 16 || vd_ % 16 || !q_ || !out_ ||
+        !entry_n_runs || !k_runs || !v_runs || !run_len || q_head_stride_ < hd_ || out_head_stride_ < vd_ ||
+        k_row_stride < nkv_ * hd_ || v_row_stride < nkv_ * vd_)
+        return false;
+    krows.clear();
+    vrows.clear();
+    first_row.assign((size_t)m_ + 1, 0);
+    for (int64_t e = 0, r = 0; e < m_; ++e) {
+        if (entry_n_runs[e] < 1) return false;
+        for (int64_t end = r + entry_n_runs[e]; r < end; ++r) {
+            if (run_len[r] < 0 || (run_len[r] && (!k_runs[r] || !v_runs[r]))) return false;
+            for (int64_t i = 0; i < run_len[r]; ++i) {
+                krows.push_back(k_runs[r] + i * k_row_stride);
+                vrows.push_back(v_runs[r] + i * v_row_stride);
+            }
+        }
+        first_row[e + 1] = (int64_t)krows.size();
+        if (first_row[e + 1] == first_row[e]) return false;   // an entry sees at least its own position
+    }
+    m = m_; nkv = nkv_; rep = rep_; hd = hd_; vd = vd_; q = q_; q_entry_stride = q_entry_stride_;
+    q_head_stride = q_head_stride_; scale = scale_; out = out_; out_entry_stride = out_entry_stride_;
+    out_head_stride = out_head_stride_;
+    return true;
+}
+
+void GqaAttendBatch::run(int index, int n) const {
+    const int64_t total = m * nkv, p0 = total * index / n, p1 = total * (index + 1) / n;
+    for (int64_t p = p0; p < p1; ++p) pair(p / nkv, p % nkv);
+}
+
+void GqaAttendBatch::pair(int64_t e, int64_t g) const {
+    const int64_t r0 = first_row[e], S = first_row[e + 1] - r0;
+    thread_local std::vector<const float*> kr, vr;
+    thread_local std::vector<float> s;
+    kr.resize((size_t)S);
+    vr.resize((size_t)S);
+    if (s.size() < (size_t)(rep * S)) s.resize((size_t)(rep * S));
+    for (int64_t j = 0; j < S; ++j) {   // kv head g's slice of each position's row
+        kr[j] = krows[r0 + j] + g * hd;
+        vr[j] = vrows[r0 + j] + g * vd;
+    }
+    const int64_t h0 = g * rep;   // its query heads h0 .. h0 + rep
+    kAttendKv[isa()](rep, hd, vd, q + e * q_entry_stride + h0 * q_head_stride, q_head_stride, scale, kr.data(),
+                     vr.data(), S, out + e * out_entry_stride + h0 * out_head_stride, out_head_stride, s.data());
 }
 
 void float_dots(int64_t n, int64_t K, const float* a, int64_t a_stride, const float* const* rows, int64_t S,

@@ -38,6 +38,26 @@ struct MlaAttendBatch {
     void run(int index, int n) const;
 };
 
+// kt_gqa_attend_batch's job: m query rows (entries), each over its own cache rows; the (entry, kv head) pairs split
+// between the workers, each pair computed whole by one worker (the same bits whatever the split).
+struct GqaAttendBatch {
+    int64_t m = 0, nkv = 0, rep = 0, hd = 0, vd = 0;
+    const float* q = nullptr;
+    int64_t q_entry_stride = 0, q_head_stride = 0, out_entry_stride = 0, out_head_stride = 0;
+    float scale = 0.0f;
+    float* out = nullptr;
+    std::vector<const float*> krows, vrows;   // every entry's positions, entry after entry: the kv-head-0 rows
+    std::vector<int64_t> first_row;           // (m + 1): entry e's rows are [first_row[e], first_row[e + 1])
+
+    bool set(int64_t m, int64_t nkv, int64_t rep, int64_t hd, int64_t vd, const float* q, int64_t q_entry_stride,
+             int64_t q_head_stride, float scale, const int64_t* entry_n_runs, const float* const* k_runs,
+             const float* const* v_runs, const int64_t* run_len, int64_t k_row_stride, int64_t v_row_stride,
+             float* out, int64_t out_entry_stride, int64_t out_head_stride);
+    void run(int index, int n) const;
+    // entry e, kv head g on the calling thread
+    void pair(int64_t e, int64_t g) const;
+};
+
 // out[h * S + j] = (a[h] . rows[j]) * scale for h < n, j < S (K a multiple of 16), in the same fixed order (16 lane
 // sums, fused multiply-adds, a pairwise reduction) on every ISA, on the calling thread
 void float_dots(int64_t n, int64_t K, const float* a, int64_t a_stride, const float* const* rows, int64_t S,

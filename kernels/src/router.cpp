@@ -8,6 +8,7 @@
 // Numerics: the logits are float_dots (mla_attend.cpp: one fixed order on every ISA), the rest plain float code in
 // a fixed order, so a token's choice depends on its own row only (not on the batch or the ISA). Ties go to the lower
 // index (expert or group); ids come out best first.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -83,6 +84,68 @@ extern "C" int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x,
         }
         const float denom = sum + 1e-20f;
         for (int64_t i = 0; i < top_k_; ++i) wt[i] = (norm ? wt[i] / denom : wt[i]) * scaling;
+    }
+    return 0;
+}
+
+// kt_route_softmax: the softmax router (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Qwen3-Next, Mixtral;
+// ktrun.models.routing.softmax_topk) for a few tokens, on the calling thread:
+//   scores = softmax(x W^T) over the E experts; with groups (topk_group < n_group) only the topk_group groups with the
+//   best single score keep theirs (the others' become 0, as the reference masks them); ids = the top_k best scores;
+//   weights = scores[ids], normalized to sum 1 when norm, times scaling.
+// Why: as kt_route_sigmoid: a decode step's router was a GEMV plus ~8 small torch ops per MoE layer while the pool
+// waited. Numerics: logits by float_dots (one fixed order on every ISA); max, exp and the sum in index order; so a
+// token's result depends on its own row only. Ties go to the lower index; ids come out best first.
+extern "C" int kt_route_softmax(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
+                                int64_t w_stride, int64_t n_group, int64_t topk_group, int64_t top_k_, int norm,
+                                float scaling, int64_t* ids, float* weights) {
+    if (T < 0 || E < 1 || K < 16 || K % 16 || !w || w_stride < K || n_group < 1 || E % n_group || topk_group < 1 ||
+        topk_group > n_group || top_k_ < 1 || top_k_ > E || (T && (!x || x_stride < K || !ids || !weights)))
+        return -1;
+    if (T == 0) return 0;
+    thread_local std::vector<float> logits, scores, group_score;
+    thread_local std::vector<const float*> rows;
+    thread_local std::vector<int64_t> groups;
+    logits.resize((size_t)(E * T));
+    scores.resize((size_t)E);
+    group_score.resize((size_t)n_group);
+    groups.resize((size_t)topk_group);
+    rows.resize((size_t)T);
+    for (int64_t t = 0; t < T; ++t) rows[t] = x + t * x_stride;
+    kt::float_dots(E, K, w, w_stride, rows.data(), T, 1.0f, logits.data());   // logits[e * T + t]
+    const int64_t per_group = E / n_group;
+    for (int64_t t = 0; t < T; ++t) {
+        float m = -INFINITY;
+        for (int64_t e = 0; e < E; ++e) m = std::max(m, logits[e * T + t]);
+        float sum = 0.0f;
+        for (int64_t e = 0; e < E; ++e) {
+            scores[e] = std::exp(logits[e * T + t] - m);
+            sum += scores[e];
+        }
+        for (int64_t e = 0; e < E; ++e) scores[e] /= sum;
+        if (topk_group < n_group) {
+            for (int64_t g = 0; g < n_group; ++g) {   // the group's best score
+                float best = scores[g * per_group];
+                for (int64_t e = 1; e < per_group; ++e) best = std::max(best, scores[g * per_group + e]);
+                group_score[g] = best;
+            }
+            top_k(group_score.data(), n_group, topk_group, groups.data());
+            for (int64_t g = 0; g < n_group; ++g) {
+                bool kept = false;
+                for (int64_t j = 0; j < topk_group; ++j) kept = kept || groups[j] == g;
+                if (!kept)
+                    for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) scores[e] = 0.0f;
+            }
+        }
+        int64_t* id = ids + t * top_k_;
+        float* wt = weights + t * top_k_;
+        top_k(scores.data(), E, top_k_, id);
+        float total = 0.0f;
+        for (int64_t i = 0; i < top_k_; ++i) {
+            wt[i] = scores[id[i]];
+            total += wt[i];
+        }
+        for (int64_t i = 0; i < top_k_; ++i) wt[i] = (norm ? wt[i] / total : wt[i]) * scaling;
     }
     return 0;
 }

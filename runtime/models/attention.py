@@ -73,9 +73,10 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     projection, all heads at once: MiniMax-M2), before RoPE. RoPE covers the first rope.dim dims of each head.
     window / sinks: as gqa_attend."""
     T, nh, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias"))                          # (T, nh*hd)
-    k = linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias"))                          # (T, nkv*hd)
-    v = linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(T, nkv, hd)
+    # q (T, nh*hd), k (T, nkv*hd), v (T, nkv*hd): on the CPU kernels one submission (x quantized once, one job)
+    q, k, v = linears(x, [w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]],
+                      [w.get(p + "q_proj.bias"), w.get(p + "k_proj.bias"), w.get(p + "v_proj.bias")])
+    v = v.view(T, nkv, hd)
     if qk_norm == "projection":
         q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
@@ -84,26 +85,85 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    out = gqa_attend(cfg, q, k, v, batch, layer, window=window, sinks=sinks)
+    lin = getattr(w[p + "q_proj.weight"], "lin", None)          # a KernelLinear's context: its pool attends too
+    out = gqa_attend(cfg, q, k, v, batch, layer, window=window, sinks=sinks,
+                     kernels=None if lin is None else lin.kernels)
     return linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
 
 
 def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
-               layer: int, window: int | None | str = "config", sinks: torch.Tensor | None = None) -> torch.Tensor:
+               layer: int, window: int | None | str = "config", sinks: torch.Tensor | None = None,
+               kernels=None) -> torch.Tensor:
     """Write each request's k/v into its cache and attend over its cached positions: q (T, nh, hd), k (T, nkv, hd)
     roped, v (T, nkv, vd) -> (T, nh, vd) (vd: the value head dim, hd but for MiMo-V2-Flash). window: keys per
     query (sliding window; "config": cfg.sliding_window, None: all); sinks (nh,): per-head sink logits
-    (_softmax_attend). The cache keeps every position either way."""
+    (_softmax_attend). The cache keeps every position either way.
+
+    A float32 CPU request of at most SERIAL_MAX_ROWS new rows (decode, a speculative verify, a short chunk) has each
+    row attend over its causal (windowed) prefix in one kt_gqa_attend_batch call for all such requests (on kernels'
+    pool when given: a MoEKernels / LinearKernels context), so each row gets the bits of its token decoded alone
+    whatever the batch; other requests (longer prompts, sinks, bf16) take torch's GEMMs."""
     window = cfg.sliding_window if window == "config" else window
     T, nh, hd = q.shape
     nkv, vd = k.shape[1], v.shape[-1]
     out = torch.empty((T, nh, vd), dtype=q.dtype, device=q.device)
     rep, scale = nh // nkv, cfg.softmax_scale
+    runs = [s.cache.write(layer, s.start, [k[s.offset:s.offset + s.n], v[s.offset:s.offset + s.n]])
+            for s in batch.seqs]                                  # per request [(k_r, v_r) (S_r, nkv, hd)]
+    on_kernels = [sinks is None and q.dtype == torch.float32 and q.is_cpu and s.n <= SERIAL_MAX_ROWS
+                  for s in batch.seqs]
+    if any(on_kernels) and _gqa_rows_on_kernels(q, batch, runs, on_kernels, window, scale, out, kernels):
+        rest = [(s, r) for s, r, on in zip(batch.seqs, runs, on_kernels) if not on]
+    else:
+        rest = list(zip(batch.seqs, runs))
+    if rest:
+        with serial_torch(T <= SERIAL_MAX_ROWS):      # decode-sized: no OpenMP wake-up per op (layers.serial_torch)
+            _gqa_attend_torch(q, rest, window, sinks, rep, scale, out)
+    return out
+
+
+def _window_runs(runs: list, lo: int, hi: int) -> list:
+    """Positions [lo, hi) of a request's cache runs (views, empty ones dropped)."""
+    out, at = [], 0
+    for kr, vr in runs:
+        n = kr.shape[0]
+        a, b = max(lo - at, 0), min(hi - at, n)
+        if a < b:
+            out.append((kr[a:b], vr[a:b]))
+        at += n
+    return out
+
+
+def _gqa_rows_on_kernels(q: torch.Tensor, batch: Batch, runs: list, on_kernels: list[bool], window: int | None,
+                         scale: float, out: torch.Tensor, kernels) -> bool:
+    """The rows of the requests marked on_kernels, each over its causal (windowed) prefix, in one
+    glue.gqa_attend_batch call into out. False (nothing done) when the call does not take them."""
+    entries, rows = [], []
+    for s, r, on in zip(batch.seqs, runs, on_kernels):
+        if on:
+            for i in range(s.n):
+                pos = s.start + i
+                entries.append(_window_runs(r, 0 if window is None else max(0, pos - window + 1), pos + 1))
+                rows.append(s.offset + i)
+    if len(rows) == q.shape[0]:                                   # every row, in order: no gather / scatter
+        return glue.gqa_attend_batch(q, entries, scale, out, kernels)
+    idx = torch.tensor(rows)
+    o = torch.empty((len(rows), *out.shape[1:]), dtype=out.dtype)
+    if not glue.gqa_attend_batch(q[idx], entries, scale, o, kernels):
+        return False
+    out[idx] = o
+    return True
+
+
+def _gqa_attend_torch(q, seq_runs: list, window: int | None, sinks: torch.Tensor | None, rep: int, scale: float,
+                      out: torch.Tensor) -> None:
+    """gqa_attend's torch path for [(request, its cache runs)], into out (T, nh, vd)."""
+    T, nh, hd = q.shape
+    nkv, vd = nh // rep, out.shape[-1]
     # Query heads grouped by the kv head they share: (nkv, rep, T, hd), scaled once (T rows, not S).
     qg = (q * scale).view(T, nkv, rep, hd).permute(1, 2, 0, 3)
-    for s in batch.seqs:
+    for s, runs in seq_runs:
         rows = slice(s.offset, s.offset + s.n)
-        runs = s.cache.write(layer, s.start, [k[rows], v[rows]])             # [(k_r, v_r) (S_r, nkv, hd)], sum S_r = S
         # Each kv head's (S_r, hd) keys and values are read in place from the cache views (strided: no per-step
         # copy or per-head repeat of the cache; values are concatenated when the cache spans 2+ runs); its rep
         # query heads and n tokens are the rows of one GEMM.
@@ -113,7 +173,6 @@ def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         o = _attend_runs(probs.view(nkv, rep * s.n, -1), [vr for _, vr in runs],
                          lambda p, vr: torch.matmul(p, vr.transpose(0, 1)))      # (nkv, rep*n, vd)
         out[rows] = o.view(nh, s.n, vd).transpose(0, 1)
-    return out
 
 
 def mla_cache_widths(cfg: ModelConfig, indexed: bool = False) -> list[tuple[int, ...]]:

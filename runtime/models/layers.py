@@ -69,10 +69,9 @@ def linears(x: torch.Tensor, ws: list, biases: list | None = None) -> list[torch
     """x (..., K) through several Linears (tensors or packed) -> their outputs. On the CPU kernels, Linears sharing
     the input (same K and group: gate + up, q_a + kv_a) run in one submission (x quantized once, one job)."""
     if len(ws) > 1 and all(isinstance(w, KernelLinear) and ws[0].shares_input_with(w) for w in ws):
-        ys = run_together(ws, x)
-    else:
-        ys = [linear(x, w) for w in ws]
-    return ys if biases is None else [y if b is None else y + b for y, b in zip(ys, biases)]
+        ys = run_together(ws, x)          # a KernelLinear adds its bias after the op as well: the same bits
+        return ys if biases is None else [y if b is None else y + b for y, b in zip(ys, biases)]
+    return [linear(x, w, b) for w, b in zip(ws, biases or [None] * len(ws))]   # (torch fuses the bias: addmm)
 
 
 def swiglu_mlp(x: torch.Tensor, gate, up, down) -> torch.Tensor:

@@ -7,6 +7,8 @@
   (ktrun.ops.glue.route_sigmoid: its own fixed summation order), unless a test's choice hook is installed.
 - softmax_topk (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral): the logits' precision and whether
   norm_topk_prob renormalizes come from the config (router_float32, router_renormalizes), not from the family.
+  Decode rows of a float32 CPU model take the same steps in one C call (ktrun.ops.glue.route_softmax), as above
+  (a float32 model's logits are float32 either way).
 """
 from __future__ import annotations
 
@@ -44,6 +46,10 @@ def sigmoid_grouped(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bia
 
 
 def softmax_topk(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor):
+    grouped = cfg.topk_method == "group_limited_greedy"
+    if not hooked() and glue.route_sigmoid_supported(x, gate_w, None):   # decode rows on the CPU: one C call
+        return glue.route_softmax(x, gate_w, cfg.n_group if grouped else 1, cfg.topk_group if grouped else 1,
+                                  cfg.top_k, cfg.norm_topk_prob and cfg.router_renormalizes, cfg.routed_scaling_factor)
     T, E = x.shape[0], cfg.num_experts
     logits = F.linear(x.float(), gate_w.float()) if cfg.router_float32 else F.linear(x, gate_w.to(x.dtype))
     scores = F.softmax(logits, dim=-1, dtype=torch.float32)                   # (T, E)

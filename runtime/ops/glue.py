@@ -198,6 +198,46 @@ def mla_attend_batch(q_lat: torch.Tensor, q_rot: torch.Tensor, lats: list[list[t
     return True
 
 
+def gqa_attend_batch(q: torch.Tensor, entries: list[list[tuple[torch.Tensor, torch.Tensor]]], scale: float,
+                     out: torch.Tensor, kernels=None) -> bool:
+    """GQA / MQA attention of m query rows in one call (kt_gqa_attend_batch: one job on the pool of kernels, a
+    MoEKernels / LinearKernels context, else the calling thread): q (m, nh, hd) and out (m, nh, vd) float32 CPU with
+    contiguous heads; entries[e]: query row e's cache runs in position order, each (k (S_r, nkv, hd), v (S_r, nkv, vd))
+    float32 CPU views with contiguous heads. Head h reads kv head h // (nh / nkv): out[e, h] = softmax_j(q[e, h] .
+    k_j * scale) . v_j, in one fixed order on every ISA (kernels/src/mla_attend.cpp), so a row's bits depend on its
+    own query and positions only. False (nothing done) for anything else: other dtypes or devices, strided heads,
+    runs whose rows do not share one stride, hd / vd not multiples of 16, the library missing."""
+    m, nh, hd = q.shape
+    vd = out.shape[-1]
+    flat = [run for runs in entries for run in runs]
+    if not m or len(entries) != m or not flat or hd % 16 or vd % 16 or _library() is None:
+        return False
+    nkv = flat[0][0].shape[1]
+    if nh % nkv or any(len(runs) == 0 for runs in entries):
+        return False
+    for t, width in ((q, hd), (out, vd)):
+        if t.dtype != torch.float32 or not t.is_cpu or t.stride(-1) != 1 or t.shape[:2] != (m, nh) or \
+                t.shape[-1] != width:
+            return False
+    k_stride = next((k.stride(0) for k, _ in flat if k.shape[0] > 1), nkv * hd)    # one row stride for all runs
+    v_stride = next((v.stride(0) for _, v in flat if v.shape[0] > 1), nkv * vd)
+    for k, v in flat:
+        for t, width, stride in ((k, hd, k_stride), (v, vd, v_stride)):
+            if t.dtype != torch.float32 or not t.is_cpu or t.dim() != 3 or t.shape[1:] != (nkv, width) or \
+                    t.stride(2) != 1 or t.stride(1) != width or (t.shape[0] > 1 and t.stride(0) != stride) or \
+                    stride < nkv * width:
+                return False
+    n_runs = (ctypes.c_int64 * m)(*[len(runs) for runs in entries])
+    kp = (ctypes.c_void_p * len(flat))(*[k.data_ptr() for k, _ in flat])
+    vp = (ctypes.c_void_p * len(flat))(*[v.data_ptr() for _, v in flat])
+    lens = (ctypes.c_int64 * len(flat))(*[k.shape[0] for k, _ in flat])
+    if _library().kt_gqa_attend_batch(None if kernels is None else kernels.handle, m, nkv, nh // nkv, hd, vd,
+                                      q.data_ptr(), q.stride(0), q.stride(1), scale, n_runs, kp, vp, lens, k_stride,
+                                      v_stride, out.data_ptr(), out.stride(0), out.stride(1)) != 0:
+        raise KernelError(f"kt_gqa_attend_batch: bad arguments (q {tuple(q.shape)}, out {tuple(out.shape)}, {m} rows)")
+    return True
+
+
 ROUTE_MAX_ROWS = 8   # tokens up to which route_sigmoid runs (a GEMV per token; prefill's GEMM stays torch's)
 
 
@@ -228,5 +268,21 @@ def route_sigmoid(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | No
                                    n_group, topk_group, top_k, int(norm), scaling, ids.data_ptr(),
                                    wts.data_ptr()) != 0:
         raise KernelError(f"kt_route_sigmoid: bad arguments (x {tuple(x.shape)}, gate {tuple(gate_w.shape)}, groups "
+                          f"{topk_group}/{n_group}, top_k {top_k})")
+    return ids, wts
+
+
+def route_softmax(x: torch.Tensor, gate_w: torch.Tensor, n_group: int, topk_group: int, top_k: int, norm: bool,
+                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ktrun.models.routing.softmax_topk for route_sigmoid_supported inputs (no bias), in one call: -> ids (T, top_k)
+    int64 (best first), weights (T, top_k) float32. Groups (topk_group < n_group) as group_limited_greedy: a group
+    scores its best expert. Not torch's bits, for the reasons route_sigmoid gives (kernels/src/router.cpp)."""
+    T, E = x.shape[0], gate_w.shape[0]
+    ids = torch.empty((T, top_k), dtype=torch.int64)
+    wts = torch.empty((T, top_k), dtype=torch.float32)
+    if _library().kt_route_softmax(T, E, x.shape[1], x.data_ptr(), x.stride(0) if T > 1 else x.shape[1],
+                                   gate_w.data_ptr(), gate_w.shape[1], n_group, topk_group, top_k, int(norm), scaling,
+                                   ids.data_ptr(), wts.data_ptr()) != 0:
+        raise KernelError(f"kt_route_softmax: bad arguments (x {tuple(x.shape)}, gate {tuple(gate_w.shape)}, groups "
                           f"{topk_group}/{n_group}, top_k {top_k})")
     return ids, wts
