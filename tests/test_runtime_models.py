@@ -118,7 +118,10 @@ def test_finish_reasons_and_abort(setup):
     _src, eng, _ref, _tok = setup("deepseek_v3")
     ids = eng.tokenizer.encode(PROMPT)
     eng.add_request("len", ids, SamplingParams(max_tokens=3, ignore_eos=True))
-    eng.add_request("gone", ids, SamplingParams(max_tokens=50, ignore_eos=True))
+    # a prompt sharing no leading KV block with "len": with the prefix cache, a request whose next block another
+    # request of the step computes waits a step (Engine._match_prefixes), and "gone" must start in the first step
+    eng.add_request("gone", eng.tokenizer.encode("other words first. " + PROMPT),
+                    SamplingParams(max_tokens=50, ignore_eos=True))
     steps = [eng.step()]
     eng.abort("gone")
     while eng.has_work():
