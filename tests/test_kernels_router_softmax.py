@@ -98,8 +98,8 @@ def test_every_isa_copy_gives_the_same_bits():
 
 
 def _cfg(**kw):
-    base = dict(num_experts=16, n_group=1, topk_group=1, top_k=4, norm_topk_prob=True, routed_scaling_factor=1.0,
-                router_float32=False, router_renormalizes=True, topk_method="greedy")
+    base = {"num_experts": 16, "n_group": 1, "topk_group": 1, "top_k": 4, "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0, "router_float32": False, "router_renormalizes": True, "topk_method": "greedy"}
     return SimpleNamespace(**{**base, **kw})
 
 

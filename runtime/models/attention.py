@@ -104,7 +104,7 @@ def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     pool when given: a MoEKernels / LinearKernels context), so each row gets the bits of its token decoded alone
     whatever the batch; other requests (longer prompts, sinks, bf16) take torch's GEMMs."""
     window = cfg.sliding_window if window == "config" else window
-    T, nh, hd = q.shape
+    T, nh = q.shape[:2]
     nkv, vd = k.shape[1], v.shape[-1]
     out = torch.empty((T, nh, vd), dtype=q.dtype, device=q.device)
     rep, scale = nh // nkv, cfg.softmax_scale
