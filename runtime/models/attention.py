@@ -164,6 +164,9 @@ def _gqa_attend_torch(q, seq_runs: list, window: int | None, sinks: torch.Tensor
     qg = (q * scale).view(T, nkv, rep, hd).permute(1, 2, 0, 3)
     for s, runs in seq_runs:
         rows = slice(s.offset, s.offset + s.n)
+        if s.n > SERIAL_MAX_ROWS and sinks is None:      # a prompt: torch's fused kernel, no (nh, n, S) scores
+            out[rows] = _sdpa_rows(q[rows], runs, s, window, scale)
+            continue
         # Each kv head's (S_r, hd) keys and values are read in place from the cache views (strided: no per-step
         # copy or per-head repeat of the cache; values are concatenated when the cache spans 2+ runs); its rep
         # query heads and n tokens are the rows of one GEMM.
@@ -173,6 +176,18 @@ def _gqa_attend_torch(q, seq_runs: list, window: int | None, sinks: torch.Tensor
         o = _attend_runs(probs.view(nkv, rep * s.n, -1), [vr for _, vr in runs],
                          lambda p, vr: torch.matmul(p, vr.transpose(0, 1)))      # (nkv, rep*n, vd)
         out[rows] = o.view(nh, s.n, vd).transpose(0, 1)
+
+
+def _sdpa_rows(q: torch.Tensor, runs: list, s, window: int | None, scale: float) -> torch.Tensor:
+    """A request's n new rows q (n, nh, hd) over its cached positions (runs, concatenated when 2+) under the causal
+    (windowed) mask, by torch's scaled_dot_product_attention (on the CPU a blocked kernel with an online softmax: a
+    512-token prompt's attention at 2.6x the GEMM + masked-softmax form, nothing of size nh x n x S) -> (n, nh, vd)."""
+    k = runs[0][0] if len(runs) == 1 else torch.cat([kr for kr, _ in runs])           # (S, nkv, hd)
+    v = runs[0][1] if len(runs) == 1 else torch.cat([vr for _, vr in runs])           # (S, nkv, vd)
+    mask = causal_scores_mask(s.n, s.start, s.start + s.n, q.device, window)          # (n, S)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask[None, None], scale=scale, enable_gqa=True)   # (1, nh, n, vd)
+    return o[0].transpose(0, 1)
 
 
 def mla_cache_widths(cfg: ModelConfig, indexed: bool = False) -> list[tuple[int, ...]]:
