@@ -37,6 +37,8 @@ SHAPES = {
     "q_a": [(1536, 7168)], "q_b": [(24576, 1536)], "kv_a": [(576, 7168)], "kv_b": [(32768, 512)],
     "o_proj": [(7168, 16384)], "shared_gate_up": [(2048, 7168), (2048, 7168)], "shared_down": [(7168, 2048)],
     "head": [(129280, 7168)],
+    # Qwen3-30B-A3B's attention (GQA 32 / 4 heads of 128, hidden 2048): q, k, v in one submission, then o_proj
+    "qwen3_qkv": [(4096, 2048), (512, 2048), (512, 2048)], "qwen3_o": [(2048, 4096)],
 }
 
 
