@@ -1,28 +1,37 @@
-"""Quantization quality at equal bits, ktconvert + ktrun against llama.cpp, on the embedded default model, in one run.
+"""Quantization quality at equal bits, ktconvert + ktrun against llama.cpp and ik_llama.cpp, on the embedded default
+model, in one run.
 
 llama.cpp side (a build from the llama-cpp-python sdist, see bench/README.md): its own converter makes a BF16 GGUF
-of the default model, llama-quantize makes Q4_0 / Q4_K(_S/_M) / Q8_0 variants (whole model with BF16 embeddings and
-head, or only the routed experts, or only the other Linears), llama-perplexity scores them. Our side: `ktconvert
-quantize` with the matching tensor sets, `ktrun perplexity`. Both with llama-perplexity's protocol on identical
-tokens (checked): the held-out split of the default model's data (the Python standard library files it did not
-train on), --chunks chunks of --ctx tokens, BOS first, positions ctx/2 .. ctx-2 scored; KL of the next-token
-distribution against each tool's own BF16 model (llama.cpp: its BF16 GGUF; ours: the --method bf16 --gpu-method
-bf16 conversion).
+of the default model, llama-quantize makes Q4_0 / Q4_K(_S/_M) / IQ4_XS / Q8_0 variants (whole model with BF16
+embeddings and head, or only the routed experts, or only the other Linears), without and with an importance matrix
+("-imatrix" rows: llama-imatrix over the calibration text our conversions use), llama-perplexity scores them.
+ik_llama.cpp side (built from the ik-llama-cpp-python sdist, --ik-llama-dir): its own converter, llama-imatrix,
+llama-quantize (IQ4_KSS / IQ4_KS / IQ4_K, whole model and experts only, with its imatrix) and llama-perplexity, KL
+against its own BF16 GGUF. Our side: `ktconvert quantize` with the matching tensor sets, `ktrun perplexity`. All with
+llama-perplexity's protocol on identical tokens (checked): the held-out split of the default model's data (the Python
+standard library files it did not train on), --chunks chunks of --ctx tokens, BOS first, positions ctx/2 .. ctx-2
+scored; KL of the next-token distribution against each tool's own BF16 model (llama.cpp / ik_llama.cpp: its BF16
+GGUF; ours: the --method bf16 --gpu-method bf16 conversion), each through its own CPU runtime.
 
-Bits per weight are counted over the quantized tensors only (codes + scales / block headers, bits of stored data per
-logical weight); our tile and Marlin layouts pad shapes (default model: down K 160 -> 192, kv_b K 64 -> 128, ...), and
-those padding bits are shown separately (llama.cpp's blocks need no padding: a tensor whose rows do not fit a
-K-quant super-block falls back to another type, e.g. Q4_K -> Q5_0 for the experts' down_proj with K = 160).
-GPTQ / importance calibration of our conversions uses --calib (default: every 8th training-split file; never the
-held-out files). llama.cpp runs without an imatrix (its k-quants as `llama-quantize` applies them by default).
+Bits per weight are counted over the quantized tensors only (codes + scales / block headers / ik_llama.cpp's per-row
+scales, bits of stored data per logical weight); our tile and Marlin layouts pad shapes (default model: down K 160 ->
+192, kv_b K 64 -> 128, ...), and those padding bits are shown separately (the GGUF blocks need no padding: a tensor
+whose rows do not fit a 256-wide super-block falls back to another type, e.g. Q4_K -> Q5_0 or IQ4_KS -> IQ4_NL for
+the experts' down_proj with K = 160; the types as stored are printed under the table). GPTQ / importance calibration
+of our conversions and the tools' llama-imatrix read --calib (default: every 8th training-split file; never the
+held-out files): ours 2048 tokens of its first three quarters (ktconvert's --calib-tokens default), llama-imatrix
+all of it unless --imatrix-chunks says less.
 
-    .venv/bin/python bench/bench_quant_vs_llamacpp.py \\
-        --llama-quantize  /work/tools/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize \\
-        --llama-perplexity /work/tools/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-perplexity \\
-        --convert-script  /work/tools/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py
+    L=/work/tools/llama_cpp_python-0.3.36/vendor/llama.cpp
+    .venv/bin/python bench/bench_quant_vs_llamacpp.py --llama-quantize $L/build/bin/llama-quantize \\
+        --llama-perplexity $L/build/bin/llama-perplexity --convert-script $L/convert_hf_to_gguf.py \\
+        --ik-llama-dir /work/tools/ik_llama_cpp_python-0.1.5/vendor/ik_llama.cpp
     ... --chunks 16 --only experts          # quicker: fewer chunks, one tensor set
+    ... --tools llama.cpp,ik_llama.cpp --configs imatrix   # only the imatrix rows of the peers
 
-Prints a markdown table and `quant.<set>.<tool>.<config>.{bpw,padding_bpw,kl_mean,kl_p99,top1,ppl}: value unit` lines.
+Prints a markdown table, the stored GGUF types of each GGUF row, and
+`quant.<set>.<tool>.<config>.{bpw,padding_bpw,kl_mean,kl_p99,top1,ppl}: value unit` lines (tool: ours, llamacpp,
+ik_llamacpp).
 """
 from __future__ import annotations
 
@@ -44,31 +53,61 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "ktconvert" / "data" / "default_model"
 PY = sys.executable
 
-# GGUF tensor sets (llama.cpp names). kv_b_proj is split into attn_k_b / attn_v_b by the converter.
+# GGUF tensor sets (llama.cpp names). kv_b_proj is split into attn_k_b / attn_v_b by the converter (ik_llama.cpp's
+# converter keeps attn_kv_b beside them; its runtime picks per batch which it reads).
 GGUF_SETS = {
     "experts": re.compile(r"ffn_(gate|up|down)_exps\.weight$"),
-    "non-expert": re.compile(r"(attn_(q|q_a|q_b|kv_a_mqa|k_b|v_b|output)|ffn_(gate|up|down)(_shexp)?)\.weight$"),
+    "non-expert": re.compile(r"(attn_(q|q_a|q_b|kv_a_mqa|kv_b|k_b|v_b|output)|ffn_(gate|up|down)(_shexp)?)\.weight$"),
 }
 GGUF_SETS["whole"] = re.compile(f"{GGUF_SETS['experts'].pattern}|{GGUF_SETS['non-expert'].pattern}")
 EXPERT_TYPE = "ffn_(gate|up|down)_exps=%s"
-NON_EXPERT_TYPES = ["attn_(q|q_a|q_b|kv_a_mqa|k_b|v_b|output)\\.weight=%s", "ffn_(gate|up|down)\\.weight=%s",
+NON_EXPERT_TYPES = ["attn_(q|q_a|q_b|kv_a_mqa|kv_b|k_b|v_b|output)\\.weight=%s", "ffn_(gate|up|down)\\.weight=%s",
                     "ffn_(gate|up|down)_shexp=%s"]
 
-# (set, config name, llama-quantize type, extra arguments). Rows for one tensor set quantize every tensor of the type
-# (--pure: no k-quant mixture) and keep the other set BF16 (--tensor-type overrides; with BF16 as the main type
-# llama-quantize ignores them); whole-model rows use llama-quantize's own mixtures.
+# (set, config name, llama-quantize type, extra arguments, with the tool's imatrix). Rows for one tensor set quantize
+# every tensor of the type (--pure: no k-quant mixture) and keep the other set BF16 (--tensor-type overrides; with
+# BF16 as the main type llama-quantize ignores them); whole-model rows use llama-quantize's own mixtures. "-imatrix"
+# rows quantize with the tool's own llama-imatrix run over the calibration text (--calib), as the GGUF uploads people
+# download are made.
 def _keep_bf16(patterns: list[str]) -> list[str]:
     return [a for p in patterns for a in ("--tensor-type", p % "bf16")]
 
 
 LLAMA_ROWS = [
-    ("experts", "Q4_0", "Q4_0", ["--pure", *_keep_bf16(NON_EXPERT_TYPES)]),
-    ("experts", "Q4_K", "Q4_K", ["--pure", *_keep_bf16(NON_EXPERT_TYPES)]),
-    ("non-expert", "Q4_0", "Q4_0", ["--pure", *_keep_bf16([EXPERT_TYPE])]),
-    ("whole", "Q4_0", "Q4_0", []),
-    ("whole", "Q4_K_S", "Q4_K_S", []),
-    ("whole", "Q4_K_M", "Q4_K_M", []),
-    ("whole", "Q8_0", "Q8_0", []),
+    ("experts", "Q4_0", "Q4_0", ["--pure", *_keep_bf16(NON_EXPERT_TYPES)], False),
+    ("experts", "Q4_K", "Q4_K", ["--pure", *_keep_bf16(NON_EXPERT_TYPES)], False),
+    ("experts", "Q4_K-imatrix", "Q4_K", ["--pure", *_keep_bf16(NON_EXPERT_TYPES)], True),
+    ("experts", "IQ4_XS-imatrix", "IQ4_XS", ["--pure", *_keep_bf16(NON_EXPERT_TYPES)], True),
+    ("non-expert", "Q4_0", "Q4_0", ["--pure", *_keep_bf16([EXPERT_TYPE])], False),
+    ("whole", "Q4_0", "Q4_0", [], False),
+    ("whole", "Q4_K_S", "Q4_K_S", [], False),
+    ("whole", "Q4_K_M", "Q4_K_M", [], False),
+    ("whole", "Q4_K_S-imatrix", "Q4_K_S", [], True),
+    ("whole", "Q4_K_M-imatrix", "Q4_K_M", [], True),
+    ("whole", "IQ4_XS-imatrix", "IQ4_XS", [], True),
+    ("whole", "Q8_0", "Q8_0", [], False),
+]
+
+
+# ik_llama.cpp's llama-quantize has no --tensor-type and ignores its --custom-q rules under --pure, so a one-set row
+# runs its mixture with --custom-q rules that name every quantized tensor: the set at the row's type, the rest BF16.
+# Its IQ4_K* types need rows of a multiple of 256; a tensor that is not one falls back (IQ4_KS / IQ4_KSS -> IQ4_NL,
+# IQ4_K -> Q5_0: the experts' down_proj with K = 160 here), counted in the bits as stored.
+def _ik_experts_only(qtype: str) -> list[str]:
+    return ["--custom-q", ",".join([EXPERT_TYPE % qtype.lower(), *(p % "bf16" for p in NON_EXPERT_TYPES)])]
+
+
+# ik_llama.cpp's llama-perplexity and llama-imatrix process escape sequences in the text file by default (llama.cpp's
+# turn that off themselves): the two characters backslash backslash inside a string literal of the held-out text
+# became one backslash and every token after it shifted (chunk 23 of 64), so both run with --no-escape.
+# ik_llama.cpp's llama-perplexity: its defaults (flash attention on, MLA mode 3, no run-time repacking: -rtr is off
+# unless asked for); should a run crash, its other attention paths: without flash attention, then standard attention
+# too (-mla 0). None has crashed here, so these have not been needed.
+IK_FALLBACKS = [("its defaults", [], {}), ("-fa off", ["-fa", "off"], {}),
+                ("-fa off -mla 0", ["-fa", "off", "-mla", "0"], {})]
+IK_ROWS = [
+    *[("experts", f"{t}-imatrix", t, _ik_experts_only(t), True) for t in ("IQ4_KSS", "IQ4_KS", "IQ4_K")],
+    *[("whole", f"{t}-imatrix", t, [], True) for t in ("IQ4_KSS", "IQ4_KS", "IQ4_K")],
 ]
 # (set, config name, ktconvert quantize arguments); the tensor set not named stays BF16. Experts: GPTQ on each
 # expert's routed calibration tokens (--expert-quantizer auto) unless the name says rtn (the previous reference rule).
@@ -114,17 +153,26 @@ class Row:
     top1: float
     ppl: float
     seconds: float
+    types: str = ""         # GGUF rows: the set's tensor types as stored (fallbacks included)
+    note: str = ""          # GGUF rows: the llama-perplexity workaround it ran with, if any
+
+
+def try_run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[bool, str]:
+    """Run a command, keeping its output in `log`: (exited 0, stdout + stderr)."""
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env, check=False)
+    log.write_text(f"$ {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
+    print(f"# {time.perf_counter() - t:6.1f} s  {' '.join(str(c) for c in cmd)}"
+          + (f"  -> exit {r.returncode}" if r.returncode else ""), file=sys.stderr, flush=True)
+    return r.returncode == 0, r.stdout + r.stderr
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None) -> str:
     """Run a command, keeping its output in `log`; a failure prints the tail and stops the bench."""
-    t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env, check=False)
-    log.write_text(f"$ {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
-    if r.returncode:
-        sys.exit(f"error: {' '.join(cmd[:3])} ... exited {r.returncode}; tail of {log}:\n{r.stderr[-3000:]}")
-    print(f"# {time.perf_counter() - t:6.1f} s  {' '.join(str(c) for c in cmd)}", file=sys.stderr, flush=True)
-    return r.stdout + r.stderr
+    ok, out = try_run(cmd, log, env)
+    if not ok:
+        sys.exit(f"error: {' '.join(cmd[:3])} ... failed; tail of {log}:\n{out[-3000:]}")
+    return out
 
 
 def wanted(args, config: str) -> bool:
@@ -145,32 +193,130 @@ def write_texts(work: Path, calib: Path | None) -> tuple[Path, Path]:
     return text, calib
 
 
-# --- llama.cpp --------------------------------------------------------------------------------------------------
+# --- llama.cpp and ik_llama.cpp ---------------------------------------------------------------------------------
 
+# One shim for both converters (no file of either tool is changed). The default model's tokenizer is a GPT-2-style
+# byte-level BPE (tokenizers' ByteLevel pre-tokenizer with the GPT-2 regex) trained by this project; the converters
+# identify pre-tokenizers by the hash of a test string's tokens, so they do not know ours. "gpt-2" is the llama.cpp
+# pre-tokenizer with that regex (the bench checks identical tokens). llama.cpp keeps its model classes in
+# conversion/; ik_llama.cpp's converter is one file (class Model), and its gguf-py's SpecialVocab writes
+# tokenizer.ggml.add_sep_token through a key its own constants.py lacks (Keys.Tokenizer.ADD_SEP: an AttributeError
+# for any tokenizer_config.json, ours included), so the shim adds that key under the name ik's C++ reads.
 CONVERT_SHIM = r"""
-import runpy, sys
+import importlib.util, runpy, sys
 from pathlib import Path
 script = sys.argv[1]
 sys.path.insert(0, str(Path(script).parent))
-import conversion.base as base
-# The default model's tokenizer is a GPT-2-style byte-level BPE (tokenizers' ByteLevel pre-tokenizer with the GPT-2
-# regex) trained by this project; the converter identifies pre-tokenizers by the hash of a test string's tokens, so it
-# does not know ours. "gpt-2" is the llama.cpp pre-tokenizer with that regex (the bench checks identical tokens).
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 sys.argv = [script] + sys.argv[2:]
-runpy.run_path(script, run_name="__main__")
+gpt2 = lambda self, tokenizer: "gpt-2"
+if (Path(script).parent / "conversion" / "base.py").is_file():
+    import conversion.base as base
+    base.TextModel.get_vocab_base_pre = gpt2
+    runpy.run_path(script, run_name="__main__")
+else:
+    import gguf
+    if not hasattr(gguf.Keys.Tokenizer, "ADD_SEP"):
+        gguf.Keys.Tokenizer.ADD_SEP = "tokenizer.ggml.add_sep_token"
+    spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", script)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["convert_hf_to_gguf"] = mod
+    spec.loader.exec_module(mod)
+    mod.Model.get_vocab_base_pre = gpt2
+    mod.main()
 """
 
+# Each GGUF is read with its own tool's gguf-py (ik_llama.cpp's types are unknown to llama.cpp's).
+GGUF_TENSORS = r"""
+import json, sys
+from gguf import GGUFReader
+r = GGUFReader(sys.argv[1])
+print(json.dumps({"alignment": int(r.alignment), "tensors": [
+    [t.name, t.tensor_type.name, int(t.n_elements), int(t.n_bytes), int(t.data_offset), int(t.shape[0])]
+    for t in r.tensors]}))
+"""
+# Bytes per row that ik_llama.cpp's row-scaled types store before a row's blocks (ggml.c's row_meta_size: one float
+# scale per row for IQ4_KS / IQ4_KSS / IQ5_KS, ...); gguf-py's n_bytes counts the blocks only. gguf_tensors checks
+# every tensor's size against the offsets in the file, so a type missing here stops the bench instead of being
+# under-counted.
+ROW_META = {"IQ1_S_R4": 2, "IQ1_M_R4": 2, "IQ1_BN": 2, "IQ2_BN": 4, "IQ2_BN_R4": 4, "IQ4_KS": 4, "IQ4_KS_R4": 4,
+            "IQ5_KS_R4": 4, "IQ4_KSS": 4, "IQ5_KS": 4, "Q8_KV": 8, "Q8_KV_R8": 4, "IQ2_KS": 2, "IQ1_KT": 4,
+            "IQ2_KT": 4, "IQ3_KT": 4, "IQ4_KT": 4, "IQ3_KS": 2, "IQ2_KL": 2}
 
-def gguf_bits(path: Path, tset: str) -> float:
-    from gguf import GGUFReader
 
-    bits = n = 0
-    for t in GGUFReader(str(path)).tensors:
-        if GGUF_SETS[tset].search(t.name):
-            bits += 8 * int(t.n_bytes)
-            n += int(t.n_elements)
-    return bits / n
+@dataclass
+class Peer:
+    """One GGUF tool: its converter, quantizer, importance-matrix and perplexity programs, and its rows."""
+    name: str            # printed in the table
+    key: str             # in the quant.<set>.<key>.<config> lines
+    prefix: str          # of its files in the workdir
+    convert_script: str
+    quantize: str
+    perplexity: str
+    imatrix: str | None  # None: its -imatrix rows are skipped
+    rows: list
+    imatrix_out: list[str]  # its llama-imatrix's output file name and format arguments
+    text_args: list[str]    # what its llama-perplexity and llama-imatrix need to read a text file as it is
+    # (what, extra llama-perplexity arguments, environment), in order: its defaults first, then workarounds for
+    # crashes (llama.cpp: its documented LLAMA_ARG_REPACK=0); peer_perplexity moves on to the next one when a run fails
+    fallbacks: list[tuple[str, list[str], dict]]
+    level: int = 0          # the one in use
+
+    @property
+    def note(self) -> str:
+        return self.fallbacks[self.level][0] if self.level else ""
+
+    @property
+    def gguf_py(self) -> str:
+        return str(Path(self.convert_script).parent / "gguf-py")
+
+
+def gguf_tensors(peer: Peer, path: Path) -> list[dict]:
+    """Name, type, weights and stored bytes of every tensor of a GGUF file (its own tool's gguf-py reads it)."""
+    out = subprocess.run([PY, "-c", GGUF_TENSORS, str(path)], capture_output=True, text=True, check=False,
+                         env=dict(os.environ, PYTHONPATH=peer.gguf_py))
+    if out.returncode:
+        sys.exit(f"error: {peer.name}'s gguf-py could not read {path}:\n{out.stderr[-2000:]}")
+    info = json.loads(out.stdout)
+    align = info["alignment"]
+    tensors = [{"name": n, "type": t, "n": n_el, "bytes": nb + ROW_META.get(t, 0) * (n_el // ne0), "offset": off}
+               for n, t, n_el, nb, off, ne0 in info["tensors"]]
+    ends = sorted(t["offset"] for t in tensors)[1:] + [path.stat().st_size]
+    for t, end in zip(sorted(tensors, key=lambda t: t["offset"]), ends):
+        if not t["bytes"] <= end - t["offset"] < t["bytes"] + align:
+            sys.exit(f"error: {path}: {t['name']} ({t['type']}) spans {end - t['offset']} bytes in the file, the "
+                     f"bits count says {t['bytes']}: a row-scaled type missing from ROW_META?")
+    return tensors
+
+
+def _counted(tensors: list[dict], tset: str) -> list[dict]:
+    """The set's tensors, each logical weight once. ik_llama.cpp's files keep attn_kv_b beside its split copies
+    attn_k_b / attn_v_b; with its defaults (MLA 3, flash attention) a batch of >= 128 tokens, as every batch of this
+    bench, multiplies by attn_kv_b (decode steps by the copies), so that is the one counted."""
+    names = {t["name"] for t in tensors}
+    return [t for t in tensors if GGUF_SETS[tset].search(t["name"]) and not (
+        re.search(r"attn_[kv]_b\.weight$", t["name"]) and re.sub(r"attn_[kv]_b", "attn_kv_b", t["name"]) in names)]
+
+
+def gguf_bits(tensors: list[dict], tset: str) -> float:
+    chosen = _counted(tensors, tset)
+    return sum(8 * t["bytes"] for t in chosen) / sum(t["n"] for t in chosen)
+
+
+def gguf_types(tensors: list[dict], tset: str) -> str:
+    """'IQ4_KS 6, IQ4_NL 3': the types of the counted tensors as stored (shows llama-quantize's fallbacks)."""
+    counts: dict[str, int] = {}
+    for t in _counted(tensors, tset):
+        counts[t["type"]] = counts.get(t["type"], 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def check_kept(tensors: list[dict], tset: str, path: Path) -> None:
+    """A one-set row must leave every Linear of the other set BF16 (the row's name says which set it measures)."""
+    other = {"experts": "non-expert", "non-expert": "experts"}.get(tset)
+    bad = [f"{t['name']} {t['type']}" for t in tensors
+           if other and GGUF_SETS[other].search(t["name"]) and t["type"] != "BF16"]
+    if bad:
+        sys.exit(f"error: {path}: tensors outside the '{tset}' set were quantized: {', '.join(bad[:6])}")
 
 
 def llama_kld(out: str) -> dict[str, float]:
@@ -193,36 +339,88 @@ def llama_tokens(kld_file: Path) -> np.ndarray:
         return np.frombuffer(f.read(4 * n * ctx), dtype=np.int32).reshape(n, ctx)
 
 
-def llama_rows(args, work: Path, text: Path, only: set[str]) -> tuple[list[Row], np.ndarray, float]:
+def peer_perplexity(peer: Peer, args_: list[str], log: Path, expect: str) -> str:
+    """llama-perplexity with the workaround in use; when it crashes, the tool's next documented workaround (kept for
+    the runs after, and printed). A run whose output lacks `expect` runs again, up to 3 times: llama.cpp's
+    asynchronous logger has lost the closing lines at exit on a loaded machine."""
+    out = ""
+    for level in range(peer.level, len(peer.fallbacks)):
+        what, extra, env = peer.fallbacks[level]
+        for _attempt in range(3):
+            ok, out = try_run([peer.perplexity, *args_, *extra], log, env=dict(os.environ, **env))
+            if not ok or expect in out:
+                break
+        if ok:
+            if level != peer.level:
+                print(f"# {peer.name}: llama-perplexity failed with {peer.fallbacks[peer.level][0]} (log {log.name}); "
+                      f"from here on it runs with {what}", flush=True)
+                peer.level = level
+            return out
+    sys.exit(f"error: {peer.name}'s llama-perplexity failed with every workaround "
+             f"({', '.join(f[0] for f in peer.fallbacks[peer.level:])}); tail of {log}:\n{out[-3000:]}")
+
+
+def peer_bf16(peer: Peer, args, work: Path, fallback_gguf: Path | None) -> Path:
+    """The tool's own BF16 GGUF from its own converter; when that fails, fallback_gguf (another tool's), said so."""
     shim = work / "convert_shim.py"
     shim.write_text(CONVERT_SHIM)
-    env = dict(os.environ, PYTHONPATH=str(Path(args.convert_script).parent / "gguf-py"))
-    bf16 = work / "llama-bf16.gguf"
-    run([PY, str(shim), args.convert_script, str(args.model), "--outtype", "bf16", "--outfile", str(bf16)],
-        work / "llama-convert.log", env=env)
+    bf16 = work / f"{peer.prefix}-bf16.gguf"
+    ok, out = try_run([PY, str(shim), peer.convert_script, str(args.model), "--outtype", "bf16", "--outfile",
+                       str(bf16)], work / f"{peer.prefix}-convert.log", env=dict(os.environ, PYTHONPATH=peer.gguf_py))
+    if ok:
+        return bf16
+    if fallback_gguf is None:
+        sys.exit(f"error: {peer.name}'s converter failed; tail of {work / f'{peer.prefix}-convert.log'}:\n"
+                 f"{out[-3000:]}")
+    print(f"# {peer.name}: its converter failed on the default model (log {peer.prefix}-convert.log); its rows "
+          f"quantize llama.cpp's BF16 GGUF ({fallback_gguf.name})", flush=True)
+    return fallback_gguf
+
+
+def peer_rows(peer: Peer, args, work: Path, text: Path, calib: Path, only: set[str],
+              fallback_gguf: Path | None = None) -> tuple[list[Row], np.ndarray, float, Path]:
+    bf16 = peer_bf16(peer, args, work, fallback_gguf)
     ppl_args = ["-c", str(args.ctx), "--chunks", str(args.chunks), "-t", str(args.threads), "-b", str(args.ctx),
-                "-f", str(text)]
-    base = work / "llama-bf16.kld"
-    out = run([args.llama_perplexity, "-m", str(bf16), *ppl_args, "--kl-divergence-base", str(base)],
-              work / "llama-ppl-bf16.log")
-    base_ppl = float(re.search(r"Final estimate: PPL = ([\d.]+)", out).group(1))
+                *peer.text_args, "-f", str(text)]
+    base = work / f"{peer.prefix}-bf16.kld"
+    out = peer_perplexity(peer, [*ppl_args, "-m", str(bf16), "--kl-divergence-base", str(base)],
+                          work / f"{peer.prefix}-ppl-bf16.log", "Final estimate")
+    # llama.cpp: "Final estimate: PPL = x"; ik_llama.cpp: "Final estimate: PPL over N chunks for n_ctx=C = x"
+    m = re.search(r"Final estimate: PPL(?: over \d+ chunks for n_ctx=\d+)? = ([\d.]+)", out)
+    if m is None:
+        sys.exit(f"error: {peer.name}'s llama-perplexity printed no final estimate (log {peer.prefix}-ppl-bf16.log)")
+    base_ppl = float(m.group(1))
+    todo = [r for r in peer.rows if r[0] in only and wanted(args, r[1])]
+    imatrix = None
+    if any(r[4] for r in todo):
+        if peer.imatrix is None or not Path(peer.imatrix).is_file():
+            print(f"# {peer.name}: no llama-imatrix ({peer.imatrix}); its -imatrix rows are skipped", flush=True)
+            todo = [r for r in todo if not r[4]]
+        else:
+            imatrix = work / peer.imatrix_out[0]
+            chunks = ["--chunks", str(args.imatrix_chunks)] if args.imatrix_chunks > 0 else []
+            t0 = time.perf_counter()
+            run([peer.imatrix, "-m", str(bf16), "-f", str(calib), "-o", str(imatrix), *peer.imatrix_out[1:],
+                 "-c", str(args.ctx), "-b", str(args.ctx), "-t", str(args.threads), *chunks, *peer.text_args],
+                work / f"{peer.prefix}-imatrix.log")
+            print(f"# {peer.name}: llama-imatrix over {calib.name} ({args.imatrix_chunks if chunks else 'all'} "
+                  f"chunks of {args.ctx} tokens) in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
-    for tset, name, qtype, overrides in LLAMA_ROWS:
-        if tset not in only or not wanted(args, name):
-            continue
-        q = work / f"llama-{tset}-{name}.gguf"
+    for tset, name, qtype, overrides, with_imatrix in todo:
+        q = work / f"{peer.prefix}-{tset}-{name}.gguf"
         extra = ["--token-embedding-type", "bf16", "--output-tensor-type", "bf16", *overrides]
+        if with_imatrix:
+            extra += ["--imatrix", str(imatrix)]
         t0 = time.perf_counter()
-        run([args.llama_quantize, *extra, str(bf16), str(q), qtype, str(args.threads)], work / f"{q.stem}.quant.log")
-        for _attempt in range(3):   # its asynchronous logger has lost the closing statistics at exit on a loaded machine
-            out = run([args.llama_perplexity, "-m", str(q), *ppl_args[:-2], "--kl-divergence-base", str(base),
-                       "--kl-divergence"], work / f"{q.stem}.ppl.log")
-            if "Mean    KLD" in out:
-                break
+        run([peer.quantize, *extra, str(bf16), str(q), qtype, str(args.threads)], work / f"{q.stem}.quant.log")
+        out = peer_perplexity(peer, [*ppl_args[:-2], "-m", str(q), "--kl-divergence-base", str(base),
+                                     "--kl-divergence"], work / f"{q.stem}.ppl.log", "Same top p:")
         k = llama_kld(out)
-        rows.append(Row(tset, "llama.cpp", name, gguf_bits(q, tset), 0.0, k["kl_mean"], k["kl_p99"], k["top1"],
-                        k["ppl"], time.perf_counter() - t0))
-    return rows, llama_tokens(base), base_ppl
+        tensors = gguf_tensors(peer, q)
+        check_kept(tensors, tset, q)
+        rows.append(Row(tset, peer.name, name, gguf_bits(tensors, tset), 0.0, k["kl_mean"], k["kl_p99"], k["top1"],
+                        k["ppl"], time.perf_counter() - t0, gguf_types(tensors, tset), peer.note))
+    return rows, llama_tokens(base), base_ppl, bf16
 
 
 # --- ours -------------------------------------------------------------------------------------------------------
@@ -321,17 +519,26 @@ def main() -> None:
     env_dir = os.environ.get("LLAMA_CPP_DIR")       # a llama.cpp checkout with build/bin (bench/README.md)
     ap.add_argument("--llama-quantize", default=env_dir and f"{env_dir}/build/bin/llama-quantize")
     ap.add_argument("--llama-perplexity", default=env_dir and f"{env_dir}/build/bin/llama-perplexity")
+    ap.add_argument("--llama-imatrix", default=None,
+                    help="llama.cpp's llama-imatrix for the -imatrix rows (default: beside --llama-quantize)")
     ap.add_argument("--convert-script", default=env_dir and f"{env_dir}/convert_hf_to_gguf.py",
                     help="llama.cpp's convert_hf_to_gguf.py (gguf-py beside it); all three default from $LLAMA_CPP_DIR")
+    ap.add_argument("--ik-llama-dir", default=os.environ.get("IK_LLAMA_CPP_DIR"),
+                    help="an ik_llama.cpp tree with build/bin/{llama-quantize,llama-perplexity,llama-imatrix}, "
+                         "convert_hf_to_gguf.py and gguf-py (default: $IK_LLAMA_CPP_DIR; none: no ik_llama.cpp rows)")
     ap.add_argument("--model", type=Path, default=MODEL_DIR)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--imatrix-chunks", type=int, default=0,
+                    help="chunks of --ctx tokens of the calibration text llama-imatrix reads (0: all of it)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--calib", type=Path, default=None, help="calibration text for our conversions")
+    ap.add_argument("--calib", type=Path, default=None,
+                    help="calibration text for our conversions and the tools' llama-imatrix")
     ap.add_argument("--only", default="experts,non-expert,whole", help="comma-separated tensor sets")
-    ap.add_argument("--tools", default="ours,llama.cpp", help="comma-separated: ours, llama.cpp")
+    ap.add_argument("--tools", default="ours,llama.cpp,ik_llama.cpp",
+                    help="comma-separated: ours, llama.cpp, ik_llama.cpp")
     ap.add_argument("--configs", default=None, help="regular expression: only rows whose config name matches "
-                    "(both tools; e.g. 'Q4_K|f16\\+gptq')")
+                    "(every tool; e.g. 'Q4_K|f16\\+gptq', 'imatrix')")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the files here (default: a temp dir)")
     ap.add_argument("--our-extra", nargs=argparse.REMAINDER, default=[],
                     help="extra `ktconvert quantize` arguments for every one of our rows (last on the line)")
@@ -341,39 +548,74 @@ def main() -> None:
         print("bench.quant_vs_llamacpp: skipped (no llama.cpp build: pass --llama-quantize, --llama-perplexity and "
               "--convert-script, or set LLAMA_CPP_DIR; see bench/README.md)")
         return
+    peers = []
+    if "llama.cpp" in tools:
+        imatrix = args.llama_imatrix or str(Path(args.llama_quantize).parent / "llama-imatrix")
+        peers.append(Peer("llama.cpp", "llamacpp", "llama", args.convert_script, args.llama_quantize,
+                          args.llama_perplexity, imatrix, LLAMA_ROWS, ["llama-imatrix.gguf"], [],
+                          # its CPU backend's repacked buffers have aborted on whole-model GGUFs (bench/README.md)
+                          [("its defaults", [], {}), ("LLAMA_ARG_REPACK=0", [], {"LLAMA_ARG_REPACK": "0"})]))
+    if "ik_llama.cpp" in tools:
+        ik = Path(args.ik_llama_dir) if args.ik_llama_dir else None
+        if ik is None or not all((ik / "build" / "bin" / b).is_file() for b in ("llama-quantize", "llama-perplexity")):
+            print(f"# ik_llama.cpp: no rows (no build at {ik}/build/bin: pass --ik-llama-dir or set IK_LLAMA_CPP_DIR; "
+                  f"see bench/README.md)", flush=True)
+        else:
+            b = ik / "build" / "bin"
+            peers.append(Peer("ik_llama.cpp", "ik_llamacpp", "ik", str(ik / "convert_hf_to_gguf.py"),
+                              str(b / "llama-quantize"), str(b / "llama-perplexity"), str(b / "llama-imatrix"),
+                              IK_ROWS, ["ik-imatrix.dat"], ["--no-escape"], IK_FALLBACKS))
     only = set(args.only.split(","))
     t0 = time.perf_counter()
+    rows: list[Row] = []
+    tokens: dict[str, np.ndarray] = {}
+    base_ppl: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="kt_vs_llama_") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         text, calib = write_texts(work, args.calib)
-        ours, our_tokens, our_base_ppl = our_rows(args, work, text, calib, only) if "ours" in tools else ([], None, 0)
-        theirs, their_tokens, their_base_ppl = (llama_rows(args, work, text, only) if "llama.cpp" in tools
-                                                else ([], our_tokens, 0))
-        our_tokens = their_tokens if our_tokens is None else our_tokens
-    # llama.cpp keeps the original first token of each chunk in its file; ours holds the BOS that was run
-    same = np.array_equal(our_tokens[:, 1:], their_tokens[:, 1:]) and np.array_equal(our_tokens[0], their_tokens[0])
-    print(f"# {our_tokens.shape[0]} chunks x {our_tokens.shape[1]} tokens of {text.name} (held-out stdlib files), "
-          f"identical tokens in both tools: {same}; BF16 ppl ours {our_base_ppl:.4f}, llama.cpp {their_base_ppl:.4f}")
-    if not same:
-        sys.exit("error: the two tools tokenized the text differently; the comparison would not be fair")
-    rows = sorted(ours + theirs, key=lambda r: (["experts", "non-expert", "whole"].index(r.tset), r.tool, r.bpw))
+        if "ours" in tools:
+            ours, tokens["ours"], base_ppl["ours"] = our_rows(args, work, text, calib, only)
+            rows += ours
+        llama_bf16 = None
+        for peer in peers:
+            theirs, tokens[peer.key], base_ppl[peer.key], bf16 = peer_rows(peer, args, work, text, calib, only,
+                                                                           llama_bf16)
+            llama_bf16 = llama_bf16 or bf16
+            rows += theirs
+    # llama-perplexity keeps the original first token of each chunk in its file; ours holds the BOS that was run
+    ref_key, ref = next(iter(tokens.items()))
+    same = {k: np.array_equal(ref[:, 1:], t[:, 1:]) and (k == ref_key or "ours" not in (k, ref_key)
+                                                            or np.array_equal(ref[0], t[0]))
+            for k, t in tokens.items()}
+    names = {"ours": "ours", "llamacpp": "llama.cpp", "ik_llamacpp": "ik_llama.cpp"}
+    print(f"# {ref.shape[0]} chunks x {ref.shape[1]} tokens of {text.name} (held-out stdlib files), identical tokens "
+          f"in {', '.join(names[k] for k in tokens)}: {all(same.values())}; BF16 ppl "
+          + ", ".join(f"{names[k]} {v:.4f}" for k, v in base_ppl.items()))
+    if not all(same.values()):
+        sys.exit("error: the tools tokenized the text differently; the comparison would not be fair")
+    rows.sort(key=lambda r: (["experts", "non-expert", "whole"].index(r.tset), r.tool, r.bpw))
     print("\n| tensors quantized | tool | config | bits/weight | + padding | KL mean | KL p99 | top-1 | ppl |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r.tset} | {r.tool} | {r.config} | {r.bpw:.3f} | {r.padding_bpw:.3f} | {r.kl_mean:.5f} | "
               f"{r.kl_p99:.4f} | {r.top1:.4f} | {r.ppl:.3f} |")
     print()
+    keys = {"ours": "ours", "llama.cpp": "llamacpp", "ik_llama.cpp": "ik_llamacpp"}
     for r in rows:
-        key = f"quant.{r.tset}.{'llamacpp' if r.tool != 'ours' else 'ours'}.{r.config}"
+        if r.types:
+            print(f"# {r.tset} {r.tool} {r.config}: {r.types}" + (f"; llama-perplexity with {r.note}" if r.note
+                                                                 else ""))
+    for r in rows:
+        key = f"quant.{r.tset}.{keys[r.tool]}.{r.config}"
         print(f"{key}.bpw: {r.bpw:.4f} bits/weight")
         print(f"{key}.padding_bpw: {r.padding_bpw:.4f} bits/weight")
         print(f"{key}.kl_mean: {r.kl_mean:.6f} nats/token")
         print(f"{key}.kl_p99: {r.kl_p99:.5f} nats/token")
         print(f"{key}.top1: {r.top1:.4f} fraction")
         print(f"{key}.ppl: {r.ppl:.4f} ppl")
-    print(f"quant.bf16.ours.ppl: {our_base_ppl:.4f} ppl")
-    print(f"quant.bf16.llamacpp.ppl: {their_base_ppl:.4f} ppl")
+    for k, v in base_ppl.items():
+        print(f"quant.bf16.{k}.ppl: {v:.4f} ppl")
     print(f"bench.quant_vs_llamacpp.seconds: {time.perf_counter() - t0:.0f} s")
 
 
