@@ -256,6 +256,7 @@ class Peer:
     rows: list
     imatrix_out: list[str]  # its llama-imatrix's output file name and format arguments
     text_args: list[str]    # what its llama-perplexity and llama-imatrix need to read a text file as it is
+    trace_log: bool         # they write a trace log, llama.log in the working directory unless told where
     # (what, extra llama-perplexity arguments, environment), in order: its defaults first, then workarounds for
     # crashes (llama.cpp: its documented LLAMA_ARG_REPACK=0); peer_perplexity moves on to the next one when a run fails
     fallbacks: list[tuple[str, list[str], dict]]
@@ -264,6 +265,10 @@ class Peer:
     @property
     def note(self) -> str:
         return self.fallbacks[self.level][0] if self.level else ""
+
+    def common_args(self, work: Path) -> list[str]:
+        """Arguments of its llama-perplexity and llama-imatrix: the text as it is, the trace log in the workdir."""
+        return [*self.text_args, *(["--log-file", str(work / f"{self.prefix}-trace")] if self.trace_log else [])]
 
     @property
     def gguf_py(self) -> str:
@@ -381,7 +386,7 @@ def peer_rows(peer: Peer, args, work: Path, text: Path, calib: Path, only: set[s
               fallback_gguf: Path | None = None) -> tuple[list[Row], np.ndarray, float, Path]:
     bf16 = peer_bf16(peer, args, work, fallback_gguf)
     ppl_args = ["-c", str(args.ctx), "--chunks", str(args.chunks), "-t", str(args.threads), "-b", str(args.ctx),
-                *peer.text_args, "-f", str(text)]
+                *peer.common_args(work), "-f", str(text)]
     base = work / f"{peer.prefix}-bf16.kld"
     out = peer_perplexity(peer, [*ppl_args, "-m", str(bf16), "--kl-divergence-base", str(base)],
                           work / f"{peer.prefix}-ppl-bf16.log", "Final estimate")
@@ -401,7 +406,7 @@ def peer_rows(peer: Peer, args, work: Path, text: Path, calib: Path, only: set[s
             chunks = ["--chunks", str(args.imatrix_chunks)] if args.imatrix_chunks > 0 else []
             t0 = time.perf_counter()
             run([peer.imatrix, "-m", str(bf16), "-f", str(calib), "-o", str(imatrix), *peer.imatrix_out[1:],
-                 "-c", str(args.ctx), "-b", str(args.ctx), "-t", str(args.threads), *chunks, *peer.text_args],
+                 "-c", str(args.ctx), "-b", str(args.ctx), "-t", str(args.threads), *chunks, *peer.common_args(work)],
                 work / f"{peer.prefix}-imatrix.log")
             print(f"# {peer.name}: llama-imatrix over {calib.name} ({args.imatrix_chunks if chunks else 'all'} "
                   f"chunks of {args.ctx} tokens) in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -552,7 +557,7 @@ def main() -> None:
     if "llama.cpp" in tools:
         imatrix = args.llama_imatrix or str(Path(args.llama_quantize).parent / "llama-imatrix")
         peers.append(Peer("llama.cpp", "llamacpp", "llama", args.convert_script, args.llama_quantize,
-                          args.llama_perplexity, imatrix, LLAMA_ROWS, ["llama-imatrix.gguf"], [],
+                          args.llama_perplexity, imatrix, LLAMA_ROWS, ["llama-imatrix.gguf"], [], False,
                           # its CPU backend's repacked buffers have aborted on whole-model GGUFs (bench/README.md)
                           [("its defaults", [], {}), ("LLAMA_ARG_REPACK=0", [], {"LLAMA_ARG_REPACK": "0"})]))
     if "ik_llama.cpp" in tools:
@@ -564,7 +569,7 @@ def main() -> None:
             b = ik / "build" / "bin"
             peers.append(Peer("ik_llama.cpp", "ik_llamacpp", "ik", str(ik / "convert_hf_to_gguf.py"),
                               str(b / "llama-quantize"), str(b / "llama-perplexity"), str(b / "llama-imatrix"),
-                              IK_ROWS, ["ik-imatrix.dat"], ["--no-escape"], IK_FALLBACKS))
+                              IK_ROWS, ["ik-imatrix.dat"], ["--no-escape"], True, IK_FALLBACKS))
     only = set(args.only.split(","))
     t0 = time.perf_counter()
     rows: list[Row] = []

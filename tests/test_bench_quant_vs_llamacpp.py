@@ -76,6 +76,7 @@ def test_ik_llama_cpp_rows(tmp_path):
     assert lines["quant.experts.ik_llamacpp.IQ4_KS-imatrix.bpw"][0] == pytest.approx((4.375 * 2 + 4.5) / 3, abs=1e-4)
     assert "# experts ik_llama.cpp IQ4_KS-imatrix: IQ4_KS 6, IQ4_NL 3" in out
     assert (tmp_path / "ik-bf16.gguf").is_file() and (tmp_path / "ik-imatrix.dat").is_file()
+    assert (tmp_path / "ik-trace.log").is_file()      # its trace log in the workdir, not llama.log where it ran
     assert "24 chunks x 256 tokens" in out and "identical tokens in ours, ik_llama.cpp: True" in out
     assert "quant.bf16.ik_llamacpp.ppl" in lines
     assert not any(k.startswith("quant.experts.ours") for k in lines)
@@ -92,7 +93,7 @@ def test_a_crashing_llama_perplexity_falls_back_to_the_documented_workaround(tmp
     fake = tmp_path / "llama-perplexity"
     fake.write_text('#!/bin/sh\n[ "$LLAMA_ARG_REPACK" = 0 ] && echo "args $*" && exit 0\necho boom >&2; exit 134\n')
     fake.chmod(0o755)
-    peer = bench.Peer("llama.cpp", "llamacpp", "llama", "convert.py", "q", str(fake), None, [], [], [],
+    peer = bench.Peer("llama.cpp", "llamacpp", "llama", "convert.py", "q", str(fake), None, [], [], [], False,
                       [("its defaults", [], {}), ("LLAMA_ARG_REPACK=0", [], {"LLAMA_ARG_REPACK": "0"})])
     assert bench.peer_perplexity(peer, ["-m", "x.gguf"], tmp_path / "a.log", "args").strip() == "args -m x.gguf"
     assert peer.level == 1 and peer.note == "LLAMA_ARG_REPACK=0"
