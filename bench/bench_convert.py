@@ -203,11 +203,11 @@ def convert_v3(src: Path, out: Path, mode: str, workers: int = 2) -> dict:
 
 def llama_cpp_v3(src: Path, work: Path, tree: Path) -> dict:
     """llama.cpp's convert_hf_to_gguf.py (bf16) then llama-quantize Q4_0 (2 threads): the two children's sums."""
-    from bench_vs_llamacpp import _CONVERT_WRAPPER
+    from bench_vs_llamacpp import _CONVERT_WRAPPER, SHAPES
 
     bf16, q4 = work / "llamacpp-bf16.gguf", work / "llamacpp-q4_0.gguf"
-    a = timed([sys.executable, "-c", _CONVERT_WRAPPER, str(tree / "convert_hf_to_gguf.py"), str(src), "--outfile",
-               str(bf16), "--outtype", "bf16"], "llama.cpp convert_hf_to_gguf")
+    a = timed([sys.executable, "-c", _CONVERT_WRAPPER, str(tree / "convert_hf_to_gguf.py"), SHAPES["v3"].pre_tokenizer,
+               str(src), "--outfile", str(bf16), "--outtype", "bf16"], "llama.cpp convert_hf_to_gguf")
     b = timed([str(tree / "build" / "bin" / "llama-quantize"), str(bf16), str(q4), "Q4_0", "2"], "llama-quantize")
     for f in (bf16, q4):
         f.unlink()
@@ -243,10 +243,10 @@ def kl_of(src: Path, outs: dict[str, Path]) -> dict[str, dict]:
 
 
 def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int) -> None:
-    from bench_vs_llamacpp import V3_SHAPE, write_checkpoint
+    from bench_vs_llamacpp import SHAPES, write_checkpoint
 
     work.mkdir(parents=True, exist_ok=True)
-    src = write_checkpoint(work / "v3-src", V3_SHAPE)
+    src = write_checkpoint(work / "v3-src", SHAPES["v3"], tiny=False)
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     print(f"v3_source_size: {nbytes / 1e9:.2f} GB")
     systems = ["rtn", "default"] + (["llama.cpp"] if llama_cpp else [])
