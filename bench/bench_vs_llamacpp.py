@@ -49,7 +49,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's idle OpenMP threads must not spin on the kernels' CPUs
+# The peers run in the environment this process started with: OMP_WAIT_POLICY=PASSIVE, which ktrun's torch needs
+# (its idle OpenMP threads must not spin on the kernels' CPUs), put llama.cpp's OpenMP threads to sleep at every
+# barrier and halved ik_llama.cpp's decode on Zen 4 (Qwen3 shape tg32: 143-156 vs 254-306 tok/s standalone).
+PEER_ENV = dict(os.environ)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
@@ -175,9 +179,10 @@ def write_checkpoint(out: Path, shape: Shape, tiny: bool, seed: int = 0) -> Path
 
 # --- conversions ---------------------------------------------------------------------------------------------------
 
-def run(cmd: list[str], what: str) -> None:
+def run(cmd: list[str], what: str, cwd: Path | None = None) -> None:
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    r = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                       cwd=cwd)
     if r.returncode:
         sys.exit(f"{what} failed (exit {r.returncode}): {' '.join(map(str, cmd))}\n{r.stdout[-4000:]}")
     print(f"{what}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -266,7 +271,8 @@ def convert_peer(src: Path, work: Path, peer: Peer, shape: Shape, qtype: str, th
                  "--outfile", str(tmp), "--outtype", "bf16"], f"{peer.name} convert_hf_to_gguf (bf16)")
             tmp.replace(bf16)
         tmp = out.with_suffix(".tmp.gguf")
-        run([str(peer.quantize), str(bf16), str(tmp), qtype, str(threads)], f"{peer.name} llama-quantize {qtype}")
+        run([str(peer.quantize), str(bf16), str(tmp), qtype, str(threads)], f"{peer.name} llama-quantize {qtype}",
+            cwd=work)
         tmp.replace(out)
     return out
 
@@ -278,7 +284,9 @@ def peer_round(peer: Peer, gguf: Path, threads: int, tg: int, pps: list[int]) ->
     fails with the flags in use, its next workaround is taken for the rest of the run (said in the output)."""
     cmd = [str(peer.bench), "-m", str(gguf), "-t", str(threads), "-n", str(tg), "-p", ",".join(map(str, pps)),
            "-r", "1", "-o", "json", *peer.flags]
-    r = subprocess.run(cmd, check=False, capture_output=True, text=True, errors="replace")
+    # cwd: ik_llama.cpp's tools write a trace log, llama.log, into their working directory
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, errors="replace", cwd=gguf.parent,
+                       env=PEER_ENV)
     if r.returncode:
         tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
         if not peer.workarounds:
