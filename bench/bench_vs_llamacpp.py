@@ -53,7 +53,8 @@ from pathlib import Path
 # (its idle OpenMP threads must not spin on the kernels' CPUs), put llama.cpp's OpenMP threads to sleep at every
 # barrier and halved ik_llama.cpp's decode on Zen 4 (Qwen3 shape tg32: 143-156 vs 254-306 tok/s standalone).
 PEER_ENV = dict(os.environ)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if __name__ == "__main__":      # run as the bench (not imported by another: bench_convert's peers must not inherit it)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
