@@ -31,6 +31,38 @@ void top_k(const float* v, int64_t n, int64_t k, int64_t* out) {
     }
 }
 
+// A router call's scratch, sized for T tokens of E experts in n_group groups, with the logits of the T tokens
+// (logits[e * T + t], float_dots' fixed order) computed: the first steps both routers share.
+struct RouterScratch {
+    std::vector<float> logits, per_expert, group_score;
+    std::vector<const float*> rows;
+    std::vector<int64_t> groups;
+};
+
+RouterScratch& router_logits(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
+                             int64_t w_stride, int64_t n_group, int64_t topk_group) {
+    thread_local RouterScratch s;
+    s.logits.resize((size_t)(E * T));
+    s.per_expert.resize((size_t)E);
+    s.group_score.resize((size_t)n_group);
+    s.groups.resize((size_t)topk_group);
+    s.rows.resize((size_t)T);
+    for (int64_t t = 0; t < T; ++t) s.rows[t] = x + t * x_stride;
+    kt::float_dots(E, K, w, w_stride, s.rows.data(), T, 1.0f, s.logits.data());
+    return s;
+}
+
+// v[e] = fill for every expert outside the topk_group groups of the best group_score (ties to the lower group)
+void keep_best_groups(RouterScratch& s, float* v, int64_t n_group, int64_t per_group, int64_t topk_group, float fill) {
+    top_k(s.group_score.data(), n_group, topk_group, s.groups.data());
+    for (int64_t g = 0; g < n_group; ++g) {
+        bool kept = false;
+        for (int64_t j = 0; j < topk_group; ++j) kept = kept || s.groups[j] == g;
+        if (!kept)
+            for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) v[e] = fill;
+    }
+}
+
 }  // namespace
 
 extern "C" int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
@@ -41,19 +73,12 @@ extern "C" int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x,
         !weights)))
         return -1;
     if (T == 0) return 0;
-    thread_local std::vector<float> logits, choice, group_score;
-    thread_local std::vector<const float*> rows;
-    thread_local std::vector<int64_t> groups;
-    logits.resize((size_t)(E * T));
-    choice.resize((size_t)E);
-    group_score.resize((size_t)n_group);
-    groups.resize((size_t)topk_group);
-    rows.resize((size_t)T);
-    for (int64_t t = 0; t < T; ++t) rows[t] = x + t * x_stride;
-    kt::float_dots(E, K, w, w_stride, rows.data(), T, 1.0f, logits.data());   // logits[e * T + t]
+    RouterScratch& s = router_logits(T, E, K, x, x_stride, w, w_stride, n_group, topk_group);
+    std::vector<float>& choice = s.per_expert;
+    std::vector<float>& group_score = s.group_score;
     const int64_t per_group = E / n_group;
     for (int64_t t = 0; t < T; ++t) {
-        float* sc = logits.data();   // sigmoid in place, token t's column
+        float* sc = s.logits.data();   // sigmoid in place, token t's column
         for (int64_t e = 0; e < E; ++e) {
             float& l = sc[e * T + t];
             l = 1.0f / (1.0f + std::exp(-l));
@@ -66,13 +91,7 @@ extern "C" int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x,
                 const float* c = choice.data() + g * per_group;
                 group_score[g] = per_group < 2 ? c[two[0]] : c[two[0]] + c[two[1]];
             }
-            top_k(group_score.data(), n_group, topk_group, groups.data());
-            for (int64_t g = 0; g < n_group; ++g) {
-                bool kept = false;
-                for (int64_t j = 0; j < topk_group; ++j) kept = kept || groups[j] == g;
-                if (!kept)
-                    for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) choice[e] = -INFINITY;
-            }
+            keep_best_groups(s, choice.data(), n_group, per_group, topk_group, -INFINITY);
         }
         int64_t* id = ids + t * top_k_;
         float* wt = weights + t * top_k_;
@@ -103,16 +122,10 @@ extern "C" int kt_route_softmax(int64_t T, int64_t E, int64_t K, const float* x,
         topk_group > n_group || top_k_ < 1 || top_k_ > E || (T && (!x || x_stride < K || !ids || !weights)))
         return -1;
     if (T == 0) return 0;
-    thread_local std::vector<float> logits, scores, group_score;
-    thread_local std::vector<const float*> rows;
-    thread_local std::vector<int64_t> groups;
-    logits.resize((size_t)(E * T));
-    scores.resize((size_t)E);
-    group_score.resize((size_t)n_group);
-    groups.resize((size_t)topk_group);
-    rows.resize((size_t)T);
-    for (int64_t t = 0; t < T; ++t) rows[t] = x + t * x_stride;
-    kt::float_dots(E, K, w, w_stride, rows.data(), T, 1.0f, logits.data());   // logits[e * T + t]
+    RouterScratch& s = router_logits(T, E, K, x, x_stride, w, w_stride, n_group, topk_group);
+    const std::vector<float>& logits = s.logits;
+    std::vector<float>& scores = s.per_expert;
+    std::vector<float>& group_score = s.group_score;
     const int64_t per_group = E / n_group;
     for (int64_t t = 0; t < T; ++t) {
         float m = -INFINITY;
@@ -129,13 +142,7 @@ extern "C" int kt_route_softmax(int64_t T, int64_t E, int64_t K, const float* x,
                 for (int64_t e = 1; e < per_group; ++e) best = std::max(best, scores[g * per_group + e]);
                 group_score[g] = best;
             }
-            top_k(group_score.data(), n_group, topk_group, groups.data());
-            for (int64_t g = 0; g < n_group; ++g) {
-                bool kept = false;
-                for (int64_t j = 0; j < topk_group; ++j) kept = kept || groups[j] == g;
-                if (!kept)
-                    for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) scores[e] = 0.0f;
-            }
+            keep_best_groups(s, scores.data(), n_group, per_group, topk_group, 0.0f);
         }
         int64_t* id = ids + t * top_k_;
         float* wt = weights + t * top_k_;
