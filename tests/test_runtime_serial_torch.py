@@ -33,10 +33,12 @@ def test_rms_norm_equals_the_transformers_formula(dtype):
         assert torch.equal(layers.rms_norm(x, w, 1e-6), want), (dtype, shape)
 
 
-def test_decode_logits_are_the_same_with_and_without_serial_glue(tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
+def test_decode_logits_are_the_same_with_and_without_serial_glue(tmp_path_factory, monkeypatch, arch):
     """Prefill, then decode steps of one request and of two batched: logits bit-identical whether the absorbed
-    form's glue and the router run serially (the default at <= SERIAL_MAX_ROWS rows) or on torch's 2 threads."""
-    eng = Engine(converted(tmp_path_factory, "deepseek_v3", "bf16"), ctx=256, max_batch=4, use_kernels=False)
+    form's glue, GQA's torch attention (gpt-oss: sinks keep it off kt_gqa_attend_batch) and the router run serially
+    (the default at <= SERIAL_MAX_ROWS rows) or on torch's 2 threads."""
+    eng = Engine(converted(tmp_path_factory, arch, "bf16"), ctx=256, max_batch=4, use_kernels=False)
     ids = eng.tokenizer.encode(PROMPT)
     n = torch.get_num_threads()
     torch.set_num_threads(2)
