@@ -273,7 +273,7 @@ def estimate_line(src_path, method: str, group_size: int, scale_dtype: str, expe
         opts = ConvertOptions(method=method, group_size=group_size, scale_dtype=scale_dtype, workers=workers,
                               expert_quantizer=expert_quantizer, **gpu)
         with open_source(src_path) as src:
-            opts, encoder, quantizer, plan = conversion_parts(src, opts)
+            opts, encoder, quantizer, plan = conversion_parts(src, opts, measure=False)
             return estimate_conversion(src, opts, plan, encoder, quantizer).line()
     except (*CONVERT_ERRORS, *gpu_errors()) as e:
         raise click.ClickException(str(e)) from None

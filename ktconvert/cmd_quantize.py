@@ -99,6 +99,8 @@ def quantize(src, out_dir, method, group_size, numa_nodes, expert_quantizer, exp
       ktconvert quantize ./DeepSeek-V3 -o converted/ --resume     # after an interruption
       ktconvert quantize ./Mixtral-8x7B --method bf16 -o mixtral-ref/ --force
       ktconvert quantize ./DeepSeek-V3 --gpu-method rtn-int8 --gpu-group-size -1 -o dsv3-int8/
+      ktconvert quantize ./DeepSeek-V3 --gpu-mix-budget 0.5 -o dsv3/    # fewer measured int8 upgrades (0: none)
+      ktconvert quantize ./DeepSeek-V3 --gpu-method-for 'model.layers.0.mlp.*=gptq-int8' -o dsv3/   # per Linear
       ktconvert quantize ./Qwen3-30B-A3B --gpu-format compressed-tensors --calib my_text.txt -o q3-ct/
       ktconvert quantize ./DeepSeek-V3 --calib domain.txt --calib-tokens 65536 -o dsv3/    # more experts get GPTQ
       ktconvert quantize ./Qwen3-30B-A3B -o q3/ --report-kl     # then: ppl / kl_mean / kl_p99 / top1_agreement

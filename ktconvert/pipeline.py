@@ -70,6 +70,10 @@ class ConvertOptions:
     quantize_head: bool = False
     gpu_act_order: bool = False
     calib_tokens: int = 2048       # calibration tokens (GPTQ Hessians, importance) for GPU layers and experts
+    gpu_method_for: tuple = ()     # --gpu-method-for (glob, method) rules: per-Linear methods (ktconvert.gpu.mix)
+    gpu_mix_budget: float | None = None   # measured int8 upgrades (ktconvert.gpu.sensitivity); None: auto's default
+    gpu_mix_method: str = "gptq-int8"
+    gpu_mix_chosen: tuple = ()     # the Linears that rule upgraded (set by conversion_parts; in the manifest)
     expert_quantizer: str = "auto"  # auto | gptq | search | rtn (ktconvert.quantizers.experts)
     expert_gptq_min_tokens: int = 0   # routed tokens an expert needs for GPTQ (0: K/2 of the matrix)
     scale_dtype: str = DEFAULT_SCALE_DTYPE   # expert scales: f16 (layout version 2), bf16, f32 (version 1), or
@@ -427,18 +431,27 @@ def conversion_params(src, opts: ConvertOptions) -> dict:
                {k: getattr(opts, k) for k in ("gpu_group_size", "gpu_format", "quantize_head", "gpu_act_order")}),
             **({} if opts.expert_quantizer in ("rtn", "none") else
                {k: getattr(opts, k) for k in ("expert_quantizer", "expert_gptq_min_tokens", "calib", "calib_tokens")}),
+            **({"gpu_method_for": [list(r) for r in opts.gpu_method_for]} if opts.gpu_method_for else {}),
+            **({"gpu_mix_budget": opts.gpu_mix_budget, "gpu_mix_method": opts.gpu_mix_method, "calib": opts.calib,
+                "calib_tokens": opts.calib_tokens} if opts.gpu_mix_budget else {}),
             **({"bf16_scales": True} if opts.bf16_scales else {}),
             **({"keep_mtp": True} if opts.keep_mtp and src.arch.mtp_layers(src.tensor_names()) else {}),
             **({} if opts.hot_experts is None else {"hot_experts": placement_params(opts.hot_experts)})}
 
 
-def conversion_parts(src, opts: ConvertOptions) -> tuple[ConvertOptions, object, object, ConvertPlan]:
+def conversion_parts(src, opts: ConvertOptions, measure: bool = True
+                     ) -> tuple[ConvertOptions, object, object, ConvertPlan]:
     """(options with method / GPU method / expert quantizer resolved, dense encoder, expert quantizer or None,
-    plan) of converting `src`: what convert runs and what ktconvert.estimate times."""
+    plan) of converting `src`: what convert runs and what ktconvert.estimate times. measure: run the measured
+    mixed-precision rule's pass now (--gpu-mix-budget; without it, an estimate, the plan has no upgrades)."""
     opts = resolve_method(src, opts)
     encoder = dense_encoder_for(src, **{k: getattr(opts, k) for k in GPU_OPTION_FIELDS})
+    if measure and hasattr(encoder, "apply_mix"):
+        encoder.apply_mix()
     quantizer = make_expert_quantizer(src, opts, encoder)
     opts = replace(opts, gpu_method=encoder.name,     # "auto" resolved (the log says which)
+                   gpu_mix_budget=encoder.opts.mix_budget if getattr(encoder, "mix_applied", False) else 0.0,
+                   gpu_mix_chosen=tuple(n for n, _m in getattr(encoder, "mixed_rules", ())),
                    expert_quantizer=quantizer.mode if quantizer else
                    "rtn" if expert_format_of_method(opts.method).quantized else "none")
     plan = make_plan(src, src.arch, opts.method, opts.group_size, opts.numa_nodes, encoder, opts.scale_dtype,

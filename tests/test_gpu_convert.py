@@ -40,9 +40,13 @@ def test_cli_default_is_gptq_and_output_verifies(ckpt_dir, tmp_path):
     layouts = dense_layouts(out)
     s = open_source(src)
     quantized = {n for n in s.tensor_names() if s.arch.classify(n).kind in KINDS}
+    # the default's measured mixed precision (--gpu-mix-budget): the Linears it upgraded are int8, the rest int4
+    upgraded = set(json.loads((out / MANIFEST_NAME).read_text())["gpu_mix"]["upgraded"])
+    assert upgraded and upgraded < quantized
     for name in quantized:
         base = name[: -len(".weight")]
-        assert layouts[base + ".qweight"] == "gpu-marlin-int4" and name not in layouts
+        want = "gpu-marlin-int8" if name in upgraded else "gpu-marlin-int4"
+        assert layouts[base + ".qweight"] == want and name not in layouts
     for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
                  "model.embed_tokens.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight"):
         assert layouts[name] in ("dense-bf16", "dense-f32"), name        # full precision, as in the source

@@ -14,16 +14,29 @@ __all__ = ["GPU_OPTION_FIELDS", "converted_config_json", "dense_encoder_for", "g
 
 def dense_encoder_for(src, gpu_method: str = "bf16", gpu_group_size: int = DEFAULT_GPU_GROUP_SIZE, gpu_format: str = "marlin",
                       calib: str | None = None, quantize_head: bool = False, gpu_act_order: bool = False,
-                      calib_tokens: int = 2048):
+                      calib_tokens: int = 2048, gpu_method_for: tuple = (), gpu_mix_budget: float | None = None,
+                      gpu_mix_method: str = "gptq-int8"):
     """The non-expert encoder of a conversion (ConvertOptions' gpu_* fields): bf16 or a GpuLayerEncoder."""
     from ktconvert.gpu.dense import DENSE_ENCODERS, dense_encoder
     from ktconvert.gpu.encoder import GpuLayerEncoder, GpuLayerOptions
 
-    if gpu_method == "bf16" or (gpu_method in DENSE_ENCODERS and gpu_method not in GPU_METHOD_CHOICES):
+    if (gpu_method == "bf16" and not gpu_method_for) or (gpu_method in DENSE_ENCODERS
+                                                         and gpu_method not in GPU_METHOD_CHOICES):
         return dense_encoder(gpu_method)
     return GpuLayerEncoder(GpuLayerOptions(method=gpu_method, group_size=gpu_group_size, fmt=gpu_format, calib=calib,
                                            quantize_head=quantize_head, act_order=gpu_act_order,
-                                           calib_tokens=calib_tokens), src=src)
+                                           calib_tokens=calib_tokens, method_for=tuple(gpu_method_for),
+                                           mix_budget=mix_budget_for(gpu_method, gpu_mix_budget),
+                                           mix_method=gpu_mix_method), src=src)
+
+
+def mix_budget_for(gpu_method: str, budget: float | None) -> float:
+    """--gpu-mix-budget as given, or its default: DEFAULT_MIX_BUDGET with --gpu-method auto, else 0 (off)."""
+    from ktconvert.gpu.options import DEFAULT_MIX_BUDGET
+
+    if budget is not None:
+        return float(budget)
+    return DEFAULT_MIX_BUDGET if gpu_method == "auto" else 0.0
 
 
 def converted_config_json(raw: bytes, encoder) -> bytes:

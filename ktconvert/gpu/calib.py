@@ -286,6 +286,9 @@ class LayerwiseGptq:
         self.position_ids = torch.arange(seq)[None].expand(s, seq)
         self.rotary = rotary_cls(config=self.cfg) if rotary_cls is not None else None
         self.stats = {"layers": 0, "linears": 0, "seconds": 0.0}
+        # called after pass 1 of every layer with Linears to quantize, before they are quantized (ktconvert.gpu.
+        # sensitivity): on_layer(layer index, {hub: nn.Linear}, {hub: H}, pass-1 output, () -> a new pass-1 output)
+        self.on_layer: Callable | None = None
 
     def result(self, name: str, layer: int | None) -> QuantizedLinear:
         """The quantized weight `name` of decoder layer `layer` (None: lm_head); runs layers as needed."""
@@ -300,6 +303,11 @@ class LayerwiseGptq:
         if name not in self.results:
             raise CalibrationError(f"{name}: not a Linear that calibration quantizes")
         return self.results.pop(name)[1]
+
+    def run_layers(self) -> None:
+        """Run every decoder layer not run yet (a pass that only measures: ktconvert.gpu.sensitivity)."""
+        while self.next_layer < self.cfg.num_hidden_layers:
+            self._run_layer(self.next_layer)
 
     def expert_inputs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(X (T, H) float32 inputs of MoE layer `layer`'s routed experts, ids (T, k) the experts each token is
@@ -342,10 +350,12 @@ class LayerwiseGptq:
         experts = [m for m in layer.modules() if isinstance(m, StreamingExperts)]
         for e in experts:
             e.enabled = False
-        if linears:
-            self._forward(layer, pos_emb)                             # pass 1: Hessians
+        ref = self._forward(layer, pos_emb) if linears else None     # pass 1: Hessians
         for h in hooks:
             h.remove()
+        if self.on_layer is not None and linears:
+            self.on_layer(li, linears, {h: a.h for h, a in accs.items()}, ref,
+                          lambda lay=layer: self._forward(lay, pos_emb))
         for hub, mod in linears.items():
             q = self.quantize_fn(hub, mod.weight.detach(), accs.pop(hub).h)
             if q is not None:

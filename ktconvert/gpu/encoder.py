@@ -11,6 +11,7 @@ Output tensors of a Linear `X.weight` (N, K): `X.<part>` for the parts, dtypes a
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,7 @@ from ktlayouts.gpu_formats import GpuLinearFormat, families_where, gpu_format_fo
 
 from ktconvert.gpu.dense import Bf16Encoder, DenseOutput
 from ktconvert.gpu.gptq import GptqConfig, gptq_quantize
+from ktconvert.gpu.mix import MixError, check_method, check_rules_match, matches, method_for
 from ktconvert.gpu.options import GPU_FORMATS, GPU_METHODS
 from ktconvert.gpu.rtn import QuantizedLinear, quantize_rtn, quantize_search
 
@@ -46,10 +48,23 @@ class GpuLayerOptions:
     seed: int = 0
     percdamp: float = 0.01
     act_order: bool = False
+    method_for: tuple[tuple[str, str], ...] = ()   # --gpu-method-for (glob, method) rules, first match wins (mix)
+    mix_budget: float = 0.0         # --gpu-mix-budget: added bits per GPU-layer weight for the measured rule
+    mix_method: str = "gptq-int8"   # --gpu-mix-method: what the measured rule upgrades to (sensitivity)
 
     def __post_init__(self):
         if self.method != "auto" and self.method not in GPU_METHODS:
             raise GpuLayerError(f"--gpu-method {self.method!r}: choose one of auto, {', '.join(GPU_METHODS)}")
+        for glob, method in self.method_for:
+            try:
+                check_method(glob, method, GPU_METHODS)
+            except MixError as e:
+                raise GpuLayerError(str(e)) from None
+        if self.mix_budget < 0:
+            raise GpuLayerError(f"--gpu-mix-budget {self.mix_budget}: must be >= 0 (0: off)")
+        if self.mix_budget and (GPU_METHODS.get(self.mix_method) is None):
+            raise GpuLayerError(f"--gpu-mix-method {self.mix_method!r}: choose one of "
+                                f"{', '.join(m for m, a in GPU_METHODS.items() if a)}")
         if self.group_size not in GPU_GROUP_SIZES:
             raise GpuLayerError(f"--gpu-group-size {self.group_size}: choose one of {GPU_GROUP_SIZES}")
         if self.fmt not in GPU_FORMATS:
@@ -69,7 +84,7 @@ def resolve_method(opts: GpuLayerOptions, src=None) -> tuple[str, str]:
     from ktconvert.gpu.calib import CalibrationError, check_layerwise, read_calibration_text, tokenizer_for
 
     if opts.method != "auto":
-        if GPU_METHODS[opts.method] and GPU_METHODS[opts.method][0] == "gptq":
+        if any(GPU_METHODS[m] and GPU_METHODS[m][0] == "gptq" for m in (opts.method, *(m for _g, m in opts.method_for))):
             _, path = read_calibration_text(opts.calib)        # missing / empty: CalibrationError naming the file
             return opts.method, f"--gpu-method {opts.method}, calibration text {path}"
         return opts.method, f"--gpu-method {opts.method}"
@@ -113,32 +128,107 @@ class GpuLayerEncoder:
         self.bf16 = Bf16Encoder()
         self.src = src
         self._calibrator = None
-        algo = GPU_METHODS[self.method]
-        self.algo, self.bits = algo if algo else (None, 16)
-        if self.algo == "gptq" and src is None:
-            raise GpuLayerError("--gpu-method gptq-int4 needs the source checkpoint for calibration")
+        self.algo, self.bits = self.method_algo(self.method)
+        self.rules = tuple(opts.method_for)
+        algos = {self.algo} | {self.method_algo(m)[0] for _g, m in self.rules}
+        if "gptq" in algos and src is None:
+            raise GpuLayerError(f"--gpu-method {self.method} (or a --gpu-method-for rule) needs the source "
+                                "checkpoint for calibration")
+        if self.rules:
+            log.info("GPU layers: --gpu-method-for %s", ", ".join(f"{g}={m}" for g, m in self.rules))
         # search-int*: importance from calibration when text and tokenizer are there, else uniform weights
-        self.calibrated = self.algo == "gptq" or (self.algo == "search" and src is not None
-                                                  and calibration_available(opts, src))
+        self.calibrated = "gptq" in algos or ("search" in algos and src is not None
+                                              and calibration_available(opts, src))
         self.quantized_names: list[str] = []
         self.capture_experts = False     # set by the pipeline when the routed-expert quantizer shares calibration
         self._paths: dict[str, tuple[bool, str]] = {}     # quantized source Linears: (taken over exactly, why not)
+        self._mixed = False
+        self.mix_applied = False    # the measured rule ran (apply_mix)
+        self.mixed_rules: tuple[tuple[str, str], ...] = ()   # the rules apply_mix chose
+        if self.rules and src is not None:
+            try:
+                check_rules_match(self.rules, self.candidates())
+            except MixError as e:
+                raise GpuLayerError(str(e)) from None
+
+    @staticmethod
+    def method_algo(method: str) -> tuple[str | None, int]:
+        """(algorithm, bits) of a method name; (None, 16) for bf16."""
+        algo = GPU_METHODS[method]
+        return algo if algo else (None, 16)
+
+    def method_of(self, name: str) -> str:
+        """The method of Linear `name`: its first --gpu-method-for rule, else --gpu-method."""
+        return method_for(self.rules, name, self.method)
+
+    def bits_of(self, name: str) -> int:
+        return self.method_algo(self.method_of(name))[1]
+
+    def candidates(self, mtp: bool = True) -> list[str]:
+        """The source's Linears this encoder's kinds cover (whatever their method), in checkpoint order; MTP layers'
+        too unless mtp is False."""
+        out = []
+        for name in self.src.tensor_names():
+            shape = tuple(self.src.info(name).shape)
+            role = self.src.arch.classify(name, keep_mtp=mtp)
+            if name.endswith(".weight") and len(shape) == 2 and self._kind_quantized(role):
+                out.append(name)
+        return out
+
+    def _decoder_linears(self) -> list[str]:
+        """The quantized Linears of the decoder layers (no MTP layer, no lm_head)."""
+        return [n for n in self.candidates(mtp=False)
+                if self.src.arch.classify(n).kind != "head" and self.method_algo(self.method_of(n))[0] is not None]
+
+    def decoder_weights(self) -> int:
+        """Logical weights of the decoder layers' quantized Linears (the measured rule's budget is per one)."""
+        total = 0
+        for n in self._decoder_linears():
+            a, b = self.src.info(n).shape
+            total += int(a) * int(b)
+        return total
+
+    def upgrade_candidates(self, upgrade_bits: int) -> list[str]:
+        """The Linears the measured rule may upgrade: decoder-layer Linears at fewer bits, no user rule on them."""
+        return [n for n in self._decoder_linears()
+                if self.bits_of(n) < upgrade_bits and not any(matches(g, n) for g, _m in self.opts.method_for)]
+
+    def apply_mix(self) -> None:
+        """Run the measured rule (--gpu-mix-budget > 0 and a calibrated encoder): its rules after the user's."""
+        if not self.opts.mix_budget or self._mixed:
+            return
+        self._mixed = True
+        if not self.calibrated or self.algo not in ("gptq", "search"):
+            log.info("GPU layers: %s %g is not applied: it needs calibrated %s (this conversion: %s)",
+                     "--gpu-mix-budget", self.opts.mix_budget, "--gpu-method gptq/search", self.method)
+            return
+        from ktconvert.gpu.sensitivity import sensitive_rules
+        self.mix_applied = True
+        added = sensitive_rules(self, self.opts.mix_budget, self.opts.mix_method)
+        self.rules = self.rules + added
+        self.mixed_rules = added
+
+    def _kind_quantized(self, role) -> bool:
+        return role.kind in QUANTIZED_KINDS or (role.kind == "head" and self.opts.quantize_head)
 
     # --- which tensors, which shapes -------------------------------------------------------------------------
     def quantizes(self, name: str, shape: tuple[int, ...], role) -> bool:
-        if self.algo is None or not name.endswith(".weight") or len(shape) != 2:
+        if not name.endswith(".weight") or len(shape) != 2 or not self._kind_quantized(role):
             return False
-        return role.kind in QUANTIZED_KINDS or (role.kind == "head" and self.opts.quantize_head)
+        return self.method_algo(self.method_of(name))[0] is not None
 
     @property
     def format(self) -> GpuLinearFormat:
-        """The registered GPU format the quantized Linears are written in (--gpu-format at this method's bits)."""
+        """The registered GPU format of --gpu-method's Linears (--gpu-format at its bits); format_of: one Linear's."""
         return gpu_format_for(self.opts.fmt, self.bits)
+
+    def format_of(self, name: str) -> GpuLinearFormat:
+        return gpu_format_for(self.opts.fmt, self.bits_of(name))
 
     def geometry(self, name: str, shape: tuple[int, ...]) -> GptqGeometry:
         n, k = shape
         try:
-            return self.format.storage_geometry(n, k, self.opts.group_size)
+            return self.format_of(name).storage_geometry(n, k, self.opts.group_size)
         except LayoutError as e:
             padding = " or ".join(f"--gpu-format {f}" for f in families_where("pads"))
             raise GpuLayerError(f"tensor {name} of shape (N={shape[0]}, K={shape[1]}) cannot be stored as "
@@ -148,7 +238,7 @@ class GpuLayerEncoder:
     def plan(self, name, src_dtype, shape, role) -> list[DenseOutput]:
         if not self.quantizes(name, tuple(shape), role):
             return self.bf16.plan(name, src_dtype, shape, role)
-        g, fmt = self.geometry(name, tuple(shape)), self.format
+        g, fmt = self.geometry(name, tuple(shape)), self.format_of(name)
         base = name[: -len(".weight")]
         return [DenseOutput(f"{base}.{part}", dt, tuple(s), fmt.name) for part, dt, s in fmt.part_shapes(g)]
 
@@ -173,7 +263,7 @@ class GpuLayerEncoder:
             self._paths[name] = (False, "not an integer grid")
             return None
         geom = self.geometry(name, shape)
-        got, why = gpu_codes(grid, self.format, geom, self.opts.group_size, keep_g_idx=self.opts.act_order)
+        got, why = gpu_codes(grid, self.format_of(name), geom, self.opts.group_size, keep_g_idx=self.opts.act_order)
         self._paths[name] = (got is not None, why)
         return None if got is None else QuantizedLinear(*got, geom)
 
@@ -192,7 +282,7 @@ class GpuLayerEncoder:
             hp = torch.zeros(g.k, g.k, dtype=torch.float32)
             hp[: h.shape[0], : h.shape[0]] = h
             h = hp
-        cfg = GptqConfig(bits=self.bits, group_size=self.opts.group_size, percdamp=self.opts.percdamp,
+        cfg = GptqConfig(bits=self.bits_of(name), group_size=self.opts.group_size, percdamp=self.opts.percdamp,
                          act_order=self.opts.act_order)
         q, _ = gptq_quantize(wp, h, cfg, name=name)
         return q
@@ -212,15 +302,18 @@ class GpuLayerEncoder:
         return self._calibrator
 
     def quantize_calibrated(self, name: str, w: torch.Tensor, h: torch.Tensor) -> QuantizedLinear:
-        if self.algo == "gptq":
+        algo, bits = self.method_algo(self.method_of(name))
+        if algo == "gptq":
             return self.quantize_with_hessian(name, w, h)
         exact = self.exact(name, tuple(w.shape))
         if exact is not None:
             return exact
         wp, g = self._pad(name, w.to(torch.float32))
+        if algo == "rtn":                   # a --gpu-method-for rtn rule in a calibrated conversion
+            return quantize_rtn(wp, bits, self.opts.group_size)
         imp = torch.zeros(g.k)
         imp[: h.shape[0]] = torch.diag(h)
-        return quantize_search(wp, self.bits, self.opts.group_size, importance=imp)
+        return quantize_search(wp, bits, self.opts.group_size, importance=imp)
 
     def _calibrated(self, name: str, role) -> QuantizedLinear:
         return self.calibrator().result(name, role.layer if role.kind != "head" else None)
@@ -232,19 +325,38 @@ class GpuLayerEncoder:
         # an MTP layer's Linears have no calibration inputs (the driver runs the main layers): uncalibrated
         calibrated = self.calibrated and not getattr(role, "mtp", False)
         q = None if calibrated else self.exact(name, tuple(t.shape))
+        algo, bits = self.method_algo(self.method_of(name))
         if calibrated:
             q = self._calibrated(name, role)
-        elif q is None and self.algo == "search":
-            q = quantize_search(self._pad(name, t)[0], self.bits, self.opts.group_size)
+        elif q is None and algo == "search":
+            q = quantize_search(self._pad(name, t)[0], bits, self.opts.group_size)
         elif q is None:
-            q = quantize_rtn(self._pad(name, t)[0], self.bits, self.opts.group_size)
+            q = quantize_rtn(self._pad(name, t)[0], bits, self.opts.group_size)
         self.quantized_names.append(name)
         return pack_quantized(name, q, self.opts.fmt, tuple(t.shape))
 
     def quantization_config(self) -> dict | None:
         """config.json `quantization_config` for the gptq / compressed-tensors formats (None otherwise)."""
-        return quantization_config(self.opts.fmt, self.bits, self.opts.group_size, self.opts.act_order,
-                                   self.opts.quantize_head, self.opts.percdamp) if self.algo else None
+        if not self.rules:
+            return quantization_config(self.opts.fmt, self.bits, self.opts.group_size, self.opts.act_order,
+                                       self.opts.quantize_head, self.opts.percdamp) if self.algo else None
+        # mixed: the base scheme at --gpu-method's bits (or the first quantized Linear's), and per module the
+        # Linears whose bits differ (an exact-name regex each) or that stay unquantized
+        bits = {n: self.bits_of(n) if self.method_algo(self.method_of(n))[0] else None for n in self.candidates()}
+        base = self.bits if self.algo else next((b for b in bits.values() if b), None)
+        if base is None:
+            return None
+        qc = quantization_config(self.opts.fmt, base, self.opts.group_size, self.opts.act_order,
+                                 self.opts.quantize_head, self.opts.percdamp)
+        if qc is None:
+            return None
+        fmt = gpu_format_for(self.opts.fmt, base)
+        module = {n: n.removesuffix(".weight") for n in bits}
+        for n, b in bits.items():
+            if b is not None and b != base:
+                qc = fmt.with_scheme(qc, re.escape(module[n]) + "$", b, self.opts.group_size)
+        off = [module[n] for n, b in bits.items() if b is None]
+        return fmt.with_unquantized(qc, off) if off else qc
 
 
 def pack_quantized(name: str, q: QuantizedLinear, fmt: str, logical_shape: tuple[int, int]) -> dict[str, np.ndarray]:
