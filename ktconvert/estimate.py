@@ -25,7 +25,10 @@ The model:
   forward_cpu = forward x (FORWARD_MATMUL_SHARE x torch's threads + the rest on one)
   write       = output bytes x (write + fsync + sha256 read-back), timed on a sample file beside the output: each
                 file's commit is a serial point on the main thread
-  wall        = startup + sample + max(forward, (experts_cpu + dense_cpu + forward_cpu) / (cores x efficiency))
+  mix         = (the measured mixed precision, --gpu-mix-budget, ktconvert.gpu.sensitivity: a pass before the
+                conversion, on one thread) forward + dense_cpu + each layer's Linears once more per quantized
+                Linear of the layer (2 T p n_quantized / rate / FORWARD_MATMUL_SHARE); not yet timed against a run
+  wall        = startup + sample + mix + max(forward, (experts_cpu + dense_cpu + forward_cpu) / (cores x efficiency))
                 + write, efficiency PARALLEL_EFFICIENCY (CALIBRATED_PARALLEL_EFFICIENCY for a calibrated one)
 with cores = min(--workers (+1 for the calibration thread), the CPUs this process may use), startup what this
 process took until the estimate (imports, and those of the calibration forward), and sample the time the sample
@@ -143,6 +146,10 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
         parts["startup"] += time.perf_counter() - t
         forward = parts["forward"] = _forward_seconds(src, plan, quantizer, encoder, tokens, read_rate)
 
+    mix = 0.0
+    if calibrated and _measures_mix(encoder):
+        mix = parts["mix"] = forward + dense_cpu + _layer_reruns(src, encoder, tokens)
+
     out_bytes = sum(spec.nbytes for g in plan.jobs for j in g for spec in j.specs)
     parts["write"] = out_bytes * _write_seconds_per_byte(out_dir)
 
@@ -157,8 +164,35 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
     # quantize times this sample before it starts (the imports in it are part of the run anyway: in startup)
     sample = time.perf_counter() - t0 - (parts["startup"] - startup)
     efficiency = CALIBRATED_PARALLEL_EFFICIENCY if calibrated else PARALLEL_EFFICIENCY
-    wall = parts["startup"] + sample + max(forward, work / (cores * efficiency)) + parts["write"]
+    wall = parts["startup"] + sample + mix + max(forward, work / (cores * efficiency)) + parts["write"]
     return Estimate(wall, parts, sample)
+
+
+def _measures_mix(encoder) -> bool:
+    """Whether the conversion runs the measured mixed-precision pass first (ktconvert.gpu.sensitivity); not when
+    it has run already (quantize plans after it: its time is in startup then)."""
+    opts = getattr(encoder, "opts", None)
+    return bool(getattr(opts, "mix_budget", 0)) and getattr(encoder, "algo", None) in ("gptq", "search") \
+        and not getattr(encoder, "mix_applied", False)
+
+
+def _layer_reruns(src, encoder, tokens: int) -> float:
+    """Seconds of the sensitivity pass's layer re-runs: each quantized Linear of a layer runs the layer's Linears
+    (no routed experts) once more over the calibration tokens, float32."""
+    import torch
+
+    arch = src.arch
+    per_layer: dict[int, list[int]] = {}          # layer -> [parameters of its 2-D Linears, quantized ones]
+    for name in src.tensor_names():
+        role = arch.classify(name)
+        info = src.info(name)
+        if role.kind in ("expert", "skip") or role.layer is None or len(info.shape) != 2:
+            continue
+        acc = per_layer.setdefault(role.layer, [0, 0])
+        acc[0] += math.prod(info.shape)
+        acc[1] += bool(encoder.quantizes(name, tuple(info.shape), role))
+    rate = _matmul_rate(arch.hidden_size, max(1, arch.moe_intermediate_size or arch.hidden_size), torch.float32)
+    return sum(2 * tokens * p * n for p, n in per_layer.values()) / rate / FORWARD_MATMUL_SHARE
 
 
 WRITE_SAMPLE_BYTES = 32 << 20

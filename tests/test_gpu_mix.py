@@ -162,3 +162,32 @@ def test_measured_error_matches_transformers_whole_model_forward(ckpt_dir, tmp_p
             mod.weight.copy_(w0)
             want = float(((y - ref).pow(2).sum(-1) / ref.pow(2).sum(-1)).mean())
             assert got[name] == pytest.approx(want, rel=2e-3), name
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
+def test_quantization_config_names_the_linears_at_other_bits(ckpt_dir, tmp_path, fmt):
+    """vLLM / transformers read a mixed checkpoint's schemes from config.json: the int8 Linears by exact name
+    (GPTQ's `dynamic` "+:" entries, a compressed-tensors config group), the unquantized ones excluded."""
+    import re
+
+    src = ckpt_dir("qwen3_moe")       # shapes gptq / compressed-tensors hold without padding
+    out = tmp_path / "out"
+    res = run_quantize(src, out, "--gpu-method", "rtn-int4", "--gpu-format", fmt, "--gpu-group-size", 64,
+                       "--gpu-method-for", "model.layers.0.self_attn.o_proj=rtn-int8",
+                       "--gpu-method-for", "model.layers.1.self_attn.q_proj=bf16")
+    assert res.returncode == 0, res.stderr[-3000:]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    int8, off = "model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.q_proj"
+    if fmt == "gptq":
+        assert qc["bits"] == 4
+        plus = {k[2:]: v for k, v in qc["dynamic"].items() if k.startswith("+:")}
+        minus = [k[2:] for k in qc["dynamic"] if k.startswith("-:")]
+        assert [(k, v["bits"]) for k, v in plus.items() if re.match(k, int8)] == [(re.escape(int8) + "$", 8)]
+        assert not any(re.match(k, "model.layers.1.self_attn.o_proj") for k in plus)
+        assert any(re.match(k, off) for k in minus)
+    else:
+        groups = list(qc["config_groups"].values())
+        assert groups[0]["weights"]["num_bits"] == 4 and groups[0]["targets"] == ["Linear"]
+        eight = [g for g in groups if g["weights"]["num_bits"] == 8]
+        assert len(eight) == 1 and [t for t in eight[0]["targets"] if re.match(t[3:], int8)]
+        assert off in qc["ignore"]
