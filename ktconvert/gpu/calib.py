@@ -304,9 +304,10 @@ class LayerwiseGptq:
             raise CalibrationError(f"{name}: not a Linear that calibration quantizes")
         return self.results.pop(name)[1]
 
-    def run_layers(self) -> None:
-        """Run every decoder layer not run yet (a pass that only measures: ktconvert.gpu.sensitivity)."""
-        while self.next_layer < self.cfg.num_hidden_layers:
+    def run_layers(self, last: int) -> None:
+        """Run the decoder layers not run yet up to `last` (a pass that only measures: ktconvert.gpu.sensitivity;
+        the checkpoint's last layer with targets, not the config's count: LongCat-Flash's counts sublayers)."""
+        while self.next_layer <= min(last, self.cfg.num_hidden_layers - 1):
             self._run_layer(self.next_layer)
 
     def expert_inputs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,7 +68,8 @@ def measure(encoder, upgrade_bits: int) -> list[Measured]:
 
     cal = make_calibrator(src, opts.calib, opts.calib_tokens, opts.seq_len, opts.seed, lambda *a: None, is_target)
     cal.on_layer = on_layer
-    cal.run_layers()
+    if cands:
+        cal.run_layers(max(src.arch.classify(n).layer for n in cands))
     return out
 
 
