@@ -113,6 +113,8 @@ def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = N
             hot_experts = None            # --profile alone with --expert-ram: it seeds the tier, places nothing
     experts = build_hot_executor(converted, cpu, hot_experts, kv_tokens, kv_states)
     model = MoEModel(converted.config, converted.dense, experts, converted.device, converted.dtype)
+    # the routers' pool: the dense Linears' kernel context, else the routed experts' (None: not on the kernels)
+    model.kernels = converted.kernels if converted.kernels is not None else getattr(cpu, "moe", None)
     head = None
     if mtp:
         from .mtp import MtpHead, mtp_executor

@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 15  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 16  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -33,7 +33,10 @@ extern "C" {
                              14: kt_route_softmax (the softmax router with optional group-limited top-k, on the
                                  calling thread);
                              15: kt_gqa_attend_batch (GQA / MQA decode attention of m query rows, each over its own
-                                 cache rows, in one pool job) */
+                                 cache rows, in one pool job);
+                             16: kt_gqa_decode (a GQA layer's decode rows after their q/k/v projections: q/k norm,
+                                 RoPE, the KV cache write and the attention, in one call); kt_route_sigmoid /
+                                 kt_route_softmax take a context: a large gate's logits on its pool */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -240,13 +243,13 @@ int kt_mla_attend_batch(kt_ctx* ctx, int64_t m, int64_t nh, int64_t R, int64_t d
                         int64_t out_stride);
 
 /* The sigmoid router with group-limited top-k (DeepSeek-V3 "noaux_tc"; one group: MiniMax-M2) of T tokens on the
- * calling thread: scores = sigmoid(x W^T) ((T, E); x rows of K floats x_stride apart, W (E, K) rows w_stride apart,
+ * calling thread (the logits of a gate of 2^18 floats or more on ctx's pool when ctx is given): scores = sigmoid(x W^T) ((T, E); x rows of K floats x_stride apart, W (E, K) rows w_stride apart,
  * K a multiple of 16), choice = scores + bias (bias (E,) or NULL); per token the topk_group of n_group groups
  * (E / n_group experts each) with the best sum of their two best choices are kept, ids[t] = the top_k best choices
  * inside them (best first, ties to the lower index), weights[t] = scores at ids, divided by their sum + 1e-20 when
  * norm, times scaling. ids (T, top_k) int64, weights (T, top_k) float32. Logits in float_dots' fixed order
  * (kernels/src/mla_attend.h): the same bits on every ISA, whatever T. Returns -1 for bad arguments. */
-int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
+int kt_route_sigmoid(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
                      int64_t w_stride, const float* bias, int64_t n_group, int64_t topk_group, int64_t top_k, int norm,
                      float scaling, int64_t* ids, float* weights);
 
@@ -265,13 +268,46 @@ int kt_gqa_attend_batch(kt_ctx* ctx, int64_t m, int64_t nkv, int64_t rep, int64_
                         int64_t k_row_stride, int64_t v_row_stride, float* out, int64_t out_entry_stride,
                         int64_t out_head_stride);
 
+/* kt_gqa_decode's arguments: one GQA layer's new rows (decode rows, a speculative verify's, a short chunk's) after
+ * their q / k / v projections, and the requests' paged KV caches. Strides in floats. */
+typedef struct kt_gqa_decode_args {
+    int64_t nh, nkv, hd, vd;            /* query heads, kv heads (nh a multiple), key / value head dims (multiples of 16) */
+    int64_t T;                          /* new rows */
+    const float* q; int64_t q_stride;   /* row t: nh heads of hd at q + t * q_stride */
+    const float* k; int64_t k_stride;   /* row t: nkv heads of hd */
+    const float* v; int64_t v_stride;   /* row t: nkv heads of vd */
+    /* RMSNorm of q and k before RoPE, as kt_rms_norm: norm 0 none, 1 per head (q_norm / k_norm: hd weights), 2 over
+     * the whole projection (nh * hd and nkv * hd weights); lanes and eps as kt_rms_norm's */
+    int32_t norm, lanes; float eps;
+    const float* q_norm; const float* k_norm;
+    /* RoPE (kt_rope) of the first 2 * rope_half dims of every head (the rest pass through), with row t's cos / sin
+     * (rope_half floats) at cos + t * cs_stride, sin + t * cs_stride; rope_half 0: none */
+    int64_t rope_half; int32_t interleaved; const float* cos; const float* sin; int64_t cs_stride;
+    /* m requests: request r's rows are [row0[r], row0[r + 1]) at positions start[r], start[r] + 1, ...; position p is
+     * slot p % block_size of block tables[table0[r] + p / block_size]. Block b's slot i holds that position's keys
+     * at k_cache + b * k_block_stride + i * k_row_stride (nkv heads of hd contiguous), its values likewise. */
+    int64_t m; const int64_t* row0; const int64_t* start; const int64_t* table0; const int64_t* tables;
+    int64_t block_size;
+    float* k_cache; int64_t k_block_stride, k_row_stride;
+    float* v_cache; int64_t v_block_stride, v_row_stride;
+    float scale; int64_t window;        /* window > 0: a row at position p sees positions > p - window only */
+    float* out; int64_t out_stride;     /* row t: nh heads of vd */
+} kt_gqa_decode_args;
+
+/* A GQA layer's new rows in one call: each row's q and k normed and roped (the bits of kt_rms_norm and kt_rope), its
+ * k and v written into its request's cache slot, then every row attends over its causal (windowed) prefix, as
+ * kt_gqa_attend_batch (one job on ctx's pool, or the calling thread when ctx is NULL): a row's result has the bits
+ * of that token decoded alone. Returns -1 for bad arguments (kt_last_error says which). */
+int kt_gqa_decode(kt_ctx* ctx, const kt_gqa_decode_args* args);
+
 /* The softmax router (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral) for T tokens x (T, K) (row t at
- * x + t * x_stride) and the gate w (E, K) (row stride w_stride), all float32, on the calling thread: scores =
+ * x + t * x_stride) and the gate w (E, K) (row stride w_stride), all float32, on the calling thread (a large gate's
+ * logits on ctx's pool, as kt_route_sigmoid): scores =
  * softmax(x W^T); with topk_group < n_group only the topk_group groups of the best single score keep theirs (the
  * others become 0); ids = the top_k best scores (best first, ties to the lower index); weights = their scores,
  * normalized to sum 1 when norm, times scaling. ids (T, top_k) int64, weights (T, top_k) float32. Logits in
  * float_dots' fixed order: the same bits on every ISA, whatever T. Returns -1 for bad arguments. */
-int kt_route_softmax(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
+int kt_route_softmax(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
                      int64_t w_stride, int64_t n_group, int64_t topk_group, int64_t top_k, int norm, float scaling,
                      int64_t* ids, float* weights);
 

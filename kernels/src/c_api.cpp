@@ -9,21 +9,8 @@
 #include <string>
 
 #include "../include/ktkernels.h"
+#include "context.h"
 #include "cpu_features.h"
-#include "linear_engine.h"
-#include "mla_attend.h"
-#include "moe_engine.h"
-
-// One pool and one backend table for both ops (the MoE engine owns them; the linear engine borrows them).
-struct kt_ctx {
-    kt::MoEEngine engine;
-    kt::LinearEngine linear;
-    kt::MlaAttend attend;   // kt_mla_attend's job on this pool
-    kt::MlaAttendBatch attend_batch;   // kt_mla_attend_batch's
-    kt::GqaAttendBatch gqa_batch;      // kt_gqa_attend_batch's
-    kt_ctx(int n_threads, int n_pools, const std::string& backend)
-        : engine(n_threads, n_pools, backend), linear(engine.pool(), engine.table()) {}
-};
 
 namespace {
 thread_local std::string t_error;
@@ -39,6 +26,26 @@ int guarded(F&& f) {
         t_error = "unknown error";
     }
     return -1;
+}
+
+// A job with run(worker index, n workers) on ctx's pool (the caller one of its workers), or on the calling thread
+// alone when ctx is NULL; set(job) checks the arguments and fills it (false: -1). The pool's job slot lives in ctx
+// (member), the calling thread's in a thread_local.
+template <class Job, class Set>
+int run_job(kt_ctx* ctx, Job kt_ctx::*member, Set&& set) {
+    if (!ctx) {
+        thread_local Job job;
+        if (!set(job)) return -1;
+        job.run(0, 1);
+        return 0;
+    }
+    kt::ThreadPool& pool = ctx->engine.pool();
+    pool.wait();   // the job in flight may be an earlier one's: it may use the same slot
+    Job& job = ctx->*member;
+    if (!set(job)) return -1;
+    pool.launch([&job](const kt::WorkerInfo& w) { job.run(w.index, w.n_threads); });
+    pool.wait();
+    return 0;
 }
 
 double now_s() {
@@ -143,22 +150,10 @@ int kt_add_linear_ex(kt_ctx* ctx, int linear_id, int n, int k, int bits, int gro
 int kt_mla_attend(kt_ctx* ctx, int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_stride,
                   const float* q_rot, int64_t q_rot_stride, float scale, int64_t n_runs, const float* const* runs,
                   const int64_t* run_len, int64_t row_stride, float* out, int64_t out_stride) {
-    if (!ctx) {   // the calling thread alone
-        thread_local kt::MlaAttend job;
-        if (!job.set(nh, R, dr, q_lat, q_lat_stride, q_rot, q_rot_stride, scale, n_runs, runs, run_len, row_stride,
-                     out, out_stride))
-            return -1;
-        job.run(0, 1);
-        return 0;
-    }
-    kt::ThreadPool& pool = ctx->engine.pool();
-    pool.wait();   // the job in flight may be an earlier attend's
-    if (!ctx->attend.set(nh, R, dr, q_lat, q_lat_stride, q_rot, q_rot_stride, scale, n_runs, runs, run_len,
-                         row_stride, out, out_stride))
-        return -1;
-    pool.launch([ctx](const kt::WorkerInfo& w) { ctx->attend.run(w.index, w.n_threads); });
-    pool.wait();
-    return 0;
+    return run_job(ctx, &kt_ctx::attend, [&](kt::MlaAttend& job) {
+        return job.set(nh, R, dr, q_lat, q_lat_stride, q_rot, q_rot_stride, scale, n_runs, runs, run_len, row_stride,
+                       out, out_stride);
+    });
 }
 
 int kt_mla_attend_batch(kt_ctx* ctx, int64_t m, int64_t nh, int64_t R, int64_t dr, const float* q_lat,
@@ -166,23 +161,10 @@ int kt_mla_attend_batch(kt_ctx* ctx, int64_t m, int64_t nh, int64_t R, int64_t d
                         int64_t q_rot_stride, float scale, const int64_t* req_n_runs, const float* const* runs,
                         const int64_t* run_len, int64_t row_stride, float* out, int64_t out_req_stride,
                         int64_t out_stride) {
-    if (!ctx) {   // the calling thread alone
-        thread_local kt::MlaAttendBatch job;
-        if (!job.set(m, nh, R, dr, q_lat, q_lat_req_stride, q_lat_stride, q_rot, q_rot_req_stride, q_rot_stride, scale,
-                     req_n_runs, runs, run_len, row_stride, out, out_req_stride, out_stride))
-            return -1;
-        job.run(0, 1);
-        return 0;
-    }
-    kt::ThreadPool& pool = ctx->engine.pool();
-    pool.wait();   // the job in flight may be an earlier attend's
-    if (!ctx->attend_batch.set(m, nh, R, dr, q_lat, q_lat_req_stride, q_lat_stride, q_rot, q_rot_req_stride,
-                               q_rot_stride, scale, req_n_runs, runs, run_len, row_stride, out, out_req_stride,
-                               out_stride))
-        return -1;
-    pool.launch([ctx](const kt::WorkerInfo& w) { ctx->attend_batch.run(w.index, w.n_threads); });
-    pool.wait();
-    return 0;
+    return run_job(ctx, &kt_ctx::attend_batch, [&](kt::MlaAttendBatch& job) {
+        return job.set(m, nh, R, dr, q_lat, q_lat_req_stride, q_lat_stride, q_rot, q_rot_req_stride, q_rot_stride,
+                       scale, req_n_runs, runs, run_len, row_stride, out, out_req_stride, out_stride);
+    });
 }
 
 int kt_gqa_attend_batch(kt_ctx* ctx, int64_t m, int64_t nkv, int64_t rep, int64_t hd, int64_t vd, const float* q,
@@ -190,22 +172,20 @@ int kt_gqa_attend_batch(kt_ctx* ctx, int64_t m, int64_t nkv, int64_t rep, int64_
                         const float* const* k_runs, const float* const* v_runs, const int64_t* run_len,
                         int64_t k_row_stride, int64_t v_row_stride, float* out, int64_t out_entry_stride,
                         int64_t out_head_stride) {
-    if (!ctx) {   // the calling thread alone
-        thread_local kt::GqaAttendBatch job;
-        if (!job.set(m, nkv, rep, hd, vd, q, q_entry_stride, q_head_stride, scale, entry_n_runs, k_runs, v_runs,
-                     run_len, k_row_stride, v_row_stride, out, out_entry_stride, out_head_stride))
-            return -1;
-        job.run(0, 1);
-        return 0;
-    }
-    kt::ThreadPool& pool = ctx->engine.pool();
-    pool.wait();   // the job in flight may be an earlier one's
-    if (!ctx->gqa_batch.set(m, nkv, rep, hd, vd, q, q_entry_stride, q_head_stride, scale, entry_n_runs, k_runs, v_runs,
-                            run_len, k_row_stride, v_row_stride, out, out_entry_stride, out_head_stride))
-        return -1;
-    pool.launch([ctx](const kt::WorkerInfo& w) { ctx->gqa_batch.run(w.index, w.n_threads); });
-    pool.wait();
-    return 0;
+    return run_job(ctx, &kt_ctx::gqa_batch, [&](kt::GqaAttendBatch& job) {
+        return job.set(m, nkv, rep, hd, vd, q, q_entry_stride, q_head_stride, scale, entry_n_runs, k_runs, v_runs,
+                       run_len, k_row_stride, v_row_stride, out, out_entry_stride, out_head_stride);
+    });
+}
+
+int kt_gqa_decode(kt_ctx* ctx, const kt_gqa_decode_args* args) {
+    if (!args) { t_error = "kt_gqa_decode: no arguments"; return -1; }
+    return run_job(ctx, &kt_ctx::gqa_decode, [&](kt::GqaDecode& job) {
+        const char* why = "";
+        if (job.set(*args, &why)) return true;
+        t_error = std::string("kt_gqa_decode: ") + why;
+        return false;
+    });
 }
 
 int kt_linear_submit(kt_ctx* ctx, int n_linears, const int32_t* ids, int n_tokens, const void* x, int x_dtype,

@@ -173,6 +173,18 @@ bool GqaAttendBatch::set(int64_t m_, int64_t nkv_, int64_t rep_, int64_t hd_, in
         first_row[e + 1] = (int64_t)krows.size();
         if (first_row[e + 1] == first_row[e]) return false;   // an entry sees at least its own position
     }
+    return set_filled(m_, nkv_, rep_, hd_, vd_, q_, q_entry_stride_, q_head_stride_, scale_, out_, out_entry_stride_,
+                      out_head_stride_);
+}
+
+bool GqaAttendBatch::set_filled(int64_t m_, int64_t nkv_, int64_t rep_, int64_t hd_, int64_t vd_, const float* q_,
+                                int64_t q_entry_stride_, int64_t q_head_stride_, float scale_, float* out_,
+                                int64_t out_entry_stride_, int64_t out_head_stride_) {
+    if (m_ < 1 || nkv_ < 1 || rep_ < 1 || hd_ < 16 || hd_ % 16 || vd_ < 16 || vd_ % 16 || !q_ || !out_ ||
+        q_head_stride_ < hd_ || out_head_stride_ < vd_ || (int64_t)first_row.size() != m_ + 1)
+        return false;
+    for (int64_t e = 0; e < m_; ++e)
+        if (first_row[e + 1] <= first_row[e]) return false;   // an entry sees at least its own position
     m = m_; nkv = nkv_; rep = rep_; hd = hd_; vd = vd_; q = q_; q_entry_stride = q_entry_stride_;
     q_head_stride = q_head_stride_; scale = scale_; out = out_; out_entry_stride = out_entry_stride_;
     out_head_stride = out_head_stride_;

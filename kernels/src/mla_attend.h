@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "../include/ktkernels.h"
+
 namespace kt {
 
 struct MlaAttend {
@@ -53,9 +55,24 @@ struct GqaAttendBatch {
              int64_t q_head_stride, float scale, const int64_t* entry_n_runs, const float* const* k_runs,
              const float* const* v_runs, const int64_t* run_len, int64_t k_row_stride, int64_t v_row_stride,
              float* out, int64_t out_entry_stride, int64_t out_head_stride);
+    // set's checks and geometry, the rows already filled in krows / vrows / first_row (kt_gqa_decode: from the
+    // requests' block tables)
+    bool set_filled(int64_t m, int64_t nkv, int64_t rep, int64_t hd, int64_t vd, const float* q, int64_t q_entry_stride,
+                    int64_t q_head_stride, float scale, float* out, int64_t out_entry_stride, int64_t out_head_stride);
     void run(int index, int n) const;
     // entry e, kv head g on the calling thread
     void pair(int64_t e, int64_t g) const;
+};
+
+// kt_gqa_decode's job (gqa_decode.cpp): the rows' q / k norm, RoPE and cache write on the calling thread (set), then
+// the attention as a GqaAttendBatch over the positions the block tables give (run).
+struct GqaDecode {
+    GqaAttendBatch attend;
+    std::vector<float> q_ready;   // (T, nh, hd): the normed, roped queries
+    std::vector<float> normed;    // one row's normed q or k
+    // Checks the arguments (false, with why, for bad ones), writes the cache, fills attend.
+    bool set(const kt_gqa_decode_args& a, const char** why);
+    void run(int index, int n) const { attend.run(index, n); }
 };
 
 // out[h * S + j] = (a[h] . rows[j]) * scale for h < n, j < S (K a multiple of 16), in the same fixed order (16 lane

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../include/ktkernels.h"
+#include "context.h"
 #include "mla_attend.h"
 
 namespace {
@@ -39,8 +40,14 @@ struct RouterScratch {
     std::vector<int64_t> groups;
 };
 
-RouterScratch& router_logits(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
-                             int64_t w_stride, int64_t n_group, int64_t topk_group) {
+constexpr int64_t kPoolMinFloats = 1 << 18;   // gate weights (E x K) from which the logits go on the pool (1 MiB)
+
+// The logits of T tokens on ctx's pool (the experts' rows split between its workers: each expert's dot products are
+// the same whoever computes them) when the gate is large enough, else on the calling thread. A decode step's router
+// reads its whole gate (DeepSeek-V3: 256 x 7168 float32, 7.3 MB per layer) right after the kernel jobs have flushed
+// it from the caches; one thread streams it at a fraction of the machine's bandwidth.
+RouterScratch& router_logits(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride,
+                             const float* w, int64_t w_stride, int64_t n_group, int64_t topk_group) {
     thread_local RouterScratch s;
     s.logits.resize((size_t)(E * T));
     s.per_expert.resize((size_t)E);
@@ -48,7 +55,19 @@ RouterScratch& router_logits(int64_t T, int64_t E, int64_t K, const float* x, in
     s.groups.resize((size_t)topk_group);
     s.rows.resize((size_t)T);
     for (int64_t t = 0; t < T; ++t) s.rows[t] = x + t * x_stride;
-    kt::float_dots(E, K, w, w_stride, s.rows.data(), T, 1.0f, s.logits.data());
+    if (!ctx || E * K < kPoolMinFloats || ctx->engine.pool().n_threads() < 2) {
+        kt::float_dots(E, K, w, w_stride, s.rows.data(), T, 1.0f, s.logits.data());
+        return s;
+    }
+    kt::ThreadPool& pool = ctx->engine.pool();
+    pool.wait();   // the job in flight may be an earlier one's
+    const float* const* rows = s.rows.data();
+    float* logits = s.logits.data();
+    pool.launch([=](const kt::WorkerInfo& wi) {
+        const int64_t e0 = E * wi.index / wi.n_threads, e1 = E * (wi.index + 1) / wi.n_threads;
+        if (e1 > e0) kt::float_dots(e1 - e0, K, w + e0 * w_stride, w_stride, rows, T, 1.0f, logits + e0 * T);
+    });
+    pool.wait();
     return s;
 }
 
@@ -65,7 +84,7 @@ void keep_best_groups(RouterScratch& s, float* v, int64_t n_group, int64_t per_g
 
 }  // namespace
 
-extern "C" int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
+extern "C" int kt_route_sigmoid(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
                                 int64_t w_stride, const float* bias, int64_t n_group, int64_t topk_group,
                                 int64_t top_k_, int norm, float scaling, int64_t* ids, float* weights) {
     if (T < 0 || E < 1 || K < 16 || K % 16 || !w || w_stride < K || n_group < 1 || E % n_group || topk_group < 1 ||
@@ -73,7 +92,7 @@ extern "C" int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x,
         !weights)))
         return -1;
     if (T == 0) return 0;
-    RouterScratch& s = router_logits(T, E, K, x, x_stride, w, w_stride, n_group, topk_group);
+    RouterScratch& s = router_logits(ctx, T, E, K, x, x_stride, w, w_stride, n_group, topk_group);
     std::vector<float>& choice = s.per_expert;
     std::vector<float>& group_score = s.group_score;
     const int64_t per_group = E / n_group;
@@ -115,14 +134,14 @@ extern "C" int kt_route_sigmoid(int64_t T, int64_t E, int64_t K, const float* x,
 // Why: as kt_route_sigmoid: a decode step's router was a GEMV plus ~8 small torch ops per MoE layer while the pool
 // waited. Numerics: logits by float_dots (one fixed order on every ISA); max, exp and the sum in index order; so a
 // token's result depends on its own row only. Ties go to the lower index; ids come out best first.
-extern "C" int kt_route_softmax(int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
+extern "C" int kt_route_softmax(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
                                 int64_t w_stride, int64_t n_group, int64_t topk_group, int64_t top_k_, int norm,
                                 float scaling, int64_t* ids, float* weights) {
     if (T < 0 || E < 1 || K < 16 || K % 16 || !w || w_stride < K || n_group < 1 || E % n_group || topk_group < 1 ||
         topk_group > n_group || top_k_ < 1 || top_k_ > E || (T && (!x || x_stride < K || !ids || !weights)))
         return -1;
     if (T == 0) return 0;
-    RouterScratch& s = router_logits(T, E, K, x, x_stride, w, w_stride, n_group, topk_group);
+    RouterScratch& s = router_logits(ctx, T, E, K, x, x_stride, w, w_stride, n_group, topk_group);
     const std::vector<float>& logits = s.logits;
     std::vector<float>& scores = s.per_expert;
     std::vector<float>& group_score = s.group_score;

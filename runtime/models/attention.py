@@ -76,6 +76,11 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     # q (T, nh*hd), k (T, nkv*hd), v (T, nkv*hd): on the CPU kernels one submission (x quantized once, one job)
     q, k, v = linears(x, [w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]],
                       [w.get(p + "q_proj.bias"), w.get(p + "k_proj.bias"), w.get(p + "v_proj.bias")])
+    lin = getattr(w[p + "q_proj.weight"], "lin", None)          # a KernelLinear's context: its pool attends too
+    kernels = None if lin is None else lin.kernels
+    out = _gqa_in_one_call(cfg, w, p, q, k, v, batch, layer, rope, cos, sin, qk_norm, window, sinks, kernels)
+    if out is not None:
+        return linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
     v = v.view(T, nkv, hd)
     if qk_norm == "projection":
         q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
@@ -85,10 +90,56 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
         q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    lin = getattr(w[p + "q_proj.weight"], "lin", None)          # a KernelLinear's context: its pool attends too
-    out = gqa_attend(cfg, q, k, v, batch, layer, window=window, sinks=sinks,
-                     kernels=None if lin is None else lin.kernels)
+    out = gqa_attend(cfg, q, k, v, batch, layer, window=window, sinks=sinks, kernels=kernels)
     return linear(out.reshape(T, nh * hd), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+
+
+def _gqa_in_one_call(cfg: ModelConfig, w: dict, p: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     batch: Batch, layer: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, qk_norm: str | None,
+                     window: int | None | str, sinks: torch.Tensor | None, kernels) -> torch.Tensor | None:
+    """gqa_attention after the projections, for a batch of decode-sized requests (each at most SERIAL_MAX_ROWS new
+    rows: decode, a speculative verify) of a float32 CPU model: the q / k norms, RoPE, the cache write and every
+    row's attention over its causal (windowed) prefix in one kt_gqa_decode call (ktrun.ops.glue.gqa_decode), the
+    same bits as the separate steps below it. -> (T, nh * vd), or None (nothing done) for anything else: sinks,
+    longer prompts, other dtypes or devices, norms or RoPE the call does not reproduce, caches it cannot address."""
+    nh, hd = cfg.num_heads, cfg.head_dim
+    if sinks is not None or q.dtype != torch.float32 or not q.is_cpu or hd % 16 or \
+            any(s.n > SERIAL_MAX_ROWS for s in batch.seqs):
+        return None
+    pool = batch.seqs[0].cache.pool
+    if len(pool.tokens) < 2 or pool.dtype != torch.float32 or any(s.cache.pool is not pool for s in batch.seqs):
+        return None
+    kc, vc = pool.tokens[0][layer], pool.tokens[1][layer]            # (blocks, B, nkv, hd), (blocks, B, nkv, vd)
+    nkv = kc.shape[2]
+    if kc.dim() != 4 or vc.dim() != 4 or vc.shape[2] != nkv or kc.shape[3] != hd or vc.shape[3] % 16 or \
+            not (kc.is_contiguous() and vc.is_contiguous()) or k.shape[1] != nkv * hd or v.shape[1] != nkv * vc.shape[3]:
+        return None
+    q_w, k_w = (w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight")) if qk_norm else (None, None)
+    if qk_norm not in (None, "head", "projection") or not glue.gqa_decode_norm_ok(qk_norm, q_w, k_w, hd):
+        return None
+    half = cos.shape[-1]
+    if 2 * half > hd or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride(-1) != 1 or \
+            sin.stride() != cos.stride() or any(t.stride(-1) != 1 for t in (q, k, v)):
+        return None
+    window = cfg.sliding_window if window == "config" else window
+    return glue.gqa_decode(q, k, v, nh, hd, qk_norm, q_w, k_w, cfg.rms_norm_eps, cos, sin, half, rope.interleaved,
+                           _paging(batch), kc, vc, cfg.softmax_scale, window, kernels)
+
+
+def _paging(batch: Batch) -> tuple:
+    """The batch's requests as kt_gqa_decode reads them: (m, row0 (m + 1), start (m), table0 (m + 1), the block
+    tables concatenated), int64 tensors made once per forward (Batch.carried) and read by every layer."""
+    got = batch.carried.get("gqa_paging")
+    if got is None:
+        row0, start, table0, tables = [0], [], [0], []
+        for s in batch.seqs:
+            row0.append(s.offset + s.n)
+            start.append(s.start)
+            tables.extend(s.cache.blocks)
+            table0.append(len(tables))
+        got = batch.carried["gqa_paging"] = (len(batch.seqs), torch.tensor(row0), torch.tensor(start),
+                                             torch.tensor(table0), torch.tensor(tables))
+    return got
 
 
 def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,

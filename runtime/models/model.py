@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig, get_family
 
+from ..ops import glue
 from ..ops.packed_linear import linear
 from . import arch_module, cache_layers
 from .attention import prepare_absorbed
@@ -27,6 +28,9 @@ class MoEModel:
         """layers: the decoder layers this forward runs, by hub index, in order (default: all cfg.num_layers; a
         multi-token-prediction block runs its one layer L = num_hidden_layers, in KV slot 0: ktrun.mtp)."""
         self.cfg, self.w, self.experts = cfg, weights, experts
+        # the kernel context (ktrun.ops.moe.MoEKernels) whose pool computes a large router's logits (glue.routers_on);
+        # None: the calling thread. Set by whoever loads the model onto the kernels (ktrun.loaded_model).
+        self.kernels = None
         self.layers = tuple(range(cfg.num_layers)) if layers is None else tuple(layers)
         self.device, self.dtype = torch.device(device), dtype
         self.arch = arch_module(cfg.model_type)
@@ -90,7 +94,7 @@ class MoEModel:
 
     def _moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
         p = self.moe_prefix[i]
-        with serial_torch(h.shape[0] <= SERIAL_MAX_ROWS):     # a (T, H) x (H, E) matmul: no OpenMP wake-up
+        with serial_torch(h.shape[0] <= SERIAL_MAX_ROWS), glue.routers_on(self.kernels):   # no OpenMP wake-up
             ids, wts = self.arch.route(self.cfg, self.w, p, h)               # (T, k), (T, k)
         out = torch.empty_like(h)
         scale = getattr(self.arch, "shared_expert_scale", None)               # Qwen3-Next: a sigmoid gate

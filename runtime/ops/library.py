@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ktlayouts.expert_formats import scale_encodings
 
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
@@ -37,6 +37,19 @@ class _Piece(ctypes.Structure):
                 ("up_s", ctypes.c_void_p), ("down_q", ctypes.c_void_p), ("down_s", ctypes.c_void_p),
                 ("i0", ctypes.c_int32), ("i1", ctypes.c_int32), ("r0", ctypes.c_int32), ("r1", ctypes.c_int32),
                 ("pool", ctypes.c_int32)]
+
+
+class GqaDecodeArgs(ctypes.Structure):
+    """kt_gqa_decode_args (ktkernels.h), field for field."""
+    _i64, _i32, _f, _p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+    _fields_ = [("nh", _i64), ("nkv", _i64), ("hd", _i64), ("vd", _i64), ("T", _i64),
+                ("q", _p), ("q_stride", _i64), ("k", _p), ("k_stride", _i64), ("v", _p), ("v_stride", _i64),
+                ("norm", _i32), ("lanes", _i32), ("eps", _f), ("q_norm", _p), ("k_norm", _p),
+                ("rope_half", _i64), ("interleaved", _i32), ("cos", _p), ("sin", _p), ("cs_stride", _i64),
+                ("m", _i64), ("row0", _p), ("start", _p), ("table0", _p), ("tables", _p), ("block_size", _i64),
+                ("k_cache", _p), ("k_block_stride", _i64), ("k_row_stride", _i64),
+                ("v_cache", _p), ("v_block_stride", _i64), ("v_row_stride", _i64),
+                ("scale", _f), ("window", _i64), ("out", _p), ("out_stride", _i64)]
 
 
 def _library_path() -> str:
@@ -81,11 +94,12 @@ def load_library() -> ctypes.CDLL:
         "kt_rms_norm": (c_int, [c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_p, ctypes.c_float, c_int, c_p,
                                 c_i64]),
         "kt_rope": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_i64, c_p, c_p, c_i64, c_int, c_p, c_i64, c_i64]),
-        "kt_route_sigmoid": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_int,
+        "kt_route_sigmoid": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_int,
                                      ctypes.c_float, c_p, c_p]),
         "kt_gqa_attend_batch": (c_int, [c_p, c_i64, c_i64, c_i64, c_i64, c_i64, c_p, c_i64, c_i64, ctypes.c_float,
                                         c_p, c_p, c_p, c_p, c_i64, c_i64, c_p, c_i64, c_i64]),
-        "kt_route_softmax": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_i64, c_int,
+        "kt_gqa_decode": (c_int, [c_p, ctypes.POINTER(GqaDecodeArgs)]),
+        "kt_route_softmax": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_i64, c_int,
                                      ctypes.c_float, c_p, c_p]),
         "kt_mla_attend": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, ctypes.c_float, c_i64, c_p, c_p,
                                   c_i64, c_p, c_i64]),

@@ -1,0 +1,105 @@
+// kt_gqa_decode: a GQA layer's new rows after their q / k / v projections, in one call (ktrun.models.attention's
+// decode path for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, ...):
+//   q_t, k_t = rope(norm(q_t)), rope(norm(k_t))       on the calling thread: kt_rms_norm's and kt_rope's bits
+//   cache[request, position] = k_t, v_t               the request's paged cache, through its block table
+//   out_t = attention(q_t, positions <= p_t)          kt_gqa_attend_batch's job (GqaAttendBatch), on the pool
+// Why: per layer the same work was ~10 torch ops and 4 library calls with Python between them (the norms, RoPE, the
+// cache write's slicing, each row's cache runs turned into pointer lists): ~170 us of a Qwen3-shaped layer's 530 us
+// of attention at decode, on a 2-core machine, while the pool waited. Here it is one ctypes call.
+//
+// Numerics: the same float32 operations as the separate calls (the norm and RoPE are those functions; the attention
+// is GqaAttendBatch over the same positions in the same order), so every row keeps the bits of its token decoded
+// alone, on every ISA and any split (tests/test_kernels_gqa_decode.py checks them against the separate calls).
+#include <algorithm>
+#include <cstring>
+
+#include "../include/ktkernels.h"
+#include "mla_attend.h"
+
+namespace kt {
+
+namespace {
+
+// Norm (mode 1: each of `heads` heads of hd floats, mode 2: the whole row) then RoPE of one row x (heads, hd) into
+// dst (heads, hd contiguous); scratch holds the normed row.
+void norm_rope_row(const kt_gqa_decode_args& a, int64_t t, int64_t heads, const float* x, const float* norm_w,
+                   std::vector<float>& scratch, float* dst) {
+    const int64_t hd = a.hd, n = heads * hd;
+    const float* src = x;
+    if (a.norm) {
+        scratch.resize((size_t)n);
+        if (a.norm == 1) kt_rms_norm(heads, hd, x, hd, nullptr, 0, nullptr, 0, norm_w, a.eps, a.lanes, scratch.data(), hd);
+        else kt_rms_norm(1, n, x, n, nullptr, 0, nullptr, 0, norm_w, a.eps, a.lanes, scratch.data(), n);
+        src = scratch.data();
+    }
+    if (a.rope_half == 0) {
+        if (dst != src) std::memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    kt_rope(1, heads, a.rope_half, src, n, hd, a.cos + t * a.cs_stride, a.sin + t * a.cs_stride, a.cs_stride,
+            a.interleaved, dst, n, hd);
+    const int64_t rot = 2 * a.rope_half;
+    if (rot < hd)   // partial rotary: the other dims pass through
+        for (int64_t h = 0; h < heads; ++h)
+            std::memcpy(dst + h * hd + rot, src + h * hd + rot, (size_t)(hd - rot) * sizeof(float));
+}
+
+}  // namespace
+
+bool GqaDecode::set(const kt_gqa_decode_args& a, const char** why) {
+    *why = "bad geometry (nh, nkv, hd, vd, T, m)";
+    if (a.nh < 1 || a.nkv < 1 || a.nh % a.nkv || a.hd < 16 || a.hd % 16 || a.vd < 16 || a.vd % 16 || a.T < 1 ||
+        a.m < 1 || a.m > a.T)
+        return false;
+    *why = "missing q / k / v / out / request arrays";
+    if (!a.q || !a.k || !a.v || !a.out || !a.row0 || !a.start || !a.table0 || !a.tables || !a.k_cache || !a.v_cache)
+        return false;
+    *why = "bad norm (mode, lanes, weights)";
+    if (a.norm < 0 || a.norm > 2 || (a.norm && ((a.lanes != 8 && a.lanes != 16) || !a.q_norm || !a.k_norm ||
+                                                a.hd < a.lanes)))
+        return false;
+    *why = "bad rope (rope_half, cos, sin)";
+    if (a.rope_half < 0 || 2 * a.rope_half > a.hd || (a.rope_half && (!a.cos || !a.sin)))
+        return false;
+    *why = "bad strides or block size";
+    if (a.q_stride < a.nh * a.hd || a.k_stride < a.nkv * a.hd || a.v_stride < a.nkv * a.vd ||
+        a.out_stride < a.nh * a.vd || a.block_size < 1 || a.k_row_stride < a.nkv * a.hd ||
+        a.v_row_stride < a.nkv * a.vd || a.window < 0)
+        return false;
+    *why = "bad request rows (row0 must run from 0 to T, each request at least one row)";
+    if (a.row0[0] != 0 || a.row0[a.m] != a.T) return false;
+    for (int64_t r = 0; r < a.m; ++r)
+        if (a.row0[r + 1] <= a.row0[r] || a.start[r] < 0) return false;
+
+    // q: normed and roped into q_ready; k: straight into its cache slot; v: copied there
+    q_ready.resize((size_t)(a.T * a.nh * a.hd));
+    for (int64_t r = 0; r < a.m; ++r)
+        for (int64_t t = a.row0[r]; t < a.row0[r + 1]; ++t) {
+            const int64_t p = a.start[r] + (t - a.row0[r]);
+            const int64_t b = a.tables[a.table0[r] + p / a.block_size], i = p % a.block_size;
+            float* k_slot = a.k_cache + b * a.k_block_stride + i * a.k_row_stride;
+            float* v_slot = a.v_cache + b * a.v_block_stride + i * a.v_row_stride;
+            norm_rope_row(a, t, a.nh, a.q + t * a.q_stride, a.q_norm, normed, q_ready.data() + t * a.nh * a.hd);
+            norm_rope_row(a, t, a.nkv, a.k + t * a.k_stride, a.k_norm, normed, k_slot);
+            std::memcpy(v_slot, a.v + t * a.v_stride, (size_t)(a.nkv * a.vd) * sizeof(float));
+        }
+    // each row's positions, in order: [max(0, p - window + 1), p]
+    attend.krows.clear();
+    attend.vrows.clear();
+    attend.first_row.assign((size_t)a.T + 1, 0);
+    for (int64_t r = 0; r < a.m; ++r)
+        for (int64_t t = a.row0[r]; t < a.row0[r + 1]; ++t) {
+            const int64_t p = a.start[r] + (t - a.row0[r]);
+            for (int64_t j = a.window ? std::max<int64_t>(0, p - a.window + 1) : 0; j <= p; ++j) {
+                const int64_t b = a.tables[a.table0[r] + j / a.block_size], i = j % a.block_size;
+                attend.krows.push_back(a.k_cache + b * a.k_block_stride + i * a.k_row_stride);
+                attend.vrows.push_back(a.v_cache + b * a.v_block_stride + i * a.v_row_stride);
+            }
+            attend.first_row[t + 1] = (int64_t)attend.krows.size();
+        }
+    *why = "bad attention arguments";
+    return attend.set_filled(a.T, a.nkv, a.nh / a.nkv, a.hd, a.vd, q_ready.data(), a.nh * a.hd, a.hd, a.scale, a.out,
+                             a.out_stride, a.vd);
+}
+
+}  // namespace kt
