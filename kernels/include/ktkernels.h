@@ -36,7 +36,9 @@ extern "C" {
                                  cache rows, in one pool job);
                              16: kt_gqa_decode (a GQA layer's decode rows after their q/k/v projections: q/k norm,
                                  RoPE, the KV cache write and the attention, in one call); kt_route_sigmoid /
-                                 kt_route_softmax take a context: a large gate's logits on its pool */
+                                 kt_route_softmax take a context: a large gate's logits on its pool; kt_mla_decode
+                                 (an MLA layer's decode rows, x to o_proj's output, in one call); kt_moe_decode (a
+                                 MoE layer's decode rows, residual add to the next norm, in one call) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -299,6 +301,63 @@ typedef struct kt_gqa_decode_args {
  * kt_gqa_attend_batch (one job on ctx's pool, or the calling thread when ctx is NULL): a row's result has the bits
  * of that token decoded alone. Returns -1 for bad arguments (kt_last_error says which). */
 int kt_gqa_decode(kt_ctx* ctx, const kt_gqa_decode_args* args);
+
+/* kt_mla_decode's arguments: one MLA layer (DeepSeek-V2/V3, Kimi-K2, GLM-5) for its new rows, every Linear already
+ * added to ctx (kt_add_linear*) and kv_b in the absorbed form (ktrun.ops.kernel_linear.AbsorbedKvB). Strides in
+ * floats. */
+typedef struct kt_mla_decode_args {
+    int64_t T, nh, dn, dr, dv, R, q_lora;   /* rows, heads, nope / rope / value head dims, latent rank, q_lora_rank
+                                               (0: q_proj straight from x) */
+    int64_t q_b_k;                          /* the inputs q_b was added with: q_lora, or more (zeros after q_lora) */
+    const float* x; int64_t x_stride;       /* (T, hidden) */
+    int32_t q_a_id, kv_a_id, q_b_id, o_id;  /* q_a_proj (q_proj when q_lora is 0), kv_a_proj_with_mqa, q_b_proj
+                                               (unused when q_lora is 0), o_proj */
+    int32_t uk_id, kv_b_id;                 /* W_uk (nh * R, dn) transposed from kv_b, kv_b itself (W_uv's rows) */
+    int64_t uk_group; const float* uk_scale;   /* W_uk's inputs: row group g (uk_group rows) reads q_nope of its head
+                                                  times uk_scale[g] (nh * R / uk_group rows of dn) */
+    const float* q_a_norm; const float* kv_a_norm; float eps; int32_t lanes;   /* kt_rms_norm's (q_a_norm unused
+                                                                                  when q_lora is 0) */
+    const float* cos; const float* sin; int64_t cs_stride; int32_t interleaved;   /* RoPE of dr dims, as kt_rope */
+    int64_t m; const int64_t* row0; const int64_t* start; const int64_t* table0; const int64_t* tables;
+    int64_t block_size;                     /* the requests, as kt_gqa_decode_args */
+    float* cache; int64_t block_stride, row_stride;   /* latent rows [c (R) | k_rot (dr)] */
+    float scale;
+    float* out; int64_t out_stride;         /* (T, o_proj's outputs) */
+} kt_mla_decode_args;
+
+/* An MLA layer's new rows in one call, the steps ktrun.models.attention.mla_attention takes for them on the kernels,
+ * each with the bits it has there: q_a + kv_a (one Linear job), q_a's norm, q_b's job (while the latent row
+ * [norm(c) | rope(k_rot)] of each row is written into its request's cache slot), W_uk's grouped job (while q's rope
+ * half is roped), every row's absorbed attention over its causal prefix (kt_mla_attend_batch's job), W_uv's grouped
+ * job and o_proj's job. Returns -1 for bad arguments or a Linear's error (kt_last_error says which). */
+int kt_mla_decode(kt_ctx* ctx, const kt_mla_decode_args* args);
+
+/* kt_moe_decode's arguments: the second half of a decoder layer for a few rows (decode, a speculative verify), its
+ * routed experts (and a fused shared expert) added to ctx (kt_add_layer*). Strides in floats. */
+typedef struct kt_moe_decode_args {
+    int64_t T, H;
+    const float* x; int64_t x_stride;           /* the residual stream before the attention's output is added */
+    const float* delta; int64_t delta_stride;   /* the attention's output */
+    const float* norm; const float* next_norm; float eps; int32_t lanes;   /* post-attention and next RMSNorm (kt_rms_norm) */
+    int32_t router;                             /* 0: kt_route_sigmoid, 1: kt_route_softmax */
+    const float* gate; int64_t E; const float* bias;   /* (E, H) gate, (E,) correction bias or NULL (sigmoid only) */
+    int64_t n_group, topk_group, top_k; int32_t renorm; float scaling;
+    int32_t layer, shared;                      /* the routed layer's id; the fused shared expert's layer id or -1 */
+    int32_t finish;                             /* 1: wait and finish the layer; 0: return with the job in flight */
+    float* x_out; float* h_out;                 /* (T, H) contiguous: x + delta + experts, and its next norm (finish
+                                                   0: x + delta and its post-attention norm, the job's input) */
+    float* e_out;                               /* (T, H) contiguous: the experts' sum (NULL with finish 1: scratch) */
+    int64_t* ids; float* weights;               /* (T, top_k) out: the router's choice */
+    double wait_s;                              /* out: seconds spent waiting for the experts' job */
+} kt_moe_decode_args;
+
+/* A MoE layer's rows in one call, the steps of ktrun.models.model.MoEModel for them on the kernels, each with the bits
+ * it has there: s = x + delta, h = norm(s) (kt_rms_norm), the router (kt_route_sigmoid / kt_route_softmax on ctx's
+ * pool), the experts' job (kt_submit / kt_submit_shared) into e, x_out = s + e and h_out = next_norm(x_out). With
+ * finish 0 it returns once the job is submitted (x_out = s, h_out = h, e_out filled by the job: kt_sync, or the next
+ * submit, waits for it), for a caller with more to add to e (a shared expert outside the job). Returns -1 for bad
+ * arguments (kt_last_error says which). */
+int kt_moe_decode(kt_ctx* ctx, kt_moe_decode_args* args);
 
 /* The softmax router (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral) for T tokens x (T, K) (row t at
  * x + t * x_stride) and the gate w (E, K) (row stride w_stride), all float32, on the calling thread (a large gate's

@@ -188,6 +188,26 @@ int kt_gqa_decode(kt_ctx* ctx, const kt_gqa_decode_args* args) {
     });
 }
 
+int kt_mla_decode(kt_ctx* ctx, const kt_mla_decode_args* args) {
+    if (!ctx || !args) { t_error = "kt_mla_decode: needs a context and arguments"; return -1; }
+    const char* why = "";
+    bool ok = false;
+    if (guarded([&] { ok = ctx->mla_decode.run(ctx, *args, &why); }) != 0) return -1;   // a Linear's error
+    if (!ok) t_error = std::string("kt_mla_decode: ") + why;
+    return ok ? 0 : -1;
+}
+
+int kt_moe_decode_impl(kt_ctx* ctx, kt_moe_decode_args* a, const char** why);   // moe_decode.cpp
+
+int kt_moe_decode(kt_ctx* ctx, kt_moe_decode_args* args) {
+    if (!ctx || !args) { t_error = "kt_moe_decode: needs a context and arguments"; return -1; }
+    const char* why = "";
+    int rc = -1;
+    if (guarded([&] { rc = kt_moe_decode_impl(ctx, args, &why); }) != 0) return -1;   // the experts' own errors
+    if (rc != 0) t_error = std::string("kt_moe_decode: ") + why;
+    return rc;
+}
+
 int kt_linear_submit(kt_ctx* ctx, int n_linears, const int32_t* ids, int n_tokens, const void* x, int x_dtype,
                      int64_t x_stride, float* const* outs, const int64_t* out_strides) {
     return guarded([&] {

@@ -47,6 +47,7 @@ class KernelExperts:
             self.moe = MoEKernels(n_threads=n_threads, backend=backend)
         plan = geo.shard_plan
         layers = converted.experts if layers is None else layers
+        self._layers = set(layers)
         for layer, shards in layers.items():
             pieces = []
             for s, shard in enumerate(shards):
@@ -101,6 +102,20 @@ class KernelExperts:
                            n_experts=1, hidden=H, intermediate_pad=I, bits=bits, group_size=g)
         self._shared[layer] = sid
         return True
+
+    def one_call_layer(self, layer: int, shared: bool) -> tuple[object, int | None] | None:
+        """(the kernel context, the fused shared expert's layer id or None) for running layer's rows in one
+        kt_moe_decode call (ktrun.models.moe_one_call), or None when it cannot: a layer these kernels do not hold, a
+        shared expert not fused, a submit pending."""
+        if self._pending is not None or layer not in self._layers or (shared and layer not in self._shared):
+            return None
+        return self.moe, self._shared[layer] if shared else None
+
+    def record_one_call(self, token_slots: int, seconds: float) -> None:
+        """Count a kt_moe_decode call's experts in stats, as submit + sync count theirs."""
+        self.stats["expert_compute_s"] += seconds
+        self.stats["expert_calls"] += 1
+        self.stats["expert_token_slots"] += token_slots
 
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                skip=None, shared: bool = False, shared_weights: torch.Tensor | None = None):

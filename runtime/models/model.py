@@ -16,7 +16,7 @@ from ktlayouts.families import ModelConfig, get_family
 
 from ..ops import glue
 from ..ops.packed_linear import linear
-from . import arch_module, cache_layers
+from . import arch_module, cache_layers, moe_one_call
 from .attention import prepare_absorbed
 from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache, StateLayout
 from .layers import SERIAL_MAX_ROWS, Rope, add_rms_norm, rms_norm, serial_torch, swiglu_mlp
@@ -46,6 +46,7 @@ class MoEModel:
         if cfg.is_mla:                                     # MLA's absorbed kv_b on the kernels' op: built now
             prepare_absorbed(cfg, weights, [self.names.layer(i) + "self_attn." for i in self.layers])
         self.shared_fused = self._fuse_shared()           # MoE layers whose executor computes the shared expert
+        self.moe_plans: dict = {}                          # layer -> moe_one_call.MoePlan or None (made on first use)
         self.lm_head = weights.get(self.names.head)
         if self.lm_head is None:
             if not cfg.tie_word_embeddings:
@@ -160,19 +161,25 @@ class MoEModel:
                 continue
             p = self.names.layer(i)
             t1 = clock()
-            # each residual add runs with the norm after it (one kt_rms_norm call for float32 CPU rows)
-            x, h = self._add_norm(x, self.arch.attention(cfg, w, p + "self_attn.", h, batch, slot, self.rope, cos,
-                                                         sin), w[p + "post_attention_layernorm.weight"])
+            a = self.arch.attention(cfg, w, p + "self_attn.", h, batch, slot, self.rope, cos, sin)
             t2 = clock()
-            if i in self.moe_layers:
-                m = self._moe(i, h)
-            else:
-                m = swiglu_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
-                               w[p + "mlp.down_proj.weight"])
             # the next layer's input norm, or after the last layer the final norm (of every row: row-wise, the
             # same bits for the rows kept below)
-            x, h = self._add_norm(x, m, w[self.names.layer(self.layers[slot + 1]) + "input_layernorm.weight"]
-                                  if slot + 1 < L else self.final_norm)
+            next_w = w[self.names.layer(self.layers[slot + 1]) + "input_layernorm.weight"] if slot + 1 < L else \
+                self.final_norm
+            got = moe_one_call.run(self, i, x, a, w[p + "post_attention_layernorm.weight"], next_w) \
+                if i in self.moe_layers else None
+            if got is not None:                         # decode rows: the MoE half in one kernel call
+                x, h = got
+            else:
+                # each residual add runs with the norm after it (one kt_rms_norm call for float32 CPU rows)
+                x, h = self._add_norm(x, a, w[p + "post_attention_layernorm.weight"])
+                if i in self.moe_layers:
+                    m = self._moe(i, h)
+                else:
+                    m = swiglu_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                                   w[p + "mlp.down_proj.weight"])
+                x, h = self._add_norm(x, m, next_w)
             t3 = clock()
             tm["attention_s"] += t2 - t1
             tm["mlp_s"] += t3 - t2                      # router + shared/dense MLP + waiting for routed experts

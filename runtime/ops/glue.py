@@ -23,7 +23,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from .library import GqaDecodeArgs, KernelError, load_library
+from .library import GqaDecodeArgs, KernelError, MlaDecodeArgs, MoeDecodeArgs, load_library
 
 MAX_D = 32767            # torch sums a longer single row in two passes over its threads (a different order)
 _PROBE_D = (16, 100, 512, 1536, 7168, 7171)
@@ -279,6 +279,73 @@ def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, hd: i
     if lib.kt_gqa_decode(None if kernels is None else kernels.handle, ctypes.byref(a)) != 0:
         raise KernelError(lib.kt_last_error().decode())
     return out
+
+
+def norm_weights_ok(*weights: torch.Tensor | None) -> bool:
+    """Whether kt_rms_norm can norm rows with these weights as ktrun.models.layers.rms_norm does: float32 contiguous
+    CPU weights of 16 .. MAX_D floats, the library's sum matching torch's."""
+    return all(t is not None and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+               and 16 <= t.numel() <= MAX_D for t in weights) and (_state.get("lanes") or _lanes()) > 0
+
+
+def mla_decode(x: torch.Tensor, linears: dict, dims: tuple, uk_group: int, uk_scale: torch.Tensor,
+               q_a_norm: torch.Tensor | None, kv_a_norm: torch.Tensor, eps: float, cos: torch.Tensor,
+               sin: torch.Tensor, interleaved: bool, paging: tuple, cache: torch.Tensor, scale: float, n_out: int,
+               kernels) -> torch.Tensor:
+    """An MLA layer's new rows in one kt_mla_decode call on the pool of kernels (a MoEKernels context holding every
+    Linear): x (T, hidden) float32 CPU with contiguous rows; linears: the Linear ids {"q_a", "kv_a", "q_b", "o",
+    "uk", "kv_b"} ("q_a" is q_proj's when q_lora is 0); dims (nh, dn, dr, dv, R, q_lora, q_b's input width: q_lora
+    or more, zero-padded); W_uk's input scaling
+    uk_scale (nh * R / uk_group, dn) float32; the norms' weights (q_a_norm None when q_lora is 0); cos / sin (T,
+    dr / 2) float32 rows; paging as gqa_decode's; cache: this layer's (blocks, block_size, R + dr) float32 slab.
+    Writes each row's latent into its slot and -> o_proj's output (T, n_out): the bits of mla_attention's steps on
+    the kernels (kernels/src/mla_decode.cpp)."""
+    T = x.shape[0]
+    nh, dn, dr, dv, R, q_lora, q_b_k = dims
+    out = torch.empty((T, n_out), dtype=torch.float32)
+    m, row0, start, table0, tables = paging
+    a = MlaDecodeArgs(T, nh, dn, dr, dv, R, q_lora, q_b_k, x.data_ptr(), x.stride(0), linears["q_a"], linears["kv_a"],
+                      linears.get("q_b", -1), linears["o"], linears["uk"], linears["kv_b"], uk_group,
+                      uk_scale.data_ptr(), None if q_a_norm is None else q_a_norm.data_ptr(), kv_a_norm.data_ptr(),
+                      eps, _state.get("lanes") or _lanes(), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                      int(interleaved), m, row0.data_ptr(), start.data_ptr(), table0.data_ptr(), tables.data_ptr(),
+                      cache.shape[1], cache.data_ptr(), cache.stride(0), cache.stride(1), scale, out.data_ptr(),
+                      n_out)
+    lib = _library()
+    if lib.kt_mla_decode(kernels.handle, ctypes.byref(a)) != 0:
+        raise KernelError(lib.kt_last_error().decode())
+    return out
+
+
+def moe_decode(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, next_norm: torch.Tensor, eps: float,
+               router: tuple, layer: int, shared: int | None, kernels, finish: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor, tuple, float, torch.Tensor | None]:
+    """A MoE layer's few rows in one kt_moe_decode call on kernels (a MoEKernels context holding the layer's experts):
+    x, delta (T, H) float32 CPU rows with contiguous last dims (the residual stream and the attention's output);
+    norm / next_norm: the post-attention and the next RMSNorm's weights (norm_weights_ok); router: ("sigmoid", gate,
+    bias, n_group, topk_group, top_k, renorm, scaling) or ("softmax", gate, None, ...), gate (E, H) float32
+    contiguous; shared: the fused shared expert's layer id. -> (x + delta + experts, its next norm, (ids (T, top_k)
+    int64, weights (T, top_k) float32), seconds waiting for the experts, None), the bits of add_rms_norm,
+    route_sigmoid / route_softmax (on the pool), the experts' job and add_rms_norm called one after another.
+    finish False: return once the experts' job is submitted -> (x + delta, its norm (the job's input), the choice, 0,
+    the experts' sum as the job writes it): read it after kernels.sync() (or another job's submit)."""
+    T, H = x.shape
+    kind, gate, bias, n_group, topk_group, top_k, renorm, scaling = router
+    x_out, h_out = torch.empty((T, H), dtype=torch.float32), torch.empty((T, H), dtype=torch.float32)
+    e = None if finish else torch.empty((T, H), dtype=torch.float32)
+    ids, wts = torch.empty((T, top_k), dtype=torch.int64), torch.empty((T, top_k), dtype=torch.float32)
+    a = MoeDecodeArgs(T, H, x.data_ptr(), x.stride(0) if T > 1 else H, delta.data_ptr(),
+                      delta.stride(0) if T > 1 else H, norm.data_ptr(), next_norm.data_ptr(), eps,
+                      _state.get("lanes") or _lanes(), 0 if kind == "sigmoid" else 1, gate.data_ptr(), gate.shape[0],
+                      None if bias is None else bias.data_ptr(), n_group, topk_group, top_k, int(renorm), scaling,
+                      layer, -1 if shared is None else shared, int(finish), x_out.data_ptr(), h_out.data_ptr(),
+                      None if e is None else e.data_ptr(), ids.data_ptr(), wts.data_ptr(), 0.0)
+    lib = _library()
+    if lib.kt_moe_decode(kernels.handle, ctypes.byref(a)) != 0:
+        raise KernelError(lib.kt_last_error().decode())
+    if not finish:
+        kernels.hold((x_out, h_out, e, ids, wts))       # the job in flight reads and writes them until it ends
+    return x_out, h_out, (ids, wts), a.wait_s, e
 
 
 @contextlib.contextmanager

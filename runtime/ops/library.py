@@ -52,6 +52,31 @@ class GqaDecodeArgs(ctypes.Structure):
                 ("scale", _f), ("window", _i64), ("out", _p), ("out_stride", _i64)]
 
 
+class MlaDecodeArgs(ctypes.Structure):
+    """kt_mla_decode_args (ktkernels.h), field for field."""
+    _i64, _i32, _f, _p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+    _fields_ = [("T", _i64), ("nh", _i64), ("dn", _i64), ("dr", _i64), ("dv", _i64), ("R", _i64), ("q_lora", _i64), ("q_b_k", _i64),
+                ("x", _p), ("x_stride", _i64),
+                ("q_a_id", _i32), ("kv_a_id", _i32), ("q_b_id", _i32), ("o_id", _i32), ("uk_id", _i32),
+                ("kv_b_id", _i32), ("uk_group", _i64), ("uk_scale", _p),
+                ("q_a_norm", _p), ("kv_a_norm", _p), ("eps", _f), ("lanes", _i32),
+                ("cos", _p), ("sin", _p), ("cs_stride", _i64), ("interleaved", _i32),
+                ("m", _i64), ("row0", _p), ("start", _p), ("table0", _p), ("tables", _p), ("block_size", _i64),
+                ("cache", _p), ("block_stride", _i64), ("row_stride", _i64),
+                ("scale", _f), ("out", _p), ("out_stride", _i64)]
+
+
+class MoeDecodeArgs(ctypes.Structure):
+    """kt_moe_decode_args (ktkernels.h), field for field."""
+    _i64, _i32, _f, _p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+    _fields_ = [("T", _i64), ("H", _i64), ("x", _p), ("x_stride", _i64), ("delta", _p), ("delta_stride", _i64),
+                ("norm", _p), ("next_norm", _p), ("eps", _f), ("lanes", _i32),
+                ("router", _i32), ("gate", _p), ("E", _i64), ("bias", _p), ("n_group", _i64), ("topk_group", _i64),
+                ("top_k", _i64), ("renorm", _i32), ("scaling", _f), ("layer", _i32), ("shared", _i32),
+                ("finish", _i32), ("x_out", _p), ("h_out", _p), ("e_out", _p), ("ids", _p), ("weights", _p),
+                ("wait_s", ctypes.c_double)]
+
+
 def _library_path() -> str:
     env = os.environ.get("KT_KERNELS_LIB")
     if env:
@@ -99,6 +124,8 @@ def load_library() -> ctypes.CDLL:
         "kt_gqa_attend_batch": (c_int, [c_p, c_i64, c_i64, c_i64, c_i64, c_i64, c_p, c_i64, c_i64, ctypes.c_float,
                                         c_p, c_p, c_p, c_p, c_i64, c_i64, c_p, c_i64, c_i64]),
         "kt_gqa_decode": (c_int, [c_p, ctypes.POINTER(GqaDecodeArgs)]),
+        "kt_mla_decode": (c_int, [c_p, ctypes.POINTER(MlaDecodeArgs)]),
+        "kt_moe_decode": (c_int, [c_p, ctypes.POINTER(MoeDecodeArgs)]),
         "kt_route_softmax": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_i64, c_int,
                                      ctypes.c_float, c_p, c_p]),
         "kt_mla_attend": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, ctypes.c_float, c_i64, c_p, c_p,

@@ -325,6 +325,11 @@ class MoEKernels:
             raise KernelError(_err(self._lib))
         self._inflight = (x, ids, weights, out, shared_weights)   # alive until sync
 
+    def hold(self, arrays: tuple) -> None:
+        """Keep arrays alive until sync: a job submitted by another call on this context (glue.moe_decode's) reads
+        or writes them."""
+        self._inflight = arrays
+
     def sync(self) -> None:
         if self._inflight is None:
             return

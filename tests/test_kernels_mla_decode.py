@@ -1,0 +1,151 @@
+"""kt_mla_decode (ABI 16; ktrun.ops.glue.mla_decode, ktrun.models.attention._mla_in_one_call): an MLA layer's decode
+rows from x to o_proj's output in one call. Its promise is the bits of mla_attention's separate steps on the kernels
+(the q_a + kv_a job, the norms, q_b's job, the latent rows written into the paged cache, W_uk's grouped job, RoPE,
+kt_mla_attend_batch, W_uv's grouped job, o_proj's job), so the reference is the same converted model with the one call
+switched off: logits equal bit for bit for a prompt, decode steps of one request and of two batched (their blocks
+interleaved in the pool) and a speculative verify's rows, with q_lora (DeepSeek-V3, Kimi-K2.5) and without it
+(DeepSeek-V2), on every ISA copy; and what it does not take (the lightning indexer, a float32 model off the kernels)
+goes the separate way. Bad arguments are an error naming what is wrong."""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from isa_copies import outputs_per_isa
+from ktrun.engine import Engine
+from ktrun.models import attention
+from ktrun.models.kv_cache import Batch
+from ktrun.ops.library import MlaDecodeArgs, load_library
+from ktrun.ops.moe import MoEKernels
+from run_shared import built_once, run_dir
+from runtime_helpers import INIT_SCALE, PROMPT, converted
+
+from ktconvert.pipeline import ConvertOptions, convert
+from ktconvert.testing import make_checkpoint
+
+
+def _absorbed_conversion(tmp_path_factory, arch: str) -> str:
+    """arch's fixture with a latent rank of 64 (the fixtures' 32 is below one 64-input tile: their kv_b stays off the
+    absorbed op), converted with int4 experts and RTN int4 Linears; built once per run. DeepSeek-V3's q_lora_rank 48
+    makes q_b's inputs padded to 64."""
+    root = run_dir(tmp_path_factory)
+    src = built_once(root / f"src_{arch}_rank64", lambda out: make_checkpoint(arch, out, init_scale=INIT_SCALE,
+                                                                              kv_lora_rank=64))
+    return str(built_once(root / f"conv_{arch}_rank64", lambda out: convert(
+        src, out, ConvertOptions(method="int4-amx", gpu_method="rtn-int4"), show_progress=False)))
+
+
+def _decode_logits(model, ids) -> list[torch.Tensor]:
+    """A prompt, then decode steps of one request and of two batched, then a 3-row verify."""
+    ca, cb = model.new_cache(256), model.new_cache(256)
+    out = [model.forward(Batch.build([(ca, ids)], "cpu")), model.forward(Batch.build([(cb, ids[:5])], "cpu"))]
+    for t in (7, 9, 11):
+        out.append(model.forward(Batch.build([(ca, [t])], "cpu")))
+        out.append(model.forward(Batch.build([(ca, [t + 1]), (cb, [t])], "cpu")))
+    out.append(model.forward(Batch.build([(cb, [3, 4, 5])], "cpu"), all_logits=True))
+    return out
+
+
+def _with_and_without(model, ids, monkeypatch) -> tuple[list, list, list[bool]]:
+    fast, taken = attention._mla_in_one_call, []
+
+    def spy(*args, **kw):
+        out = fast(*args, **kw)
+        taken.append(out is not None)
+        return out
+    monkeypatch.setattr(attention, "_mla_in_one_call", spy)
+    one_call = _decode_logits(model, ids)
+    monkeypatch.setattr(attention, "_mla_in_one_call", lambda *a, **k: None)
+    separate = _decode_logits(model, ids)
+    monkeypatch.setattr(attention, "_mla_in_one_call", fast)
+    return one_call, separate, taken
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "kimi_k25"])
+def test_decode_logits_are_the_same_with_and_without_the_one_call(tmp_path_factory, monkeypatch, arch):
+    eng = Engine(_absorbed_conversion(tmp_path_factory, arch), ctx=256, max_batch=4)
+    one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
+    assert any(taken) and not all(taken)          # decode rows take it; the prompts (more rows) do not
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
+
+
+def test_the_default_model_takes_it(default_converted, monkeypatch):
+    """The embedded default model as `make demo` converts it: the same logits, the one call taken."""
+    eng = Engine(str(default_converted), ctx=256, max_batch=4)
+    one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
+    assert any(taken)
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
+
+
+def test_what_it_does_not_take_goes_the_separate_way(tmp_path_factory, monkeypatch):
+    """DeepSeek-V3.2 (the lightning indexer), a model whose Linears are not on the kernels and the fixtures' rank-32
+    kv_b (not on the absorbed op): never taken."""
+    eng = Engine(converted(tmp_path_factory, "deepseek_v32", "int4-amx", gpu_method="rtn-int4"), ctx=256, max_batch=4)
+    _, _, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
+    assert taken == []                                  # indexed layers never ask
+    for conv, opts in ((_absorbed_conversion(tmp_path_factory, "deepseek_v3"), {"gpu_weights": "dequant"}),
+                       (converted(tmp_path_factory, "deepseek_v3", "int4-amx", gpu_method="rtn-int4"), {})):
+        eng = Engine(conv, ctx=256, max_batch=4, **opts)
+        one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
+        assert taken and not any(taken)
+        for a, b in zip(one_call, separate):
+            assert torch.equal(a, b)
+
+
+_DIGEST = """
+import hashlib, sys, torch
+sys.path.insert(0, {tests!r})
+import pytest
+from ktrun.engine import Engine
+from ktrun.models import attention
+from test_kernels_mla_decode import _with_and_without
+from runtime_helpers import PROMPT
+eng = Engine({conv!r}, ctx=256, max_batch=4)
+mp = pytest.MonkeyPatch()
+one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), mp)
+assert any(taken) and all(torch.equal(a, b) for a, b in zip(one_call, separate))
+h = hashlib.sha256()
+for t in one_call:
+    h.update(t.numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_every_isa_copy_gives_the_same_bits(tmp_path_factory):
+    """The scalar twin (baseline copy), AVX2 and AVX-512 copies chosen by KT_KERNEL_BACKEND in fresh processes: each
+    equal to its own separate steps, all the same bits."""
+    conv = _absorbed_conversion(tmp_path_factory, "deepseek_v3")
+    digests = outputs_per_isa(_DIGEST.format(tests=os.path.dirname(__file__), conv=str(conv)), timeout=300)
+    assert len(digests) >= 2 and len(set(digests.values())) == 1, digests
+
+
+def test_bad_arguments_are_an_error_naming_them():
+    lib = load_library()
+    a = MlaDecodeArgs()
+    assert lib.kt_mla_decode(None, ctypes.byref(a)) == -1
+    assert b"needs a context" in lib.kt_last_error()
+    kernels = MoEKernels(n_threads=2)
+    try:
+        assert lib.kt_mla_decode(kernels.handle, ctypes.byref(a)) == -1          # all zero: no geometry
+        assert b"bad geometry" in lib.kt_last_error()
+        x = torch.zeros(1, 64)
+        a = MlaDecodeArgs(T=1, nh=2, dn=16, dr=16, dv=16, R=32, q_lora=0, m=1, x=x.data_ptr(), x_stride=64)
+        assert lib.kt_mla_decode(kernels.handle, ctypes.byref(a)) == -1          # no norms, tables, cache
+        assert b"missing" in lib.kt_last_error()
+    finally:
+        kernels.close()
+
+
+def test_bench_decode_runs_with_it(tmp_path_factory):
+    """`ktrun bench` on a converted fixture: a real subprocess decodes through the one call."""
+    conv = _absorbed_conversion(tmp_path_factory, "deepseek_v3")
+    r = subprocess.run([sys.executable, "-m", "ktrun", "bench", str(conv), "--pp", "0", "--tg", "8", "--reps", "1"],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "tg8" in r.stdout

@@ -1,0 +1,118 @@
+"""kt_moe_decode (ABI 16; ktrun.ops.glue.moe_decode, ktrun.models.moe_one_call): a MoE layer's decode rows from the
+attention's output to the next layer's normed input in one call (residual add + norm, router, routed experts with a
+fused shared expert, residual add + next norm), or up to the routed job when a shared expert runs outside it. Its
+promise is the bits of MoEModel's separate calls, so the reference is the same converted model with the one call
+switched off: logits equal bit for bit for a prompt, decode steps of one request and of two batched and a speculative
+verify's rows, for the sigmoid router with groups and a correction bias (DeepSeek-V3, MiniMax-M2), the softmax router
+(Qwen3-MoE, Mixtral, DeepSeek-V2's grouped greedy), a fused shared expert and one outside the job (the embedded
+default model), on every ISA copy; what it does not take goes the separate way; bad arguments are an error."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+from isa_copies import outputs_per_isa
+from ktrun.engine import Engine
+from ktrun.models import moe_one_call
+from ktrun.models.kv_cache import Batch
+from ktrun.ops.library import MoeDecodeArgs, load_library
+from ktrun.ops.moe import MoEKernels
+from runtime_helpers import PROMPT, converted
+
+
+def _decode_logits(model, ids) -> list[torch.Tensor]:
+    """A prompt, then decode steps of one request and of two batched, then a 3-row verify."""
+    ca, cb = model.new_cache(256), model.new_cache(256)
+    out = [model.forward(Batch.build([(ca, ids)], "cpu")), model.forward(Batch.build([(cb, ids[:5])], "cpu"))]
+    for t in (7, 9, 11):
+        out.append(model.forward(Batch.build([(ca, [t])], "cpu")))
+        out.append(model.forward(Batch.build([(ca, [t + 1]), (cb, [t])], "cpu")))
+    out.append(model.forward(Batch.build([(cb, [3, 4, 5])], "cpu"), all_logits=True))
+    return out
+
+
+def _with_and_without(model, ids, monkeypatch) -> tuple[list, list, list[bool]]:
+    fast, taken = moe_one_call.run, []
+
+    def spy(*args, **kw):
+        out = fast(*args, **kw)
+        taken.append(out is not None)
+        return out
+    monkeypatch.setattr(moe_one_call, "run", spy)
+    one_call = _decode_logits(model, ids)
+    monkeypatch.setattr(moe_one_call, "run", lambda *a, **k: None)
+    separate = _decode_logits(model, ids)
+    monkeypatch.setattr(moe_one_call, "run", fast)
+    return one_call, separate, taken
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "minimax_m2", "qwen3_moe", "mixtral", "deepseek_v2"])
+def test_decode_logits_are_the_same_with_and_without_the_one_call(tmp_path_factory, monkeypatch, arch):
+    eng = Engine(converted(tmp_path_factory, arch, "int4-amx", gpu_method="rtn-int4"), ctx=256, max_batch=4)
+    one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
+    assert any(taken) and not all(taken)          # decode rows take it; the prompts (more rows) do not
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
+
+
+def test_the_default_model_takes_it_with_its_shared_expert_outside_the_job(default_converted, monkeypatch):
+    eng = Engine(str(default_converted), ctx=256, max_batch=4)
+    model = eng.model
+    one_call, separate, taken = _with_and_without(model, eng.tokenizer.encode(PROMPT), monkeypatch)
+    assert any(taken)
+    assert all(moe_one_call.plan(model, i).outside is not None for i in model.moe_layers)
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
+
+
+def test_what_it_does_not_take_goes_the_separate_way(tmp_path_factory, monkeypatch):
+    """gpt-oss (its own router), Qwen3-Next (a gated shared expert) and the torch reference experts: no plan."""
+    for arch, opts in (("gpt_oss", {}), ("qwen3_next", {}), ("deepseek_v3", {"use_kernels": False})):
+        eng = Engine(converted(tmp_path_factory, arch, "int4-amx", gpu_method="rtn-int4"), ctx=256, max_batch=4,
+                     **opts)
+        one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
+        assert not any(taken), arch
+        assert all(moe_one_call.plan(eng.model, i) is None for i in eng.model.moe_layers), arch
+
+
+_DIGEST = """
+import hashlib, sys, torch
+sys.path.insert(0, {tests!r})
+import pytest
+from ktrun.engine import Engine
+from test_kernels_moe_decode import _with_and_without
+from runtime_helpers import PROMPT
+eng = Engine({conv!r}, ctx=256, max_batch=4)
+one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), pytest.MonkeyPatch())
+assert any(taken) and all(torch.equal(a, b) for a, b in zip(one_call, separate))
+h = hashlib.sha256()
+for t in one_call:
+    h.update(t.numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_every_isa_copy_gives_the_same_bits(tmp_path_factory):
+    """The scalar twin (baseline copy), AVX2 and AVX-512 copies chosen by KT_KERNEL_BACKEND in fresh processes: each
+    equal to its own separate calls, all the same bits."""
+    conv = converted(tmp_path_factory, "deepseek_v3", "int4-amx", gpu_method="rtn-int4")
+    digests = outputs_per_isa(_DIGEST.format(tests=os.path.dirname(__file__), conv=str(conv)), timeout=300)
+    assert len(digests) >= 2 and len(set(digests.values())) == 1, digests
+
+
+def test_bad_arguments_are_an_error_naming_them():
+    lib = load_library()
+    a = MoeDecodeArgs()
+    assert lib.kt_moe_decode(None, ctypes.byref(a)) == -1
+    assert b"needs a context" in lib.kt_last_error()
+    kernels = MoEKernels(n_threads=2)
+    try:
+        assert lib.kt_moe_decode(kernels.handle, ctypes.byref(a)) == -1          # all zero: no geometry
+        assert b"bad geometry" in lib.kt_last_error()
+        a = MoeDecodeArgs(T=1, H=64, E=8, top_k=2, n_group=1, topk_group=1, router=1, finish=0)
+        assert lib.kt_moe_decode(kernels.handle, ctypes.byref(a)) == -1          # no tensors, finish 0 without e_out
+        assert b"missing" in lib.kt_last_error()
+    finally:
+        kernels.close()
