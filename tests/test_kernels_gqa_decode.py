@@ -1,11 +1,11 @@
-"""kt_gqa_decode (ABI 16; ktrun.ops.glue.gqa_decode, ktrun.models.attention._gqa_in_one_call): a GQA layer's decode
-rows after their projections in one call: the q / k norms, RoPE, the KV cache write and the attention. Its promise is
-the separate steps' bits (ktrun.models.layers.rms_norm and Rope.apply, SeqCache.write, kt_gqa_attend_batch), so the
+"""kt_gqa_decode (ABI 16; ktrun.ops.glue.gqa_decode, ktrun.models.attention_one_call.gqa): a GQA layer's decode rows
+after their projections in one call: the q / k norms, RoPE, the KV cache write and the attention. Its promise is the
+separate steps' bits (ktrun.models.layers.rms_norm and Rope.apply, SeqCache.write, kt_gqa_attend_batch), so the
 reference is gqa_attention with the one call switched off, on a copy of the same paged cache: the output and every
-cache slot must be equal bit for bit, for decode rows and a speculative verify's rows of several requests whose blocks
-are scattered through the pool, with and without norms (per head, per projection), partial and interleaved RoPE,
-and sliding windows; on the calling thread, on the pool and on every ISA copy.
-Also: what it refuses falls back to the separate steps, and bad arguments are an error naming what is wrong."""
+cache slot must be equal bit for bit, for decode rows and a speculative verify's rows of several requests whose
+blocks are scattered through the pool, with and without norms (per head, per projection), partial and interleaved
+RoPE, and sliding windows; on the calling thread, on the pool and on every ISA copy. Also: what it refuses falls back
+to the separate steps, and bad arguments are an error naming what is wrong."""
 from __future__ import annotations
 
 import ctypes
@@ -17,7 +17,7 @@ import torch
 from isa_copies import outputs_per_isa
 from ktlayouts.families.config import RopeConfig
 from ktrun.engine import Engine
-from ktrun.models import attention, layers
+from ktrun.models import attention, attention_one_call, layers
 from ktrun.models.kv_cache import Batch, BlockLayout, BlockPool, SeqCache
 from ktrun.ops import glue
 from ktrun.ops.library import GqaDecodeArgs, KernelError, load_library
@@ -37,10 +37,13 @@ def _layer(nh, nkv, hd, vd, norm, rot, interleaved, window, seed):
     cfg = SimpleNamespace(num_heads=nh, num_kv_heads=nkv, head_dim=hd, rms_norm_eps=1e-6, sliding_window=window,
                           softmax_scale=hd ** -0.5)
     H = 48
-    w = {"a.q_proj.weight": torch.randn(nh * hd, H, generator=g) / 7, "a.k_proj.weight": torch.randn(nkv * hd, H, generator=g) / 7,
-         "a.v_proj.weight": torch.randn(nkv * vd, H, generator=g) / 7, "a.o_proj.weight": torch.randn(H, nh * vd, generator=g) / 9}
+    w = {"a.q_proj.weight": torch.randn(nh * hd, H, generator=g) / 7,
+         "a.k_proj.weight": torch.randn(nkv * hd, H, generator=g) / 7,
+         "a.v_proj.weight": torch.randn(nkv * vd, H, generator=g) / 7,
+         "a.o_proj.weight": torch.randn(H, nh * vd, generator=g) / 9}
     if norm == "head":
-        w["a.q_norm.weight"], w["a.k_norm.weight"] = torch.rand(hd, generator=g) + 0.5, torch.rand(hd, generator=g) + 0.5
+        w["a.q_norm.weight"] = torch.rand(hd, generator=g) + 0.5
+        w["a.k_norm.weight"] = torch.rand(hd, generator=g) + 0.5
     elif norm == "projection":
         w["a.q_norm.weight"] = torch.rand(nh * hd, generator=g) + 0.5
         w["a.k_norm.weight"] = torch.rand(nkv * hd, generator=g) + 0.5
@@ -75,7 +78,7 @@ def _run(case, one_call: bool, kernels, monkeypatch):
     """Two requests (a 5-token and a 9-token prompt, their blocks interleaved in the pool, prefilled by torch), then
     a decode step of both, then a verify of 3 rows for one and 1 row for the other, on layer 1 of the pool.
     -> (the decode and verify outputs, the pool's slabs)."""
-    nh, nkv, hd, vd, norm, rot, interleaved, window = case
+    nh, nkv, hd, vd, norm, rot, _, _ = case
     cfg, w, rope, g = _layer(*case, seed=nh * hd + rot)
     pool = _pool(nkv, hd, vd)
     a, b = SeqCache(pool, 64), SeqCache(pool, 64)
@@ -84,20 +87,20 @@ def _run(case, one_call: bool, kernels, monkeypatch):
         batch = Batch.build(items, "cpu")
         _forward(cfg, w, rope, norm, batch, x[step * 9:step * 9 + batch.tokens.numel()], 1)
         batch.commit()
-    fast = attention._gqa_in_one_call
+    fast = attention_one_call.gqa
     calls = []
 
     def spy(*args, **kw):
         out = fast(*args, **kw) if one_call else None
         calls.append(out is not None)
         return out
-    monkeypatch.setattr(attention, "_gqa_in_one_call", spy)
+    monkeypatch.setattr(attention_one_call, "gqa", spy)
     outs = []
     for rows, xs in (([(a, [3]), (b, [4])], x[20:22]), ([(b, [5, 6, 7]), (a, [8])], x[22:26])):
         batch = Batch.build(rows, "cpu")
         outs.append(_forward(cfg, w, rope, norm, batch, xs, 1, kernels))
         batch.commit()
-    monkeypatch.setattr(attention, "_gqa_in_one_call", fast)
+    monkeypatch.setattr(attention_one_call, "gqa", fast)
     assert calls == [one_call, one_call]
     return outs, [t.clone() for t in pool.tokens]
 
@@ -152,7 +155,7 @@ def test_what_it_does_not_take_goes_the_separate_way(plain_linears, monkeypatch)
         batch = Batch.build([(s, [1] * rows)], "cpu")
         cos, sin = rope.cos_sin(batch.positions, dtype)
         q, k, v = (x[:rows].to(dtype) @ ww[f"a.{n}_proj.weight"].to(dtype).t() for n in "qkv")
-        return attention._gqa_in_one_call(cfg, ww, "a.", q, k, v, batch, 0, rope, cos, sin, norm, "config", sinks,
+        return attention_one_call.gqa(cfg, ww, "a.", q, k, v, batch, 0, rope, cos, sin, norm, "config", sinks,
                                           None)
     assert one_call(layers.SERIAL_MAX_ROWS + 1) is None
     assert one_call(1, sinks=torch.zeros(8)) is None
@@ -184,7 +187,7 @@ def test_model_decode_logits_are_the_same_with_and_without_the_one_call(tmp_path
     eng = Engine(converted(tmp_path_factory, arch, "int4-amx", gpu_method="rtn-int4"), ctx=256, max_batch=4)
     ids = eng.tokenizer.encode(PROMPT)
     taken = []
-    fast = attention._gqa_in_one_call
+    fast = attention_one_call.gqa
 
     def spy(*args, **kw):
         out = fast(*args, **kw)
@@ -193,17 +196,18 @@ def test_model_decode_logits_are_the_same_with_and_without_the_one_call(tmp_path
 
     def run() -> list[torch.Tensor]:
         ca, cb = eng.model.new_cache(256), eng.model.new_cache(256)
-        out = [eng.model.forward(Batch.build([(ca, ids)], "cpu")), eng.model.forward(Batch.build([(cb, ids[:5])], "cpu"))]
+        out = [eng.model.forward(Batch.build([(ca, ids)], "cpu")),
+               eng.model.forward(Batch.build([(cb, ids[:5])], "cpu"))]
         for t in (7, 9, 11):
             out.append(eng.model.forward(Batch.build([(ca, [t])], "cpu")))
             out.append(eng.model.forward(Batch.build([(ca, [t + 1]), (cb, [t])], "cpu")))
         out.append(eng.model.forward(Batch.build([(cb, [3, 4, 5])], "cpu"), all_logits=True))
         return out
 
-    monkeypatch.setattr(attention, "_gqa_in_one_call", spy)
+    monkeypatch.setattr(attention_one_call, "gqa", spy)
     one_call = run()
     assert any(taken)
-    monkeypatch.setattr(attention, "_gqa_in_one_call", lambda *a, **k: None)
+    monkeypatch.setattr(attention_one_call, "gqa", lambda *a, **k: None)
     separate = run()
     for a, b in zip(one_call, separate):
         assert torch.equal(a, b)

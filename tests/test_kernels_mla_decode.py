@@ -1,11 +1,11 @@
-"""kt_mla_decode (ABI 16; ktrun.ops.glue.mla_decode, ktrun.models.attention._mla_in_one_call): an MLA layer's decode
-rows from x to o_proj's output in one call. Its promise is the bits of mla_attention's separate steps on the kernels
-(the q_a + kv_a job, the norms, q_b's job, the latent rows written into the paged cache, W_uk's grouped job, RoPE,
-kt_mla_attend_batch, W_uv's grouped job, o_proj's job), so the reference is the same converted model with the one call
-switched off: logits equal bit for bit for a prompt, decode steps of one request and of two batched (their blocks
-interleaved in the pool) and a speculative verify's rows, with q_lora (DeepSeek-V3, Kimi-K2.5) and without it
-(DeepSeek-V2), on every ISA copy; and what it does not take (the lightning indexer, a float32 model off the kernels)
-goes the separate way. Bad arguments are an error naming what is wrong."""
+"""kt_mla_decode (ABI 16; ktrun.ops.glue.mla_decode, ktrun.models.attention_one_call.mla): an MLA layer's
+decode rows from x to o_proj's output in one call. Its promise is the bits of mla_attention's separate steps on the
+kernels (the q_a + kv_a job, the norms, q_b's job, the latent rows written into the paged cache, W_uk's grouped job,
+RoPE, kt_mla_attend_batch, W_uv's grouped job, o_proj's job), so the reference is the same converted model with the
+one call switched off: logits equal bit for bit for a prompt, decode steps of one request and of two batched (their
+blocks interleaved in the pool) and a speculative verify's rows, with q_lora (DeepSeek-V3, Kimi-K2.5) and without it
+(DeepSeek-V2), on every ISA copy; and what it does not take (the lightning indexer, a float32 model off the kernels,
+a kv_b too small for the absorbed op) goes the separate way. Bad arguments are an error naming what is wrong."""
 from __future__ import annotations
 
 import ctypes
@@ -17,7 +17,7 @@ import pytest
 import torch
 from isa_copies import outputs_per_isa
 from ktrun.engine import Engine
-from ktrun.models import attention
+from ktrun.models import attention_one_call
 from ktrun.models.kv_cache import Batch
 from ktrun.ops.library import MlaDecodeArgs, load_library
 from ktrun.ops.moe import MoEKernels
@@ -51,17 +51,17 @@ def _decode_logits(model, ids) -> list[torch.Tensor]:
 
 
 def _with_and_without(model, ids, monkeypatch) -> tuple[list, list, list[bool]]:
-    fast, taken = attention._mla_in_one_call, []
+    fast, taken = attention_one_call.mla, []
 
     def spy(*args, **kw):
         out = fast(*args, **kw)
         taken.append(out is not None)
         return out
-    monkeypatch.setattr(attention, "_mla_in_one_call", spy)
+    monkeypatch.setattr(attention_one_call, "mla", spy)
     one_call = _decode_logits(model, ids)
-    monkeypatch.setattr(attention, "_mla_in_one_call", lambda *a, **k: None)
+    monkeypatch.setattr(attention_one_call, "mla", lambda *a, **k: None)
     separate = _decode_logits(model, ids)
-    monkeypatch.setattr(attention, "_mla_in_one_call", fast)
+    monkeypatch.setattr(attention_one_call, "mla", fast)
     return one_call, separate, taken
 
 
@@ -69,7 +69,7 @@ def _with_and_without(model, ids, monkeypatch) -> tuple[list, list, list[bool]]:
 def test_decode_logits_are_the_same_with_and_without_the_one_call(tmp_path_factory, monkeypatch, arch):
     eng = Engine(_absorbed_conversion(tmp_path_factory, arch), ctx=256, max_batch=4)
     one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
-    assert any(taken) and not all(taken)          # decode rows take it; the prompts (more rows) do not
+    assert taken and all(taken)                   # decode rows take it (prompts are not offered it)
     for a, b in zip(one_call, separate):
         assert torch.equal(a, b)
 
@@ -103,7 +103,6 @@ import hashlib, sys, torch
 sys.path.insert(0, {tests!r})
 import pytest
 from ktrun.engine import Engine
-from ktrun.models import attention
 from test_kernels_mla_decode import _with_and_without
 from runtime_helpers import PROMPT
 eng = Engine({conv!r}, ctx=256, max_batch=4)

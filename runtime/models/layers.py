@@ -17,6 +17,7 @@ from ..ops.kernel_linear import KernelLinear, run_together
 from ..ops.packed_linear import linear
 
 SERIAL_MAX_ROWS = 8   # token rows up to which serial_torch() keeps a forward's small torch ops on the calling thread
+LORA_NORM_EPS = 1e-6     # MLA's q_a_layernorm / kv_a_layernorm: the reference's default eps, not rms_norm_eps
 ROPE_TABLE_STEP = 1024   # positions the cos/sin table grows by (a multiple of 16: no scalar tail, see Rope._table)
 
 

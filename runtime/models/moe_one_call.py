@@ -53,7 +53,8 @@ def plan(model, i: int) -> MoePlan | None:
         return None
     if cfg.scoring == "sigmoid":
         bias = next((w[p + b] for b in generic.CORRECTION_BIAS if p + b in w), None)
-        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != gate.shape[0]):
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                                 or bias.numel() != gate.shape[0]):
             return None
         router = ("sigmoid", gate, bias, cfg.n_group, cfg.topk_group, cfg.top_k, cfg.norm_topk_prob,
                   cfg.routed_scaling_factor)

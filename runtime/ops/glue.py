@@ -239,15 +239,11 @@ def gqa_attend_batch(q: torch.Tensor, entries: list[list[tuple[torch.Tensor, tor
     return True
 
 
-def gqa_decode_norm_ok(norm: str | None, q_w: torch.Tensor | None, k_w: torch.Tensor | None, hd: int) -> bool:
-    """Whether gqa_decode can norm q and k as ktrun.models.layers.rms_norm does for this model: no norm, or float32
-    contiguous weights of rows kt_rms_norm takes (the library's sum matching torch's)."""
-    if norm is None:
-        return True
-    return (q_w is not None and k_w is not None and q_w.dtype == torch.float32 and k_w.dtype == torch.float32
-            and q_w.is_contiguous() and k_w.is_contiguous() and q_w.is_cpu and k_w.is_cpu
-            and 16 <= max(q_w.numel(), k_w.numel()) <= MAX_D and min(q_w.numel(), k_w.numel()) >= 16
-            and (_state.get("lanes") or _lanes()) > 0)
+def norm_weights_ok(*weights: torch.Tensor | None) -> bool:
+    """Whether kt_rms_norm can norm rows with these weights as ktrun.models.layers.rms_norm does: float32 contiguous
+    CPU weights of 16 .. MAX_D floats, the library's sum matching torch's."""
+    return all(t is not None and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+               and 16 <= t.numel() <= MAX_D for t in weights) and (_state.get("lanes") or _lanes()) > 0
 
 
 def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, hd: int, norm: str | None,
@@ -256,7 +252,7 @@ def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, hd: i
                scale: float, window: int | None, kernels=None) -> torch.Tensor:
     """A GQA layer's new rows in one kt_gqa_decode call (on the pool of kernels, a MoEKernels / LinearKernels context,
     else the calling thread): q (T, nh * hd), k (T, nkv * hd), v (T, nkv * vd) as projected, float32 CPU rows with
-    contiguous heads; norm None / "head" / "projection" with weights q_w, k_w (gqa_decode_norm_ok); RoPE of the
+    contiguous heads; norm None / "head" / "projection" with weights q_w, k_w (norm_weights_ok); RoPE of the
     first 2 * rope_half dims of each head with cos / sin (T, rope_half) float32 rows (rope_half 0: none); paging:
     (m, row0 (m + 1), start (m), table0 (m + 1), tables) int64 CPU tensors, the requests' rows, first positions and
     block tables; k_cache / v_cache: this layer's (blocks, block_size, nkv, hd / vd) float32 slabs. Writes each row's
@@ -267,9 +263,10 @@ def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, hd: i
     out = torch.empty((T, nh * vd), dtype=torch.float32)
     m, row0, start, table0, tables = paging
     half = cos.shape[1] if rope_half else 0
+    lanes = (_state.get("lanes") or _lanes()) if norm else 0
     a = GqaDecodeArgs(nh, nkv, hd, vd, T, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                      v.stride(0), {None: 0, "head": 1, "projection": 2}[norm], (_state.get("lanes") or _lanes()) if norm else 0,
-                      eps, q_w.data_ptr() if norm else None, k_w.data_ptr() if norm else None, half, int(interleaved),
+                      v.stride(0), {None: 0, "head": 1, "projection": 2}[norm], lanes, eps,
+                      q_w.data_ptr() if norm else None, k_w.data_ptr() if norm else None, half, int(interleaved),
                       cos.data_ptr() if half else None, sin.data_ptr() if half else None, cos.stride(0) if half else 0,
                       m, row0.data_ptr(), start.data_ptr(), table0.data_ptr(), tables.data_ptr(), k_cache.shape[1],
                       k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
@@ -279,13 +276,6 @@ def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, hd: i
     if lib.kt_gqa_decode(None if kernels is None else kernels.handle, ctypes.byref(a)) != 0:
         raise KernelError(lib.kt_last_error().decode())
     return out
-
-
-def norm_weights_ok(*weights: torch.Tensor | None) -> bool:
-    """Whether kt_rms_norm can norm rows with these weights as ktrun.models.layers.rms_norm does: float32 contiguous
-    CPU weights of 16 .. MAX_D floats, the library's sum matching torch's."""
-    return all(t is not None and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
-               and 16 <= t.numel() <= MAX_D for t in weights) and (_state.get("lanes") or _lanes()) > 0
 
 
 def mla_decode(x: torch.Tensor, linears: dict, dims: tuple, uk_group: int, uk_scale: torch.Tensor,
@@ -392,7 +382,8 @@ def route_sigmoid(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | No
     T, E = x.shape[0], gate_w.shape[0]
     ids = torch.empty((T, top_k), dtype=torch.int64)
     wts = torch.empty((T, top_k), dtype=torch.float32)
-    if _library().kt_route_sigmoid(_router_handle(), T, E, x.shape[1], x.data_ptr(), x.stride(0) if T > 1 else x.shape[1],
+    x_stride = x.stride(0) if T > 1 else x.shape[1]
+    if _library().kt_route_sigmoid(_router_handle(), T, E, x.shape[1], x.data_ptr(), x_stride,
                                    gate_w.data_ptr(), gate_w.shape[1], None if bias is None else bias.data_ptr(),
                                    n_group, topk_group, top_k, int(norm), scaling, ids.data_ptr(),
                                    wts.data_ptr()) != 0:
@@ -409,7 +400,8 @@ def route_softmax(x: torch.Tensor, gate_w: torch.Tensor, n_group: int, topk_grou
     T, E = x.shape[0], gate_w.shape[0]
     ids = torch.empty((T, top_k), dtype=torch.int64)
     wts = torch.empty((T, top_k), dtype=torch.float32)
-    if _library().kt_route_softmax(_router_handle(), T, E, x.shape[1], x.data_ptr(), x.stride(0) if T > 1 else x.shape[1],
+    x_stride = x.stride(0) if T > 1 else x.shape[1]
+    if _library().kt_route_softmax(_router_handle(), T, E, x.shape[1], x.data_ptr(), x_stride,
                                    gate_w.data_ptr(), gate_w.shape[1], n_group, topk_group, top_k, int(norm), scaling,
                                    ids.data_ptr(), wts.data_ptr()) != 0:
         raise KernelError(f"kt_route_softmax: bad arguments (x {tuple(x.shape)}, gate {tuple(gate_w.shape)}, groups "

@@ -1,0 +1,138 @@
+"""A decoder layer's attention for decode rows in one library call, where the layer allows it (ktrun.models.attention
+asks first and keeps its separate steps otherwise): GQA after its projections (kt_gqa_decode: q/k norms, RoPE, the
+paged KV write, the attention) and MLA from x to o_proj's output (kt_mla_decode: its seven jobs and the glue between
+them chained in C). Each call is the sequence of functions the separate steps call, with the same arguments: the same
+bits (tests/test_kernels_gqa_decode.py, tests/test_kernels_mla_decode.py). Why: between a layer's jobs the separate
+steps ran ~10-25 library calls and torch ops with Python between them while the kernel pool waited
+(docs/decode-step.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from ktlayouts.families import ModelConfig
+
+from ..ops import glue
+from ..ops.kernel_linear import AbsorbedKvB, KernelLinear
+from .kv_cache import Batch
+from .layers import LORA_NORM_EPS, SERIAL_MAX_ROWS, Rope
+
+
+def gqa(cfg: ModelConfig, w: dict, p: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
+        layer: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, qk_norm: str | None, window: int | None | str,
+        sinks: torch.Tensor | None, kernels) -> torch.Tensor | None:
+    """ktrun.models.attention.gqa_attention after the projections, for a batch of decode-sized requests (each at most
+    SERIAL_MAX_ROWS new rows: decode, a speculative verify) of a float32 CPU model: the q / k norms, RoPE, the cache
+    write and every row's attention over its causal (windowed) prefix in one kt_gqa_decode call
+    (ktrun.ops.glue.gqa_decode), the same bits as gqa_attention's separate steps. -> (T, nh * vd), or None (nothing
+    done) for anything else: sinks, longer prompts, other dtypes or devices, norms or RoPE the call does not
+    reproduce, caches it cannot address."""
+    nh, hd = cfg.num_heads, cfg.head_dim
+    if sinks is not None or q.dtype != torch.float32 or not q.is_cpu or hd % 16 or \
+            any(s.n > SERIAL_MAX_ROWS for s in batch.seqs):
+        return None
+    pool = batch.seqs[0].cache.pool
+    if len(pool.tokens) < 2 or pool.dtype != torch.float32 or any(s.cache.pool is not pool for s in batch.seqs):
+        return None
+    kc, vc = pool.tokens[0][layer], pool.tokens[1][layer]            # (blocks, B, nkv, hd), (blocks, B, nkv, vd)
+    nkv = kc.shape[2]
+    if kc.dim() != 4 or vc.dim() != 4 or vc.shape[2] != nkv or kc.shape[3] != hd or vc.shape[3] % 16 or \
+            not (kc.is_contiguous() and vc.is_contiguous()) or k.shape[1] != nkv * hd or \
+            v.shape[1] != nkv * vc.shape[3]:
+        return None
+    q_w, k_w = (w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight")) if qk_norm else (None, None)
+    if qk_norm not in (None, "head", "projection") or (qk_norm and not glue.norm_weights_ok(q_w, k_w)):
+        return None
+    half = cos.shape[-1]
+    if 2 * half > hd or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride(-1) != 1 or \
+            sin.stride() != cos.stride() or any(t.stride(-1) != 1 for t in (q, k, v)):
+        return None
+    window = cfg.sliding_window if window == "config" else window
+    return glue.gqa_decode(q, k, v, nh, hd, qk_norm, q_w, k_w, cfg.rms_norm_eps, cos, sin, half, rope.interleaved,
+                           paging(batch), kc, vc, cfg.softmax_scale, window, kernels)
+
+
+def paging(batch: Batch) -> tuple:
+    """The batch's requests as kt_gqa_decode reads them: (m, row0 (m + 1), start (m), table0 (m + 1), the block
+    tables concatenated), int64 tensors made once per forward (Batch.carried) and read by every layer."""
+    got = batch.carried.get("gqa_paging")
+    if got is None:
+        row0, start, table0, tables = [0], [], [0], []
+        for s in batch.seqs:
+            row0.append(s.offset + s.n)
+            start.append(s.start)
+            tables.extend(s.cache.blocks)
+            table0.append(len(tables))
+        got = batch.carried["gqa_paging"] = (len(batch.seqs), torch.tensor(row0), torch.tensor(start),
+                                             torch.tensor(table0), torch.tensor(tables))
+    return got
+
+
+def mla(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope, cos: torch.Tensor,
+        sin: torch.Tensor, absorbed) -> torch.Tensor | None:
+    """ktrun.models.attention.mla_attention for a batch whose requests' rows all take the absorbed form on
+    kt_mla_attend_batch (the caller checks: decode, a speculative verify) of a float32 CPU model whose Linears all
+    sit on one kernel context, kv_b absorbed on the op (absorbed(): the layer's AbsorbedKvB): x to o_proj's output in
+    one kt_mla_decode call (ktrun.ops.glue.mla_decode), the bits of mla_attention's steps. -> (T, hidden), or None
+    (nothing done) for anything else: biases, act-order or padded inputs, other dtypes, caches it cannot address."""
+    plan = _mla_plan(cfg, w, p, absorbed)
+    if plan is None or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.stride(-1) != 1:
+        return None
+    dr, R = plan.dims[2], plan.dims[4]
+    if 2 * cos.shape[-1] != dr or cos.dtype != torch.float32 or sin.dtype != torch.float32 or \
+            cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        return None
+    pool = batch.seqs[0].cache.pool
+    if len(pool.tokens) != 1 or pool.dtype != torch.float32 or any(s.cache.pool is not pool for s in batch.seqs):
+        return None
+    cache = pool.tokens[0][layer]                                     # (blocks, B, R + dr)
+    if cache.dim() != 3 or cache.shape[2] != R + dr or not cache.is_contiguous():
+        return None
+    return glue.mla_decode(x, plan.ids, plan.dims, plan.uk_group, plan.uk_scale, plan.q_norm, plan.kv_norm,
+                           LORA_NORM_EPS, cos, sin, rope.interleaved, paging(batch), cache, cfg.softmax_scale,
+                           plan.n_out, plan.kernels)
+
+
+@dataclass(frozen=True)
+class _MlaPlan:
+    """What kt_mla_decode needs of a layer's weights, checked once (a decode step asks per layer); kept in the
+    weights dict like the absorbed kv_b (not a tensor or tuple: byte counts skip it)."""
+    ids: dict
+    dims: tuple            # (nh, dn, dr, dv, R, q_lora, q_b's input width)
+    uk_group: int
+    uk_scale: torch.Tensor
+    q_norm: torch.Tensor | None
+    kv_norm: torch.Tensor
+    n_out: int
+    kernels: object
+
+
+def _mla_plan(cfg: ModelConfig, w: dict, p: str, absorbed) -> _MlaPlan | None:
+    """The layer's _MlaPlan, or None when its weights are not what kt_mla_decode takes: every Linear a KernelLinear
+    on one context, no biases, no act-order, padded inputs only on q_b, kv_b absorbed on the op, float32 norms
+    kt_rms_norm reproduces, R and dr multiples of 16. Kept next to the weights."""
+    key = p + "mla_decode_plan"
+    if key in w:
+        return w[key]
+    w[key] = None
+    nh, dn, dr, dv, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    q_lora = cfg.q_lora_rank or 0
+    names = {"q_a": "q_a_proj" if q_lora else "q_proj", "kv_a": "kv_a_proj_with_mqa", "o": "o_proj"}
+    if q_lora:
+        names["q_b"] = "q_b_proj"
+    lins = {k: w.get(p + n + ".weight") for k, n in names.items()}
+    first = lins["q_a"]
+    if dr % 16 or R % 16 or not isinstance(first, KernelLinear) or any(
+            not isinstance(li, KernelLinear) or li.lin is not first.lin or li.perm is not None
+            or (li.k_op != li.k and k != "q_b") or w.get(p + names[k] + ".bias") is not None for k, li in lins.items()):
+        return None
+    ab = absorbed()
+    q_norm, kv_norm = w.get(p + "q_a_layernorm.weight") if q_lora else None, w.get(p + "kv_a_layernorm.weight")
+    if not isinstance(ab, AbsorbedKvB) or ab.kv_b.lin is not first.lin or \
+            not glue.norm_weights_ok(kv_norm, *([q_norm] if q_lora else [])):
+        return None
+    ids = {k: li.id for k, li in lins.items()}
+    ids.update(uk=ab.uk_id, kv_b=ab.kv_b.id)
+    w[key] = _MlaPlan(ids, (nh, dn, dr, dv, R, q_lora, lins["q_b"].k_op if q_lora else 0), ab.G, ab.s_uk, q_norm,
+                      kv_norm, lins["o"].n, first.lin.kernels)
+    return w[key]
