@@ -22,6 +22,7 @@ from ktrun.models.kv_cache import Batch, BlockLayout, BlockPool, SeqCache
 from ktrun.ops import glue
 from ktrun.ops.library import GqaDecodeArgs, KernelError, load_library
 from ktrun.ops.moe import MoEKernels
+from one_call_helpers import with_and_without
 from runtime_helpers import PROMPT, converted
 
 # (heads, kv heads, head dim, value dim, qk norm, rotary dims, interleaved, window): Qwen3-MoE, Mixtral (no norm),
@@ -185,29 +186,8 @@ def test_model_decode_logits_are_the_same_with_and_without_the_one_call(tmp_path
     """A converted fixture on the kernels (int4 experts and Linears): a prompt, then decode steps of one request and of
     two batched, and a 3-row verify: logits bit-identical with the one call and with it switched off."""
     eng = Engine(converted(tmp_path_factory, arch, "int4-amx", gpu_method="rtn-int4"), ctx=256, max_batch=4)
-    ids = eng.tokenizer.encode(PROMPT)
-    taken = []
-    fast = attention_one_call.gqa
-
-    def spy(*args, **kw):
-        out = fast(*args, **kw)
-        taken.append(out is not None)
-        return out
-
-    def run() -> list[torch.Tensor]:
-        ca, cb = eng.model.new_cache(256), eng.model.new_cache(256)
-        out = [eng.model.forward(Batch.build([(ca, ids)], "cpu")),
-               eng.model.forward(Batch.build([(cb, ids[:5])], "cpu"))]
-        for t in (7, 9, 11):
-            out.append(eng.model.forward(Batch.build([(ca, [t])], "cpu")))
-            out.append(eng.model.forward(Batch.build([(ca, [t + 1]), (cb, [t])], "cpu")))
-        out.append(eng.model.forward(Batch.build([(cb, [3, 4, 5])], "cpu"), all_logits=True))
-        return out
-
-    monkeypatch.setattr(attention_one_call, "gqa", spy)
-    one_call = run()
+    one_call, separate, taken = with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch,
+                                                 attention_one_call, "gqa")
     assert any(taken)
-    monkeypatch.setattr(attention_one_call, "gqa", lambda *a, **k: None)
-    separate = run()
     for a, b in zip(one_call, separate):
         assert torch.equal(a, b)

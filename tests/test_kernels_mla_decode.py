@@ -18,9 +18,9 @@ import torch
 from isa_copies import outputs_per_isa
 from ktrun.engine import Engine
 from ktrun.models import attention_one_call
-from ktrun.models.kv_cache import Batch
 from ktrun.ops.library import MlaDecodeArgs, load_library
 from ktrun.ops.moe import MoEKernels
+from one_call_helpers import with_and_without
 from run_shared import built_once, run_dir
 from runtime_helpers import INIT_SCALE, PROMPT, converted
 
@@ -39,30 +39,8 @@ def _absorbed_conversion(tmp_path_factory, arch: str) -> str:
         src, out, ConvertOptions(method="int4-amx", gpu_method="rtn-int4"), show_progress=False)))
 
 
-def _decode_logits(model, ids) -> list[torch.Tensor]:
-    """A prompt, then decode steps of one request and of two batched, then a 3-row verify."""
-    ca, cb = model.new_cache(256), model.new_cache(256)
-    out = [model.forward(Batch.build([(ca, ids)], "cpu")), model.forward(Batch.build([(cb, ids[:5])], "cpu"))]
-    for t in (7, 9, 11):
-        out.append(model.forward(Batch.build([(ca, [t])], "cpu")))
-        out.append(model.forward(Batch.build([(ca, [t + 1]), (cb, [t])], "cpu")))
-    out.append(model.forward(Batch.build([(cb, [3, 4, 5])], "cpu"), all_logits=True))
-    return out
-
-
 def _with_and_without(model, ids, monkeypatch) -> tuple[list, list, list[bool]]:
-    fast, taken = attention_one_call.mla, []
-
-    def spy(*args, **kw):
-        out = fast(*args, **kw)
-        taken.append(out is not None)
-        return out
-    monkeypatch.setattr(attention_one_call, "mla", spy)
-    one_call = _decode_logits(model, ids)
-    monkeypatch.setattr(attention_one_call, "mla", lambda *a, **k: None)
-    separate = _decode_logits(model, ids)
-    monkeypatch.setattr(attention_one_call, "mla", fast)
-    return one_call, separate, taken
+    return with_and_without(model, ids, monkeypatch, attention_one_call, "mla")
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "kimi_k25"])
