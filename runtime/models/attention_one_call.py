@@ -126,6 +126,8 @@ def _mla_plan(cfg: ModelConfig, w: dict, p: str, absorbed) -> _MlaPlan | None:
             not isinstance(li, KernelLinear) or li.lin is not first.lin or li.perm is not None
             or (li.k_op != li.k and k != "q_b") or w.get(p + names[k] + ".bias") is not None for k, li in lins.items()):
         return None
+    if q_lora and not first.shares_input_with(lins["kv_a"]):    # one job for both, as layers.linears runs them
+        return None
     ab = absorbed()
     q_norm, kv_norm = w.get(p + "q_a_layernorm.weight") if q_lora else None, w.get(p + "kv_a_layernorm.weight")
     if not isinstance(ab, AbsorbedKvB) or ab.kv_b.lin is not first.lin or \
