@@ -3,8 +3,14 @@ one-call function and with it switched off, over a prompt, decode steps of one r
 blocks interleaved in the pool) and a speculative verify's 3 rows."""
 from __future__ import annotations
 
+import ctypes
+import os
+
 import torch
+from isa_copies import outputs_per_isa
 from ktrun.models.kv_cache import Batch
+from ktrun.ops.library import load_library
+from ktrun.ops.moe import MoEKernels
 
 
 def decode_logits(model, ids: list[int]) -> list[torch.Tensor]:
@@ -31,3 +37,47 @@ def with_and_without(model, ids: list[int], monkeypatch, module, name: str) -> t
     separate = decode_logits(model, ids)
     monkeypatch.setattr(module, name, fast)
     return one_call, separate, taken
+
+
+_DIGEST = """
+import hashlib, importlib, sys, torch
+sys.path.insert(0, {tests!r})
+import pytest
+from ktrun.engine import Engine
+from one_call_helpers import with_and_without
+from runtime_helpers import PROMPT
+eng = Engine({conv!r}, ctx=256, max_batch=4)
+module = importlib.import_module({module!r})
+one_call, separate, taken = with_and_without(eng.model, eng.tokenizer.encode(PROMPT), pytest.MonkeyPatch(), module,
+                                             {name!r})
+assert any(taken) and all(torch.equal(a, b) for a, b in zip(one_call, separate))
+h = hashlib.sha256()
+for t in one_call:
+    h.update(t.numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def same_bits_on_every_isa(conv, module: str, name: str) -> None:
+    """The scalar twin (baseline copy), AVX2 and AVX-512 copies chosen by KT_KERNEL_BACKEND in fresh processes: on
+    conversion conv each gives module.name's logits equal to its own separate path, and all give the same bits."""
+    code = _DIGEST.format(tests=os.path.dirname(__file__), conv=str(conv), module=module, name=name)
+    digests = outputs_per_isa(code, timeout=300)
+    assert len(digests) >= 2 and len(set(digests.values())) == 1, digests
+
+
+def assert_refused(fn: str, args_type, partial: dict) -> None:
+    """The C entry fn(ctx, args): no context, all-zero arguments, and args_type(**partial) are refused (-1), each
+    with a kt_last_error naming what is wrong."""
+    lib = load_library()
+    call = getattr(lib, fn)
+    assert call(None, ctypes.byref(args_type())) == -1
+    assert b"needs a context" in lib.kt_last_error()
+    kernels = MoEKernels(n_threads=2)
+    try:
+        assert call(kernels.handle, ctypes.byref(args_type())) == -1          # all zero: no geometry
+        assert b"bad geometry" in lib.kt_last_error()
+        assert call(kernels.handle, ctypes.byref(args_type(**partial))) == -1
+        assert b"missing" in lib.kt_last_error()
+    finally:
+        kernels.close()

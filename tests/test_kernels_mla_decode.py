@@ -8,19 +8,15 @@ blocks interleaved in the pool) and a speculative verify's rows, with q_lora (De
 a kv_b too small for the absorbed op) goes the separate way. Bad arguments are an error naming what is wrong."""
 from __future__ import annotations
 
-import ctypes
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from isa_copies import outputs_per_isa
 from ktrun.engine import Engine
 from ktrun.models import attention_one_call
-from ktrun.ops.library import MlaDecodeArgs, load_library
-from ktrun.ops.moe import MoEKernels
-from one_call_helpers import with_and_without
+from ktrun.ops.library import MlaDecodeArgs
+from one_call_helpers import assert_refused, same_bits_on_every_isa, with_and_without
 from run_shared import built_once, run_dir
 from runtime_helpers import INIT_SCALE, PROMPT, converted
 
@@ -76,47 +72,17 @@ def test_what_it_does_not_take_goes_the_separate_way(tmp_path_factory, monkeypat
             assert torch.equal(a, b)
 
 
-_DIGEST = """
-import hashlib, sys, torch
-sys.path.insert(0, {tests!r})
-import pytest
-from ktrun.engine import Engine
-from test_kernels_mla_decode import _with_and_without
-from runtime_helpers import PROMPT
-eng = Engine({conv!r}, ctx=256, max_batch=4)
-mp = pytest.MonkeyPatch()
-one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), mp)
-assert any(taken) and all(torch.equal(a, b) for a, b in zip(one_call, separate))
-h = hashlib.sha256()
-for t in one_call:
-    h.update(t.numpy().tobytes())
-print(h.hexdigest())
-"""
-
-
 def test_every_isa_copy_gives_the_same_bits(tmp_path_factory):
-    """The scalar twin (baseline copy), AVX2 and AVX-512 copies chosen by KT_KERNEL_BACKEND in fresh processes: each
-    equal to its own separate steps, all the same bits."""
-    conv = _absorbed_conversion(tmp_path_factory, "deepseek_v3")
-    digests = outputs_per_isa(_DIGEST.format(tests=os.path.dirname(__file__), conv=str(conv)), timeout=300)
-    assert len(digests) >= 2 and len(set(digests.values())) == 1, digests
+    same_bits_on_every_isa(_absorbed_conversion(tmp_path_factory, "deepseek_v3"), "ktrun.models.attention_one_call",
+                           "mla")
 
 
 def test_bad_arguments_are_an_error_naming_them():
-    lib = load_library()
-    a = MlaDecodeArgs()
-    assert lib.kt_mla_decode(None, ctypes.byref(a)) == -1
-    assert b"needs a context" in lib.kt_last_error()
-    kernels = MoEKernels(n_threads=2)
-    try:
-        assert lib.kt_mla_decode(kernels.handle, ctypes.byref(a)) == -1          # all zero: no geometry
-        assert b"bad geometry" in lib.kt_last_error()
-        x = torch.zeros(1, 64)
-        a = MlaDecodeArgs(T=1, nh=2, dn=16, dr=16, dv=16, R=32, q_lora=0, m=1, x=x.data_ptr(), x_stride=64)
-        assert lib.kt_mla_decode(kernels.handle, ctypes.byref(a)) == -1          # no norms, tables, cache
-        assert b"missing" in lib.kt_last_error()
-    finally:
-        kernels.close()
+    """No context, all-zero arguments, a geometry without its norms, tables and cache: refused, kt_last_error naming
+    what is wrong."""
+    x = torch.zeros(1, 64)
+    assert_refused("kt_mla_decode", MlaDecodeArgs, {"T": 1, "nh": 2, "dn": 16, "dr": 16, "dv": 16, "R": 32, "q_lora": 0,
+                                                    "m": 1, "x": x.data_ptr(), "x_stride": 64})
 
 
 def test_bench_decode_runs_with_it(tmp_path_factory):

@@ -8,17 +8,12 @@ verify's rows, for the sigmoid router with groups and a correction bias (DeepSee
 default model), on every ISA copy; what it does not take goes the separate way; bad arguments are an error."""
 from __future__ import annotations
 
-import ctypes
-import os
-
 import pytest
 import torch
-from isa_copies import outputs_per_isa
 from ktrun.engine import Engine
 from ktrun.models import moe_one_call
-from ktrun.ops.library import MoeDecodeArgs, load_library
-from ktrun.ops.moe import MoEKernels
-from one_call_helpers import with_and_without
+from ktrun.ops.library import MoeDecodeArgs
+from one_call_helpers import assert_refused, same_bits_on_every_isa, with_and_without
 from runtime_helpers import PROMPT, converted
 
 
@@ -55,42 +50,13 @@ def test_what_it_does_not_take_goes_the_separate_way(tmp_path_factory, monkeypat
         assert all(moe_one_call.plan(eng.model, i) is None for i in eng.model.moe_layers), arch
 
 
-_DIGEST = """
-import hashlib, sys, torch
-sys.path.insert(0, {tests!r})
-import pytest
-from ktrun.engine import Engine
-from test_kernels_moe_decode import _with_and_without
-from runtime_helpers import PROMPT
-eng = Engine({conv!r}, ctx=256, max_batch=4)
-one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), pytest.MonkeyPatch())
-assert any(taken) and all(torch.equal(a, b) for a, b in zip(one_call, separate))
-h = hashlib.sha256()
-for t in one_call:
-    h.update(t.numpy().tobytes())
-print(h.hexdigest())
-"""
-
-
 def test_every_isa_copy_gives_the_same_bits(tmp_path_factory):
-    """The scalar twin (baseline copy), AVX2 and AVX-512 copies chosen by KT_KERNEL_BACKEND in fresh processes: each
-    equal to its own separate calls, all the same bits."""
-    conv = converted(tmp_path_factory, "deepseek_v3", "int4-amx", gpu_method="rtn-int4")
-    digests = outputs_per_isa(_DIGEST.format(tests=os.path.dirname(__file__), conv=str(conv)), timeout=300)
-    assert len(digests) >= 2 and len(set(digests.values())) == 1, digests
+    same_bits_on_every_isa(converted(tmp_path_factory, "deepseek_v3", "int4-amx", gpu_method="rtn-int4"),
+                           "ktrun.models.moe_one_call", "run")
 
 
 def test_bad_arguments_are_an_error_naming_them():
-    lib = load_library()
-    a = MoeDecodeArgs()
-    assert lib.kt_moe_decode(None, ctypes.byref(a)) == -1
-    assert b"needs a context" in lib.kt_last_error()
-    kernels = MoEKernels(n_threads=2)
-    try:
-        assert lib.kt_moe_decode(kernels.handle, ctypes.byref(a)) == -1          # all zero: no geometry
-        assert b"bad geometry" in lib.kt_last_error()
-        a = MoeDecodeArgs(T=1, H=64, E=8, top_k=2, n_group=1, topk_group=1, router=1, finish=0)
-        assert lib.kt_moe_decode(kernels.handle, ctypes.byref(a)) == -1          # no tensors, finish 0 without e_out
-        assert b"missing" in lib.kt_last_error()
-    finally:
-        kernels.close()
+    """No context, all-zero arguments, finish 0 without e_out (or any tensor): refused, kt_last_error naming what is
+    wrong."""
+    assert_refused("kt_moe_decode", MoeDecodeArgs, {"T": 1, "H": 64, "E": 8, "top_k": 2, "n_group": 1, "topk_group": 1,
+                                                    "router": 1, "finish": 0})
