@@ -106,9 +106,11 @@ class KernelExperts:
     def one_call_layer(self, layer: int, shared: bool) -> tuple[object, int | None] | None:
         """(the kernel context, the fused shared expert's layer id or None) for running layer's rows in one
         kt_moe_decode call (ktrun.models.moe_one_call), or None when it cannot: a layer these kernels do not hold, a
-        shared expert not fused, a submit pending."""
+        shared expert not fused, a submit pending, a subclass overriding submit or sync."""
         if self._pending is not None or layer not in self._layers or (shared and layer not in self._shared):
             return None
+        if type(self).submit is not KernelExperts.submit or type(self).sync is not KernelExperts.sync:
+            return None            # a subclass that sees every submit (a recording bench) keeps the separate calls
         return self.moe, self._shared[layer] if shared else None
 
     def record_one_call(self, token_slots: int, seconds: float) -> None:

@@ -31,8 +31,9 @@ def gqa(cfg: ModelConfig, w: dict, p: str, q: torch.Tensor, k: torch.Tensor, v: 
     if sinks is not None or q.dtype != torch.float32 or not q.is_cpu or hd % 16 or \
             any(s.n > SERIAL_MAX_ROWS for s in batch.seqs):
         return None
-    pool = batch.seqs[0].cache.pool
-    if len(pool.tokens) < 2 or pool.dtype != torch.float32 or any(s.cache.pool is not pool for s in batch.seqs):
+    pool = getattr(batch.seqs[0].cache, "pool", None)       # None: a cache that is not the block pool's
+    if pool is None or len(pool.tokens) < 2 or pool.dtype != torch.float32 or \
+            any(getattr(s.cache, "pool", None) is not pool for s in batch.seqs):
         return None
     kc, vc = pool.tokens[0][layer], pool.tokens[1][layer]            # (blocks, B, nkv, hd), (blocks, B, nkv, vd)
     nkv = kc.shape[2]
@@ -82,8 +83,9 @@ def mla(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer:
     if 2 * cos.shape[-1] != dr or cos.dtype != torch.float32 or sin.dtype != torch.float32 or \
             cos.stride(-1) != 1 or sin.stride() != cos.stride():
         return None
-    pool = batch.seqs[0].cache.pool
-    if len(pool.tokens) != 1 or pool.dtype != torch.float32 or any(s.cache.pool is not pool for s in batch.seqs):
+    pool = getattr(batch.seqs[0].cache, "pool", None)
+    if pool is None or len(pool.tokens) != 1 or pool.dtype != torch.float32 or \
+            any(getattr(s.cache, "pool", None) is not pool for s in batch.seqs):
         return None
     cache = pool.tokens[0][layer]                                     # (blocks, B, R + dr)
     if cache.dim() != 3 or cache.shape[2] != R + dr or not cache.is_contiguous():

@@ -46,7 +46,7 @@ class MoEModel:
         if cfg.is_mla:                                     # MLA's absorbed kv_b on the kernels' op: built now
             prepare_absorbed(cfg, weights, [self.names.layer(i) + "self_attn." for i in self.layers])
         self.shared_fused = self._fuse_shared()           # MoE layers whose executor computes the shared expert
-        self.moe_plans: dict = {}                          # layer -> moe_one_call.MoePlan or None (made on first use)
+        self.moe_plans: dict = {}      # layer -> moe_one_call.MoePlan or None (made on first use); "experts": for whom
         self.lm_head = weights.get(self.names.head)
         if self.lm_head is None:
             if not cfg.tie_word_embeddings:

@@ -30,7 +30,10 @@ class MoePlan:
 
 def plan(model, i: int) -> MoePlan | None:
     """Layer i's MoePlan, or None when its steps are not all kt_moe_decode's (the module docstring); kept on the
-    model (model.moe_plans)."""
+    model (model.moe_plans) for the executor it was made for (a bench or test may swap model.experts)."""
+    if model.moe_plans.get("experts") is not model.experts:
+        model.moe_plans.clear()
+        model.moe_plans["experts"] = model.experts
     if i in model.moe_plans:
         return model.moe_plans[i]
     model.moe_plans[i] = None
