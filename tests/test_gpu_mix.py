@@ -36,6 +36,21 @@ def dense_layouts(out) -> dict[str, str]:
             for n, t in f.get("tensors", {}).items()}
 
 
+def decode_matches_prefill(conv) -> None:
+    """Decode steps (one token at a time on the KV cache, ktrun's decode path) give the prefill's distributions."""
+    eng = Engine(conv, ctx=CTX)
+    try:
+        m = eng.model
+        ids, extra = eng.tokenizer.encode(PROMPT), [7, 9, 11, 13]
+        full = m.forward(Batch.build([(m.new_cache(CTX), ids + extra)], "cpu"), all_logits=True)[len(ids) - 1:]
+        cache = m.new_cache(CTX)
+        steps = [m.forward(Batch.build([(cache, ids)], "cpu")).reshape(1, -1)]
+        steps += [m.forward(Batch.build([(cache, [t])], "cpu")).reshape(1, -1) for t in extra]
+        assert float(kl(full, torch.cat(steps)).max()) < 1e-6
+    finally:
+        eng.close()
+
+
 def stored_weight(out, name: str) -> np.ndarray:
     conv, layouts = ConvertedDir(out), dense_layouts(out)
     base = name[: -len("weight")]
@@ -85,6 +100,7 @@ def test_method_for_rules_set_each_linears_format_and_ktrun_runs_it(ckpt_dir, tm
     # ktrun loads the mix and runs it: next-token distributions near the BF16 conversion's
     d = kl(bf16_logits, prompt_logits(out))
     assert torch.isfinite(d).all() and float(d.mean()) < 1e-2 and float(d.max()) < 1e-1
+    decode_matches_prefill(out)
 
 
 @pytest.mark.parametrize("rule,what", [
@@ -121,6 +137,7 @@ def test_measured_rule_upgrades_within_budget_and_ktrun_runs_it(ckpt_dir, tmp_pa
     assert added <= budget * sum(weights.values())
     d = kl(bf16_logits, prompt_logits(out))
     assert torch.isfinite(d).all() and float(d.mean()) < 1e-2
+    decode_matches_prefill(out)
     # --gpu-mix-budget 0 with auto is the explicit --gpu-method gptq-int4 conversion, byte for byte
     assert run_quantize(src, plain, "--gpu-mix-budget", 0).returncode == 0
     explicit = tmp_path / "explicit"
