@@ -500,7 +500,9 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
                     if todo:
                         conv.write_experts(todo, pool, sum(j.source_nbytes for j in experts))
                     src.close()   # unmap the shards read so far: mapped pages would count as RSS for the whole run
-            for line in conv.paths.summary({"experts": conv.target(), "GPU layers": encoder.name}):
+            rules = sorted({m for _g, m in getattr(encoder, "rules", ())} - {encoder.name})
+            gpu_target = encoder.name + (f" (some: {', '.join(rules)})" if rules else "")
+            for line in conv.paths.summary({"experts": conv.target(), "GPU layers": gpu_target}):
                 tqdm.write(f"ktconvert: {line}", file=sys.stderr)
             side = copy_side_files(src, out_dir, journal, encoder)
             placement = None if opts.hot_experts is None else write_placement(
