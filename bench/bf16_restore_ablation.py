@@ -17,24 +17,11 @@ from pathlib import Path
 
 from ktlayouts.logprobs import read_logprobs
 from ktrun.engine import Engine
-from ktrun.ops.kernel_linear import KernelLinear
-from ktrun.perplexity import score, text_chunks
+from linear_swap import score_swapped
 
 
 def run_case(conv: Path, bf16_w: dict, text: str, reference, ctx: int, chunks: int, take: str | None) -> dict:
-    eng = Engine(conv, ctx=ctx, max_batch=1, gpu_weights="kernels")
-    try:
-        m = eng.model
-        names = [n for n, w in m.w.items() if isinstance(w, KernelLinear) and take is not None and re.search(take, n)]
-        for n in names:
-            m.w[n] = bf16_w[n]
-            m.w.pop(n.removesuffix("weight") + "absorbed", None)      # MLA's absorbed kv_b: derived again
-        m.shared_fused -= {i for i in list(m.shared_fused)
-                           if any(n.startswith(m.names.layer(i) + m.names.shared_prefix) for n in names)}
-        rows = text_chunks(eng.tokenizer, text, ctx, chunks)
-        return score(m, rows, reference=reference).summary() | {"linears": len(names)}
-    finally:
-        eng.close()
+    return score_swapped(conv, text, reference, ctx, chunks, take, lambda n, _: bf16_w[n])
 
 
 def main() -> None:

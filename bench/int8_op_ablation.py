@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from ktlayouts.logprobs import read_logprobs
-from ktrun.engine import Engine
 from ktrun.ops.kernel_linear import KernelLinear
-from ktrun.perplexity import score, text_chunks
+from linear_swap import score_swapped
 
 
 class SimulatedOp:
@@ -43,18 +42,8 @@ class SimulatedOp:
 
 
 def run_case(conv: Path, text: str, reference, ctx: int, chunks: int, take: str | None, act_group: int) -> dict:
-    eng = Engine(conv, ctx=ctx, max_batch=1, gpu_weights="kernels")
-    try:
-        m = eng.model
-        names = [n for n, w in m.w.items() if isinstance(w, KernelLinear) and take is not None and re.search(take, n)]
-        for n in names:
-            m.w[n] = SimulatedOp(m.w[n], act_group) if act_group else m.w[n].dequantize(m.dtype)
-        m.shared_fused -= {i for i in list(m.shared_fused)
-                           if any(n.startswith(m.names.layer(i) + m.names.shared_prefix) for n in names)}
-        rows = text_chunks(eng.tokenizer, text, ctx, chunks)
-        return score(m, rows, reference=reference).summary() | {"linears": len(names)}
-    finally:
-        eng.close()
+    return score_swapped(conv, text, reference, ctx, chunks, take,
+                         lambda _, li: SimulatedOp(li, act_group) if act_group else li.dequantize(torch.float32))
 
 
 def main() -> None:
