@@ -262,12 +262,12 @@ def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, hd: i
     nkv, vd = k_cache.shape[2], v_cache.shape[3]
     out = torch.empty((T, nh * vd), dtype=torch.float32)
     m, row0, start, table0, tables = paging
-    half = cos.shape[1] if rope_half else 0
     lanes = (_state.get("lanes") or _lanes()) if norm else 0
     a = GqaDecodeArgs(nh, nkv, hd, vd, T, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                       v.stride(0), {None: 0, "head": 1, "projection": 2}[norm], lanes, eps,
-                      q_w.data_ptr() if norm else None, k_w.data_ptr() if norm else None, half, int(interleaved),
-                      cos.data_ptr() if half else None, sin.data_ptr() if half else None, cos.stride(0) if half else 0,
+                      q_w.data_ptr() if norm else None, k_w.data_ptr() if norm else None, rope_half, int(interleaved),
+                      cos.data_ptr() if rope_half else None, sin.data_ptr() if rope_half else None,
+                      cos.stride(0) if rope_half else 0,
                       m, row0.data_ptr(), start.data_ptr(), table0.data_ptr(), tables.data_ptr(), k_cache.shape[1],
                       k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                       v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), scale, window or 0, out.data_ptr(),
