@@ -28,8 +28,8 @@ void norm_rope_row(const kt_gqa_decode_args& a, int64_t t, int64_t heads, const 
     const float* src = x;
     if (a.norm) {
         scratch.resize((size_t)n);
-        if (a.norm == 1) kt_rms_norm(heads, hd, x, hd, nullptr, 0, nullptr, 0, norm_w, a.eps, a.lanes, scratch.data(), hd);
-        else kt_rms_norm(1, n, x, n, nullptr, 0, nullptr, 0, norm_w, a.eps, a.lanes, scratch.data(), n);
+        const int64_t rows = a.norm == 1 ? heads : 1, d = a.norm == 1 ? hd : n;   // per head, or the whole row
+        kt_rms_norm(rows, d, x, d, nullptr, 0, nullptr, 0, norm_w, a.eps, a.lanes, scratch.data(), d);
         src = scratch.data();
     }
     if (a.rope_half == 0) {
@@ -67,21 +67,22 @@ bool GqaDecode::set(const kt_gqa_decode_args& a, const char** why) {
         a.v_row_stride < a.nkv * a.vd || a.window < 0)
         return false;
     *why = "bad request rows (row0 must run from 0 to T, each request at least one row)";
-    if (a.row0[0] != 0 || a.row0[a.m] != a.T) return false;
-    for (int64_t r = 0; r < a.m; ++r)
-        if (a.row0[r + 1] <= a.row0[r] || a.start[r] < 0) return false;
+    if (!request_rows_ok(a.m, a.T, a.row0, a.start)) return false;
+    auto k_row = [&](int64_t r, int64_t p) {
+        return paged_row(a.k_cache, a.tables, a.table0, r, p, a.block_size, a.k_block_stride, a.k_row_stride);
+    };
+    auto v_row = [&](int64_t r, int64_t p) {
+        return paged_row(a.v_cache, a.tables, a.table0, r, p, a.block_size, a.v_block_stride, a.v_row_stride);
+    };
 
     // q: normed and roped into q_ready; k: straight into its cache slot; v: copied there
     q_ready.resize((size_t)(a.T * a.nh * a.hd));
     for (int64_t r = 0; r < a.m; ++r)
         for (int64_t t = a.row0[r]; t < a.row0[r + 1]; ++t) {
             const int64_t p = a.start[r] + (t - a.row0[r]);
-            const int64_t b = a.tables[a.table0[r] + p / a.block_size], i = p % a.block_size;
-            float* k_slot = a.k_cache + b * a.k_block_stride + i * a.k_row_stride;
-            float* v_slot = a.v_cache + b * a.v_block_stride + i * a.v_row_stride;
             norm_rope_row(a, t, a.nh, a.q + t * a.q_stride, a.q_norm, normed, q_ready.data() + t * a.nh * a.hd);
-            norm_rope_row(a, t, a.nkv, a.k + t * a.k_stride, a.k_norm, normed, k_slot);
-            std::memcpy(v_slot, a.v + t * a.v_stride, (size_t)(a.nkv * a.vd) * sizeof(float));
+            norm_rope_row(a, t, a.nkv, a.k + t * a.k_stride, a.k_norm, normed, k_row(r, p));
+            std::memcpy(v_row(r, p), a.v + t * a.v_stride, (size_t)(a.nkv * a.vd) * sizeof(float));
         }
     // each row's positions, in order: [max(0, p - window + 1), p]
     attend.krows.clear();
@@ -91,15 +92,21 @@ bool GqaDecode::set(const kt_gqa_decode_args& a, const char** why) {
         for (int64_t t = a.row0[r]; t < a.row0[r + 1]; ++t) {
             const int64_t p = a.start[r] + (t - a.row0[r]);
             for (int64_t j = a.window ? std::max<int64_t>(0, p - a.window + 1) : 0; j <= p; ++j) {
-                const int64_t b = a.tables[a.table0[r] + j / a.block_size], i = j % a.block_size;
-                attend.krows.push_back(a.k_cache + b * a.k_block_stride + i * a.k_row_stride);
-                attend.vrows.push_back(a.v_cache + b * a.v_block_stride + i * a.v_row_stride);
+                attend.krows.push_back(k_row(r, j));
+                attend.vrows.push_back(v_row(r, j));
             }
             attend.first_row[t + 1] = (int64_t)attend.krows.size();
         }
     *why = "bad attention arguments";
     return attend.set_filled(a.T, a.nkv, a.nh / a.nkv, a.hd, a.vd, q_ready.data(), a.nh * a.hd, a.hd, a.scale, a.out,
                              a.out_stride, a.vd);
+}
+
+bool request_rows_ok(int64_t m, int64_t T, const int64_t* row0, const int64_t* start) {
+    if (row0[0] != 0 || row0[m] != T) return false;
+    for (int64_t r = 0; r < m; ++r)
+        if (row0[r + 1] <= row0[r] || start[r] < 0) return false;
+    return true;
 }
 
 }  // namespace kt

@@ -64,6 +64,16 @@ struct GqaAttendBatch {
     void pair(int64_t e, int64_t g) const;
 };
 
+// The requests of a decode call (kt_gqa_decode_args, kt_mla_decode_args): request r's rows [row0[r], row0[r + 1])
+// run from 0 to T, at least one each, at positions from start[r] >= 0.
+bool request_rows_ok(int64_t m, int64_t T, const int64_t* row0, const int64_t* start);
+
+// Position p of request r in a paged cache: slot p % block_size of block tables[table0[r] + p / block_size].
+inline float* paged_row(float* base, const int64_t* tables, const int64_t* table0, int64_t r, int64_t p,
+                        int64_t block_size, int64_t block_stride, int64_t row_stride) {
+    return base + tables[table0[r] + p / block_size] * block_stride + (p % block_size) * row_stride;
+}
+
 // kt_gqa_decode's job (gqa_decode.cpp): the rows' q / k norm, RoPE and cache write on the calling thread (set), then
 // the attention as a GqaAttendBatch over the positions the block tables give (run).
 struct GqaDecode {

@@ -12,7 +12,6 @@
 // Why: between these seven jobs a decode step ran ~25 torch ops and ctypes calls per layer, ~170 us of Python on
 // the embedded default model's 1.3 ms step (4 layers), while the pool waited.
 #include <algorithm>
-#include <cstring>
 
 #include "../include/ktkernels.h"
 #include "context.h"
@@ -31,32 +30,29 @@ bool MlaDecode::run(kt_ctx* ctx, const kt_mla_decode_args& a, const char** why) 
         return false;
     *why = "bad lanes, q_b inputs, W_uk group, strides or block size";
     if ((a.lanes != 8 && a.lanes != 16) || a.R < a.lanes || (a.q_lora && (a.q_lora < a.lanes || a.q_b_k < a.q_lora)) ||
-        a.uk_group < 1 ||
-        a.R % a.uk_group || a.block_size < 1 || a.row_stride < a.R + a.dr || a.block_stride < a.block_size * a.row_stride)
+        a.uk_group < 1 || a.R % a.uk_group || a.block_size < 1 || a.row_stride < a.R + a.dr ||
+        a.block_stride < a.block_size * a.row_stride)
         return false;
     *why = "bad request rows (row0 must run from 0 to T, each request at least one row)";
-    if (a.row0[0] != 0 || a.row0[a.m] != a.T) return false;
-    for (int64_t r = 0; r < a.m; ++r)
-        if (a.row0[r + 1] <= a.row0[r] || a.start[r] < 0) return false;
+    if (!request_rows_ok(a.m, a.T, a.row0, a.start)) return false;
 
     ThreadPool& pool = ctx->engine.pool();
     LinearEngine& lin = ctx->linear;
     const int T = (int)a.T;
     const int64_t nh = a.nh, dn = a.dn, dr = a.dr, R = a.R, dq = dn + dr, lat = R + dr;
     auto slot = [&](int64_t r, int64_t p) {   // request r's cache row at position p
-        return a.cache + a.tables[a.table0[r] + p / a.block_size] * a.block_stride + (p % a.block_size) * a.row_stride;
+        return paged_row(a.cache, a.tables, a.table0, r, p, a.block_size, a.block_stride, a.row_stride);
     };
 
     // q_a and kv_a (one job: x quantized once), or q_proj's job then kv_a's
     q.resize((size_t)(T * nh * dq));
     ckv.resize((size_t)(T * lat));
     float* ckv_p = ckv.data();
-    const int64_t lat_stride = lat;
     if (a.q_lora) {
         qa.resize((size_t)(T * a.q_lora));
         const int ids[2] = {a.q_a_id, a.kv_a_id};
         float* outs[2] = {qa.data(), ckv_p};
-        const int64_t strides[2] = {a.q_lora, lat_stride};
+        const int64_t strides[2] = {a.q_lora, lat};
         lin.submit(2, ids, T, a.x, KT_F32, a.x_stride, outs, strides);
         lin.sync();
         q_resid.assign((size_t)(T * a.q_b_k), 0.0f);   // padded inputs of q_b stay 0 (ktrun pads them so)
@@ -70,7 +66,7 @@ bool MlaDecode::run(kt_ctx* ctx, const kt_mla_decode_args& a, const char** why) 
         const int qp[1] = {a.q_a_id}, kv[1] = {a.kv_a_id};
         float* qo[1] = {q.data()};
         float* ko[1] = {ckv_p};
-        const int64_t qs[1] = {nh * dq}, ks[1] = {lat_stride};
+        const int64_t qs[1] = {nh * dq}, ks[1] = {lat};
         lin.submit(1, qp, T, a.x, KT_F32, a.x_stride, qo, qs);
         lin.sync();
         lin.submit(1, kv, T, a.x, KT_F32, a.x_stride, ko, ks);
@@ -80,7 +76,7 @@ bool MlaDecode::run(kt_ctx* ctx, const kt_mla_decode_args& a, const char** why) 
     for (int64_t r = 0; r < a.m; ++r)
         for (int64_t t = a.row0[r]; t < a.row0[r + 1]; ++t) {
             float* dst = slot(r, a.start[r] + (t - a.row0[r]));
-            const float* src = ckv_p + t * lat_stride;
+            const float* src = ckv_p + t * lat;
             kt_rms_norm(1, R, src, R, nullptr, 0, nullptr, 0, a.kv_a_norm, a.eps, a.lanes, dst, R);
             kt_rope(1, 1, dr / 2, src + R, dr, dr, a.cos + t * a.cs_stride, a.sin + t * a.cs_stride, a.cs_stride,
                     a.interleaved, dst + R, dr, dr);

@@ -18,7 +18,7 @@
 namespace {
 
 struct MoeDecodeScratch {
-    std::vector<float> s, h, e, logits;
+    std::vector<float> s, h, e;
     std::vector<int32_t> ids32;
 };
 

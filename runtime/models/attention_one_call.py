@@ -31,9 +31,8 @@ def gqa(cfg: ModelConfig, w: dict, p: str, q: torch.Tensor, k: torch.Tensor, v: 
     if sinks is not None or q.dtype != torch.float32 or not q.is_cpu or hd % 16 or \
             any(s.n > SERIAL_MAX_ROWS for s in batch.seqs):
         return None
-    pool = getattr(batch.seqs[0].cache, "pool", None)       # None: a cache that is not the block pool's
-    if pool is None or len(pool.tokens) < 2 or pool.dtype != torch.float32 or \
-            any(getattr(s.cache, "pool", None) is not pool for s in batch.seqs):
+    pool = _float32_pool(batch)
+    if pool is None or len(pool.tokens) < 2:
         return None
     kc, vc = pool.tokens[0][layer], pool.tokens[1][layer]            # (blocks, B, nkv, hd), (blocks, B, nkv, vd)
     nkv = kc.shape[2]
@@ -53,10 +52,21 @@ def gqa(cfg: ModelConfig, w: dict, p: str, q: torch.Tensor, k: torch.Tensor, v: 
                            paging(batch), kc, vc, cfg.softmax_scale, window, kernels)
 
 
+def _float32_pool(batch: Batch):
+    """The one float32 KV block pool every request of the batch uses, or None (a cache that is not a block pool's,
+    several pools, another dtype)."""
+    pool = getattr(batch.seqs[0].cache, "pool", None)
+    if pool is None or pool.dtype != torch.float32 or any(getattr(s.cache, "pool", None) is not pool
+                                                          for s in batch.seqs):
+        return None
+    return pool
+
+
 def paging(batch: Batch) -> tuple:
-    """The batch's requests as kt_gqa_decode reads them: (m, row0 (m + 1), start (m), table0 (m + 1), the block
-    tables concatenated), int64 tensors made once per forward (Batch.carried) and read by every layer."""
-    got = batch.carried.get("gqa_paging")
+    """The batch's requests as kt_gqa_decode and kt_mla_decode read them: (m, row0 (m + 1), start (m), table0
+    (m + 1), the block tables concatenated), int64 tensors made once per forward (Batch.carried) and read by every
+    layer."""
+    got = batch.carried.get("kv_paging")
     if got is None:
         row0, start, table0, tables = [0], [], [0], []
         for s in batch.seqs:
@@ -64,7 +74,7 @@ def paging(batch: Batch) -> tuple:
             start.append(s.start)
             tables.extend(s.cache.blocks)
             table0.append(len(tables))
-        got = batch.carried["gqa_paging"] = (len(batch.seqs), torch.tensor(row0), torch.tensor(start),
+        got = batch.carried["kv_paging"] = (len(batch.seqs), torch.tensor(row0), torch.tensor(start),
                                              torch.tensor(table0), torch.tensor(tables))
     return got
 
@@ -83,9 +93,8 @@ def mla(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer:
     if 2 * cos.shape[-1] != dr or cos.dtype != torch.float32 or sin.dtype != torch.float32 or \
             cos.stride(-1) != 1 or sin.stride() != cos.stride():
         return None
-    pool = getattr(batch.seqs[0].cache, "pool", None)
-    if pool is None or len(pool.tokens) != 1 or pool.dtype != torch.float32 or \
-            any(getattr(s.cache, "pool", None) is not pool for s in batch.seqs):
+    pool = _float32_pool(batch)
+    if pool is None or len(pool.tokens) != 1:
         return None
     cache = pool.tokens[0][layer]                                     # (blocks, B, R + dr)
     if cache.dim() != 3 or cache.shape[2] != R + dr or not cache.is_contiguous():
