@@ -84,15 +84,14 @@ def run(model, i: int, x: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tenso
     if pl.outside is None:
         x_out, h_out, _, wait, _ = glue.moe_decode(x, delta, norm_w, next_w, eps, pl.router, pl.layer, pl.shared,
                                                    pl.kernels)
-        model.experts.record_one_call(T * model.cfg.top_k, wait)
-        model.timing["expert_wait_s"] += wait
-        return x_out, h_out
-    # the shared expert outside the job: its Linears' first submit waits for the routed job, as in MoEModel._moe
-    t0 = time.perf_counter()
-    s, h, _, _, e = glue.moe_decode(x, delta, norm_w, next_w, eps, pl.router, pl.layer, None, pl.kernels, finish=False)
-    shared = swiglu_mlp(h, *pl.outside)
-    pl.kernels.sync()
-    wait = time.perf_counter() - t0
+    else:   # the shared expert outside the job: its Linears' first submit waits for the routed job (MoEModel._moe)
+        t0 = time.perf_counter()
+        s, h, _, _, e = glue.moe_decode(x, delta, norm_w, next_w, eps, pl.router, pl.layer, None, pl.kernels,
+                                        finish=False)
+        shared = swiglu_mlp(h, *pl.outside)
+        pl.kernels.sync()
+        wait = time.perf_counter() - t0
+        x_out, h_out = model._add_norm(s, e + shared, next_w)
     model.experts.record_one_call(T * model.cfg.top_k, wait)
     model.timing["expert_wait_s"] += wait
-    return model._add_norm(s, e + shared, next_w)
+    return x_out, h_out
