@@ -10,12 +10,12 @@ import click
 from ktlayouts.constants import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_SCALE_DTYPE,
+    FILE_ALIGN,
     METHOD_TO_LAYOUT,
     SCALE_DTYPES,
     default_group_size,
 )
-from ktlayouts.converted_dir import MANIFEST_NAME, MTP_DENSE_KIND, MTP_EXPERT_KIND, ExpertGeometry, ManifestError
-from ktlayouts.cpu_expert import LayoutError
+from ktlayouts.converted_dir import MANIFEST_NAME, MTP_DENSE_KIND, MTP_EXPERT_KIND, ExpertGeometry
 from ktlayouts.expert_formats import UNDECLARED_SCALE_DTYPE, expert_formats, scale_encoding, scale_encodings
 from ktrun.byte_sizes import human, parse_bytes
 from ktrun.defaults import KV_BUDGET_TOKENS
@@ -39,7 +39,43 @@ def expert_bytes_per_method(geo_args: dict, group_size: int, scale_dtype: str = 
     return out
 
 
-def inspect_source(path: Path, group_size: int, scale_dtype: str = UNDECLARED_SCALE_DTYPE) -> dict:
+def gpu_layer_bytes(src, gpu: dict | None = None) -> dict:
+    """The GPU files (dense layers and globals) a conversion of `src` with the GPU options `gpu` (ConvertOptions'
+    gpu_* fields; None or a missing one: ConvertOptions' default) writes, sized from its own plan, headers included:
+    {"method": the GPU method it resolves to, "gpu": bytes, "mtp": the MTP layers' bytes, "mix": None, or
+    {"budget", "method", "bound"} where the measured upgrades (--gpu-mix-budget) will run: bound = the most bytes
+    they can add, which no plan shows (they are chosen by measurement during the conversion)."""
+    from ktconvert.convert_plan import make_plan
+    from ktconvert.gpu import GPU_OPTION_FIELDS, dense_encoder_for
+    from ktconvert.pipeline import ConvertOptions
+    from ktconvert.writer import build_header
+
+    defaults = ConvertOptions()
+    encoder = dense_encoder_for(src, **{k: getattr(defaults, k) for k in GPU_OPTION_FIELDS} | (gpu or {}))
+    # the experts' method does not change the GPU files (bf16: no group size to check)
+    plan = make_plan(src, src.arch, "bf16", DEFAULT_GROUP_SIZE, 1, encoder, keep_mtp=True)
+    jobs = [j for g in plan.jobs for j in g if j.kind != "expert"]
+    size = {j.rel: build_header(j.specs, j.metadata)[2] for j in jobs}
+    out = {"method": encoder.name, "gpu": sum(size[j.rel] for j in jobs if not j.mtp),
+           "mtp": sum(size[j.rel] for j in jobs if j.mtp), "mix": None}
+    if hasattr(encoder, "measures_mix") and encoder.measures_mix():
+        from ktconvert.gpu.sensitivity import added_bytes_bound
+
+        o = encoder.opts
+        upgradable = set(encoder.upgrade_candidates(encoder.method_algo(o.mix_method)[1]))
+        # a header grows too: int4 -> int8 at most doubles each number in it (shapes, offsets), one more digit for
+        # each of the <= 8 numbers of a tensor's entry and its alignment pad's; the header is padded to FILE_ALIGN
+        headers = sum(-(-8 * len(j.specs) // FILE_ALIGN) * FILE_ALIGN for j in jobs
+                      if any(name in upgradable for name, _role in j.sources))
+        out["mix"] = {"budget": o.mix_budget, "method": o.mix_method,
+                      "bound": added_bytes_bound(encoder, o.mix_budget, o.mix_method) + headers}
+    return out
+
+
+def inspect_source(path: Path, group_size: int, scale_dtype: str = UNDECLARED_SCALE_DTYPE, gpu: dict | None = None
+                   ) -> dict:
+    """What the checkpoint at `path` holds; its GPU bytes are those of a conversion with the GPU options `gpu`
+    (gpu_layer_bytes)."""
     from ktconvert.exact_paths import choose_method, quant_format
     from ktconvert.sources import open_source
 
@@ -48,8 +84,7 @@ def inspect_source(path: Path, group_size: int, scale_dtype: str = UNDECLARED_SC
         params: dict[str, int] = defaultdict(int)
         skipped: dict[str, int] = defaultdict(int)     # skip reason -> parameters (vision tower, MTP layers)
         formats: dict[str, list[int]] = {}      # stored format -> [tensors, bytes] (quantized: all their parts)
-        gpu_bytes = 0
-        mtp = {"params": 0, "gpu": 0, "moe_layers": set()}   # MTP layers: written unless --no-keep-mtp
+        mtp = {"params": 0, "moe_layers": set()}   # MTP layers: written unless --no-keep-mtp
         keep_mtp = bool(a.mtp_layers(src.tensor_names()))
         for name in src.tensor_names():
             role = a.classify(name, keep_mtp=keep_mtp)
@@ -58,8 +93,6 @@ def inspect_source(path: Path, group_size: int, scale_dtype: str = UNDECLARED_SC
                 mtp["params"] += n
                 if role.kind == "expert":
                     mtp["moe_layers"].add(role.layer)
-                elif role.kind != "skip":
-                    mtp["gpu"] += n * (4 if role.kind in ("router_bias", "kept") else 2)
                 continue
             if role.kind == "skip":
                 if role.reason:
@@ -72,24 +105,24 @@ def inspect_source(path: Path, group_size: int, scale_dtype: str = UNDECLARED_SC
             entry[1] += info.nbytes
             n = math.prod(info.shape)
             params[role.kind] += n
-            if role.kind != "expert":
-                gpu_bytes += n * (4 if role.kind in ("router_bias", "kept") else 2)
         geo_args = {"n_experts": a.n_experts, "hidden": a.hidden_size, "intermediate": a.moe_intermediate_size,
                         "moe_layers": tuple(a.moe_layers())}
         cpu = expert_bytes_per_method(geo_args, group_size, scale_dtype)
         mtp_cpu = expert_bytes_per_method({**geo_args, "moe_layers": tuple(sorted(mtp["moe_layers"]))}, group_size,
                                           scale_dtype)
         method, group, why = choose_method(src)
+        gpu_layers = gpu_layer_bytes(src, gpu)
         return {"kind": "source", "model_type": a.model_type, "layers": a.num_layers, "params": dict(params),
                 "formats": formats, "auto": {"method": method, "group_size": group, "why": why},
                 "quantized": getattr(src, "quant", None) is not None,   # a hub checkpoint with a quantization_config
                 "geo_args": geo_args, "group_size": group_size, "config": dict(src.config),
                 "n_experts": a.n_experts, "top_k": a.top_k, "moe_layers": a.moe_layers(),
-                "shared_experts": a.n_shared_experts, "gpu": {m: gpu_bytes for m in cpu}, "cpu": cpu,
+                "shared_experts": a.n_shared_experts, "gpu": {m: gpu_layers["gpu"] for m in cpu}, "cpu": cpu,
+                "gpu_layers": {"method": gpu_layers["method"], "mix": gpu_layers["mix"]},
                 "zero_experts": a.cfg.zero_experts,      # LongCat-Flash's identity experts (no tensors)
                 "source_bytes": src.source_nbytes(), "skipped": dict(skipped),
                 "mtp": {"layers": a.mtp_layers(src.tensor_names()), "params": mtp["params"],
-                        "gpu": {m: mtp["gpu"] for m in cpu}, "cpu": mtp_cpu}}
+                        "gpu": {m: gpu_layers["mtp"] for m in cpu}, "cpu": mtp_cpu}}
 
 
 def _converted_adapter(path: Path):
@@ -143,6 +176,7 @@ def inspect_converted(path: Path) -> dict:
             "shared_experts": adapter.n_shared_experts if adapter else None,
             "zero_experts": adapter.cfg.zero_experts if adapter else 0,
             "gpu": {geo.method: gpu}, "cpu": {geo.method: cpu}, "method": geo.method, "numa_nodes": geo.numa_nodes,
+            "gpu_layers": {"method": m.get("gpu_method"), "mix": m.get("gpu_mix")},   # mix: what was upgraded
             "mtp": {"layers": m.get("mtp_layers", []), "gpu": {geo.method: mtp_gpu}, "cpu": {geo.method: mtp_cpu}}}
 
 
@@ -172,14 +206,15 @@ def inspect_converted(path: Path) -> dict:
 def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_path, method, expert_quantizer, workers,
             **gpu):
     """Show the architecture, parameter counts by role, experts, and the bytes each --method puts on the GPU
-    (non-expert layers, BF16) and on the CPU (routed experts) for PATH (a checkpoint directory, a GGUF file or the
-    first part of a split set, or a converted directory),
+    (non-expert layers, as quantize writes them with the GPU options below) and on the CPU (routed experts) for PATH
+    (a checkpoint directory, a GGUF file or the first part of a split set, or a converted directory),
     and whether they fit --gpu-mem / --cpu-mem (weights only; KV cache and activations come on top).
 
     \b
     Examples:
       ktconvert inspect ./DeepSeek-V3
       ktconvert inspect ./DeepSeek-V3 --gpu-mem 24GB --cpu-mem 512GB
+      ktconvert inspect ./DeepSeek-V3 --gpu-mem 24GB --gpu-mix-budget 0   # GPU bytes without the int8 upgrades
       ktconvert inspect ./DeepSeek-V3 --scale-dtype sub6      # int4 bytes with two-level scales
       ktconvert inspect ./DeepSeek-V3-Q4_K_M-00001-of-00009.gguf --cpu-mem 512GB
       ktconvert inspect converted/ --gpu-mem 24GB --cpu-mem 512GB
@@ -188,9 +223,13 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
 
     With --gpu-mem, the memory plan also says how many routed experts fit on the GPU next to the dense layers, the
     KV budget and a 5% reserve, held as Marlin int codes or bf16 (ktrun --gpu-mem uses the same plan).
+
+    Which GPU Linears the measured int8 upgrades (--gpu-mix-budget) pick is known only once the conversion measures
+    them: for a checkpoint, GPU is the bytes without them, and the line below the table the most they can add
+    (the fit checks count it); a converted directory lists the Linears it upgraded.
     """
-    from ktconvert.cmd_quantize import resolve_source_arg
-    from ktconvert.sources.roles import SourceError
+    from ktconvert.cmd_quantize import CONVERT_ERRORS, resolve_source_arg
+    from ktconvert.gpu import gpu_errors
 
     if group_size is None:
         group_size = default_group_size(scale_dtype)
@@ -199,8 +238,8 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
     p = Path(path)
     try:
         info = inspect_converted(p) if (p / MANIFEST_NAME).exists() else inspect_source(resolve_source_arg(path),
-                                                                                        group_size, scale_dtype)
-    except (SourceError, ManifestError, LayoutError) as e:
+                                                                                        group_size, scale_dtype, gpu)
+    except (*CONVERT_ERRORS, *gpu_errors()) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{info['kind']}: {p}")
     click.echo(f"architecture: {info['model_type']}, {info['layers']} layers, {len(info['moe_layers'])} MoE layers, "
@@ -221,19 +260,24 @@ def inspect(path, gpu_mem, cpu_mem, group_size, scale_dtype, kv_mem, profile_pat
         click.echo(f"  {kind:<14} {n:>16,d}  ({100 * n / max(total, 1):.1f}%)")
     for reason, n in sorted(info.get("skipped", {}).items()):
         click.echo(f"not converted: {n:,d} parameters of the {reason}")
+    click.echo(gpu_layers_line(info))
     verdicts = []
     for m in info["cpu"]:
         g, c = info["gpu"][m], info["cpu"][m]
         line = f"{m:<9} GPU {human(g):>10}  CPU {human(c):>10}"
         fits = []
-        if gpu_limit is not None:
-            fits.append(f"GPU {'fits' if g <= gpu_limit else 'does NOT fit'} {human(gpu_limit)}")
+        if gpu_limit is not None:       # with what the measured upgrades may add
+            fits.append(f"GPU {'fits' if g + mix_bound(info) <= gpu_limit else 'does NOT fit'} {human(gpu_limit)}")
         if cpu_limit is not None:
             fits.append(f"CPU {'fits' if c <= cpu_limit else 'does NOT fit'} {human(cpu_limit)}")
         verdicts.append(line + ("  -> " + ", ".join(fits) if fits else ""))
     click.echo("bytes (weights):")
     for v in verdicts:
         click.echo("  " + v)
+    mix = info["gpu_layers"]["mix"]
+    if info["kind"] == "source" and mix:
+        click.echo(f"  GPU: up to +{human(mix['bound'])} for the measured int8 upgrades, --gpu-mix-budget "
+                   f"{mix['budget']:g} (which Linears: measured during the conversion; the fit checks count it)")
     for line in mtp_lines(info):
         click.echo(line)
     prof = None
@@ -279,6 +323,25 @@ def estimate_line(src_path, method: str, group_size: int, scale_dtype: str, expe
         raise click.ClickException(str(e)) from None
 
 
+def mix_bound(info: dict) -> int:
+    """The most GPU bytes the measured upgrades may add to a source's conversion (0: none, or a converted
+    directory, whose bytes are real)."""
+    mix = info["gpu_layers"]["mix"]
+    return mix["bound"] if info["kind"] == "source" and mix else 0
+
+
+def gpu_layers_line(info: dict) -> str:
+    """The GPU layers' method; of a converted directory also the Linears the measured rule upgraded (its
+    manifest's gpu_mix record)."""
+    gl, mix = info["gpu_layers"], info["gpu_layers"]["mix"]
+    line = f"GPU layers: {gl['method'] or 'not recorded'}"
+    if info["kind"] == "converted" and mix:
+        names = [n.removesuffix(".weight") for n in mix["upgraded"]]
+        line += (f"; measured upgrades to {mix['method']} (--gpu-mix-budget {mix['budget']:g}): "
+                 + (", ".join(names) or "none"))
+    return line
+
+
 def mtp_lines(info: dict) -> list[str]:
     """The multi-token-prediction layers' bytes (not in the totals above: ktrun loads them only for
     --speculative mtp)."""
@@ -312,14 +375,16 @@ def hot_expert_plan(info: dict, gpu_mem: int, kv_mem: int | None, prof) -> list[
     else:
         kv_what = human(kv_mem)
     n_layers, E = len(info["moe_layers"]), info["n_experts"]
-    lines = [f"hot experts on a {human(gpu_mem)} GPU (after the dense layers, KV {kv_what}, 5% reserve):"]
+    upgrades = " and their measured upgrades' bound" if mix_bound(info) else ""
+    lines = [f"hot experts on a {human(gpu_mem)} GPU (after the dense layers{upgrades}, KV {kv_what}, 5% reserve):"]
     for method in info["cpu"]:
         geo = ExpertGeometry(method=method, group_size=info["group_size"], numa_nodes=info.get("numa", 1),
                              **info["geo_args"])
         for fmt in HOT_FORMATS:
             if hot_format_ok(geo, fmt):
                 continue
-            n, plan = fit_hot_experts(gpu_mem, info["gpu"][method], kv_mem, hot_expert_nbytes(geo, fmt, biases))
+            n, plan = fit_hot_experts(gpu_mem, info["gpu"][method] + mix_bound(info), kv_mem,
+                                      hot_expert_nbytes(geo, fmt, biases))
             n = min(n, E * n_layers)
             line = (f"  {method:<9} {fmt:<6} {human(plan['per_expert_bytes'])} each: {n} of {E * n_layers} experts "
                     f"({100 * n / max(1, E * n_layers):.1f}%, {n / max(1, n_layers):.1f} per MoE layer)")

@@ -1,11 +1,17 @@
 """`ktconvert inspect` (counts checked against the transformers model) and `ktconvert verify` (catches damage)."""
 import json
+import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from ktlayouts.converted_dir import MANIFEST_NAME
+from ktlayouts.converted_dir import MANIFEST_NAME, MTP_DENSE_KIND
+from ktrun.byte_sizes import human
 
+import ktconvert
 from ktconvert.cli import main
 from ktconvert.cmd_inspect import inspect_converted, inspect_source, parse_bytes
 from ktconvert.pipeline import ConvertOptions, convert
@@ -64,6 +70,73 @@ def test_inspect_fits_and_converted_sizes(converted):
     assert parse_bytes("24GiB", "--gpu-mem") == 24 * 2**30 and parse_bytes("1.5TB", "--cpu-mem") == 1.5e12
     code, text = cli("inspect", src, "--gpu-mem", "lots")
     assert code != 0 and "--gpu-mem" in text
+
+
+DEFAULT_MODEL = Path(ktconvert.__file__).resolve().parent / "data" / "default_model"
+
+
+def ktconvert_cli(*args) -> str:
+    """stdout of a real `ktconvert ARGS` subprocess (which must succeed)."""
+    r = subprocess.run([sys.executable, "-m", "ktconvert", *map(str, args)], capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_inspect_bounds_the_measured_upgrades_and_the_default_conversion_stays_within(tmp_path):
+    """inspect SRC: the GPU bytes without the measured int8 upgrades (--gpu-mix-budget) and the most they can add,
+    which the fit check counts; no bound where the pass does not run. The default conversion's GPU files then lie
+    between the two; inspect of it reads their sizes and lists the Linears it upgraded."""
+    info = inspect_source(DEFAULT_MODEL, 64, gpu={"gpu_method": "auto"})     # quantize's defaults, exact bytes
+    base, mix = info["gpu"]["int4-amx"], info["gpu_layers"]["mix"]
+    assert info["gpu_layers"]["method"] == "gptq-int4" and mix["budget"] == 1 and mix["bound"] > 0
+    between = base + mix["bound"] // 2                  # fits without the upgrades, not with all they may add
+    text = ktconvert_cli("inspect", DEFAULT_MODEL, "--gpu-mem", between)
+    assert f"GPU: up to +{human(mix['bound'])} for the measured int8 upgrades, --gpu-mix-budget 1 " in text, text
+    assert re.search(rf"int4-amx\s+GPU\s+{re.escape(human(base))}\s+CPU .*GPU does NOT fit", text), text
+    for no_pass in (["--gpu-mix-budget", "0"], ["--gpu-method", "rtn-int4"]):
+        text = ktconvert_cli("inspect", DEFAULT_MODEL, "--gpu-mem", between, *no_pass)
+        assert "measured int8 upgrades" not in text, (no_pass, text)
+        assert re.search(rf"int4-amx\s+GPU\s+{re.escape(human(base))}\s+CPU .*GPU fits", text), (no_pass, text)
+
+    out = tmp_path / "out"
+    ktconvert_cli("quantize", DEFAULT_MODEL, "-o", out, "--quiet")
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    upgraded = manifest["gpu_mix"]["upgraded"]
+    assert upgraded                                     # the pass upgraded something, so real > base below
+    real = {kind: sum((out / rel).stat().st_size for rel, f in manifest["files"].items() if f["kind"] in kinds)
+            for kind, kinds in (("gpu", ("dense", "globals")), ("mtp", (MTP_DENSE_KIND,)))}
+    assert base < real["gpu"] <= base + mix["bound"], (base, mix["bound"], real)
+    assert info["mtp"]["gpu"]["int4-amx"] == real["mtp"]            # MTP layers: not upgraded
+    assert inspect_converted(out)["gpu"]["int4-amx"] == real["gpu"]
+    text = ktconvert_cli("inspect", out)
+    assert ("GPU layers: gptq-int4; measured upgrades to gptq-int8 (--gpu-mix-budget 1): "
+            + ", ".join(n.removesuffix(".weight") for n in upgraded)) in text, text
+    assert "for the measured int8 upgrades" not in text               # real sizes: no bound
+
+
+def test_the_bound_holds_whatever_the_measurement_ranks_first():
+    """The measured rule picks by scores only a conversion knows: under any scores, what choose() picks adds no
+    more stored bytes than the bound (Marlin pads some of the default model's Linears, so that is more than
+    budget x weights / 8)."""
+    import random
+
+    from ktconvert.gpu import dense_encoder_for
+    from ktconvert.gpu.sensitivity import Measured, added_bytes_bound, choose
+    from ktconvert.sources import open_source
+
+    with open_source(DEFAULT_MODEL) as src:
+        enc = dense_encoder_for(src, gpu_method="auto")
+        bound = added_bytes_bound(enc, 1.0, "gptq-int8")
+        weights = {n: src.info(n).shape[0] * src.info(n).shape[1] for n in enc.upgrade_candidates(8)}
+        added = {n: enc.stored_nbytes(n, 8) - enc.stored_nbytes(n, 4) for n in weights}
+        rng = random.Random(0)
+        most = 0
+        for _ in range(300):
+            measured = [Measured(n, w, 0.0, rng.random() * (added[n] / w) ** rng.choice((0, 8))) for n, w in
+                        weights.items()]
+            most = max(most, sum(added[n] for n in choose(measured, enc.bits_of, 8, 1.0, enc.decoder_weights())))
+    assert enc.decoder_weights() / 8 < most <= bound, (most, bound)
 
 
 def test_verify_passes_then_catches_damage(converted, tmp_path):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from ktlayouts.constants import DEFAULT_GPU_GROUP_SIZE
+from ktlayouts.constants import DEFAULT_GPU_GROUP_SIZE, FILE_ALIGN
 from ktlayouts.cpu_expert import LayoutError
 from ktlayouts.gptq import GPU_GROUP_SIZES, GptqGeometry
 from ktlayouts.gpu_formats import GpuLinearFormat, families_where, gpu_format_for
@@ -26,6 +26,7 @@ from ktconvert.gpu.gptq import GptqConfig, gptq_quantize
 from ktconvert.gpu.mix import MixError, check_method, check_rules_match, matches, method_for
 from ktconvert.gpu.options import GPU_FORMATS, GPU_METHODS
 from ktconvert.gpu.rtn import QuantizedLinear, quantize_rtn, quantize_search
+from ktconvert.writer import TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ class GpuLayerEncoder:
         if not self.opts.mix_budget or self._mixed:
             return
         self._mixed = True
-        if not self.calibrated or self.algo not in ("gptq", "search"):
+        if not self.measures_mix():
             log.info("GPU layers: %s %g is not applied: it needs calibrated %s (this conversion: %s)",
                      "--gpu-mix-budget", self.opts.mix_budget, "--gpu-method gptq/search", self.method)
             return
@@ -207,6 +208,18 @@ class GpuLayerEncoder:
         added = sensitive_rules(self, self.opts.mix_budget, self.opts.mix_method)
         self.rules = self.rules + added
         self.mixed_rules = added
+
+    def measures_mix(self) -> bool:
+        """Whether apply_mix runs the measured rule: a --gpu-mix-budget, and a calibrated gptq / search encoder."""
+        return bool(self.opts.mix_budget) and self.calibrated and self.algo in ("gptq", "search")
+
+    def stored_nbytes(self, name: str, bits: int) -> int:
+        """File bytes of Linear `name` stored at `bits` in --gpu-format: its parts (padding and scales included),
+        each padded to FILE_ALIGN as the writer lays them out (ktconvert.writer.build_header)."""
+        n, k = self.src.info(name).shape
+        fmt = gpu_format_for(self.opts.fmt, bits)
+        parts = fmt.part_shapes(fmt.storage_geometry(int(n), int(k), self.opts.group_size))
+        return sum(-(-TensorSpec(part, dt, tuple(s)).nbytes // FILE_ALIGN) * FILE_ALIGN for part, dt, s in parts)
 
     def _kind_quantized(self, role) -> bool:
         return role.kind in QUANTIZED_KINDS or (role.kind == "head" and self.opts.quantize_head)

@@ -22,6 +22,7 @@ this error ranks layer 0's dense MLP first, as that KL does.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,29 @@ def choose(measured: list[Measured], bits_of, upgrade_bits: int, budget: float, 
             chosen.append(m.name)
             left -= cost
     return chosen
+
+
+def added_bytes_bound(encoder, budget: float, method: str) -> int:
+    """Most tensor bytes the measured rule can add to the GPU files, known before it measures (`ktconvert inspect`):
+    whatever choose() picks spends at most budget x decoder_weights() added logical bits, and each candidate adds
+    its stored bytes at `method`'s bits minus at its own (Marlin's zero padding, gptq's wider qzeros included), so
+    no choice adds more than the fractional knapsack (the candidates by added bytes per added bit, the last one
+    only in part). Without padding that is budget x weights / 8 bytes. The files' headers are not counted."""
+    upgrade_bits = encoder.method_algo(method)[1]
+    items = []                   # (added logical bits, added file bytes) per candidate Linear
+    for name in encoder.upgrade_candidates(upgrade_bits):
+        n, k = encoder.src.info(name).shape
+        bits = encoder.bits_of(name)
+        items.append(((upgrade_bits - bits) * int(n) * int(k),
+                      encoder.stored_nbytes(name, upgrade_bits) - encoder.stored_nbytes(name, bits)))
+    left, bound = budget * encoder.decoder_weights(), 0.0
+    for cost, added in sorted(items, key=lambda it: -it[1] / it[0]):
+        share = min(1.0, left / cost)
+        bound += share * added
+        left -= share * cost
+        if left <= 0:
+            break
+    return math.ceil(bound)
 
 
 def sensitive_rules(encoder, budget: float, method: str) -> tuple[tuple[str, str], ...]:
