@@ -1,5 +1,5 @@
 """Quantization quality at equal bits, ktconvert + ktrun against llama.cpp and ik_llama.cpp, on the embedded default
-model, in one run.
+model (or --model: bench/second_model.py trains a second shape, a small Qwen3-MoE), on two held-out texts, in one run.
 
 llama.cpp side (a build from the llama-cpp-python sdist, see bench/README.md): its own converter makes a BF16 GGUF
 of the default model, llama-quantize makes Q4_0 / Q4_K(_S/_M) / IQ4_XS / Q8_0 variants (whole model with BF16
@@ -8,8 +8,10 @@ embeddings and head, or only the routed experts, or only the other Linears), wit
 ik_llama.cpp side (built from the ik-llama-cpp-python sdist, --ik-llama-dir): its own converter, llama-imatrix,
 llama-quantize (IQ4_KSS / IQ4_KS / IQ4_K, whole model and experts only, with its imatrix) and llama-perplexity, KL
 against its own BF16 GGUF. Our side: `ktconvert quantize` with the matching tensor sets, `ktrun perplexity`. All with
-llama-perplexity's protocol on identical tokens (checked): the held-out split of the default model's data (the Python
-standard library files it did not train on), --chunks chunks of --ctx tokens, BOS first, positions ctx/2 .. ctx-2
+llama-perplexity's protocol on identical tokens (checked), on each of --texts: "stdlib", the held-out split of the
+default model's data (the Python standard library files it did not train on), and "torch", the pinned torch's own
+torch/nn/modules/*.py (code by other authors, in another style: a text independent of the training data); each
+file is made once and scored on every text; --chunks chunks of --ctx tokens, BOS first, positions ctx/2 .. ctx-2
 scored; KL of the next-token distribution against each tool's own BF16 model (llama.cpp / ik_llama.cpp: its BF16
 GGUF; ours: the --method bf16 --gpu-method bf16 conversion), each through its own CPU runtime.
 
@@ -28,14 +30,16 @@ all of it unless --imatrix-chunks says less.
         --ik-llama-dir /work/tools/ik_llama_cpp_python-0.1.5/vendor/ik_llama.cpp
     ... --chunks 16 --only experts          # quicker: fewer chunks, one tensor set
     ... --tools llama.cpp,ik_llama.cpp --configs imatrix   # only the imatrix rows of the peers
+    ... --model /work/scratch/qwen3-small --configs '^(default|Q4_K_M-imatrix|IQ4_K.*)$'   # the second shape
 
-Prints a markdown table, the stored GGUF types of each GGUF row, and
-`quant.<set>.<tool>.<config>.{bpw,padding_bpw,kl_mean,kl_p99,top1,ppl}: value unit` lines (tool: ours, llamacpp,
-ik_llamacpp).
+Prints a markdown table per text, the stored GGUF types of each GGUF row, and
+`quant.<text>.<set>.<tool>.<config>.{bpw,padding_bpw,kl_mean,kl_p99,top1,ppl}: value unit` lines (tool: ours,
+llamacpp, ik_llamacpp).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -44,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -57,11 +61,11 @@ PY = sys.executable
 # converter keeps attn_kv_b beside them; its runtime picks per batch which it reads).
 GGUF_SETS = {
     "experts": re.compile(r"ffn_(gate|up|down)_exps\.weight$"),
-    "non-expert": re.compile(r"(attn_(q|q_a|q_b|kv_a_mqa|kv_b|k_b|v_b|output)|ffn_(gate|up|down)(_shexp)?)\.weight$"),
+    "non-expert": re.compile(r"(attn_(q|k|v|q_a|q_b|kv_a_mqa|kv_b|k_b|v_b|output)|ffn_(gate|up|down)(_shexp)?)\.weight$"),
 }
 GGUF_SETS["whole"] = re.compile(f"{GGUF_SETS['experts'].pattern}|{GGUF_SETS['non-expert'].pattern}")
 EXPERT_TYPE = "ffn_(gate|up|down)_exps=%s"
-NON_EXPERT_TYPES = ["attn_(q|q_a|q_b|kv_a_mqa|kv_b|k_b|v_b|output)\\.weight=%s", "ffn_(gate|up|down)\\.weight=%s",
+NON_EXPERT_TYPES = ["attn_(q|k|v|q_a|q_b|kv_a_mqa|kv_b|k_b|v_b|output)\\.weight=%s", "ffn_(gate|up|down)\\.weight=%s",
                     "ffn_(gate|up|down)_shexp=%s"]
 
 # (set, config name, llama-quantize type, extra arguments, with the tool's imatrix). Rows for one tensor set quantize
@@ -105,12 +109,16 @@ def _ik_experts_only(qtype: str) -> list[str]:
 # too (-mla 0). None has crashed here, so these have not been needed.
 IK_FALLBACKS = [("its defaults", [], {}), ("-fa off", ["-fa", "off"], {}),
                 ("-fa off -mla 0", ["-fa", "off", "-mla", "0"], {})]
+# ik_llama.cpp's llama-imatrix aborts ("double free or corruption") with its fused MoE op on a Qwen3-MoE model
+# (bench/second_model.py's; the DeepSeek-shaped default model runs with its defaults): then without it (-no-fmoe:
+# the experts' up / gate / down as separate ops, the same activations collected).
+IK_IMATRIX_FALLBACKS = [("its defaults", []), ("-no-fmoe", ["-no-fmoe"])]
 IK_ROWS = [
     *[("experts", f"{t}-imatrix", t, _ik_experts_only(t), True) for t in ("IQ4_KSS", "IQ4_KS", "IQ4_K")],
     *[("whole", f"{t}-imatrix", t, [], True) for t in ("IQ4_KSS", "IQ4_KS", "IQ4_K")],
 ]
-# (set, config name, ktconvert quantize arguments); the tensor set not named stays BF16. Experts: GPTQ on each
-# expert's routed calibration tokens (--expert-quantizer auto) unless the name says rtn (the previous reference rule).
+# (set, config name, ktconvert quantize arguments[, the model types it applies to]); the tensor set not named stays
+# BF16. Experts: GPTQ on each expert's routed calibration tokens (--expert-quantizer auto) unless the name says rtn (the previous reference rule).
 E4, G16 = ["--method", "int4-amx", "--gpu-method", "bf16"], ["--scale-dtype", "f16"]
 NE = ["--method", "bf16", "--gpu-method"]
 OUR_ROWS = [
@@ -134,9 +142,11 @@ OUR_ROWS = [
     # the measured rule at other budgets, and the same experts with hand-picked int8 Linears (--gpu-method-for)
     *[("whole", f"int4-g64-f16+gptq-int4-g32+mix{b}", ["--method", "int4-amx", "--gpu-mix-budget", b])
       for b in ("0.25", "0.5", "0.75", "1.25")],
+    # (these name the default model's Linears: DeepSeek-shaped models only)
     *[("whole", f"int4-g64-f16+gptq-int4-g32+{tag}-int8", ["--method", "int4-amx", "--gpu-method", "gptq-int4",
                                                           *[a for t in targets for a in ("--gpu-method-for",
-                                                                                        f"{t}=gptq-int8")]])
+                                                                                        f"{t}=gptq-int8")]],
+       ("deepseek_v3",))
       for tag, targets in (("l0down", ["model.layers.0.mlp.down_proj"]),
                            ("l0down-gate", ["model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_proj"]),
                            ("l0mlp", ["model.layers.0.mlp.*"]),
@@ -158,6 +168,7 @@ OUR_ROWS = [
 
 @dataclass
 class Row:
+    text: str               # which of --texts it was scored on
     tset: str
     tool: str
     config: str
@@ -167,7 +178,7 @@ class Row:
     kl_p99: float
     top1: float
     ppl: float
-    seconds: float
+    seconds: float          # the scoring run's wall time
     types: str = ""         # GGUF rows: the set's tensor types as stored (fallbacks included)
     note: str = ""          # GGUF rows: the llama-perplexity workaround it ran with, if any
 
@@ -196,16 +207,46 @@ def wanted(args, config: str) -> bool:
 
 # --- texts ------------------------------------------------------------------------------------------------------
 
-def write_texts(work: Path, calib: Path | None) -> tuple[Path, Path]:
+# The held-out texts (--texts): name -> what it is. Neither was trained on by any model the bench reads (the default
+# model and bench/second_model.py both train on the standard library's training split).
+TEXTS = {
+    "stdlib": "the held-out split of the Python standard library files (every 20th file, never trained on)",
+    "torch": "torch's own torch/nn/modules/*.py (torch is pinned in pyproject.toml): code by other authors in "
+             "another style (type hints, math in docstrings), independent of the training text",
+}
+
+
+def torch_text() -> str:
+    """The installed torch's torch/nn/modules/*.py, sorted by name, concatenated (read as files: torch is not
+    imported). The same bytes wherever the pinned torch is installed; main prints its size and hash."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("error: --texts torch reads torch's own sources, and torch is not installed here")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "nn" / "modules"
+    files = sorted(folder.glob("*.py"))
+    if not files:
+        sys.exit(f"error: --texts torch: no *.py files in {folder}")
+    return "".join(p.read_text(encoding="utf-8") for p in files)
+
+
+def write_texts(work: Path, names: list[str], calib: Path | None) -> tuple[dict[str, Path], Path]:
+    """{text name: file} for --texts, and the calibration text (default: every 8th training-split file)."""
     from ktconvert.default_model import data
 
     train, heldout = data.split_files(data.default_stdlib_dir())
-    text = work / "heldout.txt"
-    text.write_text("".join(p.read_text(encoding="utf-8") for p in heldout), encoding="utf-8")
+    texts = {}
+    for name in names:
+        if name not in TEXTS:
+            sys.exit(f"error: --texts {name!r}: the texts are {', '.join(TEXTS)}")
+        texts[name] = work / f"heldout-{name}.txt"
+        body = "".join(p.read_text(encoding="utf-8") for p in heldout) if name == "stdlib" else torch_text()
+        texts[name].write_text(body, encoding="utf-8")
     if calib is None:
         calib = work / "calib.txt"
         calib.write_text("".join(p.read_text(encoding="utf-8") for p in train[::8]), encoding="utf-8")
-    return text, calib
+    return texts, calib
 
 
 # --- llama.cpp and ik_llama.cpp ---------------------------------------------------------------------------------
@@ -276,6 +317,8 @@ class Peer:
     # crashes (llama.cpp: its documented LLAMA_ARG_REPACK=0); peer_perplexity moves on to the next one when a run fails
     fallbacks: list[tuple[str, list[str], dict]]
     level: int = 0          # the one in use
+    # (what, extra llama-imatrix arguments): its defaults first, then workarounds for a crash (tried in order)
+    imatrix_fallbacks: list[tuple[str, list[str]]] = field(default_factory=lambda: [("its defaults", [])])
 
     @property
     def note(self) -> str:
@@ -397,19 +440,26 @@ def peer_bf16(peer: Peer, args, work: Path, fallback_gguf: Path | None) -> Path:
     return fallback_gguf
 
 
-def peer_rows(peer: Peer, args, work: Path, text: Path, calib: Path, only: set[str],
-              fallback_gguf: Path | None = None) -> tuple[list[Row], np.ndarray, float, Path]:
+def peer_rows(peer: Peer, args, work: Path, texts: dict[str, Path], calib: Path, only: set[str],
+              fallback_gguf: Path | None = None) -> tuple[list[Row], dict[str, np.ndarray], dict[str, float], Path]:
+    """Every row of the tool, each GGUF scored on every text: (rows, {text: tokens}, {text: BF16 ppl}, BF16 GGUF)."""
     bf16 = peer_bf16(peer, args, work, fallback_gguf)
-    ppl_args = ["-c", str(args.ctx), "--chunks", str(args.chunks), "-t", str(args.threads), "-b", str(args.ctx),
-                *peer.common_args(work), "-f", str(text)]
-    base = work / f"{peer.prefix}-bf16.kld"
-    out = peer_perplexity(peer, [*ppl_args, "-m", str(bf16), "--kl-divergence-base", str(base)],
-                          work / f"{peer.prefix}-ppl-bf16.log", "Final estimate")
-    # llama.cpp: "Final estimate: PPL = x"; ik_llama.cpp: "Final estimate: PPL over N chunks for n_ctx=C = x"
-    m = re.search(r"Final estimate: PPL(?: over \d+ chunks for n_ctx=\d+)? = ([\d.]+)", out)
-    if m is None:
-        sys.exit(f"error: {peer.name}'s llama-perplexity printed no final estimate (log {peer.prefix}-ppl-bf16.log)")
-    base_ppl = float(m.group(1))
+
+    def ppl_args(text: str) -> list[str]:
+        return ["-c", str(args.ctx), "--chunks", str(args.chunks), "-t", str(args.threads), "-b", str(args.ctx),
+                *peer.common_args(work), "-f", str(texts[text])]
+
+    bases, tokens, base_ppl = {}, {}, {}
+    for text in texts:
+        bases[text] = work / f"{peer.prefix}-bf16.{text}.kld"
+        log = work / f"{peer.prefix}-ppl-bf16.{text}.log"
+        out = peer_perplexity(peer, [*ppl_args(text), "-m", str(bf16), "--kl-divergence-base", str(bases[text])],
+                              log, "Final estimate")
+        # llama.cpp: "Final estimate: PPL = x"; ik_llama.cpp: "Final estimate: PPL over N chunks for n_ctx=C = x"
+        m = re.search(r"Final estimate: PPL(?: over \d+ chunks for n_ctx=\d+)? = ([\d.]+)", out)
+        if m is None:
+            sys.exit(f"error: {peer.name}'s llama-perplexity printed no final estimate (log {log.name})")
+        base_ppl[text], tokens[text] = float(m.group(1)), llama_tokens(bases[text])
     todo = [r for r in peer.rows if r[0] in only and wanted(args, r[1])]
     imatrix = None
     if any(r[4] for r in todo):
@@ -420,27 +470,37 @@ def peer_rows(peer: Peer, args, work: Path, text: Path, calib: Path, only: set[s
             imatrix = work / peer.imatrix_out[0]
             chunks = ["--chunks", str(args.imatrix_chunks)] if args.imatrix_chunks > 0 else []
             t0 = time.perf_counter()
-            run([peer.imatrix, "-m", str(bf16), "-f", str(calib), "-o", str(imatrix), *peer.imatrix_out[1:],
-                 "-c", str(args.ctx), "-b", str(args.ctx), "-t", str(args.threads), *chunks, *peer.common_args(work)],
-                work / f"{peer.prefix}-imatrix.log")
+            log = work / f"{peer.prefix}-imatrix.log"
+            for what, extra in peer.imatrix_fallbacks:
+                ok, out = try_run([peer.imatrix, "-m", str(bf16), "-f", str(calib), "-o", str(imatrix),
+                                   *peer.imatrix_out[1:], "-c", str(args.ctx), "-b", str(args.ctx), "-t",
+                                   str(args.threads), *chunks, *peer.common_args(work), *extra], log)
+                if ok:
+                    break
+                log.rename(log.with_suffix(f".failed-{what.replace(' ', '_')}.log"))
+            else:
+                sys.exit(f"error: {peer.name}'s llama-imatrix failed with every workaround; tail of {log}:\n"
+                         f"{out[-3000:]}")
             print(f"# {peer.name}: llama-imatrix over {calib.name} ({args.imatrix_chunks if chunks else 'all'} "
-                  f"chunks of {args.ctx} tokens) in {time.perf_counter() - t0:.0f} s", flush=True)
+                  f"chunks of {args.ctx} tokens) in {time.perf_counter() - t0:.0f} s"
+                  + (f", with {what} (it failed with its defaults)" if extra else ""), flush=True)
     rows = []
     for tset, name, qtype, overrides, with_imatrix in todo:
         q = work / f"{peer.prefix}-{tset}-{name}.gguf"
         extra = ["--token-embedding-type", "bf16", "--output-tensor-type", "bf16", *overrides]
         if with_imatrix:
             extra += ["--imatrix", str(imatrix)]
-        t0 = time.perf_counter()
         run([peer.quantize, *extra, str(bf16), str(q), qtype, str(args.threads)], work / f"{q.stem}.quant.log")
-        out = peer_perplexity(peer, [*ppl_args[:-2], "-m", str(q), "--kl-divergence-base", str(base),
-                                     "--kl-divergence"], work / f"{q.stem}.ppl.log", "Same top p:")
-        k = llama_kld(out)
         tensors = gguf_tensors(peer, q)
         check_kept(tensors, tset, q)
-        rows.append(Row(tset, peer.name, name, gguf_bits(tensors, tset), 0.0, k["kl_mean"], k["kl_p99"], k["top1"],
-                        k["ppl"], time.perf_counter() - t0, gguf_types(tensors, tset), peer.note))
-    return rows, llama_tokens(base), base_ppl, bf16
+        for text in texts:
+            t0 = time.perf_counter()
+            out = peer_perplexity(peer, [*ppl_args(text), "-m", str(q), "--kl-divergence-base", str(bases[text]),
+                                         "--kl-divergence"], work / f"{q.stem}.{text}.ppl.log", "Same top p:")
+            k = llama_kld(out)
+            rows.append(Row(text, tset, peer.name, name, gguf_bits(tensors, tset), 0.0, k["kl_mean"], k["kl_p99"],
+                            k["top1"], k["ppl"], time.perf_counter() - t0, gguf_types(tensors, tset), peer.note))
+    return rows, tokens, base_ppl, bf16
 
 
 # --- ours -------------------------------------------------------------------------------------------------------
@@ -506,32 +566,41 @@ def ktrun_lines(out: str) -> dict[str, float]:
                                              if re.match(r"^(ppl|ppl_base|kl_\w+|top1_agreement): ", ln))}
 
 
-def our_rows(args, work: Path, text: Path, calib: Path, only: set[str]) -> tuple[list[Row], np.ndarray, float]:
+def our_rows(args, work: Path, texts: dict[str, Path], calib: Path, only: set[str],
+             ) -> tuple[list[Row], dict[str, np.ndarray], dict[str, float]]:
+    """Every row of ours, each conversion scored on every text: (rows, {text: tokens}, {text: BF16 ppl})."""
     from safetensors.numpy import load_file
 
+    family = json.loads((args.model / "config.json").read_text()).get("model_type")
     conv_bf16 = work / "ours-bf16"
     run([PY, "-m", "ktconvert", "quantize", str(args.model), "-o", str(conv_bf16), "--method", "bf16",
          "--gpu-method", "bf16", "--force", "--quiet"], work / "ours-bf16.convert.log")
-    base = work / "ours-bf16.logprobs"
-    ppl = ["--text", str(text), "--ctx", str(args.ctx), "--chunks", str(args.chunks)]
-    out = run([PY, "-m", "ktrun", "perplexity", str(conv_bf16), *ppl, "--kl-divergence-base", str(base)],
-              work / "ours-bf16.ppl.log")
-    base_ppl = ktrun_lines(out)["ppl"]
+
+    def ppl(text: str) -> list[str]:
+        return ["--text", str(texts[text]), "--ctx", str(args.ctx), "--chunks", str(args.chunks)]
+
+    bases, tokens, base_ppl = {}, {}, {}
+    for text in texts:
+        bases[text] = work / f"ours-bf16.{text}.logprobs"
+        out = run([PY, "-m", "ktrun", "perplexity", str(conv_bf16), *ppl(text), "--kl-divergence-base",
+                   str(bases[text])], work / f"ours-bf16.{text}.ppl.log")
+        base_ppl[text], tokens[text] = ktrun_lines(out)["ppl"], load_file(str(bases[text]))["tokens"]
     rows = []
-    for tset, name, conv_args in OUR_ROWS:
-        if tset not in only or not wanted(args, name):
+    for tset, name, conv_args, *families in OUR_ROWS:
+        if tset not in only or not wanted(args, name) or (families and family not in families[0]):
             continue
         conv = work / f"ours-{tset}-{name.split()[0]}"
-        t0 = time.perf_counter()
         run([PY, "-m", "ktconvert", "quantize", str(args.model), "-o", str(conv), *conv_args, "--calib", str(calib),
              *args.our_extra, "--force", "--quiet"], work / f"{conv.name}.convert.log")
-        out = run([PY, "-m", "ktrun", "perplexity", str(conv), *ppl, "--kl-divergence", str(base)],
-                  work / f"{conv.name}.ppl.log")
-        k = ktrun_lines(out)
         bpw, pad = our_bits(conv, tset)
-        rows.append(Row(tset, "ours", name, bpw, pad, k["kl_mean"], k["kl_p99"], k["top1_agreement"], k["ppl"],
-                        time.perf_counter() - t0))
-    return rows, load_file(str(base))["tokens"], base_ppl
+        for text in texts:
+            t0 = time.perf_counter()
+            out = run([PY, "-m", "ktrun", "perplexity", str(conv), *ppl(text), "--kl-divergence", str(bases[text])],
+                      work / f"{conv.name}.{text}.ppl.log")
+            k = ktrun_lines(out)
+            rows.append(Row(text, tset, "ours", name, bpw, pad, k["kl_mean"], k["kl_p99"], k["top1_agreement"],
+                            k["ppl"], time.perf_counter() - t0))
+    return rows, tokens, base_ppl
 
 
 def main() -> None:
@@ -546,7 +615,12 @@ def main() -> None:
     ap.add_argument("--ik-llama-dir", default=os.environ.get("IK_LLAMA_CPP_DIR"),
                     help="an ik_llama.cpp tree with build/bin/{llama-quantize,llama-perplexity,llama-imatrix}, "
                          "convert_hf_to_gguf.py and gguf-py (default: $IK_LLAMA_CPP_DIR; none: no ik_llama.cpp rows)")
-    ap.add_argument("--model", type=Path, default=MODEL_DIR)
+    ap.add_argument("--model", type=Path, default=MODEL_DIR,
+                    help="a hub checkpoint (default: the embedded default model; bench/second_model.py trains a "
+                         "second shape)")
+    ap.add_argument("--texts", default=",".join(TEXTS),
+                    help="comma-separated held-out texts, each row scored on each: " + "; ".join(
+                        f"{k}: {v}" for k, v in TEXTS.items()))
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--imatrix-chunks", type=int, default=0,
@@ -584,50 +658,60 @@ def main() -> None:
             b = ik / "build" / "bin"
             peers.append(Peer("ik_llama.cpp", "ik_llamacpp", "ik", str(ik / "convert_hf_to_gguf.py"),
                               str(b / "llama-quantize"), str(b / "llama-perplexity"), str(b / "llama-imatrix"),
-                              IK_ROWS, ["ik-imatrix.dat"], ["--no-escape"], True, IK_FALLBACKS))
+                              IK_ROWS, ["ik-imatrix.dat"], ["--no-escape"], True, IK_FALLBACKS,
+                              imatrix_fallbacks=IK_IMATRIX_FALLBACKS))
     only = set(args.only.split(","))
     t0 = time.perf_counter()
     rows: list[Row] = []
-    tokens: dict[str, np.ndarray] = {}
-    base_ppl: dict[str, float] = {}
+    tokens: dict[str, dict[str, np.ndarray]] = {}      # tool -> text -> (chunks, ctx) tokens
+    base_ppl: dict[str, dict[str, float]] = {}         # tool -> text -> BF16 ppl
     with tempfile.TemporaryDirectory(prefix="kt_vs_llama_") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        text, calib = write_texts(work, args.calib)
+        texts, calib = write_texts(work, args.texts.split(","), args.calib)
         if "ours" in tools:
-            ours, tokens["ours"], base_ppl["ours"] = our_rows(args, work, text, calib, only)
+            ours, tokens["ours"], base_ppl["ours"] = our_rows(args, work, texts, calib, only)
             rows += ours
         llama_bf16 = None
         for peer in peers:
-            theirs, tokens[peer.key], base_ppl[peer.key], bf16 = peer_rows(peer, args, work, text, calib, only,
+            theirs, tokens[peer.key], base_ppl[peer.key], bf16 = peer_rows(peer, args, work, texts, calib, only,
                                                                            llama_bf16)
             llama_bf16 = llama_bf16 or bf16
             rows += theirs
-    # llama-perplexity keeps the original first token of each chunk in its file; ours holds the BOS that was run
-    ref_key, ref = next(iter(tokens.items()))
-    same = {k: np.array_equal(ref[:, 1:], t[:, 1:]) and (k == ref_key or "ours" not in (k, ref_key)
-                                                            or np.array_equal(ref[0], t[0]))
-            for k, t in tokens.items()}
+        digests = {t: hashlib.sha256(p.read_bytes()).hexdigest()[:12] for t, p in texts.items()}
+        sizes = {t: p.stat().st_size for t, p in texts.items()}
+    model = json.loads((args.model / "config.json").read_text())
+    print(f"# model: {args.model.name} ({model.get('model_type')}); calibration: {calib.name}")
     names = {"ours": "ours", "llamacpp": "llama.cpp", "ik_llamacpp": "ik_llama.cpp"}
-    print(f"# {ref.shape[0]} chunks x {ref.shape[1]} tokens of {text.name} (held-out stdlib files), identical tokens "
-          f"in {', '.join(names[k] for k in tokens)}: {all(same.values())}; BF16 ppl "
-          + ", ".join(f"{names[k]} {v:.4f}" for k, v in base_ppl.items()))
-    if not all(same.values()):
-        sys.exit("error: the tools tokenized the text differently; the comparison would not be fair")
-    rows.sort(key=lambda r: (["experts", "non-expert", "whole"].index(r.tset), r.tool, r.bpw))
-    print("\n| tensors quantized | tool | config | bits/weight | + padding | KL mean | KL p99 | top-1 | ppl |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r.tset} | {r.tool} | {r.config} | {r.bpw:.3f} | {r.padding_bpw:.3f} | {r.kl_mean:.5f} | "
-              f"{r.kl_p99:.4f} | {r.top1:.4f} | {r.ppl:.3f} |")
+    for text in texts:
+        # llama-perplexity keeps the original first token of each chunk in its file; ours holds the BOS that was run
+        ref_key, ref = next((k, v[text]) for k, v in tokens.items())
+        same = {k: np.array_equal(ref[:, 1:], t[text][:, 1:]) and (k == ref_key or "ours" not in (k, ref_key)
+                                                                  or np.array_equal(ref[0], t[text][0]))
+                for k, t in tokens.items()}
+        print(f"# text {text}: {TEXTS[text]}; {sizes[text]} bytes, sha256 {digests[text]}; {ref.shape[0]} chunks x "
+              f"{ref.shape[1]} tokens, identical tokens in {', '.join(names[k] for k in tokens)}: "
+              f"{all(same.values())}; BF16 ppl " + ", ".join(f"{names[k]} {v[text]:.4f}" for k, v in base_ppl.items()))
+        if not all(same.values()):
+            sys.exit(f"error: the tools tokenized text {text} differently; the comparison would not be fair")
+    rows.sort(key=lambda r: (list(texts).index(r.text), ["experts", "non-expert", "whole"].index(r.tset), r.tool,
+                             r.bpw))
+    for text in texts:
+        print(f"\n{text}:\n")
+        print("| tensors quantized | tool | config | bits/weight | + padding | KL mean | KL p99 | top-1 | ppl |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            if r.text == text:
+                print(f"| {r.tset} | {r.tool} | {r.config} | {r.bpw:.3f} | {r.padding_bpw:.3f} | {r.kl_mean:.5f} | "
+                      f"{r.kl_p99:.4f} | {r.top1:.4f} | {r.ppl:.3f} |")
     print()
     keys = {"ours": "ours", "llama.cpp": "llamacpp", "ik_llama.cpp": "ik_llamacpp"}
     for r in rows:
-        if r.types:
+        if r.types and r.text == next(iter(texts)):
             print(f"# {r.tset} {r.tool} {r.config}: {r.types}" + (f"; llama-perplexity with {r.note}" if r.note
                                                                  else ""))
     for r in rows:
-        key = f"quant.{r.tset}.{keys[r.tool]}.{r.config}"
+        key = f"quant.{r.text}.{r.tset}.{keys[r.tool]}.{r.config}"
         print(f"{key}.bpw: {r.bpw:.4f} bits/weight")
         print(f"{key}.padding_bpw: {r.padding_bpw:.4f} bits/weight")
         print(f"{key}.kl_mean: {r.kl_mean:.6f} nats/token")
@@ -635,7 +719,8 @@ def main() -> None:
         print(f"{key}.top1: {r.top1:.4f} fraction")
         print(f"{key}.ppl: {r.ppl:.4f} ppl")
     for k, v in base_ppl.items():
-        print(f"quant.bf16.{k}.ppl: {v:.4f} ppl")
+        for text, p in v.items():
+            print(f"quant.{text}.bf16.{k}.ppl: {p:.4f} ppl")
     print(f"bench.quant_vs_llamacpp.seconds: {time.perf_counter() - t0:.0f} s")
 
 

@@ -1,6 +1,7 @@
 """bench/bench_quant_vs_llamacpp.py's peer rows, as a real subprocess on 2 chunks: llama.cpp's imatrix rows (its
 converter, llama-imatrix on the calibration text, llama-quantize --imatrix, llama-perplexity's KL against its BF16
-GGUF) and ik_llama.cpp's (its own converter, imatrix, IQ4_KS and the bits of its row-scaled types). Each needs its
+GGUF, on both held-out texts) and ik_llama.cpp's (its own converter, imatrix, IQ4_KS and the bits of its row-scaled
+types). Each needs its
 build (bench/README.md); without one the test is skipped and says where it looked (KTRUN_LLAMA_CPP /
 KTRUN_IK_LLAMA_CPP name other trees)."""
 from __future__ import annotations
@@ -46,19 +47,27 @@ def _check_row(lines, key: str) -> None:
 def test_llama_cpp_imatrix_rows(tmp_path):
     b = LLAMA / "build" / "bin"
     lines, out = _run(tmp_path, "--tools", "llama.cpp", "--configs", "^(Q4_K|Q4_K-imatrix|Q4_K_M-imatrix)$",
+                      "--texts", "stdlib,torch",
                       "--llama-quantize", str(b / "llama-quantize"), "--llama-perplexity", str(b / "llama-perplexity"),
                       "--convert-script", str(LLAMA / "convert_hf_to_gguf.py"))      # llama-imatrix: found beside
-    for key in ("experts.llamacpp.Q4_K", "experts.llamacpp.Q4_K-imatrix", "whole.llamacpp.Q4_K_M-imatrix"):
-        _check_row(lines, f"quant.{key}")
+    for text in ("stdlib", "torch"):
+        for key in ("experts.llamacpp.Q4_K", "experts.llamacpp.Q4_K-imatrix", "whole.llamacpp.Q4_K_M-imatrix"):
+            _check_row(lines, f"quant.{text}.{key}")
+        assert f"quant.{text}.bf16.llamacpp.ppl" in lines
+    # one file, scored on each text: the same bits, another KL
+    assert lines["quant.torch.experts.llamacpp.Q4_K.bpw"] == lines["quant.stdlib.experts.llamacpp.Q4_K.bpw"]
+    assert lines["quant.torch.experts.llamacpp.Q4_K.kl_mean"] != lines["quant.stdlib.experts.llamacpp.Q4_K.kl_mean"]
+    assert re.search(r"# text torch: torch's own torch/nn/modules/\*\.py .* identical tokens in llama\.cpp: True", out)
     # Q4_K for the experts' gate / up (K = 256), Q5_0 for their down_proj (K = 160): (2 * 4.5 + 5.5) / 3
-    assert lines["quant.experts.llamacpp.Q4_K-imatrix.bpw"][0] == pytest.approx(29 / 6, abs=1e-4)
-    assert lines["quant.experts.llamacpp.Q4_K.bpw"][0] == lines["quant.experts.llamacpp.Q4_K-imatrix.bpw"][0]
+    q4k, q4k_imatrix = "quant.stdlib.experts.llamacpp.Q4_K", "quant.stdlib.experts.llamacpp.Q4_K-imatrix"
+    assert lines[f"{q4k_imatrix}.bpw"][0] == pytest.approx(29 / 6, abs=1e-4)
+    assert lines[f"{q4k}.bpw"][0] == lines[f"{q4k_imatrix}.bpw"][0]
     # the imatrix changed the codes: another KL, and the quantizer read it
-    assert lines["quant.experts.llamacpp.Q4_K-imatrix.kl_mean"] != lines["quant.experts.llamacpp.Q4_K.kl_mean"]
+    assert lines[f"{q4k_imatrix}.kl_mean"] != lines[f"{q4k}.kl_mean"]
     assert (tmp_path / "llama-imatrix.gguf").is_file()
     assert "imatrix" in (tmp_path / "llama-experts-Q4_K-imatrix.quant.log").read_text()
     assert "# experts llama.cpp Q4_K-imatrix: Q4_K 6, Q5_0 3" in out
-    assert "identical tokens in llama.cpp: True" in out and "quant.bf16.llamacpp.ppl" in lines
+    assert out.count("identical tokens in llama.cpp: True") == 2 and (tmp_path / "llama-bf16.torch.kld").is_file()
 
 
 @pytest.mark.skipif(bool(_missing(IK)), reason=f"no ik_llama.cpp build with {', '.join(_missing(IK))} at {IK} "
@@ -68,18 +77,18 @@ def test_ik_llama_cpp_rows(tmp_path):
     # chunks reach a string literal with two backslashes in a row, which ik's llama-perplexity read as one escaped
     # backslash before the bench passed it --no-escape
     lines, out = _run(tmp_path, "--tools", "ours,ik_llama.cpp", "--ik-llama-dir", str(IK), "--configs",
-                      "^IQ4_KS-imatrix$", chunks=24)
+                      "^IQ4_KS-imatrix$", "--texts", "stdlib", chunks=24)
     for key in ("experts.ik_llamacpp.IQ4_KS-imatrix", "whole.ik_llamacpp.IQ4_KS-imatrix"):
-        _check_row(lines, f"quant.{key}")
+        _check_row(lines, f"quant.stdlib.{key}")
     # IQ4_KS: 136 bytes per 256 weights plus a float scale per row; gate / up (K = 256) are IQ4_KS, the down_proj
     # (K = 160) falls back to IQ4_NL (4.5 bits): ((4.25 + 32 / 256) * 2 + 4.5) / 3
-    assert lines["quant.experts.ik_llamacpp.IQ4_KS-imatrix.bpw"][0] == pytest.approx((4.375 * 2 + 4.5) / 3, abs=1e-4)
+    assert lines["quant.stdlib.experts.ik_llamacpp.IQ4_KS-imatrix.bpw"][0] == pytest.approx((4.375 * 2 + 4.5) / 3, abs=1e-4)
     assert "# experts ik_llama.cpp IQ4_KS-imatrix: IQ4_KS 6, IQ4_NL 3" in out
     assert (tmp_path / "ik-bf16.gguf").is_file() and (tmp_path / "ik-imatrix.dat").is_file()
     assert (tmp_path / "ik-trace.log").is_file()      # its trace log in the workdir, not llama.log where it ran
     assert "24 chunks x 256 tokens" in out and "identical tokens in ours, ik_llama.cpp: True" in out
-    assert "quant.bf16.ik_llamacpp.ppl" in lines
-    assert not any(k.startswith("quant.experts.ours") for k in lines)
+    assert "quant.stdlib.bf16.ik_llamacpp.ppl" in lines and not any(k.startswith("quant.torch.") for k in lines)
+    assert not any(k.startswith("quant.stdlib.experts.ours") for k in lines)
 
 
 def test_a_crashing_llama_perplexity_falls_back_to_the_documented_workaround(tmp_path, capsys):
