@@ -134,14 +134,14 @@ OUR_ROWS = [
     ("non-expert", "search-int4-g32", [*NE, "search-int4", "--gpu-group-size", "32"]),
     ("non-expert", "gptq-int4-g128", [*NE, "gptq-int4", "--gpu-group-size", "128"]),
     ("non-expert", "gptq-int4-g32", [*NE, "gptq-int4", "--gpu-group-size", "32"]),
-    # the measured mixed precision alone (--gpu-method auto: gptq-int4 g32 + int8 upgrades, --gpu-mix-budget 1)
-    ("non-expert", "gptq-int4-g32+mix1", [*NE, "auto"]),
+    # the measured mixed precision alone (--gpu-method auto: gptq-int4 g32 + int8 upgrades, here at budget 1)
+    ("non-expert", "gptq-int4-g32+mix1", [*NE, "auto", "--gpu-mix-budget", "1"]),
     # what `ktconvert quantize SRC --method int4-amx` writes with no other flag (the defaults of this release):
-    # int4 g64 f16 experts + gptq-int4 g32 GPU layers with the measured int8 upgrades (--gpu-mix-budget 1)
+    # int4 g64 f16 experts + gptq-int4 g32 GPU layers with the measured int8 upgrades (--gpu-mix-budget 0.5)
     ("whole", "default", ["--method", "int4-amx"]),
     # the measured rule at other budgets, and the same experts with hand-picked int8 Linears (--gpu-method-for)
     *[("whole", f"int4-g64-f16+gptq-int4-g32+mix{b}", ["--method", "int4-amx", "--gpu-mix-budget", b])
-      for b in ("0.25", "0.5", "0.75", "1.25")],
+      for b in ("0.25", "0.75", "1", "1.25")],
     # (these name the default model's Linears: DeepSeek-shaped models only)
     *[("whole", f"int4-g64-f16+gptq-int4-g32+{tag}-int8", ["--method", "int4-amx", "--gpu-method", "gptq-int4",
                                                           *[a for t in targets for a in ("--gpu-method-for",
@@ -152,7 +152,7 @@ OUR_ROWS = [
                            ("l0mlp", ["model.layers.0.mlp.*"]),
                            ("kv-a-b", ["*.kv_a_proj_with_mqa", "*.kv_b_proj"]))],
     ("whole", "int4-g32-sub6+gptq-int4-g32+mix1", ["--method", "int4-amx", "--group-size", "32", "--scale-dtype",
-                                                   "sub6"]),
+                                                   "sub6", "--gpu-mix-budget", "1"]),
     # candidates for that default: expert group / scale dtype x GPU-layer group
     ("whole", "int4-g128-f32+gptq-int4-g128", ["--method", "int4-amx", "--group-size", "128", "--scale-dtype", "f32",
                                                "--gpu-method", "gptq-int4", "--gpu-group-size", "128"]),

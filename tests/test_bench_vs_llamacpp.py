@@ -47,10 +47,28 @@ def test_tiny_bench_against_the_roofline(tmp_path):
     assert "[qwen3] model: qwen3_moe-shaped (tiny): hidden 256, GQA 4 / 2 heads of 64" in out
     assert "[v3] model: deepseek_v3-shaped (tiny): hidden 256, 4 MLA heads" in out
     assert not any("llamacpp" in k for k in lines)
-    assert "must_show (issue 32)" in out
+    assert "must_show (issues 32, 37)" in out
     # the conversions were reused on a second run (manifest.json present), and the run still measures
     again, _ = _run(tmp_path, "--pairs", "int4", "--torch-threads", "1,2")
     assert {"v3_tg4_ktrun_int4_torch1", "v3_tg4_ktrun_int4_torch2"} <= set(again)
+
+
+def test_tiny_bench_default_against_the_default_without_its_int8_upgrades(tmp_path):
+    """Issue 37's speed check: the default conversion and the same with --gpu-mix-budget 0, alternated in one run,
+    and the ratio line; the two conversions differ in the measured upgrades only (their manifests say so)."""
+    import json
+
+    lines, out = _run(tmp_path, "--pairs", "default,default_mix0", "--shape", "qwen3")
+    for pair in ("default", "default_mix0"):
+        assert lines[f"qwen3_tg4_ktrun_{pair}"][0] > 0
+    value, unit = lines["qwen3_tg4_ktrun_default_over_ktrun_default_mix0"]
+    assert unit == "ratio" and value > 0
+    assert "qwen3 tg4 default / default without the int8 upgrades" in out
+    new = json.loads((tmp_path / "tiny-qwen3" / "ktrun-default" / "manifest.json").read_text())
+    old = json.loads((tmp_path / "tiny-qwen3" / "ktrun-default_mix0" / "manifest.json").read_text())
+    from ktconvert.gpu.options import DEFAULT_MIX_BUDGET
+
+    assert new["gpu_mix"]["budget"] == DEFAULT_MIX_BUDGET and "gpu_mix" not in old
 
 
 def _check_peer(lines: dict, out: str, peer: str, shapes: tuple[str, ...]) -> None:

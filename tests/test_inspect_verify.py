@@ -14,6 +14,7 @@ from ktrun.byte_sizes import human
 import ktconvert
 from ktconvert.cli import main
 from ktconvert.cmd_inspect import inspect_converted, inspect_source, parse_bytes
+from ktconvert.gpu.options import DEFAULT_MIX_BUDGET
 from ktconvert.pipeline import ConvertOptions, convert
 from ktconvert.testing import make_checkpoint, make_model
 
@@ -89,10 +90,11 @@ def test_inspect_bounds_the_measured_upgrades_and_the_default_conversion_stays_w
     between the two; inspect of it reads their sizes and lists the Linears it upgraded."""
     info = inspect_source(DEFAULT_MODEL, 64, gpu={"gpu_method": "auto"})     # quantize's defaults, exact bytes
     base, mix = info["gpu"]["int4-amx"], info["gpu_layers"]["mix"]
-    assert info["gpu_layers"]["method"] == "gptq-int4" and mix["budget"] == 1 and mix["bound"] > 0
+    assert info["gpu_layers"]["method"] == "gptq-int4" and mix["budget"] == DEFAULT_MIX_BUDGET and mix["bound"] > 0
     between = base + mix["bound"] // 2                  # fits without the upgrades, not with all they may add
     text = ktconvert_cli("inspect", DEFAULT_MODEL, "--gpu-mem", between)
-    assert f"GPU: up to +{human(mix['bound'])} for the measured int8 upgrades, --gpu-mix-budget 1 " in text, text
+    assert (f"GPU: up to +{human(mix['bound'])} for the measured int8 upgrades, --gpu-mix-budget "
+            f"{DEFAULT_MIX_BUDGET:g} ") in text, text
     assert re.search(rf"int4-amx\s+GPU\s+{re.escape(human(base))}\s+CPU .*GPU does NOT fit", text), text
     for no_pass in (["--gpu-mix-budget", "0"], ["--gpu-method", "rtn-int4"]):
         text = ktconvert_cli("inspect", DEFAULT_MODEL, "--gpu-mem", between, *no_pass)
@@ -110,7 +112,7 @@ def test_inspect_bounds_the_measured_upgrades_and_the_default_conversion_stays_w
     assert info["mtp"]["gpu"]["int4-amx"] == real["mtp"]            # MTP layers: not upgraded
     assert inspect_converted(out)["gpu"]["int4-amx"] == real["gpu"]
     text = ktconvert_cli("inspect", out)
-    assert ("GPU layers: gptq-int4; measured upgrades to gptq-int8 (--gpu-mix-budget 1): "
+    assert (f"GPU layers: gptq-int4; measured upgrades to gptq-int8 (--gpu-mix-budget {DEFAULT_MIX_BUDGET:g}): "
             + ", ".join(n.removesuffix(".weight") for n in upgraded)) in text, text
     assert "for the measured int8 upgrades" not in text               # real sizes: no bound
 

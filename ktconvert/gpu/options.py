@@ -16,8 +16,10 @@ GPU_METHOD_CHOICES = ("auto", *GPU_METHODS)
 # ConvertOptions fields that select and configure the non-expert encoder (the arguments of dense_encoder_for)
 GPU_OPTION_FIELDS = ("gpu_method", "gpu_group_size", "gpu_format", "calib", "quantize_head", "gpu_act_order",
                      "calib_tokens", "gpu_method_for", "gpu_mix_budget", "gpu_mix_method")
-# --gpu-mix-budget with --gpu-method auto: added bits per GPU-layer weight the measured rule may spend (sensitivity)
-DEFAULT_MIX_BUDGET = 1.0
+# --gpu-mix-budget with --gpu-method auto: added bits per GPU-layer weight the measured rule may spend (sensitivity).
+# 0.5, not 1: on the CPU path every GPU-layer byte is read each token, and at 1 the Qwen3-30B-A3B-shaped model of
+# bench_vs_llamacpp.py decoded 5.7% slower than without the upgrades (docs/quantization.md, "Why budget 0.5")
+DEFAULT_MIX_BUDGET = 0.5
 
 
 
