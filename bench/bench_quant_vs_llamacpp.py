@@ -61,7 +61,8 @@ PY = sys.executable
 # converter keeps attn_kv_b beside them; its runtime picks per batch which it reads).
 GGUF_SETS = {
     "experts": re.compile(r"ffn_(gate|up|down)_exps\.weight$"),
-    "non-expert": re.compile(r"(attn_(q|k|v|q_a|q_b|kv_a_mqa|kv_b|k_b|v_b|output)|ffn_(gate|up|down)(_shexp)?)\.weight$"),
+    "non-expert": re.compile(r"(attn_(q|k|v|q_a|q_b|kv_a_mqa|kv_b|k_b|v_b|output)|ffn_(gate|up|down)(_shexp)?)"
+                             r"\.weight$"),
 }
 GGUF_SETS["whole"] = re.compile(f"{GGUF_SETS['experts'].pattern}|{GGUF_SETS['non-expert'].pattern}")
 EXPERT_TYPE = "ffn_(gate|up|down)_exps=%s"
@@ -118,7 +119,8 @@ IK_ROWS = [
     *[("whole", f"{t}-imatrix", t, [], True) for t in ("IQ4_KSS", "IQ4_KS", "IQ4_K")],
 ]
 # (set, config name, ktconvert quantize arguments[, the model types it applies to]); the tensor set not named stays
-# BF16. Experts: GPTQ on each expert's routed calibration tokens (--expert-quantizer auto) unless the name says rtn (the previous reference rule).
+# BF16. Experts: GPTQ on each expert's routed calibration tokens (--expert-quantizer auto) unless the name says rtn
+# (the previous reference rule).
 E4, G16 = ["--method", "int4-amx", "--gpu-method", "bf16"], ["--scale-dtype", "f16"]
 NE = ["--method", "bf16", "--gpu-method"]
 OUR_ROWS = [

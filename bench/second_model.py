@@ -14,7 +14,7 @@ Qwen3-MoE, the default model's tokenizer files) and checks that transformers' fr
 logits the trained weights give.
 
 Examples:
-    .venv/bin/python bench/second_model.py --out /work/scratch/qwen3-small            # ~25 min on 1 core
+    .venv/bin/python bench/second_model.py --out /work/scratch/qwen3-small --threads 2   # 900 steps, ~15-26 min
     .venv/bin/python bench/second_model.py --out /tmp/q --steps 2 --limit-files 40    # smoke run (~1 min)
     .venv/bin/python bench/bench_quant_vs_llamacpp.py --model /work/scratch/qwen3-small ...
 """
@@ -111,10 +111,7 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: qwen3_moe, {n_params / 1e6:.2f} M parameters; data: {len(train_stream)} training tokens "
           f"({len(train_files)} files), {len(heldout_stream)} held-out", flush=True)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "gate.weight" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "gate.weight" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = default_train.make_optimizer(model, args.lr)
     rng = np.random.default_rng(SEED)
     t0 = time.time()
     step, tokens, ema = 0, 0, None

@@ -82,7 +82,8 @@ def test_ik_llama_cpp_rows(tmp_path):
         _check_row(lines, f"quant.stdlib.{key}")
     # IQ4_KS: 136 bytes per 256 weights plus a float scale per row; gate / up (K = 256) are IQ4_KS, the down_proj
     # (K = 160) falls back to IQ4_NL (4.5 bits): ((4.25 + 32 / 256) * 2 + 4.5) / 3
-    assert lines["quant.stdlib.experts.ik_llamacpp.IQ4_KS-imatrix.bpw"][0] == pytest.approx((4.375 * 2 + 4.5) / 3, abs=1e-4)
+    iq4_ks = lines["quant.stdlib.experts.ik_llamacpp.IQ4_KS-imatrix.bpw"][0]
+    assert iq4_ks == pytest.approx((4.375 * 2 + 4.5) / 3, abs=1e-4)
     assert "# experts ik_llama.cpp IQ4_KS-imatrix: IQ4_KS 6, IQ4_NL 3" in out
     assert (tmp_path / "ik-bf16.gguf").is_file() and (tmp_path / "ik-imatrix.dat").is_file()
     assert (tmp_path / "ik-trace.log").is_file()      # its trace log in the workdir, not llama.log where it ran

@@ -139,6 +139,14 @@ def greedy_sample(model, tok, n_tokens: int = 48) -> str:
     return tok.decode(out[0].tolist(), skip_special_tokens=True)
 
 
+def make_optimizer(model, lr: float) -> torch.optim.AdamW:
+    """AdamW, weight decay 0.1 on the matrices except the routers' (norms, biases and router gates: none)."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "gate.weight" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "gate.weight" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
 def lr_at(progress: float, peak: float, warmup: float = 0.03) -> float:
     if progress < warmup:
         return peak * progress / warmup
@@ -191,10 +199,7 @@ def main(argv=None) -> int:
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     say(f"model: {n_params / 1e6:.2f} M parameters")
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "gate.weight" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "gate.weight" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = make_optimizer(model, args.lr)
     tracker = RouterLoadTracker(model)
     state_path = args.out / "train_state.safetensors"
     step, tokens, elapsed0 = 0, 0, 0.0
