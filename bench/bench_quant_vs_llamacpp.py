@@ -180,7 +180,6 @@ class Row:
     kl_p99: float
     top1: float
     ppl: float
-    seconds: float          # the scoring run's wall time
     types: str = ""         # GGUF rows: the set's tensor types as stored (fallbacks included)
     note: str = ""          # GGUF rows: the llama-perplexity workaround it ran with, if any
 
@@ -496,12 +495,11 @@ def peer_rows(peer: Peer, args, work: Path, texts: dict[str, Path], calib: Path,
         tensors = gguf_tensors(peer, q)
         check_kept(tensors, tset, q)
         for text in texts:
-            t0 = time.perf_counter()
             out = peer_perplexity(peer, [*ppl_args(text), "-m", str(q), "--kl-divergence-base", str(bases[text]),
                                          "--kl-divergence"], work / f"{q.stem}.{text}.ppl.log", "Same top p:")
             k = llama_kld(out)
             rows.append(Row(text, tset, peer.name, name, gguf_bits(tensors, tset), 0.0, k["kl_mean"], k["kl_p99"],
-                            k["top1"], k["ppl"], time.perf_counter() - t0, gguf_types(tensors, tset), peer.note))
+                            k["top1"], k["ppl"], gguf_types(tensors, tset), peer.note))
     return rows, tokens, base_ppl, bf16
 
 
@@ -596,12 +594,11 @@ def our_rows(args, work: Path, texts: dict[str, Path], calib: Path, only: set[st
              *args.our_extra, "--force", "--quiet"], work / f"{conv.name}.convert.log")
         bpw, pad = our_bits(conv, tset)
         for text in texts:
-            t0 = time.perf_counter()
             out = run([PY, "-m", "ktrun", "perplexity", str(conv), *ppl(text), "--kl-divergence", str(bases[text])],
                       work / f"{conv.name}.{text}.ppl.log")
             k = ktrun_lines(out)
             rows.append(Row(text, tset, "ours", name, bpw, pad, k["kl_mean"], k["kl_p99"], k["top1_agreement"],
-                            k["ppl"], time.perf_counter() - t0))
+                            k["ppl"]))
     return rows, tokens, base_ppl
 
 

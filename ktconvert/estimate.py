@@ -169,11 +169,9 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
 
 
 def _measures_mix(encoder) -> bool:
-    """Whether the conversion runs the measured mixed-precision pass first (ktconvert.gpu.sensitivity); not when
-    it has run already (quantize plans after it: its time is in startup then)."""
-    opts = getattr(encoder, "opts", None)
-    return bool(getattr(opts, "mix_budget", 0)) and getattr(encoder, "algo", None) in ("gptq", "search") \
-        and not getattr(encoder, "mix_applied", False)
+    """Whether the conversion runs the measured mixed-precision pass first (the encoder's own measures_mix: BF16
+    encoders have none); not when it has run already (quantize plans after it: its time is in startup then)."""
+    return getattr(encoder, "measures_mix", lambda: False)() and not getattr(encoder, "mix_applied", False)
 
 
 def _layer_reruns(src, encoder, tokens: int) -> float:
