@@ -49,12 +49,12 @@ import torch
 
 from .cache_budget import CacheBudgetError, CachePlan, states_per_engine
 from .defaults import DEFAULT_CTX, DEFAULT_MAX_BATCH
-from .generate import PREFILL_CHUNK, prefill, verify
+from .generate import PREFILL_CHUNK, decode, prefill, verify
 from .loaded_model import load_model
 from .models.kv_cache import KV_BLOCK_SIZE, Batch
 from .prefix_cache import PrefixCache, PrefixCacheConfig
 from .sampling import SamplingParams, TokenLogprobs, prompt_logprobs
-from .sequence import Sequence, draft_all
+from .sequence import Sequence, advance_all, draft_all
 from .speculative import SpeculativeConfig
 
 __all__ = ["CacheBudgetError", "Engine", "PrefixCacheConfig", "RequestError", "SamplingParams", "SpeculativeConfig",
@@ -333,12 +333,16 @@ class Engine:
             self._emit(seqs, [s.advance(row[None], []) for s, row in zip(seqs, logits)], out, first)
         if decoding:
             t0 = time.perf_counter()
-            drafts = draft_all(decoding)             # [] each without speculation; MTP drafts in batched forwards
-            accepted = sum(s.accepted for s in decoding)
-            rows = verify(self.model, [(s.cache, [s.tokens[-1], *d]) for s, d in zip(decoding, drafts)])
-            self.stats["decode_s"] += time.perf_counter() - t0
-            self.stats["decode_steps"] += 1
-            picks = [s.advance(r, d) for s, r, d in zip(decoding, rows, drafts)]   # rolls rejected drafts back
+            if self.speculative is None:   # one token each: the plain decode forward verify() runs without drafts
+                decoded = decode(self.model, [(s.cache, s.tokens[-1]) for s in decoding])            # logits (B, V)
+                self._decoded(t0)
+                picks = advance_all(decoding, decoded)             # the plain greedy rows: one batched argmax
+            else:
+                drafts = draft_all(decoding)         # MTP drafts in batched forwards
+                accepted = sum(s.accepted for s in decoding)
+                rows = verify(self.model, [(s.cache, [s.tokens[-1], *d]) for s, d in zip(decoding, drafts)])
+                self._decoded(t0)
+                picks = [s.advance(r, d) for s, r, d in zip(decoding, rows, drafts)]   # rolls rejected drafts back
             self._publish(decoding)
             self._emit(decoding, picks, out)
             if self.speculative is not None:
@@ -350,6 +354,10 @@ class Engine:
         self.stats["expert_wait_s"] = self.model.timing["expert_wait_s"]
         self._count_states()
         return out
+
+    def _decoded(self, t0: float) -> None:
+        self.stats["decode_s"] += time.perf_counter() - t0
+        self.stats["decode_steps"] += 1
 
     def close(self) -> None:
         """Abort what is left, write the cached blocks to the disk tier, stop the expert threads."""

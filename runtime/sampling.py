@@ -9,8 +9,8 @@ import torch
 
 from .sampling_params import SamplingParams
 
-__all__ = ["Sampler", "SamplingParams", "TokenLogprobs", "make_generator", "prompt_logprobs", "sample_token",
-           "token_logprobs"]
+__all__ = ["Sampler", "SamplingParams", "TokenLogprobs", "greedy_tokens", "make_generator", "prompt_logprobs",
+           "sample_token", "token_logprobs"]
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -77,10 +77,20 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Genera
     """logits: (V,) (already shaped) -> one token id."""
     logits = logits.float().cpu()
     if params.temperature == 0.0:
-        return int(torch.argmax(logits))
+        return greedy_tokens(logits[None])[0]
     logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """logits: (B, V) -> each row's argmax, the token sample_token() picks at temperature 0. A float32 CPU tensor
+    goes through numpy's argmax: torch's takes 4-6 us a 4096-wide row on a Zen 4 core, numpy's 0.3-0.5 us, and both
+    pick the first maximum with NaN counted as the largest value (tests/test_sampling_greedy.py holds them equal on
+    ties, NaN, +-inf and signed zeros)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=1).tolist()
+    return logits.float().cpu().argmax(dim=-1).tolist()
 
 
 class Sampler:
@@ -95,6 +105,9 @@ class Sampler:
         self._seen: torch.Tensor | None = None      # (V,) bool: in prompt or output (repetition penalty)
         self._counts: torch.Tensor | None = None    # (V,) float: times generated (presence/frequency)
         self._counted = 0                           # output tokens already in _counts/_seen
+        # the token is the argmax of the raw logits and nothing else is asked of them (no shaping, no logprobs):
+        # a batch of such rows takes one greedy_tokens() call
+        self.plain_greedy = params.temperature == 0.0 and params.logprobs is None and not params.shapes_logits
 
     def shape(self, logits: torch.Tensor, output_ids: list[int]) -> torch.Tensor:
         """logits: (V,) raw -> penalised, biased, processed logits (float32, CPU)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .models.kv_cache import SeqCache
-from .sampling import Sampler, SamplingParams, TokenLogprobs
+from .sampling import Sampler, SamplingParams, TokenLogprobs, greedy_tokens
 from .speculative import SpeculativeConfig
 from .text.text_stream import TextStream
 
@@ -78,6 +78,11 @@ class Sequence:
             self.cache.keep(self.cache.length - len(rows) + len(out))
         return out
 
+    def take(self, token: int) -> list[tuple[int, TokenLogprobs | None, str]]:
+        """advance() without drafts whose token was chosen for it (advance_all: a batched argmax)."""
+        self.steps += 1
+        return [(token, None, self.append(token))]
+
     def append(self, token: int) -> str:
         """Add the token just sampled (not yet in the cache) and decide whether the sequence ends with it;
         -> the text this token releases ("" without decode; never part of a stop string or of a character)."""
@@ -114,3 +119,12 @@ def draft_all(seqs: list[Sequence]) -> list[list[int]]:
             out[i] = s.drafter.propose(sizes[i], s.cache)
         s.drafted += len(out[i])
     return out
+
+
+def advance_all(seqs: list[Sequence], logits) -> list[list[tuple[int, TokenLogprobs | None, str]]]:
+    """Sequence.advance() of each sequence over its row of one decode forward's logits (B, V), without drafts. The
+    plain greedy ones (Sampler.plain_greedy) get their argmax in one greedy_tokens() call instead of one per row."""
+    greedy = [i for i, s in enumerate(seqs) if s.sampler.plain_greedy]
+    rows = logits if len(greedy) == len(seqs) else logits[greedy]
+    tokens = dict(zip(greedy, greedy_tokens(rows))) if greedy else {}
+    return [s.take(tokens[i]) if i in tokens else s.advance(logits[i:i + 1], []) for i, s in enumerate(seqs)]
