@@ -48,6 +48,7 @@ from ktlayouts.files import OutsideRootError, allowed_roots, resolve_inside, sha
 from ktlayouts.gpu_formats import is_gpu_layout
 
 from .dense_placement import PlacementError, place_quantized, use_cpu_kernels
+from .ops import float_linear
 
 _NP_DTYPES = {"U8": np.uint8, "F32": np.float32, "BF16": np.uint16, "F16": np.float16, "I32": np.int32,
               "I64": np.int64, "I16": np.int16, "F8_E4M3": np.uint8}
@@ -392,14 +393,19 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
         kernels = MoEKernels()
         lin = LinearKernels(kernels)
     try:
-        embed = get_family(cfg.model_type).names.embed
-        keep = (embed,) if device.type == "cpu" and not cfg.tie_word_embeddings else ()
+        names = get_family(cfg.model_type).names
+        cpu = device.type == "cpu"
+        # on the CPU the output head stays as stored (bf16: half a float32 copy's bytes, read every step) when the
+        # kernels compute it (ktrun.ops.float_linear); then a tied embedding table, which is the head, does too
+        head_stored = cpu and float_linear.available() and cfg.hidden_size % 16 == 0
+        keep = (names.embed,) if cpu and (head_stored or not cfg.tie_word_embeddings) else ()
+        keep += (names.head,) if head_stored else ()
         dense, how = _load_dense(root, manifest, device, dtype, gpu_weights, lin, keep)
         mtp_weights = None
         if mtp_layers:
-            names = get_family(cfg.model_type).names
-            mtp_dense, _ = _load_dense(root, manifest, device, dtype, gpu_weights, lin, tuple(
-                names.layer(li) + "embed_tokens.weight" for li in mtp_layers) if keep else (), (MTP_DENSE_KIND,))
+            mtp_keep = tuple(names.layer(li) + n for li in mtp_layers for n, k in
+                             (("embed_tokens.weight", keep), ("shared_head.head.weight", head_stored)) if k)
+            mtp_dense, _ = _load_dense(root, manifest, device, dtype, gpu_weights, lin, mtp_keep, (MTP_DENSE_KIND,))
             moe = [li for li in mtp_layers if expert_file(li, 0, geo.numa_nodes) in manifest["files"]]
             mtp_weights = MtpWeights(mtp_layers, mtp_dense, _map_experts(root, manifest, geo, moe)[0])
         if lin is not None:

@@ -37,6 +37,7 @@ from .loader import ConvertedModel
 from .models.glm_moe_dsa import CARRY as INDEXER_SELECTIONS
 from .models.kv_cache import Batch, SeqCache
 from .models.model import MoEModel
+from .ops import float_linear
 from .ops.packed_linear import linear
 from .speculative import MAX_DRAFT_TOKENS
 
@@ -69,6 +70,7 @@ class MtpHead:
             raise ValueError(f"{converted.root}: MTP layer {L} lacks {p + missing[0]} (not a DeepSeek-layout MTP "
                              f"block); --speculative mtp cannot run it")
         self.block = MoEModel(cfg, w, experts, model.device, model.dtype, layers=(L,))
+        self.block.kernels = model.kernels      # its router's and head's pool (glue.routers_on, float_linear.head)
         self.block.final_norm = w[p + "shared_head.norm.weight"]
         self.head = w.get(p + "shared_head.head.weight", model.lm_head)
         self.embed = w.get(p + "embed_tokens.weight", model.w[model.names.embed])
@@ -101,7 +103,7 @@ class MtpHead:
         if self.shares_index:
             batch.carried[INDEXER_SELECTIONS] = [None] * len(items)   # no earlier layer's selection: all keys
         x, h = b.decoder(batch, linear(u, self.eh_proj))                                        # (T, H) each
-        logits = linear(h[batch.last_token_rows().to(b.device)], self.head).float()              # (B, V)
+        logits = float_linear.head(h[batch.last_token_rows().to(b.device)], self.head, b.kernels)  # (B, V)
         return logits, [x[s.offset:s.offset + s.n] for s in batch.seqs]
 
 

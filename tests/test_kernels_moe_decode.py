@@ -12,6 +12,7 @@ import pytest
 import torch
 from ktrun.engine import Engine
 from ktrun.models import moe_one_call
+from ktrun.ops import glue
 from ktrun.ops.library import MoeDecodeArgs
 from one_call_helpers import assert_refused, same_bits_on_every_isa, with_and_without
 from runtime_helpers import PROMPT, converted
@@ -24,7 +25,9 @@ def _with_and_without(model, ids, monkeypatch) -> tuple[list, list, list[bool]]:
 @pytest.mark.parametrize("arch", ["deepseek_v3", "minimax_m2", "qwen3_moe", "mixtral", "deepseek_v2"])
 def test_decode_logits_are_the_same_with_and_without_the_one_call(tmp_path_factory, monkeypatch, arch):
     eng = Engine(converted(tmp_path_factory, arch, "int4-amx", gpu_method="rtn-int4"), ctx=256, max_batch=4)
-    one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
+    ids = eng.tokenizer.encode(" ".join([PROMPT] * 4))
+    assert len(ids) > glue.ROUTE_MAX_ROWS
+    one_call, separate, taken = _with_and_without(eng.model, ids, monkeypatch)
     assert any(taken) and not all(taken)          # decode rows take it; the prompts (more rows) do not
     for a, b in zip(one_call, separate):
         assert torch.equal(a, b)

@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 16  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 17  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -38,7 +38,9 @@ extern "C" {
                                  RoPE, the KV cache write and the attention, in one call); kt_route_sigmoid /
                                  kt_route_softmax take a context: a large gate's logits on its pool; kt_mla_decode
                                  (an MLA layer's decode rows, x to o_proj's output, in one call); kt_moe_decode (a
-                                 MoE layer's decode rows, residual add to the next norm, in one call) */
+                                 MoE layer's decode rows, residual add to the next norm, in one call);
+                             17: kt_float_linear (y = x W^T, float32 or bfloat16 weights, float32 rows: the output
+                                 head, on the context's pool) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -369,6 +371,14 @@ int kt_moe_decode(kt_ctx* ctx, kt_moe_decode_args* args);
 int kt_route_softmax(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
                      int64_t w_stride, int64_t n_group, int64_t topk_group, int64_t top_k, int norm, float scaling,
                      int64_t* ids, float* weights);
+
+/* y = x W^T for T float32 rows x (T, K) (row t at x + t * x_stride) and N weight rows W (N, K) (row n at
+ * w + n * w_stride elements) of w_dtype KT_F32 or KT_BF16 (widened exactly), into y (T, N) (row t at y + t * y_stride),
+ * K a multiple of 16. On ctx's pool (W's rows split between its workers) when W has 2^18 elements or more, else on
+ * the calling thread (ctx may be NULL). Each output in float_dots' fixed order: the same bits on every ISA, whatever
+ * T, the rows around it or the thread count. Returns -1 for bad arguments. */
+int kt_float_linear(kt_ctx* ctx, int64_t T, int64_t N, int64_t K, const float* x, int64_t x_stride, const void* w,
+                    int w_dtype, int64_t w_stride, float* y, int64_t y_stride);
 
 /* ktconvert's importance-weighted scale search (ktconvert/scale_search.py, search_scales; kernels/src/scale_search.cpp)
  * for R groups of L floats on the calling thread: group r is x + r * x_stride; its weights w + (r % w_rows) * L

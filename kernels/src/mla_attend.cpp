@@ -34,6 +34,7 @@ namespace {
 typedef float v16 __attribute__((vector_size(64)));
 
 namespace ref {
+constexpr int kLinRows = 4, kLinTokens = 4;   // a float Linear's tile (mla_attend_body.inc linear_rows)
 inline v16 madd(v16 a, v16 b, v16 c) {
     for (int l = 0; l < 16; ++l) c[l] = std::fma(a[l], b[l], c[l]);
     return c;
@@ -44,6 +45,7 @@ inline v16 madd(v16 a, v16 b, v16 c) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
+constexpr int kLinRows = 2, kLinTokens = 2;   // 2 x 2 accumulators of two ymm each, 14 of the 16 registers
 inline v16 madd(v16 a, v16 b, v16 c) {
     __m256 r[2];
     for (int h = 0; h < 2; ++h) {
@@ -64,6 +66,7 @@ inline v16 madd(v16 a, v16 b, v16 c) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 namespace avx512 {
+constexpr int kLinRows = 4, kLinTokens = 4;   // 16 accumulators, 4 token vectors and a weight vector: 21 of 32 zmm
 inline v16 madd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 #include "mla_attend_body.inc"
 }  // namespace avx512
@@ -78,6 +81,11 @@ using DotsFn = decltype(&ref::dots);
 const AttendFn kAttend[3] = {ref::attend, avx2::attend, avx512::attend};
 const AttendKvFn kAttendKv[3] = {ref::attend_kv, avx2::attend_kv, avx512::attend_kv};
 const DotsFn kDots[3] = {ref::dots, avx2::dots, avx512::dots};
+using LinearF32Fn = decltype(&ref::linear_rows<float>);
+using LinearBf16Fn = decltype(&ref::linear_rows<uint16_t>);
+const LinearF32Fn kLinearF32[3] = {ref::linear_rows<float>, avx2::linear_rows<float>, avx512::linear_rows<float>};
+const LinearBf16Fn kLinearBf16[3] = {ref::linear_rows<uint16_t>, avx2::linear_rows<uint16_t>,
+                                     avx512::linear_rows<uint16_t>};
 
 constexpr int64_t kHeadBlock = 8;   // heads split between workers in blocks of the body's head tile
 
@@ -215,6 +223,14 @@ void GqaAttendBatch::pair(int64_t e, int64_t g) const {
 void float_dots(int64_t n, int64_t K, const float* a, int64_t a_stride, const float* const* rows, int64_t S,
                 float scale, float* out) {
     kDots[isa()](n, K, a, a_stride, rows, S, scale, out);
+}
+
+void float_linear_rows(int64_t n0, int64_t n1, int64_t K, const void* w, bool w_bf16, int64_t w_stride,
+                       const float* x, int64_t x_stride, int64_t T, float* y, int64_t y_stride) {
+    if (w_bf16)
+        kLinearBf16[isa()](n0, n1, K, (const uint16_t*)w, w_stride, x, x_stride, T, y, y_stride);
+    else
+        kLinearF32[isa()](n0, n1, K, (const float*)w, w_stride, x, x_stride, T, y, y_stride);
 }
 
 }  // namespace kt

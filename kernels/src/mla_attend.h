@@ -90,4 +90,10 @@ struct GqaDecode {
 void float_dots(int64_t n, int64_t K, const float* a, int64_t a_stride, const float* const* rows, int64_t S,
                 float scale, float* out);
 
+// y[t * y_stride + n] = w[n] . x[t] for n0 <= n < n1, t < T (K a multiple of 16; w float32, or bfloat16 widened
+// exactly when w_bf16; rows w_stride elements apart): float_dots' chain per output, so the same bits as it, on every
+// ISA, whatever T and the rows asked; on the calling thread
+void float_linear_rows(int64_t n0, int64_t n1, int64_t K, const void* w, bool w_bf16, int64_t w_stride,
+                       const float* x, int64_t x_stride, int64_t T, float* y, int64_t y_stride);
+
 }  // namespace kt

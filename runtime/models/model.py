@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig, get_family
 
-from ..ops import glue
-from ..ops.packed_linear import linear
+from ..ops import float_linear, glue
 from . import arch_module, cache_layers, moe_one_call
 from .attention import prepare_absorbed
 from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache, StateLayout
@@ -137,7 +136,7 @@ class MoEModel:
                 s.cache.hidden.append((s.start, h[s.offset:s.offset + s.n]))
         if not all_logits and not all(s.n == 1 for s in batch.seqs):   # decode: the rows are the last tokens
             h = h[batch.last_token_rows().to(self.device)]
-        logits = linear(h, self.lm_head).float()
+        logits = float_linear.head(h, self.lm_head, self.kernels)   # (B or T, V); bf16 as stored on the CPU
         self.timing["forward_s"] += time.perf_counter() - t0
         self.timing["forwards"] += 1
         return logits

@@ -357,7 +357,9 @@ def _router_handle():
     return None if k is None else k.handle
 
 
-ROUTE_MAX_ROWS = 8   # tokens up to which route_sigmoid runs (a GEMV per token; prefill's GEMM stays torch's)
+# tokens up to which the routers run here: decode batches of many requests and speculative verifies (a gate's
+# rows are read once for all T, kernels/src/router.cpp); a prompt's GEMM stays torch's
+ROUTE_MAX_ROWS = 32
 
 
 def route_sigmoid_supported(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ktlayouts.expert_formats import scale_encodings
 
-ABI_VERSION = 16
+ABI_VERSION = 17
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
@@ -126,6 +126,7 @@ def load_library() -> ctypes.CDLL:
         "kt_gqa_decode": (c_int, [c_p, ctypes.POINTER(GqaDecodeArgs)]),
         "kt_mla_decode": (c_int, [c_p, ctypes.POINTER(MlaDecodeArgs)]),
         "kt_moe_decode": (c_int, [c_p, ctypes.POINTER(MoeDecodeArgs)]),
+        "kt_float_linear": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_int, c_i64, c_p, c_i64]),
         "kt_route_softmax": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_i64, c_int,
                                      ctypes.c_float, c_p, c_p]),
         "kt_mla_attend": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, ctypes.c_float, c_i64, c_p, c_p,
