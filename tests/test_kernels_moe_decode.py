@@ -4,13 +4,14 @@ fused shared expert, residual add + next norm), or up to the routed job when a s
 promise is the bits of MoEModel's separate calls, so the reference is the same converted model with the one call
 switched off: logits equal bit for bit for a prompt, decode steps of one request and of two batched and a speculative
 verify's rows, for the sigmoid router with groups and a correction bias (DeepSeek-V3, MiniMax-M2), the softmax router
-(Qwen3-MoE, Mixtral, DeepSeek-V2's grouped greedy), a fused shared expert and one outside the job (the embedded
-default model), on every ISA copy; what it does not take goes the separate way; bad arguments are an error."""
+(Qwen3-MoE, Mixtral, DeepSeek-V2's grouped greedy), a fused shared expert (the embedded default model's padded to
+whole units) and one outside the job, on every ISA copy; what it does not take goes the separate way; bad arguments are an error."""
 from __future__ import annotations
 
 import pytest
 import torch
 from ktrun.engine import Engine
+from ktrun.experts.kernel import KernelExperts
 from ktrun.models import moe_one_call
 from ktrun.ops import glue
 from ktrun.ops.library import MoeDecodeArgs
@@ -33,7 +34,21 @@ def test_decode_logits_are_the_same_with_and_without_the_one_call(tmp_path_facto
         assert torch.equal(a, b)
 
 
-def test_the_default_model_takes_it_with_its_shared_expert_outside_the_job(default_converted, monkeypatch):
+def test_the_default_model_takes_it_with_its_padded_shared_expert_in_the_job(default_converted, monkeypatch):
+    eng = Engine(str(default_converted), ctx=256, max_batch=4)
+    model = eng.model
+    assert model.shared_fused == model.moe_layers                    # intermediate 160, padded to whole units
+    one_call, separate, taken = _with_and_without(model, eng.tokenizer.encode(PROMPT), monkeypatch)
+    assert any(taken)
+    assert all(moe_one_call.plan(model, i).outside is None for i in model.moe_layers)
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
+
+
+def test_a_shared_expert_the_job_cannot_hold_runs_after_it(default_converted, monkeypatch):
+    """A shared expert left out of the job (fuse_shared refused: e.g. Linears of different bits after the mix's
+    upgrades) runs after the call returns with the job in flight: the separate path's bits."""
+    monkeypatch.setattr(KernelExperts, "fuse_shared", lambda self, *a: False)
     eng = Engine(str(default_converted), ctx=256, max_batch=4)
     model = eng.model
     one_call, separate, taken = _with_and_without(model, eng.tokenizer.encode(PROMPT), monkeypatch)

@@ -1,6 +1,8 @@
 """The shared expert inside the routed-expert job on the CPU kernels (ktrun.experts.kernel.KernelExperts.fuse_shared,
 kt_submit_shared): with quantized GPU layers on the kernels' Linear op (the CPU default), a MoE layer's shared
-expert is registered as a one-expert layer on its own KernelLinear tiles (no copy) and computed in the same job.
+expert is registered as a one-expert layer on its own KernelLinear tiles (no copy) and computed in the same job. A
+shared intermediate that is not a whole number of the layout's K units (the embedded default model's 160) is padded to
+one: gate / up get rows of zero scales (copied tiles), down's K padding already covers it.
 
 The forward with it equals the forward that runs the shared expert as three Linears (the path it replaces) to float
 rounding (only silu's last bit may differ before h is quantized), and the shared expert alone equals swiglu_mlp on
@@ -19,23 +21,26 @@ from ktconvert.testing.checkpoints import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="libktkernels not built (make kernels)")
 
-# shared intermediate sizes that are whole K units of the layout (64): real models' are (V3 2048, Qwen3-Next 512);
-# the family fixtures' (80, 96, 160) are not, and those layers keep the three-Linear path
-ARCHS = {"deepseek_v3": {"moe_intermediate_size": 128}, "qwen3_next": {"shared_expert_intermediate_size": 128}}
+# shared intermediate sizes that are whole K units of the layout (64), as real models' are (V3 2048, Qwen3-Next 512),
+# and one that is not (80: padded to 128)
+CASES = {"deepseek_v3": ("deepseek_v3", {"moe_intermediate_size": 128}),
+         "qwen3_next": ("qwen3_next", {"shared_expert_intermediate_size": 128}),
+         "deepseek_v3_padded": ("deepseek_v3", {"moe_intermediate_size": 80})}
 
 
-def _conversion(tmp_path_factory, arch):
+def _conversion(tmp_path_factory, case):
+    arch, kw = CASES[case]
     root = shared_root(tmp_path_factory)
-    src = root / f"src_{arch}_shared128"
+    src = root / f"src_{case}_shared"
     if not (src / "config.json").exists():
-        make_checkpoint(arch, src, init_scale=2.0, **ARCHS[arch])
-    return build_conversion(src, root / f"conv_{arch}_shared128_int4", "int4-amx", gpu_method="rtn-int4",
+        make_checkpoint(arch, src, init_scale=2.0, **kw)
+    return build_conversion(src, root / f"conv_{case}_shared_int4", "int4-amx", gpu_method="rtn-int4",
                             gpu_format="marlin", gpu_group_size=64, quantize_head=True)
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_shared_expert_in_the_routed_job_equals_the_linear_path(tmp_path_factory, arch):
-    lm = load_model(_conversion(tmp_path_factory, arch), device="cpu")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_shared_expert_in_the_routed_job_equals_the_linear_path(tmp_path_factory, case):
+    lm = load_model(_conversion(tmp_path_factory, case), device="cpu")
     try:
         m = lm.model
         assert m.shared_fused == m.moe_layers                         # every MoE layer's shared expert joined

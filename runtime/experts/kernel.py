@@ -82,24 +82,30 @@ class KernelExperts:
     def fuse_shared(self, layer: int, gate, up, down) -> bool:
         """Compute layer's shared expert (gate/up (I, H), down (H, I)) inside its routed job from now on; True when
         registered, False (nothing changed) when these Linears cannot join it: not KernelLinears on this pool,
-        act-order or padded inputs, mixed bits / groups, I not a whole number of the layout's K units."""
+        act-order or padded inputs, mixed bits / groups, tiles not those of a one-expert layer."""
         lins = (gate, up, down)
         if not all(isinstance(li, KernelLinear) and li.lin.kernels is self.moe and li.perm is None for li in lins):
             return False
         (I, H), bits, g = gate.shape, gate.bits, gate.group_size
-        if (up.shape != (I, H) or down.shape != (H, I) or any(li.bits != bits or li.group_size != g for li in lins)
-                or I % group_unit(g)):
+        if up.shape != (I, H) or down.shape != (H, I) or any(li.bits != bits or li.group_size != g for li in lins):
             return False
         # the tiles must be those of the one-expert layer: the same padded K (a Linear's K padding holds zero-point
-        # codes, and the layer zero-pads x past H as the Linear pads its input) and I a whole number of K units
-        gu, dn = MatrixGeometry(I, H, bits, g), MatrixGeometry(H, I, bits, g)
-        if any(li.qweight.shape != geom.qweight_shape or li.scales.shape != geom.scales_shape
-               for li, geom in ((gate, gu), (up, gu), (down, dn))):
+        # codes, and the layer zero-pads x past H as the Linear pads its input) and I a whole number of K units. An I
+        # that is not (the default model's 160) is padded to one: gate / up get rows of zero scales (outputs 0.0, so
+        # silu(0) * 0 = 0 in the padded intermediate), and down's K tiles already reach the padded I (its K pad)
+        unit = group_unit(g)
+        Ip = -(-I // unit) * unit
+        gu, dn = MatrixGeometry(Ip, H, bits, g), MatrixGeometry(H, Ip, bits, g)
+        if (gate.qweight.shape[1:] != gu.qweight_shape[1:] or gate.scales.shape[1:] != gu.scales_shape[1:]
+                or any(a.shape != b.shape for a, b in ((up.qweight, gate.qweight), (up.scales, gate.scales)))
+                or down.qweight.shape != dn.qweight_shape or down.scales.shape != dn.scales_shape):
             return False
+        gate_q, gate_s, up_q, up_s = (_pad_rows(a, gu.n_blocks) for a in (gate.qweight, gate.scales, up.qweight,
+                                                                           up.scales))
         sid = SHARED_LAYER_ID0 + layer
-        self.moe.add_layer(sid, [ExpertShard(gate.qweight[None], gate.scales[None], up.qweight[None],
-                                             up.scales[None], down.qweight[None], down.scales[None], 0, I)],
-                           n_experts=1, hidden=H, intermediate_pad=I, bits=bits, group_size=g)
+        self.moe.add_layer(sid, [ExpertShard(gate_q[None], gate_s[None], up_q[None], up_s[None], down.qweight[None],
+                                             down.scales[None], 0, Ip)],
+                           n_experts=1, hidden=H, intermediate_pad=Ip, bits=bits, group_size=g)
         self._shared[layer] = sid
         return True
 
@@ -172,3 +178,12 @@ class KernelExperts:
 
     def close(self) -> None:
         self.moe.close()
+
+
+def _pad_rows(a, blocks: int):
+    """A Linear's tiles or scales (N_pad/16, ...) with zero blocks appended up to `blocks` (zero scales: those rows
+    output 0.0 whatever their codes); the array itself when it has them already."""
+    if a.shape[0] == blocks:
+        return a
+    a = a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+    return np.ascontiguousarray(np.concatenate([a, np.zeros((blocks - a.shape[0], *a.shape[1:]), a.dtype)]))

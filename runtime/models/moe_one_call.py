@@ -4,8 +4,9 @@ which MoEModel otherwise runs as five calls with Python between them while the k
 step is the call it replaces, so the bits are the same: an RMSNorm model, the generic router (ktrun.models.generic:
 sigmoid with group-limited top-k, or softmax) on a float32 CPU gate, the routed experts on the kernels (no hot or
 tiered executor), no shared-expert gate; decode-sized rows (glue.ROUTE_MAX_ROWS) and no test hook on the router's
-choice. A shared expert the routed job cannot compute (its intermediate size not whole 64-input units: the embedded
-default model's) runs after the call returns with the job in flight, as MoEModel._moe runs it."""
+choice. A shared expert the routed job does not compute (KernelExperts.fuse_shared refused it: Linears of different
+bits or groups, e.g. after the mix's int8 upgrades) runs after the call returns with the job in flight, as
+MoEModel._moe runs it."""
 from __future__ import annotations
 
 import time
