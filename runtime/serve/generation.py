@@ -9,10 +9,10 @@ shutting down ends the requests still running at its drain timeout (`end`): a 50
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 
 from ..text.text_stream import TextStream
 from . import responses as R
@@ -346,7 +346,8 @@ class Generation:
             end = f'{close},"logprobs":null,"finish_reason":null}}]{tail}\n\n'
             self._frame = [(f'data: {head}"choices":[{{"index":{i},{field}', end) for i in range(len(self.choices))]
         head, tail = self._frame[index]
-        return (head + json.dumps(text, ensure_ascii=False) + tail).encode()
+        # what json.dumps(text, ensure_ascii=False) returns, without building a JSONEncoder for every token
+        return (head + encode_basestring(text) + tail).encode()
 
     def _chunk(self, choices: list, usage: R.Usage | None = None, timings=None) -> bytes:
         cls = R.ChatCompletionChunk if self.plan.kind == "chat" else R.CompletionResponse
