@@ -19,9 +19,10 @@ from ktrun.ops import glue
 from ktrun.ops.moe import MoEKernels
 
 # (query heads, kv heads, hd, vd, run lengths): Qwen3-30B-A3B, MQA, gpt-oss-like 64-dim heads over many runs,
-# MiMo-like vd != hd, heads outside the 8-head tile, one position
+# MiMo-like vd != hd, heads outside the 8-head tile, one position; caches longer than a chunk of positions
+# (kt::kAttendChunk = 128: chunk by chunk, merged): Qwen3's heads over 257, runs crossing the chunks
 SHAPES = [(32, 4, 128, 128, [33]), (8, 1, 64, 64, [5, 7, 1]), (64, 8, 64, 64, [16, 16, 16, 3]),
-          (12, 4, 192, 128, [9, 2]), (3, 3, 16, 32, [1])]
+          (12, 4, 192, 128, [9, 2]), (3, 3, 16, 32, [1]), (32, 4, 128, 128, [257]), (8, 2, 64, 32, [150, 100, 350])]
 
 
 def _case(nh, nkv, hd, vd, runs, seed, m=1):

@@ -20,9 +20,11 @@ from ktrun.ops.library import KernelError, load_library
 from ktrun.ops.moe import MoEKernels
 
 # (heads, R, dr, run lengths): DeepSeek-V3's decode shape, heads outside the 8-head tile, R not a multiple of the
-# 128-column value pass, no rotary part, many runs (KV blocks), one position
+# 128-column value pass, no rotary part, many runs (KV blocks), one position; caches longer than a chunk of positions
+# (kt::kAttendChunk = 128: computed chunk by chunk and merged): the embedded default model's heads over 600 positions
+# in runs that cross the chunks, one position past a chunk
 SHAPES = [(128, 512, 64, [33]), (13, 48, 16, [5, 7, 1]), (9, 160, 0, [4]), (24, 512, 64, [16, 16, 16, 3]),
-          (3, 16, 16, [1])]
+          (3, 16, 16, [1]), (4, 64, 32, [100, 200, 300]), (16, 512, 64, [129])]
 
 
 def _case(nh: int, R: int, dr: int, runs: list[int], seed: int):
@@ -79,7 +81,7 @@ def test_batch_gives_each_request_the_bits_it_gets_alone(nh, R, dr):
     pool, in one call: every request's output equals its own kt_mla_attend call bit for bit, on the calling thread and
     on the pool; requests whose caches do not share a row stride are refused (False, nothing written)."""
     g = torch.Generator().manual_seed(nh + R)
-    reqs = [[5, 7, 1], [33], [1], [16, 16, 3], [2, 2]]
+    reqs = [[5, 7, 1], [33], [1], [16, 16, 3], [2, 2], [200, 100], [129]]   # the last two: 3 and 2 chunks
     pool = torch.randn(sum(map(sum, reqs)) + 64, R + dr + 3, generator=g)
     lats, o = [], 0
     for runs in reqs:

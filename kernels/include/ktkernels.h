@@ -40,7 +40,8 @@ extern "C" {
                                  (an MLA layer's decode rows, x to o_proj's output, in one call); kt_moe_decode (a
                                  MoE layer's decode rows, residual add to the next norm, in one call);
                              17: kt_float_linear (y = x W^T, float32 or bfloat16 weights, float32 rows: the output
-                                 head, on the context's pool) */
+                                 head, on the context's pool); the attention ops take a cache longer than 128
+                                 positions in chunks (merged in chunk order), split between the workers */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -228,7 +229,8 @@ int kt_rope(int64_t T, int64_t H, int64_t half, const float* x, int64_t x_stride
  * q_lat rows (R) q_lat_stride apart, q_rot rows (dr) q_rot_stride apart, out rows (R) out_stride apart, h < nh.
  * ctx NULL: on the calling thread; else on ctx's pool (heads split between its workers, the caller one of them),
  * waiting for any job in flight first and returning when done. One summation order per head on every ISA and any
- * split (kernels/src/mla_attend.cpp): the same bits everywhere, whatever the batch, the runs or the threads.
+ * split (kernels/src/mla_attend.cpp; S > 128: chunks of 128 positions merged in chunk order): the same bits
+ * everywhere, whatever the batch, the runs or the threads.
  * Needs R a multiple of 16 (>= 16), dr a multiple of 16 (0 allowed), S >= 1, row_stride >= R + dr; returns -1 for bad
  * arguments. */
 int kt_mla_attend(kt_ctx* ctx, int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_stride,

@@ -81,6 +81,12 @@ using DotsFn = decltype(&ref::dots);
 const AttendFn kAttend[3] = {ref::attend, avx2::attend, avx512::attend};
 const AttendKvFn kAttendKv[3] = {ref::attend_kv, avx2::attend_kv, avx512::attend_kv};
 const DotsFn kDots[3] = {ref::dots, avx2::dots, avx512::dots};
+using PartialFn = decltype(&ref::attend_partial);
+using PartialKvFn = decltype(&ref::attend_kv_partial);
+using MergeFn = decltype(&ref::merge_partials);
+const PartialFn kPartial[3] = {ref::attend_partial, avx2::attend_partial, avx512::attend_partial};
+const PartialKvFn kPartialKv[3] = {ref::attend_kv_partial, avx2::attend_kv_partial, avx512::attend_kv_partial};
+const MergeFn kMerge[3] = {ref::merge_partials, avx2::merge_partials, avx512::merge_partials};
 using LinearF32Fn = decltype(&ref::linear_rows<float>);
 using LinearBf16Fn = decltype(&ref::linear_rows<uint16_t>);
 const LinearF32Fn kLinearF32[3] = {ref::linear_rows<float>, avx2::linear_rows<float>, avx512::linear_rows<float>};
@@ -120,10 +126,38 @@ void MlaAttend::run(int index, int n) const {
 
 void MlaAttend::heads(int64_t h0, int64_t h1) const {
     if (h1 <= h0) return;
+    const int64_t nb = h1 - h0, n = attend_chunks(S);
+    float* dst = out + h0 * out_stride;
+    if (n == 1) {
+        thread_local std::vector<float> s;
+        if (s.size() < (size_t)(nb * S)) s.resize((size_t)(nb * S));
+        kAttend[isa()](nb, R, dr, q_lat + h0 * q_lat_stride, q_lat_stride, q_rot + h0 * q_rot_stride, q_rot_stride,
+                       scale, rows.data(), S, dst, out_stride, s.data());
+        return;
+    }
+    thread_local std::vector<float> pm, pl, po, w;   // chunk c's heads at slot c * nb
+    pm.resize((size_t)(n * nb));
+    pl.resize((size_t)(n * nb));
+    po.resize((size_t)(n * nb * R));
+    w.resize((size_t)n);
+    for (int64_t c = 0; c < n; ++c) chunk(h0, h1, c, po.data() + c * nb * R, pm.data() + c * nb, pl.data() + c * nb);
+    kMerge[isa()](nb, R, n, pm.data(), pl.data(), nb, po.data(), nb * R, dst, out_stride, w.data());
+}
+
+void MlaAttend::chunk(int64_t h0, int64_t h1, int64_t c, float* o, float* m, float* l) const {
+    const int64_t j0 = c * kAttendChunk, Sc = std::min(S, j0 + kAttendChunk) - j0;
     thread_local std::vector<float> s;
-    if (s.size() < (size_t)((h1 - h0) * S)) s.resize((size_t)((h1 - h0) * S));
-    kAttend[isa()](h1 - h0, R, dr, q_lat + h0 * q_lat_stride, q_lat_stride, q_rot + h0 * q_rot_stride, q_rot_stride,
-                   scale, rows.data(), S, out + h0 * out_stride, out_stride, s.data());
+    if (s.size() < (size_t)((h1 - h0) * Sc)) s.resize((size_t)((h1 - h0) * Sc));
+    kPartial[isa()](h1 - h0, R, dr, q_lat + h0 * q_lat_stride, q_lat_stride, q_rot + h0 * q_rot_stride, q_rot_stride,
+                    scale, rows.data() + j0, Sc, o, R, m, l, s.data());
+}
+
+void ChunkCounters::reset(int64_t n) {
+    if (capacity < n) {
+        done.reset(new std::atomic<int>[(size_t)n]);
+        capacity = n;
+    }
+    for (int64_t g = 0; g < n; ++g) done[g].store(0, std::memory_order_relaxed);
 }
 
 bool MlaAttendBatch::set(int64_t m, int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_req_stride,
@@ -143,17 +177,45 @@ bool MlaAttendBatch::set(int64_t m, int64_t nh, int64_t R, int64_t dr, const flo
         first_block[i + 1] = first_block[i] + blocks;
     }
     first_block.resize((size_t)m + 1);
+    const int64_t groups = first_block[m];
+    first_item.assign((size_t)groups + 1, 0);
+    part0.assign((size_t)groups + 1, 0);
+    for (int64_t i = 0, g = 0; i < m; ++i)
+        for (int64_t b = 0; b < blocks; ++b, ++g) {
+            const int64_t n = attend_chunks(reqs[(size_t)i].S);
+            first_item[g + 1] = first_item[g] + n;
+            part0[g + 1] = part0[g] + (n > 1 ? n * kHeadBlock : 0);
+        }
+    pm.resize((size_t)part0[groups]);
+    pl.resize((size_t)part0[groups]);
+    po.resize((size_t)(part0[groups] * R));
+    counters.reset(groups);
     return true;
 }
 
 void MlaAttendBatch::run(int index, int n) const {
-    const int64_t m = (int64_t)first_block.size() - 1, total = first_block[m];
-    const int64_t b0 = total * index / n, b1 = total * (index + 1) / n;
-    for (int64_t b = b0; b < b1; ++b) {
-        const int64_t i = std::upper_bound(first_block.begin(), first_block.end(), b) - first_block.begin() - 1;
+    const int64_t groups = (int64_t)first_item.size() - 1, total = first_item[groups];
+    const int64_t t0 = total * index / n, t1 = total * (index + 1) / n;
+    for (int64_t t = t0; t < t1; ++t) {
+        const int64_t g = std::upper_bound(first_item.begin(), first_item.end(), t) - first_item.begin() - 1;
+        const int64_t i = std::upper_bound(first_block.begin(), first_block.end(), g) - first_block.begin() - 1;
         const MlaAttend& req = reqs[(size_t)i];
-        const int64_t h0 = (b - first_block[i]) * kHeadBlock;
-        req.heads(h0, std::min(req.nh, h0 + kHeadBlock));
+        const int64_t h0 = (g - first_block[i]) * kHeadBlock, h1 = std::min(req.nh, h0 + kHeadBlock);
+        const int64_t chunks = first_item[g + 1] - first_item[g], c = t - first_item[g];
+        if (chunks == 1) {
+            req.heads(h0, h1);
+            continue;
+        }
+        float* m = pm.data() + part0[g];
+        float* l = pl.data() + part0[g];
+        float* o = po.data() + part0[g] * req.R;
+        req.chunk(h0, h1, c, o + c * kHeadBlock * req.R, m + c * kHeadBlock, l + c * kHeadBlock);
+        if (counters.last(g, chunks)) {   // every chunk of the group is in: merge them in chunk order
+            thread_local std::vector<float> w;
+            w.resize((size_t)chunks);
+            kMerge[isa()](h1 - h0, req.R, chunks, m, l, kHeadBlock, o, kHeadBlock * req.R,
+                          req.out + h0 * req.out_stride, req.out_stride, w.data());
+        }
     }
 }
 
@@ -196,16 +258,63 @@ bool GqaAttendBatch::set_filled(int64_t m_, int64_t nkv_, int64_t rep_, int64_t 
     m = m_; nkv = nkv_; rep = rep_; hd = hd_; vd = vd_; q = q_; q_entry_stride = q_entry_stride_;
     q_head_stride = q_head_stride_; scale = scale_; out = out_; out_entry_stride = out_entry_stride_;
     out_head_stride = out_head_stride_;
+    plan_chunks();
     return true;
 }
 
+void GqaAttendBatch::plan_chunks() {
+    const int64_t groups = m * nkv;
+    first_item.assign((size_t)groups + 1, 0);
+    part0.assign((size_t)groups + 1, 0);
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t e = g / nkv, n = attend_chunks(first_row[e + 1] - first_row[e]);
+        first_item[g + 1] = first_item[g] + n;
+        part0[g + 1] = part0[g] + (n > 1 ? n * rep : 0);
+    }
+    pm.resize((size_t)part0[groups]);
+    pl.resize((size_t)part0[groups]);
+    po.resize((size_t)(part0[groups] * vd));
+    counters.reset(groups);
+}
+
 void GqaAttendBatch::run(int index, int n) const {
-    const int64_t total = m * nkv, p0 = total * index / n, p1 = total * (index + 1) / n;
-    for (int64_t p = p0; p < p1; ++p) pair(p / nkv, p % nkv);
+    const int64_t groups = m * nkv, total = first_item[groups];
+    const int64_t t0 = total * index / n, t1 = total * (index + 1) / n;
+    for (int64_t t = t0; t < t1; ++t) {
+        const int64_t g = std::upper_bound(first_item.begin(), first_item.end(), t) - first_item.begin() - 1;
+        const int64_t chunks = first_item[g + 1] - first_item[g], c = t - first_item[g];
+        if (chunks == 1) {
+            pair(g / nkv, g % nkv);
+            continue;
+        }
+        float* pmg = pm.data() + part0[g];
+        float* plg = pl.data() + part0[g];
+        float* pog = po.data() + part0[g] * vd;
+        chunk(g / nkv, g % nkv, c, pog + c * rep * vd, pmg + c * rep, plg + c * rep);
+        if (counters.last(g, chunks)) {   // every chunk of the group is in: merge them in chunk order
+            thread_local std::vector<float> w;
+            w.resize((size_t)chunks);
+            const int64_t e = g / nkv, h0 = (g % nkv) * rep;
+            kMerge[isa()](rep, vd, chunks, pmg, plg, rep, pog, rep * vd,
+                          out + e * out_entry_stride + h0 * out_head_stride, out_head_stride, w.data());
+        }
+    }
 }
 
 void GqaAttendBatch::pair(int64_t e, int64_t g) const {
-    const int64_t r0 = first_row[e], S = first_row[e + 1] - r0;
+    const int64_t r0 = first_row[e], S = first_row[e + 1] - r0, n = attend_chunks(S), h0 = g * rep;
+    float* dst = out + e * out_entry_stride + h0 * out_head_stride;
+    if (n > 1) {
+        thread_local std::vector<float> pm1, pl1, po1, w;   // chunk c's heads at slot c * rep
+        pm1.resize((size_t)(n * rep));
+        pl1.resize((size_t)(n * rep));
+        po1.resize((size_t)(n * rep * vd));
+        w.resize((size_t)n);
+        for (int64_t c = 0; c < n; ++c)
+            chunk(e, g, c, po1.data() + c * rep * vd, pm1.data() + c * rep, pl1.data() + c * rep);
+        kMerge[isa()](rep, vd, n, pm1.data(), pl1.data(), rep, po1.data(), rep * vd, dst, out_head_stride, w.data());
+        return;
+    }
     thread_local std::vector<const float*> kr, vr;
     thread_local std::vector<float> s;
     kr.resize((size_t)S);
@@ -215,9 +324,24 @@ void GqaAttendBatch::pair(int64_t e, int64_t g) const {
         kr[j] = krows[r0 + j] + g * hd;
         vr[j] = vrows[r0 + j] + g * vd;
     }
-    const int64_t h0 = g * rep;   // its query heads h0 .. h0 + rep
     kAttendKv[isa()](rep, hd, vd, q + e * q_entry_stride + h0 * q_head_stride, q_head_stride, scale, kr.data(),
-                     vr.data(), S, out + e * out_entry_stride + h0 * out_head_stride, out_head_stride, s.data());
+                     vr.data(), S, dst, out_head_stride, s.data());
+}
+
+void GqaAttendBatch::chunk(int64_t e, int64_t g, int64_t c, float* o, float* m_, float* l) const {
+    const int64_t r0 = first_row[e], S = first_row[e + 1] - r0;
+    const int64_t j0 = c * kAttendChunk, Sc = std::min(S, j0 + kAttendChunk) - j0, h0 = g * rep;
+    thread_local std::vector<const float*> kr, vr;
+    thread_local std::vector<float> s;
+    kr.resize((size_t)Sc);
+    vr.resize((size_t)Sc);
+    if (s.size() < (size_t)(rep * Sc)) s.resize((size_t)(rep * Sc));
+    for (int64_t j = 0; j < Sc; ++j) {
+        kr[j] = krows[r0 + j0 + j] + g * hd;
+        vr[j] = vrows[r0 + j0 + j] + g * vd;
+    }
+    kPartialKv[isa()](rep, hd, vd, q + e * q_entry_stride + h0 * q_head_stride, q_head_stride, scale, kr.data(),
+                      vr.data(), Sc, o, vd, m_, l, s.data());
 }
 
 void float_dots(int64_t n, int64_t K, const float* a, int64_t a_stride, const float* const* rows, int64_t S,

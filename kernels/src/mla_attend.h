@@ -1,11 +1,29 @@
 // kt_mla_attend's job (mla_attend.cpp): checked arguments, the cache rows in position order, the heads' split.
 #pragma once
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "../include/ktkernels.h"
 
 namespace kt {
+
+// Positions per chunk of a long cache: attention over S > kAttendChunk positions runs chunk by chunk (each chunk's
+// partial maximum, exp sum and weighted values, merged in chunk order: mla_attend_body.inc), the chunks of a batch
+// job split between the workers. Fixed, so a row's bits depend on its own S only, not on the threads or the batch.
+constexpr int64_t kAttendChunk = 128;
+
+inline int64_t attend_chunks(int64_t S) { return S > kAttendChunk ? (S + kAttendChunk - 1) / kAttendChunk : 1; }
+
+// Per-group completion counts of a batch job's chunks: the worker that finishes a group's last chunk merges it.
+struct ChunkCounters {
+    std::unique_ptr<std::atomic<int>[]> done;
+    int64_t capacity = 0;
+    void reset(int64_t n);
+    // chunk finished in group g of n chunks: true for the one call that finished the last
+    bool last(int64_t g, int64_t n) const { return done[g].fetch_add(1, std::memory_order_acq_rel) + 1 == n; }
+};
 
 struct MlaAttend {
     int64_t nh = 0, R = 0, dr = 0, S = 0;
@@ -23,15 +41,21 @@ struct MlaAttend {
     // Worker `index` of n computes its share of the heads (whole blocks of 8: each head's result is the same
     // whatever the split).
     void run(int index, int n) const;
-    // Heads [h0, h1) on the calling thread (h0 a multiple of 8, or the whole range).
+    // Heads [h0, h1) on the calling thread (h0 a multiple of 8, or the whole range), chunk by chunk when S is long.
     void heads(int64_t h0, int64_t h1) const;
+    // Chunk c's partial of heads [h0, h1): o (h1 - h0, R), m and l (h1 - h0)
+    void chunk(int64_t h0, int64_t h1, int64_t c, float* o, float* m, float* l) const;
 };
 
-// kt_mla_attend_batch's job: one MlaAttend per request, the (request, block of 8 heads) pairs split between the
-// workers; every head computes exactly what kt_mla_attend computes for it alone.
+// kt_mla_attend_batch's job: one MlaAttend per request, the (request, block of 8 heads, chunk of positions) items
+// split between the workers; every head computes exactly what kt_mla_attend computes for it alone.
 struct MlaAttendBatch {
     std::vector<MlaAttend> reqs;
-    std::vector<int64_t> first_block;   // (m + 1): the first (request, head block) index of each request
+    std::vector<int64_t> first_block;   // (m + 1): the first (request, head block) group of each request
+    std::vector<int64_t> first_item;    // (groups + 1): each group's first item (one per chunk)
+    std::vector<int64_t> part0;         // (groups + 1): each chunked group's first (chunk, head) partial slot
+    mutable std::vector<float> pm, pl, po;   // partial slots: maximum, exp sum (one each), weighted values (R each)
+    ChunkCounters counters;
 
     bool set(int64_t m, int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_req_stride,
              int64_t q_lat_stride, const float* q_rot, int64_t q_rot_req_stride, int64_t q_rot_stride, float scale,
@@ -40,8 +64,8 @@ struct MlaAttendBatch {
     void run(int index, int n) const;
 };
 
-// kt_gqa_attend_batch's job: m query rows (entries), each over its own cache rows; the (entry, kv head) pairs split
-// between the workers, each pair computed whole by one worker (the same bits whatever the split).
+// kt_gqa_attend_batch's job: m query rows (entries), each over its own cache rows; the (entry, kv head, chunk of
+// positions) items split between the workers (the same bits whatever the split).
 struct GqaAttendBatch {
     int64_t m = 0, nkv = 0, rep = 0, hd = 0, vd = 0;
     const float* q = nullptr;
@@ -50,6 +74,10 @@ struct GqaAttendBatch {
     float* out = nullptr;
     std::vector<const float*> krows, vrows;   // every entry's positions, entry after entry: the kv-head-0 rows
     std::vector<int64_t> first_row;           // (m + 1): entry e's rows are [first_row[e], first_row[e + 1])
+    std::vector<int64_t> first_item;          // (m * nkv + 1): each (entry, kv head) group's first item
+    std::vector<int64_t> part0;               // (m * nkv + 1): each chunked group's first (chunk, head) slot
+    mutable std::vector<float> pm, pl, po;    // partial slots (po: vd floats each)
+    ChunkCounters counters;
 
     bool set(int64_t m, int64_t nkv, int64_t rep, int64_t hd, int64_t vd, const float* q, int64_t q_entry_stride,
              int64_t q_head_stride, float scale, const int64_t* entry_n_runs, const float* const* k_runs,
@@ -60,8 +88,12 @@ struct GqaAttendBatch {
     bool set_filled(int64_t m, int64_t nkv, int64_t rep, int64_t hd, int64_t vd, const float* q, int64_t q_entry_stride,
                     int64_t q_head_stride, float scale, float* out, int64_t out_entry_stride, int64_t out_head_stride);
     void run(int index, int n) const;
-    // entry e, kv head g on the calling thread
+    // entry e, kv head g on the calling thread (chunk by chunk when its cache is long)
     void pair(int64_t e, int64_t g) const;
+    // chunk c's partial of entry e, kv head g: o (rep, vd), m and l (rep)
+    void chunk(int64_t e, int64_t g, int64_t c, float* o, float* m, float* l) const;
+    // the items and partial slots of the groups (after the geometry is set)
+    void plan_chunks();
 };
 
 // The requests of a decode call (kt_gqa_decode_args, kt_mla_decode_args): request r's rows [row0[r], row0[r + 1])
