@@ -115,6 +115,7 @@ def load_model(model_dir: str | Path, device=None, dtype: torch.dtype | None = N
     model = MoEModel(converted.config, converted.dense, experts, converted.device, converted.dtype)
     # the routers' pool: the dense Linears' kernel context, else the routed experts' (None: not on the kernels)
     model.kernels = converted.kernels if converted.kernels is not None else getattr(cpu, "moe", None)
+    model.dense_on_kernels = converted.kernels is not None and converted.device.type == "cpu"
     head = None
     if mtp:
         from .mtp import MtpHead, mtp_executor

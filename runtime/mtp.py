@@ -71,6 +71,7 @@ class MtpHead:
                              f"block); --speculative mtp cannot run it")
         self.block = MoEModel(cfg, w, experts, model.device, model.dtype, layers=(L,))
         self.block.kernels = model.kernels      # its router's and head's pool (glue.routers_on, float_linear.head)
+        self.block.dense_on_kernels = model.dense_on_kernels
         self.block.final_norm = w[p + "shared_head.norm.weight"]
         self.head = w.get(p + "shared_head.head.weight", model.lm_head)
         self.embed = w.get(p + "embed_tokens.weight", model.w[model.names.embed])

@@ -61,3 +61,39 @@ def test_decode_logits_are_the_same_with_and_without_serial_glue(tmp_path_factor
         torch.set_num_threads(n)
     for i, (a, b) in enumerate(zip(serial, threaded)):
         assert torch.equal(a, b), f"forward {i}: max |diff| {(a - b).abs().max().item():.3g}"
+
+
+def test_a_small_forward_on_the_kernels_is_serial_and_keeps_its_bits(default_converted, monkeypatch):
+    """The default model (dense Linears on the kernels' op, so torch computes glue only): a prompt's forward of at
+    most SERIAL_MAX_ELEMENTS activations keeps torch on the calling thread, with the logits of the same forward on
+    torch's 2 threads."""
+    eng = Engine(str(default_converted), ctx=512, max_batch=4)
+    assert eng.model.dense_on_kernels
+    ids = (eng.tokenizer.encode(PROMPT) * 8)[:150]
+    assert len(ids) * eng.model.cfg.hidden_size <= layers.SERIAL_MAX_ELEMENTS
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = []
+    real = layers.serial_torch
+
+    def spy(on=True):
+        seen.append(on)
+        return real(on)
+
+    def run() -> list[torch.Tensor]:
+        c = eng.model.new_cache(512)
+        return [eng.model.forward(Batch.build([(c, ids)], "cpu")),
+                eng.model.forward(Batch.build([(c, ids[:3])], "cpu"))]
+
+    try:
+        monkeypatch.setattr(model_mod, "serial_torch", spy)
+        serial = run()
+        assert seen[0] is True                 # decoder's scope, the forward's first
+        seen.clear()
+        monkeypatch.setattr(model_mod, "SERIAL_MAX_ELEMENTS", 0)
+        threaded = run()
+        assert seen[0] is False
+    finally:
+        torch.set_num_threads(n)
+    for a, b in zip(serial, threaded):
+        assert torch.equal(a, b)

@@ -17,6 +17,11 @@ from ..ops.kernel_linear import KernelLinear, run_together
 from ..ops.packed_linear import linear
 
 SERIAL_MAX_ROWS = 8   # token rows up to which serial_torch() keeps a forward's small torch ops on the calling thread
+# activations (rows x hidden floats) up to which a whole CPU forward keeps torch on the calling thread when its dense
+# Linears run on the kernels (MoEModel.decoder; torch then computes glue only): a short prompt's ops are too small
+# to pay for waking torch's OpenMP team beside the kernel pool's workers (the default model's 60-token prefill:
+# 23-50 ms with 2 torch threads, 5.4-6.1 ms with 1, on 2 Zen 4 cores)
+SERIAL_MAX_ELEMENTS = 1 << 16
 LORA_NORM_EPS = 1e-6     # MLA's q_a_layernorm / kv_a_layernorm: the reference's default eps, not rms_norm_eps
 ROPE_TABLE_STEP = 1024   # positions the cos/sin table grows by (a multiple of 16: no scalar tail, see Rope._table)
 

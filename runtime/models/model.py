@@ -18,7 +18,7 @@ from ..ops import float_linear, glue
 from . import arch_module, cache_layers, moe_one_call
 from .attention import prepare_absorbed
 from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache, StateLayout
-from .layers import SERIAL_MAX_ROWS, Rope, add_rms_norm, rms_norm, serial_torch, swiglu_mlp
+from .layers import SERIAL_MAX_ELEMENTS, SERIAL_MAX_ROWS, Rope, add_rms_norm, rms_norm, serial_torch, swiglu_mlp
 
 
 class MoEModel:
@@ -30,6 +30,9 @@ class MoEModel:
         # the kernel context (ktrun.ops.moe.MoEKernels) whose pool computes a large router's logits (glue.routers_on);
         # None: the calling thread. Set by whoever loads the model onto the kernels (ktrun.loaded_model).
         self.kernels = None
+        # whether the quantized dense Linears run on the kernels' op (set by ktrun.loaded_model): torch then computes
+        # glue only, and a small forward keeps it on the calling thread (decoder, layers.SERIAL_MAX_ELEMENTS)
+        self.dense_on_kernels = False
         self.layers = tuple(range(cfg.num_layers)) if layers is None else tuple(layers)
         self.device, self.dtype = torch.device(device), dtype
         self.arch = arch_module(cfg.model_type)
@@ -146,14 +149,27 @@ class MoEModel:
         residual stream after the last layer (T, H), its final norm (T, H))."""
         cfg, w = self.cfg, self.w
         cos, sin = self.rope.cos_sin(batch.positions.to(self.device), self.dtype)
-        tm, clock = self.timing, time.perf_counter
         L = len(self.layers)
         # a family whose decoder layer is not attention -> MLP (LongCat-Flash's two sublayers + shortcut MoE) runs
         # its module's decoder_layer(model, i, x, h, batch, cos, sin) -> (x, h): h is layer i's normed input as the
         # previous call left it (None for layer 0: the hook norms x itself); after the last layer, the final norm
         layer_hook = getattr(self.arch, "decoder_layer", None)
-        h = None if layer_hook is not None else (
-            self.norm(x, w[self.names.layer(self.layers[0]) + "input_layernorm.weight"], cfg.rms_norm_eps) if L else x)
+        small = self.dense_on_kernels and x.shape[0] * x.shape[1] <= SERIAL_MAX_ELEMENTS   # layers.serial_torch
+        with serial_torch(small):
+            h = None if layer_hook is not None else (
+                self.norm(x, w[self.names.layer(self.layers[0]) + "input_layernorm.weight"], cfg.rms_norm_eps)
+                if L else x)
+            x, h = self._layers(batch, x, h, cos, sin, layer_hook)
+        batch.commit()
+        if not L:
+            h = self.norm(x, self.final_norm, cfg.rms_norm_eps)
+        return x, h
+
+    def _layers(self, batch: Batch, x: torch.Tensor, h, cos, sin, layer_hook) -> tuple[torch.Tensor, torch.Tensor]:
+        """decoder()'s layer loop: x (T, H) and layer 0's normed input h -> (x, h) after the last layer."""
+        cfg, w = self.cfg, self.w
+        tm, clock = self.timing, time.perf_counter
+        L = len(self.layers)
         for slot, i in enumerate(self.layers):         # slot: the layer's KV blocks (i itself, but in an MTP block)
             if layer_hook is not None:
                 x, h = layer_hook(self, i, x, h, batch, cos, sin)
@@ -182,7 +198,4 @@ class MoEModel:
             t3 = clock()
             tm["attention_s"] += t2 - t1
             tm["mlp_s"] += t3 - t2                      # router + shared/dense MLP + waiting for routed experts
-        batch.commit()
-        if not L:
-            h = self.norm(x, self.final_norm, cfg.rms_norm_eps)
         return x, h
