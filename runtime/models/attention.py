@@ -228,10 +228,15 @@ def prepare_absorbed(cfg: ModelConfig, w: dict, layer_prefixes: list[str]) -> No
             _absorbed(w, p, nh, dn, dv, R)
 
 
+ONE_CALL_MAX_ROWS = 512   # a request's rows kt_mla_decode takes: a prompt chunk (ktrun.generate.PREFILL_CHUNK)
+
+
 def _absorbed_decode_rows(batch: Batch, nh: int, dn: int, dr: int, dv: int, R: int) -> bool:
-    """Whether every request of the batch has decode-sized rows (at most SERIAL_MAX_ROWS) that take the absorbed form
-    on kt_mla_attend_batch (scores within its limit): what kt_mla_decode runs."""
-    return all(s.n <= SERIAL_MAX_ROWS and not _naive_is_cheaper(s.n, s.start + s.n, dn, dr, dv, R)
+    """Whether every request of the batch has rows that take the absorbed form on kt_mla_attend_batch (scores within
+    its limit, at most ONE_CALL_MAX_ROWS rows: decode rows, a verify, a prompt's chunk): what kt_mla_decode runs. A prompt
+    of n rows is n entries there, each over its causal prefix; in Python each cost a list of cache views per layer
+    (the default model's 60-token prompt: ~1.5 ms of a 7.5 ms forward)."""
+    return all(s.n <= ONE_CALL_MAX_ROWS and not _naive_is_cheaper(s.n, s.start + s.n, dn, dr, dv, R)
                and nh * (s.start + s.n) <= glue.MLA_ATTEND_MAX_SCORES for s in batch.seqs)
 
 
