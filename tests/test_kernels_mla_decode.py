@@ -1,5 +1,5 @@
 """kt_mla_decode (ABI 16; ktrun.ops.glue.mla_decode, ktrun.models.attention_one_call.mla): an MLA layer's
-decode rows from x to o_proj's output in one call. Its promise is the bits of mla_attention's separate steps on the
+decode rows (and a prompt chunk's, when they take the absorbed form) from x to o_proj's output in one call. Its promise is the bits of mla_attention's separate steps on the
 kernels (the q_a + kv_a job, the norms, q_b's job, the latent rows written into the paged cache, W_uk's grouped job,
 RoPE, kt_mla_attend_batch, W_uv's grouped job, o_proj's job), so the reference is the same converted model with the
 one call switched off: logits equal bit for bit for a prompt, decode steps of one request and of two batched (their
@@ -43,7 +43,7 @@ def _with_and_without(model, ids, monkeypatch) -> tuple[list, list, list[bool]]:
 def test_decode_logits_are_the_same_with_and_without_the_one_call(tmp_path_factory, monkeypatch, arch):
     eng = Engine(_absorbed_conversion(tmp_path_factory, arch), ctx=256, max_batch=4)
     one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
-    assert taken and all(taken)                   # decode rows take it (prompts are not offered it)
+    assert taken and all(taken)                   # decode rows and the prompt (absorbed, one chunk) take it
     for a, b in zip(one_call, separate):
         assert torch.equal(a, b)
 
