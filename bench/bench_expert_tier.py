@@ -421,7 +421,9 @@ def child(a) -> None:
 def run_child(a, mode: str, budget: int, limits: Limits | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--conv", str(a.conv), "--tokens", str(a.tokens),
            "--budget", str(budget), "--io", a.io, "--model", a.model, "--max-run-s", str(a.max_run_s)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # every mode computes the shared expert outside the routed job, as the tier does (KTRUN_FUSE_SHARED, runtime/README.md):
+    # the same bits in all of them, the same work beside the experts
+    env = dict(os.environ, OMP_NUM_THREADS="1", KTRUN_FUSE_SHARED="0")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=limits.enter if limits else None,
                        check=False)
     if p.returncode != 0:

@@ -75,8 +75,10 @@ def check_identical(conv, budget: int, predict: bool, io: str = "direct", predic
     """-> (the tier executor's stats, whether its kernels were launched from the launcher thread). Where the kernels
     can stage, layers were computed expert run by expert run while their reads landed (per-expert completion), and
     the bits still match."""
-    with load_model(conv, device="cpu") as lm:
-        ref = logits_run(lm.model)
+    with pytest.MonkeyPatch.context() as mp:      # the reference computes the shared expert as the tier does
+        mp.setenv("KTRUN_FUSE_SHARED", "0")          # (outside the routed job)
+        with load_model(conv, device="cpu") as lm:
+            ref = logits_run(lm.model)
     with load_model(conv, device="cpu", expert_ram=ExpertRamOptions(budget, predict=predict, io=io,
                                                                     predictor=predictor)) as lm:
         ex = lm.model.experts

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from ktrun.engine import Engine
-from ktrun.experts.kernel import KernelExperts
 from ktrun.models import moe_one_call
 from ktrun.ops import glue
 from ktrun.ops.library import MoeDecodeArgs
@@ -46,11 +45,13 @@ def test_the_default_model_takes_it_with_its_padded_shared_expert_in_the_job(def
 
 
 def test_a_shared_expert_the_job_cannot_hold_runs_after_it(default_converted, monkeypatch):
-    """A shared expert left out of the job (fuse_shared refused: e.g. Linears of different bits after the mix's
-    upgrades) runs after the call returns with the job in flight: the separate path's bits."""
-    monkeypatch.setattr(KernelExperts, "fuse_shared", lambda self, *a: False)
+    """A shared expert left out of the job (KTRUN_FUSE_SHARED=0, as the RAM tier computes it; or fuse_shared refused:
+    e.g. Linears of different bits after the mix's upgrades) runs after the call returns with the job in flight: the
+    separate path's bits."""
+    monkeypatch.setenv("KTRUN_FUSE_SHARED", "0")
     eng = Engine(str(default_converted), ctx=256, max_batch=4)
     model = eng.model
+    assert not model.shared_fused
     one_call, separate, taken = _with_and_without(model, eng.tokenizer.encode(PROMPT), monkeypatch)
     assert any(taken)
     assert all(moe_one_call.plan(model, i).outside is not None for i in model.moe_layers)

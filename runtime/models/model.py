@@ -8,6 +8,7 @@ the family's names (ktlayouts.families HubNames: Kimi-K2.5's text model sits und
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -70,8 +71,12 @@ class MoEModel:
         return p + self.names.moe_prefix
 
     def _fuse_shared(self) -> set[int]:
+        """The MoE layers whose shared expert the routed job computes (KernelExperts.fuse_shared). KTRUN_FUSE_SHARED=0
+        keeps every shared expert outside the job, as the executors without fuse_shared (the RAM tier, hot experts)
+        compute it: the fused job's silu rounds its last bit differently, so their logits are compared to such a run."""
         fuse = getattr(self.experts, "fuse_shared", None)
-        if fuse is None or not (self.names.shared_prefix and self.cfg.n_shared_experts):
+        if fuse is None or not (self.names.shared_prefix and self.cfg.n_shared_experts) or \
+                os.environ.get("KTRUN_FUSE_SHARED", "1") == "0":
             return set()
         fused = set()
         for i in sorted(self.moe_layers):
