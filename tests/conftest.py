@@ -80,3 +80,13 @@ def ckpt_copy(ckpt_dir, fp8_ckpt, tmp_path):
 def arch(request) -> str:
     """Parametrizes a test over every fixture architecture."""
     return request.param
+
+
+@pytest.fixture(scope="module")
+def kernel_pool():
+    """A 2-worker kernel context (ktrun.ops.moe.MoEKernels) for a module's tests of ops on its pool."""
+    from ktrun.ops.moe import MoEKernels
+
+    k = MoEKernels(n_threads=2)
+    yield k
+    k.close()

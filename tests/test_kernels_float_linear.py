@@ -14,27 +14,19 @@ from ktrun.loaded_model import load_model
 from ktrun.models.kv_cache import Batch
 from ktrun.ops import float_linear
 from ktrun.ops.library import load_library
-from ktrun.ops.moe import MoEKernels
 
 # (N, K): the default model's head, a V3-wide row, odd row counts (not whole tiles or worker blocks), one tile of K
 SHAPES = [(4096, 256), (37, 7168), (1001, 48), (130, 16)]
 ROWS = [1, 2, 3, 4, 5, 9, 16, 70]
 
 
-@pytest.fixture(scope="module")
-def pool():
-    k = MoEKernels(n_threads=2)
-    yield k
-    k.close()
-
-
 @pytest.mark.parametrize("N,K", SHAPES)
-def test_against_float64_products(N, K, pool):
+def test_against_float64_products(N, K, kernel_pool):
     g = torch.Generator().manual_seed(N + K)
     w = torch.randn(N, K, generator=g).bfloat16()
     for T in ROWS:
         x = torch.randn(T, K, generator=g)
-        y = float_linear.float_linear(x, w, pool)
+        y = float_linear.float_linear(x, w, kernel_pool)
         xd, wd = x.double().numpy(), w.double().numpy()
         want = xd @ wd.T
         bound = K * np.finfo(np.float32).eps * (np.abs(xd) @ np.abs(wd).T) + 1e-30   # K roundings of the sums
@@ -43,17 +35,17 @@ def test_against_float64_products(N, K, pool):
 
 
 @pytest.mark.parametrize("N,K", SHAPES)
-def test_bf16_weights_give_their_float32_widening_and_rows_their_own_bits(N, K, pool):
+def test_bf16_weights_give_their_float32_widening_and_rows_their_own_bits(N, K, kernel_pool):
     g = torch.Generator().manual_seed(7 * N + K)
     w = torch.randn(N, K, generator=g).bfloat16()
     x = torch.randn(max(ROWS), K, generator=g)
-    full = float_linear.float_linear(x, w, pool)
-    assert torch.equal(full, float_linear.float_linear(x, w.float(), pool))     # exact widening
+    full = float_linear.float_linear(x, w, kernel_pool)
+    assert torch.equal(full, float_linear.float_linear(x, w.float(), kernel_pool))     # exact widening
     assert torch.equal(full, float_linear.float_linear(x, w, None))             # calling thread = pool
     for T in ROWS:                                                              # a row's bits whatever the batch
-        assert torch.equal(float_linear.float_linear(x[:T], w, pool), full[:T])
+        assert torch.equal(float_linear.float_linear(x[:T], w, kernel_pool), full[:T])
     for t in (0, 5, 69):
-        assert torch.equal(float_linear.float_linear(x[t:t + 1], w, pool), full[t:t + 1])
+        assert torch.equal(float_linear.float_linear(x[t:t + 1], w, kernel_pool), full[t:t + 1])
 
 
 _DIGEST = """

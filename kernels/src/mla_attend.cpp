@@ -152,12 +152,10 @@ void MlaAttend::chunk(int64_t h0, int64_t h1, int64_t c, float* o, float* m, flo
                     scale, rows.data() + j0, Sc, o, R, m, l, s.data());
 }
 
-void ChunkCounters::reset(int64_t n) {
-    if (capacity < n) {
-        done.reset(new std::atomic<int>[(size_t)n]);
-        capacity = n;
-    }
-    for (int64_t g = 0; g < n; ++g) done[g].store(0, std::memory_order_relaxed);
+void ChunkPlan::merge(int64_t g, int64_t nh, float* out, int64_t out_stride) const {
+    thread_local std::vector<float> w;
+    w.resize((size_t)chunks(g));
+    kMerge[isa()](nh, width, chunks(g), m(g, 0), l(g, 0), heads, o(g, 0), heads * width, out, out_stride, w.data());
 }
 
 bool MlaAttendBatch::set(int64_t m, int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_req_stride,
@@ -177,44 +175,23 @@ bool MlaAttendBatch::set(int64_t m, int64_t nh, int64_t R, int64_t dr, const flo
         first_block[i + 1] = first_block[i] + blocks;
     }
     first_block.resize((size_t)m + 1);
-    const int64_t groups = first_block[m];
-    first_item.assign((size_t)groups + 1, 0);
-    part0.assign((size_t)groups + 1, 0);
-    for (int64_t i = 0, g = 0; i < m; ++i)
-        for (int64_t b = 0; b < blocks; ++b, ++g) {
-            const int64_t n = attend_chunks(reqs[(size_t)i].S);
-            first_item[g + 1] = first_item[g] + n;
-            part0[g + 1] = part0[g] + (n > 1 ? n * kHeadBlock : 0);
-        }
-    pm.resize((size_t)part0[groups]);
-    pl.resize((size_t)part0[groups]);
-    po.resize((size_t)(part0[groups] * R));
-    counters.reset(groups);
+    chunks.plan(first_block[m], kHeadBlock, R, [&](int64_t g) { return reqs[(size_t)(g / blocks)].S; });
     return true;
 }
 
 void MlaAttendBatch::run(int index, int n) const {
-    const int64_t groups = (int64_t)first_item.size() - 1, total = first_item[groups];
-    const int64_t t0 = total * index / n, t1 = total * (index + 1) / n;
+    int64_t t0, t1;
+    chunks.items(index, n, &t0, &t1);
     for (int64_t t = t0; t < t1; ++t) {
-        const int64_t g = std::upper_bound(first_item.begin(), first_item.end(), t) - first_item.begin() - 1;
+        const int64_t g = chunks.group_of(t), c = t - chunks.first_item[g];
         const int64_t i = std::upper_bound(first_block.begin(), first_block.end(), g) - first_block.begin() - 1;
         const MlaAttend& req = reqs[(size_t)i];
         const int64_t h0 = (g - first_block[i]) * kHeadBlock, h1 = std::min(req.nh, h0 + kHeadBlock);
-        const int64_t chunks = first_item[g + 1] - first_item[g], c = t - first_item[g];
-        if (chunks == 1) {
+        if (chunks.chunks(g) == 1) {
             req.heads(h0, h1);
-            continue;
-        }
-        float* m = pm.data() + part0[g];
-        float* l = pl.data() + part0[g];
-        float* o = po.data() + part0[g] * req.R;
-        req.chunk(h0, h1, c, o + c * kHeadBlock * req.R, m + c * kHeadBlock, l + c * kHeadBlock);
-        if (counters.last(g, chunks)) {   // every chunk of the group is in: merge them in chunk order
-            thread_local std::vector<float> w;
-            w.resize((size_t)chunks);
-            kMerge[isa()](h1 - h0, req.R, chunks, m, l, kHeadBlock, o, kHeadBlock * req.R,
-                          req.out + h0 * req.out_stride, req.out_stride, w.data());
+        } else {
+            req.chunk(h0, h1, c, chunks.o(g, c), chunks.m(g, c), chunks.l(g, c));
+            if (chunks.last(g)) chunks.merge(g, h1 - h0, req.out + h0 * req.out_stride, req.out_stride);
         }
     }
 }
@@ -258,45 +235,21 @@ bool GqaAttendBatch::set_filled(int64_t m_, int64_t nkv_, int64_t rep_, int64_t 
     m = m_; nkv = nkv_; rep = rep_; hd = hd_; vd = vd_; q = q_; q_entry_stride = q_entry_stride_;
     q_head_stride = q_head_stride_; scale = scale_; out = out_; out_entry_stride = out_entry_stride_;
     out_head_stride = out_head_stride_;
-    plan_chunks();
+    chunks.plan(m * nkv, rep, vd, [&](int64_t g) { return first_row[g / nkv + 1] - first_row[g / nkv]; });
     return true;
 }
 
-void GqaAttendBatch::plan_chunks() {
-    const int64_t groups = m * nkv;
-    first_item.assign((size_t)groups + 1, 0);
-    part0.assign((size_t)groups + 1, 0);
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t e = g / nkv, n = attend_chunks(first_row[e + 1] - first_row[e]);
-        first_item[g + 1] = first_item[g] + n;
-        part0[g + 1] = part0[g] + (n > 1 ? n * rep : 0);
-    }
-    pm.resize((size_t)part0[groups]);
-    pl.resize((size_t)part0[groups]);
-    po.resize((size_t)(part0[groups] * vd));
-    counters.reset(groups);
-}
-
 void GqaAttendBatch::run(int index, int n) const {
-    const int64_t groups = m * nkv, total = first_item[groups];
-    const int64_t t0 = total * index / n, t1 = total * (index + 1) / n;
+    int64_t t0, t1;
+    chunks.items(index, n, &t0, &t1);
     for (int64_t t = t0; t < t1; ++t) {
-        const int64_t g = std::upper_bound(first_item.begin(), first_item.end(), t) - first_item.begin() - 1;
-        const int64_t chunks = first_item[g + 1] - first_item[g], c = t - first_item[g];
-        if (chunks == 1) {
-            pair(g / nkv, g % nkv);
-            continue;
-        }
-        float* pmg = pm.data() + part0[g];
-        float* plg = pl.data() + part0[g];
-        float* pog = po.data() + part0[g] * vd;
-        chunk(g / nkv, g % nkv, c, pog + c * rep * vd, pmg + c * rep, plg + c * rep);
-        if (counters.last(g, chunks)) {   // every chunk of the group is in: merge them in chunk order
-            thread_local std::vector<float> w;
-            w.resize((size_t)chunks);
-            const int64_t e = g / nkv, h0 = (g % nkv) * rep;
-            kMerge[isa()](rep, vd, chunks, pmg, plg, rep, pog, rep * vd,
-                          out + e * out_entry_stride + h0 * out_head_stride, out_head_stride, w.data());
+        const int64_t g = chunks.group_of(t), c = t - chunks.first_item[g], e = g / nkv, kv = g % nkv;
+        if (chunks.chunks(g) == 1) {
+            pair(e, kv);
+        } else {
+            chunk(e, kv, c, chunks.o(g, c), chunks.m(g, c), chunks.l(g, c));
+            if (chunks.last(g))
+                chunks.merge(g, rep, out + e * out_entry_stride + kv * rep * out_head_stride, out_head_stride);
         }
     }
 }

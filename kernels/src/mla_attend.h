@@ -1,5 +1,6 @@
 // kt_mla_attend's job (mla_attend.cpp): checked arguments, the cache rows in position order, the heads' split.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -16,13 +17,54 @@ constexpr int64_t kAttendChunk = 128;
 
 inline int64_t attend_chunks(int64_t S) { return S > kAttendChunk ? (S + kAttendChunk - 1) / kAttendChunk : 1; }
 
-// Per-group completion counts of a batch job's chunks: the worker that finishes a group's last chunk merges it.
-struct ChunkCounters {
+// A batch job's items: group g (a request's block of heads, an entry's kv head) runs as chunks(g) items, one per
+// chunk of its positions; a group of several chunks keeps partial slots (per chunk: `heads` maxima, exp sums and
+// weighted rows of `width` floats) and a completion count: the worker that finishes its last chunk merges it.
+struct ChunkPlan {
+    std::vector<int64_t> first_item;        // (groups + 1): each group's first item
+    std::vector<int64_t> part0;             // (groups + 1): each chunked group's first (chunk, head) slot
+    mutable std::vector<float> pm, pl, po;  // the slots: maxima, exp sums, weighted rows
     std::unique_ptr<std::atomic<int>[]> done;
-    int64_t capacity = 0;
-    void reset(int64_t n);
-    // chunk finished in group g of n chunks: true for the one call that finished the last
-    bool last(int64_t g, int64_t n) const { return done[g].fetch_add(1, std::memory_order_acq_rel) + 1 == n; }
+    int64_t capacity = 0, heads = 0, width = 0;
+
+    // groups of `heads` heads and rows of `width`; S_of(g): group g's positions
+    template <class SOf>
+    void plan(int64_t groups, int64_t heads_, int64_t width_, SOf S_of) {
+        heads = heads_;
+        width = width_;
+        first_item.assign((size_t)groups + 1, 0);
+        part0.assign((size_t)groups + 1, 0);
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t n = attend_chunks(S_of(g));
+            first_item[g + 1] = first_item[g] + n;
+            part0[g + 1] = part0[g] + (n > 1 ? n * heads : 0);
+        }
+        pm.resize((size_t)part0[groups]);
+        pl.resize((size_t)part0[groups]);
+        po.resize((size_t)(part0[groups] * width));
+        if (capacity < groups) {
+            done.reset(new std::atomic<int>[(size_t)groups]);
+            capacity = groups;
+        }
+        for (int64_t g = 0; g < groups; ++g) done[g].store(0, std::memory_order_relaxed);
+    }
+    // worker `index` of n: its items [t0, t1)
+    void items(int index, int n, int64_t* t0, int64_t* t1) const {
+        const int64_t total = first_item.back();
+        *t0 = total * index / n;
+        *t1 = total * (index + 1) / n;
+    }
+    int64_t group_of(int64_t t) const {
+        return std::upper_bound(first_item.begin(), first_item.end(), t) - first_item.begin() - 1;
+    }
+    int64_t chunks(int64_t g) const { return first_item[g + 1] - first_item[g]; }
+    float* m(int64_t g, int64_t c) const { return pm.data() + part0[g] + c * heads; }
+    float* l(int64_t g, int64_t c) const { return pl.data() + part0[g] + c * heads; }
+    float* o(int64_t g, int64_t c) const { return po.data() + (part0[g] + c * heads) * width; }
+    // chunk finished in group g: true for the one call that finished its last
+    bool last(int64_t g) const { return done[g].fetch_add(1, std::memory_order_acq_rel) + 1 == chunks(g); }
+    // group g's chunks merged into its heads' rows of out (rows out_stride apart), chunk order
+    void merge(int64_t g, int64_t nh, float* out, int64_t out_stride) const;
 };
 
 struct MlaAttend {
@@ -52,10 +94,7 @@ struct MlaAttend {
 struct MlaAttendBatch {
     std::vector<MlaAttend> reqs;
     std::vector<int64_t> first_block;   // (m + 1): the first (request, head block) group of each request
-    std::vector<int64_t> first_item;    // (groups + 1): each group's first item (one per chunk)
-    std::vector<int64_t> part0;         // (groups + 1): each chunked group's first (chunk, head) partial slot
-    mutable std::vector<float> pm, pl, po;   // partial slots: maximum, exp sum (one each), weighted values (R each)
-    ChunkCounters counters;
+    ChunkPlan chunks;                   // the groups' items and partial slots
 
     bool set(int64_t m, int64_t nh, int64_t R, int64_t dr, const float* q_lat, int64_t q_lat_req_stride,
              int64_t q_lat_stride, const float* q_rot, int64_t q_rot_req_stride, int64_t q_rot_stride, float scale,
@@ -74,10 +113,7 @@ struct GqaAttendBatch {
     float* out = nullptr;
     std::vector<const float*> krows, vrows;   // every entry's positions, entry after entry: the kv-head-0 rows
     std::vector<int64_t> first_row;           // (m + 1): entry e's rows are [first_row[e], first_row[e + 1])
-    std::vector<int64_t> first_item;          // (m * nkv + 1): each (entry, kv head) group's first item
-    std::vector<int64_t> part0;               // (m * nkv + 1): each chunked group's first (chunk, head) slot
-    mutable std::vector<float> pm, pl, po;    // partial slots (po: vd floats each)
-    ChunkCounters counters;
+    ChunkPlan chunks;                         // the (entry, kv head) groups' items and partial slots
 
     bool set(int64_t m, int64_t nkv, int64_t rep, int64_t hd, int64_t vd, const float* q, int64_t q_entry_stride,
              int64_t q_head_stride, float scale, const int64_t* entry_n_runs, const float* const* k_runs,
@@ -92,8 +128,6 @@ struct GqaAttendBatch {
     void pair(int64_t e, int64_t g) const;
     // chunk c's partial of entry e, kv head g: o (rep, vd), m and l (rep)
     void chunk(int64_t e, int64_t g, int64_t c, float* o, float* m, float* l) const;
-    // the items and partial slots of the groups (after the geometry is set)
-    void plan_chunks();
 };
 
 // The requests of a decode call (kt_gqa_decode_args, kt_mla_decode_args): request r's rows [row0[r], row0[r + 1])
