@@ -8,8 +8,7 @@ reads the stored bf16 and widens it in registers (exactly), and sums each logit 
 kernels/src/mla_attend_body.inc): a row's logits are the same bits whatever the batch, T, thread count or ISA.
 
     from ktrun.ops import float_linear
-    if float_linear.takes(w):                         # at load: keep the head as stored (loader keep_stored)
-        ...
+    float_linear.takes(w)                             # True: w (N, K) float32 / bf16 on the CPU, K % 16 == 0
     logits = float_linear.head(h, w, kernels)         # h (T, K) -> (T, N) float32; torch's linear when not taken
 """
 from __future__ import annotations
@@ -22,9 +21,14 @@ from .packed_linear import linear
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}   # ktkernels.h KT_F32 / KT_BF16
 
 
+_available: list[bool] = []   # kernels_available(), asked once (a missing library would be looked for every call)
+
+
 def available() -> bool:
     """Whether libktkernels loads (the loader keeps a bf16 head as stored only then)."""
-    return kernels_available()
+    if not _available:
+        _available.append(kernels_available())
+    return _available[0]
 
 
 def takes(w) -> bool:
