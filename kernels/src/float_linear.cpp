@@ -14,8 +14,7 @@
 
 namespace {
 
-constexpr int64_t kPoolMinFloats = 1 << 18;   // weights (N x K) from which the rows go on the pool (as router.cpp)
-constexpr int64_t kSplitRows = 16;            // workers' row ranges start on whole 64-byte lines of y
+constexpr int64_t kSplitRows = 16;   // workers' row ranges start on whole 64-byte lines of y
 
 }  // namespace
 
@@ -26,7 +25,7 @@ extern "C" int kt_float_linear(kt_ctx* ctx, int64_t T, int64_t N, int64_t K, con
         return -1;
     if (T == 0) return 0;
     const bool bf16 = w_dtype == KT_BF16;
-    if (!ctx || N * K < kPoolMinFloats || ctx->engine.pool().n_threads() < 2) {
+    if (!ctx || N * K < kt::kPoolMinFloats || ctx->engine.pool().n_threads() < 2) {
         kt::float_linear_rows(0, N, K, w, bf16, w_stride, x, x_stride, T, y, y_stride);
         return 0;
     }

@@ -95,6 +95,21 @@ const LinearBf16Fn kLinearBf16[3] = {ref::linear_rows<uint16_t>, avx2::linear_ro
 
 constexpr int64_t kHeadBlock = 8;   // heads split between workers in blocks of the body's head tile
 
+// The n chunks of one group (`heads` heads, weighted rows of `width`) on the calling thread, in order, merged into out
+// (rows out_stride apart): chunk(c, o, m, l) writes chunk c's partial into the slots ChunkPlan lays out the same way,
+// so the bits of the batch job's split
+template <class Chunk>
+void chunks_in_order(int64_t n, int64_t heads, int64_t width, Chunk chunk, float* out, int64_t out_stride) {
+    thread_local std::vector<float> pm, pl, po, w;
+    pm.resize((size_t)(n * heads));
+    pl.resize((size_t)(n * heads));
+    po.resize((size_t)(n * heads * width));
+    w.resize((size_t)n);
+    for (int64_t c = 0; c < n; ++c)
+        chunk(c, po.data() + c * heads * width, pm.data() + c * heads, pl.data() + c * heads);
+    kMerge[isa()](heads, width, n, pm.data(), pl.data(), heads, po.data(), heads * width, out, out_stride, w.data());
+}
+
 }  // namespace
 
 namespace kt {
@@ -135,13 +150,8 @@ void MlaAttend::heads(int64_t h0, int64_t h1) const {
                        scale, rows.data(), S, dst, out_stride, s.data());
         return;
     }
-    thread_local std::vector<float> pm, pl, po, w;   // chunk c's heads at slot c * nb
-    pm.resize((size_t)(n * nb));
-    pl.resize((size_t)(n * nb));
-    po.resize((size_t)(n * nb * R));
-    w.resize((size_t)n);
-    for (int64_t c = 0; c < n; ++c) chunk(h0, h1, c, po.data() + c * nb * R, pm.data() + c * nb, pl.data() + c * nb);
-    kMerge[isa()](nb, R, n, pm.data(), pl.data(), nb, po.data(), nb * R, dst, out_stride, w.data());
+    chunks_in_order(n, nb, R, [&](int64_t c, float* o, float* m, float* l) { chunk(h0, h1, c, o, m, l); }, dst,
+                    out_stride);
 }
 
 void MlaAttend::chunk(int64_t h0, int64_t h1, int64_t c, float* o, float* m, float* l) const {
@@ -258,14 +268,8 @@ void GqaAttendBatch::pair(int64_t e, int64_t g) const {
     const int64_t r0 = first_row[e], S = first_row[e + 1] - r0, n = attend_chunks(S), h0 = g * rep;
     float* dst = out + e * out_entry_stride + h0 * out_head_stride;
     if (n > 1) {
-        thread_local std::vector<float> pm1, pl1, po1, w;   // chunk c's heads at slot c * rep
-        pm1.resize((size_t)(n * rep));
-        pl1.resize((size_t)(n * rep));
-        po1.resize((size_t)(n * rep * vd));
-        w.resize((size_t)n);
-        for (int64_t c = 0; c < n; ++c)
-            chunk(e, g, c, po1.data() + c * rep * vd, pm1.data() + c * rep, pl1.data() + c * rep);
-        kMerge[isa()](rep, vd, n, pm1.data(), pl1.data(), rep, po1.data(), rep * vd, dst, out_head_stride, w.data());
+        chunks_in_order(n, rep, vd, [&](int64_t c, float* o, float* m_, float* l) { chunk(e, g, c, o, m_, l); }, dst,
+                        out_head_stride);
         return;
     }
     thread_local std::vector<const float*> kr, vr;

@@ -156,6 +156,10 @@ struct GqaDecode {
 void float_dots(int64_t n, int64_t K, const float* a, int64_t a_stride, const float* const* rows, int64_t S,
                 float scale, float* out);
 
+// float32 weights (rows x K) from which the routers' logits and kt_float_linear run on the context's pool (1 MiB:
+// below it one thread reads them faster than a pool round trip costs)
+constexpr int64_t kPoolMinFloats = 1 << 18;
+
 // y[t * y_stride + n] = w[n] . x[t] for n0 <= n < n1, t < T (K a multiple of 16; w float32, or bfloat16 widened
 // exactly when w_bf16; rows w_stride elements apart): float_dots' chain per output, so the same bits as it, on every
 // ISA, whatever T and the rows asked; on the calling thread

@@ -40,7 +40,6 @@ struct RouterScratch {
     std::vector<int64_t> groups;
 };
 
-constexpr int64_t kPoolMinFloats = 1 << 18;   // gate weights (E x K) from which the logits go on the pool (1 MiB)
 
 // The logits of T tokens on ctx's pool (the experts' rows split between its workers: each expert's dot products are
 // the same whoever computes them) when the gate is large enough, else on the calling thread. A decode step's router
@@ -55,7 +54,7 @@ RouterScratch& router_logits(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const
     s.groups.resize((size_t)topk_group);
     s.rows.resize((size_t)T);
     for (int64_t t = 0; t < T; ++t) s.rows[t] = x + t * x_stride;
-    if (!ctx || E * K < kPoolMinFloats || ctx->engine.pool().n_threads() < 2) {
+    if (!ctx || E * K < kt::kPoolMinFloats || ctx->engine.pool().n_threads() < 2) {
         kt::float_dots(E, K, w, w_stride, s.rows.data(), T, 1.0f, s.logits.data());
         return s;
     }
