@@ -231,7 +231,7 @@ def prepare_absorbed(cfg: ModelConfig, w: dict, layer_prefixes: list[str]) -> No
 ONE_CALL_MAX_ROWS = 512   # a request's rows kt_mla_decode takes: a prompt chunk (ktrun.generate.PREFILL_CHUNK)
 
 
-def _absorbed_decode_rows(batch: Batch, nh: int, dn: int, dr: int, dv: int, R: int) -> bool:
+def _absorbed_one_call_rows(batch: Batch, nh: int, dn: int, dr: int, dv: int, R: int) -> bool:
     """Whether every request of the batch has rows that take the absorbed form on kt_mla_attend_batch (scores within
     its limit, at most ONE_CALL_MAX_ROWS rows: decode rows, a verify, a prompt's chunk): what kt_mla_decode runs. A prompt
     of n rows is n entries there, each over its causal prefix; in Python each cost a list of cache views per layer
@@ -266,7 +266,7 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     T, nh = x.shape[0], cfg.num_heads
     dn, dr, dv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     scale = cfg.softmax_scale
-    if not indexed and selections is None and _absorbed_decode_rows(batch, nh, dn, dr, dv, R):
+    if not indexed and selections is None and _absorbed_one_call_rows(batch, nh, dn, dr, dv, R):
         out = one_call.mla(cfg, w, p, x, batch, layer, rope, cos, sin, lambda: _absorbed(w, p, nh, dn, dv, R))
         if out is not None:                           # x to o_proj's output in one call
             return out
