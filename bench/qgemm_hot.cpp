@@ -39,7 +39,7 @@ void run(int m, int K, int NB, int rounds) {
     for (int i = 0; i < m; ++i) {
         pq[i] = aq.data() + (size_t)i * K; ps[i] = as.data() + (size_t)i * K / 32; pu[i] = sum.data() + (size_t)i * K / 32;
     }
-    const ActRows a{pq.data(), ps.data(), pu.data()};
+    const ActRows a{pq.data(), ps.data(), pu.data(), 0};
     std::vector<float> y((size_t)m * NB * 16);
     const double w4 = (double)NB * 16 * K;                           // int4 weights; int8 runs half the blocks
     Case cases[] = {

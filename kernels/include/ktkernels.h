@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 17  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 18  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -41,7 +41,8 @@ extern "C" {
                                  MoE layer's decode rows, residual add to the next norm, in one call);
                              17: kt_float_linear (y = x W^T, float32 or bfloat16 weights, float32 rows: the output
                                  head, on the context's pool); the attention ops take a cache longer than 128
-                                 positions in chunks (merged in chunk order), split between the workers */
+                                 positions in chunks (merged in chunk order), split between the workers;
+                             18: kt_measure_tile_int8_peak (the AMX tile unit's int8 peak) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -203,6 +204,9 @@ int kt_profile(kt_ctx* ctx, double* out, int capacity);
 double kt_measure_read_bandwidth(kt_ctx* ctx, size_t bytes, int reps);
 /* Register-only int8 dot-product peak (vpdpbusd zmm, or ymm) with the context's threads, int8 ops/s (2 per MAC). */
 double kt_measure_int8_peak(kt_ctx* ctx, double seconds);
+/* The same on AMX tile registers (tdpbssd, 16 x 16 x 64 per instruction, four independent accumulators), int8 ops/s;
+ * 0 when the context's backend has no tiles. */
+double kt_measure_tile_int8_peak(kt_ctx* ctx, double seconds);
 
 /* Float32 RMSNorm of T rows of D contiguous floats on the calling thread (no context, no pool; may run while a job
  * is in flight): out[t] = (s[t] * r) * weight, r = 1 / sqrt(mean(s[t]^2) + eps), s[t] = x[t], or with delta != NULL

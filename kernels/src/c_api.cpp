@@ -290,9 +290,9 @@ double kt_measure_read_bandwidth(kt_ctx* ctx, size_t bytes, int reps) {
     return best;
 }
 
-double kt_measure_int8_peak(kt_ctx* ctx, double seconds) {
-    kt::ThreadPool& pool = ctx->engine.pool();
-    const kt::PeakFn peak = ctx->engine.table().peak;
+namespace {
+// Runs peak(iters) on every worker, doubling iters until `seconds` were spent; the best rate, ops/s.
+double measure_peak(kt::ThreadPool& pool, kt::PeakFn peak, double seconds) {
     std::vector<double> ops(pool.n_threads());
     double best = 0.0, spent = 0.0;
     for (int64_t iters = 1 << 16; spent < seconds; iters *= 2) {
@@ -306,6 +306,16 @@ double kt_measure_int8_peak(kt_ctx* ctx, double seconds) {
         if (dt > 0.01 && total / dt > best) best = total / dt;
     }
     return best;
+}
+}  // namespace
+
+double kt_measure_int8_peak(kt_ctx* ctx, double seconds) {
+    return measure_peak(ctx->engine.pool(), ctx->engine.table().peak, seconds);
+}
+
+double kt_measure_tile_int8_peak(kt_ctx* ctx, double seconds) {
+    const kt::PeakFn peak = ctx->engine.table().tile_peak;
+    return peak ? measure_peak(ctx->engine.pool(), peak, seconds) : 0.0;
 }
 
 }  // extern "C"

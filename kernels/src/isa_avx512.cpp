@@ -10,5 +10,5 @@ namespace {
 }  // namespace
 
 extern const KernelTable kAvx512Table = {"avx512", "avx512 (int: vpdpbusd zmm; bf16 layout: fp32 fma)",
-                                         qgemm<4>, qgemm<8>, bgemm, read_sum, peak, quantize_row, 0};
+                                         qgemm<4>, qgemm<8>, bgemm, read_sum, peak, quantize_row, 0, nullptr};
 }  // namespace kt

@@ -11,6 +11,6 @@ namespace {
 }  // namespace
 
 extern const KernelTable kAvx512Bf16Table = {"avx512", "avx512 (int: vpdpbusd zmm; bf16 layout: vdpbf16ps)",
-                                             qgemm<4>, qgemm<8>, bgemm, read_sum, peak, quantize_row, 0};
+                                             qgemm<4>, qgemm<8>, bgemm, read_sum, peak, quantize_row, 0, nullptr};
 extern const BGemmFn kAvx512Bf16Gemm = bgemm;
 }  // namespace kt

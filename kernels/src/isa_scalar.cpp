@@ -103,5 +103,5 @@ void quantize_row_ref(const float* v, int n_valid, int len, int glen, int8_t* q,
 }
 
 extern const KernelTable kScalarTable = {"scalar", "scalar (reference)", qgemm_ref<4>, qgemm_ref<8>, bgemm_ref,
-                                         read_sum, peak, quantize_row_ref, 0};
+                                         read_sum, peak, quantize_row_ref, 0, nullptr};
 }  // namespace kt

@@ -26,6 +26,8 @@ struct ActRows {
     const int8_t* const* q;     // q[i]: K int8 values
     const float* const* s;      // s[i][g]: activation scale of group g
     const int32_t* const* sum;  // sum[i][g]: sum of q over group g
+    uint64_t tag;               // nonzero: names these rows' values until the next job (a kernel may keep a copy of
+                                // them in its own order between calls with the same tag); 0: no such promise
 };
 
 // A column-block range of one expert's bf16 matrix (cpu-expert-bf16).
@@ -58,6 +60,7 @@ struct KernelTable {
     PeakFn peak;
     QuantRowFn quantize_row;
     int thread_setup_amx;    // workers must configure AMX tiles (permission requested at load)
+    PeakFn tile_peak;        // the AMX tile unit's int8 peak (tdpbssd on tile registers), null without tiles
 };
 
 // Token rows above this count per expert take the blocked (prefill) loop; at or below it the streaming (decode) loop.

@@ -248,13 +248,13 @@ void LinearEngine::compute(const Item& it, int worker) {
                 v.s = L.s + (b0 + db) * L.s_block_stride * L.s_bytes;
             }
             const int r0 = g * T_ + it.t0;   // quantized input rows of this group
-            const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0};
+            const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0, 0};
             fn(v, it.nbn, a, it.tm, outs_[0] + g * out_group_stride_ + it.t0 * ld + it.nb0 * 16, (int)ld);
         }
         return;
     }
     const int r0 = it.t0;   // quantized input rows of this item
-    const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0};
+    const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0, 0};
     float* out = outs_[it.lin] + it.t0 * ld + it.nb0 * 16;
     const int c0 = it.nb0 * 16, width = it.nbn * 16;
     if (c0 + width <= L.n) {   // whole blocks: straight into the output rows

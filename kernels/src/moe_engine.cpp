@@ -160,7 +160,8 @@ void MoEEngine::gate_up(const Item& it, int worker) {
         table_->bgemm(g, it.nbn, X.xb_rows.data() + S.row0, S.m, yg, ldy);
         table_->bgemm(u, it.nbn, X.xb_rows.data() + S.row0, S.m, yu, ldy);
     } else {
-        const ActRows a{X.xq_rows.data() + S.row0, X.xs_rows.data() + S.row0, X.xsum_rows.data() + S.row0};
+        const ActRows a{X.xq_rows.data() + S.row0, X.xs_rows.data() + S.row0, X.xsum_rows.data() + S.row0,
+                        job_tag_ + ((uint64_t)it.part << 22) + (uint64_t)it.slot + 1};
         const QGemmFn fn = L.bits == 8 ? table_->qgemm8 : table_->qgemm4;
         fn(gate_view(L, P, P.gq, P.gs, e, it.nb0), it.nbn, a, S.m, yg, ldy);
         fn(gate_view(L, P, P.uq, P.us, e, it.nb0), it.nbn, a, S.m, yu, ldy);
@@ -234,7 +235,7 @@ void MoEEngine::down_part(const Part& X, const Item& it, int pool, float* dst, i
                 v.s_block_stride = P.d_block_s;
                 v.n_rows4 = P.cols() / 4;
                 v.group_rows = P.d_glen / 4;
-                const ActRows a{B.q_rows.data() + S.row0, B.s_rows.data() + S.row0, B.sum_rows.data() + S.row0};
+                const ActRows a{B.q_rows.data() + S.row0, B.s_rows.data() + S.row0, B.sum_rows.data() + S.row0, 0};
                 (L.bits == 8 ? table_->qgemm8 : table_->qgemm4)(v, it.nbn, a, S.m, y, ldy);
             }
             // the down bias once per (token, expert): by the piece holding the first intermediate row

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ktlayouts.expert_formats import scale_encodings
 
-ABI_VERSION = 17
+ABI_VERSION = 18
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
@@ -116,6 +116,7 @@ def load_library() -> ctypes.CDLL:
         "kt_profile": (c_int, [c_p, ctypes.POINTER(ctypes.c_double), c_int]),
         "kt_measure_read_bandwidth": (ctypes.c_double, [c_p, ctypes.c_size_t, c_int]),
         "kt_measure_int8_peak": (ctypes.c_double, [c_p, ctypes.c_double]),
+        "kt_measure_tile_int8_peak": (ctypes.c_double, [c_p, ctypes.c_double]),
         "kt_rms_norm": (c_int, [c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_p, ctypes.c_float, c_int, c_p,
                                 c_i64]),
         "kt_rope": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_i64, c_p, c_p, c_i64, c_int, c_p, c_i64, c_i64]),

@@ -367,6 +367,11 @@ class MoEKernels:
         """Register-only int8 dot-product throughput (vpdpbusd) with this pool's threads, int8 ops/s."""
         return self._lib.kt_measure_int8_peak(self._ctx, seconds)
 
+    def measure_tile_int8_peak(self, seconds: float = 0.5) -> float:
+        """The AMX tile unit's int8 throughput (tdpbssd on tile registers) with this pool's threads, int8 ops/s; 0.0
+        when this backend has no tiles."""
+        return self._lib.kt_measure_tile_int8_peak(self._ctx, seconds)
+
     @staticmethod
     def _activation(x: Any, hidden: int) -> tuple[int, int, int, int]:
         """-> (dtype code, pointer, row stride in elements, T)."""
