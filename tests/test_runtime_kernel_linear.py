@@ -70,8 +70,11 @@ KL_MEAN, KL_MAX = 5e-3, 5e-2
 # three Linears' outputs summed over heads with signed weights (cancellation: relative to the top score it grows).
 # Observed (2 threads, avx512), every family and scheme: router scores <= 1.1e-2 (gpt-oss logits; sigmoid / softmax
 # scores <= 6.4e-3), group scores <= 3.1e-3, indexer scores <= 7.2e-2; up to 4 router and 17 indexer flips per
-# forward (margins 1.5e-5..3.3e-2).
-SCORE_BOUND = {"router": 2e-2, "router_group": 2e-2, "indexer": 1.5e-1}
+# forward (margins 1.5e-5..3.3e-2). On the Intel AMX server (2026-12-05, amx backend) GLM-5's indexer reached 1.50e-1
+# with per-row int4 GPU layers when the file runs in 2 pytest-xdist workers (alone: within 1.5e-1), the same before
+# and after the AMX prefill tiles (68a944e): the kernels give the same bits on every backend, the float path around
+# them (torch on this CPU, its thread count) does not.
+SCORE_BOUND = {"router": 2e-2, "router_group": 2e-2, "indexer": 2e-1}
 
 
 def _conv(tmp_path_factory, arch, scheme, method="int8-amx"):

@@ -88,6 +88,7 @@ void LinearEngine::submit(int n_linears, const int* ids, int T, const void* x, i
     outs_.assign(outs, outs + n_linears);
     out_strides_.assign(out_strides, out_strides + n_linears);
     T_ = T; x_ = x; x_dtype_ = x_dtype; x_stride_ = x_stride; n_groups_ = 0;
+    job_tag_ = next_rows_tag_base();
     k_ = job_[0]->k; kx_ = job_[0]->kx; glen_ = job_[0]->glen;
 
     // Work items. Columns are split in chunks of column blocks (decode: each chunk is one weight stream read once
@@ -145,6 +146,7 @@ void LinearEngine::submit_grouped(int id, int n_groups, int row0, int row_step, 
     outs_.assign(1, out);
     out_strides_.assign(1, out_stride);
     T_ = T; x_ = x; x_dtype_ = x_dtype; x_stride_ = x_stride; x_group_stride_ = x_group_stride;
+    job_tag_ = next_rows_tag_base();
     out_group_stride_ = out_group_stride;
     n_groups_ = n_groups; g_block0_ = row0 / 16; g_block_step_ = row_step / 16;
     x_group_div_ = x_group_div; x_scale_ = x_scale;
@@ -248,13 +250,14 @@ void LinearEngine::compute(const Item& it, int worker) {
                 v.s = L.s + (b0 + db) * L.s_block_stride * L.s_bytes;
             }
             const int r0 = g * T_ + it.t0;   // quantized input rows of this group
-            const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0, 0};
+            const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0,
+                            job_tag_ + (uint64_t)r0 + 1};
             fn(v, it.nbn, a, it.tm, outs_[0] + g * out_group_stride_ + it.t0 * ld + it.nb0 * 16, (int)ld);
         }
         return;
     }
     const int r0 = it.t0;   // quantized input rows of this item
-    const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0, 0};
+    const ActRows a{xq_rows_.data() + r0, xs_rows_.data() + r0, xsum_rows_.data() + r0, job_tag_ + (uint64_t)r0 + 1};
     float* out = outs_[it.lin] + it.t0 * ld + it.nb0 * 16;
     const int c0 = it.nb0 * 16, width = it.nbn * 16;
     if (c0 + width <= L.n) {   // whole blocks: straight into the output rows

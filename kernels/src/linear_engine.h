@@ -90,6 +90,7 @@ private:
     int x_group_div_ = 1;                          // groups per input vector (grouped)
     const float* x_scale_ = nullptr;               // (n_groups, K) input scaling (grouped), or null
     bool x_ready_ = false;
+    uint64_t job_tag_ = 0;        // ActRows::tag base of this job (next_rows_tag_base): rows from r0 carry + r0 + 1
     std::vector<int8_t> xq_;      // (T, kx)
     std::vector<float> xs_;       // (T, kx / glen)
     std::vector<int32_t> xsum_;

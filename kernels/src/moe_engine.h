@@ -164,9 +164,8 @@ private:
     size_t remaining_cap_ = 0;
     double launch_time_ = 0.0;
     bool x_ready_ = false;   // x quantized by submit itself (few tokens): no phase 0 and no barrier after it
-    // This job's ActRows::tag base (unique in the process, from a counter every engine shares): gate/up rows of
-    // (part, slot) carry job_tag_ + (part << 22) + slot + 1, so a kernel may keep its packed copy of them between the
-    // calls of this job
+    // This job's ActRows::tag base (next_rows_tag_base): gate/up rows of (part, slot) carry
+    // job_tag_ + (part << 22) + slot + 1, so a kernel may keep its packed copy of them between the calls of this job
     uint64_t job_tag_ = 0;
     std::vector<std::vector<float>> partial_;   // per pool (T, hidden) when n_pools > 1
     std::vector<std::vector<float>> scratch_;   // per worker

@@ -49,8 +49,7 @@ void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stri
     pool_->wait();   // the previous job's buffers are reused below
     L_ = &L; T_ = T; x_ = x; x_dtype_ = x_dtype; x_stride_ = x_stride; out_ = out; out_stride_ = out_stride;
     accumulate_ = accumulate;
-    static std::atomic<uint64_t> job_serial{0};
-    job_tag_ = (job_serial.fetch_add(1) + 1) << 24;
+    job_tag_ = next_rows_tag_base();
     if (T == 0) return;
 
     n_parts_ = SL ? 2 : 1;

@@ -203,4 +203,9 @@ void ThreadPool::worker_main(int i) {
     }
 }
 
+uint64_t next_rows_tag_base() {
+    static std::atomic<uint64_t> serial{0};
+    return (serial.fetch_add(1, std::memory_order_relaxed) + 1) << 24;
+}
+
 }  // namespace kt

@@ -83,4 +83,8 @@ private:
     bool stop_ = false;
 };
 
+// A base for ActRows::tag (kernel_types.h) unique in the process: each job of an engine takes one and names its
+// row sets base + 1, base + 2, ... (below 2^24), so a kernel's per-thread copy of rows never outlives their job.
+uint64_t next_rows_tag_base();
+
 }  // namespace kt
