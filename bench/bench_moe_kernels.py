@@ -6,7 +6,8 @@ so no expert stays in cache. For T = 1, 4, 16, 64, 512 tokens, int4 and int8, 1 
 layer (best of the reps), where it went (kt_profile phases, CPU share the workers got), the weight bytes read per
 second and that as a fraction of the memory read bandwidth measured in the same run (kt_measure_read_bandwidth, same
 threads, the better of the probes just before and just after that configuration); for T >= 64 also int8 GOP/s
-against the measured register-only vpdpbusd peak (kt_measure_int8_peak, same threads, same bracketing).
+against the measured register-only vpdpbusd peak (kt_measure_int8_peak, same threads, same bracketing), and on the
+AMX backend also against the tile unit's tdpbssd peak (kt_measure_tile_int8_peak).
 Scale dtypes (--scales, default f32 = layout version 1 and f16 = version 2; sub6 = version 3's two-level scales,
 int4 group 32 only) and group sizes (--group, default 128): one layer per valid (dtype, group) in the same pool, timed
 alternately call by call (best of the reps each), with a time ratio against the first combination per configuration
@@ -106,9 +107,10 @@ def time_layers(moe: MoEKernels, layer_ids: list[int], T: int, n_experts: int, r
     return [(best[lid][0], float(np.mean(touched)), best[lid][1]) for lid in layer_ids]
 
 
-def probe(moe: MoEKernels) -> tuple[float, float]:
-    """(read bytes/s, int8 ops/s) of this machine with this pool right now."""
-    return moe.measure_read_bandwidth(512 << 20, 4), moe.measure_int8_peak(0.3)
+def probe(moe: MoEKernels) -> tuple[float, float, float]:
+    """(read bytes/s, int8 vpdpbusd ops/s, int8 AMX tile ops/s or 0.0 without tiles) of this machine with this pool
+    right now."""
+    return moe.measure_read_bandwidth(512 << 20, 4), moe.measure_int8_peak(0.3), moe.measure_tile_int8_peak(0.3)
 
 
 def main() -> None:
@@ -153,10 +155,10 @@ def main() -> None:
                     reps = args.reps or (20 if T <= 4 else 8 if T <= 64 else 2)
                     results = time_layers(moe, list(range(len(combos))), T, n_experts, reps, rng)
                     after = probe(moe)
-                    bw, peak = max(before[0], after[0]), max(before[1], after[1])
+                    bw, peak, tile = (max(b, a) for b, a in zip(before, after))
                     for c, (sec, touched, prof) in zip(combos, results):
                         report(f"moe_int{bits}_{tag[c]}_T{T}_{nt}t", sec, touched, prof, per_expert[c], bw, peak, T,
-                               nt)
+                               nt, tile)
                     ref = results[0][0]          # against the first combination (f32 and the first group by default)
                     for c, (sec, _, _) in zip(combos[1:], results[1:]):
                         print(f"moe_int{bits}_T{T}_{nt}t_{tag[c]}_vs_{tag[combos[0]]}: {sec / ref:.3f} x time "
@@ -165,7 +167,7 @@ def main() -> None:
 
 
 def report(name: str, sec: float, touched: float, prof: list, per_expert: int, bw: float, peak: float, T: int,
-           nt: int) -> None:
+           nt: int, tile_peak: float = 0.0) -> None:
     rate = touched * per_expert / sec
     print(f"{name}_time: {sec * 1e3:.2f} ms")
     # where the time went (kt_profile): per phase, the slowest worker
@@ -182,6 +184,9 @@ def report(name: str, sec: float, touched: float, prof: list, per_expert: int, b
         print(f"{name}_int8_peak: {peak / 1e9:.1f} GOP/s (probe, best of before/after)")
         print(f"{name}_compute: {gops / 1e9:.1f} GOP/s")
         print(f"{name}_peak_fraction: {gops / peak:.3f} of measured int8 vpdpbusd peak")
+        if tile_peak:   # the AMX backend: the tile unit's own limit (kt_measure_tile_int8_peak)
+            print(f"{name}_tile_peak: {tile_peak / 1e9:.1f} GOP/s (tdpbssd probe, best of before/after)")
+            print(f"{name}_tile_peak_fraction: {gops / tile_peak:.3f} of measured int8 AMX tile peak")
 
 
 if __name__ == "__main__":

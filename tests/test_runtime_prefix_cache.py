@@ -55,8 +55,10 @@ def run(eng: Engine, reqs: dict[str, list[int]], n: int = N_GEN, stagger: bool =
 
 
 # Logits of one prompt computed at another T (whole / chunked / after a shared prefix): the GEMMs' order differs;
-# 2e-3 unless listed. DeepSeek-V4: the hyper-connections' Sinkhorn mixing carries it further (observed 3.1e-3).
-LOGIT_ATOL = {"deepseek_v4": 5e-3}
+# 2e-3 unless listed. DeepSeek-V4: the hyper-connections' Sinkhorn mixing carries it further (observed 3.1e-3). On
+# the Intel AMX server (2026-12-05; torch's float GEMMs pick other kernels per row count there) a 30-row chunk then the
+# rest against the whole prompt: GLM-4.5 2.6e-3, Kimi-Linear 3.6e-3, the same before and after that session's work.
+LOGIT_ATOL = {"deepseek_v4": 5e-3, "glm4_moe": 4e-3, "kimi_linear": 5e-3}
 RECURRENT = ("qwen3_next", "qwen3_5_moe", "kimi_linear")    # linear attention: a recurrent state per request
 
 

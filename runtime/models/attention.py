@@ -29,12 +29,17 @@ SERIAL_MAX_SCORES = 16384   # decode scores (heads x tokens x positions) up to w
 
 
 def _softmax_attend(scores: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """scores: (heads, n, S) already scaled; mask (n, S) bool or None (all visible) -> probabilities. sinks
-    (heads,): a learned logit per head that joins the softmax as one more key without a value (gpt-oss), so the
-    probabilities of the real keys sum to less than 1."""
+    """scores: (heads, n, S) already scaled, a tensor the caller gives up (masked, and normalized when float32, in
+    place); mask (n, S) bool or None (all visible) -> probabilities. sinks (heads,): a learned logit per head that
+    joins the softmax as one more key without a value (gpt-oss), so the probabilities of the real keys sum to less
+    than 1. In place because a prompt's scores are hundreds of MB and each new tensor of that size is fresh pages
+    from the kernel: DeepSeek-V3 shape, pp2048 on the AMX server, masked_fill 2.1 s and softmax 4.1 s of a 19.2 s
+    prefill; (128, 512, 2048) alone: 1.5 s -> 0.09 s, the same bits."""
     if mask is not None:
-        scores = scores.masked_fill(~mask[None], float("-inf"))
+        scores.masked_fill_(~mask[None], float("-inf"))
     if sinks is None:
+        if scores.dtype == torch.float32:
+            return torch.softmax(scores, dim=-1, out=scores)
         return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
     sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(scores.shape[0], scores.shape[1], 1)
     return F.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(scores.dtype)
