@@ -72,30 +72,10 @@ void* scratch(int which, size_t n) {
 // Rows per chunk: its y (kChunkRows x 32 floats) accumulates in a local buffer on the stack.
 constexpr int kChunkRows = 128;
 
-// Block nb of the view -> n_rows4 rows of 64 signed bytes (code - Z), the tile rows in order, and its n_groups x 16
-// scales as float32.
-template <int BITS, typename ST>
-void expand_block(const QView& w, int nb, int n_groups, int8_t* b, float* s) {
-    const uint8_t* q = w.q + (size_t)nb * w.q_block_stride;
-    if (BITS == 8) {
-        const __m512i flip = _mm512_set1_epi8((char)0x80);
-        for (int r = 0; r < w.n_rows4; ++r)
-            _mm512_store_si512(b + 64 * r, _mm512_xor_si512(_mm512_loadu_si512(q + 64 * r), flip));
-    } else {
-        const __m512i eight = _mm512_set1_epi8(8);
-        for (int c = 0; c < w.n_rows4 / 2; ++c) {   // chunk c: rows 2c (low nibbles), 2c + 1 (high)
-            _mm512_store_si512(b + 128 * c, _mm512_sub_epi8(Isa::load4_lo(q + 64 * c), eight));
-            _mm512_store_si512(b + 128 * c + 64, _mm512_sub_epi8(Isa::load4_hi(q + 64 * c), eight));
-        }
-    }
-    TileScales<ST, 1> scales(w, nb);
-    for (int g = 0; g < n_groups; ++g) _mm512_store_ps(s + 16 * g, scales.get(0, g));
-}
-
-// One chunk of rows in tile order: A [row tile][K step][16 rows][kstep] int8 and the activation scales
-// [row tile][group][16 rows] float32. Rows past the chunk's end up to its last whole tile are zero (tiles always
-// take 16 rows; the finish writes only the chunk's rows).
-void pack_rows(const ActRows& a, int c0, int rows, int K, int kstep, int n_groups, int8_t* pa, float* pas) {
+// The m rows in tile order: A [row tile][K step][16 rows][kstep] int8 and the activation scales [row tile][group]
+// [16 rows] float32. Rows past m up to the last whole tile are zero (tiles always take 16 rows; the finish writes
+// only the m rows).
+void pack_rows(const ActRows& a, int rows, int K, int kstep, int n_groups, int8_t* pa, float* pas) {
     const int n_steps = K / kstep;
     for (int i = 0; i < (rows + 15) / 16 * 16; ++i) {
         int8_t* dst = pa + (size_t)(i / 16) * 16 * K + (size_t)(i % 16) * kstep;
@@ -105,7 +85,7 @@ void pack_rows(const ActRows& a, int c0, int rows, int K, int kstep, int n_group
             for (int g = 0; g < n_groups; ++g) ast[16 * g] = 0.0f;
             continue;
         }
-        const int8_t* src = a.q[c0 + i];
+        const int8_t* src = a.q[i];
         if (kstep == 64)
             for (int s = 0; s < n_steps; ++s)
                 _mm512_store_si512(dst + (size_t)s * 1024, _mm512_loadu_si512(src + (size_t)s * 64));
@@ -113,7 +93,7 @@ void pack_rows(const ActRows& a, int c0, int rows, int K, int kstep, int n_group
             for (int s = 0; s < n_steps; ++s)
                 _mm256_store_si256((__m256i*)(dst + (size_t)s * 16 * kstep),
                                    _mm256_loadu_si256((const __m256i*)(src + (size_t)s * kstep)));
-        const float* sr = a.s[c0 + i];
+        const float* sr = a.s[i];
         for (int g = 0; g < n_groups; ++g) ast[16 * g] = sr[g];
     }
 }
@@ -275,7 +255,7 @@ void qgemm_tiles(const QView& w, int n_blocks, const ActRows& a, int m, float* y
     }
     PackCache& pc = t_pack;
     if (!(a.tag && pc.tag == a.tag && pc.rows == a.q && pc.m == m && pc.K == K && pc.kstep == kstep)) {
-        pack_rows(a, 0, m, K, kstep, n_groups, abuf, astab);
+        pack_rows(a, m, K, kstep, n_groups, abuf, astab);
         pc = {a.tag, a.q, m, K, kstep};
     }
     configure_tiles(16, 16, kstep);
