@@ -221,17 +221,24 @@ def test_bf16_logits_match_transformers_and_the_sharing_matters(tmp_path_factory
 
 
 def test_glm5_without_index_sharing_matches_transformers(tmp_path_factory):
-    """GLM-5 / 5.1's layout: index_topk_freq 1, every layer runs its own indexer (and has its tensors)."""
+    """GLM-5 / 5.1's layout: index_topk_freq 1, every layer runs its own indexer (and has its tensors). transformers
+    takes ktrun's choices (an indexer near-tie flipped on the Intel AMX server's float path: 0.80 in the logits
+    unforced, the same before and after that session's work); each of its own differing choices a near-tie."""
     root = shared_root(tmp_path_factory) / "glm5_no_sharing"
     src = make_checkpoint(ARCH, root / "src", init_scale=INIT_SCALE, index_topk_freq=1)
     eng = Engine(build_conversion(src, root / "conv"), ctx=256, use_kernels=False)
-    assert eng.model.cfg.indexer_types == ("full",) * 5
+    cfg = eng.model.cfg
+    assert cfg.indexer_types == ("full",) * 5
     ids = _prompt_ids(eng)
-    with record_ktrun(eng.model.cfg) as log:
+    with record_ktrun(cfg) as log:
         got = eng.model.forward(Batch.build([(eng.model.new_cache(256), ids)], "cpu"), all_logits=True)
     eng.close()
     assert {layer for kind, layer, _p in log.rows if kind == "indexer"} == set(range(5))
-    assert (got - reference_logits(transformers_model(src), ids)).abs().max() < LOGIT_ATOL
+    ref = transformers_model(src)
+    with force_transformers(ref, cfg, log) as own:
+        forced = reference_logits(ref, ids)
+    compare(log, own).check(SCORE_BOUND["bf16"])
+    assert (got - forced).abs().max() < LOGIT_ATOL
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -21,7 +21,7 @@ import openai
 import pytest
 import torch
 from ktrun.engine import Engine, SamplingParams
-from ktrun.generate import generate
+from ktrun.generate import generate, prefill
 from ktrun.sampling import Sampler
 from ktrun.speculative import NgramDrafter, SpeculativeConfig
 from runtime_helpers import PROMPT, converted
@@ -88,10 +88,35 @@ def run_engine(eng: Engine, requests: dict[str, tuple[list[int], SamplingParams]
     return out
 
 
+# A batched forward rounds differently from one request's (the float GEMMs see other row counts): greedy tokens of the
+# batched Engine may leave generate()'s only where generate()'s own top two logits are this close (Kimi-Linear on the
+# Intel AMX server, 2026-12-05: 4.4e-4 at the 9th token, the same before and after that session's work).
+BATCH_TIE = 2e-3
+
+
+def assert_greedy_or_near_tie(model, got: dict[str, list[int]], want: dict[str, list[int]],
+                              requests: dict[str, tuple[list[int], SamplingParams]]) -> None:
+    """got == want, or each request's first differing token is a near-tie of one request's own logits there."""
+    for k, w in want.items():
+        g = got[k]
+        if g == w:
+            continue
+        i = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        assert i < min(len(g), len(w)), f"{k}: {len(g)} tokens, generate() gave {len(w)}"
+        cache = model.new_cache(256)
+        try:
+            logits = prefill(model, cache, requests[k][0] + w[:i]).float()
+        finally:
+            cache.release()
+        gap = (logits[w[i]] - logits[g[i]]).item()
+        assert 0 <= gap <= BATCH_TIE, f"{k}: token {i} is {g[i]}, generate() chose {w[i]} by a logit gap of {gap:.2e}"
+
+
 def check_greedy_identical(model_dir: Path, prompts: list[str], max_tokens: int = 40, expect_accepted: bool = True
                            ) -> tuple[int, int]:
     """generate() and the Engine (batched, with the prefix cache, twice so the second run reuses cached blocks) with
-    n-gram drafts give the tokens of plain greedy decoding; -> (drafted, accepted) of the generate() runs.
+    n-gram drafts give the tokens of plain greedy decoding (the batched Engine's leave them only at a near-tie,
+    BATCH_TIE); -> (drafted, accepted) of the generate() runs.
     expect_accepted=False: the model's text repeats no n-gram, so every draft is rejected (and rolled back)."""
     plain = Engine(model_dir, ctx=256, max_batch=len(prompts), prefix_cache=False)
     spec = Engine(model_dir, ctx=256, max_batch=len(prompts), speculative=NGRAM)
@@ -106,9 +131,9 @@ def check_greedy_identical(model_dir: Path, prompts: list[str], max_tokens: int 
             drafted, accepted = drafted + out.drafted, accepted + out.accepted
             assert out.steps == max_tokens - out.accepted        # every accepted draft saved a forward
         assert spec.model.kv_pool.used == 0                       # rolled-back blocks went back to the pool
-        assert run_engine(plain, reqs) == want
+        assert_greedy_or_near_tie(plain.model, run_engine(plain, reqs), want, reqs)
         for _ in range(2):                                        # the second run starts from cached blocks
-            assert run_engine(spec, reqs) == want
+            assert_greedy_or_near_tie(spec.model, run_engine(spec, reqs), want, reqs)
         assert spec.prefix_cache.stats()["hit_tokens"] > 0
         assert spec.stats["spec_draft_tokens"] > 0 and (spec.stats["spec_accepted_tokens"] > 0 or not expect_accepted)
         assert spec.stats["spec_acceptance_rate"] == spec.stats["spec_accepted_tokens"] / spec.stats[
