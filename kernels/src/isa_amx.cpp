@@ -118,14 +118,11 @@ inline void expand_step(const QView& w, int nb, int st, int kstep, int8_t* b) {
 }
 
 // y += float(C) * (scale * a_s) for the first n rows of one accumulator's stored copy c (16 x 16 int32), row i with
-// activation scale as[i]: Isa::finish.
+// activation scale as[i].
 inline void finish_tile(const int32_t* c, __m512 sv, const float* as, float* y, int ldy, int n) {
     _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) {
         if (i >= n) break;
-        float* yr = y + (size_t)i * ldy;
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i));
-        const __m512 m = _mm512_mul_ps(sv, _mm512_set1_ps(as[i]));
-        _mm512_storeu_ps(yr, _mm512_fmadd_ps(f, m, _mm512_loadu_ps(yr)));
+        Isa::finish(y + (size_t)i * ldy, _mm512_load_si512(c + 16 * i), sv, as[i]);
     }
 }
 
