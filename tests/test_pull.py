@@ -160,7 +160,9 @@ def test_killed_pull_resumes_only_the_missing_bytes(fake, env):
     try:
         assert fake.stalled.wait(30)
         part_dir, deadline = d / ".ktconvert-partial", time.time() + 20
-        while time.time() < deadline and not any(p.stat().st_size > 0 for p in part_dir.glob("*.part")):
+        # only the shard's partial: config.json's may be renamed into place between glob() and stat()
+        shard_parts = lambda: [p for p in part_dir.glob(f"{shard}.*.part") if p.exists() and p.stat().st_size > 0]
+        while time.time() < deadline and not shard_parts():
             time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
