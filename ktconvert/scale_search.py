@@ -89,6 +89,21 @@ def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtyp
     return _search_in_chunks(x, w, bits, scale_dtype, divisors, refine)
 
 
+def search_unsigned_codes(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtype: str, zero_point: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """search_scales() with the codes as a layout stores them: (scales (R,), codes + zero_point (R, L) uint8). On the
+    library the int8 codes are shifted in place (uint8 arithmetic wraps: v + Z for v in [-Z, Z - 1]) instead of
+    going through two float32 arrays of the matrix's size: the same bytes."""
+    r = x.shape[0]
+    enc = scale_encoding(scale_dtype)
+    if enc.elementwise and x.device.type == "cpu" and os.environ.get(SEARCH_IMPL_ENV, "kernel") != "torch" \
+            and kernels_available():
+        s, q = kernel_search_scales(x, w, bits, enc.runtime_name, trial_divisors(bits), 1, int8_codes=True)
+        return s, q.view(torch.uint8).add_(zero_point)
+    s, q = search_scales(x, w, bits, scale_dtype)
+    return s, (q + zero_point).to(torch.uint8).reshape(r, -1)
+
+
 def _search_in_chunks(x, w, bits, scale_dtype, divisors, refine):
     """The torch reference, SEARCH_CHUNK_ELEMENTS at a time (groups are independent: the same result)."""
     r, length = x.shape

@@ -120,31 +120,39 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, 
 
 
 def _gptq(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: str) -> tuple[QuantizedLinear, float]:
-    w = weight.detach().to(torch.float32).clone()
-    n, k = w.shape
+    n, k = weight.shape
     geom = GptqGeometry(n, k, cfg.bits, cfg.group_size)
     if hessian.shape != (k, k):
         raise GptqError(f"{name}: Hessian shape {tuple(hessian.shape)} != ({k}, {k})")
     h = hessian.detach().to(torch.float32).clone()
     dead = torch.diag(h) == 0                    # inputs that were always zero: weight irrelevant
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if cfg.act_order else torch.arange(k)
-    w, h = w[:, perm], h[perm][:, perm]
+    # the weight as the column loop updates it: its transpose (K, N) in float32, one copy (a matrix-sized array is a
+    # fresh mapping, its pages zeroed by the kernel on first touch: each copy of a 7168 x 2048 matrix costs ~60 MB
+    # of that), dead inputs zeroed, rows in processing order
+    wt = torch.empty(k, n, dtype=torch.float32)
+    wt.copy_(weight.detach().T)
+    wt[dead] = 0.0
+    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if cfg.act_order else None
+    if perm is not None:
+        wt, h = wt[perm], h[perm][:, perm]
     u, _ = _inverse_cholesky(h, cfg.percdamp, name)
 
     # torch's thread count is never changed here (it is process-wide: the converter's workers and its calibration
     # forward run torch at the same time, and a matmul's bits may depend on it)
     two_level = not scale_encoding(cfg.scale_dtype).elementwise
-    fixed = _two_level_scales(w, u, geom, cfg, torch.diag(h)) if two_level else None
-    codes, scales, loss = _quantize_columns(w, u, geom, cfg, torch.diag(h), fixed)
+    fixed = _two_level_scales(wt, u, geom, cfg, torch.diag(h)) if two_level else None
+    codes, scales, loss = _quantize_columns(wt, u, geom, cfg, torch.diag(h), fixed)     # codes (K, N) uint8
 
-    inv = torch.argsort(perm)
-    codes_kn = codes[:, inv].T.contiguous().to(torch.uint8).numpy()      # back to input-channel order
-    g_idx = (inv // geom.group).to(torch.int32).numpy() if cfg.act_order else geom.default_g_idx()
+    if perm is not None:
+        inv = torch.argsort(perm)
+        codes = codes[inv]                       # back to input-channel order (whole rows)
+        g_idx = (inv // geom.group).to(torch.int32).numpy()
+    else:
+        g_idx = geom.default_g_idx()
     # float16 for the GPU layouts; other scale dtypes (CPU expert layouts) keep float32 holding their values
     sdt = torch.float16 if cfg.scale_dtype == F16_SCALES.name else torch.float32
-    q = QuantizedLinear(codes_kn, scales.to(sdt).numpy(), np.ascontiguousarray(g_idx), geom)
+    q = QuantizedLinear(codes.numpy(), scales.to(sdt).numpy(), np.ascontiguousarray(g_idx), geom)
     return q, float(loss)
 
 
@@ -156,16 +164,16 @@ def group_scales(w_group: torch.Tensor, importance: torch.Tensor, cfg: GptqConfi
     return search_scales(w_group, importance, cfg.bits, cfg.scale_dtype)[0]
 
 
-def _two_level_scales(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg: GptqConfig,
+def _two_level_scales(wt: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg: GptqConfig,
                       hdiag: torch.Tensor) -> torch.Tensor:
-    """Two-level scales' first pass: GPTQ on a copy of w with free float32 group scales, then the fit of those
+    """Two-level scales' first pass: GPTQ on a copy of wt (K, N) with free float32 group scales, then the fit of those
     scales (ktconvert.scale_search.fit_two_level, per row and super-block of 8 groups, each group weighted by
     sum diag(H) code^2) -> the final stored scales d q (n_groups, N) for the second pass."""
     from ktconvert.scale_search import fit_two_level
 
-    n = w.shape[0]
-    codes, scales, _ = _quantize_columns(w.clone(), u, geom, replace(cfg, scale_dtype=F32_SCALES.name), hdiag)
-    q = codes - float(1 << (cfg.bits - 1))
+    n = wt.shape[1]
+    codes, scales, _ = _quantize_columns(wt.clone(), u, geom, replace(cfg, scale_dtype=F32_SCALES.name), hdiag)
+    q = codes.T.to(torch.float32) - float(1 << (cfg.bits - 1))         # (N, K)
     curv = (hdiag[None, :] * q * q).reshape(n, geom.n_groups, geom.group).sum(2).double()     # (N, n_groups)
     sb = scale_encoding(cfg.scale_dtype).super_groups
     pad = -geom.n_groups % sb                 # a last partial super-block (K not a multiple of 8 groups)
@@ -187,25 +195,24 @@ def _round_half_even_(x: torch.Tensor) -> torch.Tensor:
     return x.add_(_ROUNDER).sub_(_ROUNDER)
 
 
-def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg: GptqConfig,
+def _quantize_columns(wt: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg: GptqConfig,
                       hdiag: torch.Tensor, fixed: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GPTQ column loop: w (N, K) in processing order (not modified), u (K, K), hdiag (K,) the Hessian's
-    diagonal in processing order, fixed: (n_groups, N) scales to use instead of choosing them -> codes (N, K) float,
-    scales (n_groups, N), loss.
+    """The GPTQ column loop: wt (K, N) float32 contiguous, the weight's transpose in processing order (updated in
+    place), u (K, K), hdiag (K,) the Hessian's diagonal in processing order, fixed: (n_groups, N) scales to use
+    instead of choosing them -> codes (K, N) uint8, scales (n_groups, N), loss.
 
-    It works on the transpose wt (K, N): a column of w is a contiguous row, so each column's rank-1 update of the
-    block's later columns streams whole rows (on w itself it strided over N rows; a 7168 x 2048 down_proj took 3x
-    longer)."""
-    n, k = w.shape
+    It works on the transpose: a column of the weight is a contiguous row, so each column's rank-1 update of the
+    block's later columns streams whole rows (on the (N, K) weight it strided over N rows; a 7168 x 2048 down_proj
+    took 3x longer)."""
+    k, n = wt.shape
     group = geom.group
     zero, maxq = float(1 << (cfg.bits - 1)), float((1 << cfg.bits) - 1)
-    wt = w.T.contiguous()                                    # (K, N), updated in place
-    codes = torch.zeros(k, n, dtype=torch.float32)           # (K, N) in processing order
+    codes = torch.empty(k, n, dtype=torch.uint8)              # (K, N) in processing order, every row written
     scales = torch.zeros(geom.n_groups, n, dtype=torch.float32)
     loss = torch.zeros((), dtype=torch.float64)
     if cfg.group_size == -1:
-        scales[0] = group_scales(w, hdiag, cfg)
+        scales[0] = group_scales(wt.T, hdiag, cfg)
     s = safe = scales[0]
     for i1 in range(0, k, cfg.block):
         i2 = min(i1 + cfg.block, k)
@@ -232,4 +239,4 @@ def _quantize_columns(w: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg:
         loss += (err1.double() ** 2).sum()
         if i2 < k:
             wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
-    return codes.T, scales, loss
+    return codes, scales, loss

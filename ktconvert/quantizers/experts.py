@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from ktlayouts.cpu_expert import MatrixGeometry, pack_codes, pack_expert_matrix, pack_scales, pad_weight
 from ktlayouts.expert_formats import BF16_SCALES, F16_SCALES, F32_SCALES, UNDECLARED_SCALE_DTYPE, scale_encoding
 
-from ktconvert.scale_search import search_scales, search_two_level
+from ktconvert.scale_search import search_two_level, search_unsigned_codes
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class ExpertQuantizer:
             raise ValueError("--expert-quantizer gptq needs calibration text and the checkpoint's tokenizer")
         self.min_tokens, self.scale_dtype, self.percdamp = min_tokens, scale_dtype, percdamp
         self._lock = threading.Lock()
-        self._layer: tuple | None = None     # (layer, X (T, H), ids (T, k), expert -> (n_e, I) down inputs)
+        # (layer, X (T, H), ids (T, k), expert -> (n_e, I) down inputs, mean of X^2 over T (H,))
+        self._layer: tuple | None = None
         self._ahead: list[int] = []          # MoE layers still to begin, in order (prefetch_layers)
         self._pending: tuple[int, Future] | None = None
         self._prefetcher: ThreadPoolExecutor | None = None
@@ -119,7 +120,8 @@ class ExpertQuantizer:
         """The calibration inputs expert_stats reads for `layer`: X (T, H), routing ids (T, k), expert -> (n_e, I)
         down inputs (begin_layer's, or synthetic ones: ktconvert.estimate times an expert with them)."""
         self.reports.setdefault(layer, LayerReport(layer, {}))
-        self._layer = (layer, x, ids, acts)
+        # the prior's input energy is the same for every expert of the layer: once here, not a (T, H) square each
+        self._layer = (layer, x, ids, acts, (x * x).mean(0))
 
     def prefetch_layers(self, layers: list[int]) -> None:
         """The MoE layers whose experts this conversion will quantize, in order: each begin_layer then starts the
@@ -146,7 +148,7 @@ class ExpertQuantizer:
             return None
         if self._layer is None or self._layer[0] != layer:
             raise RuntimeError(f"layer {layer}: begin_layer was not called")
-        x_all, ids, acts = self._layer[1], self._layer[2], self._layer[3]
+        x_all, ids, acts, x_energy = self._layer[1:5]
         tok = (ids == e).any(dim=1)
         xe = x_all[tok]
         n = int(tok.sum())
@@ -161,10 +163,11 @@ class ExpertQuantizer:
         with self._lock:
             self.reports[layer].tokens[e] = n
 
-        def imp(sub, full):
-            return ((sub * sub).sum(0) + PRIOR_TOKENS * (full * full).mean(0)) / (n + PRIOR_TOKENS)
+        def imp(sub, full_energy):
+            return ((sub * sub).sum(0) + PRIOR_TOKENS * full_energy) / (n + PRIOR_TOKENS)
         keep = self.mode == "gptq"
-        return ExpertStats(n, imp(xe, x_all), imp(ae, a_s), xe if keep else None, ae if keep else None)
+        return ExpertStats(n, imp(xe, x_energy), imp(ae, (a_s * a_s).mean(0)), xe if keep else None,
+                           ae if keep else None)
 
     # --- one matrix ------------------------------------------------------------------------------------------
     def pack(self, proj: str, mat: np.ndarray, geom: MatrixGeometry, stats: ExpertStats | None,
@@ -178,7 +181,8 @@ class ExpertQuantizer:
             return pack_expert_matrix(mat, geom, bf16_scales)
         sd = BF16_SCALES.name if bf16_scales else F16_SCALES.name if self.scale_dtype == F32_SCALES.name \
             else self.scale_dtype
-        wp = torch.from_numpy(pad_weight(np.asarray(mat, np.float32), geom).copy())     # (N_pad, K_pad)
+        # (N_pad, K_pad), read only below (GPTQ works on a copy of its own): mat itself where it needs no padding
+        wp = torch.from_numpy(pad_weight(np.asarray(mat, np.float32), geom))
         imp, h = self._importance(proj, stats, geom, k_range)
         use_gptq = self.mode == "gptq" and stats is not None and stats.n_tokens >= self._gptq_tokens(geom)
         codes, scales = self._gptq(wp, h, geom, sd) if use_gptq else self._search(wp, imp, geom, sd)
@@ -218,8 +222,8 @@ class ExpertQuantizer:
         n, g = geom.n_pad, geom.group
         groups = wp.reshape(n * geom.n_groups, g)
         w = None if imp is None else imp.reshape(geom.n_groups, g)      # group r takes row r % n_groups
-        s, q = search_scales(groups, w, geom.bits, scale_dtype)
-        codes = (q + geom.format.zero_point).to(torch.uint8).reshape(geom.n_pad, geom.k_pad).numpy()
+        s, codes = search_unsigned_codes(groups, w, geom.bits, scale_dtype, geom.format.zero_point)
+        codes = codes.reshape(geom.n_pad, geom.k_pad).numpy()
         return codes, s.reshape(n, geom.n_groups).numpy().astype(np.float32)
 
     def _search_two_level(self, wp: torch.Tensor, imp: torch.Tensor | None, geom: MatrixGeometry):

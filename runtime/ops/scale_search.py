@@ -16,8 +16,9 @@ from .library import SCALE_DTYPE_CODES, KernelError, load_library
 
 
 def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, runtime_dtype: str, divisors: list[float],
-                  refine: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """runtime_dtype: the stored scales' torch dtype name (float32, bfloat16, float16). Callers check
+                  refine: int, int8_codes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """runtime_dtype: the stored scales' torch dtype name (float32, bfloat16, float16). int8_codes: the codes as the
+    library writes them, (R, L) int8, instead of float32 (a matrix-sized float array less). Callers check
     ktrun.ops.library.kernels_available() first."""
     x = x.to(torch.float32).contiguous()
     r, length = x.shape
@@ -35,4 +36,4 @@ def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, runtime_dt
                                          refine, scales.data_ptr(), codes.data_ptr())
     if rc:
         raise KernelError(f"kt_search_scales: bad arguments (R={r}, L={length}, bits={bits}, {runtime_dtype})")
-    return scales, codes.to(torch.float32)
+    return scales, codes if int8_codes else codes.to(torch.float32)
