@@ -5,6 +5,8 @@ length (with a tail past the 16-float vectors) and weight shape; the same bits f
 is the scalar twin); bad arguments refused."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from isa_copies import outputs_per_isa
@@ -58,8 +60,11 @@ def test_matches_the_torch_reference(length, bits, dtype, wkind, monkeypatch):
 
 
 _DIGEST = """
-import hashlib, torch
+import hashlib, sys, torch
+from ktconvert import scale_search as ss
 from ktrun.ops import scale_search as k
+sys.path.insert(0, TESTS)
+from test_scale_search_kernel import _half_integer_groups as HALF
 g = torch.Generator().manual_seed(7)
 h = hashlib.sha256()
 for length in (64, 100, 7168):
@@ -68,12 +73,48 @@ for length in (64, 100, 7168):
     for dt in ("float16", "bfloat16", "float32"):
         s, q = k.search_scales(x, w, 4, dt, [-8.0, -7.5, -8.5, -7.5], 1)
         h.update(s.numpy().tobytes()); h.update(q.numpy().tobytes())
+# values on and beside half-integer multiples of the trial scales (the multiply's fall-back to the division), a
+# divisor count that is not a multiple of 4 (the batched lane sums), no refit and two refits
+x = HALF()
+for bits, divs, refine in ((4, ss.trial_divisors(4), 1), (8, ss.trial_divisors(8)[:5], 0), (4, [-8.0, -7.0, 7.5], 2)):
+    s, q = k.search_scales(x, None, bits, "bfloat16", divs, refine)
+    h.update(s.numpy().tobytes()); h.update(q.numpy().tobytes())
 print(h.hexdigest())
 """
 
 
+def _half_integer_groups(length: int = 64) -> torch.Tensor:
+    """Groups whose values sit on and one float step either side of half-integer multiples of their trial scales
+    (peak / -8, peak / -7.5, the stored scale's neighbourhood), plus denormal, huge and mixed groups: where x / t
+    rounds one way and x * (1 / t) could round the other, so the kernel's multiply must fall back to the division."""
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    for peak in (1.0, -0.37, 3.3e-3, 7.1e4):
+        for div in (-8.0, -7.5, -8.4, 7.5):
+            t = torch.tensor(peak, dtype=torch.float32) / div
+            k = torch.randint(-8, 8, (length,), generator=g).float() + 0.5
+            v = k * t
+            v[0] = peak
+            for step in (None, 1.0, -1.0):            # on the half-integer, one float step above, one below
+                rows.append(v if step is None else torch.nextafter(v, v + step * abs(float(t)) * 10))
+    rows.append(torch.full((length,), 1e-40))                             # denormal: 1 / t overflows
+    rows.append(torch.randn(length, generator=g) * 1e-39)
+    rows.append(torch.randn(length, generator=g) * 3e37)                  # huge: scales clamp in float16
+    return torch.stack(rows).contiguous()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_codes_are_the_rounded_quotients_at_half_integers(dtype, bits):
+    x = _half_integer_groups()
+    divs = ss.trial_divisors(bits)
+    s, q = kernel.search_scales(x, None, bits, dtype, divs, 1)
+    # the codes of the chosen scale are clamp(rint(x / s)) with a true division, bit for bit
+    assert torch.equal(q, ss.codes_for(x, s, bits))
+
+
 def test_every_isa_copy_gives_the_same_bits():
-    digests = outputs_per_isa(_DIGEST)
+    digests = outputs_per_isa(_DIGEST.replace("TESTS", repr(str(Path(__file__).parent))))
     assert len(set(digests.values())) == 1, digests
 
 
@@ -85,3 +126,19 @@ def test_bad_arguments():
         kernel.search_scales(x, None, 4, "float16", [0.0], 1)          # a zero divisor
     with pytest.raises(KernelError, match="bad arguments"):
         kernel.search_scales(x, None, 9, "float16", [-8.0], 1)
+
+
+@pytest.mark.parametrize("bits,zero", [(4, 8), (8, 128)])
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_unsigned_codes_are_the_signed_codes_plus_the_zero_point(bits, zero, impl, monkeypatch):
+    """search_unsigned_codes (the expert quantizer's call): the library's int8 codes shifted in place by uint8
+    arithmetic give the bytes of (float codes + zero point) -> uint8, the extreme codes included."""
+    x, g = _groups(512, 64, bits)
+    x[2] = torch.linspace(-1.0, 1.0, 64)                             # reaches both ends of the code range
+    w = _weights("periodic", 512, 64, g)
+    monkeypatch.setenv(ss.SEARCH_IMPL_ENV, impl)
+    s, codes = ss.search_unsigned_codes(x, w, bits, "f16", zero)
+    s_ref, q = ss.search_scales(x, w, bits, "f16")
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    assert torch.equal(s, s_ref) and torch.equal(codes, (q + zero).to(torch.uint8))
+    assert int(codes.min()) == 0 and int(codes.max()) == 2 * zero - 1
