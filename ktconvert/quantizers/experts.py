@@ -243,7 +243,8 @@ class ExpertQuantizer:
         cfg = GptqConfig(bits=geom.bits, group_size=group, percdamp=self.percdamp, block=max(128, geom.group),
                          scale_dtype=scale_dtype)
         q, _ = gptq_quantize(wp, h, cfg, name="routed expert")
-        codes = np.ascontiguousarray(q.codes_kn.T)                                   # (N_pad, K_pad), zero point Z
+        # (N_pad, K_pad), zero point Z: torch's blocked transpose (numpy's of a 2048 x 7168 uint8 matrix: 93 ms vs 15)
+        codes = torch.from_numpy(q.codes_kn).T.contiguous().numpy()
         scales = np.ascontiguousarray(q.scales_gn.astype(np.float32).T)              # (N_pad, n_groups)
         return codes, scales
 
