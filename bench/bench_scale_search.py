@@ -68,13 +68,15 @@ def main(argv=None) -> int:
                 times["plain"].append(time.perf_counter() - t0)
             med = {k: statistics.median(v) for k, v in times.items()}
             tag = f"int{bits}_g{group}"
-            print(f"search_{tag}_kernel: {1e3 * med['kernel']:.1f} ms")
-            print(f"search_{tag}_kernel_per_group: {1e9 * med['kernel'] / x.shape[0]:.0f} ns")
-            print(f"search_{tag}_torch_reference: {1e3 * med['torch']:.1f} ms")
-            print(f"search_{tag}_plain_rule: {1e3 * med['plain']:.1f} ms")
-            print(f"search_{tag}_speedup_vs_torch: {med['torch'] / med['kernel']:.1f} x")
-            print(f"search_{tag}_over_plain_rule: {med['kernel'] / med['plain']:.2f} x")
-            print(f"search_{tag}_same_output_every_round: {int(len(digests) == 1)} bool")
+            for name, value, unit in (
+                    ("kernel", f"{1e3 * med['kernel']:.1f}", "ms"),
+                    ("kernel_per_group", f"{1e9 * med['kernel'] / x.shape[0]:.0f}", "ns"),
+                    ("torch_reference", f"{1e3 * med['torch']:.1f}", "ms"),
+                    ("plain_rule", f"{1e3 * med['plain']:.1f}", "ms"),
+                    ("speedup_vs_torch", f"{med['torch'] / med['kernel']:.1f}", "x"),
+                    ("over_plain_rule", f"{med['kernel'] / med['plain']:.2f}", "x"),
+                    ("same_output_every_round", str(int(len(digests) == 1)), "bool")):
+                print(f"search_{tag}_{name}: {value} {unit}")
     return 0
 
 

@@ -35,6 +35,7 @@ SMOKE = {
                              "--reps", "1"],
     "bench_mla_absorbed.py": ["--bits", "4", "--copies", "1", "--reps", "1", "--rounds", "1"],
     "bench_decode.py": ["--layers", "1", "--experts", "8", "--heads", "4", "--tg", "2", "--pp", "4", "--reps", "1"],
+    "bench_scale_search.py": ["--rows", "64", "--rounds", "1", "--torch-rows", "16"],
 }
 SMOKE_TIMEOUT_S = 300
 OPTIONAL_HANDLERS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
