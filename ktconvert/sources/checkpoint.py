@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -270,27 +271,29 @@ class Source(SourceBase):
         info = self.info(name)
         if isinstance(info, QuantTensorInfo) or info.dtype != "BF16":
             return self.read(name).to(torch.bfloat16)
-        bits = self._mapped_private(info) if info.offset % 2 == 0 else self._raw(info)
+        bits = self._mapped(info) if info.offset % 2 == 0 else self._raw(info)
         bits = bits.view(np.uint16)
         if any(((bits[i:i + FINITE_CHUNK] & 0x7F80) == 0x7F80).any() for i in range(0, bits.size, FINITE_CHUNK)):
             return self.read(name).to(torch.bfloat16)   # exponent all ones: NaN or Inf, which read() names
-        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(info.shape)
+        with warnings.catch_warnings():      # a read-only mapping: the forward only reads its weights
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(info.shape)
 
     @staticmethod
-    def _mapped_private(info: TensorInfo) -> np.ndarray:
-        """The tensor's bytes as a private (copy-on-write) mapping of the page cache, pages mapped at once: no copy
-        and no fresh pages (pread's copy into a buffer of ours was ~6% of a calibrated conversion's CPU time; one MoE
-        layer's 48 expert tensors of the V3-shaped bench checkpoint: 1.0-1.2 s -> 0.7 s). The array keeps the
-        mapping; it is unmapped when the last view of it goes (one expert's forward). The file's size is checked
-        here; a shard cut short while a tensor of it is in use would fault, as any mapping does."""
+    def _mapped(info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes as a read-only mapping of the page cache, pages mapped at once: no copy and no fresh
+        pages (pread's copy into a buffer of ours was ~6% of a calibrated conversion's CPU time). Read-only: a
+        writable private mapping would be populated by write faults, every page copied. The array keeps the mapping;
+        it is unmapped when the last view of it goes (one expert's forward). The file's size is checked here; a shard
+        cut short while a tensor of it is in use would fault, as any mapping does."""
         start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
         fd = os.open(info.file, os.O_RDONLY)
         try:
             if os.fstat(fd).st_size < info.offset + info.nbytes:
                 raise SourceError(f"{info.file}: tensor {info.name}: file ends before byte offset "
                                   f"{info.offset + info.nbytes} (shard changed after open?)")
-            mm = mmap.mmap(fd, info.offset + info.nbytes - start, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+            mm = mmap.mmap(fd, info.offset + info.nbytes - start, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                           prot=mmap.PROT_READ, offset=start)
         finally:
             os.close(fd)
         return np.frombuffer(mm, np.uint8, info.nbytes, info.offset - start)
