@@ -280,12 +280,9 @@ class Source(SourceBase):
             return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(info.shape)
 
     @staticmethod
-    def _mapped(info: TensorInfo) -> np.ndarray:
-        """The tensor's bytes as a read-only mapping of the page cache, pages mapped at once: no copy and no fresh
-        pages (pread's copy into a buffer of ours was ~6% of a calibrated conversion's CPU time). Read-only: a
-        writable private mapping would be populated by write faults, every page copied. The array keeps the mapping;
-        it is unmapped when the last view of it goes (one expert's forward). The file's size is checked here; a shard
-        cut short while a tensor of it is in use would fault, as any mapping does."""
+    def _map(info: TensorInfo) -> tuple[mmap.mmap, int]:
+        """(a read-only mapping of the page cache holding the tensor, pages mapped at once (MAP_POPULATE), the
+        tensor's byte offset in it); the file's size checked first (a shard cut short while mapped would fault)."""
         start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
         fd = os.open(info.file, os.O_RDONLY)
         try:
@@ -296,25 +293,25 @@ class Source(SourceBase):
                            prot=mmap.PROT_READ, offset=start)
         finally:
             os.close(fd)
-        return np.frombuffer(mm, np.uint8, info.nbytes, info.offset - start)
+        return mm, info.offset - start
+
+    @staticmethod
+    def _mapped(info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes as a read-only mapping of the page cache: no copy and no fresh pages (pread's copy into
+        a buffer of ours was ~6% of a calibrated conversion's CPU time). Read-only: a writable private mapping would
+        be populated by write faults, every page copied. The array keeps the mapping; it is unmapped when the last
+        view of it goes (one expert's forward)."""
+        mm, at = Source._map(info)
+        return np.frombuffer(mm, np.uint8, info.nbytes, at)
 
     @staticmethod
     def _decode_mapped(info: TensorInfo, out: np.ndarray) -> None:
-        """Decode the tensor into out straight from the page cache: its pages mapped at once (MAP_POPULATE), read
-        in place and unmapped, so there is no copy into a buffer of ours (pread's copy was a tenth of an rtn
-        conversion's CPU time) and nothing stays mapped."""
-        start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
-        fd = os.open(info.file, os.O_RDONLY)
+        """Decode the tensor into out straight from the page cache: mapped, read in place and unmapped, so there is
+        no copy into a buffer of ours (pread's copy was a tenth of an rtn conversion's CPU time) and nothing stays
+        mapped."""
+        mm, at = Source._map(info)
         try:
-            if os.fstat(fd).st_size < info.offset + info.nbytes:
-                raise SourceError(f"{info.file}: tensor {info.name}: file ends before byte offset "
-                                  f"{info.offset + info.nbytes} (shard changed after open?)")
-            mm = mmap.mmap(fd, info.offset + info.nbytes - start, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                           prot=mmap.PROT_READ, offset=start)
-        finally:
-            os.close(fd)
-        try:
-            raw = np.frombuffer(mm, np.uint8, info.nbytes, info.offset - start)
+            raw = np.frombuffer(mm, np.uint8, info.nbytes, at)
             if info.dtype == "BF16":
                 bf16_bits_to_f32(raw.view(np.uint16).reshape(out.shape), out=out)
             else:
