@@ -72,6 +72,13 @@ SEARCH_CHUNK_ELEMENTS = 1 << 18
 SEARCH_IMPL_ENV = "KTCONVERT_SEARCH"
 
 
+def _on_kernel(x: torch.Tensor, enc) -> bool:
+    """Whether the search runs in libktkernels: scales rounded value by value, CPU groups, the library loaded, and not
+    KTCONVERT_SEARCH=torch."""
+    return enc.elementwise and x.device.type == "cpu" and os.environ.get(SEARCH_IMPL_ENV, "kernel") != "torch" \
+        and kernels_available()
+
+
 def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtype: str = DEFAULT_SCALE_DTYPE,
                   divisors: list[float] | None = None, refine: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (scales (R,), signed codes (R, L)) minimizing sum w (x - s q)^2 per group over the trial scales.
@@ -81,8 +88,7 @@ def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtyp
     the two agree except where two trial scales' gains tie to float rounding (tests/test_scale_search_kernel.py)."""
     r = x.shape[0]
     enc = scale_encoding(scale_dtype)
-    if enc.elementwise and x.device.type == "cpu" and os.environ.get(SEARCH_IMPL_ENV, "kernel") != "torch" \
-            and kernels_available():
+    if _on_kernel(x, enc):
         return kernel_search_scales(x, w, bits, enc.runtime_name, divisors or trial_divisors(bits), refine)
     if w is not None and w.dim() == 2 and w.shape[0] != r:
         w = w.repeat(r // w.shape[0], 1)                      # periodic rows -> one row per group
@@ -96,8 +102,7 @@ def search_unsigned_codes(x: torch.Tensor, w: torch.Tensor | None, bits: int, sc
     going through two float32 arrays of the matrix's size: the same bytes."""
     r = x.shape[0]
     enc = scale_encoding(scale_dtype)
-    if enc.elementwise and x.device.type == "cpu" and os.environ.get(SEARCH_IMPL_ENV, "kernel") != "torch" \
-            and kernels_available():
+    if _on_kernel(x, enc):
         s, q = kernel_search_scales(x, w, bits, enc.runtime_name, trial_divisors(bits), 1, int8_codes=True)
         return s, q.view(torch.uint8).add_(zero_point)
     s, q = search_scales(x, w, bits, scale_dtype)
