@@ -67,14 +67,15 @@ def weighted_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, q: torch.T
 SEARCH_CHUNK_ELEMENTS = 1 << 18
 
 
-# "kernel": libktkernels' kt_search_scales (ktrun.ops.scale_search) where it loads, else this module's torch code;
-# "torch": always the torch code (the reference the kernel is tested against)
+# "kernel": libktkernels' kt_search_scales (ktrun.ops.scale_search) and kt_gptq_block (GPTQ's column loop,
+# ktconvert.gpu.gptq) where it loads, else the torch code; "torch": always the torch code (the references the kernels
+# are tested against)
 SEARCH_IMPL_ENV = "KTCONVERT_SEARCH"
 
 
-def _on_kernel(x: torch.Tensor, enc) -> bool:
-    """Whether the search runs in libktkernels: scales rounded value by value, CPU groups, the library loaded, and not
-    KTCONVERT_SEARCH=torch."""
+def on_kernel(x: torch.Tensor, enc) -> bool:
+    """Whether the search (and GPTQ's column loop around it) runs in libktkernels: scales rounded value by value, CPU
+    groups, the library loaded, and not KTCONVERT_SEARCH=torch."""
     return enc.elementwise and x.device.type == "cpu" and os.environ.get(SEARCH_IMPL_ENV, "kernel") != "torch" \
         and kernels_available()
 
@@ -88,7 +89,7 @@ def search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dtyp
     the two agree except where two trial scales' gains tie to float rounding (tests/test_scale_search_kernel.py)."""
     r = x.shape[0]
     enc = scale_encoding(scale_dtype)
-    if _on_kernel(x, enc):
+    if on_kernel(x, enc):
         return kernel_search_scales(x, w, bits, enc.runtime_name, divisors or trial_divisors(bits), refine)
     if w is not None and w.dim() == 2 and w.shape[0] != r:
         w = w.repeat(r // w.shape[0], 1)                      # periodic rows -> one row per group
@@ -102,7 +103,7 @@ def search_unsigned_codes(x: torch.Tensor, w: torch.Tensor | None, bits: int, sc
     going through two float32 arrays of the matrix's size: the same bytes."""
     r = x.shape[0]
     enc = scale_encoding(scale_dtype)
-    if _on_kernel(x, enc):
+    if on_kernel(x, enc):
         s, q = kernel_search_scales(x, w, bits, enc.runtime_name, trial_divisors(bits), 1, int8_codes=True)
         return s, q.view(torch.uint8).add_(zero_point)
     s, q = search_scales(x, w, bits, scale_dtype)

@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 18  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 19  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -42,7 +42,8 @@ extern "C" {
                              17: kt_float_linear (y = x W^T, float32 or bfloat16 weights, float32 rows: the output
                                  head, on the context's pool); the attention ops take a cache longer than 128
                                  positions in chunks (merged in chunk order), split between the workers;
-                             18: kt_measure_tile_int8_peak (the AMX tile unit's int8 peak) */
+                             18: kt_measure_tile_int8_peak (the AMX tile unit's int8 peak);
+                             19: kt_gptq_block (one block of ktconvert's GPTQ column loop) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -393,6 +394,19 @@ int kt_float_linear(kt_ctx* ctx, int64_t T, int64_t N, int64_t K, const float* x
  * (R,) float32, codes (R, L) int8 in [-2^(bits-1), 2^(bits-1) - 1]. Returns -1 for bad arguments. */
 int kt_search_scales(int64_t R, int64_t L, const float* x, int64_t x_stride, const float* w, int64_t w_rows, int bits,
                      int scale_dtype, const float* divisors, int n_div, int refine, float* scales, int8_t* codes);
+
+/* One block of ktconvert's GPTQ column loop (ktconvert/gpu/gptq.py, _quantize_columns; kernels/src/gptq_block.cpp) on
+ * the calling thread: rows i = 0 .. B-1 of the transposed weight w (B, N) (row i at w + i * w_stride; read, not
+ * written), u the block's (B, B) part of the upper Cholesky factor of H^-1 (row i at u + i * u_stride). Every `group`
+ * rows a scale row: with search != 0 searched as kt_search_scales does (groups of the rows as updated, weighted by
+ * hdiag (B,), the block's diag(H); divisors, refine, scale_dtype as there) and written to scales + (i / group) *
+ * s_stride, else read from there. Each column's error updates the later rows: w_r = w_r - (u_ir e), rounded twice.
+ * Out: codes (B, N) uint8 (c = clamp(rint(w / s) + 2^(bits-1), 0, 2^bits - 1)) and err (B, N) float32 (the column
+ * errors (w - (c - Z) s) / u_ii the caller applies to the later rows). Returns -1 for bad arguments. */
+int kt_gptq_block(int64_t B, int64_t N, const float* w, int64_t w_stride, const float* u, int64_t u_stride,
+                  int64_t group, int search, const float* hdiag, int bits, int scale_dtype, const float* divisors,
+                  int n_div, int refine, float* scales, int64_t s_stride, uint8_t* codes, int64_t codes_stride,
+                  float* err, int64_t err_stride);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -23,8 +23,10 @@ import numpy as np
 import torch
 from ktlayouts.expert_formats import F16_SCALES, F32_SCALES, scale_encoding
 from ktlayouts.gptq import GptqGeometry
+from ktrun.ops.gptq_block import gptq_block as kernel_gptq_block
 
 from ktconvert.gpu.rtn import QuantizedLinear, scales_for
+from ktconvert.scale_search import on_kernel, trial_divisors
 
 log = logging.getLogger(__name__)
 
@@ -204,39 +206,67 @@ def _quantize_columns(wt: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg
 
     It works on the transpose: a column of the weight is a contiguous row, so each column's rank-1 update of the
     block's later columns streams whole rows (on the (N, K) weight it strided over N rows; a 7168 x 2048 down_proj
-    took 3x longer)."""
+    took 3x longer). Inside a block the columns run in libktkernels (kt_gptq_block: the same bits, 2.5x faster on
+    that down_proj) where it loads and the scale search runs there too (ktconvert.scale_search.on_kernel), else in
+    torch (_block_reference, the reference); the rows after the block take one matrix product either way."""
     k, n = wt.shape
-    group = geom.group
-    zero, maxq = float(1 << (cfg.bits - 1)), float((1 << cfg.bits) - 1)
     codes = torch.empty(k, n, dtype=torch.uint8)              # (K, N) in processing order, every row written
     scales = torch.zeros(geom.n_groups, n, dtype=torch.float32)
     loss = torch.zeros((), dtype=torch.float64)
     if cfg.group_size == -1:
         scales[0] = group_scales(wt.T, hdiag, cfg)
-    s = safe = scales[0]
+    searched = fixed is None and cfg.group_size != -1        # scales chosen inside the loop, at each group's start
+    use_kernel = (not searched or cfg.scale_rule == "search") and \
+        on_kernel(wt, scale_encoding(cfg.scale_dtype if searched else F32_SCALES.name))
     for i1 in range(0, k, cfg.block):
         i2 = min(i1 + cfg.block, k)
-        w1 = wt[i1:i2]                                       # (B, N) view, updated in place
         err1 = torch.empty(i2 - i1, n, dtype=torch.float32)
-        u1 = u[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if col % group == 0:
-                if fixed is not None:
-                    scales[col // group] = fixed[col // group]
-                elif cfg.group_size != -1:
-                    # group scale from the weights as updated so far: the group lies inside this block
-                    scales[col // group] = group_scales(w1[i:i + group].T, hdiag[col:col + group], cfg)
-                s = scales[col // group]
-                safe = torch.where(s != 0, s, torch.ones_like(s))   # all-zero group: scale 0, any code
-            wi = w1[i]
-            c = torch.clamp_(_round_half_even_(wi / safe).add_(zero), 0.0, maxq)   # same rounding as rtn
-            codes[col] = c
-            e = (wi - (c - zero) * s) / u1[i, i]
-            err1[i] = e
-            if i + 1 < i2 - i1:
-                w1[i + 1:].addr_(u1[i, i + 1:], e, alpha=-1.0)
+        (_block_on_kernel if use_kernel else _block_reference)(wt, u, geom, cfg, hdiag, fixed, i1, i2, codes, scales,
+                                                              err1)
         loss += (err1.double() ** 2).sum()
         if i2 < k:
             wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
     return codes, scales, loss
+
+
+def _block_reference(wt, u, geom, cfg, hdiag, fixed, i1, i2, codes, scales, err1) -> None:
+    """Columns i1 .. i2-1 (one block) in torch: their codes, scales (at each group's first column) and errors err1
+    (B, N); the block's later rows of wt updated column by column."""
+    group = geom.group
+    zero, maxq = float(1 << (cfg.bits - 1)), float((1 << cfg.bits) - 1)
+    w1 = wt[i1:i2]                                           # (B, N) view, updated in place
+    u1 = u[i1:i2, i1:i2]
+    s = scales[i1 // group]                                  # a block starts a group, or lies in the per-row one
+    safe = torch.where(s != 0, s, torch.ones_like(s))
+    for i in range(i2 - i1):
+        col = i1 + i
+        if col % group == 0:
+            if fixed is not None:
+                scales[col // group] = fixed[col // group]
+            elif cfg.group_size != -1:
+                # group scale from the weights as updated so far: the group lies inside this block
+                scales[col // group] = group_scales(w1[i:i + group].T, hdiag[col:col + group], cfg)
+            s = scales[col // group]
+            safe = torch.where(s != 0, s, torch.ones_like(s))   # all-zero group: scale 0, any code
+        wi = w1[i]
+        c = torch.clamp_(_round_half_even_(wi / safe).add_(zero), 0.0, maxq)   # same rounding as rtn
+        codes[col] = c
+        e = (wi - (c - zero) * s) / u1[i, i]
+        err1[i] = e
+        if i + 1 < i2 - i1:
+            # the product rounded, then the subtraction: the same bits on every CPU (addr_ fuses the multiply-add in
+            # its vector loop and not in its remainder, which varies with torch's CPU capability)
+            w1[i + 1:].sub_(u1[i, i + 1:, None] * e)
+
+
+def _block_on_kernel(wt, u, geom, cfg, hdiag, fixed, i1, i2, codes, scales, err1) -> None:
+    """_block_reference in one kt_gptq_block call (wt's block rows are read, not updated: only err1 is used after)."""
+    group = geom.group
+    g0 = i1 // group
+    search = fixed is None and cfg.group_size != -1
+    if fixed is not None:
+        scales[g0:-(-i2 // group)] = fixed[g0:-(-i2 // group)]
+    # u is column-major (the flipped triangular solve): its (B, B) block copied row-major (64 KB at B = 128)
+    kernel_gptq_block(wt[i1:i2], u[i1:i2, i1:i2].contiguous(), group, scales[g0:], codes[i1:i2], err1, cfg.bits,
+                      hdiag[i1:i2] if search else None, scale_encoding(cfg.scale_dtype).runtime_name,
+                      trial_divisors(cfg.bits))

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ktlayouts.expert_formats import scale_encodings
 
-ABI_VERSION = 18
+ABI_VERSION = 19
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
@@ -134,6 +134,8 @@ def load_library() -> ctypes.CDLL:
                                   c_i64, c_p, c_i64]),
         "kt_search_scales": (c_int, [c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_int, c_int, c_p, c_int, c_int, c_p,
                                      c_p]),
+        "kt_gptq_block": (c_int, [c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_int, c_p, c_int, c_int, c_p, c_int,
+                                  c_int, c_p, c_i64, c_p, c_i64, c_p, c_i64]),
         "kt_mla_attend_batch": (c_int, [c_p, c_i64, c_i64, c_i64, c_i64, c_p, c_i64, c_i64, c_p, c_i64, c_i64,
                                         ctypes.c_float, c_p, c_p, c_p, c_i64, c_p, c_i64, c_i64]),
         # the dense Linear op (ktrun.ops.linear)
