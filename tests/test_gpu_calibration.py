@@ -62,6 +62,30 @@ def test_layerwise_hessians_match_the_transformers_model(arch, tmp_path):
     assert torch.allclose(cal.hidden, final["x"], rtol=1e-4, atol=1e-5)
 
 
+def test_narrower_value_heads_run_the_flash_sdpa_padded(tmp_path):
+    """MLA's value heads, narrower than its query/key heads, are zero-padded to their size for torch's sdpa (its
+    flash kernel, not the math path) and the output cut back: the attention of torch's math path within float
+    rounding. A model whose code tests the attention's name (DeepSeek-V3.2's indexer masks keys only under "sdpa")
+    keeps the plain one; the Hessians above cover both against the whole transformers model."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ktconvert.gpu.calib import PADDED_SDPA, _sdpa_padded_values, hf_config, text_model_of
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 33, d, generator=g) for d in (48, 48, 32))      # (S, heads, L, D)
+    module = torch.nn.Module()
+    module.is_causal, module.training = True, False
+    got, _ = _sdpa_padded_values(module, q, k, v, None, scaling=0.2)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2).transpose(1, 2)
+    assert got.shape == (2, 33, 4, 32)
+    assert torch.allclose(got, want, atol=1e-6)
+    want_hf, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.2)
+    assert torch.allclose(got, want_hf, atol=1e-6)
+    for arch, name in (("deepseek_v3", PADDED_SDPA), ("deepseek_v32", "sdpa")):
+        src = open_source(make_checkpoint(arch, tmp_path / arch))
+        assert hf_config(*text_model_of(src))._attn_implementation == name, arch
+
+
 @pytest.mark.parametrize("arch,group_size", [("deepseek_v3", 32), ("qwen3_moe", 128)])
 def test_gptq_beats_rtn_at_the_model_output(arch, group_size, tmp_path):
     """Whole quantized model (every non-expert Linear INT4) vs the float model on the calibration tokens."""

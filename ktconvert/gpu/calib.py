@@ -21,6 +21,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -160,15 +161,44 @@ def text_model_of(src) -> tuple[dict, str]:
         raise
 
 
+PADDED_SDPA = "ktconvert_sdpa"
+
+
+def _sdpa_padded_values(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention with value heads narrower than the query/key heads (MLA: v_head_dim 128 against
+    192) zero-padded to their size and the output cut back. query / key: (S, heads, L, Dqk), value: (S, heads, L, Dv).
+    Why: torch's CPU flash kernel takes one head size; with two, sdpa runs its math path, the (L, L) scores of every
+    head materialized: 3-5x slower here, a third of the DeepSeek-V3-shaped calibration forward. The padded columns
+    give zero outputs, cut off: the same attention, summed in the flash kernel's order."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    dv, dqk = value.shape[-1], query.shape[-1]
+    if dv >= dqk:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out, weights = sdpa_attention_forward(module, query, key, torch.nn.functional.pad(value, (0, dqk - dv)),
+                                          attention_mask, **kwargs)
+    return out[..., :dv], weights           # out: (S, L, heads, Dqk)
+
+
 def hf_config(config: dict, model_type: str):
     """The transformers config of a checkpoint; model_type is its family's name (ktlayouts.families: aliases such as
     kimi_k2 are already resolved), which is also the transformers model_type."""
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AttentionInterface
 
     cfg = CONFIG_MAPPING[model_type](**{k: v for k, v in config.items() if k not in _DROP_CONFIG_KEYS})
-    # sdpa drops gpt-oss's attention sinks: its layers run the eager attention, with an explicit mask (_forward)
-    cfg._attn_implementation = "eager" if getattr(cfg, "swiglu_limit", None) is not None else "sdpa"
+    # sdpa drops gpt-oss's attention sinks: its layers run the eager attention, with an explicit mask (_forward);
+    # the others sdpa, narrower value heads padded (_sdpa_padded_values, registered with transformers by name)
+    # unless the model's code tests the name (DeepSeek-V3.2's and GLM-5's indexers mask keys only under "sdpa")
+    AttentionInterface.register(PADDED_SDPA, _sdpa_padded_values)
+    sdpa = "sdpa" if _tests_attention_name(cfg) else PADDED_SDPA
+    cfg._attn_implementation = "eager" if getattr(cfg, "swiglu_limit", None) is not None else sdpa
     return cfg
+
+
+def _tests_attention_name(cfg) -> bool:
+    """Whether the config's transformers modeling module compares config._attn_implementation with a name."""
+    mod = importlib.import_module(type(cfg).__module__.replace(".configuration_", ".modeling_"))
+    return re.search(r"_attn_implementation\s*(==|!=|in\b|not\s+in\b)", inspect.getsource(mod)) is not None
 
 
 def _model_classes(cfg):
