@@ -12,9 +12,10 @@ checkpoint (5.64 GB of bf16, written once into WORK): the calibrated default (`-
 rtn-int4`) and `--expert-quantizer rtn`, alternated, each with its wall, user and system time and peak RSS; with
 `--llama-cpp DIR` (a llama.cpp source tree with build/bin/llama-quantize) also llama.cpp's convert_hf_to_gguf.py
 (bf16) + llama-quantize Q4_0 in the same rounds; then the KL of both conversions against the source in float32 on the
-held-out calibration text (`ktconvert quantize --report-kl`'s protocol) and whether the rtn output is byte-identical
-with 1 and 2 workers. Every conversion's printed estimate (ktconvert.estimate) is set against its wall time, and
-`make demo`'s conversion of the embedded default model is timed the same way.
+held-out calibration text (`ktconvert quantize --report-kl`'s protocol), whether the rtn output is byte-identical
+with 1 and 2 workers and whether the default's is byte-identical in every round. Every conversion's printed estimate
+(ktconvert.estimate) is set against its wall time, and `make demo`'s conversion of the embedded default model is
+timed the same way.
 """
 from __future__ import annotations
 
@@ -251,10 +252,13 @@ def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int) -> None:
     print(f"v3_source_size: {nbytes / 1e9:.2f} GB")
     systems = ["rtn", "default"] + (["llama.cpp"] if llama_cpp else [])
     runs: dict[str, list[dict]] = {k: [] for k in systems}
+    default_digests = []                  # each round's calibrated output: the same bytes every time?
     for r in range(rounds):
         for k in (systems if r % 2 == 0 else systems[::-1]):          # alternated: the machine is noisy
             res = llama_cpp_v3(src, work, llama_cpp) if k == "llama.cpp" else convert_v3(src, work / f"out-{k}", k)
             runs[k].append(res)
+            if k == "default":
+                default_digests.append(tree_digest(work / "out-default"))
             print(f"# round {r + 1} {k}: {res['wall']:.1f} s wall, {res['user']:.1f} s user, {res['sys']:.1f} s sys, "
                   f"{res['peak_mb']:.0f} MB peak RSS", flush=True)
     med = {k: {m: float(np.median([x[m] for x in v])) for m in v[0]} for k, v in runs.items()}
@@ -277,6 +281,7 @@ def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int) -> None:
     print(f"v3_convert_rtn_speedup_2_workers_vs_1: {one['wall'] / med['rtn']['wall']:.2f} x")
     same = tree_digest(work / "out-rtn-1worker") == tree_digest(work / "out-rtn")
     print(f"v3_rtn_1_vs_2_workers_identical: {int(same)} bool")
+    print(f"v3_default_rounds_identical: {int(len(set(default_digests)) == 1)} bool ({len(default_digests)} rounds)")
     for k, summ in kl_of(src, {k: work / f"out-{k}" for k in ("rtn", "default")}).items():
         for m in ("kl_mean", "kl_p99", "top1_agreement"):
             print(f"v3_{k}_{m}: {summ[m]:.6f} {'ratio' if m == 'top1_agreement' else 'nats'}")
