@@ -124,12 +124,15 @@ class ExpertQuantizer:
         self._layer = (layer, x, ids, acts, (x * x).mean(0))
 
     def prefetch_layers(self, layers: list[int]) -> None:
-        """The MoE layers whose experts this conversion will quantize, in order: each begin_layer then starts the
-        next one's calibration forward on a thread of its own. Only for a calibration pass of its own (the GPU
-        layers' GPTQ, when it shares the pass, runs it from the main thread)."""
+        """The MoE layers whose experts this conversion will quantize, in order: the first one's calibration forward
+        starts now on a thread of its own (while the dense files before it are encoded: it was a serial stretch with
+        the pack workers idle), and each begin_layer starts the next one's. Only for a calibration pass of its own
+        (the GPU layers' GPTQ, when it shares the pass, runs it from the main thread)."""
         if self.calibrated and self.mode != "rtn" and self.own_calibration:
             self._ahead = list(layers)
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="ktconvert-calibration")
+            if layers:
+                self._pending = (layers[0], self._prefetcher.submit(self._inputs, layers[0]))
 
     def close(self) -> None:
         """Stop prefetching (a forward under way finishes first: it cannot be interrupted)."""
