@@ -19,7 +19,8 @@ from its float weights. Modes (`ktconvert quantize --expert-quantizer`):
   auto    gptq when calibration text is available, else search with uniform weights.
 
 Overlap: with its own calibration pass (GPU layers not calibrated), the forward of the next MoE layer runs on a
-thread of its own while this layer's experts are packed (prefetch_layers): the calibration forward is the float
+thread of its own while this layer's experts are packed, the first one's from the conversion's start
+(prefetch_layers): the calibration forward is the float
 model's, independent of how the experts are quantized, and it was a third of the calibrated default's wall time with
 the pack workers idle. Memory: two layers' X (T, H) and down inputs, plus one expert's activations and Hessians per
 pack worker. Deterministic: nothing changes torch's process-wide thread count during a conversion (a matmul's bits
