@@ -20,9 +20,8 @@ from its float weights. Modes (`ktconvert quantize --expert-quantizer`):
 
 Overlap: with its own calibration pass (GPU layers not calibrated), the forward of the next MoE layer runs on a
 thread of its own while this layer's experts are packed, the first one's from the conversion's start
-(prefetch_layers): the calibration forward is the float
-model's, independent of how the experts are quantized, and it was a third of the calibrated default's wall time with
-the pack workers idle. Memory: two layers' X (T, H) and down inputs, plus one expert's activations and Hessians per
+(prefetch_layers): the calibration forward is the float model's, independent of how the experts are quantized, and
+it was a third of the calibrated default's wall time with the pack workers idle. Memory: two layers' X (T, H) and down inputs, plus one expert's activations and Hessians per
 pack worker. Deterministic: nothing changes torch's process-wide thread count during a conversion (a matmul's bits
 may depend on it), so the forward and the workers' torch work give the same bits whatever runs beside them, and a
 resumed run packs the same bytes.
