@@ -216,7 +216,7 @@ def _quantize_columns(wt: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg
     loss = torch.zeros((), dtype=torch.float64)
     if cfg.group_size == -1:
         scales[0] = group_scales(wt.T, hdiag, cfg)
-    searched = fixed is None and cfg.group_size != -1        # scales chosen inside the loop, at each group's start
+    searched = _searched_in_loop(cfg, fixed)
     use_kernel = (not searched or cfg.scale_rule == "search") and \
         on_kernel(wt, scale_encoding(cfg.scale_dtype if searched else F32_SCALES.name))
     for i1 in range(0, k, cfg.block):
@@ -228,6 +228,12 @@ def _quantize_columns(wt: torch.Tensor, u: torch.Tensor, geom: GptqGeometry, cfg
         if i2 < k:
             wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
     return codes, scales, loss
+
+
+def _searched_in_loop(cfg: GptqConfig, fixed: torch.Tensor | None) -> bool:
+    """Whether the group scales are chosen inside the column loop, at each group's first column (not fixed in
+    advance, not one per row chosen before it)."""
+    return fixed is None and cfg.group_size != -1
 
 
 def _block_reference(wt, u, geom, cfg, hdiag, fixed, i1, i2, codes, scales, err1) -> None:
@@ -264,7 +270,7 @@ def _block_on_kernel(wt, u, geom, cfg, hdiag, fixed, i1, i2, codes, scales, err1
     """_block_reference in one kt_gptq_block call (wt's block rows are read, not updated: only err1 is used after)."""
     group = geom.group
     g0 = i1 // group
-    search = fixed is None and cfg.group_size != -1
+    search = _searched_in_loop(cfg, fixed)
     if fixed is not None:
         scales[g0:-(-i2 // group)] = fixed[g0:-(-i2 // group)]
     # u is column-major (the flipped triangular solve): its (B, B) block copied row-major (64 KB at B = 128)
