@@ -487,8 +487,18 @@ def convert(src_path: str | Path, out_dir: str | Path, opts: ConvertOptions, res
         if quantizer is not None:         # the layers whose experts are still to write (an MTP layer's: never)
             quantizer.prefetch_layers(sorted({j.layer for g in plan.jobs for j in g if j.kind == "expert"
                                               and not j.mtp and not journal.is_done(j.rel)}))
+        # With the calibration forward on its own thread, every layer's dense files first: the pack workers encode
+        # them while the first MoE layer's forward runs (they waited for it), and the expert layers then follow one
+        # another with no dense file between them (a serial stretch at each layer's start, the forward thread idle).
+        # The same files either way; a calibrating GPU encoder drives the forward itself, so it keeps layer order.
+        dense_first = quantizer is not None and quantizer.prefetching
         try:
             with ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="ktconvert") as pool:
+                for group in plan.jobs if dense_first else ():
+                    for job in group:
+                        if job.kind != "expert" and not journal.is_done(job.rel):
+                            conv.write_dense(job, pool)
+                    src.close()
                 for group in plan.jobs:
                     if all(journal.is_done(j.rel) for j in group):
                         continue

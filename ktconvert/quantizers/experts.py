@@ -90,6 +90,11 @@ class ExpertQuantizer:
     def calibrated(self) -> bool:
         return self.calibrator_fn is not None
 
+    @property
+    def prefetching(self) -> bool:
+        """Whether the calibration forward runs on a thread of its own (prefetch_layers), ahead of the packing."""
+        return self._prefetcher is not None
+
     def describe(self) -> str:
         if self.mode == "rtn":
             return "rtn (largest magnitude onto the most negative code)"
