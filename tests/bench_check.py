@@ -36,6 +36,7 @@ SMOKE = {
     "bench_mla_absorbed.py": ["--bits", "4", "--copies", "1", "--reps", "1", "--rounds", "1"],
     "bench_decode.py": ["--layers", "1", "--experts", "8", "--heads", "4", "--tg", "2", "--pp", "4", "--reps", "1"],
     "bench_scale_search.py": ["--rows", "64", "--rounds", "1", "--torch-rows", "16"],
+    "bench_decode_glue.py": ["--head-rows", "256", "--head-tokens", "1", "--positions", "16", "--rounds", "1"],
 }
 SMOKE_TIMEOUT_S = 300
 OPTIONAL_HANDLERS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}

@@ -38,7 +38,6 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
 typedef double v8d __attribute__((vector_size(64)));
 
 inline float scalar_rint(float v) { return std::nearbyint(v); }   // the default rounding mode: to nearest even
@@ -58,6 +57,7 @@ inline float round_scale(float s, int dtype) {
 }
 
 namespace ref {
+#include "vec16_native.inc"
 #include "scale_search_native.inc"
 inline v16 rint16(v16 v) {
     for (int l = 0; l < 16; ++l) v[l] = std::nearbyint(v[l]);
@@ -81,44 +81,18 @@ inline v16 clamp16(v16 v, float lo, float hi) {              // v < lo ? lo : v,
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
-// v16 and v8d as two 256-bit halves (lanes 0-7, 8-15; the same memory layout), each operation applied to both: GCC
-// keeps AVX-512-sized vector types in memory on AVX2, and this copy ran 6.8x slower than the AVX-512 one (every value
-// stored and reloaded, clamps lane by lane). The helpers do the same lane operations as scale_search_native.inc's.
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int32_t v8i __attribute__((vector_size(32)));
+#include "vec16_avx2.inc"
+// v8d as two 256-bit halves too
 typedef double v4d __attribute__((vector_size(32)));
-struct v16 {
-    v8 a, b;
-};
 struct v8d {
     v4d a, b;
 };
-inline v16 operator+(v16 x, v16 y) { return {x.a + y.a, x.b + y.b}; }
-inline v16 operator-(v16 x, v16 y) { return {x.a - y.a, x.b - y.b}; }
-inline v16 operator*(v16 x, v16 y) { return {x.a * y.a, x.b * y.b}; }
-inline v16 operator/(v16 x, v16 y) { return {x.a / y.a, x.b / y.b}; }
-inline v16 operator+(v16 x, float s) { return {x.a + s, x.b + s}; }
 inline v8d operator+(v8d x, v8d y) { return {x.a + y.a, x.b + y.b}; }
 inline v8d operator*(v8d x, v8d y) { return {x.a * y.a, x.b * y.b}; }
-
-// loads and stores by halves: a memcpy of the 64-byte struct went through the stack 16 bytes at a time, and each
-// 32-byte reload of those stores stalled (store forwarding)
-inline v16 load16(const float* p) { return {(v8)_mm256_loadu_ps(p), (v8)_mm256_loadu_ps(p + 8)}; }
-inline void store16(float* p, v16 v) {
-    _mm256_storeu_ps(p, (__m256)v.a);
-    _mm256_storeu_ps(p + 8, (__m256)v.b);
-}
 inline v8d load8d(const double* p) { return {(v4d)_mm256_loadu_pd(p), (v4d)_mm256_loadu_pd(p + 4)}; }
 inline void store8d(double* p, v8d v) {
     _mm256_storeu_pd(p, (__m256d)v.a);
     _mm256_storeu_pd(p + 4, (__m256d)v.b);
-}
-
-inline float reduce16(v16 v) {                        // lanes l + l+8, then + l+4, + l+2, + l+1 (as native's)
-    const v8 s8 = v.a + v.b;
-    const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 inline void reduce8x16(const float* lanes, float* out) {   // reduce16 of each: the same additions
     for (int m = 0; m < 8; ++m) out[m] = reduce16(load16(lanes + 16 * m));
@@ -160,6 +134,7 @@ inline v16 clamp16(v16 v, float lo, float hi) {     // min_ps(hi, max_ps(lo, v))
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 namespace avx512 {
+#include "vec16_native.inc"
 #include "scale_search_native.inc"
 inline v16 rint16(v16 v) {
     return (v16)_mm512_roundscale_ps((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
