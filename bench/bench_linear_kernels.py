@@ -75,7 +75,7 @@ def measure(lin: LinearKernels, ids: list[list[int]], x: np.ndarray, outs: list,
     best = {"kernel": float("inf"), "torch": float("inf"), "bw": 0.0, "peak": 0.0}
     wall = cpu = 0.0
     for r in range(rounds + 1):
-        bw, peak = probe(lin.kernels)
+        bw, peak, _ = probe(lin.kernels)   # (read, vpdpbusd peak, tile peak)
         best["bw"], best["peak"] = max(best["bw"], bw), max(best["peak"], peak)
         if r == rounds:
             break

@@ -11,5 +11,5 @@ namespace {
 }  // namespace
 
 extern const KernelTable kAvxVnniTable = {"avx2", "avx2 (int: vpdpbusd ymm, AVX-VNNI; bf16 layout: fp32 fma)",
-                                          qgemm<4>, qgemm<8>, bgemm, read_sum, peak, quantize_row_ref, 0, nullptr};
+                                          qgemm<4>, qgemm<8>, bgemm, read_sum, peak, quantize_row, 0, nullptr};
 }  // namespace kt
