@@ -27,8 +27,8 @@ from ktrun.ops.float_linear import float_linear
 from ktrun.ops.moe import MoEKernels
 
 HIDDEN = 7168
-MLA = dict(nh=128, R=512, dr=64)     # DeepSeek-V3's absorbed attention: q_lat (nh, R), q_rot (nh, dr), cache rows R + dr
-GQA = dict(nh=32, nkv=4, hd=128)     # Qwen3-30B-A3B
+MLA = {"nh": 128, "R": 512, "dr": 64}   # DeepSeek-V3's absorbed attention: q_lat (nh, R), q_rot (nh, dr), rows R + dr
+GQA = {"nh": 32, "nkv": 4, "hd": 128}   # Qwen3-30B-A3B
 
 
 def best_of(fn, reps: int) -> float:
