@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 19  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 20  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -43,7 +43,8 @@ extern "C" {
                                  head, on the context's pool); the attention ops take a cache longer than 128
                                  positions in chunks (merged in chunk order), split between the workers;
                              18: kt_measure_tile_int8_peak (the AMX tile unit's int8 peak);
-                             19: kt_gptq_block (one block of ktconvert's GPTQ column loop) */
+                             19: kt_gptq_block (one block of ktconvert's GPTQ column loop);
+                             20: kt_gqa_layer (a GQA layer's decode rows, x to o_proj's output, in one call) */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -310,6 +311,24 @@ typedef struct kt_gqa_decode_args {
  * kt_gqa_attend_batch (one job on ctx's pool, or the calling thread when ctx is NULL): a row's result has the bits
  * of that token decoded alone. Returns -1 for bad arguments (kt_last_error says which). */
 int kt_gqa_decode(kt_ctx* ctx, const kt_gqa_decode_args* args);
+
+/* kt_gqa_layer's arguments: a GQA layer's attention for its new rows from its normed input x to o_proj's output,
+ * every Linear already added to ctx (kt_add_linear*). Strides in floats. */
+typedef struct kt_gqa_layer_args {
+    kt_gqa_decode_args attn;            /* the attention as kt_gqa_decode's; its q, k, v and out (and their strides)
+                                           are ignored: the projections and the attention output are this call's */
+    const float* x; int64_t x_stride;   /* (T, K): the Linears' input rows */
+    int32_t q_id, k_id, v_id, o_id;     /* q_proj (nh * hd outputs), k_proj (nkv * hd), v_proj (nkv * vd): one job on
+                                           x (the same K and group); o_proj (nh * vd inputs) */
+    const float* q_bias; const float* k_bias; const float* v_bias; const float* o_bias;   /* NULL: none */
+    float* out; int64_t out_stride; int64_t n_out;   /* o_proj's output rows (T, n_out): n_out its N */
+} kt_gqa_layer_args;
+
+/* A GQA layer's new rows (decode, a speculative verify) from x to o_proj's output in one call, on ctx's pool: the
+ * q / k / v Linears' job, each bias added after it (a float32 add), kt_gqa_decode (norms, RoPE, the cache write,
+ * the attention), o_proj's job and its bias: the bits of those calls made one after another. Returns -1 for bad
+ * arguments (kt_last_error says which). */
+int kt_gqa_layer(kt_ctx* ctx, const kt_gqa_layer_args* args);
 
 /* kt_mla_decode's arguments: one MLA layer (DeepSeek-V2/V3, Kimi-K2, GLM-5) for its new rows, every Linear already
  * added to ctx (kt_add_linear*) and kv_b in the absorbed form (ktrun.ops.kernel_linear.AbsorbedKvB). Strides in

@@ -188,6 +188,16 @@ int kt_gqa_decode(kt_ctx* ctx, const kt_gqa_decode_args* args) {
     });
 }
 
+int kt_gqa_layer(kt_ctx* ctx, const kt_gqa_layer_args* args) {
+    if (!ctx || !args) { t_error = "kt_gqa_layer: needs a context and arguments"; return -1; }
+    const char* why = "";
+    bool ok = false;
+    ctx->engine.pool().wait();   // a job in flight may be an earlier one's: it may use the same slot
+    if (guarded([&] { ok = ctx->gqa_decode.run_layer(ctx, *args, &why); }) != 0) return -1;   // a Linear's error
+    if (!ok) t_error = std::string("kt_gqa_layer: ") + why;
+    return ok ? 0 : -1;
+}
+
 int kt_mla_decode(kt_ctx* ctx, const kt_mla_decode_args* args) {
     if (!ctx || !args) { t_error = "kt_mla_decode: needs a context and arguments"; return -1; }
     const char* why = "";

@@ -7,6 +7,12 @@
 // cache write's slicing, each row's cache runs turned into pointer lists): ~170 us of a Qwen3-shaped layer's 530 us
 // of attention at decode, on a 2-core machine, while the pool waited. Here it is one ctypes call.
 //
+// kt_gqa_layer adds the layer's Linears around it, the sequence ktrun.models.attention.gqa_attention runs for decode
+// rows on the kernels: [q + k + v] one Linear job on x, each bias added after it; kt_gqa_decode's steps; [o_proj]
+// into out, its bias added. Why: those were three library calls and ~20 Python frames, ctypes argument blocks and
+// output tensors per layer, ~250 us of a Qwen3-30B-A3B-shaped layer's ~700 us of attention on a 2-core Zen 3 while
+// the pool waited (docs/decode-step.md).
+//
 // Numerics: the same float32 operations as the separate calls (the norm and RoPE are those functions; the attention
 // is GqaAttendBatch over the same positions in the same order), so every row keeps the bits of its token decoded
 // alone, on every ISA and any split (tests/test_kernels_gqa_decode.py checks them against the separate calls).
@@ -14,6 +20,7 @@
 #include <cstring>
 
 #include "../include/ktkernels.h"
+#include "context.h"
 #include "mla_attend.h"
 
 namespace kt {
@@ -100,6 +107,62 @@ bool GqaDecode::set(const kt_gqa_decode_args& a, const char** why) {
     *why = "bad attention arguments";
     return attend.set_filled(a.T, a.nkv, a.nh / a.nkv, a.hd, a.vd, q_ready.data(), a.nh * a.hd, a.hd, a.scale, a.out,
                              a.out_stride, a.vd);
+}
+
+namespace {
+
+// rows (T, n) with row stride ld: y += b (torch's y + b: one float32 add per element)
+void add_bias(float* y, int64_t T, int64_t n, int64_t ld, const float* b) {
+    if (!b) return;
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < n; ++j) y[t * ld + j] += b[j];
+}
+
+}  // namespace
+
+bool GqaDecode::run_layer(kt_ctx* ctx, const kt_gqa_layer_args& a, const char** why) {
+    const kt_gqa_decode_args& g = a.attn;
+    *why = "bad geometry (T, nh, nkv, hd, vd)";
+    if (g.T < 1 || g.T > (1 << 20) || g.nh < 1 || g.nkv < 1 || g.hd < 16 || g.vd < 16) return false;
+    *why = "missing x / out, or out_stride < n_out";
+    if (!a.x || !a.out || a.n_out < 1 || a.out_stride < a.n_out) return false;
+    LinearEngine& lin = ctx->linear;
+    const int64_t nq = g.nh * g.hd, nk = g.nkv * g.hd, nv = g.nkv * g.vd, no = g.nh * g.vd;
+    const Linear *lq = lin.find(a.q_id), *lk = lin.find(a.k_id), *lv = lin.find(a.v_id), *lo = lin.find(a.o_id);
+    *why = "a q / k / v / o Linear id was not added";
+    if (!lq || !lk || !lv || !lo) return false;
+    *why = "Linear shapes do not match the heads (q N = nh * hd, k N = nkv * hd, v N = nkv * vd, o K = nh * vd, "
+           "o N = n_out)";
+    if (lq->n != nq || lk->n != nk || lv->n != nv || lo->k != no || lo->n != a.n_out) return false;
+    const int T = (int)g.T;
+    q.resize((size_t)(T * nq));
+    k.resize((size_t)(T * nk));
+    v.resize((size_t)(T * nv));
+    o.resize((size_t)(T * no));
+    const int ids[3] = {a.q_id, a.k_id, a.v_id};
+    float* outs[3] = {q.data(), k.data(), v.data()};
+    const int64_t strides[3] = {nq, nk, nv};
+    lin.submit(3, ids, T, a.x, KT_F32, a.x_stride, outs, strides);   // throws for K / group mismatches
+    lin.sync();
+    add_bias(q.data(), T, nq, nq, a.q_bias);
+    add_bias(k.data(), T, nk, nk, a.k_bias);
+    add_bias(v.data(), T, nv, nv, a.v_bias);
+    kt_gqa_decode_args d = g;
+    d.q = q.data(); d.q_stride = nq;
+    d.k = k.data(); d.k_stride = nk;
+    d.v = v.data(); d.v_stride = nv;
+    d.out = o.data(); d.out_stride = no;
+    if (!set(d, why)) return false;
+    ThreadPool& pool = ctx->engine.pool();
+    pool.launch([this](const WorkerInfo& w) { run(w.index, w.n_threads); });
+    pool.wait();
+    const int op[1] = {a.o_id};
+    float* oo[1] = {a.out};
+    const int64_t os[1] = {a.out_stride};
+    lin.submit(1, op, T, o.data(), KT_F32, no, oo, os);
+    lin.sync();
+    add_bias(a.out, T, a.n_out, a.out_stride, a.o_bias);
+    return true;
 }
 
 bool request_rows_ok(int64_t m, int64_t T, const int64_t* row0, const int64_t* start) {

@@ -54,6 +54,11 @@ public:
                         int64_t x_stride, int64_t x_group_stride, float* out, int64_t out_stride,
                         int64_t out_group_stride, int x_group_div = 1, const float* x_scale = nullptr);
     void sync() { pool_.wait(); }
+    // the registered Linear `id`, or nullptr (kt_gqa_layer checks its callers' geometry with it)
+    const Linear* find(int id) const {
+        auto it = linears_.find(id);
+        return it == linears_.end() ? nullptr : &it->second;
+    }
 
     // GPU codes -> tiles + f32 scales (ktkernels.h kt_linear_repack), on the pool; synchronous.
     void repack(int n, int k, int bits, int group, const void* codes, int codes_kind, int64_t code_stride_k,

@@ -149,6 +149,9 @@ struct GqaDecode {
     // Checks the arguments (false, with why, for bad ones), writes the cache, fills attend.
     bool set(const kt_gqa_decode_args& a, const char** why);
     void run(int index, int n) const { attend.run(index, n); }
+    // kt_gqa_layer: the q / k / v job on x, set + run on the pool, o_proj's job (gqa_decode.cpp)
+    std::vector<float> q, k, v, o;   // the projections (T, nh * hd), (T, nkv * hd), (T, nkv * vd); attention (T, nh * vd)
+    bool run_layer(kt_ctx* ctx, const kt_gqa_layer_args& a, const char** why);
 };
 
 // out[h * S + j] = (a[h] . rows[j]) * scale for h < n, j < S (K a multiple of 16), in the same fixed order (16 lane

@@ -77,6 +77,9 @@ def gqa_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
     qk_norm: None, "head" (RMSNorm over each head's dims: Qwen3, GLM) or "projection" (over the whole q / k
     projection, all heads at once: MiniMax-M2), before RoPE. RoPE covers the first rope.dim dims of each head.
     window / sinks: as gqa_attend."""
+    out = one_call.gqa_layer(cfg, w, p, x, batch, layer, rope, cos, sin, qk_norm, window, sinks)
+    if out is not None:                               # decode rows on the kernels: x to o_proj's output in one call
+        return out
     T, nh, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     # q (T, nh*hd), k (T, nkv*hd), v (T, nkv*hd): on the CPU kernels one submission (x quantized once, one job)
     q, k, v = linears(x, [w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]],

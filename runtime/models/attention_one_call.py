@@ -52,6 +52,70 @@ def gqa(cfg: ModelConfig, w: dict, p: str, q: torch.Tensor, k: torch.Tensor, v: 
                            paging(batch), kc, vc, cfg.softmax_scale, window, kernels)
 
 
+def gqa_layer(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
+              cos: torch.Tensor, sin: torch.Tensor, qk_norm: str | None, window: int | None | str,
+              sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """ktrun.models.attention.gqa_attention whole, from the layer's normed input x (T, hidden) to o_proj's output, for
+    a batch of decode-sized requests of a float32 CPU model whose q / k / v / o Linears sit on one kernel context: one
+    kt_gqa_layer call (glue.GqaLayerCall), the bits of the separate steps (the q / k / v job and its biases, gqa()
+    above, o_proj's job and bias). -> (T, hidden), or None (nothing done) where gqa() would not run or the Linears are
+    not all on the op (_gqa_plan)."""
+    if sinks is not None or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.stride(-1) != 1 or \
+            any(s.n > SERIAL_MAX_ROWS for s in batch.seqs):
+        return None
+    call = _gqa_plan(cfg, w, p, qk_norm)
+    if call is None:
+        return None
+    pool = _float32_pool(batch)
+    if pool is None or len(pool.tokens) < 2:
+        return None
+    kc, vc = pool.tokens[0][layer], pool.tokens[1][layer]            # (blocks, B, nkv, hd), (blocks, B, nkv, vd)
+    g = call.args.attn
+    if kc.dim() != 4 or vc.dim() != 4 or kc.shape[2] != g.nkv or kc.shape[3] != g.hd or vc.shape[2] != g.nkv or \
+            vc.shape[3] != g.vd or not (kc.is_contiguous() and vc.is_contiguous()):
+        return None
+    half = cos.shape[-1]
+    if 2 * half > g.hd or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride(-1) != 1 or \
+            sin.stride() != cos.stride():
+        return None
+    g.rope_half = call.rope_half = half
+    g.window = (cfg.sliding_window if window == "config" else window) or 0
+    return call(x, cos, sin, paging(batch), kc, vc)
+
+
+def _gqa_plan(cfg: ModelConfig, w: dict, p: str, qk_norm: str | None) -> glue.GqaLayerCall | None:
+    """The layer's kt_gqa_layer call, or None when its weights are not what the call takes: q / k / v / o all
+    KernelLinears on one context, q / k / v sharing their input (one job, as layers.linears runs them), no act-order
+    or padded inputs, float32 biases, head sizes multiples of 16, norms kt_rms_norm reproduces. Made once per layer
+    and kept next to the weights (not a tensor or tuple: byte counts skip it)."""
+    key = p + "gqa_layer_plan"
+    if key in w:
+        return w[key]
+    w[key] = None
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    lins = {k: w.get(p + k + "_proj.weight") for k in ("q", "k", "v", "o")}
+    first = lins["q"]
+    if not isinstance(first, KernelLinear) or hd % 16 or nkv < 1 or nh % nkv or any(
+            not isinstance(li, KernelLinear) or li.lin is not first.lin or li.perm is not None or li.k_op != li.k
+            for li in lins.values()):
+        return None
+    vd = lins["v"].n // nkv
+    if not (first.shares_input_with(lins["k"]) and first.shares_input_with(lins["v"])) or \
+            first.n != nh * hd or lins["k"].n != nkv * hd or lins["v"].n != nkv * vd or vd % 16 or \
+            lins["o"].k != nh * vd:
+        return None
+    biases = {k: w.get(p + k + "_proj.bias") for k in lins}
+    if any(b is not None and (not isinstance(b, torch.Tensor) or b.dtype != torch.float32 or not b.is_cpu or
+                              not b.is_contiguous() or b.numel() != lins[k].n) for k, b in biases.items()):
+        return None
+    q_w, k_w = (w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight")) if qk_norm else (None, None)
+    if qk_norm not in (None, "head", "projection") or (qk_norm and not glue.norm_weights_ok(q_w, k_w)):
+        return None
+    w[key] = glue.GqaLayerCall(nh, nkv, hd, vd, {k: li.id for k, li in lins.items()}, biases, qk_norm, q_w, k_w,
+                               cfg.rms_norm_eps, 0, False, cfg.softmax_scale, None, lins["o"].n, first.lin.kernels)
+    return w[key]
+
+
 def _float32_pool(batch: Batch):
     """The one float32 KV block pool every request of the batch uses, or None (a cache that is not a block pool's,
     several pools, another dtype)."""

@@ -23,7 +23,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from .library import GqaDecodeArgs, KernelError, MlaDecodeArgs, MoeDecodeArgs, load_library
+from .library import GqaDecodeArgs, GqaLayerArgs, KernelError, MlaDecodeArgs, MoeDecodeArgs, load_library
 
 MAX_D = 32767            # torch sums a longer single row in two passes over its threads (a different order)
 _PROBE_D = (16, 100, 512, 1536, 7168, 7171)
@@ -276,6 +276,63 @@ def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, hd: i
     if lib.kt_gqa_decode(None if kernels is None else kernels.handle, ctypes.byref(a)) != 0:
         raise KernelError(lib.kt_last_error().decode())
     return out
+
+
+class GqaLayerCall:
+    """kt_gqa_layer for one GQA layer: a GQA layer's decode rows from its normed input x to o_proj's output in one
+    call on the pool of kernels (a LinearKernels context holding the q / k / v / o Linears). The layer's constant
+    arguments (geometry, Linear ids, biases, norms, RoPE form, scale, window) are set once here; a call fills in the
+    rows, the tables and the caches. Per call the argument block is this one, filled in place: building the ~50
+    ctypes fields anew cost more than the C call's own glue (~20 us of a ~100 us call on a 2-core Zen 3). Not
+    thread-safe (one forward at a time per model, as the engine runs them).
+
+    ids: {"q", "k", "v", "o"} Linear ids; biases: the same keys -> float32 contiguous tensors or None; norm, q_w, k_w,
+    eps as gqa_decode's; rope_half / interleaved as gqa_decode's; n_out: o_proj's N."""
+
+    def __init__(self, nh: int, nkv: int, hd: int, vd: int, ids: dict, biases: dict, norm: str | None,
+                 q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float, rope_half: int, interleaved: bool,
+                 scale: float, window: int | None, n_out: int, kernels):
+        self.kernels, self.n_out, self.rope_half = kernels, n_out, rope_half
+        self._keep = (biases, q_w, k_w)             # the pointers below stay valid while the plan lives
+        a = self.args = GqaLayerArgs()
+        g = a.attn
+        g.nh, g.nkv, g.hd, g.vd = nh, nkv, hd, vd
+        g.norm = {None: 0, "head": 1, "projection": 2}[norm]
+        g.lanes = (_state.get("lanes") or _lanes()) if norm else 0
+        g.eps = eps
+        g.q_norm = q_w.data_ptr() if norm else None
+        g.k_norm = k_w.data_ptr() if norm else None
+        g.rope_half, g.interleaved = rope_half, int(interleaved)
+        g.scale, g.window = scale, window or 0
+        a.q_id, a.k_id, a.v_id, a.o_id = ids["q"], ids["k"], ids["v"], ids["o"]
+        for key in ("q", "k", "v", "o"):
+            b = biases.get(key)
+            setattr(a, key + "_bias", None if b is None else b.data_ptr())
+        a.n_out = n_out
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, paging: tuple, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor:
+        """x (T, K) float32 CPU rows with contiguous columns; cos / sin, paging, k_cache / v_cache as gqa_decode's
+        -> o_proj's output (T, n_out), the layer's k / v written into the caches."""
+        T = x.shape[0]
+        out = torch.empty((T, self.n_out), dtype=torch.float32)
+        a = self.args
+        g = a.attn
+        g.T = T
+        if self.rope_half:
+            g.cos, g.sin, g.cs_stride = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
+        m, row0, start, table0, tables = paging
+        g.m, g.row0, g.start, g.table0, g.tables = m, row0.data_ptr(), start.data_ptr(), table0.data_ptr(), \
+            tables.data_ptr()
+        g.block_size, g.k_cache, g.k_block_stride, g.k_row_stride = \
+            k_cache.shape[1], k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1)
+        g.v_cache, g.v_block_stride, g.v_row_stride = v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1)
+        a.x, a.x_stride = x.data_ptr(), x.stride(0) if T > 1 else x.shape[1]
+        a.out, a.out_stride = out.data_ptr(), self.n_out
+        lib = _library()
+        if lib.kt_gqa_layer(self.kernels.handle, ctypes.byref(a)) != 0:
+            raise KernelError(lib.kt_last_error().decode())
+        return out
 
 
 def mla_decode(x: torch.Tensor, linears: dict, dims: tuple, uk_group: int, uk_scale: torch.Tensor,

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ktlayouts.expert_formats import scale_encodings
 
-ABI_VERSION = 19
+ABI_VERSION = 20
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
@@ -50,6 +50,15 @@ class GqaDecodeArgs(ctypes.Structure):
                 ("k_cache", _p), ("k_block_stride", _i64), ("k_row_stride", _i64),
                 ("v_cache", _p), ("v_block_stride", _i64), ("v_row_stride", _i64),
                 ("scale", _f), ("window", _i64), ("out", _p), ("out_stride", _i64)]
+
+
+class GqaLayerArgs(ctypes.Structure):
+    """kt_gqa_layer_args (ktkernels.h), field for field."""
+    _i64, _i32, _p = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+    _fields_ = [("attn", GqaDecodeArgs), ("x", _p), ("x_stride", _i64),
+                ("q_id", _i32), ("k_id", _i32), ("v_id", _i32), ("o_id", _i32),
+                ("q_bias", _p), ("k_bias", _p), ("v_bias", _p), ("o_bias", _p),
+                ("out", _p), ("out_stride", _i64), ("n_out", _i64)]
 
 
 class MlaDecodeArgs(ctypes.Structure):
@@ -125,6 +134,7 @@ def load_library() -> ctypes.CDLL:
         "kt_gqa_attend_batch": (c_int, [c_p, c_i64, c_i64, c_i64, c_i64, c_i64, c_p, c_i64, c_i64, ctypes.c_float,
                                         c_p, c_p, c_p, c_p, c_i64, c_i64, c_p, c_i64, c_i64]),
         "kt_gqa_decode": (c_int, [c_p, ctypes.POINTER(GqaDecodeArgs)]),
+        "kt_gqa_layer": (c_int, [c_p, ctypes.POINTER(GqaLayerArgs)]),
         "kt_mla_decode": (c_int, [c_p, ctypes.POINTER(MlaDecodeArgs)]),
         "kt_moe_decode": (c_int, [c_p, ctypes.POINTER(MoeDecodeArgs)]),
         "kt_float_linear": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_int, c_i64, c_p, c_i64]),
