@@ -19,7 +19,7 @@ static CpuFeatures detect() {
     CpuFeatures f;
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
-    const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12);
+    const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12), f16c = c & (1u << 29);
     if (!osxsave || !avx) return f;
     const unsigned long long xcr0 = read_xcr0();
     const bool os_avx = (xcr0 & 0x6) == 0x6;                 // SSE + AVX state
@@ -31,7 +31,7 @@ static CpuFeatures detect() {
     unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
     __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
     f.fma = fma && os_avx;
-    f.avx2 = avx2 && os_avx && f.fma;
+    f.avx2 = avx2 && os_avx && f.fma && f16c;   // the avx2 copies convert float16 scales by F16C (isa_avx2.inc)
     f.avx_vnni = f.avx2 && (a1 & (1u << 4));
     f.avx512 = f.avx2 && os_avx512 && avx512f && avx512bw && avx512vl && avx512vnni;
     f.avx512_bf16 = f.avx512 && (a1 & (1u << 5));
