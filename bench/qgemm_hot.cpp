@@ -1,9 +1,11 @@
 // The AVX-512 VNNI qgemm body (kernels/src/kernel_body.inc, the one the avx512 and amx backends run for decode
-// rows) on one matrix hot in L2, one thread: its compute rate in weight bytes per second, to set against the
-// memory read bandwidth of one thread (bench_qgemm_hot.py builds and runs this; it is not part of the library).
+// rows), or with -DKT_HOT_AVX2 the avx2 backend's, on one matrix hot in L2, one thread: its compute rate in weight
+// bytes per second, to set against the memory read bandwidth of one thread (bench_qgemm_hot.py builds and runs
+// this; it is not part of the library).
 // Codes are random, scales 1.0 (float16) or two-level records with d = 1.0; the numbers do not depend on them.
 // Prints `name: value unit` lines: per rows m, GB/s of codes + scales for int4 f16 g64, int4 sub6 g32 (both
-// 4.25 bits/weight), int8 f16 g32, timed alternately, best of the rounds.
+// 4.25 bits/weight), int8 f16 g32, timed alternately, best of the rounds, and the int8 operations per second (2 per
+// weight and row).
 #include <immintrin.h>
 #include <algorithm>
 #include <chrono>
@@ -16,7 +18,11 @@
 
 namespace kt {
 namespace {
+#ifdef KT_HOT_AVX2
+#include "isa_avx2.inc"   // the avx2 backend's body (vpmaddubsw + vpmaddwd, F16C scales)
+#else
 #include "isa_avx512.inc"
+#endif
 }  // namespace
 
 struct Case { const char* name; QView w; int bits, n_blocks; double bytes; };
@@ -60,8 +66,11 @@ void run(int m, int K, int NB, int rounds) {
                 (k.bits == 4 ? qgemm<4> : qgemm<8>)(k.w, k.n_blocks, a, m, y.data(), NB * 16);
             best[c] = std::min(best[c], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters);
         }
-    for (int c = 0; c < 3; ++c)
+    for (int c = 0; c < 3; ++c) {
         std::printf("qgemm_hot_%s_T%d: %.1f GB/s\n", cases[c].name, m, cases[c].bytes / best[c] / 1e9);
+        const double weights = cases[c].bits == 4 ? w4 : w4 / 2;
+        std::printf("qgemm_hot_%s_T%d_compute: %.1f GOP/s\n", cases[c].name, m, 2.0 * weights * m / best[c] / 1e9);
+    }
     std::printf("qgemm_hot_T%d_sub6_g32_vs_f16_g64: %.3f x time\n", m, best[1] / best[0]);
 }
 
