@@ -9,6 +9,7 @@ every ISA copy (layers without norms and other head shapes: kt_gqa_decode's own 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
@@ -39,6 +40,22 @@ def test_model_decode_logits_are_the_same_with_and_without_the_one_call(tmp_path
     plans = _plans(eng.model)
     if arch == "glm4_moe":                     # its q / k / v biases are added inside the call
         assert all(p.args.q_bias and p.args.k_bias and p.args.v_bias for p in plans)
+
+
+def test_interleaved_rope_and_a_window_reach_the_call(tmp_path_factory, monkeypatch):
+    """The RoPE form and the window are the model's, read per call: the Qwen3-MoE fixture with its rotary made
+    interleaved and a sliding window of 3 gives the same logits with the one call and without (the separate steps
+    follow both), and other logits than with plain rotary and no window."""
+    eng = Engine(converted(tmp_path_factory, "qwen3_moe", "int4-amx", gpu_method="rtn-int4"), ctx=256, max_batch=4)
+    ids = eng.tokenizer.encode(PROMPT)
+    plain, _, _ = with_and_without(eng.model, ids, monkeypatch, attention_one_call, "gqa_layer")
+    monkeypatch.setattr(eng.model.rope, "interleaved", True)
+    monkeypatch.setattr(eng.model, "cfg", dataclasses.replace(eng.model.cfg, sliding_window=3))
+    one_call, separate, taken = with_and_without(eng.model, ids, monkeypatch, attention_one_call, "gqa_layer")
+    assert any(taken)
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(one_call, plain))
 
 
 def test_every_isa_copy_gives_the_same_bits(tmp_path_factory):

@@ -79,6 +79,7 @@ def gqa_layer(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, 
             sin.stride() != cos.stride():
         return None
     g.rope_half = call.rope_half = half
+    g.interleaved = int(rope.interleaved)
     g.window = (cfg.sliding_window if window == "config" else window) or 0
     return call(x, cos, sin, paging(batch), kc, vc)
 
@@ -112,7 +113,7 @@ def _gqa_plan(cfg: ModelConfig, w: dict, p: str, qk_norm: str | None) -> glue.Gq
     if qk_norm not in (None, "head", "projection") or (qk_norm and not glue.norm_weights_ok(q_w, k_w)):
         return None
     w[key] = glue.GqaLayerCall(nh, nkv, hd, vd, {k: li.id for k, li in lins.items()}, biases, qk_norm, q_w, k_w,
-                               cfg.rms_norm_eps, 0, False, cfg.softmax_scale, None, lins["o"].n, first.lin.kernels)
+                               cfg.rms_norm_eps, cfg.softmax_scale, lins["o"].n, first.lin.kernels)
     return w[key]
 
 

@@ -287,12 +287,12 @@ class GqaLayerCall:
     thread-safe (one forward at a time per model, as the engine runs them).
 
     ids: {"q", "k", "v", "o"} Linear ids; biases: the same keys -> float32 contiguous tensors or None; norm, q_w, k_w,
-    eps as gqa_decode's; rope_half / interleaved as gqa_decode's; n_out: o_proj's N."""
+    eps, scale as gqa_decode's; n_out: o_proj's N. The caller sets the RoPE form (args.attn.rope_half, rope_half,
+    args.attn.interleaved) and the window (args.attn.window) before a call."""
 
     def __init__(self, nh: int, nkv: int, hd: int, vd: int, ids: dict, biases: dict, norm: str | None,
-                 q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float, rope_half: int, interleaved: bool,
-                 scale: float, window: int | None, n_out: int, kernels):
-        self.kernels, self.n_out, self.rope_half = kernels, n_out, rope_half
+                 q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float, scale: float, n_out: int, kernels):
+        self.kernels, self.n_out, self.rope_half = kernels, n_out, 0
         self._keep = (biases, q_w, k_w)             # the pointers below stay valid while the plan lives
         a = self.args = GqaLayerArgs()
         g = a.attn
@@ -302,8 +302,7 @@ class GqaLayerCall:
         g.eps = eps
         g.q_norm = q_w.data_ptr() if norm else None
         g.k_norm = k_w.data_ptr() if norm else None
-        g.rope_half, g.interleaved = rope_half, int(interleaved)
-        g.scale, g.window = scale, window or 0
+        g.scale = scale
         a.q_id, a.k_id, a.v_id, a.o_id = ids["q"], ids["k"], ids["v"], ids["o"]
         for key in ("q", "k", "v", "o"):
             b = biases.get(key)
