@@ -31,25 +31,50 @@ def gqa(cfg: ModelConfig, w: dict, p: str, q: torch.Tensor, k: torch.Tensor, v: 
     if sinks is not None or q.dtype != torch.float32 or not q.is_cpu or hd % 16 or \
             any(s.n > SERIAL_MAX_ROWS for s in batch.seqs):
         return None
+    caches = _caches(batch, layer, hd)
+    if caches is None:
+        return None
+    kc, vc = caches
+    nkv = kc.shape[2]
+    if k.shape[1] != nkv * hd or v.shape[1] != nkv * vc.shape[3]:
+        return None
+    q_w, k_w = _qk_norms(w, p, qk_norm)
+    if q_w is False or not _rope_rows_ok(cos, sin, hd) or any(t.stride(-1) != 1 for t in (q, k, v)):
+        return None
+    return glue.gqa_decode(q, k, v, nh, hd, qk_norm, q_w, k_w, cfg.rms_norm_eps, cos, sin, cos.shape[-1],
+                           rope.interleaved, paging(batch), kc, vc, cfg.softmax_scale, _window(cfg, window), kernels)
+
+
+def _caches(batch: Batch, layer: int, hd: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layer's (k (blocks, B, nkv, hd), v (blocks, B, nkv, vd)) slabs of the batch's one float32 block pool as
+    kt_gqa_decode addresses them (contiguous, key heads of hd, value heads a multiple of 16), or None."""
     pool = _float32_pool(batch)
     if pool is None or len(pool.tokens) < 2:
         return None
-    kc, vc = pool.tokens[0][layer], pool.tokens[1][layer]            # (blocks, B, nkv, hd), (blocks, B, nkv, vd)
-    nkv = kc.shape[2]
-    if kc.dim() != 4 or vc.dim() != 4 or vc.shape[2] != nkv or kc.shape[3] != hd or vc.shape[3] % 16 or \
-            not (kc.is_contiguous() and vc.is_contiguous()) or k.shape[1] != nkv * hd or \
-            v.shape[1] != nkv * vc.shape[3]:
+    kc, vc = pool.tokens[0][layer], pool.tokens[1][layer]
+    if kc.dim() != 4 or vc.dim() != 4 or vc.shape[2] != kc.shape[2] or kc.shape[3] != hd or vc.shape[3] % 16 or \
+            not (kc.is_contiguous() and vc.is_contiguous()):
         return None
+    return kc, vc
+
+
+def _qk_norms(w: dict, p: str, qk_norm: str | None):
+    """(q_norm, k_norm) weights of a layer whose norm kt_rms_norm reproduces ((None, None) without one), or
+    (False, False) when the call cannot norm them."""
     q_w, k_w = (w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight")) if qk_norm else (None, None)
     if qk_norm not in (None, "head", "projection") or (qk_norm and not glue.norm_weights_ok(q_w, k_w)):
-        return None
-    half = cos.shape[-1]
-    if 2 * half > hd or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride(-1) != 1 or \
-            sin.stride() != cos.stride() or any(t.stride(-1) != 1 for t in (q, k, v)):
-        return None
-    window = cfg.sliding_window if window == "config" else window
-    return glue.gqa_decode(q, k, v, nh, hd, qk_norm, q_w, k_w, cfg.rms_norm_eps, cos, sin, half, rope.interleaved,
-                           paging(batch), kc, vc, cfg.softmax_scale, window, kernels)
+        return False, False
+    return q_w, k_w
+
+
+def _rope_rows_ok(cos: torch.Tensor, sin: torch.Tensor, hd: int) -> bool:
+    """cos / sin (T, rope_half) float32 rows with contiguous columns, rotating at most the head's hd dims."""
+    return 2 * cos.shape[-1] <= hd and cos.dtype == torch.float32 and sin.dtype == torch.float32 and \
+        cos.stride(-1) == 1 and sin.stride() == cos.stride()
+
+
+def _window(cfg: ModelConfig, window: int | None | str) -> int | None:
+    return cfg.sliding_window if window == "config" else window
 
 
 def gqa_layer(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer: int, rope: Rope,
@@ -66,22 +91,11 @@ def gqa_layer(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, 
     call = _gqa_plan(cfg, w, p, qk_norm)
     if call is None:
         return None
-    pool = _float32_pool(batch)
-    if pool is None or len(pool.tokens) < 2:
-        return None
-    kc, vc = pool.tokens[0][layer], pool.tokens[1][layer]            # (blocks, B, nkv, hd), (blocks, B, nkv, vd)
     g = call.args.attn
-    if kc.dim() != 4 or vc.dim() != 4 or kc.shape[2] != g.nkv or kc.shape[3] != g.hd or vc.shape[2] != g.nkv or \
-            vc.shape[3] != g.vd or not (kc.is_contiguous() and vc.is_contiguous()):
+    caches = _caches(batch, layer, g.hd)
+    if caches is None or caches[0].shape[2] != g.nkv or caches[1].shape[3] != g.vd or not _rope_rows_ok(cos, sin, g.hd):
         return None
-    half = cos.shape[-1]
-    if 2 * half > g.hd or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride(-1) != 1 or \
-            sin.stride() != cos.stride():
-        return None
-    g.rope_half = call.rope_half = half
-    g.interleaved = int(rope.interleaved)
-    g.window = (cfg.sliding_window if window == "config" else window) or 0
-    return call(x, cos, sin, paging(batch), kc, vc)
+    return call(x, cos, sin, rope.interleaved, paging(batch), *caches, _window(cfg, window))
 
 
 def _gqa_plan(cfg: ModelConfig, w: dict, p: str, qk_norm: str | None) -> glue.GqaLayerCall | None:
@@ -109,8 +123,8 @@ def _gqa_plan(cfg: ModelConfig, w: dict, p: str, qk_norm: str | None) -> glue.Gq
     if any(b is not None and (not isinstance(b, torch.Tensor) or b.dtype != torch.float32 or not b.is_cpu or
                               not b.is_contiguous() or b.numel() != lins[k].n) for k, b in biases.items()):
         return None
-    q_w, k_w = (w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight")) if qk_norm else (None, None)
-    if qk_norm not in (None, "head", "projection") or (qk_norm and not glue.norm_weights_ok(q_w, k_w)):
+    q_w, k_w = _qk_norms(w, p, qk_norm)
+    if q_w is False:
         return None
     w[key] = glue.GqaLayerCall(nh, nkv, hd, vd, {k: li.id for k, li in lins.items()}, biases, qk_norm, q_w, k_w,
                                cfg.rms_norm_eps, cfg.softmax_scale, lins["o"].n, first.lin.kernels)

@@ -246,6 +246,30 @@ def norm_weights_ok(*weights: torch.Tensor | None) -> bool:
                and 16 <= t.numel() <= MAX_D for t in weights) and (_state.get("lanes") or _lanes()) > 0
 
 
+def _set_norms(a: GqaDecodeArgs, norm: str | None, q_w: torch.Tensor | None, k_w: torch.Tensor | None,
+               eps: float) -> None:
+    """kt_gqa_decode_args' q / k norm fields (gqa_decode's norm, q_w, k_w, eps)."""
+    a.norm = {None: 0, "head": 1, "projection": 2}[norm]
+    a.lanes = (_state.get("lanes") or _lanes()) if norm else 0
+    a.eps = eps
+    a.q_norm = q_w.data_ptr() if norm else None
+    a.k_norm = k_w.data_ptr() if norm else None
+
+
+def _set_rows(a: GqaDecodeArgs, T: int, cos: torch.Tensor, sin: torch.Tensor, rope_half: int, interleaved: bool,
+              paging: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None) -> None:
+    """kt_gqa_decode_args' fields of one call (gqa_decode's arguments of those names): the rows, their RoPE, the
+    requests' block tables, the layer's caches and the window."""
+    a.T, a.rope_half, a.interleaved = T, rope_half, int(interleaved)
+    a.cos, a.sin, a.cs_stride = (cos.data_ptr(), sin.data_ptr(), cos.stride(0)) if rope_half else (None, None, 0)
+    a.m, row0, start, table0, tables = paging
+    a.row0, a.start, a.table0, a.tables = row0.data_ptr(), start.data_ptr(), table0.data_ptr(), tables.data_ptr()
+    a.block_size, a.k_cache, a.k_block_stride, a.k_row_stride = \
+        k_cache.shape[1], k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1)
+    a.v_cache, a.v_block_stride, a.v_row_stride = v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1)
+    a.window = window or 0
+
+
 def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, hd: int, norm: str | None,
                q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                rope_half: int, interleaved: bool, paging: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -261,17 +285,11 @@ def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, hd: i
     T = q.shape[0]
     nkv, vd = k_cache.shape[2], v_cache.shape[3]
     out = torch.empty((T, nh * vd), dtype=torch.float32)
-    m, row0, start, table0, tables = paging
-    lanes = (_state.get("lanes") or _lanes()) if norm else 0
-    a = GqaDecodeArgs(nh, nkv, hd, vd, T, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                      v.stride(0), {None: 0, "head": 1, "projection": 2}[norm], lanes, eps,
-                      q_w.data_ptr() if norm else None, k_w.data_ptr() if norm else None, rope_half, int(interleaved),
-                      cos.data_ptr() if rope_half else None, sin.data_ptr() if rope_half else None,
-                      cos.stride(0) if rope_half else 0,
-                      m, row0.data_ptr(), start.data_ptr(), table0.data_ptr(), tables.data_ptr(), k_cache.shape[1],
-                      k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
-                      v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), scale, window or 0, out.data_ptr(),
-                      nh * vd)
+    a = GqaDecodeArgs(nh=nh, nkv=nkv, hd=hd, vd=vd, q=q.data_ptr(), q_stride=q.stride(0), k=k.data_ptr(),
+                      k_stride=k.stride(0), v=v.data_ptr(), v_stride=v.stride(0), scale=scale, out=out.data_ptr(),
+                      out_stride=nh * vd)
+    _set_norms(a, norm, q_w, k_w, eps)
+    _set_rows(a, T, cos, sin, rope_half, interleaved, paging, k_cache, v_cache, window)
     lib = _library()
     if lib.kt_gqa_decode(None if kernels is None else kernels.handle, ctypes.byref(a)) != 0:
         raise KernelError(lib.kt_last_error().decode())
@@ -281,51 +299,37 @@ def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, hd: i
 class GqaLayerCall:
     """kt_gqa_layer for one GQA layer: a GQA layer's decode rows from its normed input x to o_proj's output in one
     call on the pool of kernels (a LinearKernels context holding the q / k / v / o Linears). The layer's constant
-    arguments (geometry, Linear ids, biases, norms, RoPE form, scale, window) are set once here; a call fills in the
-    rows, the tables and the caches. Per call the argument block is this one, filled in place: building the ~50
-    ctypes fields anew cost more than the C call's own glue (~20 us of a ~100 us call on a 2-core Zen 3). Not
-    thread-safe (one forward at a time per model, as the engine runs them).
+    arguments (geometry, Linear ids, biases, norms, scale) are set once here; a call fills in the rows, their RoPE,
+    the tables, the caches and the window (_set_rows, as gqa_decode). Per call the argument block is this one, filled
+    in place: building the ~50 ctypes fields anew cost more than the C call's own glue (~20 us of a ~100 us call on
+    a 2-core Zen 3). Not thread-safe (one forward at a time per model, as the engine runs them).
 
     ids: {"q", "k", "v", "o"} Linear ids; biases: the same keys -> float32 contiguous tensors or None; norm, q_w, k_w,
-    eps, scale as gqa_decode's; n_out: o_proj's N. The caller sets the RoPE form (args.attn.rope_half, rope_half,
-    args.attn.interleaved) and the window (args.attn.window) before a call."""
+    eps, scale as gqa_decode's; n_out: o_proj's N."""
 
     def __init__(self, nh: int, nkv: int, hd: int, vd: int, ids: dict, biases: dict, norm: str | None,
                  q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float, scale: float, n_out: int, kernels):
-        self.kernels, self.n_out, self.rope_half = kernels, n_out, 0
+        self.kernels, self.n_out = kernels, n_out
         self._keep = (biases, q_w, k_w)             # the pointers below stay valid while the plan lives
         a = self.args = GqaLayerArgs()
         g = a.attn
-        g.nh, g.nkv, g.hd, g.vd = nh, nkv, hd, vd
-        g.norm = {None: 0, "head": 1, "projection": 2}[norm]
-        g.lanes = (_state.get("lanes") or _lanes()) if norm else 0
-        g.eps = eps
-        g.q_norm = q_w.data_ptr() if norm else None
-        g.k_norm = k_w.data_ptr() if norm else None
-        g.scale = scale
+        g.nh, g.nkv, g.hd, g.vd, g.scale = nh, nkv, hd, vd, scale
+        _set_norms(g, norm, q_w, k_w, eps)
         a.q_id, a.k_id, a.v_id, a.o_id = ids["q"], ids["k"], ids["v"], ids["o"]
         for key in ("q", "k", "v", "o"):
             b = biases.get(key)
             setattr(a, key + "_bias", None if b is None else b.data_ptr())
         a.n_out = n_out
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, paging: tuple, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor:
-        """x (T, K) float32 CPU rows with contiguous columns; cos / sin, paging, k_cache / v_cache as gqa_decode's
-        -> o_proj's output (T, n_out), the layer's k / v written into the caches."""
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, paging: tuple,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None) -> torch.Tensor:
+        """x (T, K) float32 CPU rows with contiguous columns; cos / sin (T, rope_half) (rope_half 0: none),
+        interleaved, paging, k_cache / v_cache, window as gqa_decode's -> o_proj's output (T, n_out), the layer's
+        k / v written into the caches."""
         T = x.shape[0]
         out = torch.empty((T, self.n_out), dtype=torch.float32)
         a = self.args
-        g = a.attn
-        g.T = T
-        if self.rope_half:
-            g.cos, g.sin, g.cs_stride = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
-        m, row0, start, table0, tables = paging
-        g.m, g.row0, g.start, g.table0, g.tables = m, row0.data_ptr(), start.data_ptr(), table0.data_ptr(), \
-            tables.data_ptr()
-        g.block_size, g.k_cache, g.k_block_stride, g.k_row_stride = \
-            k_cache.shape[1], k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1)
-        g.v_cache, g.v_block_stride, g.v_row_stride = v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1)
+        _set_rows(a.attn, T, cos, sin, cos.shape[-1], interleaved, paging, k_cache, v_cache, window)
         a.x, a.x_stride = x.data_ptr(), x.stride(0) if T > 1 else x.shape[1]
         a.out, a.out_stride = out.data_ptr(), self.n_out
         lib = _library()
