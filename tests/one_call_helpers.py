@@ -8,6 +8,7 @@ import os
 
 import torch
 from isa_copies import outputs_per_isa
+from ktrun.models import step_one_call
 from ktrun.models.kv_cache import Batch
 from ktrun.ops.library import load_library
 from ktrun.ops.moe import MoEKernels
@@ -24,7 +25,11 @@ def decode_logits(model, ids: list[int]) -> list[torch.Tensor]:
 
 
 def with_and_without(model, ids: list[int], monkeypatch, module, name: str) -> tuple[list, list, list[bool]]:
-    """-> (logits with module.name, logits with it returning None, whether each call of it took the rows)."""
+    """-> (logits with module.name, logits with it returning None, whether each call of it took the rows). The decode
+    step's one call over every layer (ktrun.models.step_one_call, which calls the per-layer ones' C functions itself)
+    is switched off in both, unless it is module.name."""
+    if module is not step_one_call:
+        monkeypatch.setattr(step_one_call, "run", lambda *a, **k: None)
     fast, taken = getattr(module, name), []
 
     def spy(*args, **kw):

@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 20  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 21  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -44,7 +44,9 @@ extern "C" {
                                  positions in chunks (merged in chunk order), split between the workers;
                              18: kt_measure_tile_int8_peak (the AMX tile unit's int8 peak);
                              19: kt_gptq_block (one block of ktconvert's GPTQ column loop);
-                             20: kt_gqa_layer (a GQA layer's decode rows, x to o_proj's output, in one call) */
+                             20: kt_gqa_layer (a GQA layer's decode rows, x to o_proj's output, in one call);
+                             21: kt_decode_layers (a decode step's decoder layers, each a kt_gqa_layer then a
+                                 kt_moe_decode call, in one call); */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -386,6 +388,31 @@ typedef struct kt_moe_decode_args {
  * submit, waits for it), for a caller with more to add to e (a shared expert outside the job). Returns -1 for bad
  * arguments (kt_last_error says which). */
 int kt_moe_decode(kt_ctx* ctx, kt_moe_decode_args* args);
+
+/* One layer of kt_decode_layers: its attention's kt_gqa_layer block (constants, its caches and window set by the
+ * caller; the rows fields, x and out set by the call) on attn_ctx, then its MoE half's kt_moe_decode block
+ * (constants set by the caller, finish 1; T, x, delta, x_out and h_out set by the call) on moe_ctx. */
+typedef struct kt_decode_layer {
+    kt_ctx* attn_ctx; kt_gqa_layer_args* attn;
+    kt_ctx* moe_ctx; kt_moe_decode_args* moe;
+} kt_decode_layer;
+
+typedef struct kt_decode_layers_args {
+    int64_t T, H;                       /* rows, hidden size */
+    const float* x; const float* h;     /* (T, H) contiguous: the residual stream and layer 0's normed input */
+    const kt_gqa_decode_args* rows;     /* the step's rows as every layer's attention reads them: T, rope_half,
+                                           interleaved, cos, sin, cs_stride, m, row0, start, table0, tables (the
+                                           rest of it is ignored) */
+    int32_t n_layers; const kt_decode_layer* layers;
+    float* x_out; float* h_out;         /* (T, H) contiguous: the residual stream after the last layer and its next
+                                           norm (the last kt_moe_decode block's next_norm: the final norm) */
+    double attn_s, moe_s, wait_s;       /* out: seconds in the attention calls, in the MoE calls, waiting for experts */
+} kt_decode_layers_args;
+
+/* A decode step's decoder layers in one call: for each layer delta = kt_gqa_layer(h), then (x, h) = kt_moe_decode(x,
+ * delta), the calls the model makes one after another (the same bits), without returning to the caller between
+ * them. Returns -1 for bad arguments or a failing layer (kt_last_error names the layer). */
+int kt_decode_layers(kt_decode_layers_args* args);
 
 /* The softmax router (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral) for T tokens x (T, K) (row t at
  * x + t * x_stride) and the gate w (E, K) (row stride w_stride), all float32, on the calling thread (a large gate's

@@ -95,7 +95,9 @@ def gqa_layer(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, 
     caches = _caches(batch, layer, g.hd)
     if caches is None or caches[0].shape[2] != g.nkv or caches[1].shape[3] != g.vd or not _rope_rows_ok(cos, sin, g.hd):
         return None
-    return call(x, cos, sin, rope.interleaved, paging(batch), *caches, _window(cfg, window))
+    win = _window(cfg, window)
+    batch.record_one_call("attn", layer, (call, win))
+    return call(x, cos, sin, rope.interleaved, paging(batch), *caches, win)
 
 
 def _gqa_plan(cfg: ModelConfig, w: dict, p: str, qk_norm: str | None) -> glue.GqaLayerCall | None:

@@ -382,6 +382,11 @@ class Batch:
         return Batch(torch.tensor(toks, dtype=torch.long, device=device),
                      torch.tensor(pos, dtype=torch.long, device=device), seqs)
 
+    def record_one_call(self, kind: str, key: int, value) -> None:
+        """One layer's one-call path as this forward took it (ktrun.models.step_one_call learns a decode step's plan
+        from them): kind "attn" (KV slot -> (glue.GqaLayerCall, window)) or "moe" (layer -> glue.MoeDecodeCall)."""
+        self.carried.setdefault("one_call", {"attn": {}, "moe": {}})[kind][key] = value
+
     def commit(self) -> None:
         for s in self.seqs:
             s.cache.length = s.start + s.n

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ktlayouts.families import ModelConfig, get_family
 
 from ..ops import float_linear, glue
-from . import arch_module, cache_layers, moe_one_call
+from . import arch_module, cache_layers, moe_one_call, step_one_call
 from .attention import prepare_absorbed
 from .kv_cache import KV_BLOCK_SIZE, Batch, BlockLayout, BlockPool, SeqCache, StateLayout
 from .layers import SERIAL_MAX_ELEMENTS, SERIAL_MAX_ROWS, Rope, add_rms_norm, rms_norm, serial_torch, swiglu_mlp
@@ -50,6 +50,7 @@ class MoEModel:
             prepare_absorbed(cfg, weights, [self.names.layer(i) + "self_attn." for i in self.layers])
         self.shared_fused = self._fuse_shared()           # MoE layers whose executor computes the shared expert
         self.moe_plans: dict = {}      # layer -> moe_one_call.MoePlan or None (made on first use); "experts": for whom
+        self.step_plan = None          # step_one_call.StepPlan: every decoder layer of a decode step in one call
         self.lm_head = weights.get(self.names.head)
         if self.lm_head is None:
             if not cfg.tie_word_embeddings:
@@ -172,6 +173,10 @@ class MoEModel:
 
     def _layers(self, batch: Batch, x: torch.Tensor, h, cos, sin, layer_hook) -> tuple[torch.Tensor, torch.Tensor]:
         """decoder()'s layer loop: x (T, H) and layer 0's normed input h -> (x, h) after the last layer."""
+        if layer_hook is None:                         # decode rows: every layer in one kernel call, if planned
+            got = step_one_call.run(self, batch, x, h, cos, sin)
+            if got is not None:
+                return got
         cfg, w = self.cfg, self.w
         tm, clock = self.timing, time.perf_counter
         L = len(self.layers)
@@ -187,7 +192,7 @@ class MoEModel:
             # same bits for the rows kept below)
             next_w = w[self.names.layer(self.layers[slot + 1]) + "input_layernorm.weight"] if slot + 1 < L else \
                 self.final_norm
-            got = moe_one_call.run(self, i, x, a, w[p + "post_attention_layernorm.weight"], next_w) \
+            got = moe_one_call.run(self, i, x, a, w[p + "post_attention_layernorm.weight"], next_w, batch) \
                 if i in self.moe_layers else None
             if got is not None:                         # decode rows: the MoE half in one kernel call
                 x, h = got
@@ -203,4 +208,6 @@ class MoEModel:
             t3 = clock()
             tm["attention_s"] += t2 - t1
             tm["mlp_s"] += t3 - t2                      # router + shared/dense MLP + waiting for routed experts
+        if layer_hook is None and (self.step_plan is None or self.step_plan.experts is not self.experts):
+            step_one_call.learn(self, batch)
         return x, h

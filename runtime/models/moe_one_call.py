@@ -20,13 +20,16 @@ from .choices import hooked
 from .layers import rms_norm, swiglu_mlp
 
 
-@dataclass(frozen=True)
+@dataclass
 class MoePlan:
     router: tuple            # glue.moe_decode's router tuple
     layer: int
     shared: int | None       # the fused shared expert's layer id
     kernels: object          # the experts' MoEKernels context
     outside: tuple | None    # an unfused shared expert's (gate, up, down): swiglu_mlp after the routed job
+    # the layer's argument block for the norm weights it was made with (glue.MoeDecodeCall, made at the first call:
+    # the next norm is the next layer's or the final one); None until then or with a shared expert outside the job
+    call: glue.MoeDecodeCall | None = None
 
 
 def plan(model, i: int) -> MoePlan | None:
@@ -70,25 +73,32 @@ def plan(model, i: int) -> MoePlan | None:
     return model.moe_plans[i]
 
 
-def run(model, i: int, x: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, next_w: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def run(model, i: int, x: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, next_w: torch.Tensor,
+        batch=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """x + delta through layer i's MoE block to the next norm: -> (the residual stream, its norm next_w), or None
-    (nothing done) when the layer or these rows are not the call's (plan, decode-sized float32 CPU rows)."""
+    (nothing done) when the layer or these rows are not the call's (plan, decode-sized float32 CPU rows). batch: the
+    forward's Batch, told the call taken (Batch.record_one_call)."""
     pl = plan(model, i)
     T = x.shape[0]
     if pl is None or not 0 < T <= glue.ROUTE_MAX_ROWS or hooked() or x.dtype != torch.float32 or \
             delta.dtype != torch.float32 or not x.is_cpu or not delta.is_cpu or x.dim() != 2 or \
-            delta.shape != x.shape or x.stride(-1) != 1 or delta.stride(-1) != 1 or \
-            not glue.norm_weights_ok(norm_w, next_w) or norm_w.numel() != x.shape[1] or next_w.numel() != x.shape[1]:
+            delta.shape != x.shape or x.stride(-1) != 1 or delta.stride(-1) != 1:
         return None
-    eps = model.cfg.rms_norm_eps
+    call = pl.call
+    if call is None or call.norm is not norm_w or call.next_norm is not next_w:   # the norms checked once per call
+        if not glue.norm_weights_ok(norm_w, next_w) or norm_w.numel() != x.shape[1] or next_w.numel() != x.shape[1]:
+            return None
+        if pl.outside is None:
+            call = pl.call = glue.MoeDecodeCall(norm_w, next_w, model.cfg.rms_norm_eps, pl.router, pl.layer,
+                                                pl.shared, pl.kernels, glue.ROUTE_MAX_ROWS)
     if pl.outside is None:
-        x_out, h_out, _, wait, _ = glue.moe_decode(x, delta, norm_w, next_w, eps, pl.router, pl.layer, pl.shared,
-                                                   pl.kernels)
+        if batch is not None:
+            batch.record_one_call("moe", i, call)
+        x_out, h_out, wait = call(x, delta)
     else:   # the shared expert outside the job: its Linears' first submit waits for the routed job (MoEModel._moe)
         t0 = time.perf_counter()
-        s, h, _, _, e = glue.moe_decode(x, delta, norm_w, next_w, eps, pl.router, pl.layer, None, pl.kernels,
-                                        finish=False)
+        s, h, _, _, e = glue.moe_decode(x, delta, norm_w, next_w, model.cfg.rms_norm_eps, pl.router, pl.layer, None,
+                                        pl.kernels, finish=False)
         shared = swiglu_mlp(h, *pl.outside)
         pl.kernels.sync()
         wait = time.perf_counter() - t0

@@ -311,6 +311,9 @@ class GqaLayerCall:
                  q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float, scale: float, n_out: int, kernels):
         self.kernels, self.n_out = kernels, n_out
         self._keep = (biases, q_w, k_w)             # the pointers below stay valid while the plan lives
+        # the block pool's tokens list whose slabs the block's cache fields point into, as a decode step's one call
+        # (ktrun.models.step_one_call) left them; a call here sets them and clears this
+        self.caches_of = None
         a = self.args = GqaLayerArgs()
         g = a.attn
         g.nh, g.nkv, g.hd, g.vd, g.scale = nh, nkv, hd, vd, scale
@@ -330,6 +333,7 @@ class GqaLayerCall:
         out = torch.empty((T, self.n_out), dtype=torch.float32)
         a = self.args
         _set_rows(a.attn, T, cos, sin, cos.shape[-1], interleaved, paging, k_cache, v_cache, window)
+        self.caches_of = None
         a.x, a.x_stride = x.data_ptr(), x.stride(0) if T > 1 else x.shape[1]
         a.out, a.out_stride = out.data_ptr(), self.n_out
         lib = _library()
@@ -396,6 +400,50 @@ def moe_decode(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, next_no
     if not finish:
         kernels.hold((x_out, h_out, e, ids, wts))       # the job in flight reads and writes them until it ends
     return x_out, h_out, (ids, wts), a.wait_s, e
+
+
+
+class MoeDecodeCall:
+    """kt_moe_decode for one MoE layer's decode rows (finish on): the layer's constant arguments (norms, eps, router,
+    layer ids, the norm lanes) set once in an argument block filled in place per call, as GqaLayerCall does, and the
+    router's choice written to buffers kept here (a step does not read it). moe_decode() built the ~30 fields, five
+    tensors and the router tuple's unpacking anew every call: ~30 us of Python per MoE layer in the Qwen3-30B-A3B-
+    shaped decode step on 2 Zen 3 cores. The same call, the same bits. Not thread-safe (one forward at a time per
+    model, as the engine runs them).
+
+    norm / next_norm: float32 contiguous weights (norm_weights_ok); router, layer, shared: moe_decode's; max_rows:
+    the most rows a call takes (ROUTE_MAX_ROWS)."""
+
+    def __init__(self, norm: torch.Tensor, next_norm: torch.Tensor, eps: float, router: tuple, layer: int,
+                 shared: int | None, kernels, max_rows: int):
+        kind, gate, bias, n_group, topk_group, top_k, renorm, scaling = router
+        self.norm, self.next_norm, self.kernels, self.max_rows = norm, next_norm, kernels, max_rows
+        self.H = gate.shape[1]
+        self._keep = (gate, bias)                    # the pointers below stay valid while the call lives
+        self._ids = torch.empty((max_rows, top_k), dtype=torch.int64)
+        self._wts = torch.empty((max_rows, top_k), dtype=torch.float32)
+        self.args = MoeDecodeArgs(0, self.H, None, self.H, None, self.H, norm.data_ptr(), next_norm.data_ptr(), eps,
+                                  _state.get("lanes") or _lanes(), 0 if kind == "sigmoid" else 1, gate.data_ptr(),
+                                  gate.shape[0], None if bias is None else bias.data_ptr(), n_group, topk_group,
+                                  top_k, int(renorm), scaling, layer, -1 if shared is None else shared, 1, None,
+                                  None, None, self._ids.data_ptr(), self._wts.data_ptr(), 0.0)
+        self._lib = _library()
+
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """x, delta (T, H) float32 CPU rows with contiguous last dims, T <= max_rows -> (x + delta + experts, its
+        next norm, seconds waiting for the experts): moe_decode's with finish on. The two outputs are the halves
+        of one new (2, T, H) tensor."""
+        T, H = x.shape
+        out = torch.empty((2, T, H), dtype=torch.float32)
+        a = self.args
+        a.T = T
+        a.x, a.x_stride = x.data_ptr(), x.stride(0) if T > 1 else H
+        a.delta, a.delta_stride = delta.data_ptr(), delta.stride(0) if T > 1 else H
+        p = out.data_ptr()
+        a.x_out, a.h_out = p, p + 4 * T * H
+        if self._lib.kt_moe_decode(self.kernels.handle, ctypes.byref(a)) != 0:
+            raise KernelError(self._lib.kt_last_error().decode())
+        return out[0], out[1], a.wait_s
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ktlayouts.expert_formats import scale_encodings
 
-ABI_VERSION = 20
+ABI_VERSION = 21
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
@@ -86,6 +86,20 @@ class MoeDecodeArgs(ctypes.Structure):
                 ("wait_s", ctypes.c_double)]
 
 
+
+class DecodeLayer(ctypes.Structure):
+    """kt_decode_layer (ktkernels.h), field for field."""
+    _fields_ = [("attn_ctx", ctypes.c_void_p), ("attn", ctypes.POINTER(GqaLayerArgs)),
+                ("moe_ctx", ctypes.c_void_p), ("moe", ctypes.POINTER(MoeDecodeArgs))]
+
+
+class DecodeLayersArgs(ctypes.Structure):
+    """kt_decode_layers_args (ktkernels.h), field for field."""
+    _i64, _p = ctypes.c_int64, ctypes.c_void_p
+    _fields_ = [("T", _i64), ("H", _i64), ("x", _p), ("h", _p), ("rows", ctypes.POINTER(GqaDecodeArgs)),
+                ("n_layers", ctypes.c_int32), ("layers", ctypes.POINTER(DecodeLayer)), ("x_out", _p), ("h_out", _p),
+                ("attn_s", ctypes.c_double), ("moe_s", ctypes.c_double), ("wait_s", ctypes.c_double)]
+
 def _library_path() -> str:
     env = os.environ.get("KT_KERNELS_LIB")
     if env:
@@ -137,6 +151,7 @@ def load_library() -> ctypes.CDLL:
         "kt_gqa_layer": (c_int, [c_p, ctypes.POINTER(GqaLayerArgs)]),
         "kt_mla_decode": (c_int, [c_p, ctypes.POINTER(MlaDecodeArgs)]),
         "kt_moe_decode": (c_int, [c_p, ctypes.POINTER(MoeDecodeArgs)]),
+        "kt_decode_layers": (c_int, [ctypes.POINTER(DecodeLayersArgs)]),
         "kt_float_linear": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_int, c_i64, c_p, c_i64]),
         "kt_route_softmax": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_i64, c_int,
                                      ctypes.c_float, c_p, c_p]),

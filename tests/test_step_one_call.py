@@ -1,0 +1,134 @@
+"""kt_decode_layers (ABI 21; ktrun.models.step_one_call): a decode step's decoder layers in one library call, each
+layer's kt_gqa_layer then kt_moe_decode, the calls the model otherwise makes one after another from Python. Its
+promise is their bits, so the reference is the same model with the step call switched off (the per-layer calls):
+logits over a prompt, decode steps of one request and of two batched and a speculative verify's rows must be equal
+bit for bit, with an interleaved rotary and a sliding window, and across the KV pool's growth (new slabs: every
+layer's cache pointers set again). The plan is learned from a forward that took both one-call paths in every layer;
+a model with a dense layer never gets one. The C glue is ISA-independent (the kernels it calls are tested per ISA by
+test_kernels_gqa_layer.py and test_kernels_moe_decode.py). Bad arguments are an error naming what is wrong."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import pytest
+import torch
+from ktrun.engine import Engine
+from ktrun.generate import decode_one_token, prefill
+from ktrun.models import step_one_call
+from ktrun.ops.library import DecodeLayer, DecodeLayersArgs, GqaDecodeArgs, load_library
+from one_call_helpers import with_and_without
+from runtime_helpers import PROMPT, converted
+
+
+def _engine(tmp_path_factory, arch: str) -> Engine:
+    return Engine(converted(tmp_path_factory, arch, "int4-amx", gpu_method="rtn-int4"), ctx=256, max_batch=4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "minimax_m2"])
+def test_decode_logits_are_the_same_with_and_without_the_step_call(tmp_path_factory, monkeypatch, arch):
+    """Every forward after the one that taught the plan runs in one call (decode steps, batched, a 3-row verify),
+    with the per-layer calls' bits."""
+    eng = _engine(tmp_path_factory, arch)
+    one_call, separate, taken = with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch,
+                                                 step_one_call, "run")
+    assert eng.model.step_plan is not None and len(eng.model.step_plan.slots) == len(eng.model.layers)
+    assert taken[:2] == [False, False] and all(taken[2:]) and len(taken) == len(one_call)
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
+
+
+def test_interleaved_rope_and_a_window_reach_the_step_call(tmp_path_factory, monkeypatch):
+    """The RoPE form and each layer's window are the forward's: the Qwen3-MoE fixture with interleaved rotary and a
+    sliding window of 3 gives the per-layer calls' logits through the step call, and other logits than before."""
+    eng = _engine(tmp_path_factory, "qwen3_moe")
+    ids = eng.tokenizer.encode(PROMPT)
+    plain, _, _ = with_and_without(eng.model, ids, monkeypatch, step_one_call, "run")
+    monkeypatch.setattr(eng.model.rope, "interleaved", True)
+    monkeypatch.setattr(eng.model, "cfg", dataclasses.replace(eng.model.cfg, sliding_window=3))
+    eng.model.step_plan = None                     # the windows are recorded when the plan is learned
+    eng.model.w = {k: v for k, v in eng.model.w.items() if not k.endswith("gqa_layer_plan")}
+    one_call, separate, taken = with_and_without(eng.model, ids, monkeypatch, step_one_call, "run")
+    assert any(taken)
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(one_call, plain))
+
+
+def test_the_pool_growing_under_the_plan_moves_every_layers_caches(tmp_path_factory):
+    """Decode steps while the KV pool grows twice (new slabs, the old ones freed) give the per-layer calls' logits,
+    step by step: a step whose pool changed re-points every layer's cache fields."""
+    eng = _engine(tmp_path_factory, "qwen3_moe")
+    model = eng.model
+    ids = eng.tokenizer.encode(PROMPT)[:6]
+    runs, slabs, kv = {}, {}, {}
+    for name in ("step", "separate"):
+        fn = step_one_call.run if name == "step" else (lambda *a, **k: None)
+        saved, step_one_call.run = step_one_call.run, fn
+        try:
+            model.step_plan = None
+            cache = model.new_cache(200)
+            logits = [prefill(model, cache, ids)]
+            seen = []
+            for t in range(40):
+                if t in (10, 25):                # new slabs, as when another request's blocks fill the pool
+                    cache.pool._grow(cache.pool.capacity + 1)
+                logits.append(decode_one_token(model, cache, 3 + t % 11))
+                seen.append(cache.pool.tokens[0].data_ptr())
+            runs[name], slabs[name] = logits, len(set(seen))
+            kv[name] = [t[:, cache.blocks].clone() for t in cache.pool.tokens]   # what the steps wrote, where read
+            cache.release()
+        finally:
+            step_one_call.run = saved
+    assert slabs["step"] == 3                    # the plan ran on three pools' slabs
+    for a, b in zip(runs["step"], runs["separate"]):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(kv["step"], kv["separate"]))
+
+
+def test_a_model_with_a_dense_layer_keeps_its_per_layer_calls(tmp_path_factory):
+    """GLM-4.5's fixture has a dense first layer: no plan is learned, decoding works as before."""
+    eng = _engine(tmp_path_factory, "glm4_moe")
+    if all(i in eng.model.moe_layers for i in eng.model.layers):
+        pytest.skip("this fixture has no dense layer")
+    cache = eng.model.new_cache(64)
+    ids = eng.tokenizer.encode(PROMPT)[:4]
+    prefill(eng.model, cache, ids)
+    for t in ids:
+        decode_one_token(eng.model, cache, t)
+    assert eng.model.step_plan is None
+    cache.release()
+
+
+def test_another_executor_unlearns_the_plan(tmp_path_factory):
+    """A plan made for one experts executor is not run for another: the model goes back to the per-layer calls and
+    learns a plan again."""
+    eng = _engine(tmp_path_factory, "qwen3_moe")
+    model = eng.model
+    cache = model.new_cache(64)
+    ids = eng.tokenizer.encode(PROMPT)[:4]
+    prefill(model, cache, ids)
+    decode_one_token(model, cache, ids[0])
+    old = model.step_plan
+    assert old is not None
+    old.experts = object()                       # as if made for an executor since swapped out
+    decode_one_token(model, cache, ids[1])
+    assert model.step_plan is not old and model.step_plan.experts is model.experts
+    cache.release()
+
+
+def test_bad_arguments_are_an_error_naming_them():
+    """No arguments, no geometry, a layer without its context or blocks: refused, naming the layer."""
+    lib = load_library()
+    assert lib.kt_decode_layers(None) == -1
+    assert b"no arguments" in lib.kt_last_error()
+    assert lib.kt_decode_layers(ctypes.byref(DecodeLayersArgs())) == -1
+    assert b"bad geometry" in lib.kt_last_error()
+    x = torch.zeros(1, 64)
+    rows = GqaDecodeArgs()
+    layers = (DecodeLayer * 2)()
+    a = DecodeLayersArgs(T=1, H=64, x=x.data_ptr(), h=x.data_ptr(), rows=ctypes.pointer(rows), n_layers=2,
+                         layers=ctypes.cast(layers, ctypes.POINTER(DecodeLayer)), x_out=x.data_ptr(),
+                         h_out=x.data_ptr())
+    assert lib.kt_decode_layers(ctypes.byref(a)) == -1
+    assert b"layer 0: missing a context" in lib.kt_last_error()
