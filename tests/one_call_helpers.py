@@ -12,6 +12,11 @@ from ktrun.models import step_one_call
 from ktrun.models.kv_cache import Batch
 from ktrun.ops.library import load_library
 from ktrun.ops.moe import MoEKernels
+from run_shared import built_once, run_dir
+from runtime_helpers import INIT_SCALE
+
+from ktconvert.pipeline import ConvertOptions, convert
+from ktconvert.testing import make_checkpoint
 
 
 def decode_logits(model, ids: list[int]) -> list[torch.Tensor]:
@@ -22,6 +27,17 @@ def decode_logits(model, ids: list[int]) -> list[torch.Tensor]:
         out.append(model.forward(Batch.build([(ca, [t + 1]), (cb, [t])], "cpu")))
     out.append(model.forward(Batch.build([(cb, [3, 4, 5])], "cpu"), all_logits=True))
     return out
+
+
+def absorbed_conversion(tmp_path_factory, arch: str) -> str:
+    """arch's fixture with a latent rank of 64 (the fixtures' 32 is below one 64-input tile: their kv_b stays off the
+    absorbed op), converted with int4 experts and RTN int4 Linears; built once per run. DeepSeek-V3's q_lora_rank 48
+    makes q_b's inputs padded to 64."""
+    root = run_dir(tmp_path_factory)
+    src = built_once(root / f"src_{arch}_rank64", lambda out: make_checkpoint(arch, out, init_scale=INIT_SCALE,
+                                                                              kv_lora_rank=64))
+    return str(built_once(root / f"conv_{arch}_rank64", lambda out: convert(
+        src, out, ConvertOptions(method="int4-amx", gpu_method="rtn-int4"), show_progress=False)))
 
 
 def with_and_without(model, ids: list[int], monkeypatch, module, name: str) -> tuple[list, list, list[bool]]:

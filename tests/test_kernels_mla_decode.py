@@ -1,4 +1,4 @@
-"""kt_mla_decode (ABI 16; ktrun.ops.glue.mla_decode, ktrun.models.attention_one_call.mla): an MLA layer's
+"""kt_mla_decode (ABI 16; ktrun.ops.glue.MlaLayerCall, ktrun.models.attention_one_call.mla): an MLA layer's
 decode rows (and a prompt chunk's, when they take the absorbed form) from x to o_proj's output in one call. Its promise is the bits of mla_attention's separate steps on the
 kernels (the q_a + kv_a job, the norms, q_b's job, the latent rows written into the paged cache, W_uk's grouped job,
 RoPE, kt_mla_attend_batch, W_uv's grouped job, o_proj's job), so the reference is the same converted model with the
@@ -16,23 +16,8 @@ import torch
 from ktrun.engine import Engine
 from ktrun.models import attention_one_call
 from ktrun.ops.library import MlaDecodeArgs
-from one_call_helpers import assert_refused, same_bits_on_every_isa, with_and_without
-from run_shared import built_once, run_dir
-from runtime_helpers import INIT_SCALE, PROMPT, converted
-
-from ktconvert.pipeline import ConvertOptions, convert
-from ktconvert.testing import make_checkpoint
-
-
-def _absorbed_conversion(tmp_path_factory, arch: str) -> str:
-    """arch's fixture with a latent rank of 64 (the fixtures' 32 is below one 64-input tile: their kv_b stays off the
-    absorbed op), converted with int4 experts and RTN int4 Linears; built once per run. DeepSeek-V3's q_lora_rank 48
-    makes q_b's inputs padded to 64."""
-    root = run_dir(tmp_path_factory)
-    src = built_once(root / f"src_{arch}_rank64", lambda out: make_checkpoint(arch, out, init_scale=INIT_SCALE,
-                                                                              kv_lora_rank=64))
-    return str(built_once(root / f"conv_{arch}_rank64", lambda out: convert(
-        src, out, ConvertOptions(method="int4-amx", gpu_method="rtn-int4"), show_progress=False)))
+from one_call_helpers import absorbed_conversion, assert_refused, same_bits_on_every_isa, with_and_without
+from runtime_helpers import PROMPT, converted
 
 
 def _with_and_without(model, ids, monkeypatch) -> tuple[list, list, list[bool]]:
@@ -41,7 +26,7 @@ def _with_and_without(model, ids, monkeypatch) -> tuple[list, list, list[bool]]:
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "kimi_k25"])
 def test_decode_logits_are_the_same_with_and_without_the_one_call(tmp_path_factory, monkeypatch, arch):
-    eng = Engine(_absorbed_conversion(tmp_path_factory, arch), ctx=256, max_batch=4)
+    eng = Engine(absorbed_conversion(tmp_path_factory, arch), ctx=256, max_batch=4)
     one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
     assert taken and all(taken)                   # decode rows and the prompt (absorbed, one chunk) take it
     for a, b in zip(one_call, separate):
@@ -63,7 +48,7 @@ def test_what_it_does_not_take_goes_the_separate_way(tmp_path_factory, monkeypat
     eng = Engine(converted(tmp_path_factory, "deepseek_v32", "int4-amx", gpu_method="rtn-int4"), ctx=256, max_batch=4)
     _, _, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
     assert taken == []                                  # indexed layers never ask
-    for conv, opts in ((_absorbed_conversion(tmp_path_factory, "deepseek_v3"), {"gpu_weights": "dequant"}),
+    for conv, opts in ((absorbed_conversion(tmp_path_factory, "deepseek_v3"), {"gpu_weights": "dequant"}),
                        (converted(tmp_path_factory, "deepseek_v3", "int4-amx", gpu_method="rtn-int4"), {})):
         eng = Engine(conv, ctx=256, max_batch=4, **opts)
         one_call, separate, taken = _with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch)
@@ -73,7 +58,7 @@ def test_what_it_does_not_take_goes_the_separate_way(tmp_path_factory, monkeypat
 
 
 def test_every_isa_copy_gives_the_same_bits(tmp_path_factory):
-    same_bits_on_every_isa(_absorbed_conversion(tmp_path_factory, "deepseek_v3"), "ktrun.models.attention_one_call",
+    same_bits_on_every_isa(absorbed_conversion(tmp_path_factory, "deepseek_v3"), "ktrun.models.attention_one_call",
                            "mla")
 
 
@@ -87,7 +72,7 @@ def test_bad_arguments_are_an_error_naming_them():
 
 def test_bench_decode_runs_with_it(tmp_path_factory):
     """`ktrun bench` on a converted fixture: a real subprocess decodes through the one call."""
-    conv = _absorbed_conversion(tmp_path_factory, "deepseek_v3")
+    conv = absorbed_conversion(tmp_path_factory, "deepseek_v3")
     r = subprocess.run([sys.executable, "-m", "ktrun", "bench", str(conv), "--pp", "0", "--tg", "8", "--reps", "1"],
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr

@@ -2,9 +2,10 @@
 layer's kt_gqa_layer then kt_moe_decode, the calls the model otherwise makes one after another from Python. Its
 promise is their bits, so the reference is the same model with the step call switched off (the per-layer calls):
 logits over a prompt, decode steps of one request and of two batched and a speculative verify's rows must be equal
-bit for bit, with an interleaved rotary and a sliding window, and across the KV pool's growth (new slabs: every
-layer's cache pointers set again). The plan is learned from a forward that took both one-call paths in every layer;
-a model with a dense layer never gets one. The C glue is ISA-independent (the kernels it calls are tested per ISA by
+bit for bit, on GQA families (Qwen3-MoE, MiniMax-M2, GLM-4.5) and MLA ones (DeepSeek-V3, Kimi-K2.5, the default
+model), with an interleaved rotary and a sliding window, and across the KV pool's growth (new slabs: every layer's
+cache pointers set again). The plan is learned from a forward that took both one-call paths in its last layers;
+dense first layers keep their per-layer calls. The C glue is ISA-independent (the kernels it calls are tested per ISA by
 test_kernels_gqa_layer.py and test_kernels_moe_decode.py). Bad arguments are an error naming what is wrong."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ktrun.engine import Engine
 from ktrun.generate import decode_one_token, prefill
 from ktrun.models import step_one_call
 from ktrun.ops.library import DecodeLayer, DecodeLayersArgs, GqaDecodeArgs, load_library
-from one_call_helpers import with_and_without
+from one_call_helpers import absorbed_conversion, with_and_without
 from runtime_helpers import PROMPT, converted
 
 
@@ -33,7 +34,7 @@ def test_decode_logits_are_the_same_with_and_without_the_step_call(tmp_path_fact
     one_call, separate, taken = with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch,
                                                  step_one_call, "run")
     assert eng.model.step_plan is not None and len(eng.model.step_plan.slots) == len(eng.model.layers)
-    assert taken[:2] == [False, False] and all(taken[2:]) and len(taken) == len(one_call)
+    assert all(taken) and len(taken) == len(one_call) - 2     # after the 2 prompts that taught it: every forward
     for a, b in zip(one_call, separate):
         assert torch.equal(a, b)
 
@@ -86,18 +87,34 @@ def test_the_pool_growing_under_the_plan_moves_every_layers_caches(tmp_path_fact
     assert all(torch.equal(a, b) for a, b in zip(kv["step"], kv["separate"]))
 
 
-def test_a_model_with_a_dense_layer_keeps_its_per_layer_calls(tmp_path_factory):
-    """GLM-4.5's fixture has a dense first layer: no plan is learned, decoding works as before."""
-    eng = _engine(tmp_path_factory, "glm4_moe")
-    if all(i in eng.model.moe_layers for i in eng.model.layers):
-        pytest.skip("this fixture has no dense layer")
-    cache = eng.model.new_cache(64)
-    ids = eng.tokenizer.encode(PROMPT)[:4]
-    prefill(eng.model, cache, ids)
-    for t in ids:
-        decode_one_token(eng.model, cache, t)
-    assert eng.model.step_plan is None
-    cache.release()
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "kimi_k25"])
+def test_dense_first_layers_run_in_python_and_the_rest_in_one_call(tmp_path_factory, monkeypatch, arch):
+    """GLM-4.5 (GQA with biases, partial rotary) and the MLA families (latent rank 64: kv_b on the absorbed op) have
+    dense first layers: the plan starts after them (they keep their per-layer calls), with the same logits."""
+    conv = converted(tmp_path_factory, arch, "int4-amx", gpu_method="rtn-int4") if arch == "glm4_moe" else \
+        absorbed_conversion(tmp_path_factory, arch)
+    eng = Engine(conv, ctx=256, max_batch=4)
+    model = eng.model
+    one_call, separate, taken = with_and_without(model, eng.tokenizer.encode(PROMPT), monkeypatch, step_one_call,
+                                                 "run")
+    dense = [slot for slot, i in enumerate(model.layers) if i not in model.moe_layers]
+    pl = model.step_plan
+    assert dense and pl is not None and pl.first == len(dense) and pl.slots == list(range(len(dense),
+                                                                                         len(model.layers)))
+    assert (pl.mla is None) == (arch == "glm4_moe") and any(taken)
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
+
+
+def test_the_default_model_takes_it(default_converted, monkeypatch):
+    """The embedded default model as `make demo` converts it (MLA, a dense first layer, a fused shared expert):
+    the same logits with the step call, which runs its three MoE layers."""
+    eng = Engine(str(default_converted), ctx=256, max_batch=4)
+    one_call, separate, taken = with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch,
+                                                 step_one_call, "run")
+    assert any(taken) and eng.model.step_plan.first == 1
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
 
 
 def test_another_executor_unlearns_the_plan(tmp_path_factory):

@@ -45,8 +45,8 @@ extern "C" {
                              18: kt_measure_tile_int8_peak (the AMX tile unit's int8 peak);
                              19: kt_gptq_block (one block of ktconvert's GPTQ column loop);
                              20: kt_gqa_layer (a GQA layer's decode rows, x to o_proj's output, in one call);
-                             21: kt_decode_layers (a decode step's decoder layers, each a kt_gqa_layer then a
-                                 kt_moe_decode call, in one call); */
+                             21: kt_decode_layers (a decode step's decoder layers, each a kt_gqa_layer or
+                                 kt_mla_decode call then a kt_moe_decode call, in one call); */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -389,29 +389,30 @@ typedef struct kt_moe_decode_args {
  * arguments (kt_last_error says which). */
 int kt_moe_decode(kt_ctx* ctx, kt_moe_decode_args* args);
 
-/* One layer of kt_decode_layers: its attention's kt_gqa_layer block (constants, its caches and window set by the
- * caller; the rows fields, x and out set by the call) on attn_ctx, then its MoE half's kt_moe_decode block
- * (constants set by the caller, finish 1; T, x, delta, x_out and h_out set by the call) on moe_ctx. */
+/* One layer of kt_decode_layers: its attention, a kt_gqa_layer block (attn) or a kt_mla_decode block (mla, attn
+ * NULL), on attn_ctx (constants and the layer's caches and window set by the caller; the rows fields, x and out set
+ * by the call), then its MoE half's kt_moe_decode block (constants set by the caller, finish 1; T, x, delta, x_out
+ * and h_out set by the call) on moe_ctx. */
 typedef struct kt_decode_layer {
-    kt_ctx* attn_ctx; kt_gqa_layer_args* attn;
+    kt_ctx* attn_ctx; kt_gqa_layer_args* attn; kt_mla_decode_args* mla;
     kt_ctx* moe_ctx; kt_moe_decode_args* moe;
 } kt_decode_layer;
 
 typedef struct kt_decode_layers_args {
     int64_t T, H;                       /* rows, hidden size */
     const float* x; const float* h;     /* (T, H) contiguous: the residual stream and layer 0's normed input */
-    const kt_gqa_decode_args* rows;     /* the step's rows as every layer's attention reads them: T, rope_half,
-                                           interleaved, cos, sin, cs_stride, m, row0, start, table0, tables (the
-                                           rest of it is ignored) */
+    const kt_gqa_decode_args* rows;     /* the step's rows as every layer's attention reads them: T, rope_half
+                                           (GQA), interleaved, cos, sin, cs_stride, m, row0, start, table0, tables
+                                           (the rest of it is ignored) */
     int32_t n_layers; const kt_decode_layer* layers;
     float* x_out; float* h_out;         /* (T, H) contiguous: the residual stream after the last layer and its next
                                            norm (the last kt_moe_decode block's next_norm: the final norm) */
     double attn_s, moe_s, wait_s;       /* out: seconds in the attention calls, in the MoE calls, waiting for experts */
 } kt_decode_layers_args;
 
-/* A decode step's decoder layers in one call: for each layer delta = kt_gqa_layer(h), then (x, h) = kt_moe_decode(x,
- * delta), the calls the model makes one after another (the same bits), without returning to the caller between
- * them. Returns -1 for bad arguments or a failing layer (kt_last_error names the layer). */
+/* A decode step's decoder layers in one call: for each layer delta = kt_gqa_layer(h) or kt_mla_decode(h), then
+ * (x, h) = kt_moe_decode(x, delta), the calls the model makes one after another (the same bits), without returning
+ * to the caller between them. Returns -1 for bad arguments or a failing layer (kt_last_error names the layer). */
 int kt_decode_layers(kt_decode_layers_args* args);
 
 /* The softmax router (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral) for T tokens x (T, K) (row t at

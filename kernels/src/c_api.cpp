@@ -242,17 +242,26 @@ int kt_decode_layers(kt_decode_layers_args* a) {
             t_error = "kt_decode_layers: layer " + std::to_string(i) + ": " + what;
             return -1;
         };
-        if (!L.attn_ctx || !L.attn || !L.moe_ctx || !L.moe) return fail("missing a context or an argument block");
-        kt_gqa_layer_args& g = *L.attn;
-        if (g.n_out != H) return fail("o_proj's N is not H");
-        g.attn.T = T; g.attn.rope_half = r.rope_half; g.attn.interleaved = r.interleaved;
-        g.attn.cos = r.cos; g.attn.sin = r.sin; g.attn.cs_stride = r.cs_stride;
-        g.attn.m = r.m; g.attn.row0 = r.row0; g.attn.start = r.start; g.attn.table0 = r.table0;
-        g.attn.tables = r.tables;
+        if (!L.attn_ctx || (!L.attn == !L.mla) || !L.moe_ctx || !L.moe)
+            return fail("missing a context or an argument block (one of attn and mla)");
         delta.resize((size_t)(T * H));
-        g.x = h; g.x_stride = H; g.out = delta.data(); g.out_stride = H;
         const auto t0 = clock();
-        if (kt_gqa_layer(L.attn_ctx, &g) != 0) return fail(t_error.c_str());
+        if (L.attn) {
+            kt_gqa_layer_args& g = *L.attn;
+            if (g.n_out != H) return fail("o_proj's N is not H");
+            g.attn.T = T; g.attn.rope_half = r.rope_half; g.attn.interleaved = r.interleaved;
+            g.attn.cos = r.cos; g.attn.sin = r.sin; g.attn.cs_stride = r.cs_stride;
+            g.attn.m = r.m; g.attn.row0 = r.row0; g.attn.start = r.start; g.attn.table0 = r.table0;
+            g.attn.tables = r.tables;
+            g.x = h; g.x_stride = H; g.out = delta.data(); g.out_stride = H;
+            if (kt_gqa_layer(L.attn_ctx, &g) != 0) return fail(t_error.c_str());
+        } else {
+            kt_mla_decode_args& g = *L.mla;
+            g.T = T; g.interleaved = r.interleaved; g.cos = r.cos; g.sin = r.sin; g.cs_stride = r.cs_stride;
+            g.m = r.m; g.row0 = r.row0; g.start = r.start; g.table0 = r.table0; g.tables = r.tables;
+            g.x = h; g.x_stride = H; g.out = delta.data(); g.out_stride = H;
+            if (kt_mla_decode(L.attn_ctx, &g) != 0) return fail(t_error.c_str());
+        }
         const auto t1 = clock();
         kt_moe_decode_args& m = *L.moe;
         if (m.H != H || !m.finish) return fail("the MoE block's H is not H, or its finish is 0");

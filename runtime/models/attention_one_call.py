@@ -165,7 +165,7 @@ def mla(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer:
     """ktrun.models.attention.mla_attention for a batch whose requests' rows all take the absorbed form on
     kt_mla_attend_batch (the caller checks: decode, a speculative verify) of a float32 CPU model whose Linears all
     sit on one kernel context, kv_b absorbed on the op (absorbed(): the layer's AbsorbedKvB): x to o_proj's output in
-    one kt_mla_decode call (ktrun.ops.glue.mla_decode), the bits of mla_attention's steps. -> (T, hidden), or None
+    one kt_mla_decode call (ktrun.ops.glue.MlaLayerCall), the bits of mla_attention's steps. -> (T, hidden), or None
     (nothing done) for anything else: biases, act-order or padded inputs, other dtypes, caches it cannot address."""
     plan = _mla_plan(cfg, w, p, absorbed)
     if plan is None or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.stride(-1) != 1:
@@ -180,9 +180,8 @@ def mla(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer:
     cache = pool.tokens[0][layer]                                     # (blocks, B, R + dr)
     if cache.dim() != 3 or cache.shape[2] != R + dr or not cache.is_contiguous():
         return None
-    return glue.mla_decode(x, plan.ids, plan.dims, plan.uk_group, plan.uk_scale, plan.q_norm, plan.kv_norm,
-                           LORA_NORM_EPS, cos, sin, rope.interleaved, paging(batch), cache, cfg.softmax_scale,
-                           plan.n_out, plan.kernels)
+    batch.record_one_call("attn", layer, (plan.call, None))
+    return plan.call(x, cos, sin, rope.interleaved, paging(batch), cache)
 
 
 @dataclass(frozen=True)
@@ -197,6 +196,7 @@ class _MlaPlan:
     kv_norm: torch.Tensor
     n_out: int
     kernels: object
+    call: glue.MlaLayerCall     # the layer's kt_mla_decode argument block
 
 
 def _mla_plan(cfg: ModelConfig, w: dict, p: str, absorbed) -> _MlaPlan | None:
@@ -227,6 +227,8 @@ def _mla_plan(cfg: ModelConfig, w: dict, p: str, absorbed) -> _MlaPlan | None:
         return None
     ids = {k: li.id for k, li in lins.items()}
     ids.update(uk=ab.uk_id, kv_b=ab.kv_b.id)
-    w[key] = _MlaPlan(ids, (nh, dn, dr, dv, R, q_lora, lins["q_b"].k_op if q_lora else 0), ab.G, ab.s_uk, q_norm,
-                      kv_norm, lins["o"].n, first.lin.kernels)
+    dims = (nh, dn, dr, dv, R, q_lora, lins["q_b"].k_op if q_lora else 0)
+    call = glue.MlaLayerCall(ids, dims, ab.G, ab.s_uk, q_norm, kv_norm, LORA_NORM_EPS, cfg.softmax_scale,
+                             lins["o"].n, first.lin.kernels)
+    w[key] = _MlaPlan(ids, dims, ab.G, ab.s_uk, q_norm, kv_norm, lins["o"].n, first.lin.kernels, call)
     return w[key]

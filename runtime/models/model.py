@@ -173,14 +173,16 @@ class MoEModel:
 
     def _layers(self, batch: Batch, x: torch.Tensor, h, cos, sin, layer_hook) -> tuple[torch.Tensor, torch.Tensor]:
         """decoder()'s layer loop: x (T, H) and layer 0's normed input h -> (x, h) after the last layer."""
-        if layer_hook is None:                         # decode rows: every layer in one kernel call, if planned
-            got = step_one_call.run(self, batch, x, h, cos, sin)
-            if got is not None:
-                return got
+        # decode rows: from the plan's first layer on, every layer in one kernel call (step_one_call)
+        planned = step_one_call.start(self, batch, x, cos, sin) if layer_hook is None else None
         cfg, w = self.cfg, self.w
         tm, clock = self.timing, time.perf_counter
         L = len(self.layers)
-        for slot, i in enumerate(self.layers):         # slot: the layer's KV blocks (i itself, but in an MTP block)
+        for slot, i in enumerate(self.layers):
+            if slot == planned:
+                got = step_one_call.run(self, batch, x, h, cos, sin)
+                if got is not None:
+                    return got         # slot: the layer's KV blocks (i itself, but in an MTP block)
             if layer_hook is not None:
                 x, h = layer_hook(self, i, x, h, batch, cos, sin)
                 continue

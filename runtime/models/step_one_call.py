@@ -1,15 +1,17 @@
-"""A decode step's decoder layers in one library call (kt_decode_layers): for each layer its attention's kt_gqa_layer
-call (attention_one_call.gqa_layer) and its MoE half's kt_moe_decode call (moe_one_call.run), the calls MoEModel
-makes one after another with the same arguments, so the same bits, without the interpreter between them. Each layer's
-two calls cost ~50-90 us of Python apart from the calls themselves (a Qwen3-30B-A3B-shaped step on 2 Zen 3 cores),
-most of it cache misses: the experts' job streams megabytes through the caches the interpreter's objects were in.
+"""A decode step's decoder layers in one library call (kt_decode_layers): for each layer its attention's one call
+(attention_one_call.gqa_layer's kt_gqa_layer or attention_one_call.mla's kt_mla_decode) and its MoE half's
+kt_moe_decode call (moe_one_call.run), the calls MoEModel makes one after another with the same arguments, so the
+same bits, without the interpreter between them. Each layer's two calls cost ~50-90 us of Python apart from the
+calls themselves (a Qwen3-30B-A3B-shaped step on 2 Zen 3 cores), most of it cache misses: the experts' job streams
+megabytes through the caches the interpreter's objects were in.
 
-The plan is learned, not derived: a forward that took the two one-call paths in every layer records them
-(Batch.record_one_call), and MoEModel keeps the plan
-made from that record. Later forwards run it when they would take the same paths: the generic GQA attention (no
-family hook, no sinks), decode-sized float32 CPU rows of one float32 block pool, the experts' executor the plan was
-made for, no test hook on the router. A model with a dense layer (GLM-4.5's first) or MLA attention never records a
-full plan and keeps its per-layer calls."""
+The plan is learned, not derived: a forward records the one-call paths its layers took (Batch.record_one_call), and
+MoEModel keeps the plan made from the last layers that took both (all of them for Qwen3-MoE or MiniMax-M2, the MoE
+layers after DeepSeek-V3's or GLM-4.5's dense ones, which keep running in Python). Later forwards run it from that
+layer on when they would take the same paths: the generic attention (no family hook, no sinks, no indexer),
+decode-sized float32 CPU rows of one float32 block pool (MLA: rows in the absorbed form), the experts' executor the
+plan was made for, no test hook on the router.
+"""
 from __future__ import annotations
 
 import ctypes
@@ -19,7 +21,7 @@ import torch
 
 from ..ops import glue
 from ..ops.library import DecodeLayer, DecodeLayersArgs, GqaDecodeArgs, KernelError
-from . import generic
+from . import attention, generic
 from .attention_one_call import _float32_pool, _rope_rows_ok, paging
 from .choices import hooked
 from .kv_cache import Batch
@@ -29,59 +31,95 @@ from .layers import SERIAL_MAX_ROWS
 @dataclass
 class StepPlan:
     experts: object                   # the executor the MoE calls were made for (a bench or test may swap it)
-    slots: list[int]                  # each layer's KV slot, in layer order
-    attn: list                        # per layer (GqaLayerCall, window)
-    moe: list                         # per layer MoeDecodeCall
+    first: int                        # the first layer (slot) the plan runs; the ones before run in Python
+    slots: list[int]                  # each planned layer's KV slot, in layer order
+    attn: list                        # per planned layer (GqaLayerCall or MlaLayerCall, window)
+    moe: list                         # per planned layer MoeDecodeCall
     layers: ctypes.Array              # (DecodeLayer * n): pointers into the calls' argument blocks
     rows: GqaDecodeArgs               # the step's rows, as every layer's attention reads them
     args: DecodeLayersArgs
-    hd: int
+    mla: tuple | None                 # (nh, dn, dr, dv, R) when the attention is MLA (every planned layer's), else None
+    hd: int                           # GQA's head dim (0 for MLA)
 
 
 def learn(model, batch: Batch) -> None:
-    """After a forward through the per-layer loop: the plan, if every layer took both one-call paths."""
+    """After a forward through the per-layer loop: the plan of the last layers that all took both one-call paths
+    (with one kind of attention), if any."""
     rec = batch.carried.get("one_call")
     if rec is None or model.arch.attention is not generic.attention:
         return
     attn, moe = rec["attn"], rec["moe"]
-    slots = list(range(len(model.layers)))
-    if any(s not in attn for s in slots) or any(i not in moe or moe[i] is None for i in model.layers):
+    first = len(model.layers)
+    while first > 0 and first - 1 in attn and moe.get(model.layers[first - 1]) is not None:
+        first -= 1
+    slots = list(range(first, len(model.layers)))
+    if not slots:
         return
     a_calls = [attn[s] for s in slots]
-    m_calls = [moe[i] for i in model.layers]
+    m_calls = [moe[model.layers[s]] for s in slots]
+    kinds = {type(c) for c, _ in a_calls}
+    H = model.cfg.hidden_size
+    if len(kinds) != 1 or any(c.n_out != H for c, _ in a_calls):
+        return
+    is_mla = kinds == {glue.MlaLayerCall}
     layers = (DecodeLayer * len(slots))()
-    for d, (g, _), mc in zip(layers, a_calls, m_calls):
-        d.attn_ctx, d.attn = g.kernels.handle, ctypes.pointer(g.args)
-        d.moe_ctx, d.moe = mc.kernels.handle, ctypes.pointer(mc.args)
+    for d, (c, _), mc in zip(layers, a_calls, m_calls):
+        d.attn_ctx, d.moe_ctx, d.moe = c.kernels.handle, mc.kernels.handle, ctypes.pointer(mc.args)
+        if is_mla:
+            d.mla = ctypes.pointer(c.args)
+        else:
+            d.attn = ctypes.pointer(c.args)
     rows = GqaDecodeArgs()
-    args = DecodeLayersArgs(H=model.cfg.hidden_size, rows=ctypes.pointer(rows), n_layers=len(slots),
+    args = DecodeLayersArgs(H=H, rows=ctypes.pointer(rows), n_layers=len(slots),
                             layers=ctypes.cast(layers, ctypes.POINTER(DecodeLayer)))
-    model.step_plan = StepPlan(model.experts, slots, a_calls, m_calls, layers, rows, args,
-                               a_calls[0][0].args.attn.hd)
+    c0 = a_calls[0][0]
+    model.step_plan = StepPlan(model.experts, first, slots, a_calls, m_calls, layers, rows, args,
+                               c0.dims[:5] if is_mla else None, 0 if is_mla else c0.args.attn.hd)
 
 
-def run(model, batch: Batch, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """x (T, H) and layer 0's normed input h through every decoder layer -> (x, the final norm), or None (nothing
-    done) when there is no plan or this forward would not take its paths."""
+def start(model, batch: Batch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int | None:
+    """The layer (slot) from which this forward runs its plan, or None when it has none or would not take its paths
+    (what the per-layer calls check, once for the step)."""
     pl = model.step_plan
     if pl is None:
         return None
-    T, H = x.shape
-    if pl.experts is not model.experts or T > glue.ROUTE_MAX_ROWS or hooked() or \
-            any(s.n > SERIAL_MAX_ROWS for s in batch.seqs) or x.dtype != torch.float32 or not x.is_cpu or \
-            h.dtype != torch.float32 or not x.is_contiguous() or not h.is_contiguous() or \
-            not _rope_rows_ok(cos, sin, pl.hd) or cos.shape[0] != T:
+    T = x.shape[0]
+    if pl.experts is not model.experts or T > glue.ROUTE_MAX_ROWS or hooked() or x.dtype != torch.float32 or \
+            not x.is_cpu or cos.shape[0] != T or cos.dtype != torch.float32 or sin.dtype != torch.float32 or \
+            cos.stride(-1) != 1 or sin.stride() != cos.stride():
         return None
     pool = _float32_pool(batch)
     if pool is None:
         return None
-    toks = pool.tokens
-    for s, (g, window) in zip(pl.slots, pl.attn):
-        if g.caches_of is not toks:     # the pool grew (new slabs), or a per-layer call set another pool's
-            glue._set_rows(g.args.attn, T, cos, sin, cos.shape[-1], model.rope.interleaved, paging(batch),
-                           toks[0][s], toks[1][s], window)
-            g.caches_of = toks
+    if pl.mla is None:
+        if any(s.n > SERIAL_MAX_ROWS for s in batch.seqs) or not _rope_rows_ok(cos, sin, pl.hd) or \
+                len(pool.tokens) < 2:
+            return None
+    else:
+        nh, dn, dr, dv, R = pl.mla
+        if 2 * cos.shape[-1] != dr or len(pool.tokens) != 1 or \
+                not attention._absorbed_one_call_rows(batch, nh, dn, dr, dv, R):
+            return None
+    return pl.first
+
+
+def run(model, batch: Batch, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x (T, H) and the plan's first layer's normed input h through it and every layer after -> (x, the final norm),
+    or None (nothing done) when these rows are not the call's (start() said yes for the step)."""
+    pl = model.step_plan
+    T, H = x.shape
+    if not x.is_contiguous() or not h.is_contiguous() or h.dtype != torch.float32 or h.shape != x.shape:
+        return None
+    toks = _float32_pool(batch).tokens
+    for s, (c, window) in zip(pl.slots, pl.attn):
+        if c.caches_of is not toks:     # the pool grew (new slabs), or a per-layer call set another pool's
+            if pl.mla is None:
+                glue._set_rows(c.args.attn, T, cos, sin, cos.shape[-1], model.rope.interleaved, paging(batch),
+                               toks[0][s], toks[1][s], window)
+            else:
+                c.set_cache(toks[0][s])
+            c.caches_of = toks
     r = pl.rows
     r.T, r.rope_half, r.interleaved = T, cos.shape[-1], int(model.rope.interleaved)
     r.cos, r.sin, r.cs_stride = (cos.data_ptr(), sin.data_ptr(), cos.stride(0)) if r.rope_half else (None, None, 0)

@@ -342,34 +342,53 @@ class GqaLayerCall:
         return out
 
 
-def mla_decode(x: torch.Tensor, linears: dict, dims: tuple, uk_group: int, uk_scale: torch.Tensor,
-               q_a_norm: torch.Tensor | None, kv_a_norm: torch.Tensor, eps: float, cos: torch.Tensor,
-               sin: torch.Tensor, interleaved: bool, paging: tuple, cache: torch.Tensor, scale: float, n_out: int,
-               kernels) -> torch.Tensor:
-    """An MLA layer's new rows in one kt_mla_decode call on the pool of kernels (a MoEKernels context holding every
-    Linear): x (T, hidden) float32 CPU with contiguous rows; linears: the Linear ids {"q_a", "kv_a", "q_b", "o",
-    "uk", "kv_b"} ("q_a" is q_proj's when q_lora is 0); dims (nh, dn, dr, dv, R, q_lora, q_b's input width: q_lora
-    or more, zero-padded); W_uk's input scaling
-    uk_scale (nh * R / uk_group, dn) float32; the norms' weights (q_a_norm None when q_lora is 0); cos / sin (T,
-    dr / 2) float32 rows; paging as gqa_decode's; cache: this layer's (blocks, block_size, R + dr) float32 slab.
-    Writes each row's latent into its slot and -> o_proj's output (T, n_out): the bits of mla_attention's steps on
-    the kernels (kernels/src/mla_decode.cpp)."""
-    T = x.shape[0]
-    nh, dn, dr, dv, R, q_lora, q_b_k = dims
-    out = torch.empty((T, n_out), dtype=torch.float32)
-    m, row0, start, table0, tables = paging
-    a = MlaDecodeArgs(T, nh, dn, dr, dv, R, q_lora, q_b_k, x.data_ptr(), x.stride(0), linears["q_a"], linears["kv_a"],
-                      linears.get("q_b", -1), linears["o"], linears["uk"], linears["kv_b"], uk_group,
-                      uk_scale.data_ptr(), None if q_a_norm is None else q_a_norm.data_ptr(), kv_a_norm.data_ptr(),
-                      eps, _state.get("lanes") or _lanes(), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-                      int(interleaved), m, row0.data_ptr(), start.data_ptr(), table0.data_ptr(), tables.data_ptr(),
-                      cache.shape[1], cache.data_ptr(), cache.stride(0), cache.stride(1), scale, out.data_ptr(),
-                      n_out)
-    lib = _library()
-    if lib.kt_mla_decode(kernels.handle, ctypes.byref(a)) != 0:
-        raise KernelError(lib.kt_last_error().decode())
-    return out
+class MlaLayerCall:
+    """kt_mla_decode for one MLA layer on the pool of kernels (a MoEKernels context holding every Linear), its
+    constant arguments set once in an argument block filled in place per call, as GqaLayerCall does for GQA:
+    linears, the Linear ids {"q_a", "kv_a", "q_b", "o", "uk", "kv_b"} ("q_a" is q_proj's when q_lora is 0); dims
+    (nh, dn, dr, dv, R, q_lora, q_b's input width: q_lora or more, zero-padded); W_uk's input scaling uk_scale
+    (nh * R / uk_group, dn) float32; the norms' weights (q_a_norm None when q_lora is 0), eps, the softmax scale and
+    o_proj's N. Not thread-safe (one forward at a time per model, as the engine runs them)."""
 
+    def __init__(self, linears: dict, dims: tuple, uk_group: int, uk_scale: torch.Tensor,
+                 q_a_norm: torch.Tensor | None, kv_a_norm: torch.Tensor, eps: float, scale: float, n_out: int,
+                 kernels):
+        self.kernels, self.n_out, self.dims = kernels, n_out, dims
+        self._keep = (uk_scale, q_a_norm, kv_a_norm)   # the pointers below stay valid while the call lives
+        self.caches_of = None        # as GqaLayerCall's: the pool's tokens list the cache fields point into
+        nh, dn, dr, dv, R, q_lora, q_b_k = dims
+        self.args = MlaDecodeArgs(0, nh, dn, dr, dv, R, q_lora, q_b_k, None, 0, linears["q_a"], linears["kv_a"],
+                                  linears.get("q_b", -1), linears["o"], linears["uk"], linears["kv_b"], uk_group,
+                                  uk_scale.data_ptr(), None if q_a_norm is None else q_a_norm.data_ptr(),
+                                  kv_a_norm.data_ptr(), eps, _state.get("lanes") or _lanes(), None, None, 0, 0, 0,
+                                  None, None, None, None, 0, None, 0, 0, scale, None, n_out)
+
+    def set_cache(self, cache: torch.Tensor) -> None:
+        """This layer's (blocks, block_size, R + dr) float32 slab."""
+        a = self.args
+        a.block_size, a.cache, a.block_stride, a.row_stride = \
+            cache.shape[1], cache.data_ptr(), cache.stride(0), cache.stride(1)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, paging: tuple,
+                 cache: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden) float32 CPU with contiguous rows; cos / sin (T, dr / 2) float32 rows; paging as
+        gqa_decode's; cache: this layer's (blocks, block_size, R + dr) float32 slab. Writes each row's latent into its
+        slot and -> o_proj's output (T, n_out): the bits of mla_attention's steps on the kernels
+        (kernels/src/mla_decode.cpp)."""
+        T = x.shape[0]
+        out = torch.empty((T, self.n_out), dtype=torch.float32)
+        a = self.args
+        a.T, a.x, a.x_stride = T, x.data_ptr(), x.stride(0)
+        a.cos, a.sin, a.cs_stride, a.interleaved = cos.data_ptr(), sin.data_ptr(), cos.stride(0), int(interleaved)
+        a.m, row0, start, table0, tables = paging
+        a.row0, a.start, a.table0, a.tables = row0.data_ptr(), start.data_ptr(), table0.data_ptr(), tables.data_ptr()
+        self.set_cache(cache)
+        self.caches_of = None
+        a.out, a.out_stride = out.data_ptr(), self.n_out
+        lib = _library()
+        if lib.kt_mla_decode(self.kernels.handle, ctypes.byref(a)) != 0:
+            raise KernelError(lib.kt_last_error().decode())
+        return out
 
 def moe_decode(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, next_norm: torch.Tensor, eps: float,
                router: tuple, layer: int, shared: int | None, kernels, finish: bool = True

@@ -90,7 +90,8 @@ class MoeDecodeArgs(ctypes.Structure):
 class DecodeLayer(ctypes.Structure):
     """kt_decode_layer (ktkernels.h), field for field."""
     _fields_ = [("attn_ctx", ctypes.c_void_p), ("attn", ctypes.POINTER(GqaLayerArgs)),
-                ("moe_ctx", ctypes.c_void_p), ("moe", ctypes.POINTER(MoeDecodeArgs))]
+                ("mla", ctypes.POINTER(MlaDecodeArgs)), ("moe_ctx", ctypes.c_void_p),
+                ("moe", ctypes.POINTER(MoeDecodeArgs))]
 
 
 class DecodeLayersArgs(ctypes.Structure):
