@@ -4,6 +4,7 @@ blocks interleaved in the pool) and a speculative verify's 3 rows."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 
 import torch
@@ -59,6 +60,22 @@ def with_and_without(model, ids: list[int], monkeypatch, module, name: str) -> t
     monkeypatch.setattr(module, name, fast)
     return one_call, separate, taken
 
+
+
+def assert_rope_form_and_window_reach(model, ids: list[int], monkeypatch, module, name: str, relearn=None) -> None:
+    """A GQA model with its rotary made interleaved and a sliding window of 3: module.name's logits equal those with it
+    switched off (the separate steps follow both), and differ from plain rotary's without a window. relearn(): drops
+    what the one call learned of the model's first setting."""
+    plain, _, _ = with_and_without(model, ids, monkeypatch, module, name)
+    monkeypatch.setattr(model.rope, "interleaved", True)
+    monkeypatch.setattr(model, "cfg", dataclasses.replace(model.cfg, sliding_window=3))
+    if relearn is not None:
+        relearn()
+    one_call, separate, taken = with_and_without(model, ids, monkeypatch, module, name)
+    assert any(taken)
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(one_call, plain))
 
 _DIGEST = """
 import hashlib, importlib, sys, torch

@@ -9,7 +9,6 @@ every ISA copy (layers without norms and other head shapes: kt_gqa_decode's own 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from ktrun.generate import decode_one_token, prefill
 from ktrun.models import attention_one_call
 from ktrun.ops.library import GqaDecodeArgs, GqaLayerArgs, KernelError, load_library
 from ktrun.ops.moe import MoEKernels
-from one_call_helpers import assert_refused, same_bits_on_every_isa, with_and_without
+from one_call_helpers import assert_refused, assert_rope_form_and_window_reach, same_bits_on_every_isa, with_and_without
 from runtime_helpers import PROMPT, converted
 
 
@@ -47,15 +46,8 @@ def test_interleaved_rope_and_a_window_reach_the_call(tmp_path_factory, monkeypa
     interleaved and a sliding window of 3 gives the same logits with the one call and without (the separate steps
     follow both), and other logits than with plain rotary and no window."""
     eng = Engine(converted(tmp_path_factory, "qwen3_moe", "int4-amx", gpu_method="rtn-int4"), ctx=256, max_batch=4)
-    ids = eng.tokenizer.encode(PROMPT)
-    plain, _, _ = with_and_without(eng.model, ids, monkeypatch, attention_one_call, "gqa_layer")
-    monkeypatch.setattr(eng.model.rope, "interleaved", True)
-    monkeypatch.setattr(eng.model, "cfg", dataclasses.replace(eng.model.cfg, sliding_window=3))
-    one_call, separate, taken = with_and_without(eng.model, ids, monkeypatch, attention_one_call, "gqa_layer")
-    assert any(taken)
-    for a, b in zip(one_call, separate):
-        assert torch.equal(a, b)
-    assert not all(torch.equal(a, b) for a, b in zip(one_call, plain))
+    assert_rope_form_and_window_reach(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch, attention_one_call,
+                                      "gqa_layer")
 
 
 def test_every_isa_copy_gives_the_same_bits(tmp_path_factory):

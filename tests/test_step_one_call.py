@@ -10,7 +10,6 @@ test_kernels_gqa_layer.py and test_kernels_moe_decode.py). Bad arguments are an 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from ktrun.engine import Engine
 from ktrun.generate import decode_one_token, prefill
 from ktrun.models import step_one_call
 from ktrun.ops.library import DecodeLayer, DecodeLayersArgs, GqaDecodeArgs, load_library
-from one_call_helpers import absorbed_conversion, with_and_without
+from one_call_helpers import absorbed_conversion, assert_rope_form_and_window_reach, with_and_without
 from runtime_helpers import PROMPT, converted
 
 
@@ -43,17 +42,11 @@ def test_interleaved_rope_and_a_window_reach_the_step_call(tmp_path_factory, mon
     """The RoPE form and each layer's window are the forward's: the Qwen3-MoE fixture with interleaved rotary and a
     sliding window of 3 gives the per-layer calls' logits through the step call, and other logits than before."""
     eng = _engine(tmp_path_factory, "qwen3_moe")
-    ids = eng.tokenizer.encode(PROMPT)
-    plain, _, _ = with_and_without(eng.model, ids, monkeypatch, step_one_call, "run")
-    monkeypatch.setattr(eng.model.rope, "interleaved", True)
-    monkeypatch.setattr(eng.model, "cfg", dataclasses.replace(eng.model.cfg, sliding_window=3))
-    eng.model.step_plan = None                     # the windows are recorded when the plan is learned
-    eng.model.w = {k: v for k, v in eng.model.w.items() if not k.endswith("gqa_layer_plan")}
-    one_call, separate, taken = with_and_without(eng.model, ids, monkeypatch, step_one_call, "run")
-    assert any(taken)
-    for a, b in zip(one_call, separate):
-        assert torch.equal(a, b)
-    assert not all(torch.equal(a, b) for a, b in zip(one_call, plain))
+
+    def relearn():                                  # the windows are recorded when the plan is learned
+        eng.model.step_plan = None
+    assert_rope_form_and_window_reach(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch, step_one_call, "run",
+                                      relearn)
 
 
 def test_the_pool_growing_under_the_plan_moves_every_layers_caches(tmp_path_factory):

@@ -84,7 +84,7 @@ def start(model, batch: Batch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     if pl is None:
         return None
     T = x.shape[0]
-    if pl.experts is not model.experts or T > glue.ROUTE_MAX_ROWS or hooked() or x.dtype != torch.float32 or \
+    if pl.experts is not model.experts or not 0 < T <= glue.ROUTE_MAX_ROWS or hooked() or x.dtype != torch.float32 or \
             not x.is_cpu or cos.shape[0] != T or cos.dtype != torch.float32 or sin.dtype != torch.float32 or \
             cos.stride(-1) != 1 or sin.stride() != cos.stride():
         return None
