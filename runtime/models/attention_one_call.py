@@ -7,8 +7,6 @@ steps ran ~10-25 library calls and torch ops with Python between them while the 
 (docs/decode-step.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from ktlayouts.families import ModelConfig
 
@@ -167,10 +165,10 @@ def mla(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer:
     sit on one kernel context, kv_b absorbed on the op (absorbed(): the layer's AbsorbedKvB): x to o_proj's output in
     one kt_mla_decode call (ktrun.ops.glue.MlaLayerCall), the bits of mla_attention's steps. -> (T, hidden), or None
     (nothing done) for anything else: biases, act-order or padded inputs, other dtypes, caches it cannot address."""
-    plan = _mla_plan(cfg, w, p, absorbed)
-    if plan is None or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.stride(-1) != 1:
+    call = _mla_plan(cfg, w, p, absorbed)
+    if call is None or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.stride(-1) != 1:
         return None
-    dr, R = plan.dims[2], plan.dims[4]
+    dr, R = call.dims[2], call.dims[4]
     if 2 * cos.shape[-1] != dr or cos.dtype != torch.float32 or sin.dtype != torch.float32 or \
             cos.stride(-1) != 1 or sin.stride() != cos.stride():
         return None
@@ -180,29 +178,15 @@ def mla(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Batch, layer:
     cache = pool.tokens[0][layer]                                     # (blocks, B, R + dr)
     if cache.dim() != 3 or cache.shape[2] != R + dr or not cache.is_contiguous():
         return None
-    batch.record_one_call("attn", layer, (plan.call, None))
-    return plan.call(x, cos, sin, rope.interleaved, paging(batch), cache)
+    batch.record_one_call("attn", layer, (call, None))
+    return call(x, cos, sin, rope.interleaved, paging(batch), cache)
 
 
-@dataclass(frozen=True)
-class _MlaPlan:
-    """What kt_mla_decode needs of a layer's weights, checked once (a decode step asks per layer); kept in the
-    weights dict like the absorbed kv_b (not a tensor or tuple: byte counts skip it)."""
-    ids: dict
-    dims: tuple            # (nh, dn, dr, dv, R, q_lora, q_b's input width)
-    uk_group: int
-    uk_scale: torch.Tensor
-    q_norm: torch.Tensor | None
-    kv_norm: torch.Tensor
-    n_out: int
-    kernels: object
-    call: glue.MlaLayerCall     # the layer's kt_mla_decode argument block
-
-
-def _mla_plan(cfg: ModelConfig, w: dict, p: str, absorbed) -> _MlaPlan | None:
-    """The layer's _MlaPlan, or None when its weights are not what kt_mla_decode takes: every Linear a KernelLinear
-    on one context, no biases, no act-order, padded inputs only on q_b, kv_b absorbed on the op, float32 norms
-    kt_rms_norm reproduces, R and dr multiples of 16. Kept next to the weights."""
+def _mla_plan(cfg: ModelConfig, w: dict, p: str, absorbed) -> glue.MlaLayerCall | None:
+    """The layer's kt_mla_decode call (glue.MlaLayerCall, its argument block made once), or None when its weights are
+    not what kt_mla_decode takes: every Linear a KernelLinear on one context, no biases, no act-order, padded inputs
+    only on q_b, kv_b absorbed on the op, float32 norms kt_rms_norm reproduces, R and dr multiples of 16. Kept next to
+    the weights like the absorbed kv_b (not a tensor or tuple: byte counts skip it)."""
     key = p + "mla_decode_plan"
     if key in w:
         return w[key]
@@ -228,7 +212,6 @@ def _mla_plan(cfg: ModelConfig, w: dict, p: str, absorbed) -> _MlaPlan | None:
     ids = {k: li.id for k, li in lins.items()}
     ids.update(uk=ab.uk_id, kv_b=ab.kv_b.id)
     dims = (nh, dn, dr, dv, R, q_lora, lins["q_b"].k_op if q_lora else 0)
-    call = glue.MlaLayerCall(ids, dims, ab.G, ab.s_uk, q_norm, kv_norm, LORA_NORM_EPS, cfg.softmax_scale,
-                             lins["o"].n, first.lin.kernels)
-    w[key] = _MlaPlan(ids, dims, ab.G, ab.s_uk, q_norm, kv_norm, lins["o"].n, first.lin.kernels, call)
+    w[key] = glue.MlaLayerCall(ids, dims, ab.G, ab.s_uk, q_norm, kv_norm, LORA_NORM_EPS, cfg.softmax_scale,
+                               lins["o"].n, first.lin.kernels)
     return w[key]

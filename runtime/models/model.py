@@ -178,11 +178,11 @@ class MoEModel:
         cfg, w = self.cfg, self.w
         tm, clock = self.timing, time.perf_counter
         L = len(self.layers)
-        for slot, i in enumerate(self.layers):
+        for slot, i in enumerate(self.layers):         # slot: the layer's KV blocks (i itself, but in an MTP block)
             if slot == planned:
                 got = step_one_call.run(self, batch, x, h, cos, sin)
                 if got is not None:
-                    return got         # slot: the layer's KV blocks (i itself, but in an MTP block)
+                    return got
             if layer_hook is not None:
                 x, h = layer_hook(self, i, x, h, batch, cos, sin)
                 continue
