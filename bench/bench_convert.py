@@ -12,7 +12,9 @@ checkpoint (5.64 GB of bf16, written once into WORK): the calibrated default (`-
 rtn-int4`) and `--expert-quantizer rtn`, alternated, each with its wall, user and system time and peak RSS; with
 `--llama-cpp DIR` (a llama.cpp source tree with build/bin/llama-quantize) also llama.cpp's convert_hf_to_gguf.py
 (bf16) + llama-quantize Q4_0 in the same rounds; then the KL of both conversions against the source in float32 on the
-held-out calibration text (`ktconvert quantize --report-kl`'s protocol), whether the rtn output is byte-identical
+held-out calibration text (`ktconvert quantize --report-kl`'s protocol; with `--float32-forward` also the default with
+its calibration forward in torch's float32, the default before the int4-tile forward on CPUs without bf16 dot
+products, in the same rounds), whether the rtn output is byte-identical
 with 1 and 2 workers and whether the default's is byte-identical in every round. Every conversion's printed estimate
 (ktconvert.estimate) is set against its wall time, and `make demo`'s conversion of the embedded default model is
 timed the same way.
@@ -164,13 +166,15 @@ def main() -> None:
 
 # --- the DeepSeek-V3-shaped checkpoint: whole conversions, timed as child processes ------------------------------
 
-OURS = {"default": [], "rtn": ["--expert-quantizer", "rtn"]}     # on top of the issue's int4-amx + rtn-int4 GPU layers
+OURS = {"default": [], "rtn": ["--expert-quantizer", "rtn"], "default-float32": []}   # on top of int4-amx + rtn-int4
+ENV = {"default-float32": {"KTCONVERT_CALIB_MATMUL": "float32"}}   # the calibration forward in torch's float32
 
 
-def timed(cmd: list[str], what: str) -> dict:
-    """Run cmd as a child; its wall, user and system seconds and peak RSS (wait4: that child's own usage)."""
+def timed(cmd: list[str], what: str, env: dict | None = None) -> dict:
+    """Run cmd as a child (env: variables on top of ours); its wall, user and system seconds and peak RSS (wait4:
+    that child's own usage)."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     out = p.stdout.read()
     _, status, ru = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
@@ -199,7 +203,7 @@ def estimate_lines(name: str, runs: list[dict]) -> None:
 def convert_v3(src: Path, out: Path, mode: str, workers: int = 2) -> dict:
     cmd = [sys.executable, "-m", "ktconvert", "quantize", str(src), "-o", str(out), "--force", "--quiet", "--method",
            "int4-amx", "--gpu-method", "rtn-int4", "--workers", str(workers), *OURS[mode]]
-    return timed(cmd, f"ktconvert quantize ({mode})")
+    return timed(cmd, f"ktconvert quantize ({mode})", ENV.get(mode))
 
 
 def llama_cpp_v3(src: Path, work: Path, tree: Path) -> dict:
@@ -243,14 +247,16 @@ def kl_of(src: Path, outs: dict[str, Path]) -> dict[str, dict]:
                 for k, o in outs.items()}
 
 
-def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int) -> None:
+def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int, float32_forward: bool = False) -> None:
     from bench_vs_llamacpp import SHAPES, write_checkpoint
 
     work.mkdir(parents=True, exist_ok=True)
     src = write_checkpoint(work / "v3-src", SHAPES["v3"], tiny=False)
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     print(f"v3_source_size: {nbytes / 1e9:.2f} GB")
-    systems = ["rtn", "default"] + (["llama.cpp"] if llama_cpp else [])
+    systems = ["rtn", "default"] + (["default-float32"] if float32_forward else []) + (["llama.cpp"] if llama_cpp else [])
+    from ktconvert.gpu.calib import calibration_matmul
+    print(f"v3_default_calibration_matmul: {calibration_matmul()}")
     runs: dict[str, list[dict]] = {k: [] for k in systems}
     default_digests = []                  # each round's calibrated output: the same bytes every time?
     for r in range(rounds):
@@ -263,7 +269,7 @@ def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int) -> None:
                   f"{res['peak_mb']:.0f} MB peak RSS", flush=True)
     med = {k: {m: float(np.median([x[m] for x in v])) for m in v[0]} for k, v in runs.items()}
     for k, m in med.items():
-        name = k.replace(".", "")
+        name = k.replace(".", "").replace("-", "_")
         print(f"v3_convert_{name}_wall: {m['wall']:.1f} s")
         print(f"v3_convert_{name}_source_rate: {nbytes / m['wall'] / 1e6:.0f} MB/s")
         print(f"v3_convert_{name}_user: {m['user']:.1f} s")
@@ -271,6 +277,8 @@ def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int) -> None:
         print(f"v3_convert_{name}_sys_over_user: {m['sys'] / m['user']:.3f} ratio")
         print(f"v3_convert_{name}_peak_rss: {m['peak_mb']:.0f} MB")
     print(f"v3_default_over_rtn_wall: {med['default']['wall'] / med['rtn']['wall']:.2f} ratio")
+    if float32_forward:
+        print(f"v3_default_float32_over_rtn_wall: {med['default-float32']['wall'] / med['rtn']['wall']:.2f} ratio")
     for k in ("rtn", "default"):
         estimate_lines(f"v3_convert_{k}", runs[k])
     if llama_cpp:
@@ -282,9 +290,9 @@ def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int) -> None:
     same = tree_digest(work / "out-rtn-1worker") == tree_digest(work / "out-rtn")
     print(f"v3_rtn_1_vs_2_workers_identical: {int(same)} bool")
     print(f"v3_default_rounds_identical: {int(len(set(default_digests)) == 1)} bool ({len(default_digests)} rounds)")
-    for k, summ in kl_of(src, {k: work / f"out-{k}" for k in ("rtn", "default")}).items():
+    for k, summ in kl_of(src, {k: work / f"out-{k}" for k in systems if k != "llama.cpp"}).items():
         for m in ("kl_mean", "kl_p99", "top1_agreement"):
-            print(f"v3_{k}_{m}: {summ[m]:.6f} {'ratio' if m == 'top1_agreement' else 'nats'}")
+            print(f"v3_{k.replace('-', '_')}_{m}: {summ[m]:.6f} {'ratio' if m == 'top1_agreement' else 'nats'}")
     default_model(work, rounds)
 
 
@@ -309,9 +317,11 @@ if __name__ == "__main__":
     ap.add_argument("--llama-cpp", type=Path, metavar="DIR", help="llama.cpp source tree with build/bin/llama-quantize "
                     "(with --deepseek-v3: its convert + Q4_0 in the same rounds)")
     ap.add_argument("--rounds", type=int, default=1, help="alternated rounds (--deepseek-v3); medians are printed")
+    ap.add_argument("--float32-forward", action="store_true", help="(--deepseek-v3) also the default with its "
+                    "calibration forward in torch's float32 (KTCONVERT_CALIB_MATMUL=float32) in the same rounds, and its KL")
     args = ap.parse_args()
     if args.deepseek_v3:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        deepseek_v3(args.deepseek_v3, args.llama_cpp, args.rounds)
+        deepseek_v3(args.deepseek_v3, args.llama_cpp, args.rounds, args.float32_forward)
     else:
         main()

@@ -12,7 +12,9 @@ What is timed here, on the checkpoint itself, one thread (seconds; a few for a D
   dense    non-expert tensors of the first MoE layer (its smallest, about DENSE_SAMPLE_BYTES): read and encoded by
            the conversion's encoder (GPTQ GPU layers: quantized with a synthetic Hessian, which costs what a real
            one does), scaled by source bytes, or for GPTQ by its arithmetic;
-  forward  (calibrated conversions) a matmul of the calibration forward's shape and dtype, for its FLOP rate.
+  forward  (calibrated conversions) a matmul of the calibration forward's shape and dtype, for its FLOP rate (with
+           the int4-tile forward, ktconvert.gpu.calib_kernels: torch's float32 one and the tiles' product, and
+           quantizing a weight onto the tiles).
 
 The model:
   experts_cpu = experts x the sample;  dense_cpu = non-expert bytes x the sample's seconds per byte (a GPTQ'd
@@ -21,7 +23,9 @@ The model:
                 and a quantized pass, + top-k routed experts' weights) / rate, / FORWARD_MATMUL_SHARE (norms,
                 attention, routing, casts: the matmuls were 46% of a profiled DeepSeek-V3-shaped layer), + reading
                 each MoE layer's experts at the sample's read rate, + with GPTQ GPU layers their Hessians (2 T K^2
-                each, at the same rate)
+                each, at the same rate); the int4-tile forward: its matmuls at the tiles' rate instead (the rest
+                as at float32), + every weight it tiles (the layers' Linears, the experts hit) at the quantize
+                rate
   forward_cpu = forward x (FORWARD_MATMUL_SHARE x torch's threads + the rest on one)
   write       = output bytes x (write + fsync + sha256 read-back), timed on a sample file beside the output: each
                 file's commit is a serial point on the main thread
@@ -261,7 +265,12 @@ def _timed_calibrated_expert(src, geo, layer: int, shards, quantizer, n: int, op
     x = torch.randn(total, geo.hidden, generator=g)
     ids = torch.full((total, 1), 1, dtype=torch.long)
     ids[:n] = 0                                                        # expert 0 gets n of the tokens
-    q.use_inputs(layer, x, ids, {0: torch.randn(n, geo.intermediate, generator=g)})
+    prior = None
+    if quantizer.calibrated and getattr(quantizer, "own_calibration", False):
+        from ktconvert.gpu.calib import calibration_matmul, prior_rows
+        if calibration_matmul() == "kernels":     # the tile forward computes the prior's rows (in _forward_seconds)
+            prior = {0: torch.randn(prior_rows(x).shape[0], geo.intermediate, generator=g)}
+    q.use_inputs(layer, x, ids, {0: torch.randn(n, geo.intermediate, generator=g)}, prior)
     t = time.perf_counter()
     _pack_expert(src, src.arch, geo, layer, 0, shards, bf16_scales=opts.bf16_scales, quantizer=q, shares=shares)
     return time.perf_counter() - t
@@ -330,11 +339,12 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
 
     arch = src.arch
     own = quantizer is not None and quantizer.calibrated and not getattr(encoder, "calibrated", False)
-    dtype = torch.float32
+    matmul = "float32"
     if own:
-        from ktconvert.gpu.calib import calibration_matmul_dtype
-        dtype = calibration_matmul_dtype()
-    rate = _matmul_rate(arch.hidden_size, max(1, arch.moe_intermediate_size or arch.hidden_size), dtype)
+        from ktconvert.gpu.calib import calibration_matmul
+        matmul = calibration_matmul()
+    k, n = arch.hidden_size, max(1, arch.moe_intermediate_size or arch.hidden_size)
+    rate = _matmul_rate(k, n, torch.bfloat16 if matmul == "bfloat16" else torch.float32)
     linear: dict[int, int] = {}                  # layer -> parameters of its 2-D non-expert weights
     for name in src.tensor_names():
         role = arch.classify(name)
@@ -350,6 +360,13 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
     flops = sum(2 * tokens * (passes * p + (arch.top_k * per_expert if layer in moe else 0))
                 for layer, p in linear.items())
     seconds = flops / rate / FORWARD_MATMUL_SHARE
+    if matmul == "kernels":     # the matmuls on int4 tiles, the rest as before, + quantizing every weight it tiles
+        tile_rate, per_weight = _tile_rate(k, n)
+        hit = 1.0 - (1.0 - arch.top_k / max(1, geo.n_experts)) ** tokens
+        tiled = sum(linear.values()) + len(moe) * geo.n_experts * hit * per_expert
+        from ktconvert.gpu.calib import PRIOR_SAMPLE  # the prior's rows through each expert's gate / up
+        prior = len(moe) * geo.n_experts * hit * 2 * min(tokens, PRIOR_SAMPLE) * 2 * geo.hidden * geo.intermediate
+        seconds += (flops + prior) / tile_rate - flops / rate + tiled * per_weight
     if passes == 2:                # each GPTQ'd Linear's Hessian H += X^T X over the tokens: 2 T K^2, float32
         hess = sum(2.0 * tokens * src.info(n).shape[1] ** 2 for g in plan.jobs for j in g if j.kind != "expert"
                    for n, role in j.sources if _dense_units(src, encoder, n, role)[0] == "gptq")
@@ -360,6 +377,36 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
         hit = 1.0 - (1.0 - arch.top_k / max(1, geo.n_experts)) ** tokens    # share of experts the forward reads
         seconds += len(moe) * geo.n_experts * hit * expert_bytes * read_rate
     return seconds
+
+
+def _tile_rate(k: int, n: int, m: int = 512) -> tuple[float, float]:
+    """(multiply-adds x 2 per second of an (m, k) x (k, n) product on the calibration forward's int4 tiles, seconds
+    per weight of quantizing a weight onto them): the best of 5 after WARMUP_SECONDS of calls."""
+    import torch
+
+    from ktconvert.gpu.calib_kernels import TileMatmuls, tile_group
+
+    if tile_group(k) is None:
+        return _matmul_rate(k, n, torch.float32, m), 0.0
+    g = torch.Generator().manual_seed(0)
+    a, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    tiles = TileMatmuls()
+    try:
+        best_q = best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            tiles.register(0, w)
+            best_q = min(best_q, time.perf_counter() - t)
+        warm = time.perf_counter()
+        while time.perf_counter() - warm < WARMUP_SECONDS:
+            tiles.run([0], a)
+        for _ in range(5):
+            t = time.perf_counter()
+            tiles.run([0], a)
+            best = min(best, time.perf_counter() - t)
+    finally:
+        tiles.close()
+    return 2.0 * m * k * n / best, best_q / w.numel()
 
 
 def _matmul_rate(k: int, n: int, dtype, m: int = 512) -> float:

@@ -220,19 +220,21 @@ def test_gptq_beats_rtn_on_the_trained_default_model():
     assert kl["gptq", "heldout"] < 0.9 * kl["rtn", "heldout"]        # measured 5.9e-3 vs 8.3e-3 nats
 
 
-def test_calibration_matmul_dtype_follows_the_cpu_and_the_environment(monkeypatch):
-    """bfloat16 matmuls in the expert-only calibration forward where the CPU has bf16 dot products, float32
-    elsewhere; KTCONVERT_CALIB_MATMUL overrides, and a wrong value names the variable."""
+def test_calibration_matmul_follows_the_cpu_and_the_environment(monkeypatch):
+    """bfloat16 matmuls in the expert-only calibration forward where the CPU has bf16 dot products, the library's
+    int4 tiles elsewhere (float32 without the library); KTCONVERT_CALIB_MATMUL overrides, and a wrong value names
+    the variable."""
     import torch
+    from ktrun.ops.library import kernels_available
 
-    from ktconvert.gpu.calib import MATMUL_ENV, CalibrationError, calibration_matmul_dtype
+    from ktconvert.gpu.calib import MATMUL_ENV, CalibrationError, calibration_matmul
 
     monkeypatch.delenv(MATMUL_ENV, raising=False)
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    assert calibration_matmul_dtype() == (torch.bfloat16 if native else torch.float32)
-    for name, want in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    assert calibration_matmul() == ("bfloat16" if native else "kernels" if kernels_available() else "float32")
+    for name in ("float32", "bfloat16") + (("kernels",) if kernels_available() else ()):
         monkeypatch.setenv(MATMUL_ENV, name)
-        assert calibration_matmul_dtype() == want
+        assert calibration_matmul() == name
     monkeypatch.setenv(MATMUL_ENV, "fp8")
     with pytest.raises(CalibrationError, match="KTCONVERT_CALIB_MATMUL='fp8'"):
-        calibration_matmul_dtype()
+        calibration_matmul()

@@ -170,3 +170,50 @@ def test_read_bf16_is_the_stored_bits(ckpt_dir, ckpt_copy):
         f.write(struct.pack("<H", 0xFF80))               # -inf
     with open_source(c) as src, pytest.raises(SourceError, match="Inf at element"):
         src.read_bf16(name)
+
+
+def test_calibrated_conversions_keep_large_arrays_in_the_heap():
+    """keep_large_arrays (a calibrated conversion's malloc policy): a 64 MiB array comes from the heap, not from a
+    mapping of its own (/proc/self/maps: [heap] grows, no anonymous mapping of that size appears). In a child."""
+    import os
+    import subprocess
+    import sys
+
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (ValueError, OSError):
+        glibc = False
+    if not glibc or not os.path.exists("/proc/self/maps"):
+        pytest.skip("glibc and /proc only")
+    code = ("import numpy as np\nfrom ktconvert.malloc_policy import keep_freed_memory, keep_large_arrays\n"
+            "keep_freed_memory()\nok = keep_large_arrays()\nx = np.ones(1 << 24, np.float32)\n"
+            "heap, own = 0, 0\n"
+            "for line in open('/proc/self/maps'):\n"
+            "    f = line.split()\n"
+            "    lo, hi = (int(v, 16) for v in f[0].split('-'))\n"
+            "    heap += (hi - lo) if f[-1] == '[heap]' else 0\n"
+            "    own += len(f) == 5 and hi - lo >= 64 << 20 and x.ctypes.data >= lo and x.ctypes.data < hi\n"
+            "print(ok, heap >= 64 << 20, own, float(x.sum()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["True", "True", "0", str(float(1 << 24))], out.stdout
+
+
+def test_calibration_reads_experts_and_layers_into_reused_buffers(ckpt_dir):
+    """The calibration forward's float32 reads (an expert's three matrices, a layer's tensors): the values
+    safetensors stores, decoded into one buffer that the next read reuses (no fresh pages per expert)."""
+    from ktconvert.gpu.calib import ReusedBuffer
+
+    d = ckpt_dir("deepseek_v3")
+    buf = ReusedBuffer()
+    with open_source(d) as src:
+        layer = src.arch.moe_layers()[0]
+        ptrs = []
+        for e in (0, 1):
+            names = [src.arch.expert_tensor_name(layer, e, p) for p in ("gate", "up", "down")]
+            got = buf.read(src, names)
+            for n, t in zip(names, got):
+                with safe_open(_shard_of(d, n), framework="pt") as f:
+                    torch.testing.assert_close(t, f.get_tensor(n).float(), rtol=0, atol=0)
+                assert np.shares_memory(t.numpy(), buf.buf)
+            ptrs.append(buf.buf.ctypes.data)
+        assert ptrs[0] == ptrs[1]

@@ -226,13 +226,50 @@ def _gate_fn(experts: nn.Module):
     return lambda g, u: experts._apply_gate(torch.stack([g, u], dim=-1).flatten(-2))
 
 
+class ReusedBuffer:
+    """One float32 buffer that tensors read together are decoded into, side by side, where the source can
+    (Source.read's out): a routed expert's three matrices, read for every expert the forward runs. Fresh arrays of
+    that size (above glibc's 32 MiB mmap threshold) were fresh pages each time, zeroed by the kernel on first touch:
+    on bench_convert.py's DeepSeek-V3-shaped checkpoint the calibrated default's system time was ~4x rtn's, most of
+    it zeroing pages (perf, Zen 3 KVM guest). Valid until the next read."""
+
+    def __init__(self):
+        self.buf: np.ndarray | None = None
+
+    def read(self, src, names: list[str]) -> list[torch.Tensor]:
+        infos = [src.info(n) for n in names]
+        into = getattr(src, "reads_into", ())
+        if not all(getattr(i, "dtype", None) in into for i in infos):
+            return [src.read(n) for n in names]
+        sizes = [int(np.prod(i.shape)) for i in infos]
+        if self.buf is None or self.buf.size < sum(sizes):
+            self.buf = None                                  # the old one freed before the new one is touched
+            self.buf = np.empty(sum(sizes), np.float32)
+        out, at = [], 0
+        for n, i, size in zip(names, infos, sizes):
+            out.append(src.read(n, out=self.buf[at:at + size].reshape(tuple(i.shape))))
+            at += size
+        return out
+
+
+PRIOR_SAMPLE = 256      # tokens of a layer whose down inputs give the expert quantizer's prior mean
+
+
+def prior_rows(x: torch.Tensor) -> torch.Tensor:
+    """The evenly spaced sample of a layer's tokens X (T, H) whose down inputs give the routed-expert quantizer's
+    prior (ktconvert.quantizers.experts): (~PRIOR_SAMPLE, H)."""
+    return x[:: max(1, x.shape[0] // PRIOR_SAMPLE)]
+
+
 class StreamingExperts(nn.Module):
     """Drop-in for a transformers fused-experts module: reads each routed expert from the source when hit (and, for
     a family with expert biases, gpt-oss, the layer's biases once)."""
 
-    def __init__(self, src, layer: int, gate_fn):
+    def __init__(self, src, layer: int, gate_fn, tiles=None, buffer: ReusedBuffer | None = None):
         super().__init__()
         self.src, self.layer, self.gate_fn = src, layer, gate_fn
+        self.tiles = tiles                    # a calib_kernels.TileMatmuls: the experts' products on int4 tiles
+        self.buffer = buffer if buffer is not None else ReusedBuffer()     # the float32 experts are read into it
         self.biases = None
         fam = src.arch.family
         if src.arch.cfg.expert_activation.bias:
@@ -244,6 +281,9 @@ class StreamingExperts(nn.Module):
         # with captured on: expert -> its down_proj inputs act(x gate^T) * (x up^T) of its routed tokens, in token
         # order, call after call (what the forward computes anyway; the expert quantizer's importance of down)
         self.activations: dict[int, list[torch.Tensor]] = {}
+        # with captured on and tiles: expert -> its down_proj inputs on the evenly spaced sample of the call's
+        # tokens the expert quantizer's prior reads (ktconvert.quantizers.experts.prior_rows), from the same product
+        self.prior: dict[int, torch.Tensor] = {}
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         # hidden_states: (T, H); top_k_index / top_k_weights: (T, top_k)
@@ -255,13 +295,24 @@ class StreamingExperts(nn.Module):
         arch = self.src.arch
         # under bf16 autocast the matmuls take bf16 weights: read them so (a BF16 checkpoint's bits as stored), not
         # widened to float32 and cast back every call (the same products, a sixth less time per layer)
-        read = self.src.read_bf16 if torch.is_autocast_enabled("cpu") and hasattr(self.src, "read_bf16") and \
-            torch.get_autocast_dtype("cpu") == torch.bfloat16 else self.src.read
+        bf16 = torch.is_autocast_enabled("cpu") and hasattr(self.src, "read_bf16") and \
+            torch.get_autocast_dtype("cpu") == torch.bfloat16
         for e in torch.unique(top_k_index).tolist():
             tok, pos = torch.where(top_k_index == e)
-            gate, up, down = (read(arch.expert_tensor_name(self.layer, e, p)) for p in ("gate", "up", "down"))
+            names = [arch.expert_tensor_name(self.layer, e, p) for p in ("gate", "up", "down")]
+            # float32: into the one reused buffer (its matrices are read, used and dropped before the next expert)
+            gate, up, down = (self.src.read_bf16(n) for n in names) if bf16 else self.buffer.read(self.src, names)
             x = hidden_states[tok]
-            if self.biases is None:
+            if self.tiles is not None and self.tiles.takes_expert(gate, down):
+                bias = None if self.biases is None else tuple(b[e].float() for b in self.biases)
+                # the prior's sample rows ride along in the same gate / up product (first call only: the sample
+                # is of all the layer's tokens, which one call holds)
+                sample = prior_rows(hidden_states) if self.captured is not None and len(self.captured) == 1 else None
+                a, y, a_s = self.tiles.expert(x.float(), gate.float(), up.float(), down.float(), self.gate_fn, bias,
+                                              sample)
+                if a_s is not None:
+                    self.prior[e] = a_s
+            elif self.biases is None:
                 a = self.gate_fn(x @ gate.T, x @ up.T)
                 y = a @ down.T
             else:
@@ -272,6 +323,10 @@ class StreamingExperts(nn.Module):
                 self.activations.setdefault(e, []).append(a)
             out.index_add_(0, tok, (y * top_k_weights[tok, pos, None].to(y.dtype)).to(out.dtype))
         return out
+
+
+# module names of a MoE block's router (nn.Linear in some transformers families): never on the tiles
+ROUTER_MODULES = ("gate", "router")
 
 
 # transformers module keys the checkpoint stores as several tensors, concatenated along dim 0 (Kimi Linear's q/k/v
@@ -295,14 +350,19 @@ class LayerwiseGptq:
     """Quantizes the checkpoint's Linear weights chosen by `is_target(hub name)` layer by layer, on demand."""
 
     def __init__(self, src, tokens: torch.Tensor, quantize_fn: QuantizeFn, is_target: Callable[[str], bool],
-                 quantize_head: bool = False, capture_experts: bool = False, matmul_dtype: torch.dtype = torch.float32):
+                 quantize_head: bool = False, capture_experts: bool = False, matmul_dtype: torch.dtype = torch.float32,
+                 tiles=None):
         """matmul_dtype: bfloat16 runs the layers' matmuls under torch's CPU autocast (weights are bf16 in most
-        checkpoints: only the activations are rounded), see calibration_matmul_dtype."""
+        checkpoints: only the activations are rounded), see calibration_matmul. tiles: a calib_kernels.TileMatmuls
+        on which the Linears not quantized here and the routed experts run (int4 tiles)."""
         self.src, self.tokens, self.quantize_fn, self.is_target = src, tokens, quantize_fn, is_target
-        self.matmul_dtype = matmul_dtype
+        self.matmul_dtype, self.tiles = matmul_dtype, tiles
+        self.read_buffer = ReusedBuffer()          # every layer's StreamingExperts read their experts into it
+        self.layer_buffer = ReusedBuffer()         # each layer's float32 tensors (_build_layer)
         self.quantize_head, self.capture_experts = quantize_head, capture_experts
         self.expert_captures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> (X (T, H), ids (T, k))
         self.expert_acts: dict[int, dict[int, torch.Tensor]] = {}     # layer -> expert -> (n_e, I) down inputs
+        self.expert_prior: dict[int, dict[int, torch.Tensor]] = {}    # layer -> expert -> (S, I) prior rows (tiles)
         check_layerwise(src)
         self.cfg = hf_config(*text_model_of(src))
         self.hub = src.arch.family.names                              # layer prefix, embed / norm / head names
@@ -362,6 +422,12 @@ class LayerwiseGptq:
         expert_inputs' tokens routed to it), as the calibration forward computed them; after expert_inputs(layer)."""
         return self.expert_acts.pop(layer, {})
 
+    def expert_prior_rows(self, layer: int) -> dict[int, torch.Tensor]:
+        """expert -> (S, I) its down_proj inputs on the prior's sample of the layer's tokens (prior_rows of
+        expert_inputs' X), where the tile forward computed them (else empty: the quantizer computes them itself)."""
+        self.expert_prior = {k: v for k, v in self.expert_prior.items() if k >= layer}
+        return self.expert_prior.pop(layer, {})
+
     @torch.no_grad()
     def _run_layer(self, li: int) -> None:
         t0 = time.perf_counter()
@@ -377,6 +443,7 @@ class LayerwiseGptq:
                     linears[hub] = mod
         from ktconvert.gpu.gptq import HessianAccumulator
         accs = {hub: HessianAccumulator(m.in_features) for hub, m in linears.items()}
+        self._put_on_tiles(layer, linears)
         hooks = [m.register_forward_pre_hook(lambda _m, args, a=accs[h]: a.add(args[0])) for h, m in linears.items()]
         experts = [m for m in layer.modules() if isinstance(m, StreamingExperts)]
         for e in experts:
@@ -401,7 +468,9 @@ class LayerwiseGptq:
                 self.expert_captures[li] = (torch.cat([x for x, _ in e.captured]),
                                             torch.cat([i for _, i in e.captured]))
                 self.expert_acts[li] = {ex: torch.cat(rows) for ex, rows in e.activations.items()}
-            e.captured, e.activations = None, {}
+                if len(e.captured) == 1 and e.prior:
+                    self.expert_prior[li] = e.prior
+            e.captured, e.activations, e.prior = None, {}, {}
         del layer
         dt = time.perf_counter() - t0
         self.stats["layers"] += 1
@@ -410,6 +479,17 @@ class LayerwiseGptq:
         log.info("GPTQ layer %d: %d Linear weights quantized over %d calibration tokens in %.1f s",
                  li, len(linears), self.tokens.numel(), dt)
         self.next_layer += 1
+
+    def _put_on_tiles(self, layer: nn.Module, targets: dict[str, nn.Linear]) -> list[str]:
+        """With tiles: the layer's Linears other than the targets (whose Hessians need the float inputs) and a
+        router (its choices stay the float ones) run on int4 tiles from now on -> their module names."""
+        if self.tiles is None:
+            return []
+        self.tiles.reset_layer_ids()
+        skip = set(map(id, targets.values()))
+        return [name for name, mod in layer.named_modules()
+                if isinstance(mod, nn.Linear) and id(mod) not in skip
+                and name.rsplit(".", 1)[-1] not in ROUTER_MODULES and self.tiles.on_linear(mod)]
 
     def _position_embeddings(self, li: int):
         """cos/sin of the calibration positions for layer li; None for a model without RoPE. MiMo-V2-Flash's
@@ -451,7 +531,7 @@ class LayerwiseGptq:
             layer = self.layer_cls(self.cfg, layer_idx=li)
         moe = getattr(layer, "mlp", None)
         if moe is not None and hasattr(moe, "experts"):
-            moe.experts = StreamingExperts(self.src, li, _gate_fn(moe.experts))
+            moe.experts = StreamingExperts(self.src, li, _gate_fn(moe.experts), self.tiles, self.read_buffer)
         prefix = self.hub.layer(li)
         # Under bf16 autocast a Linear's matmul takes its weight in bf16: the Linears not quantized here are read so
         # (a BF16 checkpoint's bits as stored, read_bf16) rather than widened to float32 and cast back in every call,
@@ -460,13 +540,22 @@ class LayerwiseGptq:
         bf16 = self.matmul_dtype == torch.bfloat16 and hasattr(self.src, "read_bf16")
         linear_weights = {n + ".weight" for n, m in layer.named_modules() if isinstance(m, nn.Linear)} if bf16 else ()
 
-        def read(k: str) -> torch.Tensor:
+        plain: dict[str, str] = {}                 # key -> checkpoint name, read as float32 into the layer buffer
+
+        def read(k: str) -> torch.Tensor | None:
             parts = JOINED_KEYS.get(k)
             if parts and prefix + k not in self.names and all(prefix + p in self.names for p in parts):
                 return torch.cat([self.src.read(prefix + p) for p in parts])
             name = _checkpoint_name(prefix, k, self.names)
-            return self.src.read_bf16(name) if k in linear_weights and not self.is_target(name) else self.src.read(name)
-        state = {k: read(k).reshape(v.shape) for k, v in layer.state_dict().items()}
+            if k in linear_weights and not self.is_target(name):
+                return self.src.read_bf16(name)
+            plain[k] = name
+            return None
+        state = {k: read(k) for k in layer.state_dict()}
+        # the float32 tensors into one buffer reused layer after layer (a layer's worth of fresh pages otherwise,
+        # zeroed by the kernel: ReusedBuffer); the previous layer is gone by now (_run_layer drops it)
+        state.update(zip(plain, self.layer_buffer.read(self.src, list(plain.values()))))
+        state = {k: t.reshape(v.shape) for (k, t), v in zip(state.items(), layer.state_dict().values())}
         layer.load_state_dict(state, assign=True, strict=True)
         meta = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
         if meta:
@@ -486,32 +575,45 @@ class LayerwiseGptq:
         self.next_layer += 1
 
 
-MATMUL_ENV = "KTCONVERT_CALIB_MATMUL"     # auto (default) | float32 | bfloat16
+MATMUL_ENV = "KTCONVERT_CALIB_MATMUL"     # auto (default) | float32 | bfloat16 | kernels
+MATMULS = ("float32", "bfloat16", "kernels")
 
 
-def calibration_matmul_dtype() -> torch.dtype:
-    """The expert-only calibration forward's matmul dtype: bfloat16 where the CPU has bf16 dot products (AVX512-BF16,
-    AMX: torch's bf16 GEMM runs ~2x its float32 one, 390 vs 192 GFLOPS on 2 Zen 4 cores; it is emulated on AVX2,
-    which keeps float32), unless KTCONVERT_CALIB_MATMUL says float32 / bfloat16. On bench_convert.py's
-    DeepSeek-V3-shaped checkpoint the conversion's KL against the source was 0.033035 with it and 0.033142 without
-    (the same within noise) at 0.8x the wall time."""
+def calibration_matmul() -> str:
+    """How the expert-only calibration forward multiplies: "bfloat16" where the CPU has bf16 dot products
+    (AVX512-BF16, AMX: torch's bf16 GEMM runs ~2x its float32 one, 390 vs 192 GFLOPS on 2 Zen 4 cores), else
+    "kernels" where libktkernels loads (its int4 tiles, ktconvert.gpu.calib_kernels: ~2.4x torch's float32 GEMM on 2
+    Zen 3 cores), else "float32"; KTCONVERT_CALIB_MATMUL=float32 / bfloat16 / kernels chooses. On bench_convert.py's
+    DeepSeek-V3-shaped checkpoint the conversion's KL against the source was 0.033035 with bfloat16 and 0.033142
+    with float32 (the same within noise) at 0.8x the wall time; kernels: bench/README.md."""
     want = os.environ.get(MATMUL_ENV, "auto")
-    if want not in ("auto", "float32", "bfloat16"):
-        raise CalibrationError(f"{MATMUL_ENV}={want!r}: choose auto, float32 or bfloat16")
+    if want not in ("auto",) + MATMULS:
+        raise CalibrationError(f"{MATMUL_ENV}={want!r}: choose auto, {', '.join(MATMULS)}")
+    if want == "kernels":
+        from ktrun.ops.library import kernels_available
+        if not kernels_available():
+            raise CalibrationError(f"{MATMUL_ENV}=kernels: libktkernels is not available (build it: make kernels)")
     if want == "auto":
+        from ktrun.ops.library import kernels_available
         native = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported",
                                                                       "_is_amx_tile_supported"))
-        want = "bfloat16" if native else "float32"
-    return getattr(torch, want)
+        want = "bfloat16" if native else "kernels" if kernels_available() else "float32"
+    return want
 
 
 def make_calibrator(src, calib: str | None, n_tokens: int, seq_len: int, seed: int, quantize_fn: QuantizeFn,
                     is_target: Callable[[str], bool], quantize_head: bool = False,
-                    capture_experts: bool = False, matmul_dtype: torch.dtype = torch.float32) -> LayerwiseGptq:
-    """A LayerwiseGptq over the calibration part of the text (--calib FILE or the packaged one)."""
+                    capture_experts: bool = False, matmul: str = "float32") -> LayerwiseGptq:
+    """A LayerwiseGptq over the calibration part of the text (--calib FILE or the packaged one); matmul: one of
+    MATMULS (calibration_matmul)."""
     text, path = read_calibration_text(calib)
     part, _ = split_calibration_text(text)
     tokens = calibration_tokens(src, part, n_tokens, seq_len, seed)
     log.info("calibration: %d sequences x %d tokens from %s (its last quarter held out for --report-kl)",
              tokens.shape[0], tokens.shape[1], path)
-    return LayerwiseGptq(src, tokens, quantize_fn, is_target, quantize_head, capture_experts, matmul_dtype)
+    tiles = None
+    if matmul == "kernels":
+        from ktconvert.gpu.calib_kernels import TileMatmuls
+        tiles = TileMatmuls()
+    dtype = torch.bfloat16 if matmul == "bfloat16" else torch.float32
+    return LayerwiseGptq(src, tokens, quantize_fn, is_target, quantize_head, capture_experts, dtype, tiles)

@@ -17,6 +17,7 @@ Quantization is symmetric with the rounding of ktconvert.gpu.rtn, so RTN and GPT
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -115,6 +116,20 @@ def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> tuple[torc
                     f"(tried from {percdamp:g}); calibration inputs may be degenerate")
 
 
+_WORK = threading.local()
+
+
+def _work_matrix(k: int, n: int) -> torch.Tensor:
+    """A (K, N) float32 matrix for the column loop, from this thread's one reused buffer (grown when too small): a
+    routed expert's 7168 x 2048 is above glibc's 32 MiB mmap threshold, so a fresh one was fresh pages for the kernel
+    to zero on every matrix (slow on a VM guest). Nothing of it outlives _gptq."""
+    buf = getattr(_WORK, "buf", None)
+    if buf is None or buf.numel() < k * n:
+        _WORK.buf = buf = None                       # the old one freed before the new one is touched
+        _WORK.buf = buf = torch.empty(k * n, dtype=torch.float32)
+    return buf[: k * n].view(k, n)
+
+
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: str = "weight"
                   ) -> tuple[QuantizedLinear, float]:
     """weight (N, K), hessian (K, K) -> (QuantizedLinear, proxy loss sum (w - q)^2 / d^2 over the matrix)."""
@@ -129,10 +144,9 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, cfg: GptqConfig, name: st
     h = hessian.detach().to(torch.float32).clone()
     dead = torch.diag(h) == 0                    # inputs that were always zero: weight irrelevant
     h[dead, dead] = 1.0
-    # the weight as the column loop updates it: its transpose (K, N) in float32, one copy (a matrix-sized array is a
-    # fresh mapping, its pages zeroed by the kernel on first touch: each copy of a 7168 x 2048 matrix costs ~60 MB
-    # of that), dead inputs zeroed, rows in processing order
-    wt = torch.empty(k, n, dtype=torch.float32)
+    # the weight as the column loop updates it: its transpose (K, N) in float32, one copy in this thread's reused
+    # buffer (_work_matrix), dead inputs zeroed, rows in processing order
+    wt = _work_matrix(k, n)
     wt.copy_(weight.detach().T)
     wt[dead] = 0.0
     perm = torch.argsort(torch.diag(h), descending=True, stable=True) if cfg.act_order else None

@@ -25,11 +25,12 @@ def make_expert_quantizer(src, opts, encoder):
 
             def calibrator_fn():
                 if "c" not in cal:
-                    from ktconvert.gpu.calib import calibration_matmul_dtype, make_calibrator
-                    dtype = calibration_matmul_dtype()
-                    log.info("routed experts: calibration forward with %s matmuls", str(dtype).split(".")[-1])
+                    from ktconvert.gpu.calib import calibration_matmul, make_calibrator
+                    matmul = calibration_matmul()
+                    log.info("routed experts: calibration forward with %s matmuls", "int4-tile (libktkernels)"
+                             if matmul == "kernels" else matmul)
                     cal["c"] = make_calibrator(src, opts.calib, opts.calib_tokens, 256, 0, lambda *a: None,
-                                               lambda hub: False, capture_experts=True, matmul_dtype=dtype)
+                                               lambda hub: False, capture_experts=True, matmul=matmul)
                 return cal["c"]
     own = calibrator_fn is not None and not getattr(encoder, "calibrated", False)
     q = ExpertQuantizer(opts.expert_quantizer, calibrator_fn, opts.expert_gptq_min_tokens, scale_dtype=opts.scale_dtype,

@@ -39,13 +39,13 @@ import torch.nn.functional as F
 from ktlayouts.cpu_expert import MatrixGeometry, pack_codes, pack_expert_matrix, pack_scales, pad_weight
 from ktlayouts.expert_formats import BF16_SCALES, F16_SCALES, F32_SCALES, UNDECLARED_SCALE_DTYPE, scale_encoding
 
+from ktconvert.gpu.calib import prior_rows
 from ktconvert.scale_search import search_two_level, search_unsigned_codes
 
 log = logging.getLogger(__name__)
 
 EXPERT_QUANTIZERS = ("auto", "gptq", "search", "rtn")
 PRIOR_TOKENS = 16.0
-PRIOR_SAMPLE = 256      # tokens of the layer whose down inputs give the prior's mean
 
 
 @dataclass
@@ -79,7 +79,8 @@ class ExpertQuantizer:
             raise ValueError("--expert-quantizer gptq needs calibration text and the checkpoint's tokenizer")
         self.min_tokens, self.scale_dtype, self.percdamp = min_tokens, scale_dtype, percdamp
         self._lock = threading.Lock()
-        # (layer, X (T, H), ids (T, k), expert -> (n_e, I) down inputs, mean of X^2 over T (H,))
+        # (layer, X (T, H), ids (T, k), expert -> (n_e, I) down inputs, mean of X^2 over T (H,), expert -> (S, I)
+        # down inputs of prior_rows(X) where the calibration forward computed them)
         self._layer: tuple | None = None
         self._ahead: list[int] = []          # MoE layers still to begin, in order (prefetch_layers)
         self._pending: tuple[int, Future] | None = None
@@ -121,12 +122,14 @@ class ExpertQuantizer:
             if later and self._prefetcher is not None:
                 self._pending = (later[0], self._prefetcher.submit(self._inputs, later[0]))
 
-    def use_inputs(self, layer: int, x: torch.Tensor, ids: torch.Tensor, acts: dict[int, torch.Tensor]) -> None:
+    def use_inputs(self, layer: int, x: torch.Tensor, ids: torch.Tensor, acts: dict[int, torch.Tensor],
+                   prior: dict[int, torch.Tensor] | None = None) -> None:
         """The calibration inputs expert_stats reads for `layer`: X (T, H), routing ids (T, k), expert -> (n_e, I)
-        down inputs (begin_layer's, or synthetic ones: ktconvert.estimate times an expert with them)."""
+        down inputs (begin_layer's, or synthetic ones: ktconvert.estimate times an expert with them), and where the
+        forward computed them expert -> (S, I) down inputs of prior_rows(X)."""
         self.reports.setdefault(layer, LayerReport(layer, {}))
         # the prior's input energy is the same for every expert of the layer: once here, not a (T, H) square each
-        self._layer = (layer, x, ids, acts, (x * x).mean(0))
+        self._layer = (layer, x, ids, acts, (x * x).mean(0), prior or {})
 
     def prefetch_layers(self, layers: list[int]) -> None:
         """The MoE layers whose experts this conversion will quantize, in order: the first one's calibration forward
@@ -149,14 +152,15 @@ class ExpertQuantizer:
         cal = self.calibrator_fn()
         x, ids = cal.expert_inputs(layer)
         acts = cal.expert_activations(layer) if hasattr(cal, "expert_activations") else {}
-        return x.float(), ids, {e: a.float() for e, a in acts.items()}     # (bf16 from a bf16-matmul forward)
+        prior = cal.expert_prior_rows(layer) if hasattr(cal, "expert_prior_rows") else {}
+        return x.float(), ids, {e: a.float() for e, a in acts.items()}, prior    # (bf16 from a bf16-matmul forward)
 
     def expert_stats(self, layer: int, e: int, w: dict[str, np.ndarray]) -> ExpertStats | None:
         if not self.calibrated:
             return None
         if self._layer is None or self._layer[0] != layer:
             raise RuntimeError(f"layer {layer}: begin_layer was not called")
-        x_all, ids, acts, x_energy = self._layer[1:5]
+        x_all, ids, acts, x_energy, prior = self._layer[1:6]
         tok = (ids == e).any(dim=1)
         xe = x_all[tok]
         n = int(tok.sum())
@@ -166,8 +170,9 @@ class ExpertQuantizer:
         ae = acts[e] if e in acts and acts[e].shape[0] == n else F.silu(xe @ gate.T) * (xe @ up.T)    # (n, I)
         # the prior's mean over all tokens, from an evenly spaced sample of PRIOR_SAMPLE of them: it weighs
         # PRIOR_TOKENS against the routed tokens, and all T rows cost two (T, H) x (H, I) products per expert
-        xs = x_all[:: max(1, x_all.shape[0] // PRIOR_SAMPLE)]
-        a_s = F.silu(xs @ gate.T) * (xs @ up.T)                                                      # (S, I)
+        # (the tile forward computes them in its own product of the expert)
+        xs = prior_rows(x_all)
+        a_s = prior[e] if e in prior and prior[e].shape[0] == xs.shape[0] else F.silu(xs @ gate.T) * (xs @ up.T)
         with self._lock:
             self.reports[layer].tokens[e] = n
 
@@ -191,8 +196,8 @@ class ExpertQuantizer:
             else self.scale_dtype
         # (N_pad, K_pad), read only below (GPTQ works on a copy of its own): mat itself where it needs no padding
         wp = torch.from_numpy(pad_weight(np.asarray(mat, np.float32), geom))
-        imp, h = self._importance(proj, stats, geom, k_range)
         use_gptq = self.mode == "gptq" and stats is not None and stats.n_tokens >= self._gptq_tokens(geom)
+        imp, h = self._importance(proj, stats, geom, k_range, use_gptq)
         codes, scales = self._gptq(wp, h, geom, sd) if use_gptq else self._search(wp, imp, geom, sd)
         if self._layer is not None:
             with self._lock:
@@ -204,8 +209,9 @@ class ExpertQuantizer:
     def _gptq_tokens(self, geom: MatrixGeometry) -> int:
         return self.min_tokens if self.min_tokens > 0 else geom.k // 2
 
-    def _importance(self, proj, stats, geom, k_range):
-        """-> (importance (K_pad,) or None, Hessian source rows (n, K_pad) or None) for this shard's K."""
+    def _importance(self, proj, stats, geom, k_range, rows_needed: bool = True):
+        """-> (importance (K_pad,) or None, Hessian source rows (n, K_pad) or None: only where rows_needed, GPTQ
+        runs on them) for this shard's K."""
         if stats is None:
             return None, None
         if proj == "down":
@@ -219,7 +225,7 @@ class ExpertQuantizer:
         imp = torch.zeros(geom.k_pad)
         imp[:take] = full[sl]
         rows = None
-        if acts is not None:
+        if acts is not None and rows_needed:
             rows = torch.zeros(acts.shape[0], geom.k_pad)
             rows[:, :take] = acts[:, sl]
         return imp, rows
