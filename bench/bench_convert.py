@@ -12,9 +12,9 @@ checkpoint (5.64 GB of bf16, written once into WORK): the calibrated default (`-
 rtn-int4`) and `--expert-quantizer rtn`, alternated, each with its wall, user and system time and peak RSS; with
 `--llama-cpp DIR` (a llama.cpp source tree with build/bin/llama-quantize) also llama.cpp's convert_hf_to_gguf.py
 (bf16) + llama-quantize Q4_0 in the same rounds; then the KL of both conversions against the source in float32 on the
-held-out calibration text (`ktconvert quantize --report-kl`'s protocol; with `--float32-forward` also the default with
-its calibration forward in torch's float32, the default before the int4-tile forward on CPUs without bf16 dot
-products, in the same rounds), whether the rtn output is byte-identical
+held-out calibration text (`ktconvert quantize --report-kl`'s protocol; with `--tile-forward` also the default with its
+calibration forward on libktkernels' int4 tiles, KTCONVERT_CALIB_MATMUL=kernels, in the same rounds), whether the rtn
+output is byte-identical
 with 1 and 2 workers and whether the default's is byte-identical in every round. Every conversion's printed estimate
 (ktconvert.estimate) is set against its wall time, and `make demo`'s conversion of the embedded default model is
 timed the same way.
@@ -166,8 +166,8 @@ def main() -> None:
 
 # --- the DeepSeek-V3-shaped checkpoint: whole conversions, timed as child processes ------------------------------
 
-OURS = {"default": [], "rtn": ["--expert-quantizer", "rtn"], "default-float32": []}   # on top of int4-amx + rtn-int4
-ENV = {"default-float32": {"KTCONVERT_CALIB_MATMUL": "float32"}}   # the calibration forward in torch's float32
+OURS = {"default": [], "rtn": ["--expert-quantizer", "rtn"], "default-tiles": []}   # on top of int4-amx + rtn-int4
+ENV = {"default-tiles": {"KTCONVERT_CALIB_MATMUL": "kernels"}}   # the calibration forward on libktkernels' int4 tiles
 
 
 def timed(cmd: list[str], what: str, env: dict | None = None) -> dict:
@@ -247,14 +247,14 @@ def kl_of(src: Path, outs: dict[str, Path]) -> dict[str, dict]:
                 for k, o in outs.items()}
 
 
-def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int, float32_forward: bool = False) -> None:
+def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int, tile_forward: bool = False) -> None:
     from bench_vs_llamacpp import SHAPES, write_checkpoint
 
     work.mkdir(parents=True, exist_ok=True)
     src = write_checkpoint(work / "v3-src", SHAPES["v3"], tiny=False)
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     print(f"v3_source_size: {nbytes / 1e9:.2f} GB")
-    systems = ["rtn", "default"] + (["default-float32"] if float32_forward else []) + (["llama.cpp"] if llama_cpp else [])
+    systems = ["rtn", "default"] + (["default-tiles"] if tile_forward else []) + (["llama.cpp"] if llama_cpp else [])
     from ktconvert.gpu.calib import calibration_matmul
     print(f"v3_default_calibration_matmul: {calibration_matmul()}")
     runs: dict[str, list[dict]] = {k: [] for k in systems}
@@ -277,10 +277,10 @@ def deepseek_v3(work: Path, llama_cpp: Path | None, rounds: int, float32_forward
         print(f"v3_convert_{name}_sys_over_user: {m['sys'] / m['user']:.3f} ratio")
         print(f"v3_convert_{name}_peak_rss: {m['peak_mb']:.0f} MB")
     print(f"v3_default_over_rtn_wall: {med['default']['wall'] / med['rtn']['wall']:.2f} ratio")
-    if float32_forward:
-        print(f"v3_default_float32_over_rtn_wall: {med['default-float32']['wall'] / med['rtn']['wall']:.2f} ratio")
-    for k in ("rtn", "default"):
-        estimate_lines(f"v3_convert_{k}", runs[k])
+    if tile_forward:
+        print(f"v3_default_tiles_over_rtn_wall: {med['default-tiles']['wall'] / med['rtn']['wall']:.2f} ratio")
+    for k in ("rtn", "default") + (("default-tiles",) if tile_forward else ()):
+        estimate_lines(f"v3_convert_{k.replace('-', '_')}", runs[k])
     if llama_cpp:
         print(f"v3_llamacpp_quantize_wall: {med['llama.cpp']['quantize_wall']:.1f} s")
         print(f"v3_rtn_rate_over_llamacpp: {med['llama.cpp']['wall'] / med['rtn']['wall']:.2f} ratio")
@@ -317,11 +317,11 @@ if __name__ == "__main__":
     ap.add_argument("--llama-cpp", type=Path, metavar="DIR", help="llama.cpp source tree with build/bin/llama-quantize "
                     "(with --deepseek-v3: its convert + Q4_0 in the same rounds)")
     ap.add_argument("--rounds", type=int, default=1, help="alternated rounds (--deepseek-v3); medians are printed")
-    ap.add_argument("--float32-forward", action="store_true", help="(--deepseek-v3) also the default with its "
-                    "calibration forward in torch's float32 (KTCONVERT_CALIB_MATMUL=float32) in the same rounds, and its KL")
+    ap.add_argument("--tile-forward", action="store_true", help="(--deepseek-v3) also the default with its "
+                    "calibration forward on int4 tiles (KTCONVERT_CALIB_MATMUL=kernels) in the same rounds, and its KL")
     args = ap.parse_args()
     if args.deepseek_v3:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        deepseek_v3(args.deepseek_v3, args.llama_cpp, args.rounds, args.float32_forward)
+        deepseek_v3(args.deepseek_v3, args.llama_cpp, args.rounds, args.tile_forward)
     else:
         main()

@@ -26,14 +26,18 @@ The model:
                 each, at the same rate); the int4-tile forward: its matmuls at the tiles' rate instead (the rest
                 as at float32), + every weight it tiles (the layers' Linears, the experts hit) at the quantize
                 rate
-  forward_cpu = forward x (FORWARD_MATMUL_SHARE x torch's threads + the rest on one)
+  forward_cpu = forward x (FORWARD_MATMUL_SHARE x torch's threads + the rest on one; FLOAT32_FORWARD_MATMUL_SHARE
+                for the expert quantizer's own float32 forward); the int4-tile forward: its
+                products x the threads + the rest (TILE_FORWARD_REST of the float32 matmul time, the tiling, the
+                reads) on one
   write       = output bytes x (write + fsync + sha256 read-back), timed on a sample file beside the output: each
                 file's commit is a serial point on the main thread
   mix         = (the measured mixed precision, --gpu-mix-budget, ktconvert.gpu.sensitivity: a pass before the
                 conversion, on one thread) forward + dense_cpu + each layer's Linears once more per quantized
                 Linear of the layer (2 T p n_quantized / rate / FORWARD_MATMUL_SHARE); not yet timed against a run
   wall        = startup + sample + mix + max(forward, (experts_cpu + dense_cpu + forward_cpu) / (cores x efficiency))
-                + write, efficiency PARALLEL_EFFICIENCY (CALIBRATED_PARALLEL_EFFICIENCY for a calibrated one)
+                + write, efficiency PARALLEL_EFFICIENCY (CALIBRATED_PARALLEL_EFFICIENCY for a calibrated one,
+                BUSY_CALIBRATED_PARALLEL_EFFICIENCY with the expert quantizer's own float32 or int4-tile forward)
 with cores = min(--workers (+1 for the calibration thread), the CPUs this process may use), startup what this
 process took until the estimate (imports, and those of the calibration forward), and sample the time the sample
 took (quantize times it before it starts). The efficiencies are what bench_convert.py's DeepSeek-V3-shaped
@@ -58,9 +62,18 @@ import numpy as np
 # arithmetic, memory bandwidth shared by the workers) and the calibrated default (GPTQ, search, forward)
 PARALLEL_EFFICIENCY = 0.62
 CALIBRATED_PARALLEL_EFFICIENCY = 0.8
+# the same with a slower forward, float32 or the int4 tiles (the CPUs without bf16 dot products, where it is long
+# enough to keep every core busy beside the pack workers): on Zen 3, 2 cores, the DeepSeek-V3-shaped calibrated default
+# used ~1.0 of the cores between its serial parts (float32: 209 CPU-s in 114 s wall; tiles: 182 in 101)
+BUSY_CALIBRATED_PARALLEL_EFFICIENCY = 0.95
 FORWARD_MATMUL_SHARE = 0.5     # measured: matmuls were 46% of a DeepSeek-V3-shaped calibration layer (bf16)
+FLOAT32_FORWARD_MATMUL_SHARE = 0.75   # the same in float32 (Zen 3: ~51 s of matmuls in ~68 s of forward, perf and py-spy)
+# the int4-tile forward's work besides its products (attention scores, norms, routing, gathers, casts), in units of
+# the float32 forward's matmul time: fitted to bench_convert.py's DeepSeek-V3-shaped calibrated default (Zen 3, 2 cores,
+# 2 rounds: 104.3 / 98.1 s wall)
+TILE_FORWARD_REST = 0.3
 ROUTING_SPREAD = 0.25          # routed tokens per expert: standard deviation / mean
-WARMUP_SECONDS = 0.3           # matmul calls before the timed ones
+WARMUP_SECONDS = 1.0           # matmul calls before the timed ones (0.3 s left MKL slow on Zen 3: 88-119 vs 180 GFLOPS)
 
 
 @dataclass
@@ -143,12 +156,13 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
                 dense_cpu += units * rates.get(kind, rates.get("bytes", 0.0))
     parts["dense"] = dense_cpu
 
-    forward = 0.0
+    forward = forward_cpu = 0.0
     if calibrated:
         t = time.perf_counter()
         _import_calibration(src)              # transformers and the family's modeling module: part of the run
         parts["startup"] += time.perf_counter() - t
-        forward = parts["forward"] = _forward_seconds(src, plan, quantizer, encoder, tokens, read_rate)
+        forward, forward_cpu = _forward_seconds(src, plan, quantizer, encoder, tokens, read_rate)
+        parts["forward"] = forward
 
     mix = 0.0
     if calibrated and _measures_mix(encoder):
@@ -157,17 +171,15 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
     out_bytes = sum(spec.nbytes for g in plan.jobs for j in g for spec in j.specs)
     parts["write"] = out_bytes * _write_seconds_per_byte(out_dir)
 
-    import torch
-
     from ktconvert.pipeline import release_read_buffer
 
     cores = min(opts.workers + (1 if calibrated else 0), usable_cpus())
-    threads = torch.get_num_threads()          # the forward's matmuls run on all of them, the rest on one
-    work = expert_cpu + dense_cpu + forward * (FORWARD_MATMUL_SHARE * threads + 1 - FORWARD_MATMUL_SHARE)
+    work = expert_cpu + dense_cpu + forward_cpu
     release_read_buffer()                    # the expert sample's, on this thread: the conversion's are its workers'
     # quantize times this sample before it starts (the imports in it are part of the run anyway: in startup)
     sample = time.perf_counter() - t0 - (parts["startup"] - startup)
-    efficiency = CALIBRATED_PARALLEL_EFFICIENCY if calibrated else PARALLEL_EFFICIENCY
+    efficiency = (BUSY_CALIBRATED_PARALLEL_EFFICIENCY if _own_calibration_matmul(quantizer, encoder) in
+                  ("float32", "kernels") else CALIBRATED_PARALLEL_EFFICIENCY) if calibrated else PARALLEL_EFFICIENCY
     wall = parts["startup"] + sample + mix + max(forward, work / (cores * efficiency)) + parts["write"]
     return Estimate(wall, parts, sample)
 
@@ -333,16 +345,14 @@ def _import_calibration(src) -> None:
     _model_classes(hf_config(*text_model_of(src)))
 
 
-def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: float | None) -> float:
-    """Wall seconds of the calibration forward over all layers (the model in this module's docstring)."""
+def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: float | None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of the calibration forward over all layers (the model in this module's
+    docstring)."""
     import torch
 
     arch = src.arch
-    own = quantizer is not None and quantizer.calibrated and not getattr(encoder, "calibrated", False)
-    matmul = "float32"
-    if own:
-        from ktconvert.gpu.calib import calibration_matmul
-        matmul = calibration_matmul()
+    own = _own_calibration_matmul(quantizer, encoder)
+    matmul = own or "float32"
     k, n = arch.hidden_size, max(1, arch.moe_intermediate_size or arch.hidden_size)
     rate = _matmul_rate(k, n, torch.bfloat16 if matmul == "bfloat16" else torch.float32)
     linear: dict[int, int] = {}                  # layer -> parameters of its 2-D non-expert weights
@@ -359,14 +369,20 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
     passes = 2 if getattr(encoder, "calibrated", False) else 1
     flops = sum(2 * tokens * (passes * p + (arch.top_k * per_expert if layer in moe else 0))
                 for layer, p in linear.items())
-    seconds = flops / rate / FORWARD_MATMUL_SHARE
-    if matmul == "kernels":     # the matmuls on int4 tiles, the rest as before, + quantizing every weight it tiles
+    threads = torch.get_num_threads()       # the matmuls run on all of them, the rest on one
+    share = FLOAT32_FORWARD_MATMUL_SHARE if own == "float32" else FORWARD_MATMUL_SHARE
+    seconds = flops / rate / share
+    cpu_per_second = share * threads + 1 - share
+    if matmul == "kernels":     # the products on int4 tiles (all threads), the rest and the tiling on one thread
         tile_rate, per_weight = _tile_rate(k, n)
         hit = 1.0 - (1.0 - arch.top_k / max(1, geo.n_experts)) ** tokens
         tiled = sum(linear.values()) + len(moe) * geo.n_experts * hit * per_expert
         from ktconvert.gpu.calib import PRIOR_SAMPLE  # the prior's rows through each expert's gate / up
         prior = len(moe) * geo.n_experts * hit * 2 * min(tokens, PRIOR_SAMPLE) * 2 * geo.hidden * geo.intermediate
-        seconds += (flops + prior) / tile_rate - flops / rate + tiled * per_weight
+        products = (flops + prior) / tile_rate
+        rest = TILE_FORWARD_REST * flops / rate + tiled * per_weight
+        seconds = products + rest
+        cpu_per_second = (products * threads + rest) / seconds
     if passes == 2:                # each GPTQ'd Linear's Hessian H += X^T X over the tokens: 2 T K^2, float32
         hess = sum(2.0 * tokens * src.info(n).shape[1] ** 2 for g in plan.jobs for j in g if j.kind != "expert"
                    for n, role in j.sources if _dense_units(src, encoder, n, role)[0] == "gptq")
@@ -376,7 +392,16 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
                            for p in ("gate", "up", "down"))
         hit = 1.0 - (1.0 - arch.top_k / max(1, geo.n_experts)) ** tokens    # share of experts the forward reads
         seconds += len(moe) * geo.n_experts * hit * expert_bytes * read_rate
-    return seconds
+    return seconds, seconds * cpu_per_second
+
+
+def _own_calibration_matmul(quantizer, encoder) -> str | None:
+    """How the expert quantizer's own calibration forward multiplies (ktconvert.gpu.calib.calibration_matmul); None
+    where it has none (no calibration, or the GPU layers' GPTQ drives it: a float32 forward fitted on its own)."""
+    if quantizer is None or not quantizer.calibrated or getattr(encoder, "calibrated", False):
+        return None
+    from ktconvert.gpu.calib import calibration_matmul
+    return calibration_matmul()
 
 
 def _tile_rate(k: int, n: int, m: int = 512) -> tuple[float, float]:

@@ -3,6 +3,7 @@ start, in real subprocesses, and held against the wall time of the conversion it
 bench_convert.py's (a quiet machine); here, under a test run's load, a loose bound."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -49,6 +50,22 @@ def test_inspect_prints_the_estimate(ckpt_dir):
     cal = _ktconvert("inspect", str(d), "--method", "int4-amx", "--gpu-method", "gptq-int4")
     assert cal.returncode == 0, cal.stderr
     assert "forward" in _seconds(cal.stdout)[1]                        # a calibrated conversion runs a forward
+
+
+def test_the_tile_forward_is_estimated_with_its_own_rate():
+    """KTCONVERT_CALIB_MATMUL=kernels (experts calibrated on their own pass): the estimate times the int4 tiles'
+    product and their quantizing and puts the prior's rows into the forward; torch's float32 rate as the reference."""
+    from ktrun.ops.library import kernels_available
+
+    if not kernels_available():
+        pytest.skip("libktkernels not built")
+    rate, per_weight = estimate._tile_rate(256, 160)
+    assert rate > 0 and per_weight > 0
+    env_run = subprocess.run([sys.executable, "-m", "ktconvert", "inspect", str(DEFAULT_MODEL), "--method",
+                              "int4-amx", "--gpu-method", "rtn-int4"], capture_output=True, text=True, timeout=600,
+                             check=False, env={**os.environ, "KTCONVERT_CALIB_MATMUL": "kernels"})
+    assert env_run.returncode == 0, env_run.stderr
+    assert "forward" in _seconds(env_run.stdout)[1]
 
 
 def test_inspect_estimate_needs_a_checkpoint(ckpt_dir, tmp_path):

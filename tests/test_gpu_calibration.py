@@ -221,9 +221,9 @@ def test_gptq_beats_rtn_on_the_trained_default_model():
 
 
 def test_calibration_matmul_follows_the_cpu_and_the_environment(monkeypatch):
-    """bfloat16 matmuls in the expert-only calibration forward where the CPU has bf16 dot products, the library's
-    int4 tiles elsewhere (float32 without the library); KTCONVERT_CALIB_MATMUL overrides, and a wrong value names
-    the variable."""
+    """bfloat16 matmuls in the expert-only calibration forward where the CPU has bf16 dot products, float32
+    elsewhere; KTCONVERT_CALIB_MATMUL overrides (kernels: the library's int4 tiles, only when asked), and a wrong
+    value names the variable."""
     import torch
     from ktrun.ops.library import kernels_available
 
@@ -231,7 +231,7 @@ def test_calibration_matmul_follows_the_cpu_and_the_environment(monkeypatch):
 
     monkeypatch.delenv(MATMUL_ENV, raising=False)
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    assert calibration_matmul() == ("bfloat16" if native else "kernels" if kernels_available() else "float32")
+    assert calibration_matmul() == ("bfloat16" if native else "float32")
     for name in ("float32", "bfloat16") + (("kernels",) if kernels_available() else ()):
         monkeypatch.setenv(MATMUL_ENV, name)
         assert calibration_matmul() == name

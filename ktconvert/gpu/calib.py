@@ -582,10 +582,11 @@ MATMULS = ("float32", "bfloat16", "kernels")
 def calibration_matmul() -> str:
     """How the expert-only calibration forward multiplies: "bfloat16" where the CPU has bf16 dot products
     (AVX512-BF16, AMX: torch's bf16 GEMM runs ~2x its float32 one, 390 vs 192 GFLOPS on 2 Zen 4 cores), else
-    "kernels" where libktkernels loads (its int4 tiles, ktconvert.gpu.calib_kernels: ~2.4x torch's float32 GEMM on 2
-    Zen 3 cores), else "float32"; KTCONVERT_CALIB_MATMUL=float32 / bfloat16 / kernels chooses. On bench_convert.py's
-    DeepSeek-V3-shaped checkpoint the conversion's KL against the source was 0.033035 with bfloat16 and 0.033142
-    with float32 (the same within noise) at 0.8x the wall time; kernels: bench/README.md."""
+    "float32"; KTCONVERT_CALIB_MATMUL=float32 / bfloat16 / kernels chooses. On bench_convert.py's DeepSeek-V3-shaped
+    checkpoint the conversion's KL against the source was 0.033035 with bfloat16 and 0.033142 with float32 (the same
+    within noise) at 0.8x the wall time. "kernels" (libktkernels' int4 tiles, ktconvert.gpu.calib_kernels) is not
+    chosen by itself: 0.89x the float32 default's wall time on 2 Zen 3 cores, KL 0.033122 vs 0.033158 there, but on
+    the trained default model 0.004171 (experts on tiles) / 0.004286 (every Linear) vs 0.004110 (bench/README.md)."""
     want = os.environ.get(MATMUL_ENV, "auto")
     if want not in ("auto",) + MATMULS:
         raise CalibrationError(f"{MATMUL_ENV}={want!r}: choose auto, {', '.join(MATMULS)}")
@@ -594,10 +595,9 @@ def calibration_matmul() -> str:
         if not kernels_available():
             raise CalibrationError(f"{MATMUL_ENV}=kernels: libktkernels is not available (build it: make kernels)")
     if want == "auto":
-        from ktrun.ops.library import kernels_available
         native = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported",
                                                                       "_is_amx_tile_supported"))
-        want = "bfloat16" if native else "kernels" if kernels_available() else "float32"
+        want = "bfloat16" if native else "float32"
     return want
 
 
