@@ -50,6 +50,7 @@ from ktconvert.hot_placement import load_checked_profile, placement_params, writ
 from ktconvert.manifest import copy_side_files, write_manifest
 from ktconvert.progress import Journal, prepare_output
 from ktconvert.quantizers import make_expert_quantizer
+from ktconvert.read_buffer import ReadBuffer, floats_for
 from ktconvert.sources import open_source
 from ktconvert.time_shares import TimeShares
 from ktconvert.writer import AlignedWriter
@@ -180,23 +181,19 @@ def _pack_expert(src, adapter, geo: ExpertGeometry, layer: int, e: int, shards: 
     return per_shard
 
 
-_SCRATCH = threading.local()     # per thread: one float32 buffer the tensors it reads are decoded into
+_SCRATCH = threading.local()     # per thread: .reader, the ReadBuffer the tensors it reads are decoded into
 SCRATCH_MAX_FLOATS = 1 << 27     # tensors above 512 MB of float32 (a large vocabulary's embedding) read as new arrays
 
 
 def release_read_buffer() -> None:
     """Drop this thread's read buffer (_read_reused), e.g. after a sample read on a thread that reads no more."""
-    _SCRATCH.buf = None
+    _SCRATCH.reader = None
 
 
 def _scratch_floats(src, names) -> int:
-    """Floats of the buffer that `names` (read together) are decoded into side by side; 0 where they are not (a
-    source that cannot decode into a buffer, another encoding, or more than SCRATCH_MAX_FLOATS)."""
-    infos = [src.info(n) for n in names]
-    if any(getattr(i, "dtype", None) not in getattr(src, "reads_into", ()) for i in infos):
-        return 0
-    n = sum(int(np.prod(i.shape)) for i in infos)
-    return n if n <= SCRATCH_MAX_FLOATS else 0
+    """Floats of the buffer that `names` (read together) are decoded into side by side (read_buffer.floats_for, at
+    most SCRATCH_MAX_FLOATS)."""
+    return floats_for(src, list(names), SCRATCH_MAX_FLOATS)
 
 
 def scratch_size(src, plan: ConvertPlan) -> int:
@@ -211,25 +208,14 @@ def scratch_size(src, plan: ConvertPlan) -> int:
 
 def _read_reused(src, names: dict[str, str], reserve: int = 0) -> dict[str, np.ndarray]:
     """{key: tensor name} -> {key: float32 numpy}, decoded side by side into this thread's one reused buffer where
-    the source can (Source.read's out), else read as new arrays. Reusing the memory matters: fresh arrays were
-    fresh pages for the kernel to zero, most of an rtn conversion's system time, and one buffer per thread (the
-    largest dense tensor or an expert's three matrices) keeps the footprint at what one tensor needs. Valid until
-    this thread reads again: the caller (a pack worker's expert, a dense tensor's encode) keeps nothing of it.
+    the source can (ktconvert.read_buffer), else read as new arrays. One buffer per thread (the largest dense tensor
+    or an expert's three matrices) keeps the footprint at what one tensor needs. Valid until this thread reads
+    again: the caller (a pack worker's expert, a dense tensor's encode) keeps nothing of it.
     reserve: floats to allocate at least when the buffer is (re)made (scratch_size of the conversion)."""
-    need = _scratch_floats(src, list(names.values()))
-    if not need:
-        return {k: src.read(n).numpy() for k, n in names.items()}
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.size < need:
-        _SCRATCH.buf = buf = None                      # the old one freed before the new one is touched
-        _SCRATCH.buf = buf = np.empty(max(need, reserve), np.float32)
-    out, at = {}, 0
-    for k, n in names.items():
-        shape = tuple(src.info(n).shape)
-        size = int(np.prod(shape))
-        out[k] = src.read(n, out=buf[at:at + size].reshape(shape)).numpy()
-        at += size
-    return out
+    reader = getattr(_SCRATCH, "reader", None)
+    if reader is None:
+        reader = _SCRATCH.reader = ReadBuffer(SCRATCH_MAX_FLOATS)
+    return {k: t.numpy() for k, t in zip(names, reader.read(src, list(names.values()), reserve))}
 
 
 def _quantize_whole(w: dict[str, np.ndarray], geo: ExpertGeometry, quantizer, stats, bf16_scales: bool

@@ -105,10 +105,10 @@ def test_thread_buffer_is_reused_and_sized_for_the_plan(ckpt_dir):
         names = {p: src.arch.expert_tensor_name(src.arch.moe_layers()[0], 0, p) for p in ("gate", "up", "down")}
         reserve = 10 * sum(int(np.prod(src.info(n).shape)) for n in names.values())
         a = pipeline._read_reused(src, names, reserve)
-        first = pipeline._SCRATCH.buf
+        first = pipeline._SCRATCH.reader.buf
         assert first.size == reserve
         b = pipeline._read_reused(src, names, reserve)
-        assert pipeline._SCRATCH.buf is first                          # no new memory for the next expert
+        assert pipeline._SCRATCH.reader.buf is first                   # no new memory for the next expert
         for p, n in names.items():
             assert np.shares_memory(b[p], first)
             np.testing.assert_array_equal(b[p], src.read(n).numpy())
@@ -131,7 +131,7 @@ def test_dense_output_aliasing_the_buffer_is_copied(ckpt_dir, tmp_path):
         _, first = conv._encode_dense(names[0], None)
         kept = first[names[0]].copy()
         conv._encode_dense(names[1], None)                       # overwrites the thread's buffer
-        assert not np.shares_memory(first[names[0]], pipeline._SCRATCH.buf)
+        assert not np.shares_memory(first[names[0]], pipeline._SCRATCH.reader.buf)
         np.testing.assert_array_equal(first[names[0]], kept)
         np.testing.assert_array_equal(kept, src.read(names[0]).numpy())
 
@@ -201,10 +201,10 @@ def test_calibrated_conversions_keep_large_arrays_in_the_heap():
 def test_calibration_reads_experts_and_layers_into_reused_buffers(ckpt_dir):
     """The calibration forward's float32 reads (an expert's three matrices, a layer's tensors): the values
     safetensors stores, decoded into one buffer that the next read reuses (no fresh pages per expert)."""
-    from ktconvert.gpu.calib import ReusedBuffer
+    from ktconvert.read_buffer import ReadBuffer
 
     d = ckpt_dir("deepseek_v3")
-    buf = ReusedBuffer()
+    buf = ReadBuffer()
     with open_source(d) as src:
         layer = src.arch.moe_layers()[0]
         ptrs = []

@@ -33,6 +33,7 @@ from ktlayouts.bf16 import bf16_bits_to_f32
 from torch import nn
 
 from ktconvert.gpu.rtn import QuantizedLinear
+from ktconvert.read_buffer import ReadBuffer
 
 log = logging.getLogger(__name__)
 
@@ -226,32 +227,6 @@ def _gate_fn(experts: nn.Module):
     return lambda g, u: experts._apply_gate(torch.stack([g, u], dim=-1).flatten(-2))
 
 
-class ReusedBuffer:
-    """One float32 buffer that tensors read together are decoded into, side by side, where the source can
-    (Source.read's out): a routed expert's three matrices, read for every expert the forward runs. Fresh arrays of
-    that size (above glibc's 32 MiB mmap threshold) were fresh pages each time, zeroed by the kernel on first touch:
-    on bench_convert.py's DeepSeek-V3-shaped checkpoint the calibrated default's system time was ~4x rtn's, most of
-    it zeroing pages (perf, Zen 3 KVM guest). Valid until the next read."""
-
-    def __init__(self):
-        self.buf: np.ndarray | None = None
-
-    def read(self, src, names: list[str]) -> list[torch.Tensor]:
-        infos = [src.info(n) for n in names]
-        into = getattr(src, "reads_into", ())
-        if not all(getattr(i, "dtype", None) in into for i in infos):
-            return [src.read(n) for n in names]
-        sizes = [int(np.prod(i.shape)) for i in infos]
-        if self.buf is None or self.buf.size < sum(sizes):
-            self.buf = None                                  # the old one freed before the new one is touched
-            self.buf = np.empty(sum(sizes), np.float32)
-        out, at = [], 0
-        for n, i, size in zip(names, infos, sizes):
-            out.append(src.read(n, out=self.buf[at:at + size].reshape(tuple(i.shape))))
-            at += size
-        return out
-
-
 PRIOR_SAMPLE = 256      # tokens of a layer whose down inputs give the expert quantizer's prior mean
 
 
@@ -265,11 +240,12 @@ class StreamingExperts(nn.Module):
     """Drop-in for a transformers fused-experts module: reads each routed expert from the source when hit (and, for
     a family with expert biases, gpt-oss, the layer's biases once)."""
 
-    def __init__(self, src, layer: int, gate_fn, tiles=None, buffer: ReusedBuffer | None = None):
+    def __init__(self, src, layer: int, gate_fn, tiles=None, buffer: ReadBuffer | None = None):
         super().__init__()
         self.src, self.layer, self.gate_fn = src, layer, gate_fn
         self.tiles = tiles                    # a calib_kernels.TileMatmuls: the experts' products on int4 tiles
-        self.buffer = buffer if buffer is not None else ReusedBuffer()     # the float32 experts are read into it
+        self.buffer = buffer if buffer is not None else ReadBuffer()     # the float32 experts are read into it
+        # (one reused buffer: an expert's matrices are above glibc's mmap threshold, fresh pages each time otherwise)
         self.biases = None
         fam = src.arch.family
         if src.arch.cfg.expert_activation.bias:
@@ -357,8 +333,8 @@ class LayerwiseGptq:
         on which the Linears not quantized here and the routed experts run (int4 tiles)."""
         self.src, self.tokens, self.quantize_fn, self.is_target = src, tokens, quantize_fn, is_target
         self.matmul_dtype, self.tiles = matmul_dtype, tiles
-        self.read_buffer = ReusedBuffer()          # every layer's StreamingExperts read their experts into it
-        self.layer_buffer = ReusedBuffer()         # each layer's float32 tensors (_build_layer)
+        self.read_buffer = ReadBuffer()          # every layer's StreamingExperts read their experts into it
+        self.layer_buffer = ReadBuffer()         # each layer's float32 tensors (_build_layer)
         self.quantize_head, self.capture_experts = quantize_head, capture_experts
         self.expert_captures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> (X (T, H), ids (T, k))
         self.expert_acts: dict[int, dict[int, torch.Tensor]] = {}     # layer -> expert -> (n_e, I) down inputs
@@ -553,7 +529,7 @@ class LayerwiseGptq:
             return None
         state = {k: read(k) for k in layer.state_dict()}
         # the float32 tensors into one buffer reused layer after layer (a layer's worth of fresh pages otherwise,
-        # zeroed by the kernel: ReusedBuffer); the previous layer is gone by now (_run_layer drops it)
+        # zeroed by the kernel: ktconvert.read_buffer); the previous layer is gone by now (_run_layer drops it)
         state.update(zip(plain, self.layer_buffer.read(self.src, list(plain.values()))))
         state = {k: t.reshape(v.shape) for (k, t), v in zip(state.items(), layer.state_dict().values())}
         layer.load_state_dict(state, assign=True, strict=True)

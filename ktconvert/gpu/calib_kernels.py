@@ -24,8 +24,6 @@ Shapes: W (N, K) float32, x (..., K) float32 -> (..., N) float32.
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import nn
 
@@ -48,8 +46,7 @@ class TileMatmuls:
         from ktrun.ops.linear import LinearKernels
 
         self.lin = LinearKernels(n_threads=n_threads)
-        self._next = FIRST_LAYER_ID
-        self._lock = threading.Lock()        # one forward at a time uses the context
+        self._next = FIRST_LAYER_ID          # one forward at a time uses the context (the calibration thread)
         self.stats = {"quantized": 0, "weights": 0}
         self._buf: torch.Tensor | None = None      # _rows
 
@@ -76,9 +73,8 @@ class TileMatmuls:
         self.stats["weights"] += w.numel()
 
     def new_id(self) -> int:
-        with self._lock:
-            self._next += 1
-            return self._next - 1
+        self._next += 1
+        return self._next - 1
 
     def reset_layer_ids(self) -> None:
         """A new layer's Linears reuse the ids from FIRST_LAYER_ID (the last layer's entries are replaced)."""
