@@ -178,7 +178,7 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
     release_read_buffer()                    # the expert sample's, on this thread: the conversion's are its workers'
     # quantize times this sample before it starts (the imports in it are part of the run anyway: in startup)
     sample = time.perf_counter() - t0 - (parts["startup"] - startup)
-    efficiency = (BUSY_CALIBRATED_PARALLEL_EFFICIENCY if _own_calibration_matmul(quantizer, encoder) in
+    efficiency = (BUSY_CALIBRATED_PARALLEL_EFFICIENCY if _own_calibration_matmul(quantizer) in
                   ("float32", "kernels") else CALIBRATED_PARALLEL_EFFICIENCY) if calibrated else PARALLEL_EFFICIENCY
     wall = parts["startup"] + sample + mix + max(forward, work / (cores * efficiency)) + parts["write"]
     return Estimate(wall, parts, sample)
@@ -278,10 +278,11 @@ def _timed_calibrated_expert(src, geo, layer: int, shards, quantizer, n: int, op
     ids = torch.full((total, 1), 1, dtype=torch.long)
     ids[:n] = 0                                                        # expert 0 gets n of the tokens
     prior = None
-    if quantizer.calibrated and getattr(quantizer, "own_calibration", False):
-        from ktconvert.gpu.calib import calibration_matmul, prior_rows
-        if calibration_matmul() == "kernels":     # the tile forward computes the prior's rows (in _forward_seconds)
-            prior = {0: torch.randn(prior_rows(x).shape[0], geo.intermediate, generator=g)}
+    if _own_calibration_matmul(quantizer) == "kernels":
+        from ktconvert.gpu.calib import prior_rows
+
+        # the tile forward computes the prior's rows (their cost is in _forward_seconds)
+        prior = {0: torch.randn(prior_rows(x).shape[0], geo.intermediate, generator=g)}
     q.use_inputs(layer, x, ids, {0: torch.randn(n, geo.intermediate, generator=g)}, prior)
     t = time.perf_counter()
     _pack_expert(src, src.arch, geo, layer, 0, shards, bf16_scales=opts.bf16_scales, quantizer=q, shares=shares)
@@ -351,7 +352,7 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
     import torch
 
     arch = src.arch
-    own = _own_calibration_matmul(quantizer, encoder)
+    own = _own_calibration_matmul(quantizer)
     matmul = own or "float32"
     k, n = arch.hidden_size, max(1, arch.moe_intermediate_size or arch.hidden_size)
     rate = _matmul_rate(k, n, torch.bfloat16 if matmul == "bfloat16" else torch.float32)
@@ -365,6 +366,7 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
     geo = plan.geometry
     per_expert = 3 * geo.hidden * geo.intermediate
     moe = set(geo.moe_layers)
+    hit = 1.0 - (1.0 - arch.top_k / max(1, geo.n_experts)) ** tokens    # share of experts the forward runs
     # GPTQ GPU layers: a first pass (experts skipped) collects the Hessians, a second runs the quantized layer
     passes = 2 if getattr(encoder, "calibrated", False) else 1
     flops = sum(2 * tokens * (passes * p + (arch.top_k * per_expert if layer in moe else 0))
@@ -375,7 +377,6 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
     cpu_per_second = share * threads + 1 - share
     if matmul == "kernels":     # the products on int4 tiles (all threads), the rest and the tiling on one thread
         tile_rate, per_weight = _tile_rate(k, n)
-        hit = 1.0 - (1.0 - arch.top_k / max(1, geo.n_experts)) ** tokens
         tiled = sum(linear.values()) + len(moe) * geo.n_experts * hit * per_expert
         from ktconvert.gpu.calib import PRIOR_SAMPLE  # the prior's rows through each expert's gate / up
         prior = len(moe) * geo.n_experts * hit * 2 * min(tokens, PRIOR_SAMPLE) * 2 * geo.hidden * geo.intermediate
@@ -390,15 +391,14 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
     if read_rate is not None:
         expert_bytes = sum(src.info(arch.expert_tensor_name(geo.moe_layers[0], 0, p)).nbytes
                            for p in ("gate", "up", "down"))
-        hit = 1.0 - (1.0 - arch.top_k / max(1, geo.n_experts)) ** tokens    # share of experts the forward reads
         seconds += len(moe) * geo.n_experts * hit * expert_bytes * read_rate
     return seconds, seconds * cpu_per_second
 
 
-def _own_calibration_matmul(quantizer, encoder) -> str | None:
+def _own_calibration_matmul(quantizer) -> str | None:
     """How the expert quantizer's own calibration forward multiplies (ktconvert.gpu.calib.calibration_matmul); None
     where it has none (no calibration, or the GPU layers' GPTQ drives it: a float32 forward fitted on its own)."""
-    if quantizer is None or not quantizer.calibrated or getattr(encoder, "calibrated", False):
+    if quantizer is None or not quantizer.calibrated or not getattr(quantizer, "own_calibration", False):
         return None
     from ktconvert.gpu.calib import calibration_matmul
     return calibration_matmul()

@@ -36,16 +36,23 @@ POLICY = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, (1 
 log = logging.getLogger(__name__)
 
 
-def keep_freed_memory() -> bool:
-    """Apply POLICY through mallopt; False (nothing changed) where the C library is not glibc."""
+def _glibc():
+    """The process's glibc (ctypes), or None where the C library is not glibc."""
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-            return False
+            return None
     except (AttributeError, ValueError, OSError):      # not a glibc system (or no confstr at all)
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
+        return None
+
+
+def keep_freed_memory() -> bool:
+    """Apply POLICY through mallopt; False (nothing changed) where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
         return False
     ok = all(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1 for param, value in POLICY)
     if not ok:
@@ -56,10 +63,5 @@ def keep_freed_memory() -> bool:
 def keep_large_arrays() -> bool:
     """M_MMAP_MAX 0 (no array mmapped by malloc: large ones reused from the heap too), for a calibrated conversion
     (module docstring); False where the C library is not glibc or refused it."""
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-            return False
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except (AttributeError, ValueError, OSError):
-        return False
-    return libc.mallopt(ctypes.c_int(M_MMAP_MAX), ctypes.c_int(0)) == 1
+    libc = _glibc()
+    return libc is not None and libc.mallopt(ctypes.c_int(M_MMAP_MAX), ctypes.c_int(0)) == 1
