@@ -227,6 +227,14 @@ class Engine:
             ident["hot_experts"] = f"{getattr(self.experts.store, 'format', '')}:{mode}:{placed.hexdigest()}"
         return ident
 
+    def uncached_tokens(self, prompt_ids: list[int]) -> int:
+        """Prompt tokens a prefill would compute if the request came now: the prefix cache's current hit left out (a
+        peek: nothing is claimed, and blocks evicted meanwhile make it more)."""
+        pc = self.prefix_cache
+        if pc is None:
+            return len(prompt_ids)
+        return len(prompt_ids) - pc.usable_prefix_blocks(pc.prompt_keys(prompt_ids)) * pc.block_size
+
     def has_work(self) -> bool:
         return bool(self._new or self._running)
 

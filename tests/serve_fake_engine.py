@@ -11,7 +11,7 @@ end of its line; a backslash-n in it is a newline) one byte per token, then EOS:
 tool-call and reasoning parsers.
 It honours n (choices), logprobs / prompt_logprobs (a fixed fake distribution per position in which the emitted
 token is the most likely) and logits processors (the grammar of response_format picks among its preferences).
-The engine checks that the engine thread never runs more than max_batch sequences and never steps an aborted one.
+The engine checks that the engine loop never runs more than max_batch sequences and never steps an aborted one.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class FakeEngine:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds ctx {self.ctx}")
         held = sum(p.n for _, p in self._new.values()) + len(self._running)
         if held + params.n > self.max_batch:
-            raise RuntimeError("fake engine: engine thread admitted more than max_batch sequences")
+            raise RuntimeError("fake engine: engine loop admitted more than max_batch sequences")
         self._new[req_id] = (list(prompt_ids), params)
 
     def abort(self, req_id, index=None):

@@ -85,10 +85,13 @@ def test_cached_outputs_equal_uncached(family):
 
     got = run(eng, {"cold": reqs["cold"]})["cold"]
     assert got == (want["cold"], 0)
+    hit = (len(reqs["again"]) - 1) // B * B
+    assert eng.uncached_tokens(reqs["again"]) == len(reqs["again"]) - hit   # the peek the server plans with
     got = run(eng, {"again": reqs["again"]})["again"]                # every full block but the one holding the last
-    assert got == (want["again"], (len(reqs["again"]) - 1) // B * B)  # prompt token comes from the cache
-    got = run(eng, {"partial": reqs["partial"]})["partial"]          # shares 5 full blocks + 3 tokens of the 6th
+    assert got == (want["again"], hit)                               # prompt token comes from the cache
     recurrent = arch in RECURRENT        # no snapshot at 5 blocks yet: computed, and one kept where it parts
+    assert eng.uncached_tokens(reqs["partial"]) == len(reqs["partial"]) - (0 if recurrent else 5 * B)
+    got = run(eng, {"partial": reqs["partial"]})["partial"]          # shares 5 full blocks + 3 tokens of the 6th
     assert got == (want["partial"], 0 if recurrent else 5 * B)
     third = system + prompt(rng, 5)                                  # another question after the same system prompt
     assert run(eng, {"third": third})["third"] == (reference(base, {"third": third})["third"], 5 * B)
@@ -130,7 +133,7 @@ def test_no_prefix_cache_computes_everything(family):
     rng = random.Random(7)
     ids = prompt(rng, 3 * B + 1)
     first, again = run(base, {"a": ids})["a"], run(base, {"b": ids})["b"]
-    assert first == again and first[1] == 0
+    assert first == again and first[1] == 0 and base.uncached_tokens(ids) == len(ids)
     assert base.prefix_cache_stats() == {"enabled": 0, "hit_tokens": 0, "miss_tokens": base.stats["prompt_tokens"]}
     assert base.model.kv_pool.used == 0 and len(base.model.kv_pool._free_set) == base.model.kv_pool.capacity
 

@@ -210,7 +210,7 @@ def fake():
     s = fake_server("--tool-call-parser", "hermes", "--reasoning-parser", "think", "--ctx", "2048")
     yield s
     assert s.stop() == 0, s.stderr
-    # the only tracebacks: the engine thread reporting the CRASH test's injected failure (its text shows twice in each)
+    # the only tracebacks: the engine loop reporting the CRASH test's injected failure (its text shows twice in each)
     assert s.stderr.count("Traceback") == s.stderr.count("fake engine: injected failure") // 2, s.stderr
 
 

@@ -9,7 +9,7 @@ engine loads).
     protocol.py       request models (pydantic), the strict JSON reader, ApiError and the error envelope
     responses.py      response and stream-chunk models (pydantic), SSE framing
     generation.py     one request: engine tokens -> text -> reasoning / content / tool calls, logprobs, timings
-    engine_thread.py  EngineThread: the one thread that drives engine.step() for every request
+    engine_loop.py    EngineLoop: engine.step() for every request, on the event loop (prefills in a worker thread)
     tool_parsers.py   tool calls in generated text, per model family (DeepSeek-V3/V3.1, Hermes/Qwen3, GLM-4.5, Kimi-K2)
     reasoning.py      <think> ... </think> split into reasoning_content
     structured.py     response_format json_object / json_schema enforced by xgrammar

@@ -1,5 +1,5 @@
 """HTTP app of `ktrun serve`: FastAPI on uvicorn (OpenAPI at /docs), one asyncio event loop for every connection,
-and the single EngineThread (engine_thread.py) that runs the model.
+whose callbacks also run the model's steps (engine_loop.py).
 
     create_app(state)  the FastAPI app: routes (routes.py), API-key check and request counting (ASGI middleware),
                        every error as the OpenAI envelope (pydantic's 422 becomes a 400 naming the field)
@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from .anthropic_errors import AnthropicErrors
-from .engine_thread import EngineThread
+from .engine_loop import EngineLoop
 from .metrics import ServeMetrics
 from .protocol import ApiError, error_param
 from .reasoning import uses_thinking
@@ -51,7 +51,7 @@ PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")   # need the
 
 
 class ServerState:
-    """What every request shares: the engine (None until loaded), its engine thread, metrics and settings."""
+    """What every request shares: the engine (None until loaded), the loop that drives it, metrics and settings."""
 
     def __init__(self, engine_factory, sampling_params_cls, api_key: str | None, max_body_bytes: int,
                  max_batch: int, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
@@ -66,15 +66,16 @@ class ServerState:
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.separate_reasoning, self.log_timings = separate_reasoning, log_timings
         self.engine = None
-        self.engine_thread: EngineThread | None = None
+        self.engine_loop: EngineLoop | None = None
         self.load_error: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_started = threading.Event()   # set by the app's startup: the engine's turns run on that loop
         self.created = now()
         self.responses = ResponseStore()   # /v1/responses kept for previous_response_id (bounded, in memory)
         self.metrics = ServeMetrics(lambda: dict(getattr(self.engine, "stats", None) or {}), self._prefix_cache_stats)
         self._detected: dict[str, object] = {}
         m = self.metrics
-        et = lambda attr, default=0: lambda: getattr(self.engine_thread, attr) if self.engine_thread else default
+        et = lambda attr, default=0: lambda: getattr(self.engine_loop, attr) if self.engine_loop else default
         m.add_gauge("ktrun_num_requests_running", "Requests holding engine slots (decoded together each step).",
                     et("num_running"))
         m.add_gauge("ktrun_num_requests_waiting", "Requests waiting for a free slot.", et("num_waiting"))
@@ -132,19 +133,13 @@ class ServerState:
         return bool(self._detected["reasoning"])
 
     # -- loading ------------------------------------------------------------------------------------------------
-    def publish(self, batch) -> None:
-        """Engine thread -> event loop: one wake-up per engine step for everything it produced."""
-        try:
-            self.loop.call_soon_threadsafe(_deliver, batch)
-        except RuntimeError:   # the loop has closed (shutting down): nobody is waiting for these
-            pass
-
     def load(self, on_failure) -> None:
         """Runs in a background thread after the socket is bound: /health says 503 until this finishes."""
         try:
             t0 = time.perf_counter()
             engine = self.engine_factory()
-            self.engine_thread = EngineThread(engine, self.max_batch, self.publish)
+            self.loop_started.wait()
+            self.engine_loop = EngineLoop(engine, self.max_batch, self.loop, _deliver)
             tool = self.tool_parser_for(engine.tokenizer)
             # the line goes out before /health turns 200: whoever waits for ready can read what was detected
             print(f"ktrun serve: model {engine.model_name!r} loaded in {time.perf_counter() - t0:.1f} s "
@@ -174,12 +169,9 @@ class ServerState:
 
 
 def _deliver(batch) -> None:
+    """A step's items to their requests' inboxes (event loop only)."""
     for handle, items in batch:
-        if handle.sink is not None:
-            handle.sink.put_nowait(items)
-        else:
-            for item in items:
-                handle.out.put(item)
+        handle.sink.put_nowait(items)
 
 
 # -- ASGI middleware: API key, request counting -----------------------------------------------------------------
@@ -240,6 +232,7 @@ _QUOTED = re.compile(r"'([a-z_]+)'")
 def create_app(state: ServerState) -> FastAPI:
     async def lifespan(app):
         state.loop = asyncio.get_running_loop()
+        state.loop_started.set()
         yield
 
     app = FastAPI(title="ktrun serve", version="1", lifespan=lifespan,
@@ -343,8 +336,8 @@ def run_server(engine_factory, sampling_params_cls, host: str = "127.0.0.1", por
         pass
     finally:
         sock.close()
-        if state.engine_thread is not None:   # a forced exit neither writes the prefix cache nor waits
-            state.engine_thread.shutdown(timeout=0.5 if server.forced else 30.0, flush=not server.forced)
+        if state.engine_loop is not None:   # a forced exit neither writes the prefix cache nor waits
+            state.engine_loop.shutdown(timeout=0.5 if server.forced else 30.0, flush=not server.forced)
     if state.load_error is not None:
         print(f"ktrun serve: error: could not load the model: {state.load_error}", file=sys.stderr, flush=True)
         return 1

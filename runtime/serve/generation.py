@@ -1,4 +1,4 @@
-"""One generation request on the event loop: its tokens arrive from the engine thread; per choice they become text
+"""One generation request on the event loop: its tokens arrive from the engine's steps; per choice they become text
 (TextStream: stop strings, whole characters), then reasoning vs answer (reasoning.py), then tool calls
 (tool_parsers.py), with logprobs alongside; out go SSE chunks (stream) or one response, plus timings and metrics.
 
@@ -18,7 +18,7 @@ from json.encoder import encode_basestring
 
 from ..text.text_stream import TextStream
 from . import responses as R
-from .engine_thread import Token
+from .engine_loop import Token
 from .protocol import ApiError
 from .reasoning import ReasoningSplitter
 from .tool_parsers import ToolCallStream, ToolParser
@@ -50,7 +50,7 @@ def text_decoder(tok, skip_special: bool):
 
 
 class Inbox:
-    """One request's items from the engine thread (put by the event loop's delivery), read by its one task; also
+    """One request's items from the engine's steps (put by the engine loop's delivery), read by its one task; also
     GONE / ENDED. asyncio.Queue with one reader, minus its getter bookkeeping: about ten Python calls fewer on each
     streamed token, all paid by the event loop."""
 
@@ -211,7 +211,7 @@ class Generation:
     def submit(self) -> None:
         self.state.metrics.prompt_tokens.inc(len(self.plan.prompt_ids))
         self.state.metrics.prompt_len.observe(len(self.plan.prompt_ids))
-        self.handle = self.state.engine_thread.submit(self.rid, self.plan.prompt_ids, self.plan.params,
+        self.handle = self.state.engine_loop.submit(self.rid, self.plan.prompt_ids, self.plan.params,
                                                       sink=self.queue)
         self.state.generations.add(self)
         if self.state.stopping:        # submitted after the drain timeout: ends at once
@@ -255,7 +255,7 @@ class Generation:
                     self.prompt_lp = item.prompt_logprobs
                 yield choice, item
                 if choice.finish is not None and item.finish_reason is None:
-                    self.state.engine_thread.abort(self.rid, choice.index if len(self.choices) > 1 else None)
+                    self.state.engine_loop.abort(self.rid, choice.index if len(self.choices) > 1 else None)
                 if all(c.finish is not None for c in self.choices):
                     self.done = True
                     break
@@ -264,7 +264,7 @@ class Generation:
         if not self.done:
             self.done = True
             if self.handle is not None:
-                self.state.engine_thread.abort(self.rid)
+                self.state.engine_loop.abort(self.rid)
             self.state.metrics.finished.labels("abort").inc()
 
     # -- the end: metrics, timings, log ---------------------------------------------------------------------------
@@ -305,7 +305,7 @@ class Generation:
 
     def usage(self) -> R.Usage:
         """OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache supplied (not
-        prefilled; set by the engine thread before the request's first token went out)."""
+        prefilled; set by the engine loop before the request's first token went out)."""
         cached = self.handle.cached_tokens if self.handle is not None else 0
         return R.usage(len(self.plan.prompt_ids), sum(c.n_tokens for c in self.choices), cached)
 
@@ -428,8 +428,8 @@ class Generation:
         try:
             if self.plan.kind == "chat":   # the role goes out at once, before the first token
                 yield self._chunk([self._delta_choice(c, role=True) for c in self.choices])
-            # submitted only now, with the headers (and the role) out: from here on this thread just waits, so the
-            # engine thread has the interpreter to itself for the prefill
+            # submitted only now, with the headers (and the role) out: from here on this request just waits, so the
+            # prefill (in the engine loop's worker thread) has the interpreter to itself
             self.submit()
             try:
                 async for c, item in self.items():

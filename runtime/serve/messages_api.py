@@ -123,7 +123,7 @@ class MessagesAnswer:
         try:
             start = self._message([], None, None, {"input_tokens": len(gen.plan.prompt_ids), "output_tokens": 0})
             yield self._event("message_start", message=start) + self._event("ping")
-            gen.submit()   # after the first bytes, as chat streams do: the engine thread gets the interpreter
+            gen.submit()   # after the first bytes, as chat streams do: the prefill gets the interpreter
             try:
                 async for c, item in gen.items():
                     out = self._block_events(self.seq.push(*c.feed(item)))

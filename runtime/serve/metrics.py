@@ -29,7 +29,7 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 
 
 class _Callbacks:
-    """A collector of values read at scrape time (never stale): gauges and counters kept by the engine thread or
+    """A collector of values read at scrape time (never stale): gauges and counters kept by the engine loop or
     the engine, plus Engine.stats."""
 
     def __init__(self, stats: Callable[[], dict]):

@@ -186,7 +186,7 @@ class ResponsesAnswer:
         try:
             yield (self._event("response.created", response=self._response("in_progress", []))
                    + self._event("response.in_progress", response=self._response("in_progress", [])))
-            gen.submit()   # after the first bytes, as chat streams do: the engine thread gets the interpreter
+            gen.submit()   # after the first bytes, as chat streams do: the prefill gets the interpreter
             try:
                 async for c, item in gen.items():
                     out = self._block_events(self.seq.push(*c.feed(item)))

@@ -68,7 +68,7 @@ def _reason(e: Exception) -> str:
 
 class GrammarProcessor:
     """A logits processor (output_ids, logits) -> logits for one sequence: accepts the tokens generated since the
-    last call, then masks the tokens the grammar does not allow next (runs on the engine thread)."""
+    last call, then masks the tokens the grammar does not allow next (runs in the engine's step)."""
 
     def __init__(self, compiled):
         import xgrammar as xgr
