@@ -4,7 +4,7 @@ client (streaming and not) and raw HTTP.
 
 References are independent of the server: prompt tokens from transformers' tokenizer (AutoTokenizer on the converted
 directory, chat template included), expected texts from `ktrun.engine.Engine` run in this process one request at a
-time (no HTTP, no engine thread, no batching). Batched decoding must give every request exactly its solo greedy text.
+time (no HTTP, no engine loop, no batching). Batched decoding must give every request exactly its solo greedy text.
 """
 from __future__ import annotations
 

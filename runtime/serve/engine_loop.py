@@ -3,11 +3,11 @@ running request), route each emitted token to its request.
 
 Why on the event loop and not in a thread of its own: the step holds the interpreter between its ~30 C and torch
 calls, and gives it up in every one of them. Beside a busy event loop (an SSE write per token per stream) each return
-waited for the loop to hand the interpreter back: on 2 cores at 16 streams the default model's served step took
-9-13 ms against 2.9 ms alone; on the loop (the writes after it) the output rate was 1.2-1.8x at 1, 4 and 16 agent
-clients (bench/README.md, "the engine's steps on the event loop"). A step with a long prefill (INLINE_PREFILL_SECONDS)
-runs in a worker thread instead, so that a long prompt does not stop the loop: it answers /health, takes new
-requests and parses them meanwhile.
+waited for the loop to hand the interpreter back: on 2 cores at 16 streams the default model's served step took 9-13
+ms against 2.9 ms alone; on the loop (the writes after it) the output rate was 1.26x at 1 agent client and 1.14x at
+16, the same at 4, TTFT p50 at 16 clients 43 against 58 ms (bench/README.md, "the engine's steps on the event loop").
+A step with a long prefill (INLINE_PREFILL_SECONDS) runs in a worker thread instead, so that a long prompt does not
+stop the loop: it answers /health, takes new requests and parses them meanwhile.
 
 The engine is touched only by the running turn (on the loop, or in the prefill worker while the loop waits for
 it); `submit` / `abort` (event loop only) just queue work and make sure a turn is coming. Requests beyond
