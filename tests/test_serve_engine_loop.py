@@ -1,8 +1,8 @@
-"""serve.engine_loop.EngineLoop on a real asyncio loop (and uvloop, which `ktrun serve` runs on) with a counting
-engine: decode steps and short prefills run on the loop's thread, the first and long prefills in the worker thread
-while the loop keeps serving its other callbacks, max_batch and FIFO admission hold, refusals and failures reach
-their request, and a task reading its inbox is cancellable while the steps keep coming (anyio cancels a task only
-while its wait is pending: the engine's turns must leave it one)."""
+"""serve.engine_loop.EngineLoop on a real asyncio loop (and uvloop, which `ktrun serve` runs on) with a counting engine:
+decode steps and short prefills run on the loop's thread, the first and long prefills in a thread of their own while
+the loop keeps serving its other callbacks, max_batch and FIFO admission hold, refusals and failures reach their
+request, and a task reading its inbox is cancellable while the steps keep coming (anyio cancels a task only while its
+wait is pending: the engine's turns must leave it one)."""
 from __future__ import annotations
 
 import asyncio
@@ -184,20 +184,23 @@ def test_a_reading_task_is_cancellable_while_steps_keep_coming(backend):
 
 
 def test_short_prefills_on_the_loop_long_ones_off_it(backend):
-    """The first prefill runs in the worker and measures seconds per prompt token; then a prefill expected under
-    INLINE_PREFILL_SECONDS runs on the loop, a longer one in the worker. The engine's own uncached_tokens (its
-    prefix cache's hit left out) is what counts when it has one."""
+    """The first prefill runs in a thread and measures seconds per prompt token; then a prefill expected under
+    INLINE_PREFILL_SECONDS runs on the loop, a longer one in a thread. The engine's own uncached_tokens (its
+    prefix cache's hit left out) is what counts when it has one, the whole prompt for prompt logprobs."""
     engine = CountingEngine(length=1, prefill_seconds=0.02)
     engine.uncached_tokens = lambda ids: len(ids) - ids.count(0)      # a 0 stands for a cached token
 
     async def main():
         el = EngineLoop(engine, max_batch=8, loop=asyncio.get_running_loop(),
                         deliver=lambda b: [h.sink.put_nowait(i) for h, i in b])
-        for prompt in ([1, 2], [1], [0] * 50 + [1], [1] * 10, [1]):   # 10 ms / token measured first
+        scored = Params()
+        scored.prompt_logprobs = 1                                         # prefills its whole prompt
+        for prompt, params in (([1, 2], Params()), ([1], Params()), ([0] * 50 + [1], Params()), ([1] * 10, Params()),
+                               ([1], Params()), ([0] * 50 + [1], scored)):     # 10 ms / token measured first
             box = Inbox()
-            el.submit("r", prompt, Params(), box)
+            el.submit("r", prompt, params, box)
             await collect(box)
         return threading.get_ident()
 
     loop_thread = run(main, backend)
-    assert [tid != loop_thread for tid, _, _ in engine.steps] == [True, False, False, True, False]
+    assert [tid != loop_thread for tid, _, _ in engine.steps] == [True, False, False, True, False, True]

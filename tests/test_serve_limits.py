@@ -254,3 +254,30 @@ def test_a_second_signal_exits_at_once():
     s._drain.join(5)
     assert "second signal" in s.stderr and "Traceback" not in s.stderr, s.stderr
     print(f"second SIGTERM 0.3 s after the first (--drain-timeout 30): exit {rc} after {exit_s:.2f} s")
+
+
+# -- the loop during a long prefill ---------------------------------------------------------------------------------
+def test_health_and_metrics_answer_during_a_long_prefill():
+    """The engine's steps run on the event loop, but one with a long prefill (here the first: its time is not known
+    yet) runs in a thread of its own: /health and /metrics answer meanwhile, and the request completes."""
+    s = fake_server("--step-delay", "2.0")
+    try:
+        done: list = []
+
+        def complete():
+            done.append(request(s, "POST", "/v1/completions", {"model": "fake-model", "prompt": "a long prompt",
+                                                                "max_tokens": 1}))
+
+        t = threading.Thread(target=complete)
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.4)                                    # the request is in, its 2 s prefill step running
+        for path in ("/health", "/metrics"):
+            t1 = time.monotonic()
+            status, _, _ = request(s, "GET", path, timeout=5)
+            assert status == 200 and time.monotonic() - t1 < 0.5, (path, time.monotonic() - t1)
+        assert time.monotonic() - t0 < 1.5 and not done    # all of it while the prefill ran
+        t.join(10)
+        assert done and done[0][0] == 200 and done[0][1]["usage"]["completion_tokens"] == 1, done
+    finally:
+        s.stop()

@@ -6,10 +6,10 @@ calls, and gives it up in every one of them. Beside a busy event loop (an SSE wr
 waited for the loop to hand the interpreter back: on 2 cores at 16 streams the default model's served step took 9-13
 ms against 2.9 ms alone; on the loop (the writes after it) the output rate was 1.26x at 1 agent client and 1.14x at
 16, the same at 4, TTFT p50 at 16 clients 43 against 58 ms (bench/README.md, "the engine's steps on the event loop").
-A step with a long prefill (INLINE_PREFILL_SECONDS) runs in a worker thread instead, so that a long prompt does not
+A step with a long prefill (INLINE_PREFILL_SECONDS) runs in a thread of its own instead, so that a long prompt does not
 stop the loop: it answers /health, takes new requests and parses them meanwhile.
 
-The engine is touched only by the running turn (on the loop, or in the prefill worker while the loop waits for
+The engine is touched only by the running turn (on the loop, or in a prefill thread while the loop waits for
 it); `submit` / `abort` (event loop only) just queue work and make sure a turn is coming. Requests beyond
 `max_batch` sequences (a request with n choices holds n) wait in FIFO order for free slots. After each step,
 everything it produced goes out in ONE call of `deliver([(handle, [items...]), ...])`; an item is a Token, or an
@@ -20,15 +20,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # A step whose prefill is expected to take longer (its uncached prompt tokens x the measured seconds per token; the
-# first prefill always) runs in the worker thread. Shorter ones run on the loop: beside a loop that is parsing the
-# requests that came with them, a prefill in the worker waits for the interpreter as a decode step did (the default
-# model at 16 agent clients on Zen 3: TTFT p50 46-59 ms on the loop against 94-127 ms in the worker).
+# first prefill always) runs in a thread of its own. Shorter ones run on the loop: beside a loop that is parsing the
+# requests that came with them, a prefill in a thread waits for the interpreter as a decode step did (the default
+# model at 16 agent clients on Zen 3: TTFT p50 46-59 ms on the loop against 94-127 ms in a thread).
 INLINE_PREFILL_SECONDS = 0.05
 
 
@@ -76,10 +77,9 @@ class EngineLoop:
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._aborts: list[tuple[str, int | None]] = []
         self._running: dict[str, RequestHandle] = {}
-        self._queued = False                 # a turn is queued on the loop, or a step runs in the prefill worker
+        self._queued = False                 # a turn is queued on the loop, or a step runs in a prefill thread
         self._stopped = False
-        self._prefill_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ktrun-prefill")
-        self._offloaded: concurrent.futures.Future | None = None
+        self._offloaded: concurrent.futures.Future | None = None   # the step running in a prefill thread
         self._prefill_rate: float | None = None   # seconds per prompt token of the steps that prefilled (averaged)
         self.aborted = 0                     # running requests stopped by abort()
         self.steps = 0
@@ -102,11 +102,10 @@ class EngineLoop:
         """After the event loop has stopped: abort what runs and write the prefix cache to its disk tier (hence the
         wait). flush=False: no cache write (a forced exit does not wait for it)."""
         self._stopped = True
-        if self._offloaded is not None:   # a prefill still running in the worker: the engine is its until it ends
+        if self._offloaded is not None:   # a prefill thread still running: the engine is its until it ends
             done, _ = concurrent.futures.wait([self._offloaded], timeout)
             if not done:
                 return
-        self._prefill_worker.shutdown(wait=False)
         for req_id in list(self._running):
             self._abort_running(req_id)
         if flush:
@@ -127,7 +126,7 @@ class EngineLoop:
             self.loop.call_soon(self._turn)
 
     def _turn(self) -> None:
-        """Aborts, admissions, then one step: on the loop, or in the prefill worker when its prefill is long."""
+        """Aborts, admissions, then one step: on the loop, or in a prefill thread when its prefill is long."""
         self._queued = False
         if self._stopped:
             return
@@ -151,14 +150,18 @@ class EngineLoop:
                 self._queue_turn()
             return
         self._queued = True                       # until this step's outputs are out
-        tokens = sum(self._uncached(h.prompt_ids) for h in admitted)
+        tokens = sum(self._uncached(h) for h in admitted)
         if tokens and (self._prefill_rate is None or tokens * self._prefill_rate > INLINE_PREFILL_SECONDS):
-            self._offloaded = self._prefill_worker.submit(self._timed_step, tokens)
-            self._offloaded.add_done_callback(self._offloaded_done)
+            self._offloaded = concurrent.futures.Future()
+            # a daemon thread per long prefill (~0.1 ms to start, against 50 ms and more): a forced exit does not
+            # wait for it, as it would for an executor's worker
+            threading.Thread(target=self._offloaded_step, args=(self._offloaded, tokens), name="ktrun-prefill",
+                             daemon=True).start()
         else:
             self._after_step(*self._timed_step(tokens))
 
-    def _offloaded_done(self, future: concurrent.futures.Future) -> None:   # in the prefill worker
+    def _offloaded_step(self, future: concurrent.futures.Future, tokens: int) -> None:   # in the prefill thread
+        future.set_result(self._timed_step(tokens))
         try:
             self.loop.call_soon_threadsafe(self._after_offloaded, future)
         except RuntimeError:   # the loop has closed (shutting down): nobody is waiting for these
@@ -169,9 +172,12 @@ class EngineLoop:
         if not self._stopped:
             self._after_step(*future.result())
 
-    def _uncached(self, prompt_ids: list[int]) -> int:
+    def _uncached(self, handle: RequestHandle) -> int:
+        """The prompt tokens the request's prefill computes (asked for prompt logprobs: all of them)."""
         peek = getattr(self.engine, "uncached_tokens", None)
-        return peek(prompt_ids) if peek is not None else len(prompt_ids)
+        if peek is None or getattr(handle.params, "prompt_logprobs", None) is not None:
+            return len(handle.prompt_ids)
+        return peek(handle.prompt_ids)
 
     def _timed_step(self, prefill_tokens: int = 0) -> tuple[list | BaseException, float]:
         """engine.step(); a step that prefilled updates the seconds-per-token estimate -> (outputs or the
