@@ -85,7 +85,7 @@ def test_decode_on_the_loop_prefill_off_it(backend):
 
     async def main():
         loop = asyncio.get_running_loop()
-        el = EngineLoop(engine, max_batch=8, loop=loop, deliver=lambda b: [h.sink.put_nowait(i) for h, i in b])
+        el = EngineLoop(engine, max_batch=8, loop=loop)
         ticks = 0
 
         async def ticker():                  # the loop's other work goes on while a prefill runs
@@ -117,8 +117,7 @@ def test_max_batch_and_fifo_admission(backend):
     engine = CountingEngine(length=2)
 
     async def main():
-        el = EngineLoop(engine, max_batch=2, loop=asyncio.get_running_loop(),
-                        deliver=lambda b: [h.sink.put_nowait(i) for h, i in b])
+        el = EngineLoop(engine, max_batch=2, loop=asyncio.get_running_loop())
         boxes = [Inbox() for _ in range(5)]
         for i, box in enumerate(boxes):
             el.submit(f"r{i}", [1], Params(), box)
@@ -133,8 +132,7 @@ def test_refusals_and_failures_go_to_their_request(backend):
     engine = CountingEngine(length=3, fail_on="bad")
 
     async def main():
-        el = EngineLoop(engine, max_batch=2, loop=asyncio.get_running_loop(),
-                        deliver=lambda b: [h.sink.put_nowait(i) for h, i in b])
+        el = EngineLoop(engine, max_batch=2, loop=asyncio.get_running_loop())
         empty, big, bad = Inbox(), Inbox(), Inbox()
         el.submit("empty", [], Params(), empty)        # add_request refuses it
         wide = Params()
@@ -159,8 +157,7 @@ def test_a_reading_task_is_cancellable_while_steps_keep_coming(backend):
     engine = CountingEngine(length=10_000)
 
     async def main():
-        el = EngineLoop(engine, max_batch=4, loop=asyncio.get_running_loop(),
-                        deliver=lambda b: [h.sink.put_nowait(i) for h, i in b])
+        el = EngineLoop(engine, max_batch=4, loop=asyncio.get_running_loop())
         box, seen = Inbox(), []
 
         async def read():
@@ -191,8 +188,7 @@ def test_short_prefills_on_the_loop_long_ones_off_it(backend):
     engine.uncached_tokens = lambda ids: len(ids) - ids.count(0)      # a 0 stands for a cached token
 
     async def main():
-        el = EngineLoop(engine, max_batch=8, loop=asyncio.get_running_loop(),
-                        deliver=lambda b: [h.sink.put_nowait(i) for h, i in b])
+        el = EngineLoop(engine, max_batch=8, loop=asyncio.get_running_loop())
         scored = Params()
         scored.prompt_logprobs = 1                                         # prefills its whole prompt
         for prompt, params in (([1, 2], Params()), ([1], Params()), ([0] * 50 + [1], Params()), ([1] * 10, Params()),

@@ -139,7 +139,7 @@ class ServerState:
             t0 = time.perf_counter()
             engine = self.engine_factory()
             self.loop_started.wait()
-            self.engine_loop = EngineLoop(engine, self.max_batch, self.loop, _deliver)
+            self.engine_loop = EngineLoop(engine, self.max_batch, self.loop)
             tool = self.tool_parser_for(engine.tokenizer)
             # the line goes out before /health turns 200: whoever waits for ready can read what was detected
             print(f"ktrun serve: model {engine.model_name!r} loaded in {time.perf_counter() - t0:.1f} s "
@@ -166,12 +166,6 @@ class ServerState:
             raise ApiError(503, "the model is still loading; retry when GET /health returns 200",
                            "service_unavailable", "model_loading")
         return self.engine
-
-
-def _deliver(batch) -> None:
-    """A step's items to their requests' inboxes (event loop only)."""
-    for handle, items in batch:
-        handle.sink.put_nowait(items)
 
 
 # -- ASGI middleware: API key, request counting -----------------------------------------------------------------

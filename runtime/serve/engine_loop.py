@@ -12,8 +12,8 @@ stop the loop: it answers /health, takes new requests and parses them meanwhile.
 The engine is touched only by the running turn (on the loop, or in a prefill thread while the loop waits for
 it); `submit` / `abort` (event loop only) just queue work and make sure a turn is coming. Requests beyond
 `max_batch` sequences (a request with n choices holds n) wait in FIFO order for free slots. After each step,
-everything it produced goes out in ONE call of `deliver([(handle, [items...]), ...])`; an item is a Token, or an
-exception that ends the request.
+everything it produced goes to the requests' inboxes at once (`handle.sink.put_nowait([items...])`); an item is a
+Token, or an exception that ends the request.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import concurrent.futures
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # A step whose prefill is expected to take longer (its uncached prompt tokens x the measured seconds per token; the
@@ -68,12 +67,10 @@ class RequestHandle:
 class EngineLoop:
     """Drives `engine` from the event loop `loop`: a turn is queued whenever there is work, one step per turn."""
 
-    def __init__(self, engine, max_batch: int, loop: asyncio.AbstractEventLoop,
-                 deliver: Callable[[list], None]):
+    def __init__(self, engine, max_batch: int, loop: asyncio.AbstractEventLoop):
         self.engine = engine
         self.max_batch = max(1, int(max_batch))
         self.loop = loop
-        self.deliver = deliver
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._aborts: list[tuple[str, int | None]] = []
         self._running: dict[str, RequestHandle] = {}
@@ -144,7 +141,7 @@ class EngineLoop:
                 used += handle.n
         if self._waiting and not self._running:   # n > max_batch never fits: refuse it
             h = self._waiting.popleft()
-            self.deliver([(h, [ValueError(f"n={h.n} is more than --max-batch {self.max_batch}")])])
+            self._deliver([(h, [ValueError(f"n={h.n} is more than --max-batch {self.max_batch}")])])
         if not self._running:
             if self._waiting:
                 self._queue_turn()
@@ -203,7 +200,7 @@ class EngineLoop:
             batch = [(h, [failure]) for h in self._running.values()]
             for req_id in list(self._running):
                 self._abort_running(req_id, count=False)
-            self.deliver(batch)
+            self._deliver(batch)
         else:
             self._route(outputs, t1)
         if self._running or self._waiting or self._aborts:
@@ -237,13 +234,18 @@ class EngineLoop:
                 per_handle.setdefault(req_id, (h, []))[1].append(EngineFailure("the engine dropped this request "
                                                                                "unfinished"))
         if per_handle:
-            self.deliver(list(per_handle.values()))
+            self._deliver(list(per_handle.values()))
+
+    @staticmethod
+    def _deliver(batch: list[tuple[RequestHandle, list]]) -> None:
+        for handle, items in batch:
+            handle.sink.put_nowait(items)
 
     def _admit(self, handle: RequestHandle) -> bool:
         try:
             self.engine.add_request(handle.req_id, handle.prompt_ids, handle.params)
         except Exception as e:  # noqa: BLE001 -- any refusal goes back to that request
-            self.deliver([(handle, [e])])
+            self._deliver([(handle, [e])])
             return False
         handle.admitted_at = time.perf_counter()
         handle.open_choices = set(range(handle.n))
