@@ -235,6 +235,12 @@ class Engine:
             return len(prompt_ids)
         return len(prompt_ids) - pc.usable_prefix_blocks(pc.prompt_keys(prompt_ids)) * pc.block_size
 
+    def rest_kernels(self) -> None:
+        """After a step with other work ahead for the cores (a server writing its streams): the kernel pool's idle
+        workers sleep at once instead of spinning for the next job; the next step wakes them (MoEKernels.rest)."""
+        if getattr(self.model, "kernels", None) is not None:
+            self.model.kernels.rest()
+
     def has_work(self) -> bool:
         return bool(self._new or self._running)
 
@@ -308,6 +314,8 @@ class Engine:
         return logits[-1], scored
 
     def step(self) -> list[StepOutput]:
+        if getattr(self.model, "kernels", None) is not None:   # the kernel pool's workers sleep after a pause (a server's writes)
+            self.model.kernels.wake()
         out: list[StepOutput] = []
         decoding = list(self._running.values())
         self.cached_tokens = {}

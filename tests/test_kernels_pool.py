@@ -159,3 +159,30 @@ def test_caller_worker_and_pinned_threads_agree(tmp_path, T):
         assert (cpus[0] == -1) == (mode == "1") and all(c >= 0 for c in cpus[1:]), cpus
         outs[mode] = np.load(out)
     np.testing.assert_array_equal(outs["1"], outs["0"])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_wake_and_rest_leave_the_jobs_bits(layer, threads):
+    """MoEKernels.wake (kt_pool_wake, what Engine.step calls first: the workers run an empty job) and rest
+    (kt_pool_rest, what the server calls after each step: idle workers sleep at once): jobs after either, a wake while
+    a job is in flight (nothing launched) and a wake with no job after it change no bits."""
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((3, layer.H)).astype(np.float32)
+    ids, w = routing(rng, 3, 4, layer.E)
+    with MoEKernels(n_threads=threads) as moe:
+        layer.add_to(moe)
+        plain = moe.forward(0, x, ids, w)
+        moe.wake()
+        moe.wake()                                     # the first empty job may still be pending: no second one
+        assert np.array_equal(moe.forward(0, x, ids, w), plain)
+        out = np.empty_like(plain)
+        moe.submit(0, x, ids, w, out)
+        moe.wake()                                     # a job in flight: nothing launched, the job ends as before
+        moe.sync()
+        assert np.array_equal(out, plain)
+        moe.rest()                                     # idle workers sleep at once; the next job wakes them
+        assert np.array_equal(moe.forward(0, x, ids, w), plain)
+        moe.rest()
+        moe.wake()                                     # a wake after a rest: the empty job runs, then the next one
+        assert np.array_equal(moe.forward(0, x, ids, w), plain)
+        moe.wake()                                     # left pending when the context closes

@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 21  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 22  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -46,7 +46,9 @@ extern "C" {
                              19: kt_gptq_block (one block of ktconvert's GPTQ column loop);
                              20: kt_gqa_layer (a GQA layer's decode rows, x to o_proj's output, in one call);
                              21: kt_decode_layers (a decode step's decoder layers, each a kt_gqa_layer or
-                                 kt_mla_decode call then a kt_moe_decode call, in one call); */
+                                 kt_mla_decode call then a kt_moe_decode call, in one call);
+                             22: kt_pool_wake / kt_pool_rest (the pool's workers woken ahead of a step's
+                                 first job, sent to sleep after its last); */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -85,6 +87,10 @@ const char* kt_backend_name(const kt_ctx* ctx);      /* e.g. "avx512" */
 const char* kt_backend_detail(const kt_ctx* ctx);    /* e.g. "avx512 (int: vpdpbusd zmm, bf16: vdpbf16ps)" */
 int kt_n_threads(const kt_ctx* ctx);
 int kt_n_pools(const kt_ctx* ctx);
+/* Wake the pool's sleeping workers ahead of a burst of jobs (an empty job, not waited for; the next launch waits). */
+void kt_pool_wake(kt_ctx* ctx);
+/* Idle workers sleep at once instead of spinning (after a burst of jobs, when other work needs the cores). */
+void kt_pool_rest(kt_ctx* ctx);
 /* CPU the worker thread runs pinned to (-1 if pinning failed, or for worker 0 when it is the calling thread), and its
  * sub-pool. */
 int kt_thread_cpu(const kt_ctx* ctx, int thread);

@@ -36,7 +36,7 @@ namespace {
 
 namespace ref {
 #include "vec16_native.inc"
-constexpr int kLinRows = 4, kLinTokens = 4;   // a float Linear's tile (mla_attend_body.inc linear_rows)
+constexpr int kLinRows = 4, kLinTokens = 4, kLinRowsOne = 8;   // a float Linear's tiles (mla_attend_body.inc linear_rows)
 constexpr int kScoreHeads = 8, kValueHeads = 2, kValueVecs = 8;   // the attention's tiles (mla_attend_body.inc)
 inline v16 madd(v16 a, v16 b, v16 c) {
     for (int l = 0; l < 16; ++l) c[l] = std::fma(a[l], b[l], c[l]);
@@ -49,9 +49,12 @@ inline v16 madd(v16 a, v16 b, v16 c) {
 #pragma GCC target("avx2,fma")
 namespace avx2 {
 #include "vec16_avx2.inc"
-// 16 ymm registers: a float Linear's 2 x 2 accumulators of two ymm each and its token vectors, 14; the scores' 4
-// heads, 8 accumulators and the cache row's vector; the values' 2 heads x 3 vectors, 12 accumulators
-constexpr int kLinRows = 2, kLinTokens = 2;
+// 16 ymm registers: a float Linear's 1 weight row x 4 tokens, 8 accumulators of one ymm pair each and the widened
+// weight vector, the tokens' vectors read as the FMAs' memory operands (each widened bf16 weight used 4 times: 2 x 2
+// widened each twice and loaded the tokens into registers, a bf16 head at 4 / 16 rows 150 / 555 -> 104-125 /
+// 407-444 us on 2 Zen 3 cores); one token: 4 weight rows; the scores' 4 heads, 8 accumulators and the cache row's
+// vector; the values' 2 heads x 3 vectors, 12 accumulators
+constexpr int kLinRows = 1, kLinTokens = 4, kLinRowsOne = 4;
 constexpr int kScoreHeads = 4, kValueHeads = 2, kValueVecs = 3;
 inline v16 madd(v16 a, v16 b, v16 c) {
     return {(v8)_mm256_fmadd_ps((__m256)a.a, (__m256)b.a, (__m256)c.a),
@@ -65,7 +68,7 @@ inline v16 madd(v16 a, v16 b, v16 c) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 namespace avx512 {
 #include "vec16_native.inc"
-constexpr int kLinRows = 4, kLinTokens = 4;   // 16 accumulators, 4 token vectors and a weight vector: 21 of 32 zmm
+constexpr int kLinRows = 4, kLinTokens = 4, kLinRowsOne = 8;   // 16 accumulators, 4 token vectors and a weight vector: 21 of 32 zmm
 constexpr int kScoreHeads = 8, kValueHeads = 2, kValueVecs = 8;   // 8 chains; 16 accumulators
 inline v16 madd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 #include "mla_attend_body.inc"

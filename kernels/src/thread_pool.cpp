@@ -148,6 +148,7 @@ void ThreadPool::launch(std::function<void(const WorkerInfo&)> job) {
     {
         std::lock_guard<std::mutex> lk(mu_);
         job_ = std::move(job);
+        resting_.store(false, std::memory_order_relaxed);
         pending_.store(n_threads(), std::memory_order_relaxed);
         caller_share_.store(caller_works_, std::memory_order_release);
         generation_.fetch_add(1, std::memory_order_release);
@@ -179,6 +180,8 @@ void ThreadPool::wait() {
 
 bool ThreadPool::busy() { return pending_.load(std::memory_order_acquire) != 0; }
 
+void ThreadPool::rest() { resting_.store(true, std::memory_order_release); }
+
 void ThreadPool::worker_main(int i) {
     if (cpus_[i] >= 0) {
         cpu_set_t set;
@@ -189,7 +192,9 @@ void ThreadPool::worker_main(int i) {
     uint64_t seen = 0;
     for (;;) {
         // A decode loop submits job after job: spin before sleeping to skip the wake-up latency.
-        spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, spin_budget());
+        // rest() ends the spin at once: the caller has other work for the cores until its next launch
+        spin_until([&] { return generation_.load(std::memory_order_acquire) != seen ||
+                                resting_.load(std::memory_order_acquire); }, spin_budget());
         std::function<void(const WorkerInfo&)>* job;
         {
             std::unique_lock<std::mutex> lk(mu_);

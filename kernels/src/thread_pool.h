@@ -58,6 +58,7 @@ public:
     void launch(std::function<void(const WorkerInfo&)> job);
     void wait();     // runs worker 0's share first when the caller is worker 0
     bool busy();
+    void rest();     // idle workers sleep now instead of spinning (a pause with other work for the cores ahead)
     bool caller_works() const { return caller_works_; }
     void pool_barrier(int pool) { pool_barriers_[pool].wait(); }
     void global_barrier() { global_barrier_.wait(); }
@@ -79,6 +80,7 @@ private:
     std::atomic<uint64_t> generation_{0};
     std::atomic<int> pending_{0};        // workers (the caller included) still running the job
     std::atomic<bool> caller_share_{false};   // worker 0's share of the job not taken yet (caller_works_)
+    std::atomic<bool> resting_{false};        // rest(): idle workers sleep at once; the next launch clears it
     bool caller_works_ = true;
     bool stop_ = false;
 };

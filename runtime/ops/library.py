@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ktlayouts.expert_formats import scale_encodings
 
-ABI_VERSION = 21
+ABI_VERSION = 22
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
@@ -126,7 +126,8 @@ def load_library() -> ctypes.CDLL:
         "kt_backend_supported": (c_int, [ctypes.c_char_p]),
         "kt_create": (c_p, [c_int, c_int, ctypes.c_char_p]), "kt_destroy": (None, [c_p]),
         "kt_backend_name": (ctypes.c_char_p, [c_p]), "kt_backend_detail": (ctypes.c_char_p, [c_p]),
-        "kt_n_threads": (c_int, [c_p]), "kt_n_pools": (c_int, [c_p]),
+        "kt_n_threads": (c_int, [c_p]), "kt_n_pools": (c_int, [c_p]), "kt_pool_wake": (None, [c_p]),
+        "kt_pool_rest": (None, [c_p]),
         "kt_thread_cpu": (c_int, [c_p, c_int]), "kt_thread_pool": (c_int, [c_p, c_int]),
         "kt_add_layer": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_int, ctypes.POINTER(_Piece)]),
         "kt_add_layer_ex": (c_int, [c_p, c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_int,

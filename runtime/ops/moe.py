@@ -171,6 +171,18 @@ class MoEKernels:
     def numa_pools(self) -> int:
         return self._lib.kt_n_pools(self._ctx)
 
+    def wake(self) -> None:
+        """Wake the pool's workers, asleep after an idle stretch, ahead of a burst of jobs (kt_pool_wake: an empty
+        job, not waited for; the next submit waits for it). A decode step calls it before its Python work, so the
+        step's first job does not wait for the futex wake-up and the scheduler."""
+        self._lib.kt_pool_wake(self.handle)
+
+    def rest(self) -> None:
+        """The opposite, after a burst of jobs: idle workers sleep at once instead of spinning up to 1 ms for the next
+        job (kt_pool_rest). A server calls it after each step: its event loop and its clients need the cores while
+        it writes the step's tokens; the next step's wake() or first job wakes them."""
+        self._lib.kt_pool_rest(self.handle)
+
     def thread_cpus(self) -> list[tuple[int, int]]:
         """(sub-pool, pinned CPU or -1) per worker. Worker 0 is the thread calling sync() (it computes its share
         of the job there; not pinned: -1) unless KT_POOL_CALLER=0 made it a pinned thread too."""

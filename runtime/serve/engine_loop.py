@@ -182,6 +182,9 @@ class EngineLoop:
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
+            rest = getattr(self.engine, "rest_kernels", None)
+            if rest is not None:   # the streams' writes and the clients need the cores until the next step
+                rest()
         except Exception as e:  # noqa: BLE001 -- fail the running requests, keep serving the next ones
             traceback.print_exc()
             return e, time.perf_counter()
