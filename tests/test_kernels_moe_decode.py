@@ -5,15 +5,19 @@ promise is the bits of MoEModel's separate calls, so the reference is the same c
 switched off: logits equal bit for bit for a prompt, decode steps of one request and of two batched and a speculative
 verify's rows, for the sigmoid router with groups and a correction bias (DeepSeek-V3, MiniMax-M2), the softmax router
 (Qwen3-MoE, Mixtral, DeepSeek-V2's grouped greedy), a fused shared expert (the embedded default model's padded to
-whole units) and one outside the job, on every ISA copy; what it does not take goes the separate way; bad arguments are an error."""
+whole units) and one outside the job, on every ISA copy; what it does not take goes the separate way; bad arguments are an error.
+A dense layer's MLP as a one-expert layer (the dense router) against the Linear op's SwiGLU."""
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
 from ktrun.engine import Engine
 from ktrun.models import moe_one_call
 from ktrun.ops import glue
-from ktrun.ops.library import MoeDecodeArgs
+from ktrun.ops.library import MoeDecodeArgs, load_library
+from ktrun.ops.moe import MoEKernels
 from one_call_helpers import assert_refused, same_bits_on_every_isa, with_and_without
 from runtime_helpers import PROMPT, converted
 
@@ -79,3 +83,39 @@ def test_bad_arguments_are_an_error_naming_them():
     wrong."""
     assert_refused("kt_moe_decode", MoeDecodeArgs, {"T": 1, "H": 64, "E": 8, "top_k": 2, "n_group": 1, "topk_group": 1,
                                                     "router": 1, "finish": 0})
+
+
+def test_a_dense_layers_mlp_runs_as_one_expert(default_converted):
+    """The default model's dense first layer: its MLP's Linears registered as a one-expert layer of the experts'
+    kernels (KernelExperts.fuse_dense), its rows one job of that expert at weight 1 (run_dense; in a decode step
+    kt_moe_decode's dense router, whose bits the with / without tests above hold to the per-layer path). Against the
+    same Linears on the Linear op (swiglu_mlp, torch's SiLU): within the last bits of the SiLU as the int8 activation
+    rounding of down's input carries them; every row's bits are those it has alone (no batch dependence)."""
+    from ktrun.models.layers import swiglu_mlp
+    eng = Engine(str(default_converted), ctx=256, max_batch=4)
+    model = eng.model
+    assert model.dense_fused == {0}
+    p = model.names.layer(0) + "mlp."
+    h = torch.randn(9, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    ref = swiglu_mlp(h, model.w[p + "gate_proj.weight"], model.w[p + "up_proj.weight"], model.w[p + "down_proj.weight"])
+    got = model.experts.run_dense(0, h)
+    assert got.shape == ref.shape and (got - ref).abs().max() <= 1e-5 * ref.abs().max()   # ~1e-7 seen
+    for t in range(h.shape[0]):
+        assert torch.equal(model.experts.run_dense(0, h[t:t + 1].clone()), got[t:t + 1])
+    stats = dict(model.experts.stats)
+    model.experts.run_dense(0, h)
+    assert model.experts.stats == stats                      # not counted among the experts' calls
+
+
+def test_the_dense_router_takes_no_gate_and_one_expert():
+    """kt_moe_decode's router 2 (dense) with a gate, or more than one expert: refused, naming the dense terms."""
+    lib = load_library()
+    kernels = MoEKernels(n_threads=2)
+    x = torch.zeros(1, 64)
+    try:
+        for bad in ({"E": 2, "top_k": 1}, {"E": 1, "top_k": 1, "gate": x.data_ptr()}):
+            a = MoeDecodeArgs(T=1, H=64, n_group=1, topk_group=1, router=2, finish=1, **bad)
+            assert lib.kt_moe_decode(kernels.handle, ctypes.byref(a)) == -1
+            assert b"dense: E, top_k and groups 1" in lib.kt_last_error()
+    finally:
+        kernels.close()

@@ -5,7 +5,7 @@ logits over a prompt, decode steps of one request and of two batched and a specu
 bit for bit, on GQA families (Qwen3-MoE, MiniMax-M2, GLM-4.5) and MLA ones (DeepSeek-V3, Kimi-K2.5, the default
 model), with an interleaved rotary and a sliding window, and across the KV pool's growth (new slabs: every layer's
 cache pointers set again). The plan is learned from a forward that took both one-call paths in its last layers;
-dense first layers keep their per-layer calls. The C glue is ISA-independent (the kernels it calls are tested per ISA by
+dense first layers join it when their MLPs run as one-expert layers (KernelExperts.fuse_dense). The C glue is ISA-independent (the kernels it calls are tested per ISA by
 test_kernels_gqa_layer.py and test_kernels_moe_decode.py). Bad arguments are an error naming what is wrong."""
 from __future__ import annotations
 
@@ -80,10 +80,15 @@ def test_the_pool_growing_under_the_plan_moves_every_layers_caches(tmp_path_fact
     assert all(torch.equal(a, b) for a, b in zip(kv["step"], kv["separate"]))
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "kimi_k25"])
-def test_dense_first_layers_run_in_python_and_the_rest_in_one_call(tmp_path_factory, monkeypatch, arch):
+def test_dense_first_layers_join_the_call_when_their_mlp_is_one_expert(tmp_path_factory, monkeypatch, arch, fused):
     """GLM-4.5 (GQA with biases, partial rotary) and the MLA families (latent rank 64: kv_b on the absorbed op) have
-    dense first layers: the plan starts after them (they keep their per-layer calls), with the same logits."""
+    dense first layers. Their MLPs run as one-expert layers of the experts' kernels (KernelExperts.fuse_dense): the
+    plan starts at layer 0, with the same logits as the per-layer calls. With KTRUN_FUSE_SHARED=0 the MLPs run on
+    swiglu_mlp in Python, and no plan starts before them."""
+    if not fused:
+        monkeypatch.setenv("KTRUN_FUSE_SHARED", "0")
     conv = converted(tmp_path_factory, arch, "int4-amx", gpu_method="rtn-int4") if arch == "glm4_moe" else \
         absorbed_conversion(tmp_path_factory, arch)
     eng = Engine(conv, ctx=256, max_batch=4)
@@ -91,21 +96,24 @@ def test_dense_first_layers_run_in_python_and_the_rest_in_one_call(tmp_path_fact
     one_call, separate, taken = with_and_without(model, eng.tokenizer.encode(PROMPT), monkeypatch, step_one_call,
                                                  "run")
     dense = [slot for slot, i in enumerate(model.layers) if i not in model.moe_layers]
+    assert dense and model.dense_fused == ({model.layers[s] for s in dense} if fused else set())
     pl = model.step_plan
-    assert dense and pl is not None and pl.first == len(dense) and pl.slots == list(range(len(dense),
-                                                                                         len(model.layers)))
-    assert (pl.mla is None) == (arch == "glm4_moe") and any(taken)
+    if fused:
+        assert pl is not None and pl.first == 0 and pl.slots == list(range(len(model.layers)))
+        assert (pl.mla is None) == (arch == "glm4_moe") and any(taken)
+    else:   # the shared experts are outside the jobs too: their layers take no plan (moe_one_call's outside path)
+        assert pl is None or pl.first == len(dense)
     for a, b in zip(one_call, separate):
         assert torch.equal(a, b)
 
 
 def test_the_default_model_takes_it(default_converted, monkeypatch):
     """The embedded default model as `make demo` converts it (MLA, a dense first layer, a fused shared expert):
-    the same logits with the step call, which runs its three MoE layers."""
+    the same logits with the step call, which runs all four layers (the dense one's MLP as a one-expert layer)."""
     eng = Engine(str(default_converted), ctx=256, max_batch=4)
     one_call, separate, taken = with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch,
                                                  step_one_call, "run")
-    assert any(taken) and eng.model.step_plan.first == 1
+    assert any(taken) and eng.model.step_plan.first == 0 and eng.model.dense_fused == {0}
     for a, b in zip(one_call, separate):
         assert torch.equal(a, b)
 

@@ -48,7 +48,8 @@ extern "C" {
                              21: kt_decode_layers (a decode step's decoder layers, each a kt_gqa_layer or
                                  kt_mla_decode call then a kt_moe_decode call, in one call);
                              22: kt_pool_wake / kt_pool_rest (the pool's workers woken ahead of a step's
-                                 first job, sent to sleep after its last); */
+                                 first job, sent to sleep after its last), kt_moe_decode's router 2 (a dense
+                                 layer's MLP as a one-expert layer); */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -375,7 +376,8 @@ typedef struct kt_moe_decode_args {
     const float* x; int64_t x_stride;           /* the residual stream before the attention's output is added */
     const float* delta; int64_t delta_stride;   /* the attention's output */
     const float* norm; const float* next_norm; float eps; int32_t lanes;   /* post-attention and next RMSNorm (kt_rms_norm) */
-    int32_t router;                             /* 0: kt_route_sigmoid, 1: kt_route_softmax */
+    int32_t router;                             /* 0: kt_route_sigmoid, 1: kt_route_softmax, 2: dense (a dense
+                                                   MLP as a one-expert layer: E, top_k, groups 1, gate NULL) */
     const float* gate; int64_t E; const float* bias;   /* (E, H) gate, (E,) correction bias or NULL (sigmoid only) */
     int64_t n_group, topk_group, top_k; int32_t renorm; float scaling;
     int32_t layer, shared;                      /* the routed layer's id; the fused shared expert's layer id or -1 */
@@ -391,8 +393,9 @@ typedef struct kt_moe_decode_args {
  * it has there: s = x + delta, h = norm(s) (kt_rms_norm), the router (kt_route_sigmoid / kt_route_softmax on ctx's
  * pool), the experts' job (kt_submit / kt_submit_shared) into e, x_out = s + e and h_out = next_norm(x_out). With
  * finish 0 it returns once the job is submitted (x_out = s, h_out = h, e_out filled by the job: kt_sync, or the next
- * submit, waits for it), for a caller with more to add to e (a shared expert outside the job). Returns -1 for bad
- * arguments (kt_last_error says which). */
+ * submit, waits for it), for a caller with more to add to e (a shared expert outside the job). Router 2 (dense): a
+ * dense layer's MLP registered as one-expert layer `layer`, no gate: every row's expert 0 at weight 1 (ids 0 and
+ * weights 1 written out). Returns -1 for bad arguments (kt_last_error says which). */
 int kt_moe_decode(kt_ctx* ctx, kt_moe_decode_args* args);
 
 /* One layer of kt_decode_layers: its attention, a kt_gqa_layer block (attn) or a kt_mla_decode block (mla, attn

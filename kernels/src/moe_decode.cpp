@@ -6,6 +6,9 @@
 //   ids, weights = router(h)            kt_route_sigmoid / kt_route_softmax (the logits on the pool for a large gate)
 //   e = experts(h) [+ shared(h)]        the routed job (MoEEngine::submit), waited for here
 //   x_out = s + e, h_out = norm'(x_out) kt_rms_norm with the residual add
+// router 2 (dense): a dense layer's MLP registered as a one-expert layer (ktrun.experts.kernel fuse_dense): no router,
+// every row's one expert 0 at weight 1 (ids 0, weights 1 written out), so e = the MLP's output, exactly (1 * y, summed
+// from zero).
 // Why: these were five library calls with Python between them per MoE layer (~70 us of the embedded default model's
 // decode step per layer on a 2-core machine), the pool idle meanwhile.
 #include <chrono>
@@ -25,12 +28,14 @@ struct MoeDecodeScratch {
 }  // namespace
 
 extern "C" int kt_moe_decode_impl(kt_ctx* ctx, kt_moe_decode_args* a, const char** why) {
-    *why = "bad geometry (T, H, E, top_k, groups) or router kind";
+    const bool dense = a->router == 2;
+    *why = "bad geometry (T, H, E, top_k, groups) or router kind (dense: E, top_k and groups 1, no gate or bias)";
     if (a->T < 1 || a->H < 16 || a->E < 1 || a->top_k < 1 || a->top_k > a->E || a->n_group < 1 || a->topk_group < 1 ||
-        a->topk_group > a->n_group || (a->router != 0 && a->router != 1) || (a->router == 1 && a->bias))
+        a->topk_group > a->n_group || a->router < 0 || a->router > 2 || (a->router != 0 && a->bias) ||
+        (dense && (a->E != 1 || a->top_k != 1 || a->n_group != 1 || a->gate)))
         return -1;
     *why = "missing x / delta / norms / gate / outputs (finish 0 needs e_out)";
-    if (!a->x || !a->delta || !a->norm || !a->next_norm || !a->gate || !a->x_out || !a->h_out || !a->ids ||
+    if (!a->x || !a->delta || !a->norm || !a->next_norm || (!a->gate && !dense) || !a->x_out || !a->h_out || !a->ids ||
         !a->weights || a->x_stride < a->H || a->delta_stride < a->H || (!a->finish && !a->e_out))
         return -1;
     ctx->engine.sync();   // a job in flight (a finish-0 call's) may still read the scratch below
@@ -55,7 +60,11 @@ extern "C" int kt_moe_decode_impl(kt_ctx* ctx, kt_moe_decode_args* a, const char
     if (kt_rms_norm(T, H, a->x, a->x_stride, a->delta, a->delta_stride, s, H, a->norm, a->eps, a->lanes, h, H) != 0)
         return -1;
     *why = "bad router arguments";
-    const int rc = a->router == 0
+    if (dense) {
+        for (int64_t t = 0; t < T; ++t) { a->ids[t] = 0; a->weights[t] = 1.0f; }
+    }
+    const int rc = dense ? 0
+        : a->router == 0
         ? kt_route_sigmoid(ctx, T, a->E, H, h, H, a->gate, H, a->bias, a->n_group, a->topk_group, k, a->renorm,
                            a->scaling, a->ids, a->weights)
         : kt_route_softmax(ctx, T, a->E, H, h, H, a->gate, H, a->n_group, a->topk_group, k, a->renorm, a->scaling,

@@ -5,6 +5,10 @@ Shards written for S NUMA nodes are handed to the kernels' sub-pools with ktlayo
 ktrun.ops.moe.MoEKernels.add_layer). Activations on a GPU are staged through CPU buffers; the result is copied back at
 sync.
 
+A dense layer's MLP (DeepSeek-V3's and GLM-4.5's first layers) on the same terms is a one-expert layer too (fuse_dense):
+its rows run as a job of that one expert at weight 1 (run_dense; in a decode step kt_moe_decode's dense router), the
+MLP's output exactly, with the job's SiLU (the last bit of torch's may differ, as for a fused shared expert).
+
 A layer's shared expert whose Linears run on the same pool (ktrun.ops.kernel_linear.KernelLinear, the CPU default for a
 quantized conversion) can join the routed job (fuse_shared): its gate/up/down tiles are registered as a one-expert
 layer (cpu-linear tiles are cpu-expert matrices: no copy) and every submit of the layer computes it too, added after
@@ -23,6 +27,7 @@ from ..ops.moe import ExpertShard, MoEKernels
 from .activation import expert_biases
 
 SHARED_LAYER_ID0 = 1 << 20   # kernel layer id of layer i's shared expert: SHARED_LAYER_ID0 + i (beside the MoE ids)
+DENSE_LAYER_ID0 = 2 << 20    # kernel layer id of dense layer i's MLP: DENSE_LAYER_ID0 + i
 
 
 def _prepared(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> bool:
@@ -67,6 +72,7 @@ class KernelExperts:
                 self.moe.set_activation(layer, act.kind, act.alpha, act.limit, bg, bu, bd)
         self._pending = self._staged = None
         self._shared: dict[int, int] = {}          # layer -> kernel layer id of its fused shared expert
+        self._dense: dict[int, int] = {}           # dense layer -> kernel layer id of its MLP (fuse_dense)
         self._single_piece = all(len(shards) == 1 for shards in layers.values())
         self.stats = {"expert_compute_s": 0.0, "expert_calls": 0, "expert_token_slots": 0,
                       "expert_staged_calls": 0, "kernel_backend": self.moe.backend}
@@ -83,6 +89,40 @@ class KernelExperts:
         """Compute layer's shared expert (gate/up (I, H), down (H, I)) inside its routed job from now on; True when
         registered, False (nothing changed) when these Linears cannot join it: not KernelLinears on this pool,
         act-order or padded inputs, mixed bits / groups, tiles not those of a one-expert layer."""
+        if not self._one_expert(SHARED_LAYER_ID0 + layer, gate, up, down):
+            return False
+        self._shared[layer] = SHARED_LAYER_ID0 + layer
+        return True
+
+    def fuse_dense(self, layer: int, gate, up, down) -> bool:
+        """Run dense layer's MLP (gate/up (I, H), down (H, I)) as a one-expert layer of these kernels from now on
+        (run_dense, one_call_dense); True when registered, False (nothing changed) on fuse_shared's terms."""
+        if not self._one_expert(DENSE_LAYER_ID0 + layer, gate, up, down):
+            return False
+        self._dense[layer] = DENSE_LAYER_ID0 + layer
+        return True
+
+    def run_dense(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Dense layer's MLP (fuse_dense) of x (T, H) float32 CPU contiguous rows -> (T, H): its one expert at weight
+        1 for every row, one job, waited for here. Not counted in the expert stats."""
+        T = x.shape[0]
+        out = torch.empty_like(x)
+        ids, wts = torch.zeros((T, 1), dtype=torch.int32), torch.ones((T, 1), dtype=torch.float32)
+        self.moe.submit_prepared(self._dense[layer], x, ids, wts, out)
+        self.moe.sync()
+        return out
+
+    def one_call_dense(self, layer: int):
+        """(the kernel context, the kernel layer id) of dense layer's MLP for kt_moe_decode's dense router, or None
+        (not fused, a submit pending, a subclass overriding submit or sync: one_call_layer's terms)."""
+        if self._pending is not None or layer not in self._dense:
+            return None
+        if type(self).submit is not KernelExperts.submit or type(self).sync is not KernelExperts.sync:
+            return None
+        return self.moe, self._dense[layer]
+
+    def _one_expert(self, sid: int, gate, up, down) -> bool:
+        """Register gate / up / down as kernel layer sid of one expert; False when they cannot be (fuse_shared)."""
         lins = (gate, up, down)
         if not all(isinstance(li, KernelLinear) and li.lin.kernels is self.moe and li.perm is None for li in lins):
             return False
@@ -102,11 +142,9 @@ class KernelExperts:
             return False
         gate_q, gate_s, up_q, up_s = (_pad_rows(a, gu.n_blocks) for a in (gate.qweight, gate.scales, up.qweight,
                                                                            up.scales))
-        sid = SHARED_LAYER_ID0 + layer
         self.moe.add_layer(sid, [ExpertShard(gate_q[None], gate_s[None], up_q[None], up_s[None], down.qweight[None],
                                              down.scales[None], 0, Ip)],
                            n_experts=1, hidden=H, intermediate_pad=Ip, bits=bits, group_size=g)
-        self._shared[layer] = sid
         return True
 
     def one_call_layer(self, layer: int, shared: bool) -> tuple[object, int | None] | None:

@@ -49,6 +49,7 @@ class MoEModel:
         if cfg.is_mla:                                     # MLA's absorbed kv_b on the kernels' op: built now
             prepare_absorbed(cfg, weights, [self.names.layer(i) + "self_attn." for i in self.layers])
         self.shared_fused = self._fuse_shared()           # MoE layers whose executor computes the shared expert
+        self.dense_fused = self._fuse_dense()             # dense layers whose MLP the executor runs as one expert
         self.moe_plans: dict = {}      # layer -> moe_one_call.MoePlan or None (made on first use); "experts": for whom
         self.step_plan = None          # step_one_call.StepPlan: every decoder layer of a decode step in one call
         self.lm_head = weights.get(self.names.head)
@@ -86,6 +87,31 @@ class MoEModel:
             if all(li is not None for li in lins) and fuse(i, *lins):
                 fused.add(i)
         return fused
+
+    def _fuse_dense(self) -> set[int]:
+        """The dense layers whose MLP the experts' executor runs as a one-expert layer (KernelExperts.fuse_dense), at
+        every row count, so a decode step's plan takes them in too (step_one_call) and a row's bits never depend on
+        its batch. KTRUN_FUSE_SHARED=0 keeps them on swiglu_mlp, as it keeps the shared experts outside the job."""
+        fuse = getattr(self.experts, "fuse_dense", None)
+        if fuse is None or os.environ.get("KTRUN_FUSE_SHARED", "1") == "0" or self.dtype != torch.float32 or \
+                self.device.type != "cpu":
+            return set()
+        fused = set()
+        for i in self.layers:
+            if i in self.moe_layers:
+                continue
+            p = self.names.layer(i) + "mlp."
+            lins = [self.w.get(p + n + ".weight") for n in ("gate_proj", "up_proj", "down_proj")]
+            if all(li is not None for li in lins) and fuse(i, *lins):
+                fused.add(i)
+        return fused
+
+    def _dense(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Dense layer i's MLP of its normed rows h (T, H)."""
+        if i in self.dense_fused:
+            return self.experts.run_dense(i, h.contiguous())
+        p = self.names.layer(i) + "mlp."
+        return swiglu_mlp(h, self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"], self.w[p + "down_proj.weight"])
 
     def cache_layout(self, block_size: int = KV_BLOCK_SIZE) -> BlockLayout:
         return BlockLayout(cache_layers(self.arch, self.cfg), tuple(tuple(w) for w in self.arch.cache_widths(self.cfg)),
@@ -195,17 +221,13 @@ class MoEModel:
             next_w = w[self.names.layer(self.layers[slot + 1]) + "input_layernorm.weight"] if slot + 1 < L else \
                 self.final_norm
             got = moe_one_call.run(self, i, x, a, w[p + "post_attention_layernorm.weight"], next_w, batch) \
-                if i in self.moe_layers else None
+                if i in self.moe_layers or i in self.dense_fused else None
             if got is not None:                         # decode rows: the MoE half in one kernel call
                 x, h = got
             else:
                 # each residual add runs with the norm after it (one kt_rms_norm call for float32 CPU rows)
                 x, h = self._add_norm(x, a, w[p + "post_attention_layernorm.weight"])
-                if i in self.moe_layers:
-                    m = self._moe(i, h)
-                else:
-                    m = swiglu_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
-                                   w[p + "mlp.down_proj.weight"])
+                m = self._moe(i, h) if i in self.moe_layers else self._dense(i, h)
                 x, h = self._add_norm(x, m, next_w)
             t3 = clock()
             tm["attention_s"] += t2 - t1

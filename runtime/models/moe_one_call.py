@@ -42,6 +42,12 @@ def plan(model, i: int) -> MoePlan | None:
         return model.moe_plans[i]
     model.moe_plans[i] = None
     cfg, w = model.cfg, model.w
+    if i in model.dense_fused:      # a dense layer's MLP as a one-expert layer (KernelExperts.fuse_dense)
+        got = model.experts.one_call_dense(i)
+        if got is None or model.norm is not rms_norm:
+            return None
+        model.moe_plans[i] = MoePlan(("dense", None, None, 1, 1, 1, False, 1.0), got[1], None, got[0], None)
+        return model.moe_plans[i]
     one_call = getattr(model.experts, "one_call_layer", None)
     if (one_call is None or model.norm is not rms_norm or i not in model.moe_layers
             or model.arch.route is not generic.route or getattr(model.arch, "shared_expert_scale", None) is not None):
@@ -103,6 +109,7 @@ def run(model, i: int, x: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tenso
         pl.kernels.sync()
         wait = time.perf_counter() - t0
         x_out, h_out = model._add_norm(s, e + shared, next_w)
-    model.experts.record_one_call(T * model.cfg.top_k, wait)
+    if i in model.moe_layers:       # a dense layer's MLP is not counted among the experts' calls
+        model.experts.record_one_call(T * model.cfg.top_k, wait)
     model.timing["expert_wait_s"] += wait
     return x_out, h_out

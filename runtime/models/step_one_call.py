@@ -6,11 +6,12 @@ calls themselves (a Qwen3-30B-A3B-shaped step on 2 Zen 3 cores), most of it cach
 megabytes through the caches the interpreter's objects were in.
 
 The plan is learned, not derived: a forward records the one-call paths its layers took (Batch.record_one_call), and
-MoEModel keeps the plan made from the last layers that took both (all of them for Qwen3-MoE or MiniMax-M2, the MoE
-layers after DeepSeek-V3's or GLM-4.5's dense ones, which keep running in Python). Later forwards run it from that
-layer on when they would take the same paths: the generic attention (no family hook, no sinks, no indexer),
-decode-sized float32 CPU rows of one float32 block pool (MLA: rows in the absorbed form), the experts' executor the
-plan was made for, no test hook on the router.
+MoEModel keeps the plan made from the last layers that took both: all of them for Qwen3-MoE or MiniMax-M2, and for
+DeepSeek-V3 or GLM-4.5 too when their dense layers' MLPs run as one-expert layers (KernelExperts.fuse_dense: the MoE
+half's call with its dense router), else the MoE layers after the dense ones, which keep running in Python. Later
+forwards run it from that layer on when they would take the same paths: the generic attention (no family hook, no
+sinks, no indexer), decode-sized float32 CPU rows of one float32 block pool (MLA: rows in the absorbed form), the
+experts' executor the plan was made for, no test hook on the router.
 """
 from __future__ import annotations
 
@@ -137,6 +138,7 @@ def run(model, batch: Batch, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor
     tm["attention_s"] += a.attn_s
     tm["mlp_s"] += a.moe_s
     tm["expert_wait_s"] += a.wait_s
-    for _ in pl.slots:
-        model.experts.record_one_call(T * model.cfg.top_k, a.wait_s / len(pl.slots))
+    n_moe = sum(model.layers[s] in model.moe_layers for s in pl.slots)   # dense layers' MLPs are not expert calls
+    for _ in range(n_moe):
+        model.experts.record_one_call(T * model.cfg.top_k, a.wait_s / n_moe)
     return out[0], out[1]

@@ -422,6 +422,9 @@ def moe_decode(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, next_no
 
 
 
+ROUTER_KINDS = {"sigmoid": 0, "softmax": 1, "dense": 2}   # kt_moe_decode_args.router (dense: no gate, one expert)
+
+
 class MoeDecodeCall:
     """kt_moe_decode for one MoE layer's decode rows (finish on): the layer's constant arguments (norms, eps, router,
     layer ids, the norm lanes) set once in an argument block filled in place per call, as GqaLayerCall does, and the
@@ -430,20 +433,23 @@ class MoeDecodeCall:
     shaped decode step on 2 Zen 3 cores. The same call, the same bits. Not thread-safe (one forward at a time per
     model, as the engine runs them).
 
-    norm / next_norm: float32 contiguous weights (norm_weights_ok); router, layer, shared: moe_decode's; max_rows:
-    the most rows a call takes (ROUTE_MAX_ROWS)."""
+    norm / next_norm: float32 contiguous weights (norm_weights_ok); router, layer, shared: moe_decode's, or router
+    ("dense", None, None, 1, 1, 1, False, 1.0) for a dense layer's MLP registered as one-expert layer `layer`
+    (KernelExperts.fuse_dense: every row's expert 0 at weight 1); max_rows: the most rows a call takes
+    (ROUTE_MAX_ROWS)."""
 
     def __init__(self, norm: torch.Tensor, next_norm: torch.Tensor, eps: float, router: tuple, layer: int,
                  shared: int | None, kernels, max_rows: int):
         kind, gate, bias, n_group, topk_group, top_k, renorm, scaling = router
         self.norm, self.next_norm, self.kernels, self.max_rows = norm, next_norm, kernels, max_rows
-        self.H = gate.shape[1]
+        self.H = norm.numel()
         self._keep = (gate, bias)                    # the pointers below stay valid while the call lives
         self._ids = torch.empty((max_rows, top_k), dtype=torch.int64)
         self._wts = torch.empty((max_rows, top_k), dtype=torch.float32)
         self.args = MoeDecodeArgs(0, self.H, None, self.H, None, self.H, norm.data_ptr(), next_norm.data_ptr(), eps,
-                                  _state.get("lanes") or _lanes(), 0 if kind == "sigmoid" else 1, gate.data_ptr(),
-                                  gate.shape[0], None if bias is None else bias.data_ptr(), n_group, topk_group,
+                                  _state.get("lanes") or _lanes(), ROUTER_KINDS[kind],
+                                  None if gate is None else gate.data_ptr(), 1 if gate is None else gate.shape[0],
+                                  None if bias is None else bias.data_ptr(), n_group, topk_group,
                                   top_k, int(renorm), scaling, layer, -1 if shared is None else shared, 1, None,
                                   None, None, self._ids.data_ptr(), self._wts.data_ptr(), 0.0)
         self._lib = _library()
