@@ -41,6 +41,7 @@ class StepPlan:
     args: DecodeLayersArgs
     mla: tuple | None                 # (nh, dn, dr, dv, R) when the attention is MLA (every planned layer's), else None
     hd: int                           # GQA's head dim (0 for MLA)
+    n_moe: int                        # planned MoE layers (a dense layer's MLP is not counted as an experts' call)
 
 
 def learn(model, batch: Batch) -> None:
@@ -75,7 +76,8 @@ def learn(model, batch: Batch) -> None:
                             layers=ctypes.cast(layers, ctypes.POINTER(DecodeLayer)))
     c0 = a_calls[0][0]
     model.step_plan = StepPlan(model.experts, first, slots, a_calls, m_calls, layers, rows, args,
-                               c0.dims[:5] if is_mla else None, 0 if is_mla else c0.args.attn.hd)
+                               c0.dims[:5] if is_mla else None, 0 if is_mla else c0.args.attn.hd,
+                               sum(model.layers[s] in model.moe_layers for s in slots))
 
 
 def start(model, batch: Batch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int | None:
@@ -138,7 +140,6 @@ def run(model, batch: Batch, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor
     tm["attention_s"] += a.attn_s
     tm["mlp_s"] += a.moe_s
     tm["expert_wait_s"] += a.wait_s
-    n_moe = sum(model.layers[s] in model.moe_layers for s in pl.slots)   # dense layers' MLPs are not expert calls
-    for _ in range(n_moe):
-        model.experts.record_one_call(T * model.cfg.top_k, a.wait_s / n_moe)
+    for _ in range(pl.n_moe):
+        model.experts.record_one_call(T * model.cfg.top_k, a.wait_s / pl.n_moe)
     return out[0], out[1]
