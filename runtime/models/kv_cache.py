@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 KV_BLOCK_SIZE = 16   # positions per block: the granularity of prefix sharing (a prefix reuses its full blocks)
@@ -375,12 +376,17 @@ class Batch:
             if cache.length + len(ids) > cache.ctx:
                 raise ContextFull(f"{cache.length + len(ids)} tokens exceed the context limit --ctx {cache.ctx}")
             cache.reserve(cache.length + len(ids))
-            toks.extend(ids)
+            ints = [int(t) for t in ids]
+            toks.extend(ints)
             pos.extend(range(cache.length, cache.length + len(ids)))
-            seqs.append(SeqSlice(cache, cache.length, len(ids), off, [int(t) for t in ids]))
+            seqs.append(SeqSlice(cache, cache.length, len(ids), off, ints))
             off += len(ids)
-        return Batch(torch.tensor(toks, dtype=torch.long, device=device),
-                     torch.tensor(pos, dtype=torch.long, device=device), seqs)
+        # tokens and positions as one int64 array: numpy makes it from the lists in ~1 us where each torch.tensor
+        # of a list took ~4-8 us, twice per decode step (torch.from_numpy shares the array: no copy)
+        both = torch.from_numpy(np.array(toks + pos, dtype=np.int64))
+        if device is not None and torch.device(device).type != "cpu":
+            both = both.to(device)
+        return Batch(both[:off], both[off:], seqs)
 
     def record_one_call(self, kind: str, key: int, value) -> None:
         """One layer's one-call path as this forward took it (ktrun.models.step_one_call learns a decode step's plan
