@@ -36,12 +36,14 @@ def _chunked_logits(eng: Engine, ids: list[int], cuts: list[int]) -> torch.Tenso
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("form", ["absorbed", "expanded", "auto"])
+@pytest.mark.parametrize("form", ["absorbed", "expanded", "expanded-blocks", "auto"])
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
 def test_mla_forms_match_transformers(engines, monkeypatch, arch, form):
     eng, ref = engines(arch)
     if form != "auto":
-        monkeypatch.setattr(attention, "_naive_is_cheaper", lambda *a: form == "expanded")
+        monkeypatch.setattr(attention, "_naive_is_cheaper", lambda *a: form.startswith("expanded"))
+    if form == "expanded-blocks":     # a prompt's query rows in blocks of 4 (_attend_causal_blocks), the last one short
+        monkeypatch.setattr(attention, "PROMPT_BLOCK_ROWS", 4)
     ids = eng.tokenizer.encode(PROMPT + " " + PROMPT)
     want = reference_logits(ref, ids)
     # a long first chunk, a short one reading it, then single-token decode steps
@@ -68,8 +70,50 @@ def test_mla_batch_mixing_forms_equals_each_alone(engines, monkeypatch):
 def test_gqa_chunked_prefill_and_decode_match_transformers(engines, arch):
     eng, ref = engines(arch)
     ids = eng.tokenizer.encode(PROMPT + " " + PROMPT)
-    got = _chunked_logits(eng, ids, [9, 12, 13, 14, 15])
-    assert (got - reference_logits(ref, ids)).abs().max() < LOGIT_ATOL
+    want = reference_logits(ref, ids)
+    # [9, ...]: the first chunk through torch's fused attention with is_causal; [5, 17, ...]: the second chunk (12
+    # rows after 5 cached) through it with the explicit causal mask
+    for cuts in ([9, 12, 13, 14, 15], [5, 17, 18]):
+        got = _chunked_logits(eng, ids, cuts)
+        assert (got - want).abs().max() < LOGIT_ATOL, cuts
+
+
+class _Seq:
+    def __init__(self, n, start):
+        self.n, self.start = n, start
+
+
+def test_gqa_prompt_is_causal_has_the_masked_forms_bits():
+    """A whole prompt takes is_causal (key blocks above the diagonal skipped) with the same bits as the explicit
+    mask; rows after a cached prefix keep the mask."""
+    g = torch.Generator().manual_seed(0)
+    n, nh, nkv, hd = 300, 8, 2, 64
+    q = torch.randn(n, nh, hd, generator=g)
+    runs = [(torch.randn(n, nkv, hd, generator=g), torch.randn(n, nkv, hd, generator=g))]
+    got = attention._sdpa_rows(q, runs, _Seq(n, 0), None, 0.125)
+    mask = attention.causal_scores_mask(n, 0, n, "cpu")
+    k, v = (t.transpose(0, 1)[None] for t in runs[0])
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask[None, None],
+                                                            scale=0.125, enable_gqa=True)[0].transpose(0, 1)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("n", "start"), [(300, 0), (300, 37), (128, 5), (129, 0)])
+def test_mla_prompt_blocks_equal_one_score_tensor(n, start):
+    """_attend_causal_blocks (query rows in blocks over the keys up to each block's end) against the (nh, n, S) form,
+    under the causal mask and under a sparser causal one (an indexer's selection)."""
+    g = torch.Generator().manual_seed(n + start)
+    nh, d, dv, S = 4, 24, 16, start + n
+    q, kt, v = torch.randn(nh, n, d, generator=g), torch.randn(nh, d, S, generator=g), torch.randn(nh, S, dv, generator=g)
+    causal = attention.causal_scores_mask(n, start, S, "cpu")
+    sparse = causal & (torch.rand(n, S, generator=g) < 0.5)
+    sparse[torch.arange(n), start + torch.arange(n)] = True        # every row keeps its own key
+    for mask in (causal, sparse):
+        want = torch.matmul(torch.softmax(torch.matmul(q, kt).masked_fill(~mask[None], float("-inf")), dim=-1), v)
+        got = attention._attend_causal_blocks(q, kt, v, mask, start)
+        assert (got - want).abs().max() < 1e-5
+        if n <= attention.PROMPT_BLOCK_ROWS:          # one block: the one-tensor form itself
+            assert torch.equal(got, want)
 
 
 def test_mla_step_ops_do_not_grow_with_context(engines):
