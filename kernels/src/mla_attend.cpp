@@ -67,7 +67,9 @@ inline v16 madd(v16 a, v16 b, v16 c) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 namespace avx512 {
+#define KT_VEC16_AVX512 1   // vec16_native.inc: AVX-512 intrinsics where the generic code compiles badly
 #include "vec16_native.inc"
+#undef KT_VEC16_AVX512
 constexpr int kLinRows = 4, kLinTokens = 4, kLinRowsOne = 8;   // 16 accumulators, 4 token vectors and a weight vector: 21 of 32 zmm
 constexpr int kScoreHeads = 8, kValueHeads = 2, kValueVecs = 8;   // 8 chains; 16 accumulators
 inline v16 madd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
