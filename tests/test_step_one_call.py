@@ -107,6 +107,37 @@ def test_dense_first_layers_join_the_call_when_their_mlp_is_one_expert(tmp_path_
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(("quantize_head", "kind"), [(False, 1), (True, 2)])
+def test_the_output_head_runs_in_the_call_with_the_callers_bits(tmp_path_factory, monkeypatch, quantize_head, kind):
+    """ABI 23: the head after the last layer in the same call, as kt_float_linear (a bf16 head) or as the quantized
+    head's Linear job (--quantize-head): the logits of decode steps, a batched step and a verify are the bits of the
+    head the caller runs after the call; a forward that wants only each request's last row keeps the caller's."""
+    eng = Engine(converted(tmp_path_factory, "qwen3_moe", "int4-amx", gpu_method="rtn-int4",
+                           quantize_head=quantize_head), ctx=256, max_batch=4)
+    ran = []
+    real = step_one_call.run
+
+    def run(model, batch, *a):
+        got = real(model, batch, *a)
+        ran.append(step_one_call.HEAD_LOGITS in batch.carried)
+        return got
+    monkeypatch.setattr(step_one_call, "run", run)
+    one_call, separate, taken = with_and_without(eng.model, eng.tokenizer.encode(PROMPT), monkeypatch,
+                                                 step_one_call, "run")
+    assert eng.model.step_plan.head is not None and eng.model.step_plan.head[0] == kind
+    assert all(taken) and any(ran)
+    for a, b in zip(one_call, separate):
+        assert torch.equal(a, b)
+    # a 3-row chunk after a prompt, logits of its last row only: the plan runs without its head
+    cache = eng.model.new_cache(64)
+    ids = eng.tokenizer.encode(PROMPT)
+    prefill(eng.model, cache, ids[:5])
+    ran.clear()
+    last = eng.model.forward(step_one_call.Batch.build([(cache, ids[5:8])], "cpu"))
+    assert ran == [False] and last.shape == (1, eng.model.cfg.vocab_size)
+    cache.release()
+
+
 def test_the_default_model_takes_it(default_converted, monkeypatch):
     """The embedded default model as `make demo` converts it (MLA, a dense first layer, a fused shared expert):
     the same logits with the step call, which runs all four layers (the dense one's MLP as a one-expert layer)."""

@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 22  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 23  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -49,7 +49,8 @@ extern "C" {
                                  kt_mla_decode call then a kt_moe_decode call, in one call);
                              22: kt_pool_wake / kt_pool_rest (the pool's workers woken ahead of a step's
                                  first job, sent to sleep after its last), kt_moe_decode's router 2 (a dense
-                                 layer's MLP as a one-expert layer); */
+                                 layer's MLP as a one-expert layer);
+                             23: kt_decode_layers runs the output head after the last layer (head_kind); */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -417,6 +418,13 @@ typedef struct kt_decode_layers_args {
     float* x_out; float* h_out;         /* (T, H) contiguous: the residual stream after the last layer and its next
                                            norm (the last kt_moe_decode block's next_norm: the final norm) */
     double attn_s, moe_s, wait_s;       /* out: seconds in the attention calls, in the MoE calls, waiting for experts */
+    /* ABI 23: the output head after the last layer (head_kind 0: none), logits (T, head_n) contiguous = h_out W^T:
+       head_kind 1: kt_float_linear on head_ctx (NULL: the calling thread; head_w (head_n, H) of head_w_dtype, row stride head_w_stride);
+       head_kind 2: the dense Linear head_id of head_ctx (kt_linear_submit + kt_sync; its K is H). The same call the
+       caller would make after this one, so the same bits. */
+    int32_t head_kind, head_id; kt_ctx* head_ctx; const void* head_w; int32_t head_w_dtype; int64_t head_w_stride;
+    int64_t head_n; float* logits;
+    double head_s;                      /* out: seconds in the head */
 } kt_decode_layers_args;
 
 /* A decode step's decoder layers in one call: for each layer delta = kt_gqa_layer(h) or kt_mla_decode(h), then

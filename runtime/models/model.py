@@ -165,13 +165,17 @@ class MoEModel:
         """-> float32 logits: (T, V) for every token if all_logits, else (B, V) for each request's last token."""
         t0 = time.perf_counter()
         x = F.embedding(batch.tokens.to(self.device), self.w[self.names.embed]).to(self.dtype)  # (T, H); bf16 widens
+        every_row = all_logits or all(s.n == 1 for s in batch.seqs)   # decode: the rows are the last tokens
+        batch.carried[step_one_call.HEAD_ROWS] = every_row     # a decode step's one call may run the head too
         _, h = self.decoder(batch, x)
         if self.keep_hidden:
             for s in batch.seqs:
                 s.cache.hidden.append((s.start, h[s.offset:s.offset + s.n]))
-        if not all_logits and not all(s.n == 1 for s in batch.seqs):   # decode: the rows are the last tokens
-            h = h[batch.last_token_rows().to(self.device)]
-        logits = float_linear.head(h, self.lm_head, self.kernels)   # (B or T, V); bf16 as stored on the CPU
+        logits = batch.carried.pop(step_one_call.HEAD_LOGITS, None)   # (T, V) from the step's one call
+        if logits is None:
+            if not every_row:
+                h = h[batch.last_token_rows().to(self.device)]
+            logits = float_linear.head(h, self.lm_head, self.kernels)   # (B or T, V); bf16 as stored on the CPU
         self.timing["forward_s"] += time.perf_counter() - t0
         self.timing["forwards"] += 1
         return logits

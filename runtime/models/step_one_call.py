@@ -11,7 +11,9 @@ DeepSeek-V3 or GLM-4.5 too when their dense layers' MLPs run as one-expert layer
 half's call with its dense router), else the MoE layers after the dense ones, which keep running in Python. Later
 forwards run it from that layer on when they would take the same paths: the generic attention (no family hook, no
 sinks, no indexer), decode-sized float32 CPU rows of one float32 block pool (MLA: rows in the absorbed form), the
-experts' executor the plan was made for, no test hook on the router.
+experts' executor the plan was made for, no test hook on the router. When the forward wants every row's logits
+(decode rows, a verify: Batch.carried[HEAD_ROWS]) the call runs the output head too (ABI 23, _head_fields), as the
+caller's float_linear.head would after it; its caches are then still warm (kernels/README.md).
 """
 from __future__ import annotations
 
@@ -20,13 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import glue
+from ..ops import float_linear, glue
+from ..ops.kernel_linear import KernelLinear
 from ..ops.library import DecodeLayer, DecodeLayersArgs, GqaDecodeArgs, KernelError
 from . import attention, generic
 from .attention_one_call import _float32_pool, _rope_rows_ok, paging
 from .choices import hooked
 from .kv_cache import Batch
 from .layers import SERIAL_MAX_ROWS
+
+HEAD_ROWS = "head_every_row"   # Batch.carried: True when the forward wants logits of every row (decode rows)
+HEAD_LOGITS = "head_logits"    # Batch.carried: (T, V) float32 logits the plan's call computed with its head
 
 
 @dataclass
@@ -42,6 +48,7 @@ class StepPlan:
     mla: tuple | None                 # (nh, dn, dr, dv, R) when the attention is MLA (every planned layer's), else None
     hd: int                           # GQA's head dim (0 for MLA)
     n_moe: int                        # planned MoE layers (a dense layer's MLP is not counted as an experts' call)
+    head: tuple | None = None         # the output head as the call runs it (_head_fields), None: the caller's
 
 
 def learn(model, batch: Batch) -> None:
@@ -77,7 +84,23 @@ def learn(model, batch: Batch) -> None:
     c0 = a_calls[0][0]
     model.step_plan = StepPlan(model.experts, first, slots, a_calls, m_calls, layers, rows, args,
                                c0.dims[:5] if is_mla else None, 0 if is_mla else c0.args.attn.hd,
-                               sum(model.layers[s] in model.moe_layers for s in slots))
+                               sum(model.layers[s] in model.moe_layers for s in slots), _head_fields(model))
+
+
+def _head_fields(model) -> tuple | None:
+    """The output head as kt_decode_layers runs it after the last layer (ABI 23): (head_kind, head_id, head_ctx,
+    head_w, head_w_dtype, head_w_stride, head_n), the call MoEModel.forward's float_linear.head makes on the final
+    norm's rows (so the same bits): a float32 / bfloat16 tensor kt_float_linear takes (kind 1) or a quantized
+    KernelLinear with no input permutation or padding (kind 2). None: the head stays the caller's."""
+    w, H = model.lm_head, model.cfg.hidden_size
+    if isinstance(w, torch.Tensor):
+        if w.dim() != 2 or w.shape[1] != H or not float_linear.takes(w):
+            return None
+        ctx = model.kernels.handle if model.kernels is not None else None
+        return 1, 0, ctx, w.data_ptr(), float_linear.DTYPES[w.dtype], w.stride(0), w.shape[0]
+    if isinstance(w, KernelLinear) and w.perm is None and w.k == w.k_op == H:
+        return 2, w.id, w.lin.kernels.handle, None, 0, 0, w.n
+    return None
 
 
 def start(model, batch: Batch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int | None:
@@ -133,9 +156,18 @@ def run(model, batch: Batch, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor
     a.T, a.x, a.h = T, x.data_ptr(), h.data_ptr()
     p = out.data_ptr()
     a.x_out, a.h_out = p, p + 4 * T * H
+    logits = None
+    if pl.head is not None and batch.carried.get(HEAD_ROWS):     # every row's logits: the head in the same call
+        logits = torch.empty((T, pl.head[-1]), dtype=torch.float32)
+        (a.head_kind, a.head_id, a.head_ctx, a.head_w, a.head_w_dtype, a.head_w_stride, a.head_n) = pl.head
+        a.logits = logits.data_ptr()
+    else:
+        a.head_kind = 0
     lib = glue._library()
     if lib.kt_decode_layers(ctypes.byref(a)) != 0:
         raise KernelError(lib.kt_last_error().decode())
+    if logits is not None:
+        batch.carried[HEAD_LOGITS] = logits
     tm = model.timing
     tm["attention_s"] += a.attn_s
     tm["mlp_s"] += a.moe_s

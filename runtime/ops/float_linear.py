@@ -18,7 +18,7 @@ import torch
 from .library import KernelError, kernels_available, load_library
 from .packed_linear import linear
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}   # ktkernels.h KT_F32 / KT_BF16
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}   # ktkernels.h KT_F32 / KT_BF16
 
 
 _available: list[bool] = []   # kernels_available(), asked once (a missing library would be looked for every call)
@@ -34,7 +34,7 @@ def available() -> bool:
 def takes(w) -> bool:
     """Whether kt_float_linear computes with weight w: a CPU (N, K) float32 / bfloat16 tensor with contiguous rows,
     K a multiple of 16, the library loaded."""
-    return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in _DTYPES and w.device.type == "cpu"
+    return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in DTYPES and w.device.type == "cpu"
             and w.shape[1] % 16 == 0 and w.stride(1) == 1 and w.stride(0) >= w.shape[1] and available())
 
 
@@ -46,7 +46,7 @@ def float_linear(x: torch.Tensor, w: torch.Tensor, kernels=None) -> torch.Tensor
     N = w.shape[0]
     y = torch.empty((T, N), dtype=torch.float32)
     if load_library().kt_float_linear(None if kernels is None else kernels.handle, T, N, K, x.data_ptr(), K,
-                                      w.data_ptr(), _DTYPES[w.dtype], w.stride(0), y.data_ptr(), N) != 0:
+                                      w.data_ptr(), DTYPES[w.dtype], w.stride(0), y.data_ptr(), N) != 0:
         raise KernelError(f"kt_float_linear: bad arguments (x {tuple(x.shape)}, w {tuple(w.shape)} {w.dtype})")
     return y
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ktlayouts.expert_formats import scale_encodings
 
-ABI_VERSION = 22
+ABI_VERSION = 23
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
@@ -99,7 +99,10 @@ class DecodeLayersArgs(ctypes.Structure):
     _i64, _p = ctypes.c_int64, ctypes.c_void_p
     _fields_ = [("T", _i64), ("H", _i64), ("x", _p), ("h", _p), ("rows", ctypes.POINTER(GqaDecodeArgs)),
                 ("n_layers", ctypes.c_int32), ("layers", ctypes.POINTER(DecodeLayer)), ("x_out", _p), ("h_out", _p),
-                ("attn_s", ctypes.c_double), ("moe_s", ctypes.c_double), ("wait_s", ctypes.c_double)]
+                ("attn_s", ctypes.c_double), ("moe_s", ctypes.c_double), ("wait_s", ctypes.c_double),
+                ("head_kind", ctypes.c_int32), ("head_id", ctypes.c_int32), ("head_ctx", _p), ("head_w", _p),
+                ("head_w_dtype", ctypes.c_int32), ("head_w_stride", _i64), ("head_n", _i64), ("logits", _p),
+                ("head_s", ctypes.c_double)]
 
 def _library_path() -> str:
     env = os.environ.get("KT_KERNELS_LIB")
