@@ -59,6 +59,12 @@ EXTRA = [("deepseek_v3", ("marlin", "rtn-int8", 32)), ("qwen3_moe", ("marlin", "
 # (below) on both sides. The op's int8 activations (per group of 32..K) are the only difference. Observed (2
 # threads, avx512), every family and scheme: mean <= 2.9e-4, max <= 8.0e-4 (vs transformers: the same order).
 KL_MEAN, KL_MAX = 5e-3, 5e-2
+# A position's greedy token may differ only where the reference's top two candidates are within GREEDY_TIE nats: the
+# op moves a logit by up to ~0.11 (max |logit difference| per position 0.03-0.11, every family and scheme, Zen 4,
+# avx512), the fixtures' median top-2 margin is 0.15-0.52, and the flips seen there had reference gaps 1e-4..0.087.
+# (An agreement floor of 0.9 held on the Zen 3 / AMX runs; on Zen 4 MiniMax-M2's compressed-tensors int4 case flipped
+# 6 of 55 positions, every one such a near-tie.)
+GREEDY_TIE = 0.15
 # Discrete choices (router top-k of experts and of groups, DeepSeek-V3.2's indexer top-k of keys) at a near-tie flip
 # under the op's int8 activations however close the scores are: DeepSeek-V3.2's indexer keys 0.3% to 1.4% of the top
 # score apart, Kimi-K2.5's layer-1 experts 2.0e-5 apart at one position (median gap 1.7e-2); one flip moved a
@@ -165,7 +171,11 @@ def test_logits_within_bound_of_the_dequantized_path(tmp_path_factory, arch, sch
     d = kl(want, got)
     print(f"{arch} {_id(scheme)}: KL mean {d.mean():.2e} max {d.max():.2e}")
     assert d.mean() < KL_MEAN and d.max() < KL_MAX, f"KL mean {d.mean():.2e} max {d.max():.2e}"
-    assert (want.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
+    # the greedy choice differs only at near-ties: the reference's logit of its own top token over the op's top token
+    wa, ga = want.argmax(-1), got.argmax(-1)
+    rows = torch.arange(want.shape[0])
+    gaps = (want[rows, wa] - want[rows, ga])[wa != ga]
+    assert (wa == ga).float().mean() >= 0.8 and (gaps < GREEDY_TIE).all(), gaps.tolist()
 
 
 def _transformers_on_dequantized(arch, src, conv):

@@ -128,8 +128,10 @@ def test_models_on_the_interpreted_kernel_match_dequantized_at_load(tmp_path_fac
         assert "Linears packed, Triton kernel" in r["how"], r
         if r["case"].endswith("float32"):              # same float32 weights, only the sums' order differs
             assert r["max_abs"] < 1e-4 and r["same_argmax"], r
-        else:       # bf16: the dequantized model rounds its weights to bf16, the kernel keeps codes and scales exact
-            assert r["kl_max"] < 1e-2, r
+        else:       # bf16: the dequantized model rounds its weights to bf16, the kernel keeps codes and scales exact.
+            # torch's bf16 GEMMs differ by CPU: the DeepSeek-V3 fixture's KL max 1.4e-2 on Zen 4 (AVX512-BF16), the
+            # same before and after 2026-12-07's changes (1.45e-2 at 501fffa); below 1e-2 on the Zen 3 / AMX runs
+            assert r["kl_max"] < 2e-2, r
     assert "act-order" in rows[-1]["how"]
 
 
