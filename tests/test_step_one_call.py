@@ -16,6 +16,7 @@ import torch
 from ktrun.engine import Engine
 from ktrun.generate import decode_one_token, prefill
 from ktrun.models import step_one_call
+from ktrun.models.kv_cache import Batch
 from ktrun.ops.library import DecodeLayer, DecodeLayersArgs, GqaDecodeArgs, load_library
 from one_call_helpers import absorbed_conversion, assert_rope_form_and_window_reach, with_and_without
 from runtime_helpers import PROMPT, converted
@@ -133,7 +134,7 @@ def test_the_output_head_runs_in_the_call_with_the_callers_bits(tmp_path_factory
     ids = eng.tokenizer.encode(PROMPT)
     prefill(eng.model, cache, ids[:5])
     ran.clear()
-    last = eng.model.forward(step_one_call.Batch.build([(cache, ids[5:8])], "cpu"))
+    last = eng.model.forward(Batch.build([(cache, ids[5:8])], "cpu"))
     assert ran == [False] and last.shape == (1, eng.model.cfg.vocab_size)
     cache.release()
 
@@ -181,3 +182,9 @@ def test_bad_arguments_are_an_error_naming_them():
                          h_out=x.data_ptr())
     assert lib.kt_decode_layers(ctypes.byref(a)) == -1
     assert b"layer 0: missing a context" in lib.kt_last_error()
+    a.head_kind = 3                                 # the head's arguments are refused before any layer runs
+    assert lib.kt_decode_layers(ctypes.byref(a)) == -1
+    assert b"the head: head_kind not 0, 1 or 2" in lib.kt_last_error()
+    a.head_kind = 2                                 # a quantized head without its Linear context
+    assert lib.kt_decode_layers(ctypes.byref(a)) == -1
+    assert b"the head:" in lib.kt_last_error()

@@ -243,6 +243,14 @@ int kt_decode_layers(kt_decode_layers_args* a) {
         t_error = "kt_decode_layers: bad geometry, a missing x / h / rows / x_out / h_out, or no layers";
         return -1;
     }
+    // the head's arguments before any layer runs: a refusal after the layers would leave a step half done (its KV
+    // rows written, no logits)
+    if (a->head_kind < 0 || a->head_kind > 2 ||
+        (a->head_kind != 0 && ((a->head_kind == 2 && !a->head_ctx) || !a->logits || a->head_n < 1))) {
+        t_error = "kt_decode_layers: the head: head_kind not 0, 1 or 2, a missing Linear context or logits, or "
+                  "head_n < 1";
+        return -1;
+    }
     const int64_t T = a->T, H = a->H;
     thread_local std::vector<float> delta;
     const kt_gqa_decode_args& r = *a->rows;
@@ -293,17 +301,13 @@ int kt_decode_layers(kt_decode_layers_args* a) {
     // the output head on the final norm, while its weights' and the pool's state are what the layers left (the
     // caller's own call after this one found them cold: ~95 of its ~145 us on a Qwen3-shaped step, Zen 4)
     const auto t0 = clock();
-    if ((a->head_kind == 2 && !a->head_ctx) || !a->logits || a->head_n < 1) {
-        t_error = "kt_decode_layers: the head: a missing Linear context or logits, or head_n < 1";
-        return -1;
-    }
     if (a->head_kind == 1) {
         if (kt_float_linear(a->head_ctx, T, a->head_n, H, a->h_out, H, a->head_w, a->head_w_dtype, a->head_w_stride,
                             a->logits, a->head_n) != 0) {
             t_error = "kt_decode_layers: the head: kt_float_linear refused its arguments";
             return -1;
         }
-    } else if (a->head_kind == 2) {
+    } else {   // head_kind 2 (checked before the layers)
         const int32_t id = a->head_id;
         float* const outs[1] = {a->logits};
         const int64_t strides[1] = {a->head_n};
@@ -312,9 +316,6 @@ int kt_decode_layers(kt_decode_layers_args* a) {
             t_error = "kt_decode_layers: the head: " + t_error;
             return -1;
         }
-    } else {
-        t_error = "kt_decode_layers: head_kind must be 0, 1 or 2";
-        return -1;
     }
     a->head_s = std::chrono::duration<double>(clock() - t0).count();
     return 0;
