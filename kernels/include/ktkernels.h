@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 23  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 24  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -50,7 +50,9 @@ extern "C" {
                              22: kt_pool_wake / kt_pool_rest (the pool's workers woken ahead of a step's
                                  first job, sent to sleep after its last), kt_moe_decode's router 2 (a dense
                                  layer's MLP as a one-expert layer);
-                             23: kt_decode_layers runs the output head after the last layer (head_kind); */
+                             23: kt_decode_layers runs the output head after the last layer (head_kind);
+                             24: kt_prompt_attend (a prompt's causal attention, GQA / MQA / MHA, windows, sinks,
+                                 a key in two parts, on the context's pool); */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -339,6 +341,38 @@ typedef struct kt_gqa_layer_args {
  * the attention), o_proj's job and its bias: the bits of those calls made one after another. Returns -1 for bad
  * arguments (kt_last_error says which). */
 int kt_gqa_layer(kt_ctx* ctx, const kt_gqa_layer_args* args);
+
+/* kt_prompt_attend's arguments: the causal attention of a request's n new rows (a prompt or a prompt's chunk) over
+ * its positions 0 .. start + n - 1. Query row t (position start + t), head h: q + t * q_row + h * q_head (dk floats);
+ * it reads kv head h / (nh / nkv). Position j's key for kv head g is k + j * k_row + g * k_head (dk1 floats), then,
+ * when k2 is given, k2 + j * k2_row + g * k2_head (dk - dk1 floats; k2_head may be 0: MLA's roped key shared by every
+ * head); its value v + j * v_row + g * v_head (dv floats). Strides in floats. */
+typedef struct kt_prompt_attend_args {
+    int64_t n, nh, nkv, dk, dk1, dv;   /* rows, query heads, kv heads (nh % nkv == 0), key width (dk1 == dk without k2),
+                                          value width; dv a multiple of 16 */
+    int64_t start;                     /* position of row 0 */
+    int64_t window;                    /* 0: every earlier position; w: positions p - w + 1 .. p (sliding window) */
+    const float* q;
+    int64_t q_row, q_head;
+    const float* k;
+    int64_t k_row, k_head;
+    const float* k2;                   /* NULL: the keys are k's dk floats */
+    int64_t k2_row, k2_head;
+    const float* v;
+    int64_t v_row, v_head;
+    const float* sinks;                /* (nh,) per-head sink logits joining each softmax's denominator, or NULL */
+    float scale;
+    float* out;                        /* (n, nh, dv): out + t * out_row + h * out_head */
+    int64_t out_row, out_head;
+} kt_prompt_attend_args;
+
+/* out[t, h] = sum_j p_j v_j, p = softmax_j(q[t, h] . key_j * scale) over the positions j the row sees (j <= its
+ * position, inside its window), in one job on ctx's pool (or the calling thread when ctx is NULL). Numerics: each
+ * dot product in element order as fused multiply-adds, the softmax's sum and the value sums in position order, one
+ * division per output: the same bits on every ISA (the baseline copy is the scalar twin), whatever the threads, and
+ * a row's result depends only on its own query and the keys and values it sees. Returns -1 for bad arguments
+ * (kt_last_error says which). */
+int kt_prompt_attend(kt_ctx* ctx, const kt_prompt_attend_args* args);
 
 /* kt_mla_decode's arguments: one MLA layer (DeepSeek-V2/V3, Kimi-K2, GLM-5) for its new rows, every Linear already
  * added to ctx (kt_add_linear*) and kv_b in the absorbed form (ktrun.ops.kernel_linear.AbsorbedKvB). Strides in

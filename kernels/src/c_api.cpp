@@ -202,6 +202,16 @@ int kt_gqa_decode(kt_ctx* ctx, const kt_gqa_decode_args* args) {
     });
 }
 
+int kt_prompt_attend(kt_ctx* ctx, const kt_prompt_attend_args* args) {
+    if (!args) { t_error = "kt_prompt_attend: no arguments"; return -1; }
+    return run_job(ctx, &kt_ctx::prompt, [&](kt::PromptAttend& job) {
+        const char* why = "";
+        if (job.set(*args, &why)) return true;
+        t_error = std::string("kt_prompt_attend: ") + why;
+        return false;
+    });
+}
+
 int kt_gqa_layer(kt_ctx* ctx, const kt_gqa_layer_args* args) {
     if (!ctx || !args) { t_error = "kt_gqa_layer: needs a context and arguments"; return -1; }
     const char* why = "";

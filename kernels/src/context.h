@@ -16,6 +16,7 @@ struct kt_ctx {
     kt::MlaAttendBatch attend_batch;   // kt_mla_attend_batch's
     kt::GqaAttendBatch gqa_batch;      // kt_gqa_attend_batch's
     kt::GqaDecode gqa_decode;          // kt_gqa_decode's
+    kt::PromptAttend prompt;           // kt_prompt_attend's
     kt::MlaDecode mla_decode;          // kt_mla_decode's buffers
     kt_ctx(int n_threads, int n_pools, const std::string& backend)
         : engine(n_threads, n_pools, backend), linear(engine.pool(), engine.table()) {}

@@ -38,11 +38,13 @@ namespace ref {
 #include "vec16_native.inc"
 constexpr int kLinRows = 4, kLinTokens = 4, kLinRowsOne = 8;   // a float Linear's tiles (mla_attend_body.inc linear_rows)
 constexpr int kScoreHeads = 8, kValueHeads = 2, kValueVecs = 8;   // the attention's tiles (mla_attend_body.inc)
+constexpr int kPromptVecs = 1, kPromptKeys = 4, kPromptCols = 4;   // prompt_attend_body.inc's
 inline v16 madd(v16 a, v16 b, v16 c) {
     for (int l = 0; l < 16; ++l) c[l] = std::fma(a[l], b[l], c[l]);
     return c;
 }
 #include "mla_attend_body.inc"
+#include "prompt_attend_body.inc"
 }  // namespace ref
 
 #pragma GCC push_options
@@ -56,11 +58,14 @@ namespace avx2 {
 // vector; the values' 2 heads x 3 vectors, 12 accumulators
 constexpr int kLinRows = 1, kLinTokens = 4, kLinRowsOne = 4;
 constexpr int kScoreHeads = 4, kValueHeads = 2, kValueVecs = 3;
+// a prompt's 16 rows x 4 keys (8 ymm accumulators, the rows' 2 halves, the broadcast key); 16 rows x 4 value columns
+constexpr int kPromptVecs = 1, kPromptKeys = 4, kPromptCols = 4;
 inline v16 madd(v16 a, v16 b, v16 c) {
     return {(v8)_mm256_fmadd_ps((__m256)a.a, (__m256)b.a, (__m256)c.a),
             (v8)_mm256_fmadd_ps((__m256)a.b, (__m256)b.b, (__m256)c.b)};
 }
 #include "mla_attend_body.inc"
+#include "prompt_attend_body.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -72,8 +77,11 @@ namespace avx512 {
 #undef KT_VEC16_AVX512
 constexpr int kLinRows = 4, kLinTokens = 4, kLinRowsOne = 8;   // 16 accumulators, 4 token vectors and a weight vector: 21 of 32 zmm
 constexpr int kScoreHeads = 8, kValueHeads = 2, kValueVecs = 8;   // 8 chains; 16 accumulators
+// a prompt's 32 rows x 8 keys, 16 accumulators (each broadcast key element feeds 2 FMAs); 32 rows x 8 value columns
+constexpr int kPromptVecs = 2, kPromptKeys = 8, kPromptCols = 8;
 inline v16 madd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 #include "mla_attend_body.inc"
+#include "prompt_attend_body.inc"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -97,6 +105,9 @@ using LinearBf16Fn = decltype(&ref::linear_rows<uint16_t>);
 const LinearF32Fn kLinearF32[3] = {ref::linear_rows<float>, avx2::linear_rows<float>, avx512::linear_rows<float>};
 const LinearBf16Fn kLinearBf16[3] = {ref::linear_rows<uint16_t>, avx2::linear_rows<uint16_t>,
                                      avx512::linear_rows<uint16_t>};
+
+using PromptRowsFn = decltype(&ref::prompt_rows);
+const PromptRowsFn kPromptRows[3] = {ref::prompt_rows, avx2::prompt_rows, avx512::prompt_rows};
 
 constexpr int64_t kHeadBlock = 8;   // heads split between workers in blocks of the body's head tile
 
@@ -318,5 +329,11 @@ void float_linear_rows(int64_t n0, int64_t n1, int64_t K, const void* w, bool w_
     else
         kLinearF32[isa()](n0, n1, K, (const float*)w, w_stride, x, x_stride, T, y, y_stride);
 }
+
+}  // namespace kt
+
+namespace kt {
+
+void prompt_attend_rows(const PromptGeom& a, int64_t g, int64_t r0, int64_t r1) { kPromptRows[isa()](a, g, r0, r1); }
 
 }  // namespace kt

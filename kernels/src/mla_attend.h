@@ -130,6 +130,26 @@ struct GqaAttendBatch {
     void chunk(int64_t e, int64_t g, int64_t c, float* o, float* m, float* l) const;
 };
 
+// kt_prompt_attend's arguments as the body (prompt_attend_body.inc) reads them: rep = nh / nkv query heads per kv head
+struct PromptGeom : kt_prompt_attend_args {
+    int64_t rep = 0;
+};
+
+// Rows [r0, r1) of kv head g (row r: query row r / rep, head g * rep + r % rep) on the calling thread, in the
+// kernels' ISA copy (mla_attend.cpp)
+void prompt_attend_rows(const PromptGeom& a, int64_t g, int64_t r0, int64_t r1);
+
+// kt_prompt_attend's job (prompt_attend.cpp): items of kPromptItemRows rows of one kv head, the costliest (latest
+// positions) first, taken by the workers from a shared counter; each row's bits are the same whoever computes it.
+constexpr int64_t kPromptItemRows = 32;
+struct PromptAttend {
+    PromptGeom a;
+    int64_t blocks = 0;                         // items per kv head
+    mutable std::atomic<int64_t> next{0};       // the next item to take
+    bool set(const kt_prompt_attend_args& args, const char** why);
+    void run(int index, int n) const;
+};
+
 // The requests of a decode call (kt_gqa_decode_args, kt_mla_decode_args): request r's rows [row0[r], row0[r + 1])
 // run from 0 to T, at least one each, at positions from start[r] >= 0.
 bool request_rows_ok(int64_t m, int64_t T, const int64_t* row0, const int64_t* start);

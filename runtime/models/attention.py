@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from ktlayouts.families import ModelConfig
 
-from ..ops import glue
+from ..ops import glue, prompt_attention
 from ..ops.kernel_linear import AbsorbedKvB
 from ..ops.packed_linear import dense_weight, linear, linear_start
 from . import attention_one_call as one_call
@@ -127,10 +127,25 @@ def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         rest = [(s, r) for s, r, on in zip(batch.seqs, runs, on_kernels) if not on]
     else:
         rest = list(zip(batch.seqs, runs))
+    if rest and kernels is not None:                 # prompts and chunks: kt_prompt_attend on the kernels' pool
+        rest = [(s, r) for s, r in rest if not _gqa_prompt_on_kernels(q, s, r, window, sinks, scale, out, kernels)]
     if rest:
         with serial_torch(T <= SERIAL_MAX_ROWS):      # decode-sized: no OpenMP wake-up per op (layers.serial_torch)
             _gqa_attend_torch(q, rest, window, sinks, rep, scale, out)
     return out
+
+
+def _gqa_prompt_on_kernels(q: torch.Tensor, s, runs: list, window: int | None, sinks: torch.Tensor | None,
+                           scale: float, out: torch.Tensor, kernels) -> bool:
+    """A request's new rows when more than SERIAL_MAX_ROWS (a prompt, a chunk after a cached prefix) by
+    kt_prompt_attend into out (ktrun.ops.prompt_attention: each row's bits depend only on its query and the keys and
+    values it sees, so a chunked or prefix-cached prompt's rows get a whole prompt's bits). False: not taken."""
+    if s.n <= SERIAL_MAX_ROWS:
+        return False
+    k = runs[0][0] if len(runs) == 1 else torch.cat([kr for kr, _ in runs])           # (S, nkv, hd)
+    v = runs[0][1] if len(runs) == 1 else torch.cat([vr for _, vr in runs])           # (S, nkv, vd)
+    rows = slice(s.offset, s.offset + s.n)
+    return prompt_attention.attend(q[rows], k, v, s.start, scale, out[rows], window, sinks, kernels=kernels)
 
 
 def _window_runs(runs: list, lo: int, hi: int) -> list:
@@ -339,6 +354,8 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
             roped.append(rope.apply(q_pe, cos, sin))
         return roped[0]
     o = torch.empty((T, nh, dv), dtype=x.dtype, device=x.device)
+    lin = getattr(w[p + "kv_b_proj.weight"], "lin", None)       # a KernelLinear's context: its pool attends too
+    kernels = None if lin is None else lin.kernels
     absorbed = []                                     # (request, its latent cache) in the absorbed form
     if selections is not None and ix is not None:
         selections[:] = [None] * len(batch.seqs)
@@ -360,6 +377,10 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
             continue
         lat_all = _cat_rows(lats)                                                             # (S, R + dr)
         kv = linear(lat_all[:, :R], w[p + "kv_b_proj.weight"]).view(S, nh, dn + dv)           # (S, nh, dn + dv)
+        if ix is None and selections is None and kernels is not None and prompt_attention.attend(
+                torch.cat([q_nope[rows], q_rot()[rows]], dim=-1), kv[..., :dn], kv[..., dn:], s.start, scale, o[rows],
+                k2=lat_all[:, None, R:], kernels=kernels):    # causal: the roped key shared by the heads, not expanded
+            continue
         k = torch.cat([kv[..., :dn], lat_all[:, None, R:].expand(S, nh, dr)], dim=-1)        # (S, nh, dn + dr)
         qh = torch.cat([q_nope[rows], q_rot()[rows]], dim=-1).transpose(0, 1) * scale        # (nh, n, dn + dr)
         o[rows] = _attend_causal_blocks(qh, k.permute(1, 2, 0), kv[..., dn:].transpose(0, 1), mask,

@@ -7,6 +7,7 @@ layouts of ktlayouts. The lowest wing of ktrun: it imports ktlayouts and nothing
     linear.py         LinearKernels: dense quantized Linears on the cpu-linear tiles, on the same thread pool
     kernel_linear.py  KernelLinear / AbsorbedKvB: GPU-format Linears repacked once for the CPU Linear op
     glue.py           the decode step's float32 glue in one call each (RMSNorm, RoPE, MLA attention, sigmoid router)
+    prompt_attention.py  a prompt's causal attention (GQA / MLA, windows, sinks) on the kernel pool
     packed_linear.py  MarlinLinear: a GPU Linear kept in the Marlin layout on the device; linear() for every weight kind
     marlin.py         finding an installed Marlin GEMM (vLLM / SGLang) and calling it on our layout
     triton_linear.py  TritonLinear: our Triton W4A16 / W8A16 kernel on the GPTQ layout (CUDA with torch alone;

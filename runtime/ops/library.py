@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ktlayouts.expert_formats import scale_encodings
 
-ABI_VERSION = 23
+ABI_VERSION = 24
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
@@ -50,6 +50,16 @@ class GqaDecodeArgs(ctypes.Structure):
                 ("k_cache", _p), ("k_block_stride", _i64), ("k_row_stride", _i64),
                 ("v_cache", _p), ("v_block_stride", _i64), ("v_row_stride", _i64),
                 ("scale", _f), ("window", _i64), ("out", _p), ("out_stride", _i64)]
+
+
+class PromptAttendArgs(ctypes.Structure):
+    """kt_prompt_attend_args (ktkernels.h), field for field."""
+    _i64, _f, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    _fields_ = [("n", _i64), ("nh", _i64), ("nkv", _i64), ("dk", _i64), ("dk1", _i64), ("dv", _i64),
+                ("start", _i64), ("window", _i64), ("q", _p), ("q_row", _i64), ("q_head", _i64),
+                ("k", _p), ("k_row", _i64), ("k_head", _i64), ("k2", _p), ("k2_row", _i64), ("k2_head", _i64),
+                ("v", _p), ("v_row", _i64), ("v_head", _i64), ("sinks", _p), ("scale", _f),
+                ("out", _p), ("out_row", _i64), ("out_head", _i64)]
 
 
 class GqaLayerArgs(ctypes.Structure):
@@ -153,6 +163,7 @@ def load_library() -> ctypes.CDLL:
         "kt_gqa_attend_batch": (c_int, [c_p, c_i64, c_i64, c_i64, c_i64, c_i64, c_p, c_i64, c_i64, ctypes.c_float,
                                         c_p, c_p, c_p, c_p, c_i64, c_i64, c_p, c_i64, c_i64]),
         "kt_gqa_decode": (c_int, [c_p, ctypes.POINTER(GqaDecodeArgs)]),
+        "kt_prompt_attend": (c_int, [c_p, ctypes.POINTER(PromptAttendArgs)]),
         "kt_gqa_layer": (c_int, [c_p, ctypes.POINTER(GqaLayerArgs)]),
         "kt_mla_decode": (c_int, [c_p, ctypes.POINTER(MlaDecodeArgs)]),
         "kt_moe_decode": (c_int, [c_p, ctypes.POINTER(MoeDecodeArgs)]),
