@@ -213,3 +213,29 @@ def test_mla_prompt_takes_the_kernel_within_rounding_of_torch(tmp_path_factory, 
     torch.testing.assert_close(outs[0], outs[n_layers], rtol=1e-4, atol=1e-5)
     p, q = on.log_softmax(-1), off.log_softmax(-1)
     assert (p.exp() * (p - q)).sum(-1).mean() < 1e-3
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_rows_with_sinks_take_the_kernel_at_any_count(window, kernels):
+    """gpt-oss's sinks (kt_gqa_attend_batch has none): decode rows and a verify's rows take kt_prompt_attend too; a
+    3-row verify equals three one-row steps bit for bit, within float32 rounding of the torch path."""
+    nh, nkv, hd = 8, 2, 32
+    cfg, pool = _cache(nh, nkv, hd)
+    cfg.sliding_window = window
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(24, h, hd, generator=g) for h in (nh, nkv, nkv))
+    sinks = torch.randn(nh, generator=g)
+
+    def run(ctx, pieces):
+        c, outs = SeqCache(pool, 64), []
+        for a, b in pieces:
+            batch = Batch.build([(c, list(range(a, b)))], "cpu")
+            outs.append(attention.gqa_attend(cfg, q[a:b], k[a:b], v[a:b], batch, 0, sinks=sinks, kernels=ctx))
+            batch.commit()
+        c.release()
+        return torch.cat(outs)
+
+    verify = run(kernels, [(0, 21), (21, 24)])
+    steps = run(kernels, [(0, 21), (21, 22), (22, 23), (23, 24)])
+    assert torch.equal(verify, steps)
+    torch.testing.assert_close(verify, run(None, [(0, 21), (21, 24)]), rtol=1e-5, atol=2e-6)

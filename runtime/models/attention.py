@@ -113,7 +113,8 @@ def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     A float32 CPU request of at most SERIAL_MAX_ROWS new rows (decode, a speculative verify, a short chunk) has each
     row attend over its causal (windowed) prefix in one kt_gqa_attend_batch call for all such requests (on kernels'
     pool when given: a MoEKernels / LinearKernels context), so each row gets the bits of its token decoded alone
-    whatever the batch; other requests (longer prompts, sinks, bf16) take torch's GEMMs."""
+    whatever the batch. With kernels, longer prompts and rows with sinks take kt_prompt_attend on its pool
+    (_gqa_prompt_on_kernels); the rest (bf16, no kernels) torch's SDPA or GEMMs."""
     window = cfg.sliding_window if window == "config" else window
     T, nh = q.shape[:2]
     nkv, vd = k.shape[1], v.shape[-1]
@@ -137,10 +138,12 @@ def gqa_attend(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 def _gqa_prompt_on_kernels(q: torch.Tensor, s, runs: list, window: int | None, sinks: torch.Tensor | None,
                            scale: float, out: torch.Tensor, kernels) -> bool:
-    """A request's new rows when more than SERIAL_MAX_ROWS (a prompt, a chunk after a cached prefix) by
-    kt_prompt_attend into out (ktrun.ops.prompt_attention: each row's bits depend only on its query and the keys and
-    values it sees, so a chunked or prefix-cached prompt's rows get a whole prompt's bits). False: not taken."""
-    if s.n <= SERIAL_MAX_ROWS:
+    """A request's new rows by kt_prompt_attend into out, when more than SERIAL_MAX_ROWS (a prompt, a chunk after a
+    cached prefix) or with sinks (gpt-oss: kt_gqa_attend_batch has none; a decode row of its 64 / 8 heads of 64 over
+    512 positions 385 -> 190 us with the layer's glue, Zen 4). ktrun.ops.prompt_attention: each row's bits depend only
+    on its query and the keys and values it sees, so a chunked or prefix-cached prompt's rows get a whole prompt's
+    bits, and a verify's rows those of its tokens decoded one by one. False: not taken."""
+    if s.n <= SERIAL_MAX_ROWS and sinks is None:   # decode rows without sinks: kt_gqa_attend_batch's bits
         return False
     k = runs[0][0] if len(runs) == 1 else torch.cat([kr for kr, _ in runs])           # (S, nkv, hd)
     v = runs[0][1] if len(runs) == 1 else torch.cat([vr for _, vr in runs])           # (S, nkv, vd)
