@@ -145,8 +145,7 @@ def _gqa_prompt_on_kernels(q: torch.Tensor, s, runs: list, window: int | None, s
     bits, and a verify's rows those of its tokens decoded one by one. False: not taken."""
     if s.n <= SERIAL_MAX_ROWS and sinks is None:   # decode rows without sinks: kt_gqa_attend_batch's bits
         return False
-    k = runs[0][0] if len(runs) == 1 else torch.cat([kr for kr, _ in runs])           # (S, nkv, hd)
-    v = runs[0][1] if len(runs) == 1 else torch.cat([vr for _, vr in runs])           # (S, nkv, vd)
+    k, v = _cat_rows([kr for kr, _ in runs]), _cat_rows([vr for _, vr in runs])      # (S, nkv, hd), (S, nkv, vd)
     rows = slice(s.offset, s.offset + s.n)
     return prompt_attention.attend(q[rows], k, v, s.start, scale, out[rows], window, sinks, kernels=kernels)
 
@@ -211,8 +210,7 @@ def _sdpa_rows(q: torch.Tensor, runs: list, s, window: int | None, scale: float)
     """A request's n new rows q (n, nh, hd) over its cached positions (runs, concatenated when 2+) under the causal
     (windowed) mask, by torch's scaled_dot_product_attention (on the CPU a blocked kernel with an online softmax: a
     512-token prompt's attention at 2.6x the GEMM + masked-softmax form, nothing of size nh x n x S) -> (n, nh, vd)."""
-    k = runs[0][0] if len(runs) == 1 else torch.cat([kr for kr, _ in runs])           # (S, nkv, hd)
-    v = runs[0][1] if len(runs) == 1 else torch.cat([vr for _, vr in runs])           # (S, nkv, vd)
+    k, v = _cat_rows([kr for kr, _ in runs]), _cat_rows([vr for _, vr in runs])      # (S, nkv, hd), (S, nkv, vd)
     # A whole prompt (nothing cached before it, no window) is torch's top-left causal mask: is_causal lets the kernel
     # skip the key blocks above the diagonal instead of computing and masking them, with the same bits (Zen 4, 32 / 4
     # heads of 128, 2 threads: a 2048-token prompt's attention 454-798 -> 268-465 ms per layer; 512: no change)
