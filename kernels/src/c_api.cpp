@@ -49,6 +49,19 @@ int run_job(kt_ctx* ctx, Job kt_ctx::*member, Set&& set) {
     return 0;
 }
 
+// run_job for a job whose set(args, &why) takes an argument block (ktkernels.h) and says why it refuses one: the
+// error is "name: why" ("name: no arguments" for NULL)
+template <class Job, class Args>
+int run_args_job(kt_ctx* ctx, Job kt_ctx::*member, const Args* args, const char* name) {
+    if (!args) { t_error = std::string(name) + ": no arguments"; return -1; }
+    return run_job(ctx, member, [&](Job& job) {
+        const char* why = "";
+        if (job.set(*args, &why)) return true;
+        t_error = std::string(name) + ": " + why;
+        return false;
+    });
+}
+
 double now_s() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -193,23 +206,11 @@ int kt_gqa_attend_batch(kt_ctx* ctx, int64_t m, int64_t nkv, int64_t rep, int64_
 }
 
 int kt_gqa_decode(kt_ctx* ctx, const kt_gqa_decode_args* args) {
-    if (!args) { t_error = "kt_gqa_decode: no arguments"; return -1; }
-    return run_job(ctx, &kt_ctx::gqa_decode, [&](kt::GqaDecode& job) {
-        const char* why = "";
-        if (job.set(*args, &why)) return true;
-        t_error = std::string("kt_gqa_decode: ") + why;
-        return false;
-    });
+    return run_args_job(ctx, &kt_ctx::gqa_decode, args, "kt_gqa_decode");
 }
 
 int kt_prompt_attend(kt_ctx* ctx, const kt_prompt_attend_args* args) {
-    if (!args) { t_error = "kt_prompt_attend: no arguments"; return -1; }
-    return run_job(ctx, &kt_ctx::prompt, [&](kt::PromptAttend& job) {
-        const char* why = "";
-        if (job.set(*args, &why)) return true;
-        t_error = std::string("kt_prompt_attend: ") + why;
-        return false;
-    });
+    return run_args_job(ctx, &kt_ctx::prompt, args, "kt_prompt_attend");
 }
 
 int kt_gqa_layer(kt_ctx* ctx, const kt_gqa_layer_args* args) {

@@ -378,12 +378,13 @@ def mla_attention(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, batch: Bat
             continue
         lat_all = _cat_rows(lats)                                                             # (S, R + dr)
         kv = linear(lat_all[:, :R], w[p + "kv_b_proj.weight"]).view(S, nh, dn + dv)           # (S, nh, dn + dv)
+        qf = torch.cat([q_nope[rows], q_rot()[rows]], dim=-1)                               # (n, nh, dn + dr)
         if ix is None and selections is None and kernels is not None and prompt_attention.attend(
-                torch.cat([q_nope[rows], q_rot()[rows]], dim=-1), kv[..., :dn], kv[..., dn:], s.start, scale, o[rows],
-                k2=lat_all[:, None, R:], kernels=kernels):    # causal: the roped key shared by the heads, not expanded
+                qf, kv[..., :dn], kv[..., dn:], s.start, scale, o[rows], k2=lat_all[:, None, R:],
+                kernels=kernels):                     # causal: the roped key shared by the heads, not expanded
             continue
         k = torch.cat([kv[..., :dn], lat_all[:, None, R:].expand(S, nh, dr)], dim=-1)        # (S, nh, dn + dr)
-        qh = torch.cat([q_nope[rows], q_rot()[rows]], dim=-1).transpose(0, 1) * scale        # (nh, n, dn + dr)
+        qh = qf.transpose(0, 1) * scale                                                       # (nh, n, dn + dr)
         o[rows] = _attend_causal_blocks(qh, k.permute(1, 2, 0), kv[..., dn:].transpose(0, 1), mask,
                                         s.start).transpose(0, 1)                              # (n, nh, dv)
     if absorbed:
