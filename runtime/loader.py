@@ -256,10 +256,14 @@ def _return_freed_heap() -> None:
 
 
 def _load_dense(root: Path, manifest: dict, device, dtype, gpu_weights: str, linear_kernels=None,
-                keep_stored: tuple[str, ...] = (), kinds: tuple[str, ...] = ("dense", "globals")) -> tuple[dict, str]:
+                keep_stored: tuple[str, ...] = (), kinds: tuple[str, ...] = ("dense", "globals"),
+                routers_stored: bool = False) -> tuple[dict, str]:
     """keep_stored: tensors kept in their stored float dtype (an untied embedding table: only rows are read, and
     the forward widens those; a float32 copy of V3's 129280 x 7168 table would add 1.85 GB to the RSS).
-    kinds: the manifest file kinds to read (the MTP layers': (MTP_DENSE_KIND,))."""
+    kinds: the manifest file kinds to read (the MTP layers': (MTP_DENSE_KIND,)).
+    routers_stored: router weights (`*.gate.weight`) stored as bfloat16 stay so (the CPU kernels' routers widen them
+    exactly in their dot products: the logits of the float32 copy from half the bytes a decode step reads; torch's
+    router paths widen them per call); else they are widened to float32, as the reference keeps them."""
     dense, quantized = {}, {}
     for rel, f in manifest["files"].items():
         if f["kind"] not in kinds:
@@ -272,8 +276,9 @@ def _load_dense(root: Path, manifest: dict, device, dtype, gpu_weights: str, lin
                 # router weights, score biases and DeepSeek-V3.2's indexer head weights stay float32, as the
                 # reference keeps them
                 keep32 = name.endswith(("e_score_correction_bias", ".gate.weight", "indexer.weights_proj.weight"))
-                dense[name] = t.to(device=device, dtype=torch.float32 if keep32 else t.dtype if name in keep_stored
-                                   else dtype)
+                stored = name in keep_stored or (routers_stored and t.dtype == torch.bfloat16
+                                                 and name.endswith(".gate.weight"))
+                dense[name] = t.to(device=device, dtype=t.dtype if stored else torch.float32 if keep32 else dtype)
             else:
                 quantized.setdefault(str(safe_relpath(root, rel)), {})[name] = (a, f["tensors"][name])
     try:
@@ -400,12 +405,17 @@ def load_converted(model_dir: str | Path, device=None, dtype=None, verify: bool 
         head_stored = cpu and float_linear.available() and cfg.hidden_size % 16 == 0
         keep = (names.embed,) if cpu and (head_stored or not cfg.tie_word_embeddings) else ()
         keep += (names.head,) if head_stored else ()
-        dense, how = _load_dense(root, manifest, device, dtype, gpu_weights, lin, keep)
+        # routers as stored (bf16) where the kernels compute them (kt_route_*; ABI 25): Qwen3-30B-A3B's 128 x 2048
+        # gate is 0.5 MB of a ~33 MB decode step per layer instead of 1 MB, DeepSeek-V3's 3.7 MB instead of 7.3
+        routers_stored = cpu and float_linear.available()
+        dense, how = _load_dense(root, manifest, device, dtype, gpu_weights, lin, keep,
+                                 routers_stored=routers_stored)
         mtp_weights = None
         if mtp_layers:
             mtp_keep = tuple(names.layer(li) + n for li in mtp_layers for n, k in
                              (("embed_tokens.weight", keep), ("shared_head.head.weight", head_stored)) if k)
-            mtp_dense, _ = _load_dense(root, manifest, device, dtype, gpu_weights, lin, mtp_keep, (MTP_DENSE_KIND,))
+            mtp_dense, _ = _load_dense(root, manifest, device, dtype, gpu_weights, lin, mtp_keep, (MTP_DENSE_KIND,),
+                                       routers_stored=routers_stored)
             moe = [li for li in mtp_layers if expert_file(li, 0, geo.numa_nodes) in manifest["files"]]
             mtp_weights = MtpWeights(mtp_layers, mtp_dense, _map_experts(root, manifest, geo, moe)[0])
         if lin is not None:

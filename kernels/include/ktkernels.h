@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 24  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 25  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -52,7 +52,10 @@ extern "C" {
                                  layer's MLP as a one-expert layer);
                              23: kt_decode_layers runs the output head after the last layer (head_kind);
                              24: kt_prompt_attend (a prompt's causal attention, GQA / MQA / MHA, windows, sinks,
-                                 a key in two parts, on the context's pool); */
+                                 a key in two parts, on the context's pool);
+                             25: the routers' gate in float32 or bfloat16 (kt_route_sigmoid / kt_route_softmax's
+                                 w_dtype, kt_moe_decode_args.gate_dtype: the checkpoint's bf16 router read as
+                                 stored, half the bytes, the same bits); */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -267,15 +270,17 @@ int kt_mla_attend_batch(kt_ctx* ctx, int64_t m, int64_t nh, int64_t R, int64_t d
                         int64_t out_stride);
 
 /* The sigmoid router with group-limited top-k (DeepSeek-V3 "noaux_tc"; one group: MiniMax-M2) of T tokens on the
- * calling thread (the logits of a gate of 2^18 floats or more on ctx's pool when ctx is given): scores = sigmoid(x W^T) ((T, E); x rows of K floats x_stride apart, W (E, K) rows w_stride apart,
- * K a multiple of 16), choice = scores + bias (bias (E,) or NULL); per token the topk_group of n_group groups
- * (E / n_group experts each) with the best sum of their two best choices are kept, ids[t] = the top_k best choices
- * inside them (best first, ties to the lower index), weights[t] = scores at ids, divided by their sum + 1e-20 when
- * norm, times scaling. ids (T, top_k) int64, weights (T, top_k) float32. Logits in float_dots' fixed order
- * (kernels/src/mla_attend.h): the same bits on every ISA, whatever T. Returns -1 for bad arguments. */
-int kt_route_sigmoid(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
-                     int64_t w_stride, const float* bias, int64_t n_group, int64_t topk_group, int64_t top_k, int norm,
-                     float scaling, int64_t* ids, float* weights);
+ * calling thread (the logits of a gate of 2^18 weights or more on ctx's pool when ctx is given): scores =
+ * sigmoid(x W^T) ((T, E); x rows of K floats x_stride apart, W (E, K) rows w_stride elements apart, of w_dtype KT_F32
+ * or KT_BF16 (ABI 25: widened exactly, the bits of its float32 copy), K a multiple of 16), choice = scores + bias
+ * (bias (E,) or NULL); per token the topk_group of n_group groups (E / n_group experts each) with the best sum of
+ * their two best choices are kept, ids[t] = the top_k best choices inside them (best first, ties to the lower
+ * index), weights[t] = scores at ids, divided by their sum + 1e-20 when norm, times scaling. ids (T, top_k) int64,
+ * weights (T, top_k) float32. Logits in float_dots' fixed order (kernels/src/mla_attend.h): the same bits on every
+ * ISA, whatever T. Returns -1 for bad arguments. */
+int kt_route_sigmoid(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const void* w,
+                     int w_dtype, int64_t w_stride, const float* bias, int64_t n_group, int64_t topk_group,
+                     int64_t top_k, int norm, float scaling, int64_t* ids, float* weights);
 
 /* GQA / MQA attention of m query rows (entries), each over its own cache rows, in one job on ctx's pool (or the
  * calling thread when ctx is NULL). Entry e: query heads h < nkv * rep at q + e * q_entry_stride + h * q_head_stride
@@ -413,7 +418,8 @@ typedef struct kt_moe_decode_args {
     const float* norm; const float* next_norm; float eps; int32_t lanes;   /* post-attention and next RMSNorm (kt_rms_norm) */
     int32_t router;                             /* 0: kt_route_sigmoid, 1: kt_route_softmax, 2: dense (a dense
                                                    MLP as a one-expert layer: E, top_k, groups 1, gate NULL) */
-    const float* gate; int64_t E; const float* bias;   /* (E, H) gate, (E,) correction bias or NULL (sigmoid only) */
+    const void* gate; int64_t E; const float* bias;    /* (E, H) gate, (E,) correction bias or NULL (sigmoid only) */
+    int32_t gate_dtype;                         /* ABI 25: the gate's KT_F32 or KT_BF16 (the routers') */
     int64_t n_group, topk_group, top_k; int32_t renorm; float scaling;
     int32_t layer, shared;                      /* the routed layer's id; the fused shared expert's layer id or -1 */
     int32_t finish;                             /* 1: wait and finish the layer; 0: return with the job in flight */
@@ -466,16 +472,16 @@ typedef struct kt_decode_layers_args {
  * to the caller between them. Returns -1 for bad arguments or a failing layer (kt_last_error names the layer). */
 int kt_decode_layers(kt_decode_layers_args* args);
 
-/* The softmax router (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral) for T tokens x (T, K) (row t at
- * x + t * x_stride) and the gate w (E, K) (row stride w_stride), all float32, on the calling thread (a large gate's
- * logits on ctx's pool, as kt_route_sigmoid): scores =
- * softmax(x W^T); with topk_group < n_group only the topk_group groups of the best single score keep theirs (the
- * others become 0); ids = the top_k best scores (best first, ties to the lower index); weights = their scores,
- * normalized to sum 1 when norm, times scaling. ids (T, top_k) int64, weights (T, top_k) float32. Logits in
- * float_dots' fixed order: the same bits on every ISA, whatever T. Returns -1 for bad arguments. */
-int kt_route_softmax(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
-                     int64_t w_stride, int64_t n_group, int64_t topk_group, int64_t top_k, int norm, float scaling,
-                     int64_t* ids, float* weights);
+/* The softmax router (DeepSeek-V2 greedy / group_limited_greedy, Qwen3-MoE, Mixtral) for T tokens x (T, K) float32
+ * (row t at x + t * x_stride) and the gate w (E, K) (row stride w_stride) of w_dtype KT_F32 or KT_BF16, on the
+ * calling thread (a large gate's logits on ctx's pool, as kt_route_sigmoid): scores = softmax(x W^T); with
+ * topk_group < n_group only the topk_group groups of the best single score keep theirs (the others become 0); ids =
+ * the top_k best scores (best first, ties to the lower index); weights = their scores, normalized to sum 1 when
+ * norm, times scaling. ids (T, top_k) int64, weights (T, top_k) float32. Logits in float_dots' fixed order: the same
+ * bits on every ISA, whatever T. Returns -1 for bad arguments. */
+int kt_route_softmax(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const void* w,
+                     int w_dtype, int64_t w_stride, int64_t n_group, int64_t topk_group, int64_t top_k, int norm,
+                     float scaling, int64_t* ids, float* weights);
 
 /* y = x W^T for T float32 rows x (T, K) (row t at x + t * x_stride) and N weight rows W (N, K) (row n at
  * w + n * w_stride elements) of w_dtype KT_F32 or KT_BF16 (widened exactly), into y (T, N) (row t at y + t * y_stride),

@@ -59,16 +59,16 @@ extern "C" int kt_moe_decode_impl(kt_ctx* ctx, kt_moe_decode_args* a, const char
     *why = "bad norm arguments (lanes, H)";
     if (kt_rms_norm(T, H, a->x, a->x_stride, a->delta, a->delta_stride, s, H, a->norm, a->eps, a->lanes, h, H) != 0)
         return -1;
-    *why = "bad router arguments";
+    *why = "bad router arguments (gate_dtype KT_F32 or KT_BF16)";
     if (dense) {
         for (int64_t t = 0; t < T; ++t) { a->ids[t] = 0; a->weights[t] = 1.0f; }
     }
     const int rc = dense ? 0
         : a->router == 0
-        ? kt_route_sigmoid(ctx, T, a->E, H, h, H, a->gate, H, a->bias, a->n_group, a->topk_group, k, a->renorm,
-                           a->scaling, a->ids, a->weights)
-        : kt_route_softmax(ctx, T, a->E, H, h, H, a->gate, H, a->n_group, a->topk_group, k, a->renorm, a->scaling,
-                           a->ids, a->weights);
+        ? kt_route_sigmoid(ctx, T, a->E, H, h, H, a->gate, a->gate_dtype, H, a->bias, a->n_group, a->topk_group, k,
+                           a->renorm, a->scaling, a->ids, a->weights)
+        : kt_route_softmax(ctx, T, a->E, H, h, H, a->gate, a->gate_dtype, H, a->n_group, a->topk_group, k, a->renorm,
+                           a->scaling, a->ids, a->weights);
     if (rc != 0) return -1;
     for (int64_t i = 0; i < T * k; ++i) sc.ids32[i] = (int32_t)a->ids[i];
     // the job reads ids32 and weights until it ends: with finish 0 the next call waits for it before reusing them

@@ -33,38 +33,36 @@ void top_k(const float* v, int64_t n, int64_t k, int64_t* out) {
 }
 
 // A router call's scratch, sized for T tokens of E experts in n_group groups, with the logits of the T tokens
-// (logits[e * T + t], float_dots' fixed order) computed: the first steps both routers share.
+// (logits[t * E + e], float_dots' fixed order) computed: the first steps both routers share.
 struct RouterScratch {
     std::vector<float> logits, per_expert, group_score;
-    std::vector<const float*> rows;
     std::vector<int64_t> groups;
 };
 
 
 // The logits of T tokens on ctx's pool (the experts' rows split between its workers: each expert's dot products are
 // the same whoever computes them) when the gate is large enough, else on the calling thread. A decode step's router
-// reads its whole gate (DeepSeek-V3: 256 x 7168 float32, 7.3 MB per layer) right after the kernel jobs have flushed
-// it from the caches; one thread streams it at a fraction of the machine's bandwidth.
+// reads its whole gate (DeepSeek-V3: 256 x 7168, 3.7 MB per layer as the checkpoint's bfloat16, 7.3 MB widened)
+// right after the kernel jobs have flushed it from the caches; one thread streams it at a fraction of the machine's
+// bandwidth. The gate is float32 or bfloat16 (widened exactly in the dot products: float_linear_rows, float_dots'
+// bits), so a bfloat16 gate gives the bits of its float32 copy from half the bytes.
 RouterScratch& router_logits(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride,
-                             const float* w, int64_t w_stride, int64_t n_group, int64_t topk_group) {
+                             const void* w, bool bf16, int64_t w_stride, int64_t n_group, int64_t topk_group) {
     thread_local RouterScratch s;
     s.logits.resize((size_t)(E * T));
     s.per_expert.resize((size_t)E);
     s.group_score.resize((size_t)n_group);
     s.groups.resize((size_t)topk_group);
-    s.rows.resize((size_t)T);
-    for (int64_t t = 0; t < T; ++t) s.rows[t] = x + t * x_stride;
+    float* logits = s.logits.data();
     if (!ctx || E * K < kt::kPoolMinFloats || ctx->engine.pool().n_threads() < 2) {
-        kt::float_dots(E, K, w, w_stride, s.rows.data(), T, 1.0f, s.logits.data());
+        kt::float_linear_rows(0, E, K, w, bf16, w_stride, x, x_stride, T, logits, E);
         return s;
     }
     kt::ThreadPool& pool = ctx->engine.pool();
     pool.wait();   // the job in flight may be an earlier one's
-    const float* const* rows = s.rows.data();
-    float* logits = s.logits.data();
     pool.launch([=](const kt::WorkerInfo& wi) {
         const int64_t e0 = E * wi.index / wi.n_threads, e1 = E * (wi.index + 1) / wi.n_threads;
-        if (e1 > e0) kt::float_dots(e1 - e0, K, w + e0 * w_stride, w_stride, rows, T, 1.0f, logits + e0 * T);
+        if (e1 > e0) kt::float_linear_rows(e0, e1, K, w, bf16, w_stride, x, x_stride, T, logits, E);
     });
     pool.wait();
     return s;
@@ -83,22 +81,24 @@ void keep_best_groups(RouterScratch& s, float* v, int64_t n_group, int64_t per_g
 
 }  // namespace
 
-extern "C" int kt_route_sigmoid(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
-                                int64_t w_stride, const float* bias, int64_t n_group, int64_t topk_group,
-                                int64_t top_k_, int norm, float scaling, int64_t* ids, float* weights) {
-    if (T < 0 || E < 1 || K < 16 || K % 16 || !w || w_stride < K || n_group < 1 || E % n_group || topk_group < 1 ||
+extern "C" int kt_route_sigmoid(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride,
+                                const void* w, int w_dtype, int64_t w_stride, const float* bias, int64_t n_group,
+                                int64_t topk_group, int64_t top_k_, int norm, float scaling, int64_t* ids,
+                                float* weights) {
+    if ((w_dtype != KT_F32 && w_dtype != KT_BF16) || T < 0 || E < 1 || K < 16 || K % 16 || !w || w_stride < K ||
+        n_group < 1 || E % n_group || topk_group < 1 ||
         topk_group > n_group || top_k_ < 1 || top_k_ > E / n_group * topk_group || (T && (!x || x_stride < K || !ids ||
         !weights)))
         return -1;
     if (T == 0) return 0;
-    RouterScratch& s = router_logits(ctx, T, E, K, x, x_stride, w, w_stride, n_group, topk_group);
+    RouterScratch& s = router_logits(ctx, T, E, K, x, x_stride, w, w_dtype == KT_BF16, w_stride, n_group, topk_group);
     std::vector<float>& choice = s.per_expert;
     std::vector<float>& group_score = s.group_score;
     const int64_t per_group = E / n_group;
     for (int64_t t = 0; t < T; ++t) {
-        float* sc = s.logits.data();   // sigmoid in place, token t's column
+        float* sc = s.logits.data() + t * E;   // sigmoid in place, token t's row
         for (int64_t e = 0; e < E; ++e) {
-            float& l = sc[e * T + t];
+            float& l = sc[e];
             l = 1.0f / (1.0f + std::exp(-l));
             choice[e] = bias ? l + bias[e] : l;
         }
@@ -116,7 +116,7 @@ extern "C" int kt_route_sigmoid(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, co
         top_k(choice.data(), E, top_k_, id);
         float sum = 0.0f;
         for (int64_t i = 0; i < top_k_; ++i) {
-            wt[i] = sc[id[i] * T + t];
+            wt[i] = sc[id[i]];
             sum += wt[i];
         }
         const float denom = sum + 1e-20f;
@@ -133,24 +133,25 @@ extern "C" int kt_route_sigmoid(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, co
 // Why: as kt_route_sigmoid: a decode step's router was a GEMV plus ~8 small torch ops per MoE layer while the pool
 // waited. Numerics: logits by float_dots (one fixed order on every ISA); max, exp and the sum in index order; so a
 // token's result depends on its own row only. Ties go to the lower index; ids come out best first.
-extern "C" int kt_route_softmax(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride, const float* w,
-                                int64_t w_stride, int64_t n_group, int64_t topk_group, int64_t top_k_, int norm,
-                                float scaling, int64_t* ids, float* weights) {
-    if (T < 0 || E < 1 || K < 16 || K % 16 || !w || w_stride < K || n_group < 1 || E % n_group || topk_group < 1 ||
+extern "C" int kt_route_softmax(kt_ctx* ctx, int64_t T, int64_t E, int64_t K, const float* x, int64_t x_stride,
+                                const void* w, int w_dtype, int64_t w_stride, int64_t n_group, int64_t topk_group,
+                                int64_t top_k_, int norm, float scaling, int64_t* ids, float* weights) {
+    if ((w_dtype != KT_F32 && w_dtype != KT_BF16) || T < 0 || E < 1 || K < 16 || K % 16 || !w || w_stride < K ||
+        n_group < 1 || E % n_group || topk_group < 1 ||
         topk_group > n_group || top_k_ < 1 || top_k_ > E || (T && (!x || x_stride < K || !ids || !weights)))
         return -1;
     if (T == 0) return 0;
-    RouterScratch& s = router_logits(ctx, T, E, K, x, x_stride, w, w_stride, n_group, topk_group);
-    const std::vector<float>& logits = s.logits;
+    RouterScratch& s = router_logits(ctx, T, E, K, x, x_stride, w, w_dtype == KT_BF16, w_stride, n_group, topk_group);
     std::vector<float>& scores = s.per_expert;
     std::vector<float>& group_score = s.group_score;
     const int64_t per_group = E / n_group;
     for (int64_t t = 0; t < T; ++t) {
+        const float* logits = s.logits.data() + t * E;   // token t's row
         float m = -INFINITY;
-        for (int64_t e = 0; e < E; ++e) m = std::max(m, logits[e * T + t]);
+        for (int64_t e = 0; e < E; ++e) m = std::max(m, logits[e]);
         float sum = 0.0f;
         for (int64_t e = 0; e < E; ++e) {
-            scores[e] = std::exp(logits[e * T + t] - m);
+            scores[e] = std::exp(logits[e] - m);
             sum += scores[e];
         }
         for (int64_t e = 0; e < E; ++e) scores[e] /= sum;

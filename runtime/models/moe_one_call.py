@@ -61,7 +61,7 @@ def plan(model, i: int) -> MoePlan | None:
             return None
     p = model.moe_prefix[i]
     gate = w.get(p + "gate.weight")
-    if got is None or not isinstance(gate, torch.Tensor) or gate.dtype != torch.float32 or not gate.is_cpu or \
+    if got is None or not isinstance(gate, torch.Tensor) or gate.dtype not in glue.WEIGHT_DTYPES or not gate.is_cpu or \
             gate.dim() != 2 or not gate.is_contiguous() or gate.shape[1] % 16:
         return None
     if cfg.scoring == "sigmoid":

@@ -23,6 +23,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from .float_linear import DTYPES as WEIGHT_DTYPES
 from .library import GqaDecodeArgs, GqaLayerArgs, KernelError, MlaDecodeArgs, MoeDecodeArgs, load_library
 
 MAX_D = 32767            # torch sums a longer single row in two passes over its threads (a different order)
@@ -396,11 +397,11 @@ def moe_decode(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, next_no
     """A MoE layer's few rows in one kt_moe_decode call on kernels (a MoEKernels context holding the layer's experts):
     x, delta (T, H) float32 CPU rows with contiguous last dims (the residual stream and the attention's output);
     norm / next_norm: the post-attention and the next RMSNorm's weights (norm_weights_ok); router: ("sigmoid", gate,
-    bias, n_group, topk_group, top_k, renorm, scaling) or ("softmax", gate, None, ...), gate (E, H) float32
-    contiguous; shared: the fused shared expert's layer id. -> (x + delta + experts, its next norm, (ids (T, top_k)
-    int64, weights (T, top_k) float32), seconds waiting for the experts, None), the bits of add_rms_norm,
-    route_sigmoid / route_softmax (on the pool), the experts' job and add_rms_norm called one after another.
-    finish False: return once the experts' job is submitted -> (x + delta, its norm (the job's input), the choice, 0,
+    bias, n_group, topk_group, top_k, renorm, scaling) or ("softmax", gate, None, ...), gate (E, H) float32 or
+    bfloat16, contiguous; shared: the fused shared expert's layer id. -> (x + delta + experts, its next norm,
+    (ids (T, top_k) int64, weights (T, top_k) float32), seconds waiting for the experts, None), the bits of
+    add_rms_norm, route_sigmoid / route_softmax (on the pool), the experts' job and add_rms_norm called one after
+    another. finish False: return once the experts' job is submitted -> (x + delta, its norm (the job's input), the choice, 0,
     the experts' sum as the job writes it): read it after kernels.sync() (or another job's submit)."""
     T, H = x.shape
     kind, gate, bias, n_group, topk_group, top_k, renorm, scaling = router
@@ -410,7 +411,8 @@ def moe_decode(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, next_no
     a = MoeDecodeArgs(T, H, x.data_ptr(), x.stride(0) if T > 1 else H, delta.data_ptr(),
                       delta.stride(0) if T > 1 else H, norm.data_ptr(), next_norm.data_ptr(), eps,
                       _state.get("lanes") or _lanes(), 0 if kind == "sigmoid" else 1, gate.data_ptr(), gate.shape[0],
-                      None if bias is None else bias.data_ptr(), n_group, topk_group, top_k, int(renorm), scaling,
+                      None if bias is None else bias.data_ptr(), WEIGHT_DTYPES[gate.dtype], n_group, topk_group,
+                      top_k, int(renorm), scaling,
                       layer, -1 if shared is None else shared, int(finish), x_out.data_ptr(), h_out.data_ptr(),
                       None if e is None else e.data_ptr(), ids.data_ptr(), wts.data_ptr(), 0.0)
     lib = _library()
@@ -449,7 +451,8 @@ class MoeDecodeCall:
         self.args = MoeDecodeArgs(0, self.H, None, self.H, None, self.H, norm.data_ptr(), next_norm.data_ptr(), eps,
                                   _state.get("lanes") or _lanes(), ROUTER_KINDS[kind],
                                   None if gate is None else gate.data_ptr(), 1 if gate is None else gate.shape[0],
-                                  None if bias is None else bias.data_ptr(), n_group, topk_group,
+                                  None if bias is None else bias.data_ptr(),
+                                  0 if gate is None else WEIGHT_DTYPES[gate.dtype], n_group, topk_group,
                                   top_k, int(renorm), scaling, layer, -1 if shared is None else shared, 1, None,
                                   None, None, self._ids.data_ptr(), self._wts.data_ptr(), 0.0)
         self._lib = _library()
@@ -497,9 +500,11 @@ ROUTE_MAX_ROWS = 32
 
 def route_sigmoid_supported(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether route_sigmoid() takes x (T, K): float32 CPU rows (contiguous last dim) of T <= ROUTE_MAX_ROWS tokens,
-    gate_w (E, K) and bias (E,) float32 CPU and contiguous, K a multiple of 16, the library loaded."""
+    gate_w (E, K) float32 or bfloat16 (the checkpoint's, as the CPU loader keeps it: widened exactly in the dot
+    products, the bits of its float32 copy) and bias (E,) float32, CPU and contiguous, K a multiple of 16, the library
+    loaded."""
     return (x.dim() == 2 and 0 < x.shape[0] <= ROUTE_MAX_ROWS and x.dtype == torch.float32 and x.is_cpu
-            and x.stride(-1) == 1 and gate_w.dtype == torch.float32 and gate_w.is_cpu and gate_w.is_contiguous()
+            and x.stride(-1) == 1 and gate_w.dtype in WEIGHT_DTYPES and gate_w.is_cpu and gate_w.is_contiguous()
             and gate_w.dim() == 2 and gate_w.shape[1] == x.shape[1] and x.shape[1] % 16 == 0
             and (bias is None or (bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()
                                   and bias.numel() == gate_w.shape[0]))
@@ -518,8 +523,9 @@ def route_sigmoid(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | No
     ids = torch.empty((T, top_k), dtype=torch.int64)
     wts = torch.empty((T, top_k), dtype=torch.float32)
     x_stride = x.stride(0) if T > 1 else x.shape[1]
-    if _library().kt_route_sigmoid(_router_handle(), T, E, x.shape[1], x.data_ptr(), x_stride,
-                                   gate_w.data_ptr(), gate_w.shape[1], None if bias is None else bias.data_ptr(),
+    if _library().kt_route_sigmoid(_router_handle(), T, E, x.shape[1], x.data_ptr(), x_stride, gate_w.data_ptr(),
+                                   WEIGHT_DTYPES[gate_w.dtype], gate_w.shape[1],
+                                   None if bias is None else bias.data_ptr(),
                                    n_group, topk_group, top_k, int(norm), scaling, ids.data_ptr(),
                                    wts.data_ptr()) != 0:
         raise KernelError(f"kt_route_sigmoid: bad arguments (x {tuple(x.shape)}, gate {tuple(gate_w.shape)}, groups "
@@ -536,9 +542,9 @@ def route_softmax(x: torch.Tensor, gate_w: torch.Tensor, n_group: int, topk_grou
     ids = torch.empty((T, top_k), dtype=torch.int64)
     wts = torch.empty((T, top_k), dtype=torch.float32)
     x_stride = x.stride(0) if T > 1 else x.shape[1]
-    if _library().kt_route_softmax(_router_handle(), T, E, x.shape[1], x.data_ptr(), x_stride,
-                                   gate_w.data_ptr(), gate_w.shape[1], n_group, topk_group, top_k, int(norm), scaling,
-                                   ids.data_ptr(), wts.data_ptr()) != 0:
+    if _library().kt_route_softmax(_router_handle(), T, E, x.shape[1], x.data_ptr(), x_stride, gate_w.data_ptr(),
+                                   WEIGHT_DTYPES[gate_w.dtype], gate_w.shape[1], n_group, topk_group, top_k,
+                                   int(norm), scaling, ids.data_ptr(), wts.data_ptr()) != 0:
         raise KernelError(f"kt_route_softmax: bad arguments (x {tuple(x.shape)}, gate {tuple(gate_w.shape)}, groups "
                           f"{topk_group}/{n_group}, top_k {top_k})")
     return ids, wts

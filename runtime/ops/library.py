@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ktlayouts.expert_formats import scale_encodings
 
-ABI_VERSION = 24
+ABI_VERSION = 25
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
@@ -90,7 +90,8 @@ class MoeDecodeArgs(ctypes.Structure):
     _i64, _i32, _f, _p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
     _fields_ = [("T", _i64), ("H", _i64), ("x", _p), ("x_stride", _i64), ("delta", _p), ("delta_stride", _i64),
                 ("norm", _p), ("next_norm", _p), ("eps", _f), ("lanes", _i32),
-                ("router", _i32), ("gate", _p), ("E", _i64), ("bias", _p), ("n_group", _i64), ("topk_group", _i64),
+                ("router", _i32), ("gate", _p), ("E", _i64), ("bias", _p), ("gate_dtype", _i32), ("n_group", _i64),
+                ("topk_group", _i64),
                 ("top_k", _i64), ("renorm", _i32), ("scaling", _f), ("layer", _i32), ("shared", _i32),
                 ("finish", _i32), ("x_out", _p), ("h_out", _p), ("e_out", _p), ("ids", _p), ("weights", _p),
                 ("wait_s", ctypes.c_double)]
@@ -158,8 +159,8 @@ def load_library() -> ctypes.CDLL:
         "kt_rms_norm": (c_int, [c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_p, ctypes.c_float, c_int, c_p,
                                 c_i64]),
         "kt_rope": (c_int, [c_i64, c_i64, c_i64, c_p, c_i64, c_i64, c_p, c_p, c_i64, c_int, c_p, c_i64, c_i64]),
-        "kt_route_sigmoid": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_int,
-                                     ctypes.c_float, c_p, c_p]),
+        "kt_route_sigmoid": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_int, c_i64, c_p, c_i64, c_i64,
+                                     c_i64, c_int, ctypes.c_float, c_p, c_p]),
         "kt_gqa_attend_batch": (c_int, [c_p, c_i64, c_i64, c_i64, c_i64, c_i64, c_p, c_i64, c_i64, ctypes.c_float,
                                         c_p, c_p, c_p, c_p, c_i64, c_i64, c_p, c_i64, c_i64]),
         "kt_gqa_decode": (c_int, [c_p, ctypes.POINTER(GqaDecodeArgs)]),
@@ -169,8 +170,8 @@ def load_library() -> ctypes.CDLL:
         "kt_moe_decode": (c_int, [c_p, ctypes.POINTER(MoeDecodeArgs)]),
         "kt_decode_layers": (c_int, [ctypes.POINTER(DecodeLayersArgs)]),
         "kt_float_linear": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_int, c_i64, c_p, c_i64]),
-        "kt_route_softmax": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_i64, c_i64, c_i64, c_int,
-                                     ctypes.c_float, c_p, c_p]),
+        "kt_route_softmax": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_int, c_i64, c_i64, c_i64, c_i64,
+                                     c_int, ctypes.c_float, c_p, c_p]),
         "kt_mla_attend": (c_int, [c_p, c_i64, c_i64, c_i64, c_p, c_i64, c_p, c_i64, ctypes.c_float, c_i64, c_p, c_p,
                                   c_i64, c_p, c_i64]),
         "kt_search_scales": (c_int, [c_i64, c_i64, c_p, c_i64, c_p, c_i64, c_int, c_int, c_p, c_int, c_int, c_p,
