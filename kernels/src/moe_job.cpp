@@ -11,6 +11,11 @@ namespace kt {
 
 namespace {
 constexpr int kChunkBlocks = 8;   // column blocks (of 16) per work item, gate/up and down
+// Decode jobs (T <= kDecodeMaxRows) give gate/up items of up to kMaxDecodeGateUpBlocks blocks, ~kDecodeItemsPerThread
+// per worker of the sub-pool: longer weight streams per item (linear_engine.cpp, kMaxDecodeChunkBlocks, has the
+// measurement); with many workers the items get smaller instead, so every worker has some.
+constexpr int kMaxDecodeGateUpBlocks = 24;
+constexpr int kDecodeItemsPerThread = 2;
 
 double now_s() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -74,13 +79,27 @@ void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stri
     }
     if (remaining_cap_ < n_ps) { remaining_.reset(new std::atomic<int>[n_ps]); remaining_cap_ = n_ps; }
     for (size_t i = 0; i < n_ps; ++i) remaining_[i] = 0;
+    std::vector<int> chunk1(n_pools, kChunkBlocks);   // gate/up blocks per item, per sub-pool
+    if (T <= kDecodeMaxRows) {
+        std::vector<int64_t> blocks(n_pools, 0);
+        for (int part = 0; part < n_parts_; ++part)
+            for (const Piece& Pc : parts_[part].L->pieces)
+                blocks[Pc.pool] += (int64_t)(Pc.r1 - Pc.r0) / 16 * (int64_t)parts_[part].slots.size();
+        for (int p = 0; p < n_pools; ++p) {
+            int workers = 0;
+            for (int w = 0; w < pool_->n_threads(); ++w) workers += pool_->info(w).pool == p;
+            const int64_t per_item = blocks[p] / (std::max(1, workers) * kDecodeItemsPerThread);
+            chunk1[p] = (int)std::max<int64_t>(1, std::min<int64_t>(kMaxDecodeGateUpBlocks, per_item));
+        }
+    }
     for (int part = 0; part < n_parts_; ++part) {
         const Part& P = parts_[part];
         for (int pi = 0; pi < (int)P.L->pieces.size(); ++pi) {
             const Piece& Pc = P.L->pieces[pi];
+            const int cb = chunk1[Pc.pool];
             for (int s = 0; s < (int)P.slots.size(); ++s) {
-                for (int nb = Pc.r0 / 16; nb < Pc.r1 / 16; nb += kChunkBlocks) {
-                    items1_[Pc.pool].push_back(Item{part, pi, s, nb, std::min(kChunkBlocks, Pc.r1 / 16 - nb)});
+                for (int nb = Pc.r0 / 16; nb < Pc.r1 / 16; nb += cb) {
+                    items1_[Pc.pool].push_back(Item{part, pi, s, nb, std::min(cb, Pc.r1 / 16 - nb)});
                     ++remaining_[P.remaining0 + (size_t)pi * P.slots.size() + s];
                 }
             }
@@ -95,7 +114,7 @@ void MoEEngine::submit(int id, int T, const void* x, int x_dtype, int64_t x_stri
         partial_.resize(n_pools);
         for (auto& v : partial_) v.resize((size_t)T * L.hidden);
     }
-    size_t need = (size_t)2 * max_m_ * kChunkBlocks * 16;
+    size_t need = (size_t)2 * max_m_ * std::max(kChunkBlocks, kMaxDecodeGateUpBlocks) * 16;
     for (int pi = 0; pi < n_parts_; ++pi) need = std::max(need, (size_t)parts_[pi].L->kx);
     for (auto& s : scratch_) if (s.size() < need) s.resize(need);
     x_ready_ = T <= kDecodeMaxRows;   // a few rows: quantize here, the workers start on weights right away
