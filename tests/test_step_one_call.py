@@ -17,7 +17,7 @@ from ktrun.engine import Engine
 from ktrun.generate import decode_one_token, prefill
 from ktrun.models import step_one_call
 from ktrun.models.kv_cache import Batch
-from ktrun.ops.library import DecodeLayer, DecodeLayersArgs, GqaDecodeArgs, load_library
+from ktrun.ops.library import DecodeLayer, DecodeLayersArgs, GqaDecodeArgs, KernelError, load_library
 from one_call_helpers import absorbed_conversion, assert_rope_form_and_window_reach, with_and_without
 from runtime_helpers import PROMPT, converted
 
@@ -188,3 +188,42 @@ def test_bad_arguments_are_an_error_naming_them():
     a.head_kind = 2                                 # a quantized head without its Linear context
     assert lib.kt_decode_layers(ctypes.byref(a)) == -1
     assert b"the head:" in lib.kt_last_error()
+    a.head_kind = 0
+    a.tokens = ctypes.cast((ctypes.c_int64 * 1)(5), ctypes.c_void_p).value   # tokens without their table
+    assert lib.kt_decode_layers(ctypes.byref(a)) == -1
+    assert b"tokens without an embedding table" in lib.kt_last_error()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_a_whole_step_from_the_tokens_has_the_callers_bits(tmp_path_factory, monkeypatch, arch):
+    """ABI 25: a plan from layer 0 with the head in it also takes the embedding rows of the step's tokens (the
+    fixtures keep their bf16 tables as stored) and layer 0's norm (step_one_call.whole_step): every decode forward
+    after the plan is learned runs tokens to logits in the call, with the bits of the caller's embedding and norm."""
+    conv = absorbed_conversion(tmp_path_factory, arch) if arch == "deepseek_v3" else \
+        converted(tmp_path_factory, arch, "int4-amx", gpu_method="rtn-int4")
+    eng = Engine(conv, ctx=256, max_batch=4)
+    model = eng.model
+    whole, separate, taken = with_and_without(model, eng.tokenizer.encode(PROMPT), monkeypatch, step_one_call,
+                                              "whole_step")
+    assert model.step_plan.first_steps is not None and model.w[model.names.embed].dtype == torch.bfloat16
+    assert sum(taken) >= 6                      # the 6 decode forwards after the first two (the 3-row verify too)
+    for a, b in zip(whole, separate):
+        assert torch.equal(a, b)
+
+
+def test_a_token_outside_the_table_is_refused_before_the_step(tmp_path_factory):
+    """A whole step's token id beyond the embedding table: a KernelError naming it, the cache as it was."""
+    eng = _engine(tmp_path_factory, "qwen3_moe")
+    model = eng.model
+    cache = model.new_cache(64)
+    ids = eng.tokenizer.encode(PROMPT)[:4]
+    prefill(model, cache, ids)
+    decode_one_token(model, cache, ids[0])
+    decode_one_token(model, cache, ids[1])
+    assert model.step_plan is not None and model.step_plan.first_steps is not None
+    length = cache.length
+    V = model.w[model.names.embed].shape[0]
+    with pytest.raises(KernelError, match=f"token {V} at row 0 is outside the embedding table's {V} rows"):
+        decode_one_token(model, cache, V)
+    assert cache.length == length
+    cache.release()

@@ -55,7 +55,8 @@ extern "C" {
                                  a key in two parts, on the context's pool);
                              25: the routers' gate in float32 or bfloat16 (kt_route_sigmoid / kt_route_softmax's
                                  w_dtype, kt_moe_decode_args.gate_dtype: the checkpoint's bf16 router read as
-                                 stored, half the bytes, the same bits); */
+                                 stored, half the bytes, the same bits); kt_decode_layers takes the step's token
+                                 ids (the embedding rows) and layer 0's norm (tokens, embed, norm0); */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -465,6 +466,12 @@ typedef struct kt_decode_layers_args {
     int32_t head_kind, head_id; kt_ctx* head_ctx; const void* head_w; int32_t head_w_dtype; int64_t head_w_stride;
     int64_t head_n; float* logits;
     double head_s;                      /* out: seconds in the head */
+    /* ABI 25: the step's first two steps in the call too. tokens (T) given: x is ignored and x = their rows of embed
+       (embed_rows, H) of embed_dtype KT_F32 or KT_BF16 (widened exactly: F.embedding's rows as float32), row stride
+       embed_stride elements; a token outside [0, embed_rows) is an error before anything is written. norm0 given: h
+       is ignored and h = kt_rms_norm(x, norm0, eps, lanes) (layer 0's input norm). */
+    const int64_t* tokens; const void* embed; int32_t embed_dtype; int64_t embed_rows, embed_stride;
+    const float* norm0; float eps; int32_t lanes;
 } kt_decode_layers_args;
 
 /* A decode step's decoder layers in one call: for each layer delta = kt_gqa_layer(h) or kt_mla_decode(h), then

@@ -249,11 +249,24 @@ int kt_moe_decode(kt_ctx* ctx, kt_moe_decode_args* args) {
 int kt_decode_layers(kt_decode_layers_args* a) {
     if (!a) { t_error = "kt_decode_layers: no arguments"; return -1; }
     a->attn_s = a->moe_s = a->wait_s = a->head_s = 0.0;
-    if (a->T < 1 || a->H < 16 || !a->x || !a->h || !a->rows || !a->x_out || !a->h_out || a->n_layers < 1 ||
-        !a->layers) {
-        t_error = "kt_decode_layers: bad geometry, a missing x / h / rows / x_out / h_out, or no layers";
+    if (a->T < 1 || a->H < 16 || (!a->x && !a->tokens) || (!a->h && !a->norm0) || !a->rows || !a->x_out ||
+        !a->h_out || a->n_layers < 1 || !a->layers) {
+        t_error = "kt_decode_layers: bad geometry, a missing x (or tokens) / h (or norm0) / rows / x_out / h_out, or "
+                  "no layers";
         return -1;
     }
+    if (a->tokens && (!a->embed || (a->embed_dtype != KT_F32 && a->embed_dtype != KT_BF16) || a->embed_rows < 1 ||
+                      a->embed_stride < a->H)) {
+        t_error = "kt_decode_layers: tokens without an embedding table (embed, embed_dtype KT_F32 / KT_BF16, "
+                  "embed_rows, embed_stride >= H)";
+        return -1;
+    }
+    for (int64_t t = 0; a->tokens && t < a->T; ++t)
+        if (a->tokens[t] < 0 || a->tokens[t] >= a->embed_rows) {
+            t_error = "kt_decode_layers: token " + std::to_string(a->tokens[t]) + " at row " + std::to_string(t) +
+                      " is outside the embedding table's " + std::to_string(a->embed_rows) + " rows";
+            return -1;
+        }
     // the head's arguments before any layer runs: a refusal after the layers would leave a step half done (its KV
     // rows written, no logits)
     if (a->head_kind < 0 || a->head_kind > 2 ||
@@ -263,10 +276,34 @@ int kt_decode_layers(kt_decode_layers_args* a) {
         return -1;
     }
     const int64_t T = a->T, H = a->H;
-    thread_local std::vector<float> delta;
+    thread_local std::vector<float> delta, x0, h0;
     const kt_gqa_decode_args& r = *a->rows;
     const float* x = a->x;
     const float* h = a->h;
+    if (a->tokens) {   // the embedding rows, as float32 (bf16 widened: its bits are a float32's high half)
+        x0.resize((size_t)(T * H));
+        for (int64_t t = 0; t < T; ++t) {
+            float* dst = x0.data() + t * H;
+            if (a->embed_dtype == KT_F32) {
+                std::memcpy(dst, (const float*)a->embed + a->tokens[t] * a->embed_stride, (size_t)H * sizeof(float));
+            } else {
+                const uint16_t* src = (const uint16_t*)a->embed + a->tokens[t] * a->embed_stride;
+                for (int64_t j = 0; j < H; ++j) {
+                    const uint32_t u = (uint32_t)src[j] << 16;
+                    std::memcpy(dst + j, &u, 4);
+                }
+            }
+        }
+        x = x0.data();
+    }
+    if (a->norm0) {
+        h0.resize((size_t)(T * H));
+        if (kt_rms_norm(T, H, x, H, nullptr, 0, nullptr, 0, a->norm0, a->eps, a->lanes, h0.data(), H) != 0) {
+            t_error = "kt_decode_layers: layer 0's norm: bad lanes or H";
+            return -1;
+        }
+        h = h0.data();
+    }
     auto clock = [] { return std::chrono::steady_clock::now(); };
     for (int i = 0; i < a->n_layers; ++i) {
         const kt_decode_layer& L = a->layers[i];

@@ -11,7 +11,7 @@ import click
 import torch
 
 from ..generate import decode_one_token, generate, prefill
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, greedy_tokens
 from .decode_bytes import read_bandwidth, weight_bytes_per_token
 from .expert_ram_option import expert_ram_from, expert_ram_options
 from .gpu_weights_option import gpu_weights_option
@@ -37,13 +37,16 @@ def bench_pp(model, n: int, ctx: int, gen: torch.Generator, prompt_ids: list[int
 
 
 def bench_tg(model, n: int, ctx: int, gen: torch.Generator) -> tuple[float, dict]:
-    """Seconds for n greedy decode steps after one prompt token; and the per-part time deltas of those steps."""
+    """Seconds for n greedy decode steps after one prompt token; and the per-part time deltas of those steps. Each
+    step's token is picked as the decode loop's sampler picks a greedy one (sampling.greedy_tokens: numpy's argmax;
+    torch's cost ~40 us more in a Qwen3-30B-A3B-shaped step, its caches cold from the kernels)."""
     cache = model.new_cache(ctx)
-    tok = int(torch.argmax(prefill(model, cache, [int(torch.randint(0, model.cfg.vocab_size, (1,), generator=gen))])))
+    first = int(torch.randint(0, model.cfg.vocab_size, (1,), generator=gen))
+    tok = greedy_tokens(prefill(model, cache, [first])[None])[0]
     before = _snapshot(model)
     t0 = time.perf_counter()
     for _ in range(n):
-        tok = int(torch.argmax(decode_one_token(model, cache, tok)))
+        tok = greedy_tokens(decode_one_token(model, cache, tok)[None])[0]
     wall = time.perf_counter() - t0
     after = _snapshot(model)
     return wall, {k: after[k] - before.get(k, 0.0) for k in after if k.endswith("_s")}

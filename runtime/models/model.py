@@ -164,14 +164,20 @@ class MoEModel:
     def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """-> float32 logits: (T, V) for every token if all_logits, else (B, V) for each request's last token."""
         t0 = time.perf_counter()
-        x = F.embedding(batch.tokens.to(self.device), self.w[self.names.embed]).to(self.dtype)  # (T, H); bf16 widens
         every_row = all_logits or all(s.n == 1 for s in batch.seqs)   # decode: the rows are the last tokens
-        batch.carried[step_one_call.HEAD_ROWS] = every_row     # a decode step's one call may run the head too
-        _, h = self.decoder(batch, x)
+        # a decode step the plan takes whole: tokens to logits in one library call (step_one_call.whole_step)
+        got = step_one_call.whole_step(self, batch) if every_row and self.step_plan is not None else None
+        if got is not None:
+            h, logits = got
+        else:
+            # (T, H); a bf16 table widens
+            x = F.embedding(batch.tokens.to(self.device), self.w[self.names.embed]).to(self.dtype)
+            batch.carried[step_one_call.HEAD_ROWS] = every_row     # a decode step's one call may run the head too
+            _, h = self.decoder(batch, x)
+            logits = batch.carried.pop(step_one_call.HEAD_LOGITS, None)
         if self.keep_hidden:
             for s in batch.seqs:
-                s.cache.hidden.append((s.start, h[s.offset:s.offset + s.n]))
-        logits = batch.carried.pop(step_one_call.HEAD_LOGITS, None)   # (T, V) from the step's one call
+                s.cache.hidden.append((s.start, h[s.offset:s.offset + s.n]))   # (T, V) from the step's one call
         if logits is None:
             if not every_row:
                 h = h[batch.last_token_rows().to(self.device)]
@@ -204,7 +210,8 @@ class MoEModel:
     def _layers(self, batch: Batch, x: torch.Tensor, h, cos, sin, layer_hook) -> tuple[torch.Tensor, torch.Tensor]:
         """decoder()'s layer loop: x (T, H) and layer 0's normed input h -> (x, h) after the last layer."""
         # decode rows: from the plan's first layer on, every layer in one kernel call (step_one_call)
-        planned = step_one_call.start(self, batch, x, cos, sin) if layer_hook is None else None
+        planned = step_one_call.start(self, batch, x.shape[0], cos, sin) \
+            if layer_hook is None and x.dtype == self.dtype and x.device == self.device else None
         cfg, w = self.cfg, self.w
         tm, clock = self.timing, time.perf_counter
         L = len(self.layers)

@@ -13,7 +13,11 @@ forwards run it from that layer on when they would take the same paths: the gene
 sinks, no indexer), decode-sized float32 CPU rows of one float32 block pool (MLA: rows in the absorbed form), the
 experts' executor the plan was made for, no test hook on the router. When the forward wants every row's logits
 (decode rows, a verify: Batch.carried[HEAD_ROWS]) the call runs the output head too (ABI 23, _head_fields), as the
-caller's float_linear.head would after it; its caches are then still warm (kernels/README.md).
+caller's float_linear.head would after it; its caches are then still warm (kernels/README.md). A plan that starts
+at layer 0 and runs the head takes the step's first steps too (whole_step: the embedding rows of its tokens and layer
+0's norm in the same call, ABI 25), so MoEModel.forward calls nothing else for such a step: in a Qwen3-30B-A3B-shaped
+decode step on 2 Zen 4 cores the embedding, its widening and the norm were ~50 us of Python and torch dispatch, cold
+from the kernels' weight stream.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from . import attention, generic
 from .attention_one_call import _float32_pool, _rope_rows_ok, paging
 from .choices import hooked
 from .kv_cache import Batch
-from .layers import SERIAL_MAX_ROWS
+from .layers import SERIAL_MAX_ROWS, rms_norm
 
 HEAD_ROWS = "head_every_row"   # Batch.carried: True when the forward wants logits of every row (decode rows)
 HEAD_LOGITS = "head_logits"    # Batch.carried: (T, V) float32 logits the plan's call computed with its head
@@ -49,6 +53,8 @@ class StepPlan:
     hd: int                           # GQA's head dim (0 for MLA)
     n_moe: int                        # planned MoE layers (a dense layer's MLP is not counted as an experts' call)
     head: tuple | None = None         # the output head as the call runs it (_head_fields), None: the caller's
+    first_steps: tuple | None = None  # (embedding table, its KT dtype, layer 0's norm weight) when the call can start
+                                      # from the tokens (_first_step_fields), else None
 
 
 def learn(model, batch: Batch) -> None:
@@ -82,9 +88,25 @@ def learn(model, batch: Batch) -> None:
     args = DecodeLayersArgs(H=H, rows=ctypes.pointer(rows), n_layers=len(slots),
                             layers=ctypes.cast(layers, ctypes.POINTER(DecodeLayer)))
     c0 = a_calls[0][0]
+    head = _head_fields(model)
     model.step_plan = StepPlan(model.experts, first, slots, a_calls, m_calls, layers, rows, args,
                                c0.dims[:5] if is_mla else None, 0 if is_mla else c0.args.attn.hd,
-                               sum(model.layers[s] in model.moe_layers for s in slots), _head_fields(model))
+                               sum(model.layers[s] in model.moe_layers for s in slots), head,
+                               _first_step_fields(model) if first == 0 and head is not None else None)
+
+
+def _first_step_fields(model) -> tuple | None:
+    """(embedding table, KT dtype code, layer 0's input norm weight) for a call that starts from the step's tokens, as
+    MoEModel.forward's F.embedding(...).to(float32) and decoder's norm would (the same bits): a CPU (V, H) float32 /
+    bfloat16 table with contiguous rows, the family's plain RMSNorm on float32 weights. None: the caller's."""
+    emb, H = model.w.get(model.names.embed), model.cfg.hidden_size
+    norm0 = model.w.get(model.names.layer(model.layers[0]) + "input_layernorm.weight")
+    if (not isinstance(emb, torch.Tensor) or emb.dim() != 2 or emb.shape[1] != H or emb.device.type != "cpu"
+            or emb.dtype not in float_linear.DTYPES or emb.stride(1) != 1 or model.dtype != torch.float32
+            or model.norm is not rms_norm or norm0 is None or not glue.norm_weights_ok(norm0)
+            or norm0.numel() != H):
+        return None
+    return emb, float_linear.DTYPES[emb.dtype], norm0
 
 
 def _head_fields(model) -> tuple | None:
@@ -103,16 +125,16 @@ def _head_fields(model) -> tuple | None:
     return None
 
 
-def start(model, batch: Batch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int | None:
-    """The layer (slot) from which this forward runs its plan, or None when it has none or would not take its paths
-    (what the per-layer calls check, once for the step)."""
+def start(model, batch: Batch, T: int, cos: torch.Tensor, sin: torch.Tensor) -> int | None:
+    """The layer (slot) from which this forward of T rows (the model's dtype and device) runs its plan, or None when it
+    has none or would not take its paths (what the per-layer calls check, once for the step)."""
     pl = model.step_plan
     if pl is None:
         return None
-    T = x.shape[0]
-    if pl.experts is not model.experts or not 0 < T <= glue.ROUTE_MAX_ROWS or hooked() or x.dtype != torch.float32 or \
-            not x.is_cpu or cos.shape[0] != T or cos.dtype != torch.float32 or sin.dtype != torch.float32 or \
-            cos.stride(-1) != 1 or sin.stride() != cos.stride():
+    if pl.experts is not model.experts or not 0 < T <= glue.ROUTE_MAX_ROWS or hooked() or \
+            model.dtype != torch.float32 or model.device.type != "cpu" or cos.shape[0] != T or \
+            cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride(-1) != 1 or \
+            sin.stride() != cos.stride():
         return None
     pool = _float32_pool(batch)
     if pool is None:
@@ -129,14 +151,44 @@ def start(model, batch: Batch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return pl.first
 
 
-def run(model, batch: Batch, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+def whole_step(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The batch's rows (decode rows, a verify's: the caller wants every row's logits) from their tokens to their
+    logits in the plan's one call, committed to their caches -> (the final norm (T, H), logits (T, V)); None (nothing
+    done) when the plan does not start from the tokens or would not take these rows."""
+    pl = model.step_plan
+    if pl is None or pl.first_steps is None:
+        return None
+    cos, sin = model.rope.cos_sin(batch.positions, model.dtype)
+    if start(model, batch, batch.tokens.shape[0], cos, sin) != 0:
+        return None
+    batch.carried[HEAD_ROWS] = True
+    got = run(model, batch, None, None, cos, sin)
+    if got is None:
+        return None
+    batch.commit()
+    return got[1], batch.carried.pop(HEAD_LOGITS)
+
+
+def run(model, batch: Batch, x: torch.Tensor | None, h: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """x (T, H) and the plan's first layer's normed input h through it and every layer after -> (x, the final norm),
-    or None (nothing done) when these rows are not the call's (start() said yes for the step)."""
+    or None (nothing done) when these rows are not the call's (start() said yes for the step). x and h None: from the
+    batch's tokens (the plan's first_steps: its first layer is layer 0)."""
     pl = model.step_plan
-    T, H = x.shape
-    if not x.is_contiguous() or not h.is_contiguous() or h.dtype != torch.float32 or h.shape != x.shape:
-        return None
+    a = pl.args
+    if x is None:
+        T, H = batch.tokens.shape[0], model.cfg.hidden_size
+        emb, emb_dtype, norm0 = pl.first_steps
+        a.tokens, a.embed, a.embed_dtype, a.embed_rows, a.embed_stride = (batch.tokens.data_ptr(), emb.data_ptr(),
+                                                                          emb_dtype, emb.shape[0], emb.stride(0))
+        a.norm0, a.eps, a.lanes = norm0.data_ptr(), model.cfg.rms_norm_eps, glue.norm_lanes()
+        a.x = a.h = None
+    else:
+        T, H = x.shape
+        if not x.is_contiguous() or not h.is_contiguous() or h.dtype != torch.float32 or h.shape != x.shape:
+            return None
+        a.tokens = a.norm0 = None
+        a.x, a.h = x.data_ptr(), h.data_ptr()
     toks = _float32_pool(batch).tokens
     for s, (c, window) in zip(pl.slots, pl.attn):
         if c.caches_of is not toks:     # the pool grew (new slabs), or a per-layer call set another pool's
@@ -152,8 +204,7 @@ def run(model, batch: Batch, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor
     r.m, row0, start, table0, tables = paging(batch)
     r.row0, r.start, r.table0, r.tables = row0.data_ptr(), start.data_ptr(), table0.data_ptr(), tables.data_ptr()
     out = torch.empty((2, T, H), dtype=torch.float32)
-    a = pl.args
-    a.T, a.x, a.h = T, x.data_ptr(), h.data_ptr()
+    a.T = T
     p = out.data_ptr()
     a.x_out, a.h_out = p, p + 4 * T * H
     logits = None

@@ -240,6 +240,11 @@ def gqa_attend_batch(q: torch.Tensor, entries: list[list[tuple[torch.Tensor, tor
     return True
 
 
+def norm_lanes() -> int:
+    """The vector width kt_rms_norm sums in to match torch's (8 or 16; 0: no library)."""
+    return _state.get("lanes") or _lanes()
+
+
 def norm_weights_ok(*weights: torch.Tensor | None) -> bool:
     """Whether kt_rms_norm can norm rows with these weights as ktrun.models.layers.rms_norm does: float32 contiguous
     CPU weights of 16 .. MAX_D floats, the library's sum matching torch's."""

@@ -113,7 +113,9 @@ class DecodeLayersArgs(ctypes.Structure):
                 ("attn_s", ctypes.c_double), ("moe_s", ctypes.c_double), ("wait_s", ctypes.c_double),
                 ("head_kind", ctypes.c_int32), ("head_id", ctypes.c_int32), ("head_ctx", _p), ("head_w", _p),
                 ("head_w_dtype", ctypes.c_int32), ("head_w_stride", _i64), ("head_n", _i64), ("logits", _p),
-                ("head_s", ctypes.c_double)]
+                ("head_s", ctypes.c_double), ("tokens", _p), ("embed", _p), ("embed_dtype", ctypes.c_int32),
+                ("embed_rows", _i64), ("embed_stride", _i64), ("norm0", _p), ("eps", ctypes.c_float),
+                ("lanes", ctypes.c_int32)]
 
 def _library_path() -> str:
     env = os.environ.get("KT_KERNELS_LIB")
