@@ -26,6 +26,19 @@ def _engine(tmp_path_factory, arch: str) -> Engine:
     return Engine(converted(tmp_path_factory, arch, "int4-amx", gpu_method="rtn-int4"), ctx=256, max_batch=4)
 
 
+def _planned(tmp_path_factory, arch: str):
+    """The arch fixture's model after a prompt and one decode step (the step call's plan learned) -> (model, its
+    cache, the prompt's ids)."""
+    eng = _engine(tmp_path_factory, arch)
+    model = eng.model
+    cache = model.new_cache(64)
+    ids = eng.tokenizer.encode(PROMPT)[:4]
+    prefill(model, cache, ids)
+    decode_one_token(model, cache, ids[0])
+    assert model.step_plan is not None
+    return model, cache, ids
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "minimax_m2"])
 def test_decode_logits_are_the_same_with_and_without_the_step_call(tmp_path_factory, monkeypatch, arch):
     """Every forward after the one that taught the plan runs in one call (decode steps, batched, a 3-row verify),
@@ -153,14 +166,8 @@ def test_the_default_model_takes_it(default_converted, monkeypatch):
 def test_another_executor_unlearns_the_plan(tmp_path_factory):
     """A plan made for one experts executor is not run for another: the model goes back to the per-layer calls and
     learns a plan again."""
-    eng = _engine(tmp_path_factory, "qwen3_moe")
-    model = eng.model
-    cache = model.new_cache(64)
-    ids = eng.tokenizer.encode(PROMPT)[:4]
-    prefill(model, cache, ids)
-    decode_one_token(model, cache, ids[0])
+    model, cache, ids = _planned(tmp_path_factory, "qwen3_moe")
     old = model.step_plan
-    assert old is not None
     old.experts = object()                       # as if made for an executor since swapped out
     decode_one_token(model, cache, ids[1])
     assert model.step_plan is not old and model.step_plan.experts is model.experts
@@ -213,14 +220,9 @@ def test_a_whole_step_from_the_tokens_has_the_callers_bits(tmp_path_factory, mon
 
 def test_a_token_outside_the_table_is_refused_before_the_step(tmp_path_factory):
     """A whole step's token id beyond the embedding table: a KernelError naming it, the cache as it was."""
-    eng = _engine(tmp_path_factory, "qwen3_moe")
-    model = eng.model
-    cache = model.new_cache(64)
-    ids = eng.tokenizer.encode(PROMPT)[:4]
-    prefill(model, cache, ids)
-    decode_one_token(model, cache, ids[0])
+    model, cache, ids = _planned(tmp_path_factory, "qwen3_moe")
     decode_one_token(model, cache, ids[1])
-    assert model.step_plan is not None and model.step_plan.first_steps is not None
+    assert model.step_plan.first_steps is not None
     length = cache.length
     V = model.w[model.names.embed].shape[0]
     with pytest.raises(KernelError, match=f"token {V} at row 0 is outside the embedding table's {V} rows"):

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../include/ktkernels.h"
+#include "bf16.h"
 #include "context.h"
 #include "cpu_features.h"
 
@@ -288,10 +289,7 @@ int kt_decode_layers(kt_decode_layers_args* a) {
                 std::memcpy(dst, (const float*)a->embed + a->tokens[t] * a->embed_stride, (size_t)H * sizeof(float));
             } else {
                 const uint16_t* src = (const uint16_t*)a->embed + a->tokens[t] * a->embed_stride;
-                for (int64_t j = 0; j < H; ++j) {
-                    const uint32_t u = (uint32_t)src[j] << 16;
-                    std::memcpy(dst + j, &u, 4);
-                }
+                for (int64_t j = 0; j < H; ++j) dst[j] = kt::bf16_to_f32(src[j]);
             }
         }
         x = x0.data();

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "../include/ktkernels.h"
+#include "bf16.h"
 #include "scale_types.h"
 
 namespace kt {
@@ -14,13 +15,6 @@ namespace {
 
 int round_up(int x, int m) { return (x + m - 1) / m * m; }
 int lcm64(int g) { return g % 64 == 0 ? g : 64; }   // lcm(64, G) for G = 32 or a multiple of 64
-
-float bf16_to_f32(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 // Work items per thread the queue aims at: enough that a worker losing its core to another process (this machine
 // is shared) costs little, few enough that the per-item cost (an atomic, a call) stays well under 1%.

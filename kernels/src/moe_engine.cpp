@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "bf16.h"
 #include "cpu_features.h"
 
 namespace kt {
@@ -29,13 +30,6 @@ double thread_cpu_s() {
     timespec t;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
     return t.tv_sec + 1e-9 * t.tv_nsec;
-}
-
-float bf16_to_f32(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
 }
 
 uint16_t f32_to_bf16(float f) {   // round to nearest even, as ktlayouts.f32_to_bf16_bits
