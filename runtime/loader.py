@@ -274,7 +274,7 @@ def _load_dense(root: Path, manifest: dict, device, dtype, gpu_weights: str, lin
             if lay in (DENSE_LAYOUT_BF16, DENSE_LAYOUT_F32):
                 t = _to_torch(name, a, f["tensors"][name]["dtype"])
                 # router weights, score biases and DeepSeek-V3.2's indexer head weights stay float32, as the
-                # reference keeps them
+                # reference keeps them (bf16 routers the CPU kernels compute: as stored, routers_stored)
                 keep32 = name.endswith(("e_score_correction_bias", ".gate.weight", "indexer.weights_proj.weight"))
                 stored = name in keep_stored or (routers_stored and t.dtype == torch.bfloat16
                                                  and name.endswith(".gate.weight"))

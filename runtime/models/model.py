@@ -174,10 +174,10 @@ class MoEModel:
             x = F.embedding(batch.tokens.to(self.device), self.w[self.names.embed]).to(self.dtype)
             batch.carried[step_one_call.HEAD_ROWS] = every_row     # a decode step's one call may run the head too
             _, h = self.decoder(batch, x)
-            logits = batch.carried.pop(step_one_call.HEAD_LOGITS, None)
+            logits = batch.carried.pop(step_one_call.HEAD_LOGITS, None)   # (T, V) from the step's one call
         if self.keep_hidden:
             for s in batch.seqs:
-                s.cache.hidden.append((s.start, h[s.offset:s.offset + s.n]))   # (T, V) from the step's one call
+                s.cache.hidden.append((s.start, h[s.offset:s.offset + s.n]))
         if logits is None:
             if not every_row:
                 h = h[batch.last_token_rows().to(self.device)]

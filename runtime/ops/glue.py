@@ -66,7 +66,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     return (x.dtype == torch.float32 and x.is_cpu and 16 <= d <= MAX_D and x.stride(-1) == 1
             and (weight is None or (weight.dtype == torch.float32 and weight.is_cpu and weight.is_contiguous()
                                     and weight.numel() == d))
-            and (_state.get("lanes") or _lanes()) > 0)
+            and norm_lanes() > 0)
 
 
 def _call(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float
@@ -249,14 +249,14 @@ def norm_weights_ok(*weights: torch.Tensor | None) -> bool:
     """Whether kt_rms_norm can norm rows with these weights as ktrun.models.layers.rms_norm does: float32 contiguous
     CPU weights of 16 .. MAX_D floats, the library's sum matching torch's."""
     return all(t is not None and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
-               and 16 <= t.numel() <= MAX_D for t in weights) and (_state.get("lanes") or _lanes()) > 0
+               and 16 <= t.numel() <= MAX_D for t in weights) and norm_lanes() > 0
 
 
 def _set_norms(a: GqaDecodeArgs, norm: str | None, q_w: torch.Tensor | None, k_w: torch.Tensor | None,
                eps: float) -> None:
     """kt_gqa_decode_args' q / k norm fields (gqa_decode's norm, q_w, k_w, eps)."""
     a.norm = {None: 0, "head": 1, "projection": 2}[norm]
-    a.lanes = (_state.get("lanes") or _lanes()) if norm else 0
+    a.lanes = norm_lanes() if norm else 0
     a.eps = eps
     a.q_norm = q_w.data_ptr() if norm else None
     a.k_norm = k_w.data_ptr() if norm else None
@@ -366,7 +366,7 @@ class MlaLayerCall:
         self.args = MlaDecodeArgs(0, nh, dn, dr, dv, R, q_lora, q_b_k, None, 0, linears["q_a"], linears["kv_a"],
                                   linears.get("q_b", -1), linears["o"], linears["uk"], linears["kv_b"], uk_group,
                                   uk_scale.data_ptr(), None if q_a_norm is None else q_a_norm.data_ptr(),
-                                  kv_a_norm.data_ptr(), eps, _state.get("lanes") or _lanes(), None, None, 0, 0, 0,
+                                  kv_a_norm.data_ptr(), eps, norm_lanes(), None, None, 0, 0, 0,
                                   None, None, None, None, 0, None, 0, 0, scale, None, n_out)
 
     def set_cache(self, cache: torch.Tensor) -> None:
@@ -415,7 +415,7 @@ def moe_decode(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, next_no
     ids, wts = torch.empty((T, top_k), dtype=torch.int64), torch.empty((T, top_k), dtype=torch.float32)
     a = MoeDecodeArgs(T, H, x.data_ptr(), x.stride(0) if T > 1 else H, delta.data_ptr(),
                       delta.stride(0) if T > 1 else H, norm.data_ptr(), next_norm.data_ptr(), eps,
-                      _state.get("lanes") or _lanes(), 0 if kind == "sigmoid" else 1, gate.data_ptr(), gate.shape[0],
+                      norm_lanes(), 0 if kind == "sigmoid" else 1, gate.data_ptr(), gate.shape[0],
                       None if bias is None else bias.data_ptr(), WEIGHT_DTYPES[gate.dtype], n_group, topk_group,
                       top_k, int(renorm), scaling,
                       layer, -1 if shared is None else shared, int(finish), x_out.data_ptr(), h_out.data_ptr(),
@@ -454,7 +454,7 @@ class MoeDecodeCall:
         self._ids = torch.empty((max_rows, top_k), dtype=torch.int64)
         self._wts = torch.empty((max_rows, top_k), dtype=torch.float32)
         self.args = MoeDecodeArgs(0, self.H, None, self.H, None, self.H, norm.data_ptr(), next_norm.data_ptr(), eps,
-                                  _state.get("lanes") or _lanes(), ROUTER_KINDS[kind],
+                                  norm_lanes(), ROUTER_KINDS[kind],
                                   None if gate is None else gate.data_ptr(), 1 if gate is None else gate.shape[0],
                                   None if bias is None else bias.data_ptr(),
                                   0 if gate is None else WEIGHT_DTYPES[gate.dtype], n_group, topk_group,
