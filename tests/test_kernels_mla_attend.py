@@ -22,9 +22,11 @@ from ktrun.ops.moe import MoEKernels
 # (heads, R, dr, run lengths): DeepSeek-V3's decode shape, heads outside the 8-head tile, R not a multiple of the
 # 128-column value pass, no rotary part, many runs (KV blocks), one position; caches longer than a chunk of positions
 # (kt::kAttendChunk = 128: computed chunk by chunk and merged): the embedded default model's heads over 600 positions
-# in runs that cross the chunks, one position past a chunk
+# in runs that cross the chunks, one position past a chunk; the AVX-512 copy's 16-score tiles (8, 4 and 2 heads at 2,
+# 4 and 8 positions, then single heads and positions): 6 = 4 + 2 heads over 10 positions, 2 heads over 17, 12 = 8 + 4
 SHAPES = [(128, 512, 64, [33]), (13, 48, 16, [5, 7, 1]), (9, 160, 0, [4]), (24, 512, 64, [16, 16, 16, 3]),
-          (3, 16, 16, [1]), (4, 64, 32, [100, 200, 300]), (16, 512, 64, [129])]
+          (3, 16, 16, [1]), (4, 64, 32, [100, 200, 300]), (16, 512, 64, [129]), (6, 32, 16, [7, 3]),
+          (2, 48, 0, [17]), (12, 128, 0, [37])]
 
 
 def _case(nh: int, R: int, dr: int, runs: list[int], seed: int):

@@ -38,6 +38,7 @@ namespace ref {
 #include "vec16_native.inc"
 constexpr int kLinRows = 4, kLinTokens = 4, kLinRowsOne = 8;   // a float Linear's tiles (mla_attend_body.inc linear_rows)
 constexpr int kScoreHeads = 8, kValueHeads = 2, kValueVecs = 8;   // the attention's tiles (mla_attend_body.inc)
+constexpr bool kScoreTile16 = false;   // the scalar twin scores one position at a time (the same bits)
 constexpr int kPromptVecs = 1, kPromptKeys = 4, kPromptCols = 4;   // prompt_attend_body.inc's
 inline v16 madd(v16 a, v16 b, v16 c) {
     for (int l = 0; l < 16; ++l) c[l] = std::fma(a[l], b[l], c[l]);
@@ -58,6 +59,7 @@ namespace avx2 {
 // vector; the values' 2 heads x 3 vectors, 12 accumulators
 constexpr int kLinRows = 1, kLinTokens = 4, kLinRowsOne = 4;
 constexpr int kScoreHeads = 4, kValueHeads = 2, kValueVecs = 3;
+constexpr bool kScoreTile16 = false;   // 16 accumulators of two ymm each would spill
 // a prompt's 16 rows x 4 keys (8 ymm accumulators, the rows' 2 halves, the broadcast key); 16 rows x 4 value columns
 constexpr int kPromptVecs = 1, kPromptKeys = 4, kPromptCols = 4;
 inline v16 madd(v16 a, v16 b, v16 c) {
@@ -77,6 +79,7 @@ namespace avx512 {
 #undef KT_VEC16_AVX512
 constexpr int kLinRows = 4, kLinTokens = 4, kLinRowsOne = 8;   // 16 accumulators, 4 token vectors and a weight vector: 21 of 32 zmm
 constexpr int kScoreHeads = 8, kValueHeads = 2, kValueVecs = 8;   // 8 chains; 16 accumulators
+constexpr bool kScoreTile16 = true;    // scores_tile: 16 accumulators, the query vectors and a cache row's: 25 of 32 zmm
 // a prompt's 32 rows x 8 keys, 16 accumulators (each broadcast key element feeds 2 FMAs); 32 rows x 8 value columns
 constexpr int kPromptVecs = 2, kPromptKeys = 8, kPromptCols = 8;
 inline v16 madd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
