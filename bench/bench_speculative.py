@@ -8,8 +8,9 @@ Scenarios, on the default model's held-out Python source (heldout_eval.txt, not 
   identifiers renamed, cut after its first lines; the model continues the edited copy, so most of what it writes
   is in its context already;
 - plain: plain continuation of a ~1500-character stretch of the file.
-Also the cost of the verify forward: one decode step with 1 + k rows vs 1 row (the same cache), so the break-even
-acceptance is visible.
+Each method runs twice: with the adaptive draft length (the default: 0 .. k tokens a step, as the measured costs and
+the request's acceptance pay for; ktrun.speculative) and with k tokens every step (`_fixed`). Also the cost of the
+verify forward: one decode step with 1 + k rows vs 1 row (the same cache), so the break-even acceptance is visible.
 
     .venv/bin/python bench/bench_speculative.py                    # the embedded default model, converted int4
     .venv/bin/python bench/bench_speculative.py --model-dir converted/ --tg 128 --reps 3 --draft-tokens 4
@@ -105,9 +106,12 @@ def main(argv=None) -> int:
         model_dir = a.model_dir or convert_default(Path(work))
         has_mtp = "mtp" in model_layers(model_dir)
         with load_model(model_dir, device="cpu", mtp=has_mtp) as lm:
-            specs = {"ngram": SpeculativeConfig("ngram", a.draft_tokens)}
+            # each method with the adaptive draft length (the default) and with draft_tokens every step ("_fixed")
+            specs = {"ngram": SpeculativeConfig("ngram", a.draft_tokens),
+                     "ngram_fixed": SpeculativeConfig("ngram", a.draft_tokens, policy="fixed")}
             if has_mtp:
                 specs["mtp"] = SpeculativeConfig("mtp", a.draft_tokens).with_mtp(lm.mtp)
+                specs["mtp_fixed"] = SpeculativeConfig("mtp", a.draft_tokens, policy="fixed").with_mtp(lm.mtp)
             params = SamplingParams(max_tokens=a.tg, ignore_eos=True)
             print(f"model: {model_dir.name}")
             print(f"threads: {a.threads} torch, {os.cpu_count()} cpus")

@@ -356,7 +356,9 @@ class Engine:
             else:
                 drafts = draft_all(decoding)         # MTP drafts in batched forwards
                 accepted = sum(s.accepted for s in decoding)
+                t1 = time.perf_counter()
                 rows = verify(self.model, [(s.cache, [s.tokens[-1], *d]) for s, d in zip(decoding, drafts)])
+                self.speculative.cost.observe_step(len(decoding), sum(map(len, drafts)), time.perf_counter() - t1)
                 self._decoded(t0)
                 picks = [s.advance(r, d) for s, r, d in zip(decoding, rows, drafts)]   # rolls rejected drafts back
             self._publish(decoding)

@@ -114,7 +114,10 @@ def generate(model, prompt_ids: list[int], params: SamplingParams, ctx: int, eos
             if seq.finish_reason:
                 break
             drafts = seq.draft()
+            t2 = time.perf_counter()
             rows = verify(model, [(seq.cache, [seq.tokens[-1], *drafts])])[0]
+            if seq.cost is not None:           # what a drafted row costs here (the adaptive draft length)
+                seq.cost.observe_step(1, len(drafts), time.perf_counter() - t2)
     finally:
         seq.cache.release()                        # its KV blocks go back to the model's pool
     return Generation(seq.prompt_ids, seq.tokens, seq.text.text if seq.text else "", seq.finish_reason,

@@ -77,6 +77,9 @@ class MtpHead:
         self.embed = w.get(p + "embed_tokens.weight", model.w[model.names.embed])
         self.enorm, self.hnorm, self.eh_proj = (w[p + n] for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight"))
         self.norm, self.eps, self.layer = model.norm, cfg.rms_norm_eps, L
+        # a drafted token's cost before one is timed, as a share of the main model's plain step: one decoder layer
+        # and a head against its layers and head (the adaptive draft length's prior: ktrun.speculative VerifyCost)
+        self.step_share = 2.0 / (len(model.layers) + 1)
         model.keep_hidden = True                # the main forward now leaves hidden rows for the drafters
 
     def drafter(self, context: list[int]) -> MtpDrafter:

@@ -11,6 +11,7 @@ token passes the same finish rule, in order) and rolls the cache back past the r
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from .models.kv_cache import SeqCache
@@ -38,6 +39,10 @@ class Sequence:
         self.followers: list[Sequence] = []   # Engine, n > 1: the other choices, prefilled by copying this cache
         self.draft_tokens = speculative.draft_tokens if speculative is not None else 0
         self.drafter = speculative.drafter(self.prompt_ids) if speculative is not None else None
+        # the adaptive policy's state (None: always draft_tokens) and the costs it weighs (shared by the requests)
+        self.lengths = speculative.draft_length() if speculative is not None else None
+        self.cost = speculative.cost if speculative is not None else None
+        self.chosen = 0                                 # the draft length chosen for the step in flight
         self.drafted = self.accepted = self.steps = 0   # tokens drafted / accepted; forwards that gave tokens
 
     def sample(self, logits) -> tuple[int, TokenLogprobs | None]:
@@ -49,12 +54,15 @@ class Sequence:
         and no more than max_tokens and the context leave room for (the forward also yields one token of its own)."""
         return draft_all([self])[0]
 
-    def draft_size(self) -> int:
-        """How many tokens draft() may propose now (0 without speculation)."""
+    def draft_size(self, batch: int = 1) -> int:
+        """How many tokens draft() may propose now (0 without speculation): draft_tokens, or with the adaptive policy
+        the length its acceptance and the measured costs at this batch size pay for (ktrun.speculative)."""
         if self.drafter is None:
             return 0
         room = min(self.params.max_tokens - len(self.tokens), self.ctx - len(self.prompt_ids) - len(self.tokens))
-        return min(self.draft_tokens, room - 1)
+        k = self.draft_tokens if self.lengths is None else self.lengths.size(self.cost.per_token(batch))
+        self.chosen = max(0, min(k, room - 1))
+        return self.chosen
 
     def advance(self, rows, drafts: list[int]) -> list[tuple[int, TokenLogprobs | None, str]]:
         """rows: (1 + len(drafts), V) logits of the forward that ran tokens[-1] and the drafts (row j: the token
@@ -63,10 +71,12 @@ class Sequence:
         to the tokens kept. -> [(token, logprobs, text delta)] in order."""
         out = []
         self.steps += 1
+        kept = 0
         for j, row in enumerate(rows):
             if j < len(drafts):
                 token, ok, lp = self.sampler.sample_or_accept(row, self.tokens, drafts[j])
                 self.accepted += ok
+                kept += ok
             else:
                 token, lp = self.sample(row)
                 ok = False
@@ -76,6 +86,8 @@ class Sequence:
         if drafts:
             # the cache holds tokens[-1] before this step and the drafts; keep what precedes the newest token
             self.cache.keep(self.cache.length - len(rows) + len(out))
+        if self.lengths is not None and (drafts or self.chosen == 0):   # (a drafter with no guess: no evidence)
+            self.lengths.update(len(drafts), kept)
         return out
 
     def take(self, token: int) -> list[tuple[int, TokenLogprobs | None, str]]:
@@ -107,8 +119,9 @@ class Sequence:
 def draft_all(seqs: list[Sequence]) -> list[list[int]]:
     """Sequence.draft() of several sequences: drafters with a batched `propose_many` (MTP: ktrun.mtp) share their
     forwards, the others (n-gram) propose one by one; -> each sequence's drafts."""
-    sizes = [s.draft_size() for s in seqs]
+    sizes = [s.draft_size(len(seqs)) for s in seqs]
     out: list[list[int]] = [[] for _ in seqs]
+    t0 = time.perf_counter()
     batched = [i for i, s in enumerate(seqs) if s.drafter is not None and hasattr(s.drafter, "propose_many")]
     if batched:
         got = seqs[batched[0]].drafter.propose_many([(seqs[i].drafter, sizes[i], seqs[i].cache) for i in batched])
@@ -118,6 +131,8 @@ def draft_all(seqs: list[Sequence]) -> list[list[int]]:
         if s.drafter is not None and not hasattr(s.drafter, "propose_many"):
             out[i] = s.drafter.propose(sizes[i], s.cache)
         s.drafted += len(out[i])
+    if seqs and seqs[0].cost is not None:
+        seqs[0].cost.observe_draft(sum(map(len, out)), time.perf_counter() - t0)
     return out
 
 

@@ -11,15 +11,35 @@ outputs echoed. Torch-free.
 MTP drafts (method "mtp"): the checkpoint's own multi-token-prediction layer guesses the next tokens from the main
 model's hidden state (ktrun.mtp, which needs the layer loaded: load_model(..., mtp=True) gives the MtpHead that
 `mtp` holds).
+
+How many tokens a step drafts (policy "adaptive", the default; "fixed" always drafts draft_tokens): the number that
+maximizes the expected tokens per unit of step time, E(k) / c(k), over k = 0 .. draft_tokens. E(k) = 1 + a + ... + a^k
+with a the request's recent per-token acceptance (DraftLength: an estimate that forgets half its evidence every step,
+so a run of accepted copies lengthens the drafts at once and a rejection shortens them); c(k) = 1 + (b + d) k, the
+step's cost with k drafted tokens against a plain decode step, measured as the requests run (VerifyCost: b, the
+seconds a verified row adds, and d, the seconds drafting a token takes, over the plain step's seconds at that batch
+size). k = 0 is a plain decode step: where drafts cost more than they save (a step that is mostly fixed cost, an MTP
+layer as costly as a quarter of the model) speculation turns itself off for that request, and tries again as its
+estimate drifts back to the prior. The choice depends only on earlier steps, so greedy output stays the same and
+sampled output keeps its distribution.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import statistics
 from dataclasses import dataclass, field
 
 METHODS = ("off", "ngram", "mtp")
+POLICIES = ("adaptive", "fixed")
 DEFAULT_DRAFT_TOKENS = 4
 MAX_DRAFT_TOKENS = 64
+ACCEPTANCE_PRIOR = 0.5    # DraftLength: the per-token acceptance assumed before (and between) the evidence
+ACCEPTANCE_MEMORY = 0.5   # DraftLength: the weight of earlier steps' evidence after each step
+ROW_COST_PRIOR = 0.25     # VerifyCost: a verified row's and a drafted token's cost per plain step before it is measured
+PROBE_EVERY = 8           # DraftLength: after this many steps without drafts, one step drafts a token
+COST_WINDOW = 32          # VerifyCost: the timings each median is taken over
+COST_MIN_TIMINGS = 3      # VerifyCost: timings of a kind before they replace ROW_COST_PRIOR
 
 
 @dataclass(frozen=True)
@@ -32,10 +52,14 @@ class SpeculativeConfig:
     max_ngram: int = 3
     min_ngram: int = 2
     mtp: object = field(default=None, compare=False, repr=False)
+    policy: str = "adaptive"          # "adaptive": 0 .. draft_tokens per step by measured cost; "fixed": draft_tokens
+    cost: VerifyCost = field(default_factory=lambda: VerifyCost(), compare=False, repr=False)   # shared by its requests
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"draft policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {self.draft_tokens}")
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -51,8 +75,19 @@ class SpeculativeConfig:
         return self.method == "mtp"
 
     def with_mtp(self, head) -> SpeculativeConfig:
-        """This config drafting with a loaded model's MtpHead (LoadedModel.mtp; None keeps it as it is)."""
-        return self if head is None else dataclasses.replace(self, mtp=head)
+        """This config drafting with a loaded model's MtpHead (LoadedModel.mtp; None keeps it as it is); its costs
+        start from the head's share of a step per drafted token (MtpHead.step_share) until drafts are timed."""
+        if head is None:
+            return self
+        return dataclasses.replace(self, mtp=head, cost=VerifyCost(draft_prior=float(getattr(head, "step_share", 0))))
+
+    def draft_length(self) -> DraftLength | None:
+        """A new request's draft-length state (None: the policy is fixed). n-gram drafts probe after idle steps; MTP
+        drafts do not (a probe first runs the layer over every position since the last draft, the whole prompt at
+        first: where its share of a step says drafts cannot pay, the layer stays idle)."""
+        if not self.enabled or self.policy != "adaptive":
+            return None
+        return DraftLength(self.draft_tokens, probe=self.method == "ngram")
 
     def drafter(self, context: list[int]):
         """A new request's drafter over its prompt (NgramDrafter, or ktrun.mtp.MtpDrafter), or None when off."""
@@ -92,3 +127,101 @@ class NgramDrafter:
             if at is not None:
                 return self.ids[at:at + k]
         return []
+
+
+class VerifyCost:
+    """What drafting costs on this model and machine, measured as requests run: the seconds of plain decode steps
+    per batch size, the seconds each verified draft row adds to a step and the seconds drafting one token takes, each
+    the median of its last COST_WINDOW timings (a step after a prefill runs on cold caches: 3x a warm one on the
+    default model, and one of them in an average kept the drafts off for good). `per_token(batch)`: the last two per
+    plain step of that batch size (DraftLength's b + d); until COST_MIN_TIMINGS of a kind are in, ROW_COST_PRIOR for
+    a row and draft_prior for a drafted token (0 for n-gram lookups; an MTP head's share of a step)."""
+
+    def __init__(self, draft_prior: float = 0.0):
+        self.draft_prior = draft_prior       # a drafted token's cost per plain step until drafts are timed (MTP's)
+        self.plain: dict[int, collections.deque] = {}            # batch size -> seconds of steps without drafts
+        self.row: collections.deque = collections.deque(maxlen=COST_WINDOW)     # seconds a drafted row adds
+        self.draft: collections.deque = collections.deque(maxlen=COST_WINDOW)   # seconds to draft one token
+        self._per_token: dict[int, float] = {}                   # cached per_token() until the next timing
+
+    def observe_step(self, batch: int, drafted: int, seconds: float) -> None:
+        """A decode forward of `batch` requests with `drafted` draft rows in all took `seconds`."""
+        self._per_token.clear()
+        if drafted == 0:
+            self.plain.setdefault(batch, collections.deque(maxlen=COST_WINDOW)).append(seconds)
+            return
+        base = self._plain(batch)
+        if base is not None:
+            self.row.append(max(0.0, seconds - base) / drafted)
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        """Drafting `tokens` tokens (all requests of a step) took `seconds`."""
+        if tokens > 0:
+            self._per_token.clear()
+            self.draft.append(seconds / tokens)
+
+    def _plain(self, batch: int) -> float | None:
+        """The median plain step at this batch size, or at the nearest one measured enough."""
+        sizes = [b for b, d in self.plain.items() if len(d) >= COST_MIN_TIMINGS]
+        if not sizes:
+            return None
+        return statistics.median(self.plain[min(sizes, key=lambda b: abs(b - batch))])
+
+    def per_token(self, batch: int) -> float:
+        got = self._per_token.get(batch)
+        if got is None:
+            base = self._plain(batch)
+            draft = self.draft_prior                             # per plain step
+            if base and len(self.draft) >= COST_MIN_TIMINGS:
+                draft = statistics.median(self.draft) / base
+            got = ROW_COST_PRIOR + draft
+            if base and len(self.row) >= COST_MIN_TIMINGS:
+                got = statistics.median(self.row) / base + draft
+            self._per_token[batch] = got
+        return got
+
+
+class DraftLength:
+    """One request's recent per-token acceptance and the draft length it buys. The evidence of a verified draft of k
+    tokens with j accepted: j successes in min(k, j + 1) trials (each drafted token is tried only if the ones before it
+    were accepted); every step multiplies the earlier evidence by ACCEPTANCE_MEMORY, so the estimate follows runs of
+    copied text, and a step that drafted nothing lets it drift back to ACCEPTANCE_PRIOR; every PROBE_EVERY-th step
+without drafts (later where a drafted token costs more than ROW_COST_PRIOR) drafts one token anyway: a cost measured
+on cold steps, or a run of text that repeats, would else never be seen again."""
+
+    def __init__(self, k_max: int, probe: bool = True):
+        self.k_max = int(k_max)
+        self.probe = probe     # try one token after idle steps (n-gram drafts: free to make)
+        self.hits = 0.0
+        self.trials = 0.0
+        self.idle = 0          # steps in a row that chose no draft: every PROBE_EVERY-th tries one token
+
+    @property
+    def acceptance(self) -> float:
+        return (self.hits + ACCEPTANCE_PRIOR) / (self.trials + 1.0)
+
+    def size(self, cost_per_token: float) -> int:
+        """The k in 0 .. k_max with the most expected tokens per step cost, E(k) / (1 + cost_per_token k)."""
+        a, best, best_rate = self.acceptance, 0, 1.0
+        expected, term = 1.0, 1.0
+        for k in range(1, self.k_max + 1):
+            term *= a
+            expected += term
+            rate = expected / (1.0 + cost_per_token * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        # a probe: fresh evidence and timings, at most ROW_COST_PRIOR / PROBE_EVERY of a step's cost on average (an
+        # MTP draft after idle steps first runs the layer over every position since its last one)
+        if best == 0 and self.probe and self.k_max and \
+                self.idle + 1 >= PROBE_EVERY * max(1.0, cost_per_token / ROW_COST_PRIOR):
+            best = 1
+        self.idle = 0 if best else self.idle + 1
+        return best
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """After a step that drafted `drafted` tokens (0: none) of which the first `accepted` were kept."""
+        self.hits *= ACCEPTANCE_MEMORY
+        self.trials *= ACCEPTANCE_MEMORY
+        if drafted:
+            self.hits += accepted
+            self.trials += min(drafted, accepted + 1)

@@ -29,7 +29,7 @@ from scipy import stats
 from serve_helpers import ServerProcess, metric
 
 BIN = Path(__import__("sys").executable).parent
-NGRAM = SpeculativeConfig("ngram", 4)
+NGRAM = SpeculativeConfig("ngram", 4, policy="fixed")   # every step drafts: the rollbacks are tested
 # a file edited in place: the model's context repeats, so drafts come from it
 CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
         "    return 2 * (width + height)\n\n\n")
@@ -292,7 +292,7 @@ def test_verify_rows_have_the_bits_of_plain_decode(tmp_path_factory):
         ids = lm.tokenizer.encode(prompts(1500)["edit"])
         params = SamplingParams(max_tokens=96, ignore_eos=True)
         plain = generate(lm.model, ids, params, len(ids) + 100, set()).tokens
-        for spec in (NGRAM, SpeculativeConfig("mtp", 2).with_mtp(lm.mtp)):
+        for spec in (NGRAM, SpeculativeConfig("mtp", 2, policy="fixed").with_mtp(lm.mtp)):
             out_ = generate(lm.model, ids, params, len(ids) + 100, set(), speculative=spec)
             assert out_.tokens == plain, (spec.method, next(i for i, (a, b) in enumerate(zip(plain, out_.tokens))
                                                             if a != b))

@@ -123,7 +123,7 @@ def test_greedy_identical_with_mtp_drafts(arch, tmp_path_factory):
             ids = lm.tokenizer.encode(prompt)
             want = generate(lm.model, ids, params, 256, set()).tokens
             for k in (1, 3):
-                out = generate(lm.model, ids, params, 256, set(), speculative=SpeculativeConfig("mtp", k).with_mtp(
+                out = generate(lm.model, ids, params, 256, set(), speculative=SpeculativeConfig("mtp", k, policy="fixed").with_mtp(
                     lm.mtp))
                 assert out.tokens == want, (prompt, k)
                 assert out.steps == len(want) - out.accepted          # every accepted draft saved a forward
@@ -138,7 +138,7 @@ def test_engine_greedy_identical_with_mtp_drafts(tmp_path_factory):
     choices (forked caches, each with its own MTP drafter)."""
     conv = echo_conversion(tmp_path_factory, "deepseek_v3")
     plain = Engine(conv, ctx=256, max_batch=6, prefix_cache=False)
-    spec = Engine(conv, ctx=256, max_batch=6, speculative=SpeculativeConfig("mtp", 2), kv_block_size=4)
+    spec = Engine(conv, ctx=256, max_batch=6, speculative=SpeculativeConfig("mtp", 2, policy="fixed"), kv_block_size=4)
     try:
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         reqs = {f"r{i}": (plain.tokenizer.encode(p), params) for i, p in enumerate(PROMPTS)}
@@ -166,7 +166,7 @@ def test_engine_greedy_identical_with_mtp_drafts(tmp_path_factory):
 def test_sampled_distribution_unchanged_with_mtp_drafts(tmp_path_factory):
     conv = echo_conversion(tmp_path_factory, "deepseek_v3")
     plain = Engine(conv, ctx=256, max_batch=64, prefix_cache=False)
-    spec = Engine(conv, ctx=256, max_batch=64, prefix_cache=False, speculative=SpeculativeConfig("mtp", 2))
+    spec = Engine(conv, ctx=256, max_batch=64, prefix_cache=False, speculative=SpeculativeConfig("mtp", 2, policy="fixed"))
     try:
         ids = plain.tokenizer.encode(PROMPTS[1])
         a = sampled_tokens(plain, ids, range(12), 64)
@@ -187,12 +187,12 @@ def ktrun_generate(conv: Path, *args: str) -> subprocess.CompletedProcess:
 def test_ktrun_generate_speculative_mtp(tmp_path_factory, tmp_path):
     conv = echo_conversion(tmp_path_factory, "deepseek_v3")
     plain = ktrun_generate(conv)
-    spec = ktrun_generate(conv, "--speculative", "mtp", "--draft-tokens", "3")
+    spec = ktrun_generate(conv, "--speculative", "mtp", "--draft-tokens", "3", "--draft-policy", "fixed")
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     a, b = json.loads(plain.stdout), json.loads(spec.stdout)
     assert a["token_ids"] == b["token_ids"] and 0 <= b["accepted_tokens"] <= b["draft_tokens"] and b["draft_tokens"]
     bench = subprocess.run([*KTRUN, "bench", str(conv), "--pp", "16", "--tg", "16", "--reps", "1", "--speculative",
-                            "mtp", "--draft-tokens", "2"], capture_output=True, text=True, timeout=300, check=False)
+                            "mtp", "--draft-tokens", "2", "--draft-policy", "fixed"], capture_output=True, text=True, timeout=300, check=False)
     assert bench.returncode == 0, bench.stderr
     assert "spec_greedy_tokens_identical: True" in bench.stdout and "spec_acceptance_rate: " in bench.stdout
     no_mtp = build_conversion(build_checkpoint(shared_root(tmp_path_factory), "deepseek_v3"), tmp_path / "no_mtp",
@@ -207,7 +207,7 @@ def test_served_text_same_with_mtp_drafts(tmp_path_factory):
     prompt = " ".join([PROMPT] * 2)
     want, s = serve_texts(conv, [], prompt)
     assert s.stop() == 0, s.stderr
-    got, s = serve_texts(conv, ["--speculative", "mtp", "--draft-tokens", "2"], prompt)
+    got, s = serve_texts(conv, ["--speculative", "mtp", "--draft-tokens", "2", "--draft-policy", "fixed"], prompt)
     try:
         assert got == want and got[0] == got[1]
         assert s.timings.get("draft_n", 0) > 0 and 0 <= s.timings["draft_n_accepted"] <= s.timings["draft_n"]
