@@ -72,8 +72,16 @@ class Sequence:
         out = []
         self.steps += 1
         kept = 0
+        # plain greedy: every row's argmax at once (greedy_tokens: the token sample() and sample_or_accept() pick at
+        # temperature 0, ~0.4 us a row against ~8 us through torch one row at a time)
+        argmax = greedy_tokens(rows) if self.sampler.plain_greedy else None
         for j, row in enumerate(rows):
-            if j < len(drafts):
+            if argmax is not None:
+                token, lp = argmax[j], None
+                ok = j < len(drafts) and token == drafts[j]
+                self.accepted += ok
+                kept += ok
+            elif j < len(drafts):
                 token, ok, lp = self.sampler.sample_or_accept(row, self.tokens, drafts[j])
                 self.accepted += ok
                 kept += ok

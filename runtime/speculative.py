@@ -40,6 +40,7 @@ ROW_COST_PRIOR = 0.25     # VerifyCost: a verified row's and a drafted token's c
 PROBE_EVERY = 8           # DraftLength: after this many steps without drafts, one step drafts a token
 COST_WINDOW = 32          # VerifyCost: the timings each median is taken over
 COST_MIN_TIMINGS = 3      # VerifyCost: timings of a kind before they replace ROW_COST_PRIOR
+COST_REFRESH = 8          # VerifyCost: timings between two computations of the medians
 
 
 @dataclass(frozen=True)
@@ -142,23 +143,34 @@ class VerifyCost:
         self.plain: dict[int, collections.deque] = {}            # batch size -> seconds of steps without drafts
         self.row: collections.deque = collections.deque(maxlen=COST_WINDOW)     # seconds a drafted row adds
         self.draft: collections.deque = collections.deque(maxlen=COST_WINDOW)   # seconds to draft one token
-        self._per_token: dict[int, float] = {}                   # cached per_token() until the next timing
+        self._per_token: dict[int, float] = {}                   # cached per_token(), refreshed every COST_REFRESH timings
+        self._timings = 0                                        # timings since the cache was last refreshed
 
     def observe_step(self, batch: int, drafted: int, seconds: float) -> None:
         """A decode forward of `batch` requests with `drafted` draft rows in all took `seconds`."""
-        self._per_token.clear()
         if drafted == 0:
-            self.plain.setdefault(batch, collections.deque(maxlen=COST_WINDOW)).append(seconds)
+            plain = self.plain.setdefault(batch, collections.deque(maxlen=COST_WINDOW))
+            plain.append(seconds)
+            self._timed(len(plain))
             return
         base = self._plain(batch)
         if base is not None:
             self.row.append(max(0.0, seconds - base) / drafted)
+            self._timed(len(self.row))
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         """Drafting `tokens` tokens (all requests of a step) took `seconds`."""
         if tokens > 0:
-            self._per_token.clear()
             self.draft.append(seconds / tokens)
+            self._timed(len(self.draft))
+
+    def _timed(self, count: int) -> None:
+        """After a timing that made a kind's count `count`: the medians again every COST_REFRESH timings, and as soon
+        as a kind has its first COST_MIN_TIMINGS (three medians of 32 every step were ~10% of a default-model step)."""
+        self._timings += 1
+        if self._timings >= COST_REFRESH or count <= COST_MIN_TIMINGS:
+            self._timings = 0
+            self._per_token.clear()
 
     def _plain(self, batch: int) -> float | None:
         """The median plain step at this batch size, or at the nearest one measured enough."""
