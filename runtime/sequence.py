@@ -79,15 +79,13 @@ class Sequence:
             if argmax is not None:
                 token, lp = argmax[j], None
                 ok = j < len(drafts) and token == drafts[j]
-                self.accepted += ok
-                kept += ok
             elif j < len(drafts):
                 token, ok, lp = self.sampler.sample_or_accept(row, self.tokens, drafts[j])
-                self.accepted += ok
-                kept += ok
             else:
                 token, lp = self.sample(row)
                 ok = False
+            self.accepted += ok
+            kept += ok
             out.append((int(token), lp, self.append(token)))
             if self.finish_reason or not ok:
                 break

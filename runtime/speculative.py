@@ -19,8 +19,8 @@ so a run of accepted copies lengthens the drafts at once and a rejection shorten
 step's cost with k drafted tokens against a plain decode step, measured as the requests run (VerifyCost: b, the
 seconds a verified row adds, and d, the seconds drafting a token takes, over the plain step's seconds at that batch
 size). k = 0 is a plain decode step: where drafts cost more than they save (a step that is mostly fixed cost, an MTP
-layer as costly as a quarter of the model) speculation turns itself off for that request, and tries again as its
-estimate drifts back to the prior. The choice depends only on earlier steps, so greedy output stays the same and
+layer as costly as a quarter of the model) speculation turns itself off for that request; n-gram drafts try again
+after idle steps (DraftLength's probes). The choice depends only on earlier steps, so greedy output stays the same and
 sampled output keeps its distribution.
 """
 from __future__ import annotations
@@ -198,8 +198,8 @@ class DraftLength:
     tokens with j accepted: j successes in min(k, j + 1) trials (each drafted token is tried only if the ones before it
     were accepted); every step multiplies the earlier evidence by ACCEPTANCE_MEMORY, so the estimate follows runs of
     copied text, and a step that drafted nothing lets it drift back to ACCEPTANCE_PRIOR; every PROBE_EVERY-th step
-without drafts (later where a drafted token costs more than ROW_COST_PRIOR) drafts one token anyway: a cost measured
-on cold steps, or a run of text that repeats, would else never be seen again."""
+    without drafts (later where a drafted token costs more than ROW_COST_PRIOR) drafts one token anyway: a cost
+    measured on cold steps, or a run of text that repeats, would else never be seen again."""
 
     def __init__(self, k_max: int, probe: bool = True):
         self.k_max = int(k_max)
