@@ -1,17 +1,18 @@
 // kt_search_scales: ktconvert's importance-weighted scale search (ktconvert/scale_search.py, search_scales: the
 // reference) for R groups of L values on the calling thread:
 //   peak   = the group's signed largest magnitude
-//   trials = peak / d for the given divisors d; for each, q = clamp(rint(x / t)) and the weighted least-squares scale
-//            for those codes, s = sum(w x q) / sum(w q^2), scored by sum(w x q)^2 / sum(w q^2) (the first best wins)
+//   trials = t = peak / d for the given divisors d; for each, q = clamp(rint(x * (1 / t))) and the weighted
+//            least-squares scale for those codes, s = sum(w x q) / sum(w q^2), scored by sum(w x q)^2 / sum(w q^2)
+//            (the first best wins)
 //   s      = the best trial's scale rounded to the stored dtype; its codes; `refine` least-squares refits (kept when
 //            they lower sum w (x - s q)^2); floor: never worse than peak / qmin rounded (the layout's plain rule)
 // Why in C: ktconvert's calibrated default spent three quarters of a conversion in this search through torch, ~30
 // elementwise passes over memory per trial; here the group stays in registers (a 2048 x 7168 expert matrix in
 // groups of 64: 0.7 s on 2 threads in torch; bench/bench_scale_search.py times both, bench/README.md has the numbers).
 //
-// Where the time goes, per group of 64 (the body keeps the order of operations above, so the bits): the trials'
-// codes take rint(x * (1 / t)) and divide only the vectors with a lane near a rounding boundary (rint_div16); the
-// trials' lane sums are reduced 8 at a time (reduce8x16: the same additions as reduce16); the choice among the
+// Where the time goes, per group of 64 (the body keeps the order of operations above, so the bits): the chosen
+// scales' codes take rint(x * (1 / s)) and divide only the vectors with a lane near a rounding boundary (rint_div16);
+// the trials' lane sums are reduced 8 at a time (reduce8x16: the same additions as reduce16); the choice among the
 // trials runs after all of them; the error sums that pick between the chosen scale, its refit and the floor are
 // compared as tree sums with a bound (bounded_sum, decide_less), the sequential sums only near a tie. One thread,
 // Intel Xeon (AMX host, 2 vCPUs), 2048 x 2048 at 4 bits in groups of 64, the library before these changes and
@@ -21,8 +22,12 @@
 // the sequential sums, AVX-512 140 -> 123 ms; the AVX2 copy's vectors as two 256-bit halves with loads and stores by
 // halves (it kept every 64-byte vector on the stack: slower than the scalar twin), AVX2 996 -> 160 ms; the same bits.
 //
-// Numerics: sums of products in float (as the reference's), lane sums of 16 in a fixed order, the gain and the
-// errors in double. The result can differ from the torch reference only where two trials' gains tie to the last
+// Then (2048 x 7168 in groups of 128, 4 bits, importance weights, one thread, AMD EPYC Zen 4): the trials' codes by
+// the multiply alone (no check for a lane near a half, no division: the reference takes the same product), their
+// sums by fused multiply-adds, two trials per pass over the group, see bench/README.md.
+//
+// Numerics: sums of products in float (as the reference's; the trials' by fused multiply-adds, std::fma in the
+// scalar twin), lane sums of 16 in a fixed order, the gain and the errors in double. The result can differ from the torch reference only where two trials' gains tie to the last
 // bits (the reference sums in torch's order); tests/test_scale_search_kernel.py bounds that. The body
 // (scale_search_body.inc) is compiled for AVX-512, AVX2 and the baseline ISA, chosen once (kt::vector_isa());
 // the same IEEE operations in the same order give the same bits in each: the baseline copy is the scalar twin.
@@ -74,6 +79,10 @@ inline v16 clamp16(v16 v, float lo, float hi) {              // v < lo ? lo : v,
         v[l] = v[l] > hi ? hi : v[l];
     }
     return v;
+}
+inline v16 fma16(v16 a, v16 b, v16 c) {                     // a b + c, one rounding
+    for (int l = 0; l < 16; ++l) a[l] = std::fma(a[l], b[l], c[l]);
+    return a;
 }
 #include "scale_search_body.inc"
 }  // namespace ref
@@ -127,12 +136,15 @@ inline v16 clamp16(v16 v, float lo, float hi) {     // min_ps(hi, max_ps(lo, v))
     const __m256 l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
     return {(v8)_mm256_min_ps(h, _mm256_max_ps(l, (__m256)v.a)), (v8)_mm256_min_ps(h, _mm256_max_ps(l, (__m256)v.b))};
 }
+inline v16 fma16(v16 a, v16 b, v16 c) {
+    return {(v8)_mm256_fmadd_ps((__m256)a.a, (__m256)b.a, (__m256)c.a), (v8)_mm256_fmadd_ps((__m256)a.b, (__m256)b.b, (__m256)c.b)};
+}
 #include "scale_search_body.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 namespace avx512 {
 #include "vec16_native.inc"
 #include "scale_search_native.inc"
@@ -145,6 +157,7 @@ inline bool all_le16(v16 v, float b) {
 inline v16 clamp16(v16 v, float lo, float hi) {              // as avx2::clamp16
     return (v16)_mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), (__m512)v));
 }
+inline v16 fma16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 #include "scale_search_body.inc"
 }  // namespace avx512
 #pragma GCC pop_options
