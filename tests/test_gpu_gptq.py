@@ -112,3 +112,22 @@ def test_column_loop_rounding_is_torch_round_after_the_clamp():
         assert torch.equal(_round_half_even_(x[:100_080].clone()), torch.round(x[:100_080]))   # below 2^22: exact
     nan = _round_half_even_(torch.tensor([float("nan")]))
     assert torch.isnan(nan).all()
+
+
+@pytest.mark.parametrize("k", [64, 300, 1031])
+def test_the_inverse_cholesky_factor_by_halves(k):
+    """_upper_factor_of_inverse (one Cholesky, then the triangular inverse by halves, _lower_inverse) gives the upper
+    U with U^T U = H^-1, the same factor as torch's triangular solve against the identity (sizes below, across and
+    well above INVERSE_BLOCK, odd halves included)."""
+    from ktconvert.gpu.gptq import _upper_factor_of_inverse
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(2 * k, k, generator=g, dtype=torch.float64)
+    h = x.T @ x / (2 * k) + 0.01 * torch.eye(k, dtype=torch.float64)
+    u = _upper_factor_of_inverse(h)
+    assert torch.equal(u, u.triu())
+    assert torch.allclose(u.T @ u, torch.linalg.inv(h), rtol=1e-8, atol=1e-10)
+    c = torch.linalg.cholesky(torch.flip(h, (0, 1)))
+    ref = torch.flip(torch.linalg.solve_triangular(c, torch.eye(k, dtype=h.dtype), upper=False), (0, 1))
+    assert torch.allclose(u, ref, rtol=1e-9, atol=1e-11)
+    assert _upper_factor_of_inverse(-h) is None                         # not positive definite

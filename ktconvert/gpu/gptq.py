@@ -90,8 +90,26 @@ def _upper_factor_of_inverse(h: torch.Tensor) -> torch.Tensor | None:
     c, info = torch.linalg.cholesky_ex(torch.flip(h, (0, 1)))
     if info != 0:
         return None
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
-    return torch.flip(torch.linalg.solve_triangular(c, eye, upper=False), (0, 1))
+    return torch.flip(_lower_inverse(c), (0, 1))
+
+
+INVERSE_BLOCK = 128     # _lower_inverse's blocks of at most this size are solved directly
+
+
+def _lower_inverse(c: torch.Tensor) -> torch.Tensor:
+    """C^-1 of a lower triangular C (K, K), by halves: [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]].
+    K^3 / 3 multiply-adds, nearly all in matrix products; a triangular solve against the identity does K^3 / 2 in a
+    slower routine (K = 2048 on one Zen 4 core: 0.08 s against 0.2 s; torch has no trtri)."""
+    k = c.shape[0]
+    if k <= INVERSE_BLOCK:
+        return torch.linalg.solve_triangular(c, torch.eye(k, dtype=c.dtype), upper=False)
+    m = k // 2
+    a_inv, d_inv = _lower_inverse(c[:m, :m]), _lower_inverse(c[m:, m:])
+    out = torch.zeros(k, k, dtype=c.dtype)
+    out[:m, :m] = a_inv
+    out[m:, m:] = d_inv
+    out[m:, :m] = -(d_inv @ (c[m:, :m] @ a_inv))
+    return out
 
 
 def _inverse_cholesky(h: torch.Tensor, percdamp: float, name: str) -> tuple[torch.Tensor, float]:
