@@ -1,7 +1,8 @@
 """The wall time a conversion will take on this machine, from a short timed sample (`ktconvert inspect --method`,
 and the first line `ktconvert quantize` logs).
 
-What is timed here, on the checkpoint itself, one thread (seconds; a few for a DeepSeek-V3-sized expert):
+What is timed here, on the checkpoint itself, one thread (CPU seconds of the process, less those of transformers'
+imports running beside the samples on a thread of their own; a few for a DeepSeek-V3-sized expert):
   experts  expert 0 of the first MoE layer through the conversion's own read + quantize + pack (_pack_expert), with
            the conversion's expert quantizer; a calibrated one gets synthetic calibration inputs with the routed
            token count an expert gets on average, n = T k / E (T calibration tokens, top-k of E experts). GPTQ runs
@@ -20,14 +21,15 @@ The model:
   experts_cpu = experts x the sample;  dense_cpu = non-expert bytes x the sample's seconds per byte (a GPTQ'd
                 Linear (N, K): N K^2 + K^3 / 3 at the sample's seconds per unit of that)
   forward     = sum over layers of 2 T (the layer's Linear weights, twice with GPTQ GPU layers: a Hessian pass
-                and a quantized pass, + top-k routed experts' weights) / rate, / FORWARD_MATMUL_SHARE (norms,
-                attention, routing, casts: the matmuls were 46% of a profiled DeepSeek-V3-shaped layer), + reading
-                each MoE layer's experts at the sample's read rate, + with GPTQ GPU layers their Hessians (2 T K^2
-                each, at the same rate); the int4-tile forward: its matmuls at the tiles' rate instead (the rest
-                as at float32), + every weight it tiles (the layers' Linears, the experts hit) at the quantize
+                and a quantized pass, + top-k routed experts' weights) + each hit expert's gate / up over the prior's
+                sample (PRIOR_SAMPLE tokens), / rate, / FORWARD_MATMUL_SHARE (norms, attention, routing, casts: the
+                matmuls were 46% of a profiled DeepSeek-V3-shaped layer; BF16_FORWARD_MATMUL_SHARE, 78%, for the
+                expert quantizer's own bf16 forward), + reading each MoE layer's experts at the sample's read rate
+                (the bf16 forward: read_bf16 of the sample's expert, timed), + with GPTQ GPU layers their Hessians
+                (2 T K^2 each, at the same rate); the int4-tile forward: its matmuls at the tiles' rate instead (the
+                rest as at float32), + every weight it tiles (the layers' Linears, the experts hit) at the quantize
                 rate
-  forward_cpu = forward x (FORWARD_MATMUL_SHARE x torch's threads + the rest on one; FLOAT32_FORWARD_MATMUL_SHARE
-                for the expert quantizer's own float32 forward); the int4-tile forward: its
+  forward_cpu = forward x (the matmul share x torch's threads + the rest on one); the int4-tile forward: its
                 products x the threads + the rest (TILE_FORWARD_REST of the float32 matmul time, the tiling, the
                 reads) on one
   write       = output bytes x (write + fsync + sha256 read-back), timed on a sample file beside the output: each
@@ -37,7 +39,7 @@ The model:
                 Linear of the layer (2 T p n_quantized / rate / FORWARD_MATMUL_SHARE); not yet timed against a run
   wall        = startup + sample + mix + max(forward, (experts_cpu + dense_cpu + forward_cpu) / (cores x efficiency))
                 + write, efficiency PARALLEL_EFFICIENCY (CALIBRATED_PARALLEL_EFFICIENCY for a calibrated one,
-                BUSY_CALIBRATED_PARALLEL_EFFICIENCY with the expert quantizer's own float32 or int4-tile forward)
+                BUSY_CALIBRATED_PARALLEL_EFFICIENCY with the expert quantizer's own forward)
 with cores = min(--workers (+1 for the calibration thread), the CPUs this process may use), startup what this
 process took until the estimate (imports, and those of the calibration forward), and sample the time the sample
 took (quantize times it before it starts). The efficiencies are what bench_convert.py's DeepSeek-V3-shaped
@@ -51,6 +53,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,12 +65,16 @@ import numpy as np
 # arithmetic, memory bandwidth shared by the workers) and the calibrated default (GPTQ, search, forward)
 PARALLEL_EFFICIENCY = 0.62
 CALIBRATED_PARALLEL_EFFICIENCY = 0.8
-# the same with a slower forward, float32 or the int4 tiles (the CPUs without bf16 dot products, where it is long
-# enough to keep every core busy beside the pack workers): on Zen 3, 2 cores, the DeepSeek-V3-shaped calibrated default
-# used ~1.0 of the cores between its serial parts (float32: 209 CPU-s in 114 s wall; tiles: 182 in 101)
-BUSY_CALIBRATED_PARALLEL_EFFICIENCY = 0.95
+# the same with the expert quantizer's own forward, long enough to keep every core busy beside the pack workers: on
+# Zen 3, 2 cores, the DeepSeek-V3-shaped calibrated default used ~1.0 of the cores between its serial parts (float32:
+# 209 CPU-s in 114 s wall; tiles: 182 in 101); on Zen 4 with the bf16 forward, 1.0 too (samples in CPU seconds: ~105
+# CPU-s of work in ~53 s between the serial parts, bench_convert.py's 2 rounds)
+BUSY_CALIBRATED_PARALLEL_EFFICIENCY = 1.0
 FORWARD_MATMUL_SHARE = 0.5     # measured: matmuls were 46% of a DeepSeek-V3-shaped calibration layer (bf16)
 FLOAT32_FORWARD_MATMUL_SHARE = 0.75   # the same in float32 (Zen 3: ~51 s of matmuls in ~68 s of forward, perf and py-spy)
+# the expert quantizer's own bf16 forward since its weights are read as bf16 and the prior's rows ride in its products
+# (torch.profiler over a DeepSeek-V3-shaped layer, Zen 4, 2 threads: aten::mm 7.3 s of 9.3 s)
+BF16_FORWARD_MATMUL_SHARE = 0.78
 # the int4-tile forward's work besides its products (attention scores, norms, routing, gathers, casts), in units of
 # the float32 forward's matmul time: fitted to bench_convert.py's DeepSeek-V3-shaped calibrated default (Zen 3, 2 cores,
 # 2 rounds: 104.3 / 98.1 s wall)
@@ -135,10 +142,14 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
     calibrated = bool(quantizer is not None and quantizer.calibrated) or getattr(encoder, "calibrated", False)
     tokens = opts.calib_tokens
     parts: dict[str, float] = {"startup": startup}
+    imports = _Imports(src) if calibrated else None
+    if imports is not None:
+        imports.start()
+    clock = _CpuClock(imports)
 
     expert_cpu, read_rate = 0.0, None
     if moe_layers:
-        per_expert, read_rate = _expert_sample(src, geo, moe_layers[0], quantizer, tokens, opts)
+        per_expert, read_rate = _expert_sample(src, geo, moe_layers[0], quantizer, tokens, opts, clock)
         n_experts = sum(1 for g in plan.jobs for j in g if j.kind == "expert" and j.shard in (0, None)) * geo.n_experts
         expert_cpu = per_expert * n_experts
     parts["experts"] = expert_cpu
@@ -147,9 +158,9 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
     sample = _dense_sample_job(dense_jobs, moe_layers)
     dense_cpu = 0.0
     if sample is not None:
-        rates = _dense_sample(src, sample, encoder)
+        rates = _dense_sample(src, sample, encoder, clock)
         if not getattr(encoder, "calibrated", False):         # cheap: again, warm (as for the experts)
-            rates = _dense_sample(src, sample, encoder)
+            rates = _dense_sample(src, sample, encoder, clock)
         for j in dense_jobs:
             for name, role in j.sources:
                 kind, units = _dense_units(src, encoder, name, role)
@@ -159,7 +170,8 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
     forward = forward_cpu = 0.0
     if calibrated:
         t = time.perf_counter()
-        _import_calibration(src)              # transformers and the family's modeling module: part of the run
+        imports.join()                        # transformers and the family's modeling module: part of the run
+        _import_calibration(src)              # (again: an import that failed there raises here)
         parts["startup"] += time.perf_counter() - t
         forward, forward_cpu = _forward_seconds(src, plan, quantizer, encoder, tokens, read_rate)
         parts["forward"] = forward
@@ -178,10 +190,51 @@ def estimate_conversion(src, opts, plan, encoder, quantizer, out_dir: Path | Non
     release_read_buffer()                    # the expert sample's, on this thread: the conversion's are its workers'
     # quantize times this sample before it starts (the imports in it are part of the run anyway: in startup)
     sample = time.perf_counter() - t0 - (parts["startup"] - startup)
-    efficiency = (BUSY_CALIBRATED_PARALLEL_EFFICIENCY if _own_calibration_matmul(quantizer) in
-                  ("float32", "kernels") else CALIBRATED_PARALLEL_EFFICIENCY) if calibrated else PARALLEL_EFFICIENCY
+    efficiency = (BUSY_CALIBRATED_PARALLEL_EFFICIENCY if _own_calibration_matmul(quantizer) is not None
+                  else CALIBRATED_PARALLEL_EFFICIENCY) if calibrated else PARALLEL_EFFICIENCY
     wall = parts["startup"] + sample + mix + max(forward, work / (cores * efficiency)) + parts["write"]
     return Estimate(wall, parts, sample)
+
+
+class _Imports(threading.Thread):
+    """transformers' modeling modules for the calibration forward (~2 s of imports, mostly holding the GIL) loaded on
+    a thread of their own while the samples run (mostly in C, without it): the forward's term joins it. cpu() is its
+    CPU seconds so far, which the samples' clock leaves out (_CpuClock). An import that fails here is left to the
+    forward's term, which imports again and raises."""
+
+    def __init__(self, src):
+        super().__init__(name="ktconvert-imports", daemon=True)
+        self.src, self.final, self.error = src, None, None
+
+    def run(self) -> None:
+        try:
+            _import_calibration(self.src)
+        except Exception as e:               # noqa: BLE001 - raised again by the caller's own import
+            self.error = e
+        finally:
+            self.final = time.thread_time()
+
+    def cpu(self) -> float:
+        if self.ident is None:               # not started
+            return 0.0
+        if self.final is None:
+            try:
+                return time.clock_gettime(time.pthread_getcpuclockid(self.ident))
+            except OSError:                  # it ended between the check and the read
+                self.join()
+        return self.final
+
+
+class _CpuClock:
+    """CPU seconds of this process (every thread: a sample's torch calls run on several), less those of the imports
+    beside it: the samples are CPU seconds of work (the model divides them by the cores), not the wall time they took
+    while sharing the cores."""
+
+    def __init__(self, imports: _Imports | None):
+        self.imports = imports
+
+    def __call__(self) -> float:
+        return time.process_time() - (self.imports.cpu() if self.imports is not None else 0.0)
 
 
 def _measures_mix(encoder) -> bool:
@@ -233,9 +286,10 @@ def _write_seconds_per_byte(out_dir: Path | None) -> float:
         return 0.0
 
 
-def _expert_sample(src, geo, layer: int, quantizer, tokens: int, opts) -> tuple[float, float]:
-    """(CPU seconds of one routed expert, seconds per source byte of reading one) on expert 0 of `layer`, the read
-    timed inside the pack path itself (its TimeShares)."""
+def _expert_sample(src, geo, layer: int, quantizer, tokens: int, opts, clock=time.process_time
+                   ) -> tuple[float, float]:
+    """(CPU seconds of one routed expert by `clock`, seconds per source byte of reading one) on expert 0 of `layer`,
+    the read timed inside the pack path itself (its TimeShares)."""
     from ktconvert.pipeline import _pack_expert
     from ktconvert.time_shares import TimeShares
 
@@ -244,10 +298,10 @@ def _expert_sample(src, geo, layer: int, quantizer, tokens: int, opts) -> tuple[
     if quantizer is None or quantizer.mode == "rtn" or not quantizer.calibrated:
         for _ in range(2):          # the second: the first pays for memory this process touches the first time
             shares = TimeShares()
-            t = time.perf_counter()
+            t = clock()
             _pack_expert(src, src.arch, geo, layer, 0, shares=shares, shards=shards, bf16_scales=opts.bf16_scales,
                          quantizer=quantizer)
-            seconds = time.perf_counter() - t
+            seconds = clock() - t
         return seconds, shares.seconds["read"] / max(1, nbytes)
     k = max(1, src.arch.top_k or 1)
     mean = tokens * k / max(1, geo.n_experts)
@@ -257,17 +311,19 @@ def _expert_sample(src, geo, layer: int, quantizer, tokens: int, opts) -> tuple[
     for share, n in ((above, max(threshold, round(mean))), (1.0 - above, min(threshold - 1, round(mean)))):
         if share >= 0.01:
             runs.append((share, _timed_calibrated_expert(src, geo, layer, shards, quantizer, max(1, n), opts,
-                                                         shares)))
+                                                         shares, clock)))
     read_rate = shares.seconds["read"] / len(runs) / max(1, nbytes)
     return sum(s * t for s, t in runs) / sum(s for s, _ in runs), read_rate
 
 
-def _timed_calibrated_expert(src, geo, layer: int, shards, quantizer, n: int, opts, shares) -> float:
-    """Seconds of _pack_expert on expert 0 of `layer` with synthetic calibration inputs: n routed tokens of
-    Gaussian inputs (the arithmetic of GPTQ and the search does not depend on the values); its read and quantize
+def _timed_calibrated_expert(src, geo, layer: int, shards, quantizer, n: int, opts, shares,
+                             clock=time.process_time) -> float:
+    """Seconds by `clock` of _pack_expert on expert 0 of `layer` with synthetic calibration inputs: n routed tokens
+    of Gaussian inputs (the arithmetic of GPTQ and the search does not depend on the values); its read and quantize
     seconds are added to shares."""
     import torch
 
+    from ktconvert.gpu.calib import prior_rows
     from ktconvert.pipeline import _pack_expert
     from ktconvert.quantizers.experts import ExpertQuantizer
 
@@ -277,16 +333,12 @@ def _timed_calibrated_expert(src, geo, layer: int, shards, quantizer, n: int, op
     x = torch.randn(total, geo.hidden, generator=g)
     ids = torch.full((total, 1), 1, dtype=torch.long)
     ids[:n] = 0                                                        # expert 0 gets n of the tokens
-    prior = None
-    if _own_calibration_matmul(quantizer) == "kernels":
-        from ktconvert.gpu.calib import prior_rows
-
-        # the tile forward computes the prior's rows (their cost is in _forward_seconds)
-        prior = {0: torch.randn(prior_rows(x).shape[0], geo.intermediate, generator=g)}
+    # the calibration forward computes the prior's rows (their cost is in _forward_seconds)
+    prior = {0: torch.randn(prior_rows(x).shape[0], geo.intermediate, generator=g)}
     q.use_inputs(layer, x, ids, {0: torch.randn(n, geo.intermediate, generator=g)}, prior)
-    t = time.perf_counter()
+    t = clock()
     _pack_expert(src, src.arch, geo, layer, 0, shards, bf16_scales=opts.bf16_scales, quantizer=q, shares=shares)
-    return time.perf_counter() - t
+    return clock() - t
 
 
 def _dense_sample_job(dense_jobs, moe_layers):
@@ -312,9 +364,9 @@ def _dense_units(src, encoder, name: str, role) -> tuple[str, float]:
     return "bytes", float(info.nbytes)
 
 
-def _dense_sample(src, job, encoder) -> dict[str, float]:
-    """{kind: seconds per work unit (_dense_units)} of reading and encoding tensors of one dense file: the smallest
-    first, until DENSE_SAMPLE_BYTES (a norm and a Linear or two)."""
+def _dense_sample(src, job, encoder, clock=time.process_time) -> dict[str, float]:
+    """{kind: seconds by `clock` per work unit (_dense_units)} of reading and encoding tensors of one dense file: the
+    smallest first, until DENSE_SAMPLE_BYTES (a norm and a Linear or two)."""
     import torch
 
     picked, nbytes = [], 0
@@ -327,14 +379,14 @@ def _dense_sample(src, job, encoder) -> dict[str, float]:
     units: dict[str, float] = {}
     for name, role in picked:
         kind, u = _dense_units(src, encoder, name, role)
-        t = time.perf_counter()
+        t = clock()
         tensor = src.read(name)
         if kind == "gptq":
             x = torch.randn(256, tensor.shape[1], generator=torch.Generator().manual_seed(0))
             encoder.quantize_calibrated(name, tensor, 2.0 * x.T @ x / 256)
         else:
             encoder.encode(name, tensor.numpy(), role)
-        seconds[kind] = seconds.get(kind, 0.0) + time.perf_counter() - t
+        seconds[kind] = seconds.get(kind, 0.0) + clock() - t
         units[kind] = units.get(kind, 0.0) + u
     return {k: seconds[k] / max(units[k], 1.0) for k in seconds}
 
@@ -350,6 +402,8 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
     """(wall seconds, CPU seconds) of the calibration forward over all layers (the model in this module's
     docstring)."""
     import torch
+
+    from ktconvert.gpu.calib import PRIOR_SAMPLE
 
     arch = src.arch
     own = _own_calibration_matmul(quantizer)
@@ -371,16 +425,17 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
     passes = 2 if getattr(encoder, "calibrated", False) else 1
     flops = sum(2 * tokens * (passes * p + (arch.top_k * per_expert if layer in moe else 0))
                 for layer, p in linear.items())
+    # the prior's rows (ktconvert.gpu.calib.prior_rows) through each hit expert's gate / up
+    flops += len(moe) * geo.n_experts * hit * 2 * min(tokens, PRIOR_SAMPLE) * 2 * geo.hidden * geo.intermediate
     threads = torch.get_num_threads()       # the matmuls run on all of them, the rest on one
-    share = FLOAT32_FORWARD_MATMUL_SHARE if own == "float32" else FORWARD_MATMUL_SHARE
+    share = {"float32": FLOAT32_FORWARD_MATMUL_SHARE, "bfloat16": BF16_FORWARD_MATMUL_SHARE}.get(own,
+                                                                                               FORWARD_MATMUL_SHARE)
     seconds = flops / rate / share
     cpu_per_second = share * threads + 1 - share
     if matmul == "kernels":     # the products on int4 tiles (all threads), the rest and the tiling on one thread
         tile_rate, per_weight = _tile_rate(k, n)
         tiled = sum(linear.values()) + len(moe) * geo.n_experts * hit * per_expert
-        from ktconvert.gpu.calib import PRIOR_SAMPLE  # the prior's rows through each expert's gate / up
-        prior = len(moe) * geo.n_experts * hit * 2 * min(tokens, PRIOR_SAMPLE) * 2 * geo.hidden * geo.intermediate
-        products = (flops + prior) / tile_rate
+        products = flops / tile_rate
         rest = TILE_FORWARD_REST * flops / rate + tiled * per_weight
         seconds = products + rest
         cpu_per_second = (products * threads + rest) / seconds
@@ -389,8 +444,15 @@ def _forward_seconds(src, plan, quantizer, encoder, tokens: int, read_rate: floa
                    for n, role in j.sources if _dense_units(src, encoder, n, role)[0] == "gptq")
         seconds += hess / rate
     if read_rate is not None:
-        expert_bytes = sum(src.info(arch.expert_tensor_name(geo.moe_layers[0], 0, p)).nbytes
-                           for p in ("gate", "up", "down"))
+        names = [arch.expert_tensor_name(geo.moe_layers[0], 0, p) for p in ("gate", "up", "down")]
+        expert_bytes = sum(src.info(name).nbytes for name in names)
+        if matmul == "bfloat16" and hasattr(src, "read_bf16"):
+            # the bf16 forward reads its experts as stored (StreamingExperts: read_bf16), not widened to float32
+            # as the pack path's sample read them: timed here on the same expert
+            t = time.perf_counter()
+            for name in names:
+                src.read_bf16(name)
+            read_rate = (time.perf_counter() - t) / max(1, expert_bytes)
         seconds += len(moe) * geo.n_experts * hit * expert_bytes * read_rate
     return seconds, seconds * cpu_per_second
 
@@ -435,13 +497,14 @@ def _tile_rate(k: int, n: int, m: int = 512) -> tuple[float, float]:
 
 
 def _matmul_rate(k: int, n: int, dtype, m: int = 512) -> float:
-    """FLOP/s of an (m, k) x (k, n) matmul with float32 weights as the calibration forward runs it (bf16: under CPU
-    autocast, which casts the weight every call, as it does there): the best of 5 calls after WARMUP_SECONDS of
-    them."""
+    """FLOP/s of an (m, k) x (k, n) matmul as the calibration forward runs it (bf16: under CPU autocast, float32 inputs
+    and bf16 weights, which the forward reads as such): the best of 5 calls after WARMUP_SECONDS of them."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    if dtype == torch.bfloat16:
+        b = b.to(torch.bfloat16)
     best, warm = float("inf"), time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         while time.perf_counter() - warm < WARMUP_SECONDS:      # the first calls of a process are slow

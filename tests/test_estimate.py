@@ -89,3 +89,34 @@ def test_quantize_estimate_against_its_wall_time(tmp_path):
     assert "forward" in parts and "startup" in parts
     assert 0.4 < seconds / wall < 2.5, (seconds, wall, parts)
     assert not list(Path(tmp_path / "out").glob(".ktconvert-estimate-*"))   # the write sample is gone
+
+
+def test_the_samples_clock_leaves_out_the_imports_beside_them(monkeypatch):
+    """The samples are CPU seconds of this process less those of transformers' imports running beside them on their
+    own thread: a second of pure-Python work on that thread does not reach the clock, the same second on the
+    calling thread does; a failed import is kept for the caller's own import to raise."""
+    def spin(_src):
+        end = time.thread_time() + 0.4
+        while time.thread_time() < end:
+            pass
+
+    monkeypatch.setattr(estimate, "_import_calibration", spin)
+    imports = estimate._Imports(None)
+    clock = estimate._CpuClock(imports)
+    t = clock()
+    imports.start()
+    imports.join()
+    assert imports.final >= 0.4 and imports.error is None
+    assert clock() - t < 0.1
+    t = clock()
+    spin(None)
+    assert clock() - t >= 0.35
+
+    def fail(_src):
+        raise ImportError("no modeling module")
+
+    monkeypatch.setattr(estimate, "_import_calibration", fail)
+    broken = estimate._Imports(None)
+    broken.start()
+    broken.join()
+    assert isinstance(broken.error, ImportError) and broken.final is not None

@@ -238,3 +238,30 @@ def test_calibration_matmul_follows_the_cpu_and_the_environment(monkeypatch):
     monkeypatch.setenv(MATMUL_ENV, "fp8")
     with pytest.raises(CalibrationError, match="KTCONVERT_CALIB_MATMUL='fp8'"):
         calibration_matmul()
+
+
+@pytest.mark.parametrize("matmul,tol", [("float32", 1e-5), ("bfloat16", 0.02)])
+def test_the_forward_gives_the_priors_rows_from_the_experts_own_product(matmul, tol, tmp_path):
+    """The expert quantizer's prior (each expert's down inputs on an evenly spaced sample of the layer's tokens) comes
+    from the calibration forward's gate / up product of that expert, sample rows beside its routed ones: every hit
+    expert's rows equal silu(xs gate^T) * (xs up^T) of the float weights (bf16 matmuls: within their rounding), and
+    the routed rows are unchanged by the sample riding along."""
+    from ktconvert.gpu.calib import make_calibrator, prior_rows
+
+    layer = 1
+    with open_source(make_checkpoint("deepseek_v3", tmp_path)) as src:
+        cal = make_calibrator(src, None, 1024, 256, 0, lambda *a: None, lambda hub: False, capture_experts=True,
+                              matmul=matmul)
+        x, ids = cal.expert_inputs(layer)
+        acts = cal.expert_activations(layer)
+        prior = cal.expert_prior_rows(layer)
+        xs = prior_rows(x.float())
+        assert set(prior) == set(acts) == {int(e) for e in ids.unique()}
+        for e, a_s in prior.items():
+            gate, up = (src.read(src.arch.expert_tensor_name(layer, e, p)) for p in ("gate", "up"))
+            ref = torch.nn.functional.silu(xs @ gate.T) * (xs @ up.T)
+            assert a_s.shape == ref.shape
+            assert float((a_s.float() - ref).norm() / ref.norm()) < tol
+            xe = x.float()[(ids == e).any(1)]
+            routed = torch.nn.functional.silu(xe @ gate.T) * (xe @ up.T)
+            assert float((acts[e].float() - routed).norm() / routed.norm()) < tol

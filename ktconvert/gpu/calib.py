@@ -196,6 +196,21 @@ def hf_config(config: dict, model_type: str):
     return cfg
 
 
+def check_transformers_classes(config: dict, model_type: str) -> None:
+    """That transformers has the checkpoint's config class (built from config.json: KeyError / ValueError / TypeError
+    where it cannot be) and a modeling module beside it, found but not imported: that import (~2 s) is the
+    calibration forward's, on its own thread (ktconvert.quantizers.experts.prefetch_layers), or the estimate's,
+    overlapping its samples (ktconvert.estimate)."""
+    import importlib.util
+
+    from transformers import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING[model_type](**{k: v for k, v in config.items() if k not in _DROP_CONFIG_KEYS})
+    modeling = type(cfg).__module__.replace(".configuration_", ".modeling_")
+    if importlib.util.find_spec(modeling) is None:
+        raise CalibrationError(f"transformers has no modeling module {modeling} for {model_type!r}")
+
+
 def _tests_attention_name(cfg) -> bool:
     """Whether the config's transformers modeling module compares config._attn_implementation with a name."""
     mod = importlib.import_module(type(cfg).__module__.replace(".configuration_", ".modeling_"))
@@ -257,8 +272,8 @@ class StreamingExperts(nn.Module):
         # with captured on: expert -> its down_proj inputs act(x gate^T) * (x up^T) of its routed tokens, in token
         # order, call after call (what the forward computes anyway; the expert quantizer's importance of down)
         self.activations: dict[int, list[torch.Tensor]] = {}
-        # with captured on and tiles: expert -> its down_proj inputs on the evenly spaced sample of the call's
-        # tokens the expert quantizer's prior reads (ktconvert.quantizers.experts.prior_rows), from the same product
+        # with captured on: expert -> its down_proj inputs on the evenly spaced sample of the call's tokens the
+        # expert quantizer's prior reads (prior_rows), from the same gate / up product as its routed tokens
         self.prior: dict[int, torch.Tensor] = {}
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
@@ -279,22 +294,26 @@ class StreamingExperts(nn.Module):
             # float32: into the one reused buffer (its matrices are read, used and dropped before the next expert)
             gate, up, down = (self.src.read_bf16(n) for n in names) if bf16 else self.buffer.read(self.src, names)
             x = hidden_states[tok]
+            n = x.shape[0]
+            # the prior's sample rows ride along in the same gate / up product (first call only: the sample is of
+            # all the layer's tokens, which one call holds); the expert quantizer otherwise multiplies them itself,
+            # in float32 (that was ~7% of the calibrated default's CPU time on bench_convert.py's DeepSeek-V3 shape)
+            sample = prior_rows(hidden_states) if self.captured is not None and len(self.captured) == 1 else None
+            a_s = None
             if self.tiles is not None and self.tiles.takes_expert(gate, down):
                 bias = None if self.biases is None else tuple(b[e].float() for b in self.biases)
-                # the prior's sample rows ride along in the same gate / up product (first call only: the sample
-                # is of all the layer's tokens, which one call holds)
-                sample = prior_rows(hidden_states) if self.captured is not None and len(self.captured) == 1 else None
                 a, y, a_s = self.tiles.expert(x.float(), gate.float(), up.float(), down.float(), self.gate_fn, bias,
                                               sample)
-                if a_s is not None:
-                    self.prior[e] = a_s
-            elif self.biases is None:
-                a = self.gate_fn(x @ gate.T, x @ up.T)
-                y = a @ down.T
             else:
-                bg, bu, bd = (b[e].to(x.dtype) for b in self.biases)
-                a = self.gate_fn(x @ gate.T + bg, x @ up.T + bu)
-                y = a @ down.T + bd
+                rows = x if sample is None else torch.cat([x, sample.to(x.dtype)])     # (n [+ S], H)
+                bg, bu, bd = (None,) * 3 if self.biases is None else (b[e].to(x.dtype) for b in self.biases)
+                g, u = rows @ gate.T, rows @ up.T
+                a_all = self.gate_fn(g, u) if bg is None else self.gate_fn(g + bg, u + bu)
+                a = a_all[:n]
+                y = a @ down.T if bd is None else a @ down.T + bd
+                a_s = None if sample is None else a_all[n:]
+            if a_s is not None:
+                self.prior[e] = a_s
             if self.captured is not None:
                 self.activations.setdefault(e, []).append(a)
             out.index_add_(0, tok, (y * top_k_weights[tok, pos, None].to(y.dtype)).to(out.dtype))
@@ -338,7 +357,7 @@ class LayerwiseGptq:
         self.quantize_head, self.capture_experts = quantize_head, capture_experts
         self.expert_captures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> (X (T, H), ids (T, k))
         self.expert_acts: dict[int, dict[int, torch.Tensor]] = {}     # layer -> expert -> (n_e, I) down inputs
-        self.expert_prior: dict[int, dict[int, torch.Tensor]] = {}    # layer -> expert -> (S, I) prior rows (tiles)
+        self.expert_prior: dict[int, dict[int, torch.Tensor]] = {}    # layer -> expert -> (S, I) prior rows
         check_layerwise(src)
         self.cfg = hf_config(*text_model_of(src))
         self.hub = src.arch.family.names                              # layer prefix, embed / norm / head names
@@ -400,7 +419,8 @@ class LayerwiseGptq:
 
     def expert_prior_rows(self, layer: int) -> dict[int, torch.Tensor]:
         """expert -> (S, I) its down_proj inputs on the prior's sample of the layer's tokens (prior_rows of
-        expert_inputs' X), where the tile forward computed them (else empty: the quantizer computes them itself)."""
+        expert_inputs' X), as the forward computed them (empty where the layer's tokens came in several calls: the
+        quantizer computes them itself)."""
         self.expert_prior = {k: v for k, v in self.expert_prior.items() if k >= layer}
         return self.expert_prior.pop(layer, {})
 

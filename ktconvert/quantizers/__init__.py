@@ -44,13 +44,19 @@ def _calibration_available(src, opts) -> bool:
     them); without them `auto` falls back to the uniform search (logged), explicit gptq/search fail naming why."""
     import logging
 
-    from ktconvert.gpu.calib import CalibrationError, check_layerwise, hf_config, read_calibration_text, tokenizer_for
+    from ktconvert.gpu.calib import (
+        CalibrationError,
+        check_layerwise,
+        check_transformers_classes,
+        read_calibration_text,
+        tokenizer_for,
+    )
     try:
         read_calibration_text(opts.calib)
         tokenizer_for(src)
         check_layerwise(src)
         try:
-            hf_config(src.config, src.arch.model_type)
+            check_transformers_classes(src.config, src.arch.model_type)
         except (KeyError, ValueError, TypeError) as e:
             raise CalibrationError(f"transformers has no model class for {src.arch.model_type!r} ({e})") from None
     except CalibrationError as e:

@@ -153,7 +153,8 @@ class ExpertQuantizer:
         x, ids = cal.expert_inputs(layer)
         acts = cal.expert_activations(layer) if hasattr(cal, "expert_activations") else {}
         prior = cal.expert_prior_rows(layer) if hasattr(cal, "expert_prior_rows") else {}
-        return x.float(), ids, {e: a.float() for e, a in acts.items()}, prior    # (bf16 from a bf16-matmul forward)
+        # (bf16 from a bf16-matmul forward)
+        return x.float(), ids, {e: a.float() for e, a in acts.items()}, {e: a.float() for e, a in prior.items()}
 
     def expert_stats(self, layer: int, e: int, w: dict[str, np.ndarray]) -> ExpertStats | None:
         if not self.calibrated:
