@@ -171,7 +171,7 @@ class ExpertQuantizer:
         ae = acts[e] if e in acts and acts[e].shape[0] == n else F.silu(xe @ gate.T) * (xe @ up.T)    # (n, I)
         # the prior's mean over all tokens, from an evenly spaced sample of PRIOR_SAMPLE of them: it weighs
         # PRIOR_TOKENS against the routed tokens, and all T rows cost two (T, H) x (H, I) products per expert
-        # (the tile forward computes them in its own product of the expert)
+        # (the calibration forward computes them in its own gate / up product of the expert; here only without it)
         xs = prior_rows(x_all)
         a_s = prior[e] if e in prior and prior[e].shape[0] == xs.shape[0] else F.silu(xs @ gate.T) * (xs @ up.T)
         with self._lock:
