@@ -27,8 +27,9 @@
 // sums by fused multiply-adds, two trials per pass over the group, see bench/README.md.
 //
 // Numerics: sums of products in float (as the reference's; the trials' by fused multiply-adds, std::fma in the
-// scalar twin), lane sums of 16 in a fixed order, the gain and the errors in double. The result can differ from the torch reference only where two trials' gains tie to the last
-// bits (the reference sums in torch's order); tests/test_scale_search_kernel.py bounds that. The body
+// scalar twin), lane sums of 16 in a fixed order, the gain and the errors in double. The result can differ from the
+// torch reference only where two trials' gains tie to the last bits (the reference sums in torch's order);
+// tests/test_scale_search_kernel.py bounds that. The body
 // (scale_search_body.inc) is compiled for AVX-512, AVX2 and the baseline ISA, chosen once (kt::vector_isa());
 // the same IEEE operations in the same order give the same bits in each: the baseline copy is the scalar twin.
 #include <algorithm>
