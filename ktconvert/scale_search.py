@@ -3,7 +3,7 @@ choose the scale of each group that minimizes the importance-weighted squared er
 
 A group x (L values) with weights w >= 0 (input-channel importance, or 1) is stored as codes q in [qmin, qmax]
 (qmin = -2^(b-1), qmax = 2^(b-1) - 1) and one scale s: x ~= s * q. For a trial scale t, q = clamp(rint(x (1 / t)))
-(trial_codes) and the best scale for those codes is the weighted least-squares one, s = sum(w x q) / sum(w q^2), with
+(codes_for's reciprocal) and the best scale for those codes is the weighted least-squares one, s = sum(w x q) / sum(w q^2), with
 error sum(w x^2) - sum(w x q)^2 / sum(w q^2). Trial scales: the largest-magnitude value `peak` (signed) divided by
 qmin (1 + d) for d in a grid of +-12.5% (d = 0 is the plain rule of llama.cpp's Q4_0/Q8_0 and of our CPU layouts, the
 largest magnitude onto the most negative code), and by qmax + 1/2 (vLLM's RTN rule), so the search is never worse
@@ -47,23 +47,15 @@ def round_scales(s: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     return s.to(getattr(torch, enc.runtime_name)).to(torch.float32)
 
 
-def codes_for(x: torch.Tensor, s: torch.Tensor, bits: int) -> torch.Tensor:
-    """x (R, L), s (R,) -> signed codes clamp(rint(x / s)) (0 where s == 0), true division by the stored scale."""
+def codes_for(x: torch.Tensor, s: torch.Tensor, bits: int, reciprocal: bool = False) -> torch.Tensor:
+    """x (R, L), s (R,) -> signed codes clamp(rint(x / s)) (0 where s == 0), true division by the stored scale.
+    reciprocal: clamp(rint(x * (1 / s))) instead, a trial's codes (1 / s in float32, as the kernel's 1.0f / t): only
+    the choice among the trials reads them, and kt_search_scales takes the same product (a division per value and
+    trial was most of its time)."""
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     safe = torch.where(s != 0, s, torch.ones_like(s))[:, None]
-    q = torch.round(x / safe).clamp_(qmin, qmax)
+    q = torch.round(x * (1.0 / safe) if reciprocal else x / safe).clamp_(qmin, qmax)
     return torch.where(s[:, None] != 0, q, torch.zeros_like(q))
-
-
-def trial_codes(x: torch.Tensor, t: torch.Tensor, bits: int) -> torch.Tensor:
-    """x (R, L), trial scales t (R,) -> clamp(rint(x * (1 / t))) (0 where t == 0): a trial's codes by a multiply with
-    the reciprocal, not a division (only the choice among the trials reads them; the chosen scale's codes are
-    codes_for's). The kernel (kt_search_scales) takes the same product: a division per value and trial was most of
-    its time."""
-    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    inv = 1.0 / torch.where(t != 0, t, torch.ones_like(t))           # float32, as the kernel's 1.0f / t
-    q = torch.round(x * inv[:, None]).clamp_(qmin, qmax)
-    return torch.where(t[:, None] != 0, q, torch.zeros_like(q))
 
 
 def weighted_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -149,7 +141,7 @@ def _search_scales(x: torch.Tensor, w: torch.Tensor | None, bits: int, scale_dty
     best_num = torch.full((r,), -1.0, dtype=torch.float64)                 # sum(w x q)^2 / sum(w q^2), maximized
     best_s = torch.zeros(r, dtype=torch.float32)
     for div in divisors or trial_divisors(bits):
-        q = trial_codes(x, peak / div, bits)
+        q = codes_for(x, peak / div, bits, reciprocal=True)
         sxq = (wx * q).sum(1).double()
         sqq = (w * q * q).sum(1).double()
         gain = torch.where(sqq > 0, sxq * sxq / sqq.clamp_min(1e-300), torch.zeros_like(sxq))

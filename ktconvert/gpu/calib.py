@@ -288,6 +288,10 @@ class StreamingExperts(nn.Module):
         # widened to float32 and cast back every call (the same products, a sixth less time per layer)
         bf16 = torch.is_autocast_enabled("cpu") and hasattr(self.src, "read_bf16") and \
             torch.get_autocast_dtype("cpu") == torch.bfloat16
+        # the prior's sample rows ride along in each expert's gate / up product (first call only: the sample is of
+        # all the layer's tokens, which one call holds); the expert quantizer otherwise multiplies them itself, in
+        # float32 (that was ~7% of the calibrated default's CPU time on bench_convert.py's DeepSeek-V3 shape)
+        sample = prior_rows(hidden_states) if self.captured is not None and len(self.captured) == 1 else None
         for e in torch.unique(top_k_index).tolist():
             tok, pos = torch.where(top_k_index == e)
             names = [arch.expert_tensor_name(self.layer, e, p) for p in ("gate", "up", "down")]
@@ -295,10 +299,6 @@ class StreamingExperts(nn.Module):
             gate, up, down = (self.src.read_bf16(n) for n in names) if bf16 else self.buffer.read(self.src, names)
             x = hidden_states[tok]
             n = x.shape[0]
-            # the prior's sample rows ride along in the same gate / up product (first call only: the sample is of
-            # all the layer's tokens, which one call holds); the expert quantizer otherwise multiplies them itself,
-            # in float32 (that was ~7% of the calibrated default's CPU time on bench_convert.py's DeepSeek-V3 shape)
-            sample = prior_rows(hidden_states) if self.captured is not None and len(self.captured) == 1 else None
             a_s = None
             if self.tiles is not None and self.tiles.takes_expert(gate, down):
                 bias = None if self.biases is None else tuple(b[e].float() for b in self.biases)
