@@ -94,7 +94,7 @@ void LinearEngine::submit(int n_linears, const int* ids, int T, const void* x, i
     k_ = job_[0]->k; kx_ = job_[0]->kx; glen_ = job_[0]->glen;
 
     // Work items. Columns are split in chunks of column blocks (decode: each chunk is one weight stream read once
-    // for all T rows; prefill: block pairs of the register tile, reused from L2 by every row tile). With few column
+    // for all T rows; prefill: whole register tiles of blocks, reused from L2 by every row tile). With few column
     // chunks for the threads (small N, many tokens) the rows are split as well: the weights of such a Linear are
     // small, so reading them once per row chunk costs L2/L3 bandwidth, not memory bandwidth.
     const int nt = pool_.n_threads();
@@ -103,7 +103,7 @@ void LinearEngine::submit(int n_linears, const int* ids, int T, const void* x, i
     const bool prefill = T > kDecodeMaxRows;
     int chunk = prefill ? std::max(1, std::min(kMaxChunkBlocks, total_blocks / (nt * kItemsPerThread)))
                         : std::max(1, std::min(kMaxDecodeChunkBlocks, total_blocks / (nt * kDecodeItemsPerThread)));
-    if (prefill) chunk = std::max(2, chunk & ~1);   // whole block pairs (Isa::NRP)
+    if (prefill) chunk = std::max(4, chunk & ~3);   // whole register tiles of blocks (Isa::NRP: 4, 1 or less)
     int col_items = 0;
     for (const Linear* L : job_) col_items += (L->n_blocks + chunk - 1) / chunk;
     int t_chunk = T;

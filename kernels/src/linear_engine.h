@@ -8,7 +8,7 @@
 //   1 (all workers)                      items (linear, column-block chunk, row chunk) taken dynamically; each runs
 //                                        the shared qgemm of kernel_body.inc (the MoE kernels' inner loops):
 //                                        T <= 8 streams each weight block once for all rows (decode, bandwidth-bound),
-//                                        more rows use the register-tiled loop on block pairs reused from L2
+//                                        more rows use the register-tiled loop on blocks reused from L2
 //                                        (prefill, compute-bound)
 // Several Linears sharing one input (q_a/kv_a, gate/up) go in one submit: x is quantized once and their items
 // share one queue.
