@@ -28,6 +28,6 @@ def main():
       ktconvert verify converted/ --against ./DeepSeek-V3
       ktconvert profile converted/ --prompts my_domain.txt -o profile.json
     """
-    from ktconvert.malloc_policy import keep_freed_memory
+    from ktrun.malloc_policy import keep_freed_memory
 
     keep_freed_memory()

@@ -21,8 +21,9 @@ CONVERT_ERRORS = (ConvertError, SourceError, OutputDirError, LayoutError, Manife
 def log_estimate(src, opts, plan, encoder, quantizer, out_dir) -> None:
     """The conversion's estimated wall time on this machine, logged before it starts (ktconvert.estimate); a
     calibrated conversion's large arrays kept in the heap from here on (malloc_policy.keep_large_arrays)."""
+    from ktrun.malloc_policy import keep_large_arrays
+
     from ktconvert.estimate import estimate_conversion
-    from ktconvert.malloc_policy import keep_large_arrays
 
     if getattr(quantizer, "calibrated", False) or getattr(encoder, "calibrated", False):
         keep_large_arrays()

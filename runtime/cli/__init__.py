@@ -43,3 +43,6 @@ def main():
       ktrun serve converted/ --port 8000
       ktrun perplexity converted/ --text heldout.txt --kl-divergence bf16.logprobs
     """
+    from ..malloc_policy import keep_warm_heap
+
+    keep_warm_heap()      # before the model loads: a prompt's large arrays reused warm from the heap (malloc_policy)

@@ -1,4 +1,6 @@
-"""The converter process keeps the memory it frees (glibc malloc), so the next tensor reuses warm pages.
+"""The command lines' glibc malloc settings: a process keeps the memory it frees, so the next array reuses warm pages.
+Here in ktrun because both command lines set them: `ktrun` (keep_warm_heap) and `ktconvert` (keep_freed_memory,
+keep_large_arrays); library users keep their allocator as it is.
 
 A conversion allocates and frees arrays of tens of MB, tensor after tensor. By default glibc gives freed memory back
 to the kernel (heap trimming above a dynamic threshold, one arena per thread, each trimmed on its own), and the next
@@ -22,6 +24,15 @@ allocated and freed again and again above that threshold. For it the command lin
 Measured on the DeepSeek-V3-shaped checkpoint (Zen 3 KVM guest, 2 cores): the calibrated default 109.8 -> 93.4 s wall,
 system time 32.9 -> 17.5 s, peak RSS 5.56 -> 5.78 GB; not for rtn, where it changed nothing but the peak RSS (1.4-1.7
 -> 1.9-2.0 GB, wall 23-24 vs 25 s).
+
+`ktrun` (every subcommand, set by its command line group before the model loads) keeps its activations' arrays in
+the heap the same way (keep_warm_heap: M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB; one arena per thread as glibc's default,
+the server's threads allocate small things). A prompt's forward allocates and frees arrays above 32 MiB at every
+layer (DeepSeek-V3's 512-token chunk: kv_b_proj's output 67 MB, q_b_proj's 50 MB, the attention's input to o_proj
+34 MB), and each was a fresh mapping the kernel zeroed page by page, from the kernel pool's threads too. Measured on
+the DeepSeek-V3-shaped int4 bench model (bench_vs_llamacpp.py's, Zen 4 KVM guest, 2 threads, the two policies
+alternated in one process): pp512 149.9 -> 169.7 tok/s (medians of 8 prompts); Qwen3-30B-A3B's shape (hidden 2048,
+smaller arrays) unchanged; the process's RSS after one such prompt 2035 -> 2241 MB (its freed arrays kept).
 """
 from __future__ import annotations
 
@@ -65,3 +76,13 @@ def keep_large_arrays() -> bool:
     (module docstring); False where the C library is not glibc or refused it."""
     libc = _glibc()
     return libc is not None and libc.mallopt(ctypes.c_int(M_MMAP_MAX), ctypes.c_int(0)) == 1
+
+
+def keep_warm_heap() -> bool:
+    """`ktrun`'s policy (module docstring): every array from the heap, freed heap memory kept; False where the C
+    library is not glibc or refused it."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    return all(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1
+               for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, (1 << 31) - 1)))
