@@ -132,3 +132,44 @@ def test_set_activation_rejects_bad_input():
             moe.set_activation(0, "swiglu_clamped", gate_bias=np.zeros((4, 64)))
         with pytest.raises(KernelError, match="limit > 0"):
             moe.set_activation(0, "swiglu_clamped", limit=0.0)
+
+
+# The default SiLU gate (silu_body.inc, 16 values at a time through exp16) on gate values far inside and outside
+# exp's float range (|g| up to ~1e3: exp16's argument kept at most 88, libm's expf overflows there), 9 rows of
+# 200 intermediate columns (a 16-value tail per row), digested per ISA copy
+_SILU_DIGEST = """
+import hashlib, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_kernels_helpers import PackedLayer, routing
+from ktrun.ops.moe import MoEKernels
+rng = np.random.default_rng(7)
+layer = PackedLayer(rng, n_experts=4, hidden=64, inter=200, bits=8, group_size=32)
+x = (rng.standard_normal((9, 64)) * 300).astype(np.float32)
+ids, w = routing(rng, 9, 2, layer.E)
+with MoEKernels(n_threads=2) as moe:
+    layer.add_to(moe)
+    print(hashlib.sha256(moe.forward(0, x, ids, w).tobytes()).hexdigest())
+"""
+
+
+def test_silu_gate_same_bits_on_every_isa_copy_and_close_to_numpy():
+    import os
+
+    from isa_copies import outputs_per_isa
+
+    digests = outputs_per_isa(_SILU_DIGEST.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    assert len(digests) >= 2 and len(set(digests.values())) == 1, digests
+    rng = np.random.default_rng(7)
+    layer = PackedLayer(rng, n_experts=4, hidden=64, inter=200, bits=8, group_size=32)
+    x = (rng.standard_normal((9, 64)) * 300).astype(np.float32)
+    ids, w = routing(rng, 9, 2, layer.E)
+    with MoEKernels(n_threads=2) as moe:
+        layer.add_to(moe)
+        got = moe.forward(0, x, ids, w)
+    g = np.concatenate([x.astype(np.float64) @ layer.deq[0]["gate"][e].T for e in range(layer.E)])
+    assert np.abs(g).max() > 100            # the inputs reach past exp's range, both ways
+    assert np.isfinite(got).all()
+    with np.errstate(over="ignore"):        # the reference's exp(-g) overflows to inf for g < -709: silu -0
+        want = layer.reference(x, ids, w)
+    assert_close(got, want, 2e-3, "silu gate vs numpy (quantized acts)")

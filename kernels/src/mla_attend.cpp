@@ -46,6 +46,7 @@ inline v16 madd(v16 a, v16 b, v16 c) {
 }
 #include "mla_attend_body.inc"
 #include "prompt_attend_body.inc"
+#include "silu_body.inc"
 }  // namespace ref
 
 #pragma GCC push_options
@@ -68,6 +69,7 @@ inline v16 madd(v16 a, v16 b, v16 c) {
 }
 #include "mla_attend_body.inc"
 #include "prompt_attend_body.inc"
+#include "silu_body.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -85,6 +87,7 @@ constexpr int kPromptVecs = 2, kPromptKeys = 8, kPromptCols = 8;
 inline v16 madd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 #include "mla_attend_body.inc"
 #include "prompt_attend_body.inc"
+#include "silu_body.inc"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -111,6 +114,8 @@ const LinearBf16Fn kLinearBf16[3] = {ref::linear_rows<uint16_t>, avx2::linear_ro
 
 using PromptRowsFn = decltype(&ref::prompt_rows);
 const PromptRowsFn kPromptRows[3] = {ref::prompt_rows, avx2::prompt_rows, avx512::prompt_rows};
+using SiluMulFn = decltype(&ref::silu_mul);
+const SiluMulFn kSiluMul[3] = {ref::silu_mul, avx2::silu_mul, avx512::silu_mul};
 
 constexpr int64_t kHeadBlock = 8;   // heads split between workers in blocks of the body's head tile
 
@@ -338,5 +343,7 @@ void float_linear_rows(int64_t n0, int64_t n1, int64_t K, const void* w, bool w_
 namespace kt {
 
 void prompt_attend_rows(const PromptGeom& a, int64_t g, int64_t r0, int64_t r1) { kPromptRows[isa()](a, g, r0, r1); }
+
+void silu_mul(int64_t n, const float* g, const float* u, float* h) { kSiluMul[isa()](n, g, u, h); }
 
 }  // namespace kt

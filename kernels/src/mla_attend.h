@@ -139,6 +139,10 @@ struct PromptGeom : kt_prompt_attend_args {
 // kernels' ISA copy (mla_attend.cpp)
 void prompt_attend_rows(const PromptGeom& a, int64_t g, int64_t r0, int64_t r1);
 
+// h[c] = silu(g[c]) * u[c] = g / (1 + exp(-g)) * u for c < n (silu_body.inc), the backend's copy: the routed experts'
+// SiLU gate (MoEEngine::gate_up); the same bits on every backend
+void silu_mul(int64_t n, const float* g, const float* u, float* h);
+
 // kt_prompt_attend's job (prompt_attend.cpp): items of kPromptItemRows rows of one kv head, the costliest (latest
 // positions) first, taken by the workers from a shared counter; each row's bits are the same whoever computes it.
 constexpr int64_t kPromptItemRows = 32;

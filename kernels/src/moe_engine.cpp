@@ -12,6 +12,7 @@
 
 #include "bf16.h"
 #include "cpu_features.h"
+#include "mla_attend.h"   // silu_mul
 
 namespace kt {
 
@@ -167,7 +168,7 @@ void MoEEngine::gate_up(const Item& it, int worker) {
         const float* u = yu + (size_t)i * ldy;
         const Activation& act = L.act;
         if (act.kind == kActSilu && !act.gate_bias) {
-            for (int c = 0; c < ldy; ++c) h[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];   // silu(g) * u
+            silu_mul(ldy, g, u, h);                       // silu(g) * u, 16 at a time (silu_body.inc)
         } else {
             const size_t at = (size_t)e * L.inter_pad + P.row0 + (it.nb0 * 16 - P.r0);   // this item's first row
             const float* bg = act.gate_bias ? act.gate_bias + at : nullptr;
