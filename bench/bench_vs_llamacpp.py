@@ -339,7 +339,9 @@ class Ours:
 
     def __init__(self, conv_dir: Path, pair: Pair, dtype):
         from ktrun.loaded_model import load_model
+        from ktrun.malloc_policy import keep_warm_heap
 
+        keep_warm_heap()        # as every `ktrun` command sets it (process-wide; the peers run in processes of their own)
         self.pair, self.lm = pair, load_model(conv_dir, device="cpu", dtype=dtype)
         self.model = self.lm.model
         cfg, conv = self.model.cfg, self.lm.converted
