@@ -137,16 +137,20 @@ def test_set_activation_rejects_bad_input():
 # The default SiLU gate (silu_body.inc, 16 values at a time through exp16) on gate values far inside and outside
 # exp's float range (|g| up to ~1e3: exp16's argument kept at most 88, libm's expf overflows there), 9 rows of
 # 200 intermediate columns (a 16-value tail per row), digested per ISA copy
+def _silu_case():
+    rng = np.random.default_rng(7)
+    layer = PackedLayer(rng, n_experts=4, hidden=64, inter=200, bits=8, group_size=32)
+    x = (rng.standard_normal((9, 64)) * 300).astype(np.float32)
+    ids, w = routing(rng, 9, 2, layer.E)
+    return layer, x, ids, w
+
+
 _SILU_DIGEST = """
 import hashlib, sys
-import numpy as np
 sys.path.insert(0, {tests!r})
-from test_kernels_helpers import PackedLayer, routing
+from test_kernels_activation import _silu_case
 from ktrun.ops.moe import MoEKernels
-rng = np.random.default_rng(7)
-layer = PackedLayer(rng, n_experts=4, hidden=64, inter=200, bits=8, group_size=32)
-x = (rng.standard_normal((9, 64)) * 300).astype(np.float32)
-ids, w = routing(rng, 9, 2, layer.E)
+layer, x, ids, w = _silu_case()
 with MoEKernels(n_threads=2) as moe:
     layer.add_to(moe)
     print(hashlib.sha256(moe.forward(0, x, ids, w).tobytes()).hexdigest())
@@ -160,10 +164,7 @@ def test_silu_gate_same_bits_on_every_isa_copy_and_close_to_numpy():
 
     digests = outputs_per_isa(_SILU_DIGEST.format(tests=os.path.dirname(os.path.abspath(__file__))))
     assert len(digests) >= 2 and len(set(digests.values())) == 1, digests
-    rng = np.random.default_rng(7)
-    layer = PackedLayer(rng, n_experts=4, hidden=64, inter=200, bits=8, group_size=32)
-    x = (rng.standard_normal((9, 64)) * 300).astype(np.float32)
-    ids, w = routing(rng, 9, 2, layer.E)
+    layer, x, ids, w = _silu_case()
     with MoEKernels(n_threads=2) as moe:
         layer.add_to(moe)
         got = moe.forward(0, x, ids, w)
