@@ -42,7 +42,10 @@ import logging
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -3, -4, -8      # glibc <malloc.h>
-POLICY = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, (1 << 31) - 1))   # mallopt takes an int
+KEEP = (1 << 31) - 1                 # M_TRIM_THRESHOLD 2 GiB (mallopt takes an int): freed heap memory stays
+POLICY = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, KEEP))    # the converter's
+LARGE_ARRAYS = ((M_MMAP_MAX, 0),)                                   # a calibrated conversion's, on top of POLICY
+WARM_HEAP = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEEP))             # ktrun's
 
 log = logging.getLogger(__name__)
 
@@ -60,29 +63,29 @@ def _glibc():
         return None
 
 
-def keep_freed_memory() -> bool:
-    """Apply POLICY through mallopt; False (nothing changed) where the C library is not glibc."""
+def _apply(settings) -> bool | None:
+    """mallopt each (param, value); None where the C library is not glibc, else whether it took every one."""
     libc = _glibc()
     if libc is None:
-        return False
-    ok = all(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1 for param, value in POLICY)
-    if not ok:
+        return None
+    return all(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1 for param, value in settings)
+
+
+def keep_freed_memory() -> bool:
+    """Apply POLICY through mallopt; False (nothing changed) where the C library is not glibc."""
+    ok = _apply(POLICY)
+    if ok is False:
         log.debug("mallopt refused part of the converter's malloc policy")
-    return ok
+    return bool(ok)
 
 
 def keep_large_arrays() -> bool:
     """M_MMAP_MAX 0 (no array mmapped by malloc: large ones reused from the heap too), for a calibrated conversion
     (module docstring); False where the C library is not glibc or refused it."""
-    libc = _glibc()
-    return libc is not None and libc.mallopt(ctypes.c_int(M_MMAP_MAX), ctypes.c_int(0)) == 1
+    return bool(_apply(LARGE_ARRAYS))
 
 
 def keep_warm_heap() -> bool:
     """`ktrun`'s policy (module docstring): every array from the heap, freed heap memory kept; False where the C
     library is not glibc or refused it."""
-    libc = _glibc()
-    if libc is None:
-        return False
-    return all(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1
-               for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, (1 << 31) - 1)))
+    return bool(_apply(WARM_HEAP))
