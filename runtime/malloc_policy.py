@@ -6,8 +6,7 @@ A conversion allocates and frees arrays of tens of MB, tensor after tensor. By d
 to the kernel (heap trimming above a dynamic threshold, one arena per thread, each trimmed on its own), and the next
 tensor's arrays are fresh pages the kernel must zero on first touch. On a VM that hands freed guest memory back to
 the host (free page reporting) a first touch is slower still: measured on this project's 2-core KVM guest, 0.4-0.9
-GiB/s for memory freed a few seconds earlier against 10 GiB/s for warm pages. Set once, at the command line's start
-(library users keep their allocator as it is):
+GiB/s for memory freed a few seconds earlier against 10 GiB/s for warm pages. `ktconvert` sets, once at its start:
   M_ARENA_MAX 1             the pack workers share the main heap, so one worker's freed arrays serve the next
                             (large allocations: the lock is taken once per tens of MB);
   M_MMAP_THRESHOLD 32 MiB   arrays up to glibc's largest allowed threshold come from the heap (a fixed value also

@@ -65,5 +65,9 @@ struct KernelTable {
 
 // Token rows above this count per expert take the blocked (prefill) loop; at or below it the streaming (decode) loop.
 constexpr int kDecodeMaxRows = 8;
+// Prefill column chunks (the Linear and MoE engines' work items) are whole multiples of this many blocks, so every
+// backend's prefill tile (Isa::NRP blocks; kernel_body.inc asserts that it divides this) covers a chunk without
+// one-block remainders.
+constexpr int kPrefillChunkQuantum = 4;
 
 }  // namespace kt

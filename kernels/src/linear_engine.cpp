@@ -103,7 +103,7 @@ void LinearEngine::submit(int n_linears, const int* ids, int T, const void* x, i
     const bool prefill = T > kDecodeMaxRows;
     int chunk = prefill ? std::max(1, std::min(kMaxChunkBlocks, total_blocks / (nt * kItemsPerThread)))
                         : std::max(1, std::min(kMaxDecodeChunkBlocks, total_blocks / (nt * kDecodeItemsPerThread)));
-    if (prefill) chunk = std::max(4, chunk & ~3);   // whole register tiles of blocks (Isa::NRP: 4, 1 or less)
+    if (prefill) chunk = std::max(kPrefillChunkQuantum, chunk / kPrefillChunkQuantum * kPrefillChunkQuantum);
     int col_items = 0;
     for (const Linear* L : job_) col_items += (L->n_blocks + chunk - 1) / chunk;
     int t_chunk = T;

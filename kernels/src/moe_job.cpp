@@ -11,6 +11,7 @@ namespace kt {
 
 namespace {
 constexpr int kChunkBlocks = 8;   // column blocks (of 16) per work item, gate/up and down
+static_assert(kChunkBlocks % kPrefillChunkQuantum == 0, "prefill items must hold whole register tiles");
 // Decode jobs (T <= kDecodeMaxRows) give gate/up items of up to kMaxDecodeGateUpBlocks blocks, ~kDecodeItemsPerThread
 // per worker of the sub-pool: longer weight streams per item (linear_engine.cpp, kMaxDecodeChunkBlocks, has the
 // measurement); with many workers the items get smaller instead, so every worker has some.
