@@ -34,10 +34,13 @@ import torch.nn.functional as F
 
 from .experts.executors import make_executor
 from .loader import ConvertedModel
+from .models import step_one_call
 from .models.glm_moe_dsa import CARRY as INDEXER_SELECTIONS
 from .models.kv_cache import Batch, SeqCache
+from .models.layers import rms_norm
 from .models.model import MoEModel
-from .ops import float_linear
+from .ops import float_linear, glue
+from .ops.kernel_linear import KernelLinear
 from .ops.packed_linear import linear
 from .speculative import MAX_DRAFT_TOKENS
 
@@ -77,10 +80,27 @@ class MtpHead:
         self.embed = w.get(p + "embed_tokens.weight", model.w[model.names.embed])
         self.enorm, self.hnorm, self.eh_proj = (w[p + n] for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight"))
         self.norm, self.eps, self.layer = model.norm, cfg.rms_norm_eps, L
+        self.block.lm_head = self.head          # the block's step plan runs this head in its call
+        self.one_call = self._one_call_fields(w[p + "input_layernorm.weight"], cfg.hidden_size)
         # a drafted token's cost before one is timed, as a share of the main model's plain step: one decoder layer
         # and a head against its layers and head (the adaptive draft length's prior: ktrun.speculative VerifyCost)
         self.step_share = 2.0 / (len(model.layers) + 1)
         model.keep_hidden = True                # the main forward now leaves hidden rows for the drafters
+
+    def _one_call_fields(self, norm0: torch.Tensor, H: int) -> tuple | None:
+        """step_one_call.mtp_step's fields when the draft forward's first steps run in the block's one call as this
+        class's forward_batch runs them (the same bits): a CPU embedding table kt_decode_layers reads, float32 norm
+        weights on the family's plain RMSNorm (glue's kt_rms_norm), eh_proj a quantized Linear on the kernels with
+        no input permutation or padding; else None (forward_batch's own steps)."""
+        e, eh = self.embed, self.eh_proj
+        if (self.shares_index or self.block.kernels is None or self.norm is not rms_norm or glue.norm_lanes() <= 0
+                or not isinstance(e, torch.Tensor) or e.dim() != 2 or e.shape[1] != H or e.device.type != "cpu"
+                or e.dtype not in float_linear.DTYPES or e.stride(1) != 1
+                or not all(glue.norm_weights_ok(n) and n.numel() == H for n in (self.enorm, self.hnorm, norm0))
+                or not isinstance(eh, KernelLinear) or eh.perm is not None or eh.k != 2 * H or eh.k_op != eh.k
+                or eh.n != H):
+            return None
+        return e, float_linear.DTYPES[e.dtype], norm0, self.enorm, self.hnorm, eh.lin.kernels.handle, eh.id
 
     def drafter(self, context: list[int]) -> MtpDrafter:
         return MtpDrafter(self, context)
@@ -98,12 +118,19 @@ class MtpHead:
         """forward() of several requests in one varlen batch -> (logits (B, V) of each one's last row, each one's
         output rows x (n_b, H))."""
         b = self.block
-        tokens = [t for _, ids, _ in items for t in ids]
+        b.timing["forwards"] += 1
         hidden = torch.cat([h for _, _, h in items]) if len(items) > 1 else items[0][2]
+        batch = Batch.build([(cache, ids) for cache, ids, _ in items], b.device)
+        # a few rows (a draft, a catch-up after a verify): every step below in the block's one library call
+        got = None if self.one_call is None or b.step_plan is None else \
+            step_one_call.mtp_step(b, batch, hidden, self.one_call)
+        if got is not None:
+            x, logits = got
+            return logits, [x[s.offset:s.offset + s.n] for s in batch.seqs]
+        tokens = [t for _, ids, _ in items for t in ids]
         e = F.embedding(torch.tensor(tokens, device=b.device), self.embed).to(b.dtype)          # (T, H)
         u = torch.cat([self.norm(e, self.enorm, self.eps),
                        self.norm(hidden.to(b.dtype).contiguous(), self.hnorm, self.eps)], dim=-1)  # (T, 2H)
-        batch = Batch.build([(cache, ids) for cache, ids, _ in items], b.device)
         if self.shares_index:
             batch.carried[INDEXER_SELECTIONS] = [None] * len(items)   # no earlier layer's selection: all keys
         x, h = b.decoder(batch, linear(u, self.eh_proj))                                        # (T, H) each

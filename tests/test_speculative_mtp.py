@@ -111,6 +111,50 @@ def test_mtp_block_follows_the_reference(arch, tmp_path_factory):
     assert (logits - logits_ref[-1]).abs().max() < 1e-4
 
 
+def test_mtp_draft_in_one_call_has_the_python_steps_bits(default_converted, monkeypatch):
+    """MtpHead.forward_batch on a few rows runs enorm / hnorm, eh_proj, the block's layer and the head on each request's
+    last row in the block's one kt_decode_layers call (ABI 26, step_one_call.mtp_step): the same logits and output rows,
+    bit for bit, as its own steps (one_call None), for two requests' last catch-up rows (after prompts of held-out
+    code, where the default model's MTP layer takes its one-call attention) and their chained 1-row drafts."""
+    import ktrun.models.step_one_call as soc
+    from ktrun.generate import prefill
+
+    import ktconvert
+    code = (Path(ktconvert.__file__).parent / "data" / "default_model" / "heldout_eval.txt").read_text()
+    taken = []
+    real = soc.mtp_step
+    monkeypatch.setattr(soc, "mtp_step", lambda *a: taken.append(real(*a)) or taken[-1])
+    with load_model(default_converted, mtp=True) as lm, torch.inference_mode():
+        head, m = lm.mtp, lm.model
+        fields = head.one_call
+        assert fields is not None                     # rtn-int4 eh_proj on the kernels: the call takes it
+        mains = []
+        for text in (code[1000:1400], code[5000:5500]):
+            ids = lm.tokenizer.encode(text)
+            c = m.new_cache(512)
+            nxt = int(prefill(m, c, ids).argmax())
+            mains.append((c, ids[1:] + [nxt], c.hidden[-1][1].clone()))   # token i + 1 and h_i at position i
+        runs = {}
+        for mode in ("steps", "call", "steps", "call"):
+            head.one_call = None if mode == "steps" else fields
+            caches = [head.block.new_cache(512) for _ in mains]
+            head.forward_batch([(bc, ids[:-3], h[:-3]) for bc, (_, ids, h) in zip(caches, mains)])   # the prompts
+            logits, xs = head.forward_batch([(bc, ids[-3:], h[-3:]) for bc, (_, ids, h) in zip(caches, mains)])
+            d = [int(r.argmax()) for r in logits]
+            logits2, xs2 = head.forward_batch([(bc, [t], x[-1:]) for bc, t, x in zip(caches, d, xs)])   # chained
+            runs.setdefault(mode, []).append([logits, *xs, logits2, *xs2])
+            for bc in caches:
+                bc.release()
+        head.one_call = fields
+        for c, _, _ in mains:
+            c.release()
+    # each "call" forward of a few rows took the one call (the prompts' rows are more than a plan takes)
+    assert [t is not None for t in taken] == [False, True, True] * 2
+    for steps, call in zip(runs["steps"], runs["call"]):
+        assert all(torch.equal(a, b) for a, b in zip(steps, call))
+    assert all(torch.equal(a, b) for a, b in zip(runs["steps"][0], runs["steps"][1]))
+
+
 # -- greedy: the same tokens -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", MTP_ARCHS)
 def test_greedy_identical_with_mtp_drafts(arch, tmp_path_factory):

@@ -175,7 +175,8 @@ def test_another_executor_unlearns_the_plan(tmp_path_factory):
 
 
 def test_bad_arguments_are_an_error_naming_them():
-    """No arguments, no geometry, a layer without its context or blocks: refused, naming the layer."""
+    """No arguments, no geometry, a layer without its context or blocks, an MTP block's first steps without their
+    tokens, a head row outside the step: refused, naming what is wrong."""
     lib = load_library()
     assert lib.kt_decode_layers(None) == -1
     assert b"no arguments" in lib.kt_last_error()
@@ -199,6 +200,15 @@ def test_bad_arguments_are_an_error_naming_them():
     a.tokens = ctypes.cast((ctypes.c_int64 * 1)(5), ctypes.c_void_p).value   # tokens without their table
     assert lib.kt_decode_layers(ctypes.byref(a)) == -1
     assert b"tokens without an embedding table" in lib.kt_last_error()
+    a.tokens = None
+    a.mtp_hidden = x.data_ptr()                     # ABI 26: an MTP block's first steps without tokens or weights
+    assert lib.kt_decode_layers(ctypes.byref(a)) == -1
+    assert b"MTP block's first steps need tokens, mtp_enorm, mtp_hnorm and mtp_ctx" in lib.kt_last_error()
+    a.mtp_hidden = None
+    row = (ctypes.c_int64 * 1)(1)                   # the head on row 1 of a 1-row step
+    a.head_rows, a.head_T = ctypes.cast(row, ctypes.c_void_p).value, 1
+    assert lib.kt_decode_layers(ctypes.byref(a)) == -1
+    assert b"head row 1 is outside the 1 rows" in lib.kt_last_error()
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])

@@ -13,7 +13,7 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default)
 
-#define KT_ABI_VERSION 25  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
+#define KT_ABI_VERSION 26  /* 3: kt_submit_masked; 4: dense Linears (kt_add_linear, kt_linear_submit, kt_linear_repack);
                               5: kt_add_layer_ex (scale dtype of the int expert layouts);
                               6: kt_set_layer_activation (gpt-oss's clamped SwiGLU and expert biases);
                               7: kt_linear_submit_grouped (per-head products of one Linear);
@@ -56,7 +56,9 @@ extern "C" {
                              25: the routers' gate in float32 or bfloat16 (kt_route_sigmoid / kt_route_softmax's
                                  w_dtype, kt_moe_decode_args.gate_dtype: the checkpoint's bf16 router read as
                                  stored, half the bytes, the same bits); kt_decode_layers takes the step's token
-                                 ids (the embedding rows) and layer 0's norm (tokens, embed, norm0); */
+                                 ids (the embedding rows) and layer 0's norm (tokens, embed, norm0);
+                             26: kt_decode_layers takes an MTP block's first steps (mtp_hidden, mtp_enorm,
+                                 mtp_hnorm, mtp_ctx, mtp_eh_id) and runs the head on chosen rows (head_rows); */
 
 typedef struct kt_ctx kt_ctx;
 
@@ -472,6 +474,14 @@ typedef struct kt_decode_layers_args {
        is ignored and h = kt_rms_norm(x, norm0, eps, lanes) (layer 0's input norm). */
     const int64_t* tokens; const void* embed; int32_t embed_dtype; int64_t embed_rows, embed_stride;
     const float* norm0; float eps; int32_t lanes;
+    /* ABI 26: a multi-token-prediction block's first steps (DeepSeek-V3's MTP layer, ktrun.mtp), with tokens:
+       mtp_hidden (T, H) float32 contiguous given, the embedding rows e become x = eh_proj([enorm(e) | hnorm(hidden)]):
+       each half kt_rms_norm(eps, lanes) into a (T, 2H) row, then the dense Linear mtp_eh_id of mtp_ctx (K = 2H,
+       N = H; kt_linear_submit + kt_sync), before norm0 takes x. The calls ktrun.mtp.MtpHead.forward_batch makes,
+       so the same bits. head_rows (head_T of them, each in [0, T)) given: the head runs on those rows of h_out
+       alone, in that order, logits (head_T, head_n) (a drafter wants each request's last row only). */
+    const float* mtp_hidden; const float* mtp_enorm; const float* mtp_hnorm; kt_ctx* mtp_ctx; int32_t mtp_eh_id;
+    const int64_t* head_rows; int64_t head_T;
 } kt_decode_layers_args;
 
 /* A decode step's decoder layers in one call: for each layer delta = kt_gqa_layer(h) or kt_mla_decode(h), then

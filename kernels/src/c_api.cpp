@@ -262,6 +262,20 @@ int kt_decode_layers(kt_decode_layers_args* a) {
                   "embed_rows, embed_stride >= H)";
         return -1;
     }
+    if (a->mtp_hidden && (!a->tokens || !a->mtp_enorm || !a->mtp_hnorm || !a->mtp_ctx)) {
+        t_error = "kt_decode_layers: an MTP block's first steps need tokens, mtp_enorm, mtp_hnorm and mtp_ctx";
+        return -1;
+    }
+    for (int64_t t = 0; a->head_rows && t < a->head_T; ++t)
+        if (a->head_rows[t] < 0 || a->head_rows[t] >= a->T) {
+            t_error = "kt_decode_layers: head row " + std::to_string(a->head_rows[t]) + " is outside the " +
+                      std::to_string(a->T) + " rows";
+            return -1;
+        }
+    if (a->head_rows && a->head_T < 1) {
+        t_error = "kt_decode_layers: head_rows without rows (head_T < 1)";
+        return -1;
+    }
     for (int64_t t = 0; a->tokens && t < a->T; ++t)
         if (a->tokens[t] < 0 || a->tokens[t] >= a->embed_rows) {
             t_error = "kt_decode_layers: token " + std::to_string(a->tokens[t]) + " at row " + std::to_string(t) +
@@ -277,7 +291,7 @@ int kt_decode_layers(kt_decode_layers_args* a) {
         return -1;
     }
     const int64_t T = a->T, H = a->H;
-    thread_local std::vector<float> delta, x0, h0;
+    thread_local std::vector<float> delta, x0, h0, u, xm, head_x;
     const kt_gqa_decode_args& r = *a->rows;
     const float* x = a->x;
     const float* h = a->h;
@@ -293,6 +307,26 @@ int kt_decode_layers(kt_decode_layers_args* a) {
             }
         }
         x = x0.data();
+    }
+    if (a->mtp_hidden) {   // the MTP block's x = eh_proj([enorm(e) | hnorm(hidden)]) (row-wise: the same bits as its
+                           // two norms into separate rows, then their concatenation)
+        u.resize((size_t)(T * 2 * H));
+        xm.resize((size_t)(T * H));
+        if (kt_rms_norm(T, H, x, H, nullptr, 0, nullptr, 0, a->mtp_enorm, a->eps, a->lanes, u.data(), 2 * H) != 0 ||
+            kt_rms_norm(T, H, a->mtp_hidden, H, nullptr, 0, nullptr, 0, a->mtp_hnorm, a->eps, a->lanes, u.data() + H,
+                        2 * H) != 0) {
+            t_error = "kt_decode_layers: the MTP block's enorm / hnorm: bad lanes or H";
+            return -1;
+        }
+        const int32_t id = a->mtp_eh_id;
+        float* const outs[1] = {xm.data()};
+        const int64_t strides[1] = {H};
+        if (kt_linear_submit(a->mtp_ctx, 1, &id, (int)T, u.data(), KT_F32, 2 * H, outs, strides) != 0 ||
+            kt_sync(a->mtp_ctx) != 0) {
+            t_error = "kt_decode_layers: the MTP block's eh_proj: " + t_error;
+            return -1;
+        }
+        x = xm.data();
     }
     if (a->norm0) {
         h0.resize((size_t)(T * H));
@@ -347,8 +381,17 @@ int kt_decode_layers(kt_decode_layers_args* a) {
     // the output head on the final norm, while its weights' and the pool's state are what the layers left (the
     // caller's own call after this one found them cold: ~95 of its ~145 us on a Qwen3-shaped step, Zen 4)
     const auto t0 = clock();
+    const float* hx = a->h_out;
+    int64_t hT = T;
+    if (a->head_rows) {   // the chosen rows, gathered as the caller's h[rows] would be
+        hT = a->head_T;
+        head_x.resize((size_t)(hT * H));
+        for (int64_t t = 0; t < hT; ++t)
+            std::memcpy(head_x.data() + t * H, a->h_out + a->head_rows[t] * H, (size_t)H * sizeof(float));
+        hx = head_x.data();
+    }
     if (a->head_kind == 1) {
-        if (kt_float_linear(a->head_ctx, T, a->head_n, H, a->h_out, H, a->head_w, a->head_w_dtype, a->head_w_stride,
+        if (kt_float_linear(a->head_ctx, hT, a->head_n, H, hx, H, a->head_w, a->head_w_dtype, a->head_w_stride,
                             a->logits, a->head_n) != 0) {
             t_error = "kt_decode_layers: the head: kt_float_linear refused its arguments";
             return -1;
@@ -357,7 +400,7 @@ int kt_decode_layers(kt_decode_layers_args* a) {
         const int32_t id = a->head_id;
         float* const outs[1] = {a->logits};
         const int64_t strides[1] = {a->head_n};
-        if (kt_linear_submit(a->head_ctx, 1, &id, (int)T, a->h_out, KT_F32, H, outs, strides) != 0 ||
+        if (kt_linear_submit(a->head_ctx, 1, &id, (int)hT, hx, KT_F32, H, outs, strides) != 0 ||
             kt_sync(a->head_ctx) != 0) {
             t_error = "kt_decode_layers: the head: " + t_error;
             return -1;

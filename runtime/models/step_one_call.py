@@ -169,16 +169,48 @@ def whole_step(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     return got[1], batch.carried.pop(HEAD_LOGITS)
 
 
-def run(model, batch: Batch, x: torch.Tensor | None, h: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+def mtp_step(model, batch: Batch, hidden: torch.Tensor, fields: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An MTP block's draft forward (ktrun.mtp) in the plan's one call (ABI 26): the batch's tokens' embedding rows
+    and the main model's hidden rows (T, H) float32 through enorm / hnorm, eh_proj, the block's layer and its head on
+    each request's last row, committed to the block's caches -> (the layer's output x (T, H), logits (B, V)); None
+    (nothing done) when the plan would not take these rows. fields: (embed, KT dtype code, the layer's input norm,
+    enorm, hnorm, eh_proj's context handle, eh_proj's Linear id), MtpHead's one_call_fields."""
+    pl = model.step_plan
+    T = batch.tokens.shape[0]
+    if pl is None or pl.first != 0 or pl.head is None or hidden.dtype != torch.float32 or \
+            not hidden.is_contiguous() or hidden.shape != (T, model.cfg.hidden_size):
+        return None
+    cos, sin = model.rope.cos_sin(batch.positions, model.dtype)
+    if start(model, batch, T, cos, sin) != 0:
+        return None
+    a = pl.args
+    embed, embed_dtype, norm0, enorm, hnorm, eh_ctx, eh_id = fields
+    a.mtp_hidden, a.mtp_enorm, a.mtp_hnorm = hidden.data_ptr(), enorm.data_ptr(), hnorm.data_ptr()
+    a.mtp_ctx, a.mtp_eh_id = eh_ctx, eh_id
+    batch.carried[HEAD_ROWS] = True
+    try:
+        got = run(model, batch, None, None, cos, sin, (embed, embed_dtype, norm0), batch.last_token_rows())
+    finally:            # the plan's arguments serve the block's other calls too
+        a.mtp_hidden = a.mtp_enorm = a.mtp_hnorm = a.mtp_ctx = a.head_rows = None
+        a.head_T = 0
+    if got is None:
+        return None
+    batch.commit()
+    return got[0], batch.carried.pop(HEAD_LOGITS)
+
+
+def run(model, batch: Batch, x: torch.Tensor | None, h: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        first_steps: tuple | None = None, head_rows: torch.Tensor | None = None
         ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """x (T, H) and the plan's first layer's normed input h through it and every layer after -> (x, the final norm),
     or None (nothing done) when these rows are not the call's (start() said yes for the step). x and h None: from the
-    batch's tokens (the plan's first_steps: its first layer is layer 0)."""
+    batch's tokens (first_steps, else the plan's: its first layer is layer 0). head_rows (R,) int64: with the head in
+    the call, its logits (R, V) are those rows' only."""
     pl = model.step_plan
     a = pl.args
     if x is None:
         T, H = batch.tokens.shape[0], model.cfg.hidden_size
-        emb, emb_dtype, norm0 = pl.first_steps
+        emb, emb_dtype, norm0 = first_steps or pl.first_steps
         a.tokens, a.embed, a.embed_dtype, a.embed_rows, a.embed_stride = (batch.tokens.data_ptr(), emb.data_ptr(),
                                                                           emb_dtype, emb.shape[0], emb.stride(0))
         a.norm0, a.eps, a.lanes = norm0.data_ptr(), model.cfg.rms_norm_eps, glue.norm_lanes()
@@ -209,9 +241,10 @@ def run(model, batch: Batch, x: torch.Tensor | None, h: torch.Tensor | None, cos
     a.x_out, a.h_out = p, p + 4 * T * H
     logits = None
     if pl.head is not None and batch.carried.get(HEAD_ROWS):     # every row's logits: the head in the same call
-        logits = torch.empty((T, pl.head[-1]), dtype=torch.float32)
+        logits = torch.empty((T if head_rows is None else head_rows.shape[0], pl.head[-1]), dtype=torch.float32)
         (a.head_kind, a.head_id, a.head_ctx, a.head_w, a.head_w_dtype, a.head_w_stride, a.head_n) = pl.head
         a.logits = logits.data_ptr()
+        a.head_rows, a.head_T = (None, 0) if head_rows is None else (head_rows.data_ptr(), head_rows.shape[0])
     else:
         a.head_kind = 0
     lib = glue._library()

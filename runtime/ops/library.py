@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ktlayouts.expert_formats import scale_encodings
 
-ABI_VERSION = 25
+ABI_VERSION = 26
 
 # scale dtypes of the int layouts (layout version 1: float32; version 2: float16 / bfloat16; version 3: two-level
 # records, uint8 arrays), by their runtime names -> the ABI's codes: the records' (ScaleEncoding.abi_code)
@@ -115,7 +115,8 @@ class DecodeLayersArgs(ctypes.Structure):
                 ("head_w_dtype", ctypes.c_int32), ("head_w_stride", _i64), ("head_n", _i64), ("logits", _p),
                 ("head_s", ctypes.c_double), ("tokens", _p), ("embed", _p), ("embed_dtype", ctypes.c_int32),
                 ("embed_rows", _i64), ("embed_stride", _i64), ("norm0", _p), ("eps", ctypes.c_float),
-                ("lanes", ctypes.c_int32)]
+                ("lanes", ctypes.c_int32), ("mtp_hidden", _p), ("mtp_enorm", _p), ("mtp_hnorm", _p),
+                ("mtp_ctx", _p), ("mtp_eh_id", ctypes.c_int32), ("head_rows", _p), ("head_T", _i64)]
 
 def _library_path() -> str:
     env = os.environ.get("KT_KERNELS_LIB")
