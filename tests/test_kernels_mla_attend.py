@@ -145,7 +145,8 @@ def test_unsupported_inputs_and_bad_arguments():
     assert not glue.mla_attend_supported(lats, 56, 8)                               # R, dr not multiples of 16
     assert not glue.mla_attend_supported([lats[0], lats[0][:2].clone()], 64, 8)     # two row strides
     long = [torch.zeros(glue.MLA_ATTEND_MAX_SCORES // 8 + 1, 80)]
-    assert not glue.mla_attend_supported(long, 64, 8)                               # a long context: torch's
+    assert not glue.mla_attend_supported(long, 64, 8)                # a long context on the calling thread: torch's
+    assert glue.mla_attend_supported(long, 64, 8, pooled=True)       # on a pool any length (chunks of the cache)
     with pytest.raises(KernelError, match="float32"):
         glue.mla_attend(q_lat, q_rot.double(), lats, 0.1, torch.empty(8, 64))
     lib = load_library()

@@ -239,3 +239,20 @@ def test_a_token_outside_the_table_is_refused_before_the_step(tmp_path_factory):
         decode_one_token(model, cache, V)
     assert cache.length == length
     cache.release()
+
+
+def test_mla_decode_past_the_calling_threads_scores_limit_stays_in_the_call(tmp_path_factory, monkeypatch):
+    """MLA decode rows whose scores (heads x positions) pass glue.MLA_ATTEND_MAX_SCORES, the limit of kt_mla_attend on
+    the calling thread alone (here lowered to 16 so the fixture's prompt passes it), still take the step's call: its
+    attention runs on the pool, which takes a cache of any length. A 128-head model (DeepSeek-V3, Kimi-K2) left the
+    call after 128 positions, for the per-layer path and torch's GEMMs. The same bits as the per-layer calls, whose
+    attention runs on the pool's kernel too."""
+    from ktrun.ops import glue
+    monkeypatch.setattr(glue, "MLA_ATTEND_MAX_SCORES", 16)
+    eng = Engine(absorbed_conversion(tmp_path_factory, "deepseek_v3"), ctx=256, max_batch=4)
+    ids = eng.tokenizer.encode(PROMPT)
+    whole, separate, taken = with_and_without(eng.model, ids, monkeypatch, step_one_call, "whole_step")
+    assert eng.model.cfg.num_heads * len(ids) > glue.MLA_ATTEND_MAX_SCORES
+    assert sum(taken) >= 6
+    for a, b in zip(whole, separate):
+        assert torch.equal(a, b)

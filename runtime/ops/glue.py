@@ -122,15 +122,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     return out
 
 
-# Attention scores (heads x positions) up to which mla_attend runs on the calling thread; a longer context keeps
-# torch's GEMMs on its threads (as layers.serial_torch's limit for the same GEMMs)
+# Attention scores (heads x positions) up to which mla_attend runs on the calling thread alone (no pool); a longer
+# context keeps torch's GEMMs on its threads (as layers.serial_torch's limit for the same GEMMs). On a pool the
+# kernels take any length: the heads split between the workers and a long cache in chunks merged in order (ABI 17).
 MLA_ATTEND_MAX_SCORES = 16384
 
 
-def mla_attend_supported(lats: list[torch.Tensor], R: int, nh: int) -> bool:
+def mla_attend_supported(lats: list[torch.Tensor], R: int, nh: int, pooled: bool = False) -> bool:
     """Whether mla_attend() takes one request's decode row of nh heads (q_lat (nh, R) and the roped q_rot (nh, dr)
     float32 with contiguous last dims): its cache runs float32 CPU (S_r, R + dr) views with one row stride and
-    contiguous rows, R and dr multiples of 16, nh x S within MLA_ATTEND_MAX_SCORES, the library loaded."""
+    contiguous rows, R and dr multiples of 16, the library loaded, and on the calling thread alone (pooled False)
+    nh x S within MLA_ATTEND_MAX_SCORES."""
     if not lats or R % 16 or _library() is None:
         return False
     dr, S = lats[0].shape[-1] - R, 0
@@ -139,7 +141,7 @@ def mla_attend_supported(lats: list[torch.Tensor], R: int, nh: int) -> bool:
                 lat.stride(-1) != 1 or (lat.shape[0] > 1 and lat.stride(0) != lats[0].stride(0)):
             return False
         S += lat.shape[0]
-    return dr >= 0 and dr % 16 == 0 and 0 < nh * S <= MLA_ATTEND_MAX_SCORES
+    return dr >= 0 and dr % 16 == 0 and 0 < nh * S and (pooled or nh * S <= MLA_ATTEND_MAX_SCORES)
 
 
 def _check_queries(what: str, q_lat: torch.Tensor, q_rot: torch.Tensor) -> None:
