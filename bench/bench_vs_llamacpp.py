@@ -19,6 +19,11 @@ tokenizer); every per-layer shape is the real model's, only the layer and expert
           aborts on this host with its defaults, it is run with its documented workaround for the rest of the run,
           and the output says which (`<peer>_flags:` lines).
 
+With --depth D1,D2 (e.g. 2048) each round also times decode after a D-token prompt, `tg32_dD` (ktrun: the decode loop
+after a prefill of D random tokens; ik_llama.cpp: its llama-bench's `-gp D,32`; this llama.cpp's llama-bench has no
+such test, so it has no line there): the attention reads its KV cache at every step, which tg32 from an empty context
+never shows.
+
 Each round times every system once (tg32, pp64, pp512, pp2048), the order flipped every round, and the machine's read
 bandwidth; lines are means over rounds. Pairs: ktrun int4 vs Q4_0, ktrun int8 vs Q8_0. The roofline of a system is the
 weight bytes its decode step reads (the routed experts it selects, the dense part as held in memory, the head) over
@@ -246,6 +251,7 @@ class Peer:
     flags: list[str]
     workarounds: list[tuple[list[str], str]]     # (flags, why: the peer's documented workaround)
     used: str = "its defaults"                   # the flag set in use, said in the output
+    depth_test: bool = False                     # its llama-bench times tg after a prompt (-gp pp,tg)
 
     @property
     def quantize(self) -> Path:
@@ -266,7 +272,8 @@ def make_peers(args) -> list[Peer]:
         peers.append(Peer("ik_llamacpp", args.ik_llama_bench, args.ik_convert_script or tree / "convert_hf_to_gguf.py",
                           ["-rtr", "1", "-fmoe", "1"],
                           [(["-rtr", "0", "-fmoe", "1"], "-rtr 0 (no run-time repacking)"),
-                           (["-rtr", "0", "-fmoe", "0"], "-rtr 0 -fmoe 0 (no repacking, unfused MoE)")]))
+                           (["-rtr", "0", "-fmoe", "0"], "-rtr 0 -fmoe 0 (no repacking, unfused MoE)")],
+                          depth_test=True))
     return peers
 
 
@@ -288,11 +295,14 @@ def convert_peer(src: Path, work: Path, peer: Peer, shape: Shape, qtype: str, th
 
 # --- timing ----------------------------------------------------------------------------------------------------
 
-def peer_round(peer: Peer, gguf: Path, threads: int, tg: int, pps: list[int]) -> dict[str, float]:
-    """One llama-bench repetition of tg and each pp (its own warm-up run first): test name -> tokens/s. When the peer
-    fails with the flags in use, its next workaround is taken for the rest of the run (said in the output)."""
+def peer_round(peer: Peer, gguf: Path, threads: int, tg: int, pps: list[int], depths: list[int] = ()
+               ) -> dict[str, float]:
+    """One llama-bench repetition of tg, each pp and (ik_llama.cpp: `-gp D,tg`) tg after each depth D (its own
+    warm-up run first): test name -> tokens/s. When the peer fails with the flags in use, its next workaround is taken
+    for the rest of the run (said in the output)."""
+    gp = [a for d in depths for a in ("-gp", f"{d},{tg}")] if peer.depth_test else []
     cmd = [str(peer.bench), "-m", str(gguf), "-t", str(threads), "-n", str(tg), "-p", ",".join(map(str, pps)),
-           "-r", "1", "-o", "json", *peer.flags]
+           *gp, "-r", "1", "-o", "json", *peer.flags]
     # cwd: ik_llama.cpp's tools write a trace log, llama.log, into their working directory
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, errors="replace", cwd=gguf.parent,
                        env=PEER_ENV)
@@ -303,10 +313,12 @@ def peer_round(peer: Peer, gguf: Path, threads: int, tg: int, pps: list[int]) ->
         peer.flags, peer.used = peer.workarounds.pop(0)
         print(f"{peer.name} llama-bench failed with its flags (exit {r.returncode}: {tail}); running it with "
               f"{peer.used} from now on", flush=True)
-        return peer_round(peer, gguf, threads, tg, pps)
+        return peer_round(peer, gguf, threads, tg, pps, depths)
     res = {}
     for row in json.loads(r.stdout):
         name = f"tg{row['n_gen']}" if row["n_gen"] else f"pp{row['n_prompt']}"
+        if row["n_gen"] and row["n_prompt"]:                         # ik_llama.cpp's -gp row: "tg32@pp2048"
+            name = f"tg{row['n_gen']}_d{row['n_prompt']}"
         res[name] = float(row["avg_ts"])
     return res
 
@@ -388,18 +400,36 @@ class Ours:
                         if a is not None:
                             np.asarray(a).reshape(-1).view(np.uint8)[::4096].max()
 
-    def round(self, tg: int, pps: list[int]) -> dict[str, float]:
+    def round(self, tg: int, pps: list[int], depths: list[int] = ()) -> dict[str, float]:
         from ktrun.cli.cmd_bench import bench_pp, bench_tg, decode_breakdown
 
-        ctx = max([tg + 1, *pps]) + 1
+        ctx = max([tg + 1, *pps, *(d + tg + 1 for d in depths)]) + 1
         self.touch_experts()
         wall, parts = bench_tg(self.model, tg, ctx, self.gen)
         res = {f"tg{tg}": tg / wall, "step_s": wall / tg}
         res.update({k: v for k, v in decode_breakdown([{**parts, "wall_s": wall}], tg).items()
                     if k != "step_ms"})
+        for d in depths:
+            res[f"tg{tg}_d{d}"] = tg / self.tg_after(d, tg, ctx)
         for pp in pps:
             res[f"pp{pp}"] = pp / bench_pp(self.model, pp, ctx, self.gen)
         return res
+
+    def tg_after(self, depth: int, tg: int, ctx: int) -> float:
+        """Seconds of tg greedy decode steps after a prompt of depth random tokens (as llama-bench's -gp)."""
+        from ktrun.generate import decode_one_token, prefill
+        from ktrun.sampling import greedy_tokens
+
+        cache = self.model.new_cache(ctx)
+        try:
+            ids = torch.randint(0, self.model.cfg.vocab_size, (depth,), generator=self.gen).tolist()
+            tok = greedy_tokens(prefill(self.model, cache, ids)[None])[0]
+            t0 = time.perf_counter()
+            for _ in range(tg):
+                tok = greedy_tokens(decode_one_token(self.model, cache, tok)[None])[0]
+            return time.perf_counter() - t0
+        finally:
+            cache.release()
 
     def close(self) -> None:
         self.lm.close()
@@ -493,6 +523,8 @@ def main(argv=None) -> None:
                          "(alternated like the systems; default: --threads)")
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--pp", default="64,512,2048", help="comma-separated prompt lengths")
+    ap.add_argument("--depth", default="", help="comma-separated context depths D: also time tg after a D-token "
+                                                "prompt (tg32_dD; ik_llama.cpp's -gp D,32)")
     ap.add_argument("--rounds", type=int, default=3, help="alternation rounds")
     ap.add_argument("--prepare-only", action="store_true", help="write the checkpoints and conversions, time nothing")
     ap.add_argument("--dense-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -536,6 +568,7 @@ def bench_shape(args, shape: Shape, peers: list[Peer]) -> list[tuple[str, float,
     """Convert, time and print one shape; -> its must_show rows (what, value, minimum or None for "<= 1")."""
     pairs = [p for p in PAIRS if p.name in args.pairs.split(",")]
     pps = [int(x) for x in args.pp.split(",") if x]
+    depths = [int(x) for x in args.depth.split(",") if x]
     tts = [int(x) for x in (args.torch_threads or str(args.threads)).split(",")]
     torch.set_num_threads(tts[0])
     work = args.workdir / (("tiny" if shape.name == "v3" else f"tiny-{shape.name}") if args.tiny else shape.name)
@@ -555,7 +588,7 @@ def bench_shape(args, shape: Shape, peers: list[Peer]) -> list[tuple[str, float,
     ours = {p.name: Ours(convs[p.name], p, dtype) for p in pairs}
     for o in ours.values():
         o.warm_up(args.tg, max(pps))
-    tests = [f"tg{args.tg}"] + [f"pp{n}" for n in pps]
+    tests = [f"tg{args.tg}"] + [f"tg{args.tg}_d{d}" for d in depths] + [f"pp{n}" for n in pps]
     res: dict[str, dict[str, list[float]]] = {}
     bws = []
 
@@ -576,9 +609,10 @@ def bench_shape(args, shape: Shape, peers: list[Peer]) -> list[tuple[str, float,
             for side, tt, peer in sides if rnd % 2 == 0 else sides[::-1]:
                 if side == "ours":
                     torch.set_num_threads(tt)
-                    add(ours_name(p, tt), ours[p.name].round(args.tg, pps))
+                    add(ours_name(p, tt), ours[p.name].round(args.tg, pps, depths))
                 else:
-                    add(peer_name(peer, p), peer_round(peer, ggufs[peer.name, p.name], args.threads, args.tg, pps))
+                    add(peer_name(peer, p), peer_round(peer, ggufs[peer.name, p.name], args.threads, args.tg, pps,
+                                                       depths))
         print(f"{shape.name}: round {rnd + 1}/{args.rounds} done", flush=True)
 
     bw = statistics.fmean(bws)
@@ -605,15 +639,16 @@ def bench_shape(args, shape: Shape, peers: list[Peer]) -> list[tuple[str, float,
     for p in pairs:
         o = ours[p.name]
         names = [ours_name(p, tt) for tt in tts]
-        pnames = [peer_name(peer, p) for peer in peers]
+        peer_names = [peer_name(peer, p) for peer in peers]
         for t in tests:
+            pnames = [pn for pn in peer_names if t in res[pn]]     # a peer without -gp has no depth line
             for name in names + pnames:
                 print(f"{shape.name}_{t}_{name}: {mean_sd(res[name][t])} tok/s")
             for name in names:
                 for pn in pnames:
                     ratio = statistics.fmean(res[name][t]) / statistics.fmean(res[pn][t])
                     print(f"{shape.name}_{t}_{name}_over_{pn}: {ratio:.3f} ratio")
-                if not pnames:
+                if not pnames or "_d" in t:                # depth: no target of issue 32's (tg32 from empty)
                     continue
                 fastest = max(pnames, key=lambda pn: statistics.fmean(res[pn][t]))
                 ratio = statistics.fmean(res[name][t]) / statistics.fmean(res[fastest][t])
@@ -633,7 +668,7 @@ def bench_shape(args, shape: Shape, peers: list[Peer]) -> list[tuple[str, float,
                             o.bytes_per_token / bw / step, ROOFLINE_TARGET))
             for part in ("experts_wait", "attention", "router_shared_dense_mlp", "head_norm_embed", "loop_overhead"):
                 print(f"{shape.name}_{name}_step_{part}: {statistics.fmean(res[name][part + '_ms']):.2f} ms")
-        for peer, pn in zip(peers, pnames):
+        for peer, pn in zip(peers, peer_names):
             pb = peer_bytes_per_token(ggufs[peer.name, p.name], cfg.top_k, cfg.num_experts)
             pstep = 1 / statistics.fmean(res[pn][f"tg{args.tg}"])
             print(f"{shape.name}_{pn}_weight_bytes_per_token: {pb / 1e6:.1f} MB")

@@ -49,8 +49,8 @@ def test_tiny_bench_against_the_roofline(tmp_path):
     assert not any("llamacpp" in k for k in lines)
     assert "must_show (issues 32, 37)" in out
     # the conversions were reused on a second run (manifest.json present), and the run still measures
-    again, _ = _run(tmp_path, "--pairs", "int4", "--torch-threads", "1,2")
-    assert {"v3_tg4_ktrun_int4_torch1", "v3_tg4_ktrun_int4_torch2"} <= set(again)
+    again, _ = _run(tmp_path, "--pairs", "int4", "--torch-threads", "1,2", "--depth", "24")
+    assert {"v3_tg4_ktrun_int4_torch1", "v3_tg4_ktrun_int4_torch2", "v3_tg4_d24_ktrun_int4_torch1"} <= set(again)
 
 
 def test_tiny_bench_default_against_the_default_without_its_int8_upgrades(tmp_path):
@@ -96,7 +96,11 @@ def test_tiny_bench_against_llama_cpp(tmp_path):
 def test_tiny_bench_against_ik_llama_cpp(tmp_path):
     """ik_llama.cpp with its own converter (its single-file convert_hf_to_gguf.py, taken from its tree) and its CPU
     flags, on both shapes."""
-    lines, out = _run(tmp_path, "--pairs", "int4", "--shape", "v3,qwen3", "--no-rss",
+    lines, out = _run(tmp_path, "--pairs", "int4", "--shape", "v3,qwen3", "--no-rss", "--depth", "24",
                       "--ik-llama-bench", str(IK_LLAMA / "build" / "bin" / "llama-bench"))
     _check_peer(lines, out, "ik_llamacpp", ("v3", "qwen3"))
+    for shape in ("v3", "qwen3"):                 # decode after a 24-token prompt: ours, and ik_llama.cpp's -gp 24,4
+        ours, theirs = lines[f"{shape}_tg4_d24_ktrun_int4"][0], lines[f"{shape}_tg4_d24_ik_llamacpp_q4_0"][0]
+        assert ours > 0 and theirs > 0
+        assert lines[f"{shape}_tg4_d24_ktrun_int4_over_ik_llamacpp_q4_0"][0] == pytest.approx(ours / theirs, rel=0.02)
     assert (tmp_path / "tiny-qwen3" / "ik_llamacpp-Q4_0.gguf").is_file()
