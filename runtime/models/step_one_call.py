@@ -174,7 +174,7 @@ def mtp_step(model, batch: Batch, hidden: torch.Tensor, fields: tuple) -> tuple[
     and the main model's hidden rows (T, H) float32 through enorm / hnorm, eh_proj, the block's layer and its head on
     each request's last row, committed to the block's caches -> (the layer's output x (T, H), logits (B, V)); None
     (nothing done) when the plan would not take these rows. fields: (embed, KT dtype code, the layer's input norm,
-    enorm, hnorm, eh_proj's context handle, eh_proj's Linear id), MtpHead's one_call_fields."""
+    enorm, hnorm, eh_proj's context handle, eh_proj's Linear id): MtpHead.one_call."""
     pl = model.step_plan
     T = batch.tokens.shape[0]
     if pl is None or pl.first != 0 or pl.head is None or hidden.dtype != torch.float32 or \
