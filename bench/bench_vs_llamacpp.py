@@ -410,26 +410,10 @@ class Ours:
         res.update({k: v for k, v in decode_breakdown([{**parts, "wall_s": wall}], tg).items()
                     if k != "step_ms"})
         for d in depths:
-            res[f"tg{tg}_d{d}"] = tg / self.tg_after(d, tg, ctx)
+            res[f"tg{tg}_d{d}"] = tg / bench_tg(self.model, tg, ctx, self.gen, prompt=d)[0]
         for pp in pps:
             res[f"pp{pp}"] = pp / bench_pp(self.model, pp, ctx, self.gen)
         return res
-
-    def tg_after(self, depth: int, tg: int, ctx: int) -> float:
-        """Seconds of tg greedy decode steps after a prompt of depth random tokens (as llama-bench's -gp)."""
-        from ktrun.generate import decode_one_token, prefill
-        from ktrun.sampling import greedy_tokens
-
-        cache = self.model.new_cache(ctx)
-        try:
-            ids = torch.randint(0, self.model.cfg.vocab_size, (depth,), generator=self.gen).tolist()
-            tok = greedy_tokens(prefill(self.model, cache, ids)[None])[0]
-            t0 = time.perf_counter()
-            for _ in range(tg):
-                tok = greedy_tokens(decode_one_token(self.model, cache, tok)[None])[0]
-            return time.perf_counter() - t0
-        finally:
-            cache.release()
 
     def close(self) -> None:
         self.lm.close()

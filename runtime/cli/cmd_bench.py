@@ -36,19 +36,23 @@ def bench_pp(model, n: int, ctx: int, gen: torch.Generator, prompt_ids: list[int
     return time.perf_counter() - t0
 
 
-def bench_tg(model, n: int, ctx: int, gen: torch.Generator) -> tuple[float, dict]:
-    """Seconds for n greedy decode steps after one prompt token; and the per-part time deltas of those steps. Each
-    step's token is picked as the decode loop's sampler picks a greedy one (sampling.greedy_tokens: numpy's argmax;
-    torch's cost ~40 us more in a Qwen3-30B-A3B-shaped step, its caches cold from the kernels)."""
+def bench_tg(model, n: int, ctx: int, gen: torch.Generator, prompt: int = 1) -> tuple[float, dict]:
+    """Seconds for n greedy decode steps after a prompt of `prompt` random tokens (one by default: decode from an
+    almost empty context; more: decode at that depth, as llama-bench's -gp); and the per-part time deltas of those
+    steps. Each step's token is picked as the decode loop's sampler picks a greedy one (sampling.greedy_tokens:
+    numpy's argmax; torch's cost ~40 us more in a Qwen3-30B-A3B-shaped step, its caches cold from the kernels)."""
     cache = model.new_cache(ctx)
-    first = int(torch.randint(0, model.cfg.vocab_size, (1,), generator=gen))
-    tok = greedy_tokens(prefill(model, cache, [first])[None])[0]
-    before = _snapshot(model)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        tok = greedy_tokens(decode_one_token(model, cache, tok)[None])[0]
-    wall = time.perf_counter() - t0
-    after = _snapshot(model)
+    try:
+        ids = torch.randint(0, model.cfg.vocab_size, (prompt,), generator=gen).tolist()
+        tok = greedy_tokens(prefill(model, cache, ids)[None])[0]
+        before = _snapshot(model)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = greedy_tokens(decode_one_token(model, cache, tok)[None])[0]
+        wall = time.perf_counter() - t0
+        after = _snapshot(model)
+    finally:
+        cache.release()                  # its KV blocks back to the model's pool
     return wall, {k: after[k] - before.get(k, 0.0) for k in after if k.endswith("_s")}
 
 
