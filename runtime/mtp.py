@@ -37,7 +37,6 @@ from .loader import ConvertedModel
 from .models import step_one_call
 from .models.glm_moe_dsa import CARRY as INDEXER_SELECTIONS
 from .models.kv_cache import Batch, SeqCache
-from .models.layers import rms_norm
 from .models.model import MoEModel
 from .ops import float_linear, glue
 from .ops.kernel_linear import KernelLinear
@@ -89,18 +88,17 @@ class MtpHead:
 
     def _one_call_fields(self, norm0: torch.Tensor, H: int) -> tuple | None:
         """step_one_call.mtp_step's fields when the draft forward's first steps run in the block's one call as this
-        class's forward_batch runs them (the same bits): a CPU embedding table kt_decode_layers reads, float32 norm
-        weights on the family's plain RMSNorm (glue's kt_rms_norm), eh_proj a quantized Linear on the kernels with
-        no input permutation or padding; else None (forward_batch's own steps)."""
-        e, eh = self.embed, self.eh_proj
-        if (self.shares_index or self.block.kernels is None or self.norm is not rms_norm or glue.norm_lanes() <= 0
-                or not isinstance(e, torch.Tensor) or e.dim() != 2 or e.shape[1] != H or e.device.type != "cpu"
-                or e.dtype not in float_linear.DTYPES or e.stride(1) != 1
-                or not all(glue.norm_weights_ok(n) and n.numel() == H for n in (self.enorm, self.hnorm, norm0))
-                or not isinstance(eh, KernelLinear) or eh.perm is not None or eh.k != 2 * H or eh.k_op != eh.k
-                or eh.n != H):
+        class's forward_batch runs them (the same bits): the embedding table and the layer's input norm as a main
+        step's call takes them (step_one_call.first_step_fields), enorm / hnorm on glue's kt_rms_norm, eh_proj a
+        quantized Linear on the kernels with no input permutation or padding; else None (forward_batch's own
+        steps)."""
+        first, eh = step_one_call.first_step_fields(self.block, self.embed, norm0), self.eh_proj
+        if (first is None or self.shares_index or self.block.kernels is None
+                or not glue.norm_weights_ok(self.enorm, self.hnorm) or self.enorm.numel() != H
+                or self.hnorm.numel() != H or not isinstance(eh, KernelLinear) or eh.perm is not None
+                or eh.k != 2 * H or eh.k_op != eh.k or eh.n != H):
             return None
-        return e, float_linear.DTYPES[e.dtype], norm0, self.enorm, self.hnorm, eh.lin.kernels.handle, eh.id
+        return (*first, self.enorm, self.hnorm, eh.lin.kernels.handle, eh.id)
 
     def drafter(self, context: list[int]) -> MtpDrafter:
         return MtpDrafter(self, context)
@@ -122,8 +120,7 @@ class MtpHead:
         hidden = torch.cat([h for _, _, h in items]) if len(items) > 1 else items[0][2]
         batch = Batch.build([(cache, ids) for cache, ids, _ in items], b.device)
         # a few rows (a draft, a catch-up after a verify): every step below in the block's one library call
-        got = None if self.one_call is None or b.step_plan is None else \
-            step_one_call.mtp_step(b, batch, hidden, self.one_call)
+        got = None if self.one_call is None else step_one_call.mtp_step(b, batch, hidden, self.one_call)
         if got is not None:
             x, logits = got
             return logits, [x[s.offset:s.offset + s.n] for s in batch.seqs]

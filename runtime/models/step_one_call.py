@@ -96,11 +96,17 @@ def learn(model, batch: Batch) -> None:
 
 
 def _first_step_fields(model) -> tuple | None:
-    """(embedding table, KT dtype code, layer 0's input norm weight) for a call that starts from the step's tokens, as
-    MoEModel.forward's F.embedding(...).to(float32) and decoder's norm would (the same bits): a CPU (V, H) float32 /
-    bfloat16 table with contiguous rows, the family's plain RMSNorm on float32 weights. None: the caller's."""
-    emb, H = model.w.get(model.names.embed), model.cfg.hidden_size
-    norm0 = model.w.get(model.names.layer(model.layers[0]) + "input_layernorm.weight")
+    """first_step_fields with the model's own embedding table and layer 0's input norm."""
+    return first_step_fields(model, model.w.get(model.names.embed),
+                             model.w.get(model.names.layer(model.layers[0]) + "input_layernorm.weight"))
+
+
+def first_step_fields(model, emb, norm0) -> tuple | None:
+    """(embedding table, KT dtype code, the first layer's input norm weight) for a call that starts from the step's
+    tokens, as MoEModel.forward's F.embedding(...).to(float32) and decoder's norm would (the same bits): a CPU (V, H)
+    float32 / bfloat16 table with contiguous rows, the family's plain RMSNorm on float32 weights. None: the caller's.
+    (An MTP block passes its own table and norm: ktrun.mtp.)"""
+    H = model.cfg.hidden_size
     if (not isinstance(emb, torch.Tensor) or emb.dim() != 2 or emb.shape[1] != H or emb.device.type != "cpu"
             or emb.dtype not in float_linear.DTYPES or emb.stride(1) != 1 or model.dtype != torch.float32
             or model.norm is not rms_norm or norm0 is None or not glue.norm_weights_ok(norm0)
