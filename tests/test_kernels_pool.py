@@ -186,3 +186,46 @@ def test_wake_and_rest_leave_the_jobs_bits(layer, threads):
         moe.wake()                                     # a wake after a rest: the empty job runs, then the next one
         assert np.array_equal(moe.forward(0, x, ids, w), plain)
         moe.wake()                                     # left pending when the context closes
+
+
+_PREFETCH_RUN = """
+import sys; import numpy as np
+sys.path.insert(0, {tests!r})
+from ktrun.ops.moe import MoEKernels
+from test_kernels_helpers import PackedLayer, routing
+rng = np.random.default_rng(23)
+layer = PackedLayer(rng, n_experts=6, hidden=96, inter=256, bits={bits}, group_size=64, n_shards=1)
+x = rng.standard_normal((2, layer.H)).astype(np.float32)
+ids, w = routing(rng, 2, 4, layer.E)
+with MoEKernels(n_threads=2) as moe:
+    layer.add_to(moe)
+    print(moe.backend_detail)
+    np.save({out!r}, np.stack([moe.forward(0, x[:1], ids[:1], w[:1])[0], moe.forward(0, x, ids, w)[1]]))
+"""
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_prefetch_hint_by_vendor_and_env(tmp_path, bits):
+    """Decode-shaped weight streams prefetch non-temporally on AMD and into L2 elsewhere (kt::decode_prefetch_nta:
+    nta halved the decode rate on an Intel Xeon), KT_DECODE_PREFETCH=nta / t1 overrides, another value is ignored
+    with a word in backend_detail; the hint changes no bits (decode rows at T = 1 and 2)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    with open("/proc/cpuinfo") as f:   # the vendor as the OS reads it, not through the library under test
+        amd = any(line.split(":")[1].strip() in ("AuthenticAMD", "HygonGenuine")
+                  for line in f if line.startswith("vendor_id"))
+    default = "nta (AMD default)" if amd else "t1 (non-AMD default)"
+    expect = {None: default, "nta": "nta (KT_DECODE_PREFETCH)", "t1": "t1 (KT_DECODE_PREFETCH)",
+              "l3": default[:-1] + "; KT_DECODE_PREFETCH not nta / t1)"}
+    outs = {}
+    for value, name in expect.items():
+        env = {k: v for k, v in os.environ.items() if k != "KT_DECODE_PREFETCH"}
+        if value:
+            env["KT_DECODE_PREFETCH"] = value
+        out = str(tmp_path / f"out_{value}.npy")
+        r = subprocess.run([sys.executable, "-c", _PREFETCH_RUN.format(tests=tests, bits=bits, out=out)], check=False,
+                           env=env, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().splitlines()[-1].endswith(f"; decode prefetch {name}"), r.stdout
+        outs[value] = np.load(out)
+    for value in expect:
+        np.testing.assert_array_equal(outs[value], outs[None])

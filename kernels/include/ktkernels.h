@@ -94,7 +94,7 @@ int kt_backend_supported(const char* name);
 kt_ctx* kt_create(int n_threads, int n_pools, const char* backend);
 void kt_destroy(kt_ctx* ctx);
 const char* kt_backend_name(const kt_ctx* ctx);      /* e.g. "avx512" */
-const char* kt_backend_detail(const kt_ctx* ctx);    /* e.g. "avx512 (int: vpdpbusd zmm, bf16: vdpbf16ps)" */
+const char* kt_backend_detail(const kt_ctx* ctx);    /* e.g. "avx512 (int: vpdpbusd zmm, bf16: vdpbf16ps); decode prefetch t1 (non-AMD default)": valid until the thread's next call */
 int kt_n_threads(const kt_ctx* ctx);
 int kt_n_pools(const kt_ctx* ctx);
 /* Wake the pool's sleeping workers ahead of a burst of jobs (an empty job, not waited for; the next launch waits). */

@@ -82,7 +82,12 @@ kt_ctx* kt_create(int n_threads, int n_pools, const char* backend) {
 
 void kt_destroy(kt_ctx* ctx) { delete ctx; }
 const char* kt_backend_name(const kt_ctx* ctx) { return ctx->engine.table().name; }
-const char* kt_backend_detail(const kt_ctx* ctx) { return ctx->engine.table().detail; }
+// the table's detail and how decode streams prefetch (kt::decode_prefetch_name: chosen per vendor, or env)
+const char* kt_backend_detail(const kt_ctx* ctx) {
+    thread_local std::string detail;
+    detail = std::string(ctx->engine.table().detail) + "; decode prefetch " + kt::decode_prefetch_name();
+    return detail.c_str();
+}
 int kt_n_threads(const kt_ctx* ctx) { return const_cast<kt_ctx*>(ctx)->engine.pool().n_threads(); }
 int kt_n_pools(const kt_ctx* ctx) { return const_cast<kt_ctx*>(ctx)->engine.pool().n_pools(); }
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
 namespace kt {
@@ -18,6 +19,12 @@ static unsigned long long read_xcr0() {
 static CpuFeatures detect() {
     CpuFeatures f;
     unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
+    char vendor[13] = {};
+    memcpy(vendor, &b, 4);
+    memcpy(vendor + 4, &d, 4);
+    memcpy(vendor + 8, &c, 4);
+    f.amd = strcmp(vendor, "AuthenticAMD") == 0 || strcmp(vendor, "HygonGenuine") == 0;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
     const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12), f16c = c & (1u << 29);
     if (!osxsave || !avx) return f;
@@ -86,6 +93,29 @@ const KernelTable* select_backend(const std::string& requested) {
     }();
     return &amx;
 }
+
+namespace {
+struct DecodePrefetch {
+    bool nta;
+    const char* name;
+};
+const DecodePrefetch& decode_prefetch() {
+    static const DecodePrefetch chosen = [] {
+        const char* env = std::getenv("KT_DECODE_PREFETCH");
+        if (env && strcmp(env, "nta") == 0) return DecodePrefetch{true, "nta (KT_DECODE_PREFETCH)"};
+        if (env && strcmp(env, "t1") == 0) return DecodePrefetch{false, "t1 (KT_DECODE_PREFETCH)"};
+        if (env && *env)   // not a kernel's place to throw: the default, and the name says the value was ignored
+            return cpu_features().amd ? DecodePrefetch{true, "nta (AMD default; KT_DECODE_PREFETCH not nta / t1)"}
+                                      : DecodePrefetch{false, "t1 (non-AMD default; KT_DECODE_PREFETCH not nta / t1)"};
+        return cpu_features().amd ? DecodePrefetch{true, "nta (AMD default)"}
+                                  : DecodePrefetch{false, "t1 (non-AMD default)"};
+    }();
+    return chosen;
+}
+}  // namespace
+
+bool decode_prefetch_nta() { return decode_prefetch().nta; }
+const char* decode_prefetch_name() { return decode_prefetch().name; }
 
 int vector_isa() {
     static const int chosen = [] {

@@ -10,6 +10,7 @@ struct CpuFeatures {
     bool avx2 = false, fma = false, avx512 = false /* F+BW+VL+VNNI */, avx512_bf16 = false, avx_vnni = false;
     bool amx = false;            // AMX-TILE + AMX-INT8 in cpuid and tile state enabled in XCR0
     bool amx_permitted = false;  // the kernel granted XTILEDATA (arch_prctl ARCH_REQ_XCOMP_PERM)
+    bool amd = false;            // vendor AuthenticAMD / HygonGenuine (decode_prefetch_nta's default)
 };
 
 const CpuFeatures& cpu_features();
@@ -21,6 +22,16 @@ const KernelTable* select_backend(const std::string& name);
 // avx512 and amx (both imply AVX-512). An unknown or unsupported KT_KERNEL_BACKEND (which no kernel context accepts
 // either) takes the baseline. The baseline copy is the SIMD copies' scalar twin.
 int vector_isa();
+
+// How the decode-shaped weight streams (kernel_body.inc's ONCE tiles: every weight line used once) prefetch ahead:
+// true non-temporally (prefetchnta), false into L2 (prefetcht1, as prefill). Chosen once: env KT_DECODE_PREFETCH
+// "nta" or "t1", else by vendor: nta on AMD, t1 elsewhere. Why by vendor, measured in one process, the two builds
+// alternated: on Zen 4 nta took 4.7-5.2% off the bench models' decode steps (the stream no longer evicts what the
+// step reads again); on an Intel Xeon (family 6 model 207, AVX-512, 2 vCPUs) nta nearly halved the decode rate
+// (Qwen3-30B-A3B-shaped tg32 229 tok/s with t1 against 125 with nta): there prefetchnta fills only L1, without the
+// L2 fill the stream's distance needs.
+bool decode_prefetch_nta();
+const char* decode_prefetch_name();   // "nta (AMD default)", "t1 (KT_DECODE_PREFETCH)", ...
 
 // Per-ISA tables, each defined in its own file compiled with that ISA's flags (only used when supported).
 extern const KernelTable kScalarTable;
