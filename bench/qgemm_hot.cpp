@@ -17,6 +17,12 @@
 #include "kernel_types.h"
 
 namespace kt {
+// The library's decode prefetch hint (cpu_features.cpp) without linking it: KT_DECODE_PREFETCH=nta, else t1. The
+// matrix here is hot in L2, where the hint does not move the rate much; the library picks nta on AMD.
+bool decode_prefetch_nta() {
+    const char* env = std::getenv("KT_DECODE_PREFETCH");
+    return env && std::strcmp(env, "nta") == 0;
+}
 namespace {
 #ifdef KT_HOT_AVX2
 #include "isa_avx2.inc"   // the avx2 backend's body (vpmaddubsw + vpmaddwd, F16C scales)
